@@ -1,0 +1,65 @@
+"""The FastAPI application, built from the settings by :func:`create_app`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from api.completions import CompletionHub
+from api.errors import install_error_handlers
+from api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from api.routes import jobs, system
+from core.catalog import build_catalog
+from core.db import make_engine, make_sessionmaker
+from core.settings import Settings
+from core.streams import done_channel
+
+
+def create_app(settings: Settings) -> FastAPI:
+    if not settings.redis_url:
+        raise ValueError("FERRY_REDIS_URL is not set (`ferry up` sets it for the API)")
+    redis_url = settings.redis_url
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.sqlalchemy_url)
+        app.state.settings = settings
+        app.state.engine = engine
+        app.state.sessions = make_sessionmaker(engine)
+        app.state.catalog = build_catalog(settings)
+        app.state.redis = redis.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+        )
+        hub = CompletionHub(
+            aioredis.Redis.from_url(redis_url, decode_responses=True),
+            done_channel(settings.key_prefix),
+        )
+        app.state.hub = hub
+        hub.start()
+        try:
+            yield
+        finally:
+            await hub.stop()
+            app.state.redis.close()
+            engine.dispose()
+
+    app = FastAPI(
+        title="Ferry",
+        version="1",
+        summary="Asynchronous inference jobs: submit, batch on GPUs, poll or get a webhook.",
+        lifespan=lifespan,
+        docs_url="/docs" if settings.docs_enabled else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if settings.docs_enabled else None,
+    )
+    install_error_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(system.router)
+    # Outermost last: the request id must be on every response, 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,71 @@
+"""Long-poll wake-ups: workers publish finished job ids; waiting requests wake."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+
+class CompletionHub:
+    """One subscription per API process, fanned out to the requests that wait."""
+
+    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+        self.client = client
+        self.channel = channel
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._listen(), name="completion-hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.client.aclose()
+
+    @contextlib.contextmanager
+    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
+        event = asyncio.Event()
+        self._waiters.setdefault(job_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            waiters = self._waiters.get(job_id)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[job_id]
+
+    def notify(self, job_ids: str) -> None:
+        for job_id in job_ids.split(","):
+            for event in self._waiters.get(job_id, ()):
+                event.set()
+
+    async def _listen(self) -> None:
+        # Waiters also re-read the database every second, so a lost message or
+        # a Redis outage only slows a long-poll down; it never loses a result.
+        while True:
+            try:
+                async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    async for message in pubsub.listen():
+                        data = message.get("data")
+                        if isinstance(data, bytes):
+                            data = data.decode()
+                        if isinstance(data, str):
+                            self.notify(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "completion subscription lost", extra={"error_type": type(exc).__name__}
+                )
+                await asyncio.sleep(1.0)

@@ -1,0 +1,71 @@
+"""Typed dependencies: settings, database session, Redis, the calling key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+import redis
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.completions import CompletionHub
+from api.errors import ApiError
+from core.catalog import ModelSpec
+from core.db import ApiKey
+from core.keys import verify_token
+from core.settings import Settings
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    sessions: sessionmaker[Session] = request.app.state.sessions
+    with sessions() as session:
+        yield session
+
+
+def get_redis(request: Request) -> redis.Redis:
+    client: redis.Redis = request.app.state.redis
+    return client
+
+
+def get_catalog(request: Request) -> dict[str, ModelSpec]:
+    catalog: dict[str, ModelSpec] = request.app.state.catalog
+    return catalog
+
+
+def get_hub(request: Request) -> CompletionHub:
+    hub: CompletionHub = request.app.state.hub
+    return hub
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SessionDep = Annotated[Session, Depends(get_session)]
+RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]
+HubDep = Annotated[CompletionHub, Depends(get_hub)]
+
+
+def current_key(request: Request, session: SessionDep) -> ApiKey:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise _unauthorized("missing Authorization header (expected: Bearer <api key>)")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _unauthorized("Authorization header must be: Bearer <api key>")
+    key = verify_token(session, token.strip())
+    if key is None:
+        raise _unauthorized("invalid or revoked API key")
+    session.expunge(key)
+    return key
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+
+
+KeyDep = Annotated[ApiKey, Depends(current_key)]

@@ -1,0 +1,101 @@
+"""The error format of DESIGN.md §9: ``{"error": {"type", "message"}}``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "rate_limited",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def error_response(
+    status: int,
+    type_: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"type": type_, "message": message, **extra}}, status_code=status, headers=headers
+    )
+
+
+def _location(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
+    errors = exc.errors()
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            return 400, "invalid_json", f"request body is not valid JSON: {error.get('msg', '')}"
+    parts = []
+    for error in errors[:5]:
+        message = str(error.get("msg", "invalid"))
+        if error.get("type") == "missing":
+            message = "is required"
+        elif error.get("type") == "extra_forbidden":
+            message = "is not a known field"
+        parts.append(f"{_location(error.get('loc', ()))}: {message}")
+    return 422, "invalid_request", "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.type, exc.message, exc.headers, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, type_, message = _validation_message(exc)
+        return error_response(status, type_, message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = _STATUS_TYPES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        return error_response(exc.status_code, type_, message, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        log.exception("unhandled error", extra={"request_id": request_id, "path": request.url.path})
+        return error_response(500, "internal_error", f"internal error (request_id {request_id})")

@@ -1,0 +1,69 @@
+"""/v1/models and the health endpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
+from api.schemas import ModelInfo, ModelList
+from core.queues import lane_depths, live_workers, model_stats
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList, tags=["models"])
+def list_models(
+    _key: KeyDep, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
+) -> ModelList:
+    data = []
+    for spec in catalog.values():
+        stats = model_stats(client, settings.key_prefix, spec.name)
+        data.append(
+            ModelInfo(
+                name=spec.name,
+                version=spec.version,
+                description=spec.description,
+                input_schema=spec.input_schema,
+                max_batch_size=spec.max_batch_size,
+                queue_depth=lane_depths(client, settings.key_prefix, spec.name),
+                workers=live_workers(client, settings.key_prefix, spec.name),
+                avg_batch_ms=stats.get("avg_batch_ms"),
+                avg_batch_size=stats.get("avg_batch_size"),
+            )
+        )
+    return ModelList(data=data)
+
+
+@router.get("/healthz", tags=["health"])
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["health"])
+def readyz(request: Request, client: RedisDep) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        client.ping()
+        checks["redis"] = "ok"
+    except redis.RedisError as exc:
+        checks["redis"] = f"unreachable ({type(exc).__name__})"
+    try:
+        with request.app.state.sessions() as session:
+            session.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"unreachable ({type(exc).__name__})"
+    ready = all(value == "ok" for value in checks.values())
+    headers = None if ready else {"Retry-After": "5"}
+    return JSONResponse(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status_code=200 if ready else 503,
+        headers=headers,
+    )

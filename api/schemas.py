@@ -1,0 +1,107 @@
+"""Request and response bodies of HTTP API v1."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Priority = Literal["urgent", "vip", "normal", "bulk"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
+
+MAX_METADATA_BYTES = 16_384
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=64)
+    input: Any = Field(description="The model's input; see GET /v1/models for its schema.")
+    priority: Priority = "normal"
+    deadline_ms: int | None = Field(
+        default=None, gt=0, le=MAX_DEADLINE_MS, description="Relative to receipt."
+    )
+    callback_url: str | None = Field(default=None, max_length=2048)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("callback_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an absolute http(s) URL")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+            raise ValueError(f"must be at most {MAX_METADATA_BYTES} bytes of JSON")
+        return value
+
+
+class BatchInfo(BaseModel):
+    id: str
+    size: int | None
+
+
+class Timings(BaseModel):
+    queue_ms: float | None
+    inference_ms: float | None
+    total_ms: float | None
+
+
+class CallbackInfo(BaseModel):
+    url: str
+    status: str
+    attempts: int
+    last_status_code: int | None
+
+
+class JobResource(BaseModel):
+    id: str
+    model: str
+    status: JobStatus
+    priority: Priority
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    deadline_at: dt.datetime | None
+    output: Any | None
+    error: str | None
+    attempts: int
+    batch: BatchInfo | None
+    timings: Timings
+    callback: CallbackInfo | None
+    metadata: dict[str, Any] | None
+    estimated_wait_ms: float | None = Field(
+        default=None, description="Only on the 202 that accepted the job."
+    )
+
+
+class JobList(BaseModel):
+    data: list[JobResource]
+    next_cursor: str | None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    version: str
+    description: str
+    input_schema: dict[str, Any]
+    max_batch_size: int
+    queue_depth: dict[str, int]
+    workers: int
+    avg_batch_ms: float | None
+    avg_batch_size: float | None
+
+
+class ModelList(BaseModel):
+    data: list[ModelInfo]

@@ -1,0 +1,249 @@
+"""What the job routes do, callable without HTTP."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.errors import ApiError
+from api.schemas import BatchInfo, CallbackInfo, JobCreate, JobResource, Timings
+from core.catalog import InputError, ModelSpec
+from core.db import TERMINAL_STATUSES, ApiKey, Job, utcnow
+from core.queues import lane_depths, model_stats
+from core.streams import JobMessage, stream_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job: Job
+    replayed: bool
+    estimated_wait_ms: float | None
+
+
+def submit_job(
+    session: Session,
+    client: redis.Redis,
+    prefix: str,
+    catalog: dict[str, ModelSpec],
+    key: ApiKey,
+    body: JobCreate,
+    idempotency_key: str | None,
+    request_id: str | None,
+) -> Submitted:
+    spec = catalog.get(body.model)
+    if spec is None:
+        known = ", ".join(sorted(catalog))
+        raise ApiError(
+            422, "invalid_request", f"model: unknown model {body.model!r} (known: {known})"
+        )
+    try:
+        validated = spec.validate(body.input)
+    except InputError as exc:
+        raise ApiError(422, "invalid_request", f"{exc.field}: {exc.message}") from exc
+
+    if body.idempotency_key and idempotency_key and body.idempotency_key != idempotency_key:
+        raise ApiError(
+            422, "invalid_request", "idempotency_key: differs from the Idempotency-Key header"
+        )
+    idem = body.idempotency_key or idempotency_key
+    if idem:
+        existing = _by_idempotency_key(session, key.id, idem)
+        if existing is not None:
+            return _replay(existing, body, validated.input)
+
+    now = utcnow()
+    job = Job(
+        id=str(uuid.uuid4()),
+        api_key_id=key.id,
+        model=spec.name,
+        priority=body.priority,
+        status="queued",
+        input=validated.input,
+        cost=validated.cost,
+        attempts=0,
+        created_at=now,
+        deadline_at=now + dt.timedelta(milliseconds=body.deadline_ms) if body.deadline_ms else None,
+        callback_url=body.callback_url,
+        idempotency_key=idem,
+        metadata_=body.metadata,
+        request_id=request_id,
+    )
+    session.add(job)
+    try:
+        session.commit()  # durable before anything is queued or answered
+    except IntegrityError:
+        session.rollback()
+        existing = _by_idempotency_key(session, key.id, idem) if idem else None
+        if existing is None:
+            raise
+        return _replay(existing, body, validated.input)
+
+    message = JobMessage(
+        job_id=job.id,
+        lane=job.priority,
+        cost=job.cost,
+        enqueued_at_ms=int(now.timestamp() * 1000),
+        deadline_at_ms=int(job.deadline_at.timestamp() * 1000) if job.deadline_at else None,
+        request_id=request_id,
+    )
+    try:
+        client.xadd(stream_key(prefix, job.model, job.priority), message.encode())  # type: ignore[arg-type]
+    except redis.RedisError as exc:
+        # Not queued, so not accepted: take the row back and let the client retry.
+        log.error("enqueue failed", extra={"job_id": job.id, "error_type": type(exc).__name__})
+        session.execute(delete(Job).where(Job.id == job.id, Job.status == "queued"))
+        session.commit()
+        raise ApiError(
+            503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
+        ) from exc
+    return Submitted(job, False, _estimate_wait_ms(client, prefix, spec, job.priority))
+
+
+def _by_idempotency_key(session: Session, key_id: str, idem: str) -> Job | None:
+    return session.scalars(
+        select(Job).where(Job.api_key_id == key_id, Job.idempotency_key == idem)
+    ).one_or_none()
+
+
+def _replay(existing: Job, body: JobCreate, validated_input: object) -> Submitted:
+    if existing.model != body.model or existing.input != validated_input:
+        raise ApiError(409, "conflict", "idempotency_key: already used for a different request")
+    return Submitted(existing, True, None)
+
+
+def _estimate_wait_ms(client: redis.Redis, prefix: str, spec: ModelSpec, lane: str) -> float | None:
+    """Batches ahead of this job times the learned batch latency (a first estimate)."""
+    try:
+        depths = lane_depths(client, prefix, spec.name)
+        stats = model_stats(client, prefix, spec.name)
+    except redis.RedisError:
+        return None
+    avg_batch_ms = stats.get("avg_batch_ms")
+    if avg_batch_ms is None:
+        return None
+    lanes = ["urgent", "vip", "normal", "bulk"]
+    ahead = sum(depths[name] for name in lanes[: lanes.index(lane) + 1])
+    return round(math.ceil(max(ahead, 1) / spec.max_batch_size) * avg_batch_ms, 1)
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = session.get(Job, job_id) if _is_uuid(job_id) else None
+    if job is None or job.api_key_id != key.id:
+        # Another key's job looks exactly like a missing one.
+        raise ApiError(404, "not_found", f"no job {job_id!r}")
+    return job
+
+
+def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = get_job(session, key, job_id)
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status == "queued")
+        .values(status="cancelled", finished_at=utcnow(), error="cancelled by the client")
+    )
+    session.commit()
+    session.refresh(job)
+    if not result.rowcount:  # type: ignore[attr-defined]
+        raise ApiError(
+            409, "conflict", f"job {job.id} is {job.status}; only a queued job can be cancelled"
+        )
+    return job
+
+
+def list_jobs(
+    session: Session,
+    key: ApiKey,
+    status: str | None,
+    model: str | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[Job], str | None]:
+    """Newest first, paginated by an opaque (created_at, id) cursor."""
+    query = select(Job).where(Job.api_key_id == key.id)
+    if status:
+        query = query.where(Job.status == status)
+    if model:
+        query = query.where(Job.model == model)
+    if cursor:
+        created_at, last_id = _decode_cursor(cursor)
+        query = query.where(
+            or_(Job.created_at < created_at, and_(Job.created_at == created_at, Job.id < last_id))
+        )
+    rows = list(
+        session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1))
+    )
+    next_cursor = _encode_cursor(rows[limit - 1]) if len(rows) > limit else None
+    return rows[:limit], next_cursor
+
+
+def _encode_cursor(job: Job) -> str:
+    raw = f"{job.created_at.isoformat()}|{job.id}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created, job_id = raw.split("|", 1)
+        created_at = dt.datetime.fromisoformat(created)
+        if created_at.tzinfo is None:
+            raise ValueError("naive")
+        return created_at, job_id
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", "cursor: not a cursor this API returned") from exc
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        return str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
+
+
+def is_terminal(job: Job) -> bool:
+    return job.status in TERMINAL_STATUSES
+
+
+def to_resource(job: Job, estimated_wait_ms: float | None = None) -> JobResource:
+    def ms(start: dt.datetime | None, end: dt.datetime | None) -> float | None:
+        if start is None or end is None:
+            return None
+        return round((end - start).total_seconds() * 1000.0, 3)
+
+    return JobResource(
+        id=job.id,
+        model=job.model,
+        status=job.status,
+        priority=job.priority,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        deadline_at=job.deadline_at,
+        output=job.output,
+        error=job.error,
+        attempts=job.attempts,
+        batch=BatchInfo(id=job.batch_id, size=job.batch_size) if job.batch_id else None,
+        timings=Timings(
+            queue_ms=ms(job.created_at, job.started_at),
+            inference_ms=round(job.inference_ms, 3) if job.inference_ms is not None else None,
+            total_ms=ms(job.created_at, job.finished_at),
+        ),
+        callback=CallbackInfo(
+            url=job.callback_url, status="pending", attempts=0, last_status_code=None
+        )
+        if job.callback_url
+        else None,
+        metadata=job.metadata_,
+        estimated_wait_ms=estimated_wait_ms,
+    )

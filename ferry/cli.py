@@ -1,0 +1,143 @@
+"""The ``ferry`` command: the composition root that wires every part together."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from core.logs import configure_logging
+from core.settings import get_settings
+
+
+def _cmd_up(_args: argparse.Namespace) -> int:
+    from ferry.up import up
+
+    return up(get_settings())
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = get_settings()
+    configure_logging(settings.log_level, "api")
+    uvicorn.run(
+        create_app(settings),
+        host=args.host or settings.api_host,
+        port=args.port or settings.api_port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.max_wait_s) + 5,
+    )
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from workers.main import run_worker
+
+    settings = get_settings()
+    configure_logging(settings.log_level, f"worker-{args.model}")
+    return run_worker(settings, args.model, args.device, args.name)
+
+
+def _cmd_celery(args: argparse.Namespace) -> int:
+    from workers.celery_app import create_celery
+
+    settings = get_settings()
+    app = create_celery(settings)
+    if args.role == "worker":
+        app.worker_main(
+            [
+                "worker",
+                "--loglevel",
+                settings.log_level,
+                "--pool",
+                "threads",
+                "--concurrency",
+                "4",
+                "--hostname",
+                "ferry-celery@%h",
+                "--task-events",
+            ]
+        )
+    else:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        schedule = settings.data_dir / "celerybeat-schedule"
+        app.start(["beat", "--loglevel", settings.log_level, "--schedule", str(schedule)])
+    return 0
+
+
+def _cmd_db(args: argparse.Namespace) -> int:
+    from core import migrate
+
+    settings = get_settings()
+    if settings.database_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(settings.sqlalchemy_url, args.revision)
+    print(f"database at revision {args.revision}")
+    return 0
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from core import migrate
+    from core.db import make_engine, make_sessionmaker
+    from core.keys import create_key
+
+    settings = get_settings()
+    if settings.database_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(settings.sqlalchemy_url)
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            key = create_key(session, args.name)
+    finally:
+        engine.dispose()
+    print(f"created API key {key.id} ({key.name}); it is shown once:")
+    print(key.token)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("up", help="run the whole stack in the foreground").set_defaults(fn=_cmd_up)
+
+    api = sub.add_parser("api", help="run the HTTP API")
+    api.add_argument("--host")
+    api.add_argument("--port", type=int)
+    api.set_defaults(fn=_cmd_api)
+
+    worker = sub.add_parser("worker", help="run a GPU worker for one model")
+    worker.add_argument("--model", required=True)
+    worker.add_argument("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)")
+    worker.add_argument("--name", help="consumer name (default: host:model:device)")
+    worker.set_defaults(fn=_cmd_worker)
+
+    celery = sub.add_parser("celery", help="run the Celery worker or beat")
+    celery.add_argument("role", choices=["worker", "beat"])
+    celery.set_defaults(fn=_cmd_celery)
+
+    db = sub.add_parser("db", help="database migrations")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="migrate to the newest revision")
+    upgrade.add_argument("--revision", default="head")
+    upgrade.set_defaults(fn=_cmd_db)
+
+    keys = sub.add_parser("keys", help="API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (once)")
+    create.add_argument("--name", required=True)
+    create.set_defaults(fn=_cmd_keys_create)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The Celery app: maintenance now; webhooks and backfill feeding later.
+
+Built by :func:`create_celery` from the settings; ``ferry celery worker`` and
+``ferry celery beat`` start it, so nothing is configured at import time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+
+from celery import Celery
+from sqlalchemy import delete
+
+from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
+from core.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+PURGE_TASK = "ferry.maintenance.purge_results"
+
+
+def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
+    """Delete terminal jobs that finished more than ``result_ttl_s`` ago."""
+    cutoff = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(seconds=settings.result_ttl_s)
+    engine = make_engine(settings.sqlalchemy_url)
+    try:
+        with make_sessionmaker(engine).begin() as session:
+            result = session.execute(
+                delete(Job).where(Job.status.in_(TERMINAL_STATUSES), Job.finished_at < cutoff)
+            )
+            count = int(result.rowcount)
+    finally:
+        engine.dispose()
+    log.info("purged expired results", extra={"count": count})
+    return count
+
+
+def create_celery(settings: Settings) -> Celery:
+    if not settings.redis_url:
+        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
+    app = Celery("ferry", broker=settings.redis_url, set_as_current=True)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        task_default_queue=f"{settings.key_prefix}.celery",
+        beat_schedule={
+            "purge-results": {"task": PURGE_TASK, "schedule": settings.purge_interval_s},
+        },
+        timezone="UTC",
+    )
+
+    @app.task(name=PURGE_TASK)
+    def _purge() -> int:
+        return purge_results(get_settings())
+
+    return app

@@ -1,0 +1,120 @@
+"""Reading a model's lane streams through the consumer group, and acknowledging."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+
+from core.settings import LANES
+from core.streams import GROUP, JobMessage, ProtocolError, dead_letter_key, stream_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    stream: str
+    entry_id: str
+    message: JobMessage
+
+
+class StreamConsumer:
+    """One consumer in the model's group, reading the most urgent lane first."""
+
+    def __init__(self, client: redis.Redis, prefix: str, model: str, consumer: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.model = model
+        self.consumer = consumer
+        self.streams = [stream_key(prefix, model, lane) for lane in LANES]
+        # Entries this consumer name was given before a restart and never
+        # acknowledged; they are read again (from id 0) before new ones.
+        self._backlog: dict[str, str] = {}
+
+    def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                # From id 0, so entries added before any worker started are delivered.
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._backlog = {stream: "0" for stream in self.streams}
+
+    def read(self, room: int, block_ms: int | None) -> list[Entry]:
+        """Up to ``room`` entries, urgent lane first; blocks only when told to."""
+        entries: list[Entry] = []
+        for stream in self.streams:
+            if room - len(entries) <= 0:
+                return entries
+            start = self._backlog.get(stream)
+            if start is None:
+                continue
+            got = self._xread({stream: start}, room - len(entries), None)
+            if got:
+                self._backlog[stream] = got[-1].entry_id
+            else:
+                del self._backlog[stream]
+            entries.extend(got)
+        if self._backlog:
+            # New entries only once the old ones are all back in hand, so that
+            # an entry is never read twice.
+            return entries
+        for stream in self.streams:
+            if room - len(entries) <= 0:
+                return entries
+            entries.extend(self._xread({stream: ">"}, room - len(entries), None))
+        if entries or block_ms is None:
+            return entries
+        # Nothing anywhere: wait on every lane at once.
+        return self._xread({s: ">" for s in self.streams}, 1, max(1, block_ms))
+
+    def ack(self, entries: list[Entry]) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
+        if not by_stream:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+        pipe.execute()
+
+    def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
+        # redis-py's stubs describe the reply loosely; its shape is fixed by Redis.
+        reply: Any = self.client.xreadgroup(
+            GROUP,
+            self.consumer,
+            cast(Any, streams),
+            count=count,
+            block=block_ms,
+        )
+        entries: list[Entry] = []
+        for stream, items in reply or []:
+            for entry_id, fields in items:
+                if fields is None:  # deleted while pending
+                    self.client.xack(stream, GROUP, entry_id)
+                    continue
+                try:
+                    message = JobMessage.decode(fields)
+                except ProtocolError as exc:
+                    self._dead_letter(stream, entry_id, fields, str(exc))
+                    continue
+                entries.append(Entry(stream, entry_id, message))
+        return entries
+
+    def _dead_letter(self, stream: str, entry_id: str, fields: dict[str, str], why: str) -> None:
+        log.error(
+            "malformed stream entry dead-lettered",
+            extra={"stream": stream, "entry": entry_id, "reason": why},
+        )
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(
+            dead_letter_key(self.prefix, self.model),
+            cast(Any, {**fields, "source": stream, "reason": why}),
+        )
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.execute()

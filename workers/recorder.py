@@ -1,0 +1,108 @@
+"""The worker's writes to the results table.
+
+Every transition is a conditional UPDATE, so a job that was cancelled, expired
+or finished elsewhere is never overwritten: the first terminal write wins.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import TERMINAL_STATUSES, Job
+
+_JOBS = cast(Table, Job.__table__)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    job_id: str
+    input: Any
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    job_id: str
+    status: str  # succeeded | failed | expired
+    output: Any = None
+    error: str | None = None
+    inference_ms: float | None = None
+
+
+class Recorder:
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    def claim(self, job_ids: Sequence[str], now: dt.datetime) -> tuple[list[Claimed], list[str]]:
+        """Mark the jobs running; returns those claimed and the ids past their deadline.
+
+        Jobs that are missing or already terminal (cancelled, say) are in neither
+        list: the caller acknowledges their entries and drops them.
+        """
+        with self.sessions.begin() as session:
+            rows = session.execute(
+                select(Job.id, Job.input, Job.attempts, Job.deadline_at)
+                .where(Job.id.in_(job_ids), Job.status.not_in(TERMINAL_STATUSES))
+                .with_for_update()
+            ).all()
+            claimed = [r for r in rows if r.deadline_at is None or r.deadline_at > now]
+            late = [r.id for r in rows if r.deadline_at is not None and r.deadline_at <= now]
+            if claimed:
+                session.execute(
+                    update(Job)
+                    .where(
+                        Job.id.in_([r.id for r in claimed]),
+                        Job.status.not_in(TERMINAL_STATUSES),
+                    )
+                    .values(status="running", started_at=now, attempts=Job.attempts + 1)
+                )
+        return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late
+
+    def finish(
+        self,
+        outcomes: Sequence[Outcome],
+        now: dt.datetime,
+        batch_id: str | None,
+        batch_size: int | None,
+    ) -> list[str]:
+        """Record every outcome in one transaction; returns the ids actually written."""
+        if not outcomes:
+            return []
+        statement = (
+            update(_JOBS)
+            .where(_JOBS.c.id == bindparam("b_id"), _JOBS.c.status.not_in(TERMINAL_STATUSES))
+            .values(
+                status=bindparam("b_status"),
+                output=bindparam("b_output"),
+                error=bindparam("b_error"),
+                inference_ms=bindparam("b_inference_ms"),
+                finished_at=now,
+                batch_id=batch_id,
+                batch_size=batch_size,
+            )
+        )
+        written: list[str] = []
+        with self.sessions.begin() as session:
+            connection = session.connection()
+            # One statement per row: executemany's rowcount is not reliable on
+            # every driver, and we must know which writes won.
+            for outcome in outcomes:
+                result = connection.execute(
+                    statement,
+                    {
+                        "b_id": outcome.job_id,
+                        "b_status": outcome.status,
+                        "b_output": outcome.output,
+                        "b_error": outcome.error,
+                        "b_inference_ms": outcome.inference_ms,
+                    },
+                )
+                if result.rowcount:
+                    written.append(outcome.job_id)
+        return written

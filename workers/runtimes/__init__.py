@@ -1,0 +1,34 @@
+"""Model runtimes: they load, preprocess, run and postprocess."""
+
+from __future__ import annotations
+
+from core.settings import Settings
+from workers.runtimes.base import Runtime, resolve_device
+
+
+def load_runtime(model: str, settings: Settings, device: str | None = None) -> Runtime:
+    """Build and load the runtime of one catalog model."""
+    runtime: Runtime
+    if model == "sim":
+        from workers.runtimes.sim import SimRuntime
+
+        runtime = SimRuntime(
+            latency_base_ms=settings.sim_latency_base_ms,
+            latency_per_cost_ms=settings.sim_latency_per_cost_ms,
+            memory_base_bytes=settings.sim_memory_base_bytes,
+            memory_per_cost_bytes=settings.sim_memory_per_cost_bytes,
+        )
+    elif model == "minilm":
+        from workers.runtimes.minilm import MiniLMRuntime
+
+        runtime = MiniLMRuntime(
+            device=resolve_device(device or settings.device),
+            max_tokens=settings.minilm_max_tokens,
+        )
+    else:
+        raise ValueError(f"no runtime for model {model!r}")
+    runtime.load()
+    return runtime
+
+
+__all__ = ["Runtime", "load_runtime"]
