@@ -42,7 +42,7 @@ class JobCreate(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+        if value is not None and len(_compact_json(value)) > MAX_METADATA_BYTES:
             raise ValueError(f"must be at most {MAX_METADATA_BYTES} bytes of JSON")
         return value
 
@@ -105,3 +105,7 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     data: list[ModelInfo]
+
+
+def _compact_json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()

@@ -1,4 +1,4 @@
-"""The first batching policy: size, time and urgent triggers, lanes in order.
+"""The first batching policy: size, time, deadline and urgent triggers, lanes in order.
 
 The worker keeps a local set of pending items and asks :func:`decide` what to
 do with them; it applies the returned :class:`BatchDecision` and asks again.
@@ -34,8 +34,8 @@ class Profile:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        if self.window_s < 0:
-            raise ValueError("window_s must not be negative")
+        if not self.window_s >= 0:  # also refuses NaN
+            raise ValueError("window_s must be a non-negative number")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class BatchDecision:
     ``expire``: items whose deadline has passed; end them without running.
     ``wait_s``: when nothing runs, how long until the policy should be asked
     again even if nothing new arrives (``None``: nothing pending, wait for work).
-    ``trigger``: why the batch was dispatched (``size``, ``time``, ``urgent``).
+    ``trigger``: why the batch was dispatched (``urgent``, ``size``, ``deadline``,
+    ``time``).
     """
 
     run: tuple[PendingItem, ...] = ()
@@ -88,6 +89,10 @@ def _trigger(live: Sequence[PendingItem], profile: Profile, now: float) -> str |
         return "urgent"
     if len(live) >= profile.max_batch_size:
         return "size"
+    # Waiting out the window would make a job miss its deadline: go now.
+    deadlines = [item.deadline_s for item in live if item.deadline_s is not None]
+    if deadlines and min(deadlines) - now <= profile.window_s:
+        return "deadline"
     if now - min(item.arrival_s for item in live) >= profile.window_s:
         return "time"
     return None

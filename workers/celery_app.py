@@ -13,7 +13,7 @@ from celery import Celery
 from sqlalchemy import delete
 
 from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
-from core.settings import Settings, get_settings
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,10 @@ def create_celery(settings: Settings) -> Celery:
         timezone="UTC",
     )
 
-    @app.task(name=PURGE_TASK)
+    # Tasks close over this app's settings; shared=False keeps two apps in one
+    # process (tests) from fighting over the task name.
+    @app.task(name=PURGE_TASK, shared=False)
     def _purge() -> int:
-        return purge_results(get_settings())
+        return purge_results(settings)
 
     return app

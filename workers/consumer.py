@@ -83,6 +83,14 @@ class StreamConsumer:
             pipe.xack(stream, GROUP, *ids)
         pipe.execute()
 
+    def dead_letter(self, entries: list[Entry]) -> None:
+        """Copy entries to the model's dead-letter stream (the caller acknowledges)."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry in entries:
+            fields = {**entry.message.encode(), "source": entry.stream, "reason": "max_attempts"}
+            pipe.xadd(dead_letter_key(self.prefix, self.model), cast(Any, fields))
+        pipe.execute()
+
     def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         # redis-py's stubs describe the reply loosely; its shape is fixed by Redis.
         reply: Any = self.client.xreadgroup(

@@ -50,6 +50,7 @@ class BatchLoop:
         prefix: str,
         profile: Profile,
         prefetch: int,
+        max_attempts: int = 3,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runtime = runtime
@@ -59,6 +60,7 @@ class BatchLoop:
         self.prefix = prefix
         self.profile = profile
         self.prefetch = prefetch
+        self.max_attempts = max_attempts
         self.clock = clock
         self.pending: dict[str, Entry] = {}
         self.stats = LoopStats()
@@ -130,11 +132,24 @@ class BatchLoop:
     def _run_batch(self, entries: list[Entry]) -> None:
         batch_id = str(uuid.uuid4())
         by_job = {e.message.job_id: e for e in entries}
-        claimed, late = self.recorder.claim(list(by_job), _utc(self.clock()))
+        claimed, late, exhausted = self.recorder.claim(
+            list(by_job), _utc(self.clock()), self.max_attempts
+        )
         outcomes = [
             Outcome(job_id, "expired", error="deadline passed before the job started")
             for job_id in late
         ]
+        if exhausted:
+            self.consumer.dead_letter([by_job[job_id] for job_id in exhausted])
+            outcomes += [
+                Outcome(
+                    job_id,
+                    "failed",
+                    error=f"gave up after {self.max_attempts} attempts "
+                    "(the worker stopped while running it each time)",
+                )
+                for job_id in exhausted
+            ]
         started = time.perf_counter()
         results = run_isolating(self.runtime.run, [c.input for c in claimed])
         batch_ms = (time.perf_counter() - started) * 1000.0

@@ -51,6 +51,7 @@ def build_loop(
             max_batch_size=settings.batch_max_size, window_s=settings.batch_window_ms / 1000.0
         ),
         prefetch=max(settings.prefetch, settings.batch_max_size),
+        max_attempts=settings.max_attempts,
     )
 
 

@@ -39,11 +39,16 @@ class Recorder:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
 
-    def claim(self, job_ids: Sequence[str], now: dt.datetime) -> tuple[list[Claimed], list[str]]:
-        """Mark the jobs running; returns those claimed and the ids past their deadline.
+    def claim(
+        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int
+    ) -> tuple[list[Claimed], list[str], list[str]]:
+        """Mark the jobs running.
 
-        Jobs that are missing or already terminal (cancelled, say) are in neither
-        list: the caller acknowledges their entries and drops them.
+        Returns the jobs claimed, the ids past their deadline, and the ids that
+        already started ``max_attempts`` times (a job that keeps killing its
+        worker must not be run forever). Jobs that are missing or already
+        terminal (cancelled, say) are in no list: the caller acknowledges their
+        entries and drops them.
         """
         with self.sessions.begin() as session:
             rows = session.execute(
@@ -51,8 +56,9 @@ class Recorder:
                 .where(Job.id.in_(job_ids), Job.status.not_in(TERMINAL_STATUSES))
                 .with_for_update()
             ).all()
-            claimed = [r for r in rows if r.deadline_at is None or r.deadline_at > now]
             late = [r.id for r in rows if r.deadline_at is not None and r.deadline_at <= now]
+            exhausted = [r.id for r in rows if r.id not in late and r.attempts >= max_attempts]
+            claimed = [r for r in rows if r.id not in late and r.id not in exhausted]
             if claimed:
                 session.execute(
                     update(Job)
@@ -62,7 +68,7 @@ class Recorder:
                     )
                     .values(status="running", started_at=now, attempts=Job.attempts + 1)
                 )
-        return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late
+        return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late, exhausted
 
     def finish(
         self,

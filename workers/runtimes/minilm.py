@@ -44,6 +44,8 @@ class MiniLMRuntime:
         self._model = model.to(self.device).eval()
         if self.device.startswith("cuda"):
             self._stream = torch.cuda.Stream(device=torch.device(self.device))
+        # The first forward pass pays for lazy initialisation; pay it before traffic.
+        self.run(["warm-up"])
 
     def run(self, inputs: list[Any]) -> list[Any]:
         import torch

@@ -1,0 +1,169 @@
+"""`ferry up` as a user runs it: its own Redis, SQLite, the API, both workers.
+
+Submits minilm and sim jobs over HTTP and checks the results: embeddings equal
+sentence-transformers' own, and a burst of sim jobs shares batches.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from core.catalog import minilm_model_dir
+from ferry.local_redis import free_port
+from tests.conftest import run_ferry
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = [
+    "A ferry leaves when it is full or when it is time.",
+    "Urgent passengers board first.",
+    "Redis Streams carry the jobs to the GPU workers, which run them in micro-batches.",
+]
+
+
+@dataclass
+class Stack:
+    base: str
+    token: str
+    cwd: Path
+    env: dict[str, str]
+    process: subprocess.Popen[str]
+    output: list[str] = field(default_factory=list)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def _reader(stream: Any, sink: list[str]) -> None:
+    for line in stream:
+        sink.append(line)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cwd = tmp_path_factory.mktemp("stack")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    port = free_port()
+    env.update(
+        FERRY_API_PORT=str(port),
+        FERRY_SIM_LATENCY_BASE_MS="40",
+        FERRY_BATCH_WINDOW_MS="20",
+        FERRY_LOG_LEVEL="WARNING",
+        PYTHONUNBUFFERED="1",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ferry", "up"],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    output: list[str] = []
+    threading.Thread(target=_reader, args=(process.stdout, output), daemon=True).start()
+    stack = Stack(f"http://127.0.0.1:{port}", "", cwd, env, process, output)
+    try:
+        until = time.monotonic() + 180
+        while not any("Ferry is up." in line for line in output):
+            assert process.poll() is None, "".join(output)[-3000:]
+            assert time.monotonic() < until, "".join(output)[-3000:]
+            time.sleep(0.2)
+        stack.token = next(line.split()[-1] for line in output if "API key" in line)
+        _wait_for_workers(stack, until)
+        yield stack
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _wait_for_workers(stack: Stack, until: float) -> None:
+    while True:
+        models = httpx.get(f"{stack.base}/v1/models", headers=stack.headers(), timeout=10).json()
+        if all(m["workers"] >= 1 for m in models["data"]):
+            return
+        assert stack.process.poll() is None, "".join(stack.output)[-3000:]
+        assert time.monotonic() < until, models
+        time.sleep(0.5)
+
+
+def _submit(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{stack.base}/v1/jobs", json=body, headers=stack.headers(), timeout=30)
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def _result(stack: Stack, job_id: str) -> dict[str, Any]:
+    until = time.monotonic() + 60
+    while True:
+        response = httpx.get(
+            f"{stack.base}/v1/jobs/{job_id}", params={"wait": 10}, headers=stack.headers(),
+            timeout=30,
+        )  # fmt: skip
+        job = dict(response.json())
+        if job["status"] not in ("queued", "running"):
+            return job
+        assert time.monotonic() < until, job
+
+
+def test_minilm_embeddings_match_sentence_transformers(stack: Stack) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    ids = [_submit(stack, {"model": "minilm", "input": text})["id"] for text in TEXTS]
+    jobs = [_result(stack, job_id) for job_id in ids]
+    assert [job["status"] for job in jobs] == ["succeeded"] * len(TEXTS), jobs
+    reference = SentenceTransformer(str(minilm_model_dir()), device="cpu").encode(TEXTS)
+    for job, expected in zip(jobs, reference, strict=True):
+        got = np.asarray(job["output"], dtype=np.float64)
+        assert got.shape == (384,)
+        assert abs(np.linalg.norm(got) - 1.0) < 1e-4
+        cosine = float(got @ expected / (np.linalg.norm(got) * np.linalg.norm(expected)))
+        assert cosine >= 0.999, cosine
+
+
+def test_a_burst_of_sim_jobs_shares_batches(stack: Stack) -> None:
+    bodies: list[dict[str, Any]] = [
+        {"model": "sim", "input": {"cost": 1 + i % 5}} for i in range(40)
+    ]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        ids = [job["id"] for job in pool.map(lambda body: _submit(stack, body), bodies)]
+        jobs = list(pool.map(lambda job_id: _result(stack, job_id), ids))
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    sizes = {job["batch"]["id"]: job["batch"]["size"] for job in jobs}
+    assert max(sizes.values()) > 1, sizes
+    assert all(
+        job["output"] == {"cost": body["input"]["cost"]}
+        for job, body in zip(jobs, bodies, strict=True)
+    )
+
+
+def test_keys_create_prints_a_working_key_on_its_last_line(stack: Stack) -> None:
+    output = run_ferry(["keys", "create", "--name", "e2e"], stack.cwd, stack.env)
+    token = output.strip().splitlines()[-1]
+    assert token.startswith("fy_") and " " not in token
+    response = httpx.get(
+        f"{stack.base}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
+    assert response.status_code == 200
+    assert response.json()["data"] == []  # a new key sees none of the other key's jobs
+
+
+def test_sigterm_stops_the_whole_stack(stack: Stack) -> None:
+    stack.process.send_signal(signal.SIGTERM)
+    assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{stack.base}/healthz", timeout=2)
+    assert any(line.strip() == "stopped" for line in stack.output)

@@ -1,0 +1,109 @@
+"""Fixtures for integration tests: the real app, real keys, a real worker loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.app import create_app
+from core.db import make_engine, make_sessionmaker
+from core.keys import create_key
+from core.settings import Settings
+from scheduler import Profile
+from workers.consumer import StreamConsumer
+from workers.loop import BatchLoop
+from workers.recorder import Recorder
+from workers.runtimes import load_runtime
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path,
+        sim_latency_base_ms=5.0,
+        sim_latency_per_cost_ms=0.1,
+        batch_max_size=8,
+        batch_window_ms=20.0,
+        max_body_bytes=64 * 1024,
+        max_wait_s=10.0,
+    )
+
+
+@pytest.fixture
+def sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(settings.sqlalchemy_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def make_token(sessions: sessionmaker[Session]) -> Callable[[str], str]:
+    def make(name: str = "test") -> str:
+        with sessions() as session:
+            return create_key(session, name).token
+
+    return make
+
+
+@pytest.fixture
+def token(make_token: Callable[[str], str]) -> str:
+    return make_token("test")
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def build_sim_loop(settings: Settings, name: str = "test-worker") -> BatchLoop:
+    assert settings.redis_url
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    return BatchLoop(
+        runtime=load_runtime("sim", settings),
+        consumer=StreamConsumer(client, settings.key_prefix, "sim", name),
+        recorder=Recorder(make_sessionmaker(make_engine(settings.sqlalchemy_url))),
+        client=client,
+        prefix=settings.key_prefix,
+        profile=Profile(settings.batch_max_size, settings.batch_window_ms / 1000.0),
+        prefetch=settings.prefetch,
+        max_attempts=settings.max_attempts,
+    )
+
+
+class RunningLoop:
+    def __init__(self, loop: BatchLoop) -> None:
+        self.loop = loop
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
+
+    def __enter__(self) -> BatchLoop:
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "worker loop did not stop"
+
+
+@pytest.fixture
+def sim_worker(settings: Settings) -> Callable[..., RunningLoop]:
+    def start(name: str = "test-worker") -> RunningLoop:
+        return RunningLoop(build_sim_loop(settings, name))
+
+    return start

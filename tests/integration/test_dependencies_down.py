@@ -1,0 +1,33 @@
+"""When Redis is unreachable the API says so and keeps nothing half-done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.app import create_app
+from core.db import Job
+from core.settings import Settings
+from ferry.local_redis import free_port
+
+
+def test_submit_with_redis_down_is_a_503_and_leaves_no_row(
+    settings: Settings, token: str, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    down = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    with TestClient(create_app(down)) as client:
+        auth = {"Authorization": f"Bearer {token}"}
+        response = client.post(
+            "/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=auth
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "unavailable"
+        assert response.headers["Retry-After"]
+        ready = client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"]["redis"].startswith("unreachable")
+        assert ready.json()["checks"]["database"] == "ok"
+    with sessions() as session:
+        assert session.query(Job).count() == 0

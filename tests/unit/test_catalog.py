@@ -1,0 +1,198 @@
+"""Input validation and pricing by the catalog's model specs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from core.catalog import InputError, MiniLMSpec, SimSpec, Validated, minilm_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def independent_count(text: str) -> int:
+    """The token count, from a tokenizer loaded here, not the catalog's."""
+    tokenizer = Tokenizer.from_file(str(minilm_model_dir() / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return len(tokenizer.encode(text).ids)
+
+
+def minilm(
+    max_tokens: int = 256, max_chars: int = 20_000, overlength: str = "truncate"
+) -> MiniLMSpec:
+    return MiniLMSpec(max_tokens=max_tokens, max_chars=max_chars, overlength=overlength)
+
+
+# --- MiniLMSpec --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "got null"),
+        (42, "got number"),
+        (1.5, "got number"),
+        (True, "got boolean"),
+        (["hello"], "got array"),
+        ({"text": "hello"}, "got object"),
+        (b"hello", "must be a string"),
+        ("", "empty"),
+        (" ", "empty"),
+        ("\t\n  \r\n", "empty"),
+    ],
+)
+def test_minilm_rejects_non_text(value: Any, message: str) -> None:
+    with pytest.raises(InputError, match=message) as info:
+        minilm().validate(value)
+    assert info.value.field == "input"
+
+
+@pytest.mark.parametrize(
+    ("max_chars", "length", "ok"),
+    [(10, 10, True), (10, 11, False), (1, 1, True), (1, 2, False)],
+)
+def test_minilm_character_limit(max_chars: int, length: int, ok: bool) -> None:
+    spec = minilm(max_chars=max_chars, overlength="refuse", max_tokens=512)
+    text = "a" * length
+    if ok:
+        assert spec.validate(text).input == text
+    else:
+        with pytest.raises(
+            InputError, match=f"{length} characters; the limit is {max_chars}"
+        ) as info:
+            spec.validate(text)
+        assert info.value.field == "input"
+
+
+def test_hello_world_is_four_tokens() -> None:
+    # [CLS] hello world [SEP]
+    assert minilm().validate("hello world") == Validated(input="hello world", cost=4)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "The quick brown fox jumps over the lazy dog.",
+        "Tokenisation splits unfamiliar words: antidisestablishmentarianism!",
+        "  leading and trailing spaces  ",
+        "日本語のテキストも数えます",
+    ],
+)
+def test_minilm_cost_is_the_real_token_count(text: str) -> None:
+    expected = independent_count(text)
+    assert minilm(max_tokens=512).validate(text).cost == expected
+
+
+def test_minilm_counts_beyond_the_tokenizer_files_own_truncation() -> None:
+    # tokenizer.json ships with truncation at 128; the count must ignore it.
+    text = " ".join(["word"] * 300)
+    expected = independent_count(text)
+    assert expected == 302
+    assert minilm(max_tokens=512).validate(text).cost == 302
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "overlength", "expected_cost"),
+    [
+        (8, "truncate", 8),  # capped at max_tokens
+        (12, "truncate", 12),  # exactly fits
+        (12, "refuse", 12),
+        (64, "truncate", 12),
+        (64, "refuse", 12),
+    ],
+)
+def test_minilm_overlength_policy_accepts(
+    max_tokens: int, overlength: str, expected_cost: int
+) -> None:
+    text = "one two three four five six seven eight nine ten"  # 10 words, 12 tokens
+    assert independent_count(text) == 12
+    result = minilm(max_tokens=max_tokens, overlength=overlength).validate(text)
+    assert result.cost == expected_cost
+    assert result.input == text  # the text itself is not cut here
+
+
+@pytest.mark.parametrize("max_tokens", [8, 11])
+def test_minilm_overlength_refuse(max_tokens: int) -> None:
+    text = "one two three four five six seven eight nine ten"
+    with pytest.raises(InputError, match=f"12 tokens; minilm takes at most {max_tokens}") as info:
+        minilm(max_tokens=max_tokens, overlength="refuse").validate(text)
+    assert info.value.field == "input"
+
+
+def test_minilm_validation_does_not_import_torch() -> None:
+    code = (
+        "import sys, core.catalog as c; "
+        "spec = c.MiniLMSpec(max_tokens=256, max_chars=1000, overlength='truncate'); "
+        "assert spec.validate('hello world').cost == 4; "
+        "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- SimSpec -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "message"),
+    [
+        (None, "input", "must be an object, got null"),
+        (3, "input", "must be an object, got number"),
+        ("cost", "input", "must be an object, got string"),
+        ([{"cost": 1}], "input", "must be an object, got array"),
+        ({"cost": 1, "colour": "red"}, "input.colour", "not a field"),
+        ({"cost": 1, "b": 1, "a": 2}, "input.a", "not a field"),  # the first, sorted
+        ({}, "input.cost", "must be an integer, got null"),
+        ({"fail": True}, "input.cost", "must be an integer, got null"),
+        ({"cost": True}, "input.cost", "must be an integer, got boolean"),
+        ({"cost": False}, "input.cost", "must be an integer, got boolean"),
+        ({"cost": 2.0}, "input.cost", "must be an integer, got number"),
+        ({"cost": "3"}, "input.cost", "must be an integer, got string"),
+        ({"cost": 0}, "input.cost", "between 1 and 100"),
+        ({"cost": -1}, "input.cost", "between 1 and 100"),
+        ({"cost": 101}, "input.cost", "between 1 and 100"),
+        ({"cost": 1, "fail": 1}, "input.fail", "must be a boolean, got number"),
+        ({"cost": 1, "fail": "yes"}, "input.fail", "must be a boolean, got string"),
+        ({"cost": 1, "fail": None}, "input.fail", "must be a boolean, got null"),
+    ],
+)
+def test_sim_rejects(value: Any, field: str, message: str) -> None:
+    with pytest.raises(InputError, match=message) as info:
+        SimSpec(max_cost=100).validate(value)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"cost": 1}, Validated(input={"cost": 1, "fail": False}, cost=1)),
+        ({"cost": 100}, Validated(input={"cost": 100, "fail": False}, cost=100)),
+        ({"cost": 7, "fail": True}, Validated(input={"cost": 7, "fail": True}, cost=7)),
+        ({"cost": 7, "fail": False}, Validated(input={"cost": 7, "fail": False}, cost=7)),
+    ],
+)
+def test_sim_accepts(value: dict[str, Any], expected: Validated) -> None:
+    assert SimSpec(max_cost=100).validate(value) == expected
+
+
+def test_input_error_carries_field_and_message() -> None:
+    error = InputError("input.cost", "must be positive")
+    assert error.field == "input.cost"
+    assert error.message == "must be positive"
+    assert str(error) == "input.cost: must be positive"
+    assert isinstance(error, ValueError)

@@ -1,0 +1,236 @@
+"""The container set-up: docker-compose.yml and the Dockerfile say what DESIGN.md promises.
+
+These read the files as data (PyYAML), so they run without Docker. The last
+test asks ``docker-compose config`` itself when it is installed.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+
+FERRY_SERVICES = {
+    "migrate",
+    "api",
+    "gpu-worker",
+    "sim-worker",
+    "celery-worker",
+    "celery-beat",
+    "flower",
+}
+# Everything that reads or writes jobs must wait for the schema.
+NEEDS_SCHEMA = FERRY_SERVICES - {"migrate", "flower"}
+
+_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${NAME}`` / ``${NAME:-default}`` substitution (enough for this file)."""
+
+    def substitute(match: re.Match[str]) -> str:
+        found = env.get(match["name"])
+        if found:
+            return found
+        return match["default"] or ""
+
+    return _VARIABLE.sub(substitute, value).replace("$$", "$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    result = compose["services"]
+    assert isinstance(result, dict)
+    return result
+
+
+def argv(value: str | list[str]) -> list[str]:
+    return shlex.split(value) if isinstance(value, str) else [str(part) for part in value]
+
+
+def option_values(args: list[str]) -> dict[str, str]:
+    """``--name value`` and ``--name=value`` pairs of a command line."""
+    values: dict[str, str] = {}
+    for index, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        if "=" in arg:
+            name, value = arg.split("=", 1)
+            values[name] = value
+        elif index + 1 < len(args) and not args[index + 1].startswith("--"):
+            values[arg] = args[index + 1]
+    return values
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, str]:
+    """Dependency name -> condition (the short list form means service_started)."""
+    raw = service.get("depends_on", {})
+    if isinstance(raw, list):
+        return dict.fromkeys(raw, "service_started")
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in raw.items()}
+
+
+def test_redis_is_durable_and_never_evicts(services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    assert str(redis["image"]).startswith("redis:7")
+    args = argv(redis["command"])
+    assert args[0] == "redis-server"
+    options = option_values(args)
+    assert options.get("--appendonly") == "yes"
+    assert options.get("--appendfsync") == "everysec"
+    assert options.get("--maxmemory-policy") == "noeviction"
+    # The append-only file lives in /data, which must outlive the container.
+    assert any(str(volume).split(":")[1] == "/data" for volume in redis["volumes"])
+    assert argv(redis["healthcheck"]["test"])[-2:] == ["redis-cli", "ping"]
+
+
+def test_postgres_credentials_match_the_ferry_database_url(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    postgres = services["postgres"]
+    assert str(postgres["image"]).startswith("postgres:16")
+    assert "pg_isready" in " ".join(argv(postgres["healthcheck"]["test"]))
+    assert any(
+        str(volume).split(":")[1] == "/var/lib/postgresql/data" for volume in postgres["volumes"]
+    )
+    url_template = services["api"]["environment"]["FERRY_DATABASE_URL"]
+    for env in ({}, {"POSTGRES_PASSWORD": "s3cret", "POSTGRES_USER": "u", "POSTGRES_DB": "d"}):
+        server = {key: interpolate(str(v), env) for key, v in postgres["environment"].items()}
+        assert server["POSTGRES_PASSWORD"], "the password needs a default"
+        url = urlsplit(interpolate(url_template, env))
+        assert url.scheme == "postgresql+psycopg"
+        assert (url.hostname, url.port) == ("postgres", 5432)
+        assert url.username == server["POSTGRES_USER"]
+        assert url.password == server["POSTGRES_PASSWORD"]
+        assert url.path.lstrip("/") == server["POSTGRES_DB"]
+
+
+def test_ferry_services_share_the_image_build_and_environment(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    built_here = {name for name, service in services.items() if "build" in service}
+    assert built_here == FERRY_SERVICES
+    reference = services["api"]
+    for name in FERRY_SERVICES:
+        service = services[name]
+        assert service["environment"] == reference["environment"], name
+        assert service["build"]["context"] == reference["build"]["context"] == "."
+        assert service["build"].get("dockerfile", "Dockerfile") == "Dockerfile"
+        if name != "gpu-worker":
+            assert service["image"] == reference["image"], name
+            assert service["build"] == reference["build"], name
+    env = reference["environment"]
+    redis_url = urlsplit(env["FERRY_REDIS_URL"])
+    assert (redis_url.scheme, redis_url.hostname, redis_url.port) == ("redis", "redis", 6379)
+    assert env["FERRY_DATABASE_URL"].startswith("postgresql+psycopg://")
+    assert env["FERRY_DATA_DIR"] == "/data"
+
+
+def test_the_gpu_worker_reserves_an_nvidia_gpu(services: dict[str, dict[str, Any]]) -> None:
+    worker = services["gpu-worker"]
+    options = option_values(argv(worker["command"]))
+    assert options.get("--model") == "minilm"
+    assert options.get("--device") == "cuda"
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    nvidia = [device for device in devices if device.get("driver") == "nvidia"]
+    assert nvidia, devices
+    assert "gpu" in nvidia[0]["capabilities"]
+    assert nvidia[0].get("count") == "all" or int(nvidia[0]["count"]) >= 1
+    # A CUDA build of torch, in an image of its own (not the CPU one the rest use).
+    assert "/whl/cu" in worker["build"]["args"]["TORCH_INDEX"]
+    assert worker["image"] != services["api"]["image"]
+    for name in FERRY_SERVICES - {"gpu-worker"}:
+        assert "deploy" not in services[name], name
+        assert services[name]["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu"), name
+
+
+def test_the_api_and_workers_wait_for_the_migration(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    migrate = services["migrate"]
+    assert argv(migrate["command"]) == ["db", "upgrade"]
+    assert str(migrate["restart"]) == "no"
+    assert depends_on(migrate).get("postgres") == "service_healthy"
+    for name in NEEDS_SCHEMA:
+        needs = depends_on(services[name])
+        assert needs.get("migrate") == "service_completed_successfully", name
+        assert needs.get("redis") == "service_healthy", name
+
+
+def test_the_api_listens_publicly_and_is_health_checked(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    api = services["api"]
+    args = argv(api["command"])
+    assert args[0] == "api"
+    assert option_values(args).get("--host") == "0.0.0.0"
+    assert any(str(port).endswith("8000") for port in api["ports"])
+    check = argv(api["healthcheck"]["test"])
+    assert check[0] == "CMD"
+    assert check[1].startswith("python")  # the slim image has no curl
+    assert "/healthz" in " ".join(check)
+
+
+def test_flower_needs_a_password(services: dict[str, dict[str, Any]]) -> None:
+    flower = services["flower"]
+    assert argv(flower["entrypoint"]) == ["celery"]
+    args = argv(flower["command"])
+    assert "flower" in args
+    options = option_values(args)
+    assert options.get("--broker") == services["api"]["environment"]["FERRY_REDIS_URL"]
+    assert options.get("--port") == "5555"
+    user, _, password = interpolate(options["--basic-auth"], {}).partition(":")
+    assert user
+    assert password
+    assert "${FLOWER_PASSWORD" in options["--basic-auth"], "the password must be settable"
+    assert any(str(port).endswith("5555") for port in flower["ports"])
+
+
+def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    instructions = [line for line in lines if not line.startswith("#")]
+    assert instructions[0].startswith("FROM python:3.11-slim")
+    assert "ARG TORCH_SPEC=torch==2.13.0" in lines
+    assert any(line.startswith("ARG TORCH_INDEX") for line in lines)
+    assert re.search(r"HF_HUB_OFFLINE=1\b", text)
+    assert 'ENTRYPOINT ["ferry"]' in lines
+    torch_at = text.index('"$TORCH_SPEC"')
+    project_at = text.index("pip install -c constraints.txt -e .")
+    assert torch_at < project_at, "torch must be installed before the project"
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users, "the image must not run as root"
+    assert users[-1] not in {"root", "0"}
+
+
+def test_docker_compose_accepts_the_file() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed")
+    result = subprocess.run(
+        [binary, "--file", str(COMPOSE_FILE), "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

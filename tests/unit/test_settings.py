@@ -1,0 +1,144 @@
+"""The one settings object, read from FERRY_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from core.settings import Settings, get_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No FERRY_* variable from the caller's shell leaks into a test."""
+    for name in list(os.environ):
+        if name.upper().startswith("FERRY_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    settings = Settings()
+    assert settings.api_port == 8000
+    assert settings.api_host == "127.0.0.1"
+    assert settings.redis_url is None
+    assert settings.database_url is None
+    assert settings.key_prefix == "ferry"
+    assert settings.data_dir == Path(".ferry")
+    assert settings.model_names == ["minilm", "sim"]
+    assert settings.minilm_overlength == "truncate"
+    assert settings.sqlalchemy_url == f"sqlite:///{tmp_path.resolve() / '.ferry' / 'ferry.db'}"
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "expected"),
+    [
+        ({"FERRY_API_PORT": "9123"}, "api_port", 9123),
+        ({"FERRY_API_HOST": "0.0.0.0"}, "api_host", "0.0.0.0"),
+        ({"FERRY_REDIS_URL": "redis://h:6380/2"}, "redis_url", "redis://h:6380/2"),
+        ({"FERRY_KEY_PREFIX": "test-run.1"}, "key_prefix", "test-run.1"),
+        ({"FERRY_BATCH_MAX_SIZE": "64"}, "batch_max_size", 64),
+        ({"FERRY_BATCH_WINDOW_MS": "2.5"}, "batch_window_ms", 2.5),
+        ({"FERRY_DOCS_ENABLED": "false"}, "docs_enabled", False),
+        ({"FERRY_MINILM_OVERLENGTH": "refuse"}, "minilm_overlength", "refuse"),
+        ({"FERRY_DATA_DIR": "/var/lib/ferry"}, "data_dir", Path("/var/lib/ferry")),
+        ({"ferry_api_port": "9001"}, "api_port", 9001),  # case-insensitive
+    ],
+)
+def test_environment_is_read(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], field: str, expected: object
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert getattr(Settings(), field) == expected
+
+
+def test_unprefixed_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("API_PORT", "1234")
+    monkeypatch.setenv("REDIS_URL", "redis://elsewhere")
+    settings = Settings()
+    assert settings.api_port == 8000
+    assert settings.redis_url is None
+
+
+@pytest.mark.parametrize("name", ["FERRY_REDIS_URL", "FERRY_DATABASE_URL"])
+def test_empty_url_means_unset(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setenv(name, "")
+    settings = Settings()
+    assert settings.redis_url is None
+    assert settings.database_url is None
+
+
+def test_sqlite_url_under_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FERRY_DATA_DIR", str(tmp_path / "state"))
+    assert Settings().sqlalchemy_url == f"sqlite:///{tmp_path.resolve() / 'state' / 'ferry.db'}"
+
+
+def test_database_url_wins_over_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "postgresql+psycopg://ferry:pw@db/ferry"
+    monkeypatch.setenv("FERRY_DATABASE_URL", url)
+    monkeypatch.setenv("FERRY_DATA_DIR", "/somewhere")
+    assert Settings().sqlalchemy_url == url
+
+
+@pytest.mark.parametrize(
+    ("models", "expected"),
+    [
+        ("minilm,sim", ["minilm", "sim"]),
+        ("sim", ["sim"]),
+        (" minilm , sim ", ["minilm", "sim"]),
+        ("minilm,,sim,", ["minilm", "sim"]),
+        ("", []),
+        (" , ", []),
+    ],
+)
+def test_model_names(monkeypatch: pytest.MonkeyPatch, models: str, expected: list[str]) -> None:
+    monkeypatch.setenv("FERRY_MODELS", models)
+    assert Settings().model_names == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("FERRY_API_PORT", "0"),
+        ("FERRY_API_PORT", "65536"),
+        ("FERRY_API_PORT", "-1"),
+        ("FERRY_API_PORT", "http"),
+        ("FERRY_KEY_PREFIX", "has space"),
+        ("FERRY_KEY_PREFIX", "a:b"),
+        ("FERRY_KEY_PREFIX", ""),
+        ("FERRY_KEY_PREFIX", "a{b}"),  # would break the {model} hash tag
+        ("FERRY_BATCH_MAX_SIZE", "0"),
+        ("FERRY_BATCH_WINDOW_MS", "-1"),
+        ("FERRY_MINILM_OVERLENGTH", "drop"),
+        ("FERRY_MINILM_MAX_TOKENS", "513"),
+        ("FERRY_RESULT_TTL_S", "0"),
+    ],
+)
+def test_invalid_values_are_rejected(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError):
+        Settings()
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_port_bounds_are_inclusive(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+    monkeypatch.setenv("FERRY_API_PORT", str(port))
+    assert Settings().api_port == port
+
+
+def test_get_settings_is_cached_and_built_on_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    get_settings.cache_clear()
+    try:
+        monkeypatch.setenv("FERRY_API_PORT", "8123")
+        first = get_settings()
+        monkeypatch.setenv("FERRY_API_PORT", "8124")
+        assert get_settings() is first
+        assert first.api_port == 8123
+    finally:
+        get_settings.cache_clear()

@@ -1,0 +1,80 @@
+"""The simulated accelerator, with the sleep injected (nothing really sleeps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workers.runtimes.sim import SimRuntime, SimulatedFailure
+
+
+def runtime(slept: list[float], base_ms: float = 20.0, per_cost_ms: float = 0.5) -> SimRuntime:
+    return SimRuntime(
+        latency_base_ms=base_ms,
+        latency_per_cost_ms=per_cost_ms,
+        memory_base_bytes=64 * 2**20,
+        memory_per_cost_bytes=2**20,
+        sleep=slept.append,
+    )
+
+
+@pytest.mark.parametrize(
+    ("base_ms", "per_cost_ms", "costs", "seconds"),
+    [
+        (20.0, 0.5, [1], 0.0205),
+        (20.0, 0.5, [4, 6], 0.025),
+        (0.0, 1.0, [100, 200, 700], 1.0),
+        (5.0, 0.0, [1000], 0.005),
+        (0.0, 0.0, [1], 0.0),
+    ],
+)
+def test_latency_formula_is_slept(
+    base_ms: float, per_cost_ms: float, costs: list[int], seconds: float
+) -> None:
+    slept: list[float] = []
+    sim = runtime(slept, base_ms, per_cost_ms)
+    sim.run([{"cost": c} for c in costs])
+    assert slept == [pytest.approx(seconds)]
+    assert sim.latency_ms(sum(costs)) == pytest.approx(seconds * 1000)
+
+
+@pytest.mark.parametrize(("batch_cost", "expected"), [(0, 64 * 2**20), (10, 74 * 2**20)])
+def test_memory_formula(batch_cost: int, expected: int) -> None:
+    assert runtime([]).memory_bytes(batch_cost) == expected
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs"),
+    [
+        ([{"cost": 3}], [{"cost": 3}]),
+        ([{"cost": 1, "fail": False}, {"cost": 2}], [{"cost": 1}, {"cost": 2}]),
+        ([{"cost": "5"}], [{"cost": 5}]),
+    ],
+)
+def test_outputs_echo_the_cost_in_order(
+    inputs: list[dict[str, Any]], outputs: list[dict[str, Any]]
+) -> None:
+    assert runtime([]).run(inputs) == outputs
+
+
+@pytest.mark.parametrize("position", [0, 2])
+def test_fail_raises_simulated_failure_after_the_batch_time(position: int) -> None:
+    slept: list[float] = []
+    inputs: list[dict[str, Any]] = [{"cost": 2}, {"cost": 2}, {"cost": 2}]
+    inputs[position]["fail"] = True
+    with pytest.raises(SimulatedFailure, match=f"batch position {position}"):
+        runtime(slept).run(inputs)
+    assert slept == [pytest.approx(0.023)]
+
+
+def test_simulated_failure_is_a_runtime_error() -> None:
+    assert issubclass(SimulatedFailure, RuntimeError)
+
+
+def test_load_needs_nothing() -> None:
+    slept: list[float] = []
+    sim = runtime(slept)
+    sim.load()
+    assert slept == []
+    assert (sim.name, sim.device) == ("sim", "sim")

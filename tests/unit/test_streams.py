@@ -1,0 +1,196 @@
+"""Stream key names and the job message protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pytest
+from redis.crc import key_slot
+
+from core.streams import (
+    PROTOCOL_VERSION,
+    JobMessage,
+    ProtocolError,
+    dead_letter_key,
+    done_channel,
+    lane_streams,
+    stats_key,
+    stream_key,
+    worker_key,
+    worker_pattern,
+)
+
+FULL = JobMessage(
+    job_id="0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11",
+    lane="vip",
+    cost=17,
+    enqueued_at_ms=1_700_000_000_123,
+    deadline_at_ms=1_700_000_030_123,
+    request_id="req-42",
+)
+BARE = JobMessage(job_id="j1", lane="bulk", cost=0, enqueued_at_ms=5)
+
+
+Fields = Mapping[bytes | str, bytes | str]
+
+
+def as_str(fields: Mapping[str, str]) -> Fields:
+    """What redis-py returns with decode_responses."""
+    widened: dict[bytes | str, bytes | str] = {k: v for k, v in fields.items()}
+    return widened
+
+
+def as_bytes(fields: dict[str, str]) -> Fields:
+    """What redis-py returns without decode_responses."""
+    return {k.encode(): v.encode() for k, v in fields.items()}
+
+
+def test_encode_writes_short_string_fields() -> None:
+    assert FULL.encode() == {
+        "v": str(PROTOCOL_VERSION),
+        "job": "0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11",
+        "lane": "vip",
+        "cost": "17",
+        "enq": "1700000000123",
+        "dl": "1700000030123",
+        "rid": "req-42",
+    }
+
+
+def test_encode_omits_absent_deadline_and_request_id() -> None:
+    assert set(BARE.encode()) == {"v", "job", "lane", "cost", "enq"}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        FULL,
+        BARE,
+        JobMessage(job_id="j2", lane="urgent", cost=3, enqueued_at_ms=1, deadline_at_ms=2),
+        JobMessage(job_id="j3", lane="normal", cost=3, enqueued_at_ms=1, request_id="r"),
+        JobMessage(job_id="j4", lane="normal", cost=1, enqueued_at_ms=0, deadline_at_ms=0),
+    ],
+)
+@pytest.mark.parametrize("transport", [as_str, as_bytes], ids=["str", "bytes"])
+def test_round_trip(message: JobMessage, transport: Callable[[dict[str, str]], Fields]) -> None:
+    fields = transport(message.encode())
+    assert JobMessage.decode(fields) == message
+
+
+def test_decode_mixed_bytes_and_str() -> None:
+    fields: dict[bytes | str, bytes | str] = {
+        b"v": "1",
+        "job": b"j",
+        b"lane": b"normal",
+        "cost": "2",
+        "enq": b"9",
+    }
+    assert JobMessage.decode(fields) == JobMessage(
+        job_id="j", lane="normal", cost=2, enqueued_at_ms=9
+    )
+
+
+def test_decode_ignores_unknown_fields() -> None:
+    fields = as_str({**BARE.encode(), "future": "x"})
+    assert JobMessage.decode(fields) == BARE
+
+
+def _without(field: str) -> Fields:
+    fields = FULL.encode()
+    del fields[field]
+    return as_str(fields)
+
+
+def _with(**changes: str) -> Fields:
+    return as_str({**FULL.encode(), **changes})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param(_without("v"), id="missing-version"),
+        pytest.param(_without("job"), id="missing-job"),
+        pytest.param(_without("lane"), id="missing-lane"),
+        pytest.param(_without("cost"), id="missing-cost"),
+        pytest.param(_without("enq"), id="missing-enq"),
+        pytest.param({}, id="empty"),
+        pytest.param(_with(v="2"), id="future-version"),
+        pytest.param(_with(v="0"), id="old-version"),
+        pytest.param(_with(v="one"), id="non-numeric-version"),
+        pytest.param(_with(lane="platinum"), id="unknown-lane"),
+        pytest.param(_with(lane="URGENT"), id="lane-wrong-case"),
+        pytest.param(_with(lane=""), id="empty-lane"),
+        pytest.param(_with(cost="1.5"), id="fractional-cost"),
+        pytest.param(_with(cost="abc"), id="non-integer-cost"),
+        pytest.param(_with(cost=""), id="empty-cost"),
+        pytest.param(_with(cost="-1"), id="negative-cost"),
+        pytest.param(_with(enq="soon"), id="non-integer-enq"),
+        pytest.param(_with(dl="tomorrow"), id="non-integer-deadline"),
+        pytest.param({b"v": b"\xff\xfe", b"job": b"j"}, id="invalid-utf8"),
+    ],
+)
+def test_malformed_messages_raise_protocol_error(fields: Fields) -> None:
+    with pytest.raises(ProtocolError):
+        JobMessage.decode(fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (_with(v="2"), "version"),
+        (_with(lane="platinum"), "lane"),
+        (_with(cost="-5"), "negative cost"),
+    ],
+)
+def test_protocol_error_says_what_is_wrong(fields: Fields, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        JobMessage.decode(fields)
+
+
+def test_decode_of_a_non_mapping_raises_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        JobMessage.decode(None)  # type: ignore[arg-type]
+
+
+def test_protocol_error_is_a_value_error() -> None:
+    assert issubclass(ProtocolError, ValueError)
+
+
+# --- key names ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (stream_key("ferry", "minilm", "urgent"), "ferry:{minilm}:urgent"),
+        (stream_key("t1", "sim", "bulk"), "t1:{sim}:bulk"),
+        (dead_letter_key("ferry", "minilm"), "ferry:{minilm}:dead"),
+        (worker_key("ferry", "sim", "host-1"), "ferry:{sim}:worker:host-1"),
+        (worker_pattern("ferry", "sim"), "ferry:{sim}:worker:*"),
+        (stats_key("ferry", "minilm"), "ferry:{minilm}:stats"),
+        (done_channel("ferry"), "ferry:done"),
+    ],
+)
+def test_key_names(key: str, expected: str) -> None:
+    assert key == expected
+
+
+def test_lane_streams_most_urgent_first() -> None:
+    assert lane_streams("ferry", "minilm") == [
+        "ferry:{minilm}:urgent",
+        "ferry:{minilm}:vip",
+        "ferry:{minilm}:normal",
+        "ferry:{minilm}:bulk",
+    ]
+
+
+@pytest.mark.parametrize("model", ["minilm", "sim"])
+def test_all_keys_of_a_model_share_one_cluster_slot(model: str) -> None:
+    model_keys = [
+        *lane_streams("ferry", model),
+        dead_letter_key("ferry", model),
+        worker_key("ferry", model, "c1"),
+        stats_key("ferry", model),
+    ]
+    slots = {key_slot(k.encode()) for k in model_keys}
+    assert slots == {key_slot(model.encode())}
