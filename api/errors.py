@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
     return 422, "invalid_request", "; ".join(parts) or "invalid request"
 
 
+def _unavailable(request: Request, what: str, exc: BaseException) -> JSONResponse:
+    log.warning(
+        "dependency unavailable",
+        extra={
+            "request_id": getattr(request.state, "request_id", None),
+            "dependency": what,
+            "error_type": type(exc).__name__,
+        },
+    )
+    return error_response(
+        503, "unavailable", f"{what} is unavailable; retry shortly", {"Retry-After": "2"}
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -93,6 +109,15 @@ def install_error_handlers(app: FastAPI) -> None:
         type_ = _STATUS_TYPES.get(exc.status_code, "error")
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         return error_response(exc.status_code, type_, message, dict(exc.headers or {}))
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+        return _unavailable(request, "the queue (Redis)", exc)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database_down(request: Request, exc: Exception) -> JSONResponse:
+        return _unavailable(request, "the database", exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

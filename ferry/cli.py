@@ -45,6 +45,7 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     from workers.celery_app import create_celery
 
     settings = get_settings()
+    configure_logging(settings.log_level, f"celery-{args.role}")
     app = create_celery(settings)
     if args.role == "worker":
         app.worker_main(

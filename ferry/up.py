@@ -3,7 +3,8 @@
 Starts (or uses) Redis, migrates the database, then runs the API, one worker per
 model, the Celery worker and beat as child processes. Ctrl-C or SIGTERM stops
 them in order: the API first (no new work), then the workers (each finishes
-its batch), then Celery, then the embedded Redis.
+its batch), then Celery, then the embedded Redis. A child that dies on its own
+is restarted with backoff; one that dies five times in a minute stops the stack.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -26,13 +28,48 @@ from core.settings import Settings
 from ferry.local_redis import start_redis
 
 DRAIN_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 120.0
+
+
+CRASH_WINDOW_S = 60.0
+CRASH_LIMIT = 5
 
 
 @dataclass
 class Child:
+    """A supervised process: restarted with backoff when it dies on its own."""
+
     name: str
     args: list[str]
     process: subprocess.Popen[bytes] | None = None
+    crashes: deque[float] = field(default_factory=deque)
+    restart_at: float | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        # Own process group: Ctrl-C reaches only `ferry up`, which stops
+        # the children in order.
+        self.process = subprocess.Popen(self.args, env=env, start_new_session=True)
+        self.restart_at = None
+
+    def check(self, now: float, env: dict[str, str]) -> bool:
+        """Restart if due; returns False when it crashes too often to go on."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.start(env)
+            return True
+        if self.process is None or self.process.poll() is None:
+            return True
+        self.crashes.append(now)
+        while self.crashes and now - self.crashes[0] > CRASH_WINDOW_S:
+            self.crashes.popleft()
+        code = self.process.returncode
+        if len(self.crashes) >= CRASH_LIMIT:
+            _say(f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; stopping")
+            return False
+        delay = min(2.0 ** (len(self.crashes) - 1), 30.0)
+        _say(f"{self.name} exited with code {code}; restarting in {delay:g} s")
+        self.restart_at = now + delay
+        return True
 
 
 def _say(message: str) -> None:
@@ -92,45 +129,41 @@ def up(settings: Settings) -> int:
         children.append(Child("celery-worker", [*python, "celery", "worker"]))
         children.append(Child("celery-beat", [*python, "celery", "beat"]))
         for child in children:
-            # Own process group: Ctrl-C reaches only us, and we stop them in order.
-            child.process = subprocess.Popen(child.args, env=env, start_new_session=True)
+            child.start(env)
         base = f"http://{settings.api_host}:{settings.api_port}"
-        if _wait_ready(base, children, lambda: stopping):
-            _banner(settings, base, redis_url, token)
+        ready_deadline = time.monotonic() + READY_TIMEOUT_S
+        announced = False
         while not stopping:
-            dead = [c for c in children if c.process and c.process.poll() is not None]
-            if dead:
-                for child in dead:
-                    _say(f"{child.name} exited with code {child.process.returncode}; stopping")  # type: ignore[union-attr]
+            now = time.monotonic()
+            if not all(child.check(now, env) for child in children):
                 code = 1
                 break
-            time.sleep(0.2)
+            if not announced:
+                if _ready(base):
+                    _banner(settings, base, redis_url, token)
+                    announced = True
+                elif now > ready_deadline:
+                    _say(f"the API did not become ready within {READY_TIMEOUT_S:g} s; stopping")
+                    code = 1
+                    break
+            time.sleep(0.25)
     finally:
         _say("stopping Ferry...")
         order = ["api", "worker-", "celery-beat", "celery-worker"]
         for prefix in order:
-            _stop([c for c in children if c.name.startswith(prefix)])
+            if not _stop([c for c in children if c.name.startswith(prefix)]):
+                code = code or 1
         if redis_process is not None:
             _stop_process(redis_process)
         _say("stopped")
     return code
 
 
-def _wait_ready(base: str, children: list[Child], stopping: object) -> bool:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if callable(stopping) and stopping():
-            return False
-        if any(c.process and c.process.poll() is not None for c in children):
-            return False
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    _say("the API did not become ready within 120 s")
-    return False
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
@@ -153,12 +186,19 @@ def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
     _say("\n".join(lines))
 
 
-def _stop(children: list[Child]) -> None:
-    live = [c.process for c in children if c.process and c.process.poll() is None]
-    for process in live:
-        process.send_signal(signal.SIGTERM)
-    for process in live:
-        _wait_or_kill(process)
+def _stop(children: list[Child]) -> bool:
+    """SIGTERM, then wait (SIGKILL after the drain timeout); False if any ended badly."""
+    live = [c for c in children if c.process and c.process.poll() is None]
+    for child in live:
+        child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    clean = True
+    for child in live:
+        code = _wait_or_kill(child.process)  # type: ignore[arg-type]
+        # uvicorn re-raises the SIGTERM it handled, after a clean shutdown.
+        if code not in (0, -signal.SIGTERM):
+            _say(f"{child.name} stopped with code {code}")
+            clean = False
+    return clean
 
 
 def _stop_process(process: subprocess.Popen[bytes]) -> None:
@@ -167,9 +207,9 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
         _wait_or_kill(process)
 
 
-def _wait_or_kill(process: subprocess.Popen[bytes]) -> None:
+def _wait_or_kill(process: subprocess.Popen[bytes]) -> int:
     try:
-        process.wait(timeout=DRAIN_TIMEOUT_S)
+        return process.wait(timeout=DRAIN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
+        return process.wait()

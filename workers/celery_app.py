@@ -49,6 +49,8 @@ def create_celery(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
+        # Ferry's JSON logging stays in place (configured by `ferry celery`).
+        worker_hijack_root_logger=False,
         task_default_queue=f"{settings.key_prefix}.celery",
         beat_schedule={
             "purge-results": {"task": PURGE_TASK, "schedule": settings.purge_interval_s},

@@ -42,6 +42,10 @@ class StreamConsumer:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        self.reread_pending()
+
+    def reread_pending(self) -> None:
+        """Read this consumer's unacknowledged entries again, before any new ones."""
         self._backlog = {stream: "0" for stream in self.streams}
 
     def read(self, room: int, block_ms: int | None) -> list[Entry]:

@@ -7,6 +7,7 @@ found to need no run: cancelled, missing, already finished).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 
 from core.streams import done_channel, stats_key, worker_key
 from scheduler import BatchDecision, PendingItem, Profile, decide
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 HEARTBEAT_TTL_S = 10
 MAX_BLOCK_MS = 1000
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 10.0
 
 
 @dataclass
@@ -71,26 +75,56 @@ class BatchLoop:
         return self.consumer.model
 
     def run(self, stop: threading.Event) -> None:
-        self.consumer.ensure_groups()
+        self._retrying(stop, self.consumer.ensure_groups)
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
         wait_ms: int | None = MAX_BLOCK_MS
+        backoff_s = RETRY_MIN_S
         while not stop.is_set():
-            self._heartbeat()
-            self._fill(wait_ms)
-            decision = decide(self._items(), self.profile, self.clock())
-            self.apply(decision)
-            if decision.run:
-                wait_ms = None  # more may be ready: look again without blocking
-            elif decision.wait_s is not None:
-                wait_ms = min(MAX_BLOCK_MS, int(decision.wait_s * 1000))
-                if wait_ms == 0:
-                    wait_ms = None
-            else:
+            try:
+                wait_ms = self.step(wait_ms)
+                backoff_s = RETRY_MIN_S
+            except (redis.RedisError, SQLAlchemyError) as exc:
+                # Whatever was read but not recorded is still pending in Redis:
+                # forget the local copy and read it again once things are back.
+                log.warning(
+                    "dependency error; retrying",
+                    extra={"model": self.model, "error_type": type(exc).__name__,
+                           "retry_in_s": backoff_s},
+                )  # fmt: skip
+                self.pending.clear()
+                self.consumer.reread_pending()
+                stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 wait_ms = MAX_BLOCK_MS
         # Entries read but not run stay unacknowledged; this consumer name gets
         # them back at its next start.
-        self.client.delete(worker_key(self.prefix, self.model, self.consumer.consumer))
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(worker_key(self.prefix, self.model, self.consumer.consumer))
         log.info("worker stopped", extra={"model": self.model, "left_pending": len(self.pending)})
+
+    def step(self, wait_ms: int | None) -> int | None:
+        """One turn: read, decide, apply. Returns how long the next read may block."""
+        self._heartbeat()
+        self._fill(wait_ms)
+        decision = decide(self._items(), self.profile, self.clock())
+        self.apply(decision)
+        if decision.run:
+            return None  # more may be ready: look again without blocking
+        if decision.wait_s is not None:
+            return min(MAX_BLOCK_MS, int(decision.wait_s * 1000)) or None
+        return MAX_BLOCK_MS
+
+    def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
+        backoff_s = RETRY_MIN_S
+        while not stop.is_set():
+            try:
+                action()
+                return
+            except redis.RedisError as exc:
+                log.warning("redis unavailable at start; retrying",
+                            extra={"error_type": type(exc).__name__})  # fmt: skip
+                stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
 
     def _fill(self, block_ms: int | None) -> None:
         room = self.prefetch - len(self.pending)

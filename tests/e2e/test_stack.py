@@ -161,6 +161,34 @@ def test_keys_create_prints_a_working_key_on_its_last_line(stack: Stack) -> None
     assert response.json()["data"] == []  # a new key sees none of the other key's jobs
 
 
+def _children(parent: int) -> dict[int, str]:
+    """The child processes of ``parent``, by pid, with their command lines."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def test_a_killed_worker_is_restarted_and_loses_nothing(stack: Stack) -> None:
+    workers = [pid for pid, cmd in _children(stack.process.pid).items() if "--model sim" in cmd]
+    assert len(workers) == 1, _children(stack.process.pid)
+    os.kill(workers[0], signal.SIGKILL)
+    ids = [_submit(stack, {"model": "sim", "input": {"cost": 2}})["id"] for _ in range(5)]
+    jobs = [_result(stack, job_id) for job_id in ids]
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    assert any("worker-sim exited with code -9; restarting" in line for line in stack.output)
+    assert stack.process.poll() is None
+
+
 def test_sigterm_stops_the_whole_stack(stack: Stack) -> None:
     stack.process.send_signal(signal.SIGTERM)
     assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]

@@ -31,3 +31,32 @@ def test_submit_with_redis_down_is_a_503_and_leaves_no_row(
         assert ready.json()["checks"]["database"] == "ok"
     with sessions() as session:
         assert session.query(Job).count() == 0
+
+
+def test_database_down_is_a_503_not_a_500(settings: Settings) -> None:
+    down = settings.model_copy(
+        update={"database_url": f"postgresql+psycopg://ferry@127.0.0.1:{free_port()}/none"}
+    )
+    with TestClient(create_app(down)) as client:
+        auth = {"Authorization": "Bearer fy_0123456789abcdef_secret"}
+        for method, path in [("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/models")]:
+            response = client.request(
+                method, path, json={"model": "sim", "input": {"cost": 1}}, headers=auth
+            )
+            assert response.status_code == 503, (method, path, response.text)
+            assert response.json()["error"] == {
+                "type": "unavailable",
+                "message": "the database is unavailable; retry shortly",
+            }
+            assert response.headers["Retry-After"] == "2"
+        ready = client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"]["database"].startswith("unreachable")
+
+
+def test_models_with_redis_down_is_a_503(settings: Settings, token: str) -> None:
+    down = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    with TestClient(create_app(down)) as client:
+        response = client.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
+        assert response.status_code == 503
+        assert "Redis" in response.json()["error"]["message"]
