@@ -50,17 +50,24 @@ CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]
 HubDep = Annotated[CompletionHub, Depends(get_hub)]
 
 
-def current_key(request: Request, session: SessionDep) -> ApiKey:
+def current_key(request: Request) -> ApiKey:
+    """The calling key, checked in a short session of its own.
+
+    Not the request's session: a long-poll must not hold a pooled connection
+    for its whole wait.
+    """
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
         raise _unauthorized("missing Authorization header (expected: Bearer <api key>)")
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("Authorization header must be: Bearer <api key>")
-    key = verify_token(session, token.strip())
-    if key is None:
-        raise _unauthorized("invalid or revoked API key")
-    session.expunge(key)
+    sessions: sessionmaker[Session] = request.app.state.sessions
+    with sessions() as session:
+        key = verify_token(session, token.strip())
+        if key is None:
+            raise _unauthorized("invalid or revoked API key")
+        session.expunge(key)
     return key
 
 

@@ -9,7 +9,8 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)
     async def _database_down(request: Request, exc: Exception) -> JSONResponse:
         return _unavailable(request, "the database", exc)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        request_id = getattr(request.state, "request_id", None)
-        log.exception("unhandled error", extra={"request_id": request_id, "path": request.url.path})
-        return error_response(500, "internal_error", f"internal error (request_id {request_id})")
+    @app.exception_handler(DataError)
+    async def _data_error(request: Request, exc: DataError) -> JSONResponse:
+        # The schemas refuse what they know the database cannot store; this is
+        # the net under them, so such input is a 4xx, never a 500.
+        log.warning(
+            "value refused by the database",
+            extra={"request_id": getattr(request.state, "request_id", None)},
+        )
+        return error_response(
+            422, "invalid_request", "a value in the request cannot be stored (check for NUL "
+            "characters and non-finite numbers)",
+        )  # fmt: skip

@@ -1,7 +1,8 @@
-"""ASGI middleware: request ids and the request body size limit."""
+"""ASGI middleware: request ids, the last-resort error, the body size limit."""
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 
@@ -9,11 +10,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
 
+log = logging.getLogger(__name__)
+
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 class RequestIdMiddleware:
-    """Every response carries ``X-Request-ID``: the client's (if sane) or a new one."""
+    """Every response carries ``X-Request-ID``: the client's (if sane) or a new one.
+
+    It is also where an unexpected exception becomes a 500 that says only
+    "internal error" and the request id (the log has the rest), so that even
+    that response carries the id.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -25,9 +33,12 @@ class RequestIdMiddleware:
         supplied = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         request_id = supplied if _REQUEST_ID.match(supplied) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = [
                     (k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"
                 ]
@@ -35,15 +46,26 @@ class RequestIdMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
-
-
-class _TooLarge(Exception):
-    pass
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception(
+                "unhandled error", extra={"request_id": request_id, "path": scope.get("path")}
+            )
+            if started:
+                raise
+            response = error_response(
+                500, "internal_error", f"internal error (request_id {request_id})"
+            )
+            await response(scope, receive, send_with_id)
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413, whether announced or streamed."""
+    """Refuse bodies over ``max_bytes`` with 413, whether announced or streamed.
+
+    A body without ``Content-Length`` (chunked) is read here first, up to the
+    limit, and handed on only if it fits.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -54,32 +76,33 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
                 await self._refuse(scope, receive, send)
+                return
+            # The server holds the body to its announced length.
+            await self.app(scope, receive, send)
+            return
+        buffered: list[Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            if buffered:
+                return buffered.pop(0)
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(

@@ -29,6 +29,24 @@ class JobCreate(BaseModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
     metadata: dict[str, Any] | None = None
 
+    @field_validator("model", "idempotency_key", "callback_url")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("input", "metadata")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError as exc:
+            raise ValueError("must not contain NaN or Infinity") from exc
+        if _has_nul(value):
+            raise ValueError("must not contain NUL characters")
+        return value
+
     @field_validator("callback_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
@@ -109,3 +127,14 @@ class ModelList(BaseModel):
 
 def _compact_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _has_nul(value: Any) -> bool:
+    """PostgreSQL cannot store NUL in text; refuse it anywhere in a JSON value."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(item) for item in value)
+    return False

@@ -170,6 +170,8 @@ def list_jobs(
     cursor: str | None,
 ) -> tuple[list[Job], str | None]:
     """Newest first, paginated by an opaque (created_at, id) cursor."""
+    if model is not None and "\x00" in model:
+        raise ApiError(422, "invalid_request", "model: must not contain NUL characters")
     query = select(Job).where(Job.api_key_id == key.id)
     if status:
         query = query.where(Job.status == status)
@@ -197,10 +199,10 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         created, job_id = raw.split("|", 1)
         created_at = dt.datetime.fromisoformat(created)
-        if created_at.tzinfo is None:
-            raise ValueError("naive")
-        return created_at, job_id
-    except ValueError as exc:
+        if created_at.tzinfo is None or not _is_uuid(job_id):
+            raise ValueError("not a cursor")
+        return created_at.astimezone(dt.UTC), job_id
+    except (ValueError, OverflowError) as exc:
         raise ApiError(422, "invalid_request", "cursor: not a cursor this API returned") from exc
 
 

@@ -27,7 +27,7 @@ from core.keys import create_key, verify_token
 from core.settings import Settings
 from ferry.local_redis import start_redis
 
-DRAIN_TIMEOUT_S = 30.0
+MIN_DRAIN_S = 30.0
 READY_TIMEOUT_S = 120.0
 
 
@@ -150,8 +150,10 @@ def up(settings: Settings) -> int:
     finally:
         _say("stopping Ferry...")
         order = ["api", "worker-", "celery-beat", "celery-worker"]
+        # The API may be holding long-polls of up to max_wait_s open.
+        drain_s = max(MIN_DRAIN_S, settings.max_wait_s + 10.0)
         for prefix in order:
-            if not _stop([c for c in children if c.name.startswith(prefix)]):
+            if not _stop([c for c in children if c.name.startswith(prefix)], drain_s):
                 code = code or 1
         if redis_process is not None:
             _stop_process(redis_process)
@@ -186,14 +188,14 @@ def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
     _say("\n".join(lines))
 
 
-def _stop(children: list[Child]) -> bool:
+def _stop(children: list[Child], drain_s: float = MIN_DRAIN_S) -> bool:
     """SIGTERM, then wait (SIGKILL after the drain timeout); False if any ended badly."""
     live = [c for c in children if c.process and c.process.poll() is None]
     for child in live:
         child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     clean = True
     for child in live:
-        code = _wait_or_kill(child.process)  # type: ignore[arg-type]
+        code = _wait_or_kill(child.process, drain_s)  # type: ignore[arg-type]
         # uvicorn re-raises the SIGTERM it handled, after a clean shutdown.
         if code not in (0, -signal.SIGTERM):
             _say(f"{child.name} stopped with code {code}")
@@ -207,9 +209,9 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
         _wait_or_kill(process)
 
 
-def _wait_or_kill(process: subprocess.Popen[bytes]) -> int:
+def _wait_or_kill(process: subprocess.Popen[bytes], drain_s: float = MIN_DRAIN_S) -> int:
     try:
-        return process.wait(timeout=DRAIN_TIMEOUT_S)
+        return process.wait(timeout=drain_s)
     except subprocess.TimeoutExpired:
         process.kill()
         return process.wait()

@@ -82,9 +82,12 @@ class StreamConsumer:
             by_stream.setdefault(entry.stream, []).append(entry.entry_id)
         if not by_stream:
             return
-        pipe = self.client.pipeline(transaction=False)
+        # Acknowledged entries are deleted at once, so the streams hold only
+        # live work and cannot grow without bound.
+        pipe = self.client.pipeline(transaction=True)
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
         pipe.execute()
 
     def dead_letter(self, entries: list[Entry]) -> None:

@@ -154,12 +154,7 @@ class BatchLoop:
             self._run_batch([self.pending.pop(item.key) for item in decision.run])
 
     def _expire(self, entries: list[Entry]) -> None:
-        now = _utc(self.clock())
-        outcomes = [
-            Outcome(e.message.job_id, "expired", error="deadline passed before the job started")
-            for e in entries
-        ]
-        written = self.recorder.finish(outcomes, now, batch_id=None, batch_size=None)
+        written = self._settle_unrunnable([e.message.job_id for e in entries], [])
         self._acknowledge(entries, written)
         log.info("jobs expired", extra={"model": self.model, "count": len(written)})
 
@@ -169,41 +164,21 @@ class BatchLoop:
         claimed, late, exhausted = self.recorder.claim(
             list(by_job), _utc(self.clock()), self.max_attempts
         )
-        outcomes = [
-            Outcome(job_id, "expired", error="deadline passed before the job started")
-            for job_id in late
-        ]
-        if exhausted:
-            self.consumer.dead_letter([by_job[job_id] for job_id in exhausted])
-            outcomes += [
-                Outcome(
-                    job_id,
-                    "failed",
-                    error=f"gave up after {self.max_attempts} attempts "
-                    "(the worker stopped while running it each time)",
-                )
-                for job_id in exhausted
-            ]
+        written = self._settle_unrunnable(late, [by_job[job_id] for job_id in exhausted])
         started = time.perf_counter()
         results = run_isolating(self.runtime.run, [c.input for c in claimed])
         batch_ms = (time.perf_counter() - started) * 1000.0
-        for job, result in zip(claimed, results, strict=True):
-            if result.ok:
-                outcomes.append(
-                    Outcome(
-                        job.job_id,
-                        "succeeded",
-                        output=result.output,
-                        inference_ms=result.inference_ms,
-                    )
-                )
-            else:
-                outcomes.append(
-                    Outcome(
-                        job.job_id, "failed", error=result.error, inference_ms=result.inference_ms
-                    )
-                )
-        written = self.recorder.finish(
+        outcomes = [
+            Outcome(
+                job.job_id,
+                "succeeded" if result.ok else "failed",
+                output=result.output,
+                error=result.error,
+                inference_ms=result.inference_ms,
+            )
+            for job, result in zip(claimed, results, strict=True)
+        ]
+        written += self.recorder.finish(
             outcomes, _utc(self.clock()), batch_id=batch_id, batch_size=len(claimed) or None
         )
         self._acknowledge(entries, written)
@@ -221,6 +196,25 @@ class BatchLoop:
                 "failed": sum(1 for r in results if not r.ok),
             },
         )
+
+    def _settle_unrunnable(self, late: list[str], exhausted: list[Entry]) -> list[str]:
+        """Record the jobs a batch will not run: past their deadline, or out of attempts."""
+        outcomes = [
+            Outcome(job_id, "expired", error="deadline passed before the job started")
+            for job_id in late
+        ]
+        if exhausted:
+            self.consumer.dead_letter(exhausted)
+            outcomes += [
+                Outcome(
+                    e.message.job_id,
+                    "failed",
+                    error=f"gave up after {self.max_attempts} attempts "
+                    "(the worker stopped while running it each time)",
+                )
+                for e in exhausted
+            ]
+        return self.recorder.finish(outcomes, _utc(self.clock()), batch_id=None, batch_size=None)
 
     def _acknowledge(self, entries: list[Entry], written: list[str]) -> None:
         self.consumer.ack(entries)

@@ -178,13 +178,29 @@ def _children(parent: int) -> dict[int, str]:
     return found
 
 
-def test_a_killed_worker_is_restarted_and_loses_nothing(stack: Stack) -> None:
+def test_a_worker_killed_mid_batch_is_restarted_and_loses_nothing(stack: Stack) -> None:
     workers = [pid for pid, cmd in _children(stack.process.pid).items() if "--model sim" in cmd]
     assert len(workers) == 1, _children(stack.process.pid)
+    # Costly jobs, so batches take long enough to be caught running.
+    ids = [_submit(stack, {"model": "sim", "input": {"cost": 600}})["id"] for _ in range(8)]
+    until = time.monotonic() + 30
+    while True:
+        page = httpx.get(
+            f"{stack.base}/v1/jobs", params={"status": "running", "model": "sim"},
+            headers=stack.headers(), timeout=10,
+        ).json()  # fmt: skip
+        running = [job["id"] for job in page["data"]]
+        if running:
+            break
+        assert time.monotonic() < until
+        time.sleep(0.01)
     os.kill(workers[0], signal.SIGKILL)
-    ids = [_submit(stack, {"model": "sim", "input": {"cost": 2}})["id"] for _ in range(5)]
-    jobs = [_result(stack, job_id) for job_id in ids]
-    assert {job["status"] for job in jobs} == {"succeeded"}
+
+    jobs = {job_id: _result(stack, job_id) for job_id in ids}
+    assert {job["status"] for job in jobs.values()} == {"succeeded"}, jobs
+    assert all(job["output"] == {"cost": 600} for job in jobs.values())
+    # The jobs caught running were run again by the restarted worker, once.
+    assert all(jobs[job_id]["attempts"] == 2 for job_id in running), jobs
     assert any("worker-sim exited with code -9; restarting" in line for line in stack.output)
     assert stack.process.poll() is None
 

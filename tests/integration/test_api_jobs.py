@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -10,6 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from api import services
 from core.db import Job
 from core.settings import Settings
 from core.streams import JobMessage, stream_key
@@ -118,6 +122,105 @@ def test_oversize_body_is_a_413(
     assert error["type"] == "payload_too_large"
     assert str(settings.max_body_bytes) in error["message"]
     assert response.headers["X-Request-ID"]
+
+
+def test_oversize_chunked_body_is_a_413(
+    client: TestClient, auth: dict[str, str], settings: Settings
+) -> None:
+    chunk = b"x" * 4096
+
+    def body() -> Iterator[bytes]:  # no Content-Length: sent chunked
+        for _ in range(settings.max_body_bytes // len(chunk) + 2):
+            yield chunk
+
+    response = client.post(
+        "/v1/jobs", content=body(), headers={**auth, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "payload_too_large"
+
+
+def test_small_chunked_body_is_accepted(client: TestClient, auth: dict[str, str]) -> None:
+    def body() -> Iterator[bytes]:
+        yield b'{"model": "sim", '
+        yield b'"input": {"cost": 2}}'
+
+    response = client.post(
+        "/v1/jobs", content=body(), headers={**auth, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 202, response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"model": "sim", "input": {"cost": 1}, "metadata": {"a": float("nan")}}, "metadata"),
+        ({"model": "minilm", "input": "a\x00b"}, "input: Value error, must not contain NUL"),
+        ({"model": "sim", "input": {"cost": 1}, "idempotency_key": "k\x00"}, "idempotency_key"),
+        (
+            {"model": "sim", "input": {"cost": 1}, "callback_url": "https://a\x00.b/"},
+            "callback_url",
+        ),
+        ({"model": "sim", "input": {"cost": 1}, "metadata": {"k\x00": 1}}, "metadata"),
+    ],
+)
+def test_values_the_database_cannot_store_are_a_422(
+    client: TestClient, auth: dict[str, str], body: dict[str, Any], needle: str
+) -> None:
+    payload = json.dumps(body)  # allows NaN, as some clients do
+    response = client.post(
+        "/v1/jobs", content=payload, headers={**auth, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 422, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"model": "s\x00im"},
+        {"cursor": "MDAwMS0wMS0wMVQwMDowMDowMCsxNDowMHx4"},  # year 1, +14:00: overflows
+        {"cursor": "bm90IGEgY3Vyc29y"},
+    ],
+)
+def test_bad_list_parameters_are_a_422(
+    client: TestClient, auth: dict[str, str], params: dict[str, str]
+) -> None:
+    response = client.get("/v1/jobs", params=params, headers=auth)
+    assert response.status_code == 422, response.text
+    assert next(iter(params)) in response.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_bare_500_with_the_request_id(
+    client: TestClient, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(services, "list_jobs", broken)
+    response = client.get("/v1/jobs", headers={**auth, "X-Request-ID": "req-42"})
+    assert response.status_code == 500
+    assert response.headers["X-Request-ID"] == "req-42"
+    assert response.json() == {
+        "error": {"type": "internal_error", "message": "internal error (request_id req-42)"}
+    }
+    assert "secret" not in response.text
+
+
+def test_a_long_poll_holds_no_database_connection(client: TestClient, auth: dict[str, str]) -> None:
+    job = submit(client, auth, model="sim", input={"cost": 1}).json()
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    poll = threading.Thread(
+        target=client.get, args=(f"/v1/jobs/{job['id']}",),
+        kwargs={"params": {"wait": 2}, "headers": auth},
+    )  # fmt: skip
+    poll.start()
+    samples = []
+    for _ in range(3):
+        time.sleep(0.25)
+        samples.append(engine.pool.checkedout())
+    poll.join(10)
+    assert samples == [0, 0, 0]
 
 
 @pytest.mark.parametrize(

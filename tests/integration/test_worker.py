@@ -65,6 +65,10 @@ def test_queued_jobs_run_in_batches_and_are_acknowledged(
     assert sum(s or 0 for s in sizes.values()) == 20  # each job in exactly one batch
     assert loop.stats.jobs == 20
     assert pending_count(redis_client, settings) == 0
+    # Acknowledged entries are deleted: the stream holds only live work.
+    assert redis_client.xlen(stream_key(settings.key_prefix, "sim", "normal")) == 0
+    models = client.get("/v1/models", headers=auth).json()["data"]
+    assert next(m for m in models if m["name"] == "sim")["queue_depth"]["normal"] == 0
 
 
 def test_a_poison_input_fails_alone(
@@ -82,6 +86,8 @@ def test_a_poison_input_fails_alone(
     assert "SimulatedFailure" in (rows[bad].error or "")
     assert rows[bad].output is None
     assert {rows[i].status for i in good} == {"succeeded"}
+    # It shared its batch with good inputs: bisection, not luck, isolated it.
+    assert rows[bad].batch_id in {rows[i].batch_id for i in good}
 
 
 def test_missed_deadlines_expire_without_running(
