@@ -16,6 +16,29 @@ MAX_METADATA_BYTES = 16_384
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 
 
+class ErrorDetail(BaseModel):
+    type: str = Field(description="Machine-readable kind, e.g. invalid_request, not_found.")
+    message: str = Field(description="What went wrong; names the field for invalid input.")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer."""
+    meaning = {
+        400: "Malformed JSON.",
+        401: "Missing, malformed or revoked API key.",
+        404: "No such job for this key.",
+        409: "The job is in the wrong state, or the idempotency key was used differently.",
+        413: "Request body too large.",
+        422: "Invalid input; the message names the field.",
+        503: "Redis or the database is unavailable; see Retry-After.",
+    }
+    return {s: {"model": ErrorBody, "description": meaning[s]} for s in statuses}
+
+
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -12,15 +12,17 @@ from fastapi.concurrency import run_in_threadpool
 from api import services
 from api.deps import CatalogDep, HubDep, KeyDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import JobCreate, JobList, JobResource, JobStatus
+from api.schemas import JobCreate, JobList, JobResource, JobStatus, error_responses
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
 # A waiting request re-reads the row this often even without a wake-up.
 RECHECK_S = 1.0
 
 
-@router.post("", status_code=202, response_model=JobResource)
+@router.post(
+    "", status_code=202, response_model=JobResource, responses=error_responses(400, 409, 413)
+)
 def create_job(
     body: JobCreate,
     request: Request,
@@ -48,7 +50,7 @@ def create_job(
     return services.to_resource(submitted.job, submitted.estimated_wait_ms)
 
 
-@router.get("/{job_id}", response_model=JobResource)
+@router.get("/{job_id}", response_model=JobResource, responses=error_responses(404))
 async def read_job(
     job_id: str,
     request: Request,
@@ -82,7 +84,7 @@ async def read_job(
     return services.to_resource(job)
 
 
-@router.delete("/{job_id}", response_model=JobResource)
+@router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))
 def cancel_job(job_id: str, key: KeyDep, session: SessionDep) -> JobResource:
     return services.to_resource(services.cancel_job(session, key, job_id))
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
-from api.schemas import ModelInfo, ModelList
+from api.schemas import ModelInfo, ModelList, error_responses
 from core.queues import lane_depths, live_workers, model_stats
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-@router.get("/v1/models", response_model=ModelList, tags=["models"])
+@router.get(
+    "/v1/models", response_model=ModelList, tags=["models"], responses=error_responses(401, 503)
+)
 def list_models(
     _key: KeyDep, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
 ) -> ModelList:

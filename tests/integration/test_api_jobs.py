@@ -358,3 +358,11 @@ def test_health_and_readiness(client: TestClient) -> None:
     assert ready.json()["checks"] == {"redis": "ok", "database": "ok"}
     assert client.get("/docs").status_code == 200
     assert "/v1/jobs" in client.get("/openapi.json").json()["paths"]
+
+
+def test_openapi_documents_the_error_statuses(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    post = spec["paths"]["/v1/jobs"]["post"]["responses"]
+    assert {"202", "400", "401", "409", "413", "422", "503"} <= set(post)
+    schema = post["422"]["content"]["application/json"]["schema"]["$ref"]
+    assert schema.endswith("/ErrorBody")
