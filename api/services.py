@@ -19,6 +19,7 @@ from api.schemas import BatchInfo, CallbackInfo, JobCreate, JobResource, Timings
 from core.catalog import InputError, ModelSpec
 from core.db import TERMINAL_STATUSES, ApiKey, Job, utcnow
 from core.queues import lane_depths, model_stats
+from core.settings import LANES
 from core.streams import JobMessage, stream_key
 
 log = logging.getLogger(__name__)
@@ -125,15 +126,13 @@ def _replay(existing: Job, body: JobCreate, validated_input: object) -> Submitte
 def _estimate_wait_ms(client: redis.Redis, prefix: str, spec: ModelSpec, lane: str) -> float | None:
     """Batches ahead of this job times the learned batch latency (a first estimate)."""
     try:
+        avg_batch_ms = model_stats(client, prefix, spec.name).get("avg_batch_ms")
+        if avg_batch_ms is None:  # nothing learned yet: spare the depth reads
+            return None
         depths = lane_depths(client, prefix, spec.name)
-        stats = model_stats(client, prefix, spec.name)
     except redis.RedisError:
         return None
-    avg_batch_ms = stats.get("avg_batch_ms")
-    if avg_batch_ms is None:
-        return None
-    lanes = ["urgent", "vip", "normal", "bulk"]
-    ahead = sum(depths[name] for name in lanes[: lanes.index(lane) + 1])
+    ahead = sum(depths[name] for name in LANES[: LANES.index(lane) + 1])
     return round(math.ceil(max(ahead, 1) / spec.max_batch_size) * avg_batch_ms, 1)
 
 

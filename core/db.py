@@ -26,7 +26,6 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
-JOB_STATUSES = ("queued", "running", *TERMINAL_STATUSES)
 
 
 def utcnow() -> dt.datetime:

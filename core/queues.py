@@ -7,14 +7,14 @@ from typing import Any
 import redis
 
 from core.settings import LANES
-from core.streams import GROUP, stats_key, stream_key, worker_pattern
+from core.streams import GROUP, lane_streams, stats_key, worker_pattern
 
 DEPTH_SCAN_LIMIT = 10_000
 
 
 def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
     """Entries per lane not yet acknowledged: delivered-but-pending plus undelivered."""
-    keys = [stream_key(prefix, model, lane) for lane in LANES]
+    keys = lane_streams(prefix, model)
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.exists(key)

@@ -8,8 +8,7 @@ from typing import Any, cast
 
 import redis
 
-from core.settings import LANES
-from core.streams import GROUP, JobMessage, ProtocolError, dead_letter_key, stream_key
+from core.streams import GROUP, JobMessage, ProtocolError, dead_letter_key, lane_streams
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ class StreamConsumer:
         self.prefix = prefix
         self.model = model
         self.consumer = consumer
-        self.streams = [stream_key(prefix, model, lane) for lane in LANES]
+        self.streams = lane_streams(prefix, model)
         # Entries this consumer name was given before a restart and never
         # acknowledged; they are read again (from id 0) before new ones.
         self._backlog: dict[str, str] = {}

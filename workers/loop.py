@@ -39,7 +39,6 @@ RETRY_MAX_S = 10.0
 class LoopStats:
     batches: int = 0
     jobs: int = 0
-    max_batch_size: int = 0
     avg_batch_ms: float = 0.0
 
 
@@ -225,7 +224,6 @@ class BatchLoop:
         stats = self.stats
         stats.batches += 1
         stats.jobs += size
-        stats.max_batch_size = max(stats.max_batch_size, size)
         alpha = 0.2
         stats.avg_batch_ms = (
             batch_ms if stats.batches == 1 else (1 - alpha) * stats.avg_batch_ms + alpha * batch_ms
