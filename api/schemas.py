@@ -19,6 +19,9 @@ MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 class ErrorDetail(BaseModel):
     type: str = Field(description="Machine-readable kind, e.g. invalid_request, not_found.")
     message: str = Field(description="What went wrong; names the field for invalid input.")
+    estimated_wait_ms: float | None = Field(
+        default=None, description="On deadline_unattainable: when the job would have finished."
+    )
 
 
 class ErrorBody(BaseModel):
@@ -34,6 +37,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         409: "The job is in the wrong state, or the idempotency key was used differently.",
         413: "Request body too large.",
         422: "Invalid input; the message names the field.",
+        429: "deadline_unattainable: the queue ahead makes the deadline impossible "
+        "(the error carries estimated_wait_ms).",
         503: "Redis or the database is unavailable; see Retry-After.",
     }
     return {s: {"model": ErrorBody, "description": meaning[s]} for s in statuses}
@@ -123,7 +128,10 @@ class JobResource(BaseModel):
     callback: CallbackInfo | None
     metadata: dict[str, Any] | None
     estimated_wait_ms: float | None = Field(
-        default=None, description="Only on the 202 that accepted the job."
+        default=None,
+        description="Only on the 202 that accepted the job: predicted milliseconds until it "
+        "finishes, from the queue ahead and what the workers learned (null until a worker "
+        "has published its estimates).",
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
-import math
 import uuid
 from dataclasses import dataclass
 
@@ -18,7 +17,8 @@ from api.errors import ApiError
 from api.schemas import BatchInfo, CallbackInfo, JobCreate, JobResource, Timings
 from core.catalog import InputError, ModelSpec
 from core.db import TERMINAL_STATUSES, ApiKey, Job, utcnow
-from core.queues import lane_depths, model_stats
+from core.estimates import ModelEstimate, estimate_wait_s
+from core.queues import lane_depths, live_workers, model_stats
 from core.settings import LANES
 from core.streams import JobMessage, stream_key
 
@@ -62,6 +62,17 @@ def submit_job(
         existing = _by_idempotency_key(session, key.id, idem)
         if existing is not None:
             return _replay(existing, body, validated.input)
+
+    estimate_ms = _estimate_wait_ms(client, prefix, spec.name, body.priority, validated.cost)
+    if body.deadline_ms is not None and estimate_ms is not None and estimate_ms > body.deadline_ms:
+        # Refuse now rather than accept a job that would only expire in the queue.
+        raise ApiError(
+            429,
+            "deadline_unattainable",
+            f"deadline_ms: {body.deadline_ms} ms cannot be met; with the queue ahead "
+            f"this job would finish in about {estimate_ms:.0f} ms",
+            estimated_wait_ms=estimate_ms,
+        )
 
     now = utcnow()
     job = Job(
@@ -108,7 +119,7 @@ def submit_job(
         raise ApiError(
             503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
         ) from exc
-    return Submitted(job, False, _estimate_wait_ms(client, prefix, spec, job.priority))
+    return Submitted(job, False, estimate_ms)
 
 
 def _by_idempotency_key(session: Session, key_id: str, idem: str) -> Job | None:
@@ -123,17 +134,20 @@ def _replay(existing: Job, body: JobCreate, validated_input: object) -> Submitte
     return Submitted(existing, True, None)
 
 
-def _estimate_wait_ms(client: redis.Redis, prefix: str, spec: ModelSpec, lane: str) -> float | None:
-    """Batches ahead of this job times the learned batch latency (a first estimate)."""
+def _estimate_wait_ms(
+    client: redis.Redis, prefix: str, model: str, lane: str, cost: int
+) -> float | None:
+    """From what the model's workers learned and the queue ahead (None: nothing learned yet)."""
     try:
-        avg_batch_ms = model_stats(client, prefix, spec.name).get("avg_batch_ms")
-        if avg_batch_ms is None:  # nothing learned yet: spare the depth reads
+        estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
+        if estimate is None:  # no worker has published: spare the depth reads
             return None
-        depths = lane_depths(client, prefix, spec.name)
+        depths = lane_depths(client, prefix, model)
+        workers = live_workers(client, prefix, model)
     except redis.RedisError:
         return None
     ahead = sum(depths[name] for name in LANES[: LANES.index(lane) + 1])
-    return round(math.ceil(max(ahead, 1) / spec.max_batch_size) * avg_batch_ms, 1)
+    return round(estimate_wait_s(estimate, ahead, cost, workers) * 1000.0, 1)
 
 
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:

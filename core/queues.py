@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
 
 from core.settings import LANES
-from core.streams import GROUP, lane_streams, stats_key, worker_pattern
+from core.streams import GROUP, lane_streams, stats_key, workers_key
 
 DEPTH_SCAN_LIMIT = 10_000
+HEARTBEAT_TTL_S = 10.0  # a worker that has not beaten for this long is not live
 
 
 def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
@@ -46,8 +48,9 @@ def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
     return depths
 
 
-def live_workers(client: redis.Redis, prefix: str, model: str) -> int:
-    return sum(1 for _ in client.scan_iter(match=worker_pattern(prefix, model), count=100))
+def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None = None) -> int:
+    now = time.time() if now is None else now
+    return int(client.zcount(workers_key(prefix, model), now - HEARTBEAT_TTL_S, "+inf"))
 
 
 def model_stats(client: redis.Redis, prefix: str, model: str) -> dict[str, float]:

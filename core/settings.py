@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LANES = ("urgent", "vip", "normal", "bulk")
+# The settings FERRY_MODEL_SETTINGS may override for one model.
+PER_MODEL = frozenset(
+    {
+        "scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
+        "batch_window_max_ms", "latency_target_ms", "memory_budget_bytes",
+        "memory_threshold", "bulk_share", "fixed_max_delay_ms",
+    }
+)  # fmt: skip
 
 
 class Settings(BaseSettings):
@@ -36,9 +44,27 @@ class Settings(BaseSettings):
     # Models that `ferry up` starts a worker for, comma-separated.
     models: str = "minilm,sim"
 
-    # Batching (the first, simple policy).
+    # Batching (DESIGN.md §5). Every knob in this block can be set per model
+    # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.
+    # ferry: Ferry's scheduler. fixed: max size + max delay, first come first
+    # served (what Triton and Ray Serve do). none: one job at a time.
+    scheduler: Literal["ferry", "fixed", "none"] = "ferry"
     batch_max_size: int = Field(32, ge=1, le=4096)
-    batch_window_ms: float = Field(10.0, ge=0)
+    # Most work in one batch: padded tokens for minilm, the sum of costs for
+    # sim. Unset: no cost cap (memory still caps it).
+    batch_max_cost: int | None = Field(None, ge=1)
+    batch_window_min_ms: float = Field(0.0, ge=0)
+    batch_window_max_ms: float = Field(20.0, ge=0)
+    # The adaptive window shrinks when jobs take longer than this. Unset: three
+    # times the average batch latency.
+    latency_target_ms: float | None = Field(None, gt=0)
+    # The memory a model may use. Unset: on a GPU, the device's memory; on the
+    # CPU, the model's declared estimate of its largest batch.
+    memory_budget_bytes: int | None = Field(None, ge=1)
+    memory_threshold: float = Field(0.8, gt=0, le=1)
+    bulk_share: float = Field(0.05, ge=0, lt=1)
+    fixed_max_delay_ms: float = Field(5.0, ge=0)  # the `fixed` scheduler's delay
+    model_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     prefetch: int = Field(128, ge=1)
     max_attempts: int = Field(3, ge=1)
 
@@ -61,6 +87,8 @@ class Settings(BaseSettings):
     sim_memory_base_bytes: int = Field(64 * 2**20, ge=0)
     sim_memory_per_cost_bytes: int = Field(2**20, ge=0)
     sim_max_cost: int = Field(4096, ge=1)
+    # Simulate an out-of-memory error when a sim batch's memory passes this (0: never).
+    sim_memory_capacity_bytes: int = Field(0, ge=0)
 
     log_level: str = "INFO"
 
@@ -68,6 +96,41 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("model_settings")
+    @classmethod
+    def _only_model_knobs(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for model, knobs in value.items():
+            for name, knob in knobs.items():
+                if name not in PER_MODEL:
+                    allowed = ", ".join(sorted(PER_MODEL))
+                    raise ValueError(f"{model}.{name} cannot be set per model ({allowed})")
+                field = cls.model_fields[name]
+                try:
+                    kind: Any = Annotated[field.annotation, *field.metadata]
+                    TypeAdapter(kind).validate_python(knob)
+                except ValidationError as exc:
+                    reason = exc.errors()[0]["msg"]
+                    raise ValueError(f"{model}.{name}: {reason}") from None
+        return value
+
+    @field_validator("batch_window_max_ms")
+    @classmethod
+    def _window_bounds(cls, value: float, info: ValidationInfo) -> float:
+        low = info.data.get("batch_window_min_ms", 0.0)
+        if value < low:
+            raise ValueError(f"must not be below batch_window_min_ms ({low})")
+        return value
+
+    def for_model(self, model: str) -> Settings:
+        """These settings with the model's own overrides from ``model_settings`` applied."""
+        overrides = self.model_settings.get(model)
+        if not overrides:
+            return self
+        data = self.model_dump()
+        data.update(overrides)
+        data["model_settings"] = {}
+        return type(self).model_validate(data)
 
     @property
     def model_names(self) -> list[str]:

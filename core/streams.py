@@ -37,13 +37,9 @@ def done_channel(prefix: str) -> str:
     return f"{prefix}:done"
 
 
-def worker_key(prefix: str, model: str, consumer: str) -> str:
-    """A live worker's heartbeat key (expires when the worker stops beating)."""
-    return f"{prefix}:{{{model}}}:worker:{consumer}"
-
-
-def worker_pattern(prefix: str, model: str) -> str:
-    return f"{prefix}:{{{model}}}:worker:*"
+def workers_key(prefix: str, model: str) -> str:
+    """Sorted set of the model's workers, scored by their last heartbeat (epoch seconds)."""
+    return f"{prefix}:{{{model}}}:workers"
 
 
 def stats_key(prefix: str, model: str) -> str:

@@ -1,7 +1,8 @@
 """Run a batch so that every input gets exactly one outcome.
 
 A batch that raises is bisected until the failing inputs are isolated: only
-they fail (with the model's error), the others succeed.
+they fail (with the model's error), the others succeed. A batch that runs out
+of memory is halved until the halves fit: nobody fails for it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from workers.runtimes.base import OutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +30,48 @@ def run_isolating(
     run: Callable[[list[Any]], list[Any]],
     inputs: list[Any],
     clock: Callable[[], float] = time.perf_counter,
+    on_oom: Callable[[int, int], None] | None = None,
 ) -> list[ItemResult]:
-    if not inputs:
+    """Run ``inputs``; an out-of-memory halves the batch, any other error bisects it.
+
+    ``on_oom(start, end)`` is told which slice of ``inputs`` ran out of memory,
+    so the caller can learn from it.
+    """
+    return _run_slice(run, inputs, 0, len(inputs), clock, on_oom)
+
+
+def _run_slice(
+    run: Callable[[list[Any]], list[Any]],
+    inputs: list[Any],
+    start: int,
+    end: int,
+    clock: Callable[[], float],
+    on_oom: Callable[[int, int], None] | None,
+) -> list[ItemResult]:
+    if start >= end:
         return []
+    batch = inputs[start:end]
     started = clock()
     try:
-        outputs = run(inputs)
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
+        outputs = run(batch)
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(batch)} inputs")
     except Exception as exc:
-        if len(inputs) == 1:
-            return [ItemResult(ok=False, error=_describe(exc), inference_ms=_ms(clock, started))]
+        out_of_memory = isinstance(exc, OutOfMemory)
+        if out_of_memory and on_oom is not None:
+            on_oom(start, end)
+        if len(batch) == 1:
+            error = _describe(exc)
+            if out_of_memory:
+                error = f"{error} (even alone: the input is too large for this device)"
+            return [ItemResult(ok=False, error=error, inference_ms=_ms(clock, started))]
         log.warning(
-            "batch raised; bisecting",
-            extra={"size": len(inputs), "error_type": type(exc).__name__},
+            "batch out of memory; splitting" if out_of_memory else "batch raised; bisecting",
+            extra={"size": len(batch), "error_type": type(exc).__name__},
         )
-        middle = len(inputs) // 2
-        return run_isolating(run, inputs[:middle], clock) + run_isolating(
-            run, inputs[middle:], clock
+        middle = (start + end) // 2
+        return _run_slice(run, inputs, start, middle, clock, on_oom) + _run_slice(
+            run, inputs, middle, end, clock, on_oom
         )
     elapsed = _ms(clock, started)
     return [ItemResult(ok=True, output=output, inference_ms=elapsed) for output in outputs]

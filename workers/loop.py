@@ -19,17 +19,20 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from core.streams import done_channel, stats_key, worker_key
-from scheduler import BatchDecision, PendingItem, Profile, decide
+from core.queues import HEARTBEAT_TTL_S
+from core.streams import done_channel, stats_key, workers_key
+from scheduler import BatchDecision, PendingItem
+from scheduler.learning import BatchObservation, SchedulerState
+from scheduler.policy import efficiency
 from workers.consumer import Entry, StreamConsumer
 from workers.execute import run_isolating
 from workers.recorder import Outcome, Recorder
 from workers.runtimes.base import Runtime
+from workers.scheduling import Policy, estimate_of
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
-HEARTBEAT_TTL_S = 10
 MAX_BLOCK_MS = 1000
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
@@ -37,9 +40,25 @@ RETRY_MAX_S = 10.0
 
 @dataclass
 class LoopStats:
+    """Running averages of recent batches (what /v1/models and the API's estimates show)."""
+
     batches: int = 0
     jobs: int = 0
     avg_batch_ms: float = 0.0
+    avg_batch_size: float = 0.0
+    mean_cost: float = 0.0  # per item
+    pad_ratio: float = 1.0  # work / sum of costs
+    efficiency: float = 1.0
+
+    def add(self, size: int, cost: int, work: float, batch_ms: float, eff: float) -> None:
+        self.batches += 1
+        self.jobs += size
+        alpha = 1.0 if self.batches == 1 else 0.2
+        self.avg_batch_ms += alpha * (batch_ms - self.avg_batch_ms)
+        self.avg_batch_size += alpha * (size - self.avg_batch_size)
+        self.mean_cost += alpha * (cost / size - self.mean_cost)
+        self.pad_ratio += alpha * (work / max(cost, 1) - self.pad_ratio)
+        self.efficiency += alpha * (eff - self.efficiency)
 
 
 class BatchLoop:
@@ -51,7 +70,8 @@ class BatchLoop:
         recorder: Recorder,
         client: redis.Redis,
         prefix: str,
-        profile: Profile,
+        state: SchedulerState,
+        policy: Policy,
         prefetch: int,
         max_attempts: int = 3,
         clock: Callable[[], float] = time.time,
@@ -61,8 +81,9 @@ class BatchLoop:
         self.recorder = recorder
         self.client = client
         self.prefix = prefix
-        self.profile = profile
-        self.prefetch = prefetch
+        self.state = state
+        self.policy = policy
+        self.prefetch = max(prefetch, state.tuning.max_batch_size)
         self.max_attempts = max_attempts
         self.clock = clock
         self.pending: dict[str, Entry] = {}
@@ -75,6 +96,7 @@ class BatchLoop:
 
     def run(self, stop: threading.Event) -> None:
         self._retrying(stop, self.consumer.ensure_groups)
+        self._retrying(stop, self._publish)
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
         wait_ms: int | None = MAX_BLOCK_MS
         backoff_s = RETRY_MIN_S
@@ -98,14 +120,14 @@ class BatchLoop:
         # Entries read but not run stay unacknowledged; this consumer name gets
         # them back at its next start.
         with contextlib.suppress(redis.RedisError):
-            self.client.delete(worker_key(self.prefix, self.model, self.consumer.consumer))
+            self.client.zrem(workers_key(self.prefix, self.model), self.consumer.consumer)
         log.info("worker stopped", extra={"model": self.model, "left_pending": len(self.pending)})
 
     def step(self, wait_ms: int | None) -> int | None:
         """One turn: read, decide, apply. Returns how long the next read may block."""
         self._heartbeat()
         self._fill(wait_ms)
-        decision = decide(self._items(), self.profile, self.clock())
+        decision = self.policy(self._items(), self.clock())
         self.apply(decision)
         if decision.run:
             return None  # more may be ready: look again without blocking
@@ -120,7 +142,7 @@ class BatchLoop:
                 action()
                 return
             except redis.RedisError as exc:
-                log.warning("redis unavailable at start; retrying",
+                log.warning("redis unavailable; retrying",
                             extra={"error_type": type(exc).__name__})  # fmt: skip
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
@@ -130,7 +152,10 @@ class BatchLoop:
         if room <= 0:
             return
         for entry in self.consumer.read(room, block_ms):
-            self.pending.setdefault(entry.entry_id + "@" + entry.stream, entry)
+            key = entry.entry_id + "@" + entry.stream
+            if key not in self.pending:
+                self.pending[key] = entry
+                self.state.observe_arrival(entry.message.cost)
 
     def _items(self) -> list[PendingItem]:
         return [
@@ -153,7 +178,9 @@ class BatchLoop:
             self._run_batch([self.pending.pop(item.key) for item in decision.run])
 
     def _expire(self, entries: list[Entry]) -> None:
-        written = self._settle_unrunnable([e.message.job_id for e in entries], [])
+        written = self._settle_unrunnable(
+            [e.message.job_id for e in entries], [], "the deadline cannot be met"
+        )
         self._acknowledge(entries, written)
         log.info("jobs expired", extra={"model": self.model, "count": len(written)})
 
@@ -163,10 +190,23 @@ class BatchLoop:
         claimed, late, exhausted = self.recorder.claim(
             list(by_job), _utc(self.clock()), self.max_attempts
         )
-        written = self._settle_unrunnable(late, [by_job[job_id] for job_id in exhausted])
+        written = self._settle_unrunnable(
+            late, [by_job[job_id] for job_id in exhausted], "the deadline passed before it started"
+        )
+        costs = [by_job[job.job_id].message.cost for job in claimed]
+        self.state.batch_started()
+
+        def out_of_memory(start: int, end: int) -> None:
+            self.state.observe_oom(self._work(costs[start:end]))
+            log.warning(
+                "out of memory; memory ceiling lowered",
+                extra={"model": self.model, "batch_id": batch_id, "size": end - start,
+                       "memory_ceiling_bytes": round(self.state.memory_ceiling)},
+            )  # fmt: skip
+
         started = time.perf_counter()
-        results = run_isolating(self.runtime.run, [c.input for c in claimed])
-        batch_ms = (time.perf_counter() - started) * 1000.0
+        results = run_isolating(self.runtime.run, [c.input for c in claimed], on_oom=out_of_memory)
+        batch_s = time.perf_counter() - started
         outcomes = [
             Outcome(
                 job.job_id,
@@ -177,31 +217,50 @@ class BatchLoop:
             )
             for job, result in zip(claimed, results, strict=True)
         ]
+        finished_at = self.clock()
         written += self.recorder.finish(
-            outcomes, _utc(self.clock()), batch_id=batch_id, batch_size=len(claimed) or None
+            outcomes, _utc(finished_at), batch_id=batch_id, batch_size=len(claimed) or None
         )
         self._acknowledge(entries, written)
+        eff = efficiency(costs)
         if claimed:
-            self._learn(len(claimed), batch_ms)
+            self._learn(
+                BatchObservation(
+                    size=len(claimed),
+                    cost=sum(costs),
+                    work=self._work(costs),
+                    latency_s=batch_s,
+                    ended_s=finished_at,
+                    job_latency_s=[
+                        finished_at - by_job[job.job_id].message.enqueued_at_ms / 1000.0
+                        for job in claimed
+                    ],
+                    peak_memory_bytes=self.runtime.peak_memory_bytes,
+                ),
+                eff,
+            )
         log.info(
             "batch done",
             extra={
                 "model": self.model,
                 "batch_id": batch_id,
                 "size": len(claimed),
-                "cost": sum(e.message.cost for e in entries),
+                "cost": sum(costs),
+                "efficiency": round(eff, 3),
                 "lanes": sorted({e.message.lane for e in entries}),
-                "batch_ms": round(batch_ms, 2),
+                "batch_ms": round(batch_s * 1000.0, 2),
                 "failed": sum(1 for r in results if not r.ok),
             },
         )
 
-    def _settle_unrunnable(self, late: list[str], exhausted: list[Entry]) -> list[str]:
+    def _work(self, costs: list[int]) -> float:
+        if not costs:
+            return 0.0
+        return len(costs) * max(costs) if self.state.tuning.padded else float(sum(costs))
+
+    def _settle_unrunnable(self, late: list[str], exhausted: list[Entry], why: str) -> list[str]:
         """Record the jobs a batch will not run: past their deadline, or out of attempts."""
-        outcomes = [
-            Outcome(job_id, "expired", error="deadline passed before the job started")
-            for job_id in late
-        ]
+        outcomes = [Outcome(job_id, "expired", error=why) for job_id in late]
         if exhausted:
             self.consumer.dead_letter(exhausted)
             outcomes += [
@@ -220,33 +279,38 @@ class BatchLoop:
         if written:
             self.client.publish(done_channel(self.prefix), ",".join(written))
 
-    def _learn(self, size: int, batch_ms: float) -> None:
+    def _learn(self, seen: BatchObservation, eff: float) -> None:
+        self.state.observe_batch(seen)
+        self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
+        self._publish()
+
+    def _publish(self) -> None:
+        """What this worker has learned, for /v1/models and the API's wait estimates."""
         stats = self.stats
-        stats.batches += 1
-        stats.jobs += size
-        alpha = 0.2
-        stats.avg_batch_ms = (
-            batch_ms if stats.batches == 1 else (1 - alpha) * stats.avg_batch_ms + alpha * batch_ms
+        estimate = estimate_of(
+            self.state, stats.mean_cost, stats.pad_ratio if self.state.tuning.padded else 1.0
         )
-        self.client.hset(
-            stats_key(self.prefix, self.model),
-            mapping={
+        mapping = estimate.to_hash()
+        if stats.batches:
+            mapping |= {
                 "avg_batch_ms": f"{stats.avg_batch_ms:.3f}",
-                "avg_batch_size": f"{stats.jobs / stats.batches:.3f}",
-                "max_batch_size": str(self.profile.max_batch_size),
-            },
-        )
+                "avg_batch_size": f"{stats.avg_batch_size:.3f}",
+                "efficiency": f"{stats.efficiency:.4f}",
+            }
+        self.client.hset(stats_key(self.prefix, self.model), mapping=mapping)  # type: ignore[arg-type]
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._last_beat < HEARTBEAT_S:
             return
         self._last_beat = now
-        self.client.set(
-            worker_key(self.prefix, self.model, self.consumer.consumer),
-            self.runtime.device,
-            ex=HEARTBEAT_TTL_S,
-        )
+        key = workers_key(self.prefix, self.model)
+        wall = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(key, {self.consumer.consumer: wall})
+        # Workers that died without saying so: forget them after a while.
+        pipe.zremrangebyscore(key, "-inf", wall - 30 * HEARTBEAT_TTL_S)
+        pipe.execute()
 
 
 def _utc(epoch_s: float) -> dt.datetime:

@@ -12,11 +12,11 @@ import redis
 
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
-from scheduler import Profile
 from workers.consumer import StreamConsumer
 from workers.loop import BatchLoop
 from workers.recorder import Recorder
 from workers.runtimes import load_runtime
+from workers.scheduling import build_state, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,11 @@ def default_consumer_name(model: str, device: str) -> str:
 def build_loop(
     settings: Settings, model: str, device: str | None = None, name: str | None = None
 ) -> BatchLoop:
+    settings = settings.for_model(model)
     if not settings.redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
     runtime = load_runtime(model, settings, device)
+    state = build_state(settings, runtime)
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     consumer = StreamConsumer(
         client,
@@ -47,10 +49,9 @@ def build_loop(
         recorder=Recorder(make_sessionmaker(engine)),
         client=client,
         prefix=settings.key_prefix,
-        profile=Profile(
-            max_batch_size=settings.batch_max_size, window_s=settings.batch_window_ms / 1000.0
-        ),
-        prefetch=max(settings.prefetch, settings.batch_max_size),
+        state=state,
+        policy=make_policy(settings.scheduler, state, settings.fixed_max_delay_ms / 1000.0),
+        prefetch=settings.prefetch,
         max_attempts=settings.max_attempts,
     )
 

@@ -61,7 +61,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env.update(
         FERRY_API_PORT=str(port),
         FERRY_SIM_LATENCY_BASE_MS="40",
-        FERRY_BATCH_WINDOW_MS="20",
+        FERRY_BATCH_WINDOW_MIN_MS="20",
+        FERRY_BATCH_WINDOW_MAX_MS="20",
         FERRY_LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )

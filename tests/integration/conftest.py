@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -15,11 +14,8 @@ from api.app import create_app
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
-from scheduler import Profile
-from workers.consumer import StreamConsumer
 from workers.loop import BatchLoop
-from workers.recorder import Recorder
-from workers.runtimes import load_runtime
+from workers.main import build_loop
 
 
 @pytest.fixture
@@ -32,7 +28,8 @@ def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path)
         sim_latency_base_ms=5.0,
         sim_latency_per_cost_ms=0.1,
         batch_max_size=8,
-        batch_window_ms=20.0,
+        batch_window_min_ms=20.0,
+        batch_window_max_ms=20.0,
         max_body_bytes=64 * 1024,
         max_wait_s=10.0,
     )
@@ -71,18 +68,7 @@ def auth(token: str) -> dict[str, str]:
 
 
 def build_sim_loop(settings: Settings, name: str = "test-worker") -> BatchLoop:
-    assert settings.redis_url
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    return BatchLoop(
-        runtime=load_runtime("sim", settings),
-        consumer=StreamConsumer(client, settings.key_prefix, "sim", name),
-        recorder=Recorder(make_sessionmaker(make_engine(settings.sqlalchemy_url))),
-        client=client,
-        prefix=settings.key_prefix,
-        profile=Profile(settings.batch_max_size, settings.batch_window_ms / 1000.0),
-        prefetch=settings.prefetch,
-        max_attempts=settings.max_attempts,
-    )
+    return build_loop(settings, "sim", name=name)
 
 
 class RunningLoop:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from workers.execute import ItemResult, run_isolating
+from workers.runtimes.base import OutOfMemory
 
 
 class PoisonError(RuntimeError):
@@ -161,3 +162,36 @@ def test_long_error_message_is_capped() -> None:
     assert result.error is not None
     assert len(result.error) == 2000
     assert result.error.startswith("ValueError: xxx")
+
+
+class SmallDevice:
+    """Runs out of memory for any batch whose sum exceeds ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.calls: list[list[int]] = []
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        self.calls.append(list(inputs))
+        if sum(inputs) > self.capacity:
+            raise OutOfMemory(f"needs {sum(inputs)}, has {self.capacity}")
+        return [value * 2 for value in inputs]
+
+
+def test_out_of_memory_halves_the_batch_until_it_fits() -> None:
+    device = SmallDevice(capacity=20)
+    told: list[tuple[int, int]] = []
+    results = run_isolating(
+        device, [5, 5, 5, 5, 5, 5, 5, 5], on_oom=lambda a, b: told.append((a, b))
+    )
+    assert [r.ok for r in results] == [True] * 8  # nobody fails for it
+    assert [r.output for r in results] == [10] * 8
+    assert told == [(0, 8)]  # the whole batch did not fit; each half did
+    assert device.calls[1:] == [[5, 5, 5, 5], [5, 5, 5, 5]]
+
+
+def test_an_input_too_large_even_alone_fails_with_that_reason() -> None:
+    results = run_isolating(SmallDevice(capacity=20), [5, 50, 5])
+    assert [r.ok for r in results] == [True, False, True]
+    assert results[1].error is not None
+    assert "OutOfMemory" in results[1].error and "even alone" in results[1].error

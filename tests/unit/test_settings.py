@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from core.settings import Settings, get_settings
 
@@ -41,7 +42,10 @@ def test_defaults(tmp_path: Path) -> None:
         ({"FERRY_REDIS_URL": "redis://h:6380/2"}, "redis_url", "redis://h:6380/2"),
         ({"FERRY_KEY_PREFIX": "test-run.1"}, "key_prefix", "test-run.1"),
         ({"FERRY_BATCH_MAX_SIZE": "64"}, "batch_max_size", 64),
-        ({"FERRY_BATCH_WINDOW_MS": "2.5"}, "batch_window_ms", 2.5),
+        ({"FERRY_BATCH_WINDOW_MAX_MS": "2.5"}, "batch_window_max_ms", 2.5),
+        ({"FERRY_BATCH_MAX_COST": "8192"}, "batch_max_cost", 8192),
+        ({"FERRY_SCHEDULER": "fixed"}, "scheduler", "fixed"),
+        ({"FERRY_MEMORY_THRESHOLD": "0.5"}, "memory_threshold", 0.5),
         ({"FERRY_DOCS_ENABLED": "false"}, "docs_enabled", False),
         ({"FERRY_MINILM_OVERLENGTH": "refuse"}, "minilm_overlength", "refuse"),
         ({"FERRY_DATA_DIR": "/var/lib/ferry"}, "data_dir", Path("/var/lib/ferry")),
@@ -112,7 +116,14 @@ def test_model_names(monkeypatch: pytest.MonkeyPatch, models: str, expected: lis
         ("FERRY_KEY_PREFIX", ""),
         ("FERRY_KEY_PREFIX", "a{b}"),  # would break the {model} hash tag
         ("FERRY_BATCH_MAX_SIZE", "0"),
-        ("FERRY_BATCH_WINDOW_MS", "-1"),
+        ("FERRY_BATCH_WINDOW_MAX_MS", "-1"),
+        ("FERRY_SCHEDULER", "fifo"),
+        ("FERRY_MEMORY_THRESHOLD", "0"),
+        ("FERRY_MEMORY_THRESHOLD", "1.5"),
+        ("FERRY_BULK_SHARE", "1"),
+        ("FERRY_BATCH_MAX_COST", "0"),
+        ("FERRY_MODEL_SETTINGS", '{"minilm": {"api_port": 1}}'),
+        ("FERRY_MODEL_SETTINGS", '{"minilm": {"batch_max_size": 0}}'),
         ("FERRY_MINILM_OVERLENGTH", "drop"),
         ("FERRY_MINILM_MAX_TOKENS", "513"),
         ("FERRY_RESULT_TTL_S", "0"),
@@ -142,3 +153,26 @@ def test_get_settings_is_cached_and_built_on_call(monkeypatch: pytest.MonkeyPatc
         assert first.api_port == 8123
     finally:
         get_settings.cache_clear()
+
+
+def test_model_settings_override_only_their_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_BATCH_MAX_SIZE", "16")
+    monkeypatch.setenv(
+        "FERRY_MODEL_SETTINGS", '{"minilm": {"batch_max_size": 64, "batch_max_cost": 8192}}'
+    )
+    settings = Settings()
+    minilm, sim = settings.for_model("minilm"), settings.for_model("sim")
+    assert (minilm.batch_max_size, minilm.batch_max_cost) == (64, 8192)
+    assert (sim.batch_max_size, sim.batch_max_cost) == (16, None)
+    assert settings.batch_max_size == 16  # the shared settings are untouched
+
+
+def test_window_bounds_must_be_ordered() -> None:
+    with pytest.raises(ValidationError, match="batch_window_min_ms"):
+        Settings(batch_window_min_ms=30.0, batch_window_max_ms=10.0)
+
+
+def test_model_settings_must_be_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_MODEL_SETTINGS", "batch_max_size=64")
+    with pytest.raises(SettingsError, match="model_settings"):
+        Settings()

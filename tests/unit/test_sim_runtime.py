@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from workers.runtimes.base import OutOfMemory
 from workers.runtimes.sim import SimRuntime, SimulatedFailure
 
 
@@ -78,3 +79,24 @@ def test_load_needs_nothing() -> None:
     sim.load()
     assert slept == []
     assert (sim.name, sim.device) == ("sim", "sim")
+
+
+@pytest.mark.parametrize(("costs", "fits"), [([32, 32], True), ([32, 33], False), ([1], True)])
+def test_a_capacity_makes_large_batches_run_out_of_memory(costs: list[int], fits: bool) -> None:
+    slept: list[float] = []
+    sim = runtime(slept)
+    sim.memory_capacity_bytes = 64 * 2**20 + 64 * 2**20  # 64 units of cost
+    inputs: list[Any] = [{"cost": c} for c in costs]
+    if fits:
+        assert sim.run(inputs) == [{"cost": c} for c in costs]
+    else:
+        with pytest.raises(OutOfMemory, match="simulated out of memory"):
+            sim.run(inputs)
+        assert slept == []  # it failed before using the device
+
+
+def test_sim_declares_its_latency_and_memory() -> None:
+    sim = runtime([], base_ms=20.0, per_cost_ms=0.5)
+    assert sim.calibrate() == (0.020, 0.0005, 1000.0)
+    assert sim.declared_memory() == (64 * 2**20, 2**20)
+    assert sim.peak_memory_bytes is None and not sim.padded

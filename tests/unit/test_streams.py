@@ -16,8 +16,7 @@ from core.streams import (
     lane_streams,
     stats_key,
     stream_key,
-    worker_key,
-    worker_pattern,
+    workers_key,
 )
 
 FULL = JobMessage(
@@ -165,8 +164,7 @@ def test_protocol_error_is_a_value_error() -> None:
         (stream_key("ferry", "minilm", "urgent"), "ferry:{minilm}:urgent"),
         (stream_key("t1", "sim", "bulk"), "t1:{sim}:bulk"),
         (dead_letter_key("ferry", "minilm"), "ferry:{minilm}:dead"),
-        (worker_key("ferry", "sim", "host-1"), "ferry:{sim}:worker:host-1"),
-        (worker_pattern("ferry", "sim"), "ferry:{sim}:worker:*"),
+        (workers_key("ferry", "sim"), "ferry:{sim}:workers"),
         (stats_key("ferry", "minilm"), "ferry:{minilm}:stats"),
         (done_channel("ferry"), "ferry:done"),
     ],
@@ -189,7 +187,7 @@ def test_all_keys_of_a_model_share_one_cluster_slot(model: str) -> None:
     model_keys = [
         *lane_streams("ferry", model),
         dead_letter_key("ferry", model),
-        worker_key("ferry", model, "c1"),
+        workers_key("ferry", model),
         stats_key("ferry", model),
     ]
     slots = {key_slot(k.encode()) for k in model_keys}

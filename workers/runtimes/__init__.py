@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.settings import Settings
-from workers.runtimes.base import Runtime, resolve_device
+from workers.runtimes.base import OutOfMemory, Runtime, resolve_device
 
 
 def load_runtime(model: str, settings: Settings, device: str | None = None) -> Runtime:
@@ -17,6 +17,8 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
             latency_per_cost_ms=settings.sim_latency_per_cost_ms,
             memory_base_bytes=settings.sim_memory_base_bytes,
             memory_per_cost_bytes=settings.sim_memory_per_cost_bytes,
+            memory_capacity_bytes=settings.sim_memory_capacity_bytes,
+            budget_bytes=settings.memory_budget_bytes,
         )
     elif model == "minilm":
         from workers.runtimes.minilm import MiniLMRuntime
@@ -24,6 +26,7 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
         runtime = MiniLMRuntime(
             device=resolve_device(device or settings.device),
             max_tokens=settings.minilm_max_tokens,
+            budget_bytes=settings.memory_budget_bytes,
         )
     else:
         raise ValueError(f"no runtime for model {model!r}")
@@ -31,4 +34,4 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
     return runtime
 
 
-__all__ = ["Runtime", "load_runtime"]
+__all__ = ["OutOfMemory", "Runtime", "load_runtime"]

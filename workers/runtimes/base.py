@@ -5,19 +5,46 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 
+class OutOfMemory(RuntimeError):
+    """The batch did not fit in the device's memory; a smaller one may.
+
+    The loop splits the batch in two and lowers the scheduler's memory
+    ceiling; it is never a failure of the jobs themselves.
+    """
+
+
 class Runtime(Protocol):
     """Loads a model once and runs whole batches of validated inputs.
 
     ``run`` returns one output per input, in order, or raises: the loop then
-    bisects the batch to find the input that fails.
+    bisects the batch to find the input that fails (or, for
+    :class:`OutOfMemory`, halves it and tries again).
+
+    ``padded``: inputs are padded to the longest in the batch, so the batch's
+    work is ``n x max cost``. ``declared_memory`` is ``(m0, m1)``: the model's
+    own estimate of a batch's peak, ``m0 + m1 x work`` bytes.
+    ``peak_memory_bytes`` is the peak measured during the last ``run`` (on a
+    GPU), or ``None`` where nothing is measured.
     """
 
     name: str
     device: str
+    padded: bool
 
     def load(self) -> None: ...
 
     def run(self, inputs: list[Any]) -> list[Any]: ...
+
+    def declared_memory(self) -> tuple[float, float]: ...
+
+    def memory_budget_bytes(self) -> float: ...
+
+    def calibrate(self) -> tuple[float, float, float] | None:
+        """``(a, b, span)``: latency ``a + b x work`` seconds measured at start-up, or None."""
+        ...
+
+    @property
+    def peak_memory_bytes(self) -> float | None: ...
 
 
 def resolve_device(setting: str) -> str:

@@ -1,0 +1,277 @@
+"""What a worker learns about its model, batch after batch, and the profile it derives.
+
+:class:`SchedulerState` is fed observations (arrivals, finished batches,
+out-of-memory errors) by the caller, which supplies every timestamp; it never
+reads a clock. :meth:`SchedulerState.profile` turns what it knows into the
+:class:`~scheduler.policy.Profile` that :func:`~scheduler.policy.decide` uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.policy import INF, LinearFit, Profile
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every knob of the scheduler for one model (settings fill it, per model)."""
+
+    max_batch_size: int = 32
+    max_batch_cost: float = INF  # work units (padded tokens for a padded model)
+    padded: bool = False
+    memory_budget_bytes: float = INF
+    memory_threshold: float = 0.8  # a batch may be predicted to peak at this share of the budget
+    window_min_s: float = 0.0
+    window_max_s: float = 0.050
+    window_start_factor: float = 1.5  # the first window: this x the average batch latency
+    window_shrink: float = 0.8
+    window_grow: float = 1.2
+    latency_high: float = 1.2  # shrink above this x target
+    latency_low: float = 0.8  # grow below this x target
+    latency_target_s: float | None = None  # None: 3 x the average batch latency
+    history_weight: float = 0.7  # target batch cost = 0.7 x history + 0.3 x demand
+    bulk_share: float = 0.05  # share of each batch kept for a backlogged bulk lane
+    idle_queue: int = 1
+    forget: float = 0.97  # weight kept by older observations at each new batch
+    oom_backoff: float = 0.9  # the memory ceiling drops to this x the failed prediction
+    # While urgent jobs are about (one arrived within urgent_memory_s), no batch
+    # may be predicted to take longer than urgent_guard x a lone item's latency,
+    # and one that carries urgent items no longer than urgent_batch x it: the GPU
+    # cannot be preempted, so an urgent job's latency is the running batch's
+    # remainder plus its own batch. INF turns either bound off.
+    urgent_guard: float = 1.5
+    urgent_batch: float = 1.25
+    urgent_memory_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if not 0 <= self.window_min_s <= self.window_max_s:
+            raise ValueError("window bounds must satisfy 0 <= min <= max")
+        if not 0 < self.memory_threshold <= 1:
+            raise ValueError("memory_threshold must be in (0, 1]")
+        if not 0 <= self.bulk_share < 1:
+            raise ValueError("bulk_share must be in [0, 1)")
+        if not 0 <= self.history_weight < 1:
+            raise ValueError("history_weight must be in [0, 1)")
+        if not 0 < self.forget <= 1 or not 0 < self.oom_backoff < 1:
+            raise ValueError("forget must be in (0, 1] and oom_backoff in (0, 1)")
+        if not (self.urgent_guard >= 1 and self.urgent_batch >= 1):
+            raise ValueError("urgent_guard and urgent_batch must be at least 1")
+        if not self.urgent_memory_s >= 0:
+            raise ValueError("urgent_memory_s must not be negative")
+
+
+class OnlineFit:
+    """Least squares of ``y = a + b x`` with exponential forgetting, ``a, b >= 0``.
+
+    A prior (for example the model's declared memory use, or a latency
+    measured at start-up) counts as two observations until real ones outweigh it.
+    """
+
+    def __init__(
+        self, prior: LinearFit | None = None, forget: float = 0.97, prior_span: float = 1.0
+    ) -> None:
+        self.forget = forget
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.observations = 0
+        self._prior = prior
+        if prior is not None:
+            for x in (0.0, prior_span):
+                self._add(x, prior(x), 1.0)
+
+    def _add(self, x: float, y: float, weight: float) -> None:
+        self._w += weight
+        self._x += weight * x
+        self._y += weight * y
+        self._xx += weight * x * x
+        self._xy += weight * x * y
+
+    def observe(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return
+        for name in ("_w", "_x", "_y", "_xx", "_xy"):
+            setattr(self, name, getattr(self, name) * self.forget)
+        self._add(x, y, 1.0)
+        self.observations += 1
+
+    @property
+    def known(self) -> bool:
+        return self._w > 0
+
+    def fit(self) -> LinearFit:
+        if self._w <= 0:
+            return LinearFit()
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        if var <= 1e-12 * max(1.0, mean_x * mean_x):
+            # Every observation at one x: keep the prior's slope (or none).
+            slope = self._prior.slope if self._prior is not None else 0.0
+        else:
+            slope = (self._xy / self._w - mean_x * mean_y) / var
+        slope = max(0.0, slope)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            # A line through the origin fits better than a negative fixed cost.
+            intercept = 0.0
+            slope = self._xy / self._xx if self._xx > 0 else 0.0
+        return LinearFit(intercept=intercept, slope=max(0.0, slope))
+
+
+@dataclass(frozen=True)
+class BatchObservation:
+    """One finished batch, as the worker saw it."""
+
+    size: int
+    cost: int  # sum of the items' costs
+    work: float  # what the model computed (padded cost for a padded model)
+    latency_s: float
+    ended_s: float
+    job_latency_s: Sequence[float] = ()  # accepted -> finished, per job
+    peak_memory_bytes: float | None = None  # measured (a GPU); None: use the declared estimate
+
+
+@dataclass
+class SchedulerState:
+    tuning: Tuning
+    latency: OnlineFit = field(default_factory=OnlineFit)
+    memory: OnlineFit = field(default_factory=OnlineFit)
+    window_s: float | None = None
+    target_cost: float = INF
+    memory_ceiling: float = INF
+    last_batch_end_s: float | None = None
+    avg_batch_s: float | None = None
+    batches: int = 0
+    arrived_cost: int = 0  # since the running batch started
+    ooms: int = 0
+    mean_cost: float | None = None  # of recent arrivals (moving average)
+    last_urgent_s: float | None = None  # when an urgent item was last seen
+
+    def __post_init__(self) -> None:
+        self.memory_ceiling = self.tuning.memory_budget_bytes * self.tuning.memory_threshold
+
+    @classmethod
+    def create(
+        cls,
+        tuning: Tuning,
+        latency_prior: LinearFit | None = None,
+        memory_prior: LinearFit | None = None,
+        prior_span: float = 1.0,
+    ) -> SchedulerState:
+        return cls(
+            tuning=tuning,
+            latency=OnlineFit(latency_prior, tuning.forget, prior_span),
+            memory=OnlineFit(memory_prior, tuning.forget, prior_span),
+        )
+
+    # --- observations ----------------------------------------------------------
+
+    def observe_arrival(self, cost: int, lane: str | None = None, now: float | None = None) -> None:
+        """An item was seen for the first time (see :meth:`batch_started`).
+
+        Pass its ``lane`` (and the time, ``now``) so that urgent traffic bounds
+        the batches (``Tuning.urgent_guard``); without ``now`` the last batch's
+        end stands in for it.
+        """
+        self.arrived_cost += cost
+        self.mean_cost = cost if self.mean_cost is None else 0.99 * self.mean_cost + 0.01 * cost
+        if lane == "urgent":
+            seen = now if now is not None else self.last_batch_end_s
+            if seen is not None:
+                self.last_urgent_s = seen
+
+    def batch_started(self) -> None:
+        """Fold the cost that arrived since the last batch started into the target.
+
+        That cost is the demand of one batch cycle at the current load; the
+        target follows it smoothly (history weight 0.7) so batches do not
+        oscillate.
+        """
+        t = self.tuning
+        if self.batches:
+            demand = float(max(self.arrived_cost, 1))
+            history = demand if math.isinf(self.target_cost) else self.target_cost
+            self.target_cost = min(
+                t.max_batch_cost, t.history_weight * history + (1 - t.history_weight) * demand
+            )
+        self.arrived_cost = 0
+
+    def observe_batch(self, seen: BatchObservation) -> None:
+        t = self.tuning
+        self.batches += 1
+        self.last_batch_end_s = seen.ended_s
+        self.latency.observe(seen.work, seen.latency_s)
+        if seen.peak_memory_bytes is not None:
+            self.memory.observe(seen.work, seen.peak_memory_bytes)
+        self.avg_batch_s = (
+            seen.latency_s
+            if self.avg_batch_s is None
+            else 0.8 * self.avg_batch_s + 0.2 * seen.latency_s
+        )
+        if self.window_s is None:
+            self.window_s = t.window_start_factor * self.avg_batch_s
+        elif seen.job_latency_s:
+            observed = sum(seen.job_latency_s) / len(seen.job_latency_s)
+            target = self.latency_target_s
+            if observed > t.latency_high * target:
+                self.window_s *= t.window_shrink
+            elif observed < t.latency_low * target:
+                self.window_s *= t.window_grow
+        self.window_s = min(t.window_max_s, max(t.window_min_s, self.window_s))
+
+    def observe_oom(self, work: float) -> None:
+        """A batch of this much work ran out of memory: never predict that much again."""
+        self.ooms += 1
+        predicted = self.memory.fit()(work) if self.memory.known else INF
+        if math.isinf(predicted) or predicted <= 0:
+            # Nothing to scale: cap the work itself through a flat prediction.
+            self.memory = OnlineFit(LinearFit(0.0, 1.0), self.tuning.forget)
+            predicted = work
+        self.memory_ceiling = min(self.memory_ceiling, predicted * self.tuning.oom_backoff)
+
+    # --- derived ---------------------------------------------------------------
+
+    @property
+    def latency_target_s(self) -> float:
+        if self.tuning.latency_target_s is not None:
+            return self.tuning.latency_target_s
+        return 3.0 * (self.avg_batch_s or 0.0)
+
+    def profile(self, now: float) -> Profile:
+        t = self.tuning
+        window = self.window_s if self.window_s is not None else t.window_min_s
+        idle = self.last_batch_end_s is None or now - self.last_batch_end_s >= max(window, 1e-3)
+        return Profile(
+            max_batch_size=t.max_batch_size,
+            window_s=window,
+            max_batch_cost=t.max_batch_cost,
+            target_cost=self.target_cost,
+            padded=t.padded,
+            latency=self.latency.fit(),
+            memory=self.memory.fit(),
+            memory_limit=self.memory_ceiling,
+            # Reserved only while bulk items are pending; otherwise unused.
+            bulk_slots=math.ceil(t.bulk_share * t.max_batch_size),
+            idle=idle,
+            idle_queue=t.idle_queue,
+            **self._urgent_bounds(now),
+        )
+
+    def _urgent_bounds(self, now: float) -> dict[str, float]:
+        """``max_batch_s`` and ``urgent_batch_s`` while urgent traffic is about."""
+        t = self.tuning
+        if (
+            self.last_urgent_s is None
+            or now - self.last_urgent_s > t.urgent_memory_s
+            or not self.latency.known
+        ):
+            return {}
+        fit = self.latency.fit()
+        cost = max(self.mean_cost or 1.0, 1.0)
+        lone_s = fit(cost)  # one item of the usual cost, alone (padded or not: same work)
+        if lone_s <= 0:
+            return {}
+        return {"max_batch_s": t.urgent_guard * lone_s, "urgent_batch_s": t.urgent_batch * lone_s}
