@@ -150,6 +150,16 @@ class ModelInfo(BaseModel):
     workers: int
     avg_batch_ms: float | None
     avg_batch_size: float | None
+    latency_fixed_ms: float | None = Field(
+        description="Learned: latency = fixed + per_work x work."
+    )
+    latency_per_work_ms: float | None = Field(
+        description="Learned: per unit of work (padded tokens for minilm, summed cost for sim)."
+    )
+    window_ms: float | None = Field(description="The adaptive window now.")
+    batch_efficiency: float | None = Field(
+        description="Recent average of sum cost / (n x max cost) per batch."
+    )
 
 
 class ModelList(BaseModel):

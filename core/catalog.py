@@ -157,9 +157,11 @@ def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
             max_tokens=settings.minilm_max_tokens,
             max_chars=settings.minilm_max_chars,
             overlength=settings.minilm_overlength,
-            max_batch_size=settings.batch_max_size,
+            max_batch_size=settings.for_model("minilm").batch_max_size,
         ),
-        SimSpec(max_cost=settings.sim_max_cost, max_batch_size=settings.batch_max_size),
+        SimSpec(
+            max_cost=settings.sim_max_cost, max_batch_size=settings.for_model("sim").batch_max_size
+        ),
     ]
     return {spec.name: spec for spec in specs}
 

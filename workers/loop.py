@@ -175,7 +175,7 @@ class BatchLoop:
         if decision.expire:
             self._expire([self.pending.pop(item.key) for item in decision.expire])
         if decision.run:
-            self._run_batch([self.pending.pop(item.key) for item in decision.run])
+            self._run_batch([self.pending.pop(item.key) for item in decision.run], decision)
 
     def _expire(self, entries: list[Entry]) -> None:
         written = self._settle_unrunnable(
@@ -184,7 +184,7 @@ class BatchLoop:
         self._acknowledge(entries, written)
         log.info("jobs expired", extra={"model": self.model, "count": len(written)})
 
-    def _run_batch(self, entries: list[Entry]) -> None:
+    def _run_batch(self, entries: list[Entry], decision: BatchDecision) -> None:
         batch_id = str(uuid.uuid4())
         by_job = {e.message.job_id: e for e in entries}
         claimed, late, exhausted = self.recorder.claim(
@@ -249,6 +249,9 @@ class BatchLoop:
                 "efficiency": round(eff, 3),
                 "lanes": sorted({e.message.lane for e in entries}),
                 "batch_ms": round(batch_s * 1000.0, 2),
+                "predicted_ms": round(decision.predicted_s * 1000.0, 2),
+                "trigger": decision.trigger,
+                "pending": len(self.pending),
                 "failed": sum(1 for r in results if not r.ok),
             },
         )

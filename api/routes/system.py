@@ -38,9 +38,17 @@ def list_models(
                 workers=live_workers(client, settings.key_prefix, spec.name),
                 avg_batch_ms=stats.get("avg_batch_ms"),
                 avg_batch_size=stats.get("avg_batch_size"),
+                latency_fixed_ms=_ms(stats.get("latency_a_s")),
+                latency_per_work_ms=_ms(stats.get("latency_b_s"), 6),
+                window_ms=_ms(stats.get("window_s")),
+                batch_efficiency=stats.get("efficiency"),
             )
         )
     return ModelList(data=data)
+
+
+def _ms(seconds: float | None, digits: int = 3) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, digits)
 
 
 @router.get("/healthz", tags=["health"])

@@ -171,3 +171,25 @@ def test_the_scheduler_setting_picks_the_policy(
     sizes = {r.batch_id: r.batch_size or 0 for r in rows.values()}
     assert max(sizes.values()) == largest, sizes
     assert sum(sizes.values()) == 16
+
+
+def test_models_shows_live_workers_and_what_they_learned(
+    slow_client: TestClient,
+    auth: dict[str, str],
+    slow_settings: Settings,
+    sessions: sessionmaker[Session],
+) -> None:
+    one = submitter(slow_client, auth, cost=20)
+    with RunningLoop(build_sim_loop(slow_settings)):
+        ids = [one().json()["id"] for _ in range(10)]
+        wait_terminal(sessions, ids)
+        models = slow_client.get("/v1/models", headers=auth).json()["data"]
+        sim = next(m for m in models if m["name"] == "sim")
+        assert sim["workers"] == 1
+    # The sim batch takes 100 ms + 1 ms per unit of cost; the fit must say so.
+    assert sim["latency_fixed_ms"] == pytest.approx(100.0, rel=0.25)
+    assert sim["latency_per_work_ms"] == pytest.approx(1.0, rel=0.25)
+    assert 0 < sim["batch_efficiency"] <= 1
+    assert sim["avg_batch_size"] >= 1
+    after = slow_client.get("/v1/models", headers=auth).json()["data"]
+    assert next(m for m in after if m["name"] == "sim")["workers"] == 0  # it said goodbye

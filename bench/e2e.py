@@ -1,0 +1,340 @@
+"""End to end, not simulated: the real stack, minilm, the corpus through HTTP.
+
+For each batching policy (``none``, ``fixed``, ``ferry``) in one run on one
+machine, this starts a fresh stack with ``ferry up`` (its own Redis, SQLite),
+and measures two things:
+
+* **drain**: every job is submitted through ``POST /v1/jobs`` while no minilm
+  worker runs, so the queue holds the whole corpus; then one worker starts and
+  drains it. Jobs per second = jobs / (last finished - first started). This is
+  the serving throughput of the worker path (Redis, scheduler, model, result
+  writes) under saturation, without the load generator competing for the CPU.
+* **live**: with the worker running, the same number of jobs is submitted by
+  concurrent HTTP clients as fast as the API takes them, and the clock runs
+  from the first submission to the last result. Here the API, the clients and
+  the worker share the machine, as they would on a single host.
+
+Beside them, in the same run, the raw ceiling: the model alone in this
+process, inputs sorted by length, at its best batch size.
+
+    python -m bench.e2e [--jobs 1200] [--concurrency 16] [--out bench/results/e2e.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.corpus import load_corpus
+
+MODES = ("none", "fixed", "ferry")
+TERMINAL = ("succeeded", "failed", "expired", "cancelled")
+
+
+@dataclass
+class Phase:
+    jobs: int
+    seconds: float
+    jobs_per_s: float
+    p50_ms: float
+    p99_ms: float
+    batches: int
+    mean_batch_size: float
+    efficiency: float  # cost-weighted: sum cost / sum (n x max cost)
+    failed: int
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    submit_per_s: float
+    drain: Phase
+    live: Phase
+
+
+@dataclass
+class Report:
+    date: str
+    machine: str
+    jobs: int
+    concurrency: int
+    mean_cost: float
+    raw_by_batch: dict[int, float] = field(default_factory=dict)
+    raw_ceiling: float = 0.0
+    modes: list[ModeResult] = field(default_factory=list)
+
+
+def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
+    """Texts per second of the model alone, inputs sorted by length, per batch size."""
+    from workers.runtimes.minilm import MiniLMRuntime
+
+    runtime = MiniLMRuntime("cpu", 256)
+    runtime.load()
+    ordered = sorted(texts, key=len)
+    rates: dict[int, float] = {}
+    for size in sizes:
+        started = time.perf_counter()
+        for i in range(0, len(ordered), size):
+            runtime.run(ordered[i : i + size])
+        rates[size] = len(ordered) / (time.perf_counter() - started)
+        print(f"  raw model, batch {size:>3}: {rates[size]:7.1f} texts/s", flush=True)
+    return rates
+
+
+class Stack:
+    """``ferry up`` with no workers, plus a minilm worker started on demand."""
+
+    def __init__(self, mode: str, root: Path) -> None:
+        self.mode = mode
+        self.root = root
+        self.port = _free_port()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        self.env.update(
+            FERRY_DATA_DIR=str(root),
+            FERRY_API_PORT=str(self.port),
+            FERRY_MODELS="",
+            FERRY_SCHEDULER=mode,
+            FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
+            FERRY_PREFETCH="256",
+            PYTHONUNBUFFERED="1",
+        )
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.output: list[str] = []
+        self.up: subprocess.Popen[str] | None = None
+        self.worker: subprocess.Popen[str] | None = None
+        self.token = ""
+
+    def start(self) -> None:
+        self.up = subprocess.Popen(
+            [sys.executable, "-m", "ferry", "up"], cwd=self.root, env=self.env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, args=(self.up,), daemon=True).start()
+        until = time.monotonic() + 120
+        while not any("Ferry is up." in line for line in self.output):
+            if self.up.poll() is not None or time.monotonic() > until:
+                raise RuntimeError("ferry up failed:\n" + "".join(self.output)[-3000:])
+            time.sleep(0.2)
+        text = "".join(self.output)
+        self.token = _after(text, "API key")
+        self.env["FERRY_REDIS_URL"] = _after(text, "Redis")
+        self.env["FERRY_DATABASE_URL"] = _after(text, "Database")
+
+    def start_worker(self) -> None:
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "ferry", "worker", "--model", "minilm"], cwd=self.root,
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, args=(self.worker,), daemon=True).start()
+
+    def stop(self) -> None:
+        for process in (self.worker, self.up):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.output.append(line)
+
+    @property
+    def db(self) -> Path:
+        return self.root / "ferry.db"
+
+
+def submit_all(stack: Stack, texts: list[str], concurrency: int) -> tuple[list[str], float]:
+    """POST every text as a minilm job; returns the ids and the seconds it took."""
+    headers = {"Authorization": f"Bearer {stack.token}"}
+    chunks = [texts[i::concurrency] for i in range(concurrency)]
+
+    def run(chunk: list[str]) -> list[str]:
+        ids = []
+        with httpx.Client(base_url=stack.base, headers=headers, timeout=60) as client:
+            for text in chunk:
+                response = client.post("/v1/jobs", json={"model": "minilm", "input": text})
+                if response.status_code != 202:
+                    raise RuntimeError(f"submit failed: {response.status_code} {response.text}")
+                ids.append(response.json()["id"])
+        return ids
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        ids = [job_id for chunk_ids in pool.map(run, chunks) for job_id in chunk_ids]
+    return ids, time.perf_counter() - started
+
+
+def wait_done(db: Path, ids: list[str], timeout_s: float) -> None:
+    until = time.monotonic() + timeout_s
+    marks = ",".join("?" * len(TERMINAL))
+    while True:
+        with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+            done = conn.execute(
+                f"SELECT count(*) FROM jobs WHERE status IN ({marks}) AND id IN "
+                f"(SELECT value FROM json_each(?))",
+                (*TERMINAL, json.dumps(ids)),
+            ).fetchone()[0]
+        if done == len(ids):
+            return
+        if time.monotonic() > until:
+            raise RuntimeError(f"only {done} of {len(ids)} jobs finished in {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
+    """Throughput and latency of these jobs, from the results table."""
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+        rows = conn.execute(
+            "SELECT created_at, started_at, finished_at, status, cost, batch_id FROM jobs "
+            "WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(ids),),
+        ).fetchall()
+    created = [_ts(r[0]) for r in rows]
+    started = [_ts(r[1]) for r in rows if r[1]]
+    finished = [_ts(r[2]) for r in rows]
+    begin = min(started) if clock_from == "started" else min(created)
+    seconds = max(finished) - begin
+    latencies = sorted((f - c) * 1000.0 for c, f in zip(created, finished, strict=True))
+    batches: dict[str, list[int]] = {}
+    for row in rows:
+        if row[5]:
+            batches.setdefault(row[5], []).append(int(row[4]))
+    padded = sum(len(c) * max(c) for c in batches.values())
+    return Phase(
+        jobs=len(rows),
+        seconds=round(seconds, 3),
+        jobs_per_s=round(len(rows) / seconds, 2),
+        p50_ms=round(_quantile(latencies, 0.50), 1),
+        p99_ms=round(_quantile(latencies, 0.99), 1),
+        batches=len(batches),
+        mean_batch_size=round(statistics.fmean(len(c) for c in batches.values()), 2),
+        efficiency=round(sum(sum(c) for c in batches.values()) / padded, 3),
+        failed=sum(1 for r in rows if r[3] != "succeeded"),
+    )
+
+
+def run_mode(mode: str, texts: list[str], concurrency: int, timeout_s: float) -> ModeResult:
+    with tempfile.TemporaryDirectory(prefix=f"ferry-bench-{mode}-") as tmp:
+        stack = Stack(mode, Path(tmp))
+        try:
+            stack.start()
+            ids, submit_s = submit_all(stack, texts, concurrency)
+            print(f"  {mode}: {len(ids)} jobs queued ({len(ids) / submit_s:.0f}/s)", flush=True)
+            stack.start_worker()
+            wait_done(stack.db, ids, timeout_s)
+            drain = measure(stack.db, ids, "started")
+            print(f"  {mode}: drain {drain.jobs_per_s:.1f} jobs/s", flush=True)
+            live_ids, _ = submit_all(stack, texts, concurrency)
+            wait_done(stack.db, live_ids, timeout_s)
+            live = measure(stack.db, live_ids, "created")
+            print(f"  {mode}: live  {live.jobs_per_s:.1f} jobs/s", flush=True)
+            return ModeResult(mode, round(len(ids) / submit_s, 1), drain, live)
+        finally:
+            stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
+    args = parser.parse_args(argv)
+
+    corpus = load_corpus()
+    texts = corpus.texts[: args.jobs]
+    costs = corpus.costs[: args.jobs]
+    report = Report(
+        date=dt.date.today().isoformat(),
+        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, CPU only",
+        jobs=len(texts),
+        concurrency=args.concurrency,
+        mean_cost=round(statistics.fmean(costs), 1),
+    )
+    print(f"{len(texts)} texts, mean {report.mean_cost} tokens", flush=True)
+    report.raw_by_batch = {
+        k: round(v, 1) for k, v in raw_ceiling(texts, (1, 8, 16, 32, 64)).items()
+    }
+    report.raw_ceiling = max(report.raw_by_batch.values())
+    for mode in args.modes.split(","):
+        report.modes.append(run_mode(mode, texts, args.concurrency, args.timeout))
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(report: Report) -> None:
+    none = next((m for m in report.modes if m.mode == "none"), None)
+    print(f"\nraw model ceiling: {report.raw_ceiling:.1f} texts/s (sorted, best batch size)")
+    print(
+        f"{'mode':<6} {'drain/s':>8} {'% raw':>6} {'x none':>7} {'live/s':>7} {'% raw':>6} "
+        f"{'x none':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} {'eff':>5}"
+    )
+    for m in report.modes:
+        cells = [f"{m.mode:<6}"]
+        for phase, base in (
+            (m.drain, none.drain if none else None),
+            (m.live, none.live if none else None),
+        ):
+            ratio = phase.jobs_per_s / base.jobs_per_s if base else float("nan")
+            share = 100 * phase.jobs_per_s / report.raw_ceiling
+            cells.append(f"{phase.jobs_per_s:>8.1f} {share:>5.0f}% {ratio:>6.2f}x")
+        cells.append(f"{m.live.p50_ms:>8.0f} {m.live.p99_ms:>8.0f}")
+        cells.append(f"{m.drain.mean_batch_size:>6.1f} {m.drain.efficiency:>5.2f}")
+        print(" ".join(cells))
+
+
+def _after(text: str, label: str) -> str:
+    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no {label!r} line in the ferry up banner")
+    return match.group(1)
+
+
+def _ts(value: str) -> float:
+    parsed = dt.datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.UTC)
+    return parsed.timestamp()
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
