@@ -21,6 +21,10 @@ PER_MODEL = frozenset(
         "scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
         "batch_window_max_ms", "latency_target_ms", "memory_budget_bytes",
         "memory_threshold", "bulk_share", "fixed_max_delay_ms",
+        "batch_window_start_factor", "batch_window_shrink", "batch_window_grow",
+        "latency_high_factor", "latency_low_factor", "batch_cost_history_weight",
+        "idle_queue_max", "learning_forget", "oom_backoff", "urgent_guard",
+        "urgent_budget", "urgent_memory_s", "batch_min_efficiency",
     }
 )  # fmt: skip
 
@@ -64,6 +68,25 @@ class Settings(BaseSettings):
     memory_threshold: float = Field(0.8, gt=0, le=1)
     bulk_share: float = Field(0.05, ge=0, lt=1)
     fixed_max_delay_ms: float = Field(5.0, ge=0)  # the `fixed` scheduler's delay
+    # The scheduler's factors (DESIGN.md §5); the defaults are what bench/ measured.
+    batch_window_start_factor: float = Field(1.5, gt=0)  # first window: x batch latency
+    batch_window_shrink: float = Field(0.8, gt=0, le=1)
+    batch_window_grow: float = Field(1.2, ge=1)
+    latency_high_factor: float = Field(1.2, ge=1)  # shrink above this x the target
+    latency_low_factor: float = Field(0.8, gt=0, le=1)  # grow below this x the target
+    batch_cost_history_weight: float = Field(0.7, ge=0, lt=1)
+    idle_queue_max: int = Field(1, ge=0)  # "a short queue" for the idle trigger
+    learning_forget: float = Field(0.97, gt=0, le=1)
+    oom_backoff: float = Field(0.9, gt=0, lt=1)
+    # While an urgent job arrived in the last urgent_memory_s, no batch may be
+    # predicted to take over urgent_guard x a lone job's latency, and urgent
+    # jobs must be predicted to finish within urgent_budget x it.
+    urgent_guard: float = Field(1.5, ge=1)
+    urgent_budget: float = Field(2.5, ge=1)
+    urgent_memory_s: float = Field(1.0, ge=0)
+    # Padded models, while more is pending than one batch holds: least share of
+    # a batch's computed tokens that are not padding.
+    batch_min_efficiency: float = Field(0.92, ge=0, le=1)
     model_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     prefetch: int = Field(128, ge=1)
     max_attempts: int = Field(3, ge=1)

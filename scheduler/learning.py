@@ -39,12 +39,14 @@ class Tuning:
     oom_backoff: float = 0.9  # the memory ceiling drops to this x the failed prediction
     # While urgent jobs are about (one arrived within urgent_memory_s), no batch
     # may be predicted to take longer than urgent_guard x a lone item's latency,
-    # and one that carries urgent items no longer than urgent_batch x it: the GPU
-    # cannot be preempted, so an urgent job's latency is the running batch's
-    # remainder plus its own batch. INF turns either bound off.
+    # and the items riding with urgent ones must let them finish within
+    # urgent_budget x it of their arrival: the GPU cannot be preempted, so an
+    # urgent job's latency is the running batch's remainder plus its own batch.
+    # INF turns either bound off.
     urgent_guard: float = 1.5
-    urgent_batch: float = 1.25
+    urgent_budget: float = 2.5
     urgent_memory_s: float = 1.0
+    min_efficiency: float = 0.92  # padded: least non-padding share once a batch cannot take all
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -59,10 +61,12 @@ class Tuning:
             raise ValueError("history_weight must be in [0, 1)")
         if not 0 < self.forget <= 1 or not 0 < self.oom_backoff < 1:
             raise ValueError("forget must be in (0, 1] and oom_backoff in (0, 1)")
-        if not (self.urgent_guard >= 1 and self.urgent_batch >= 1):
-            raise ValueError("urgent_guard and urgent_batch must be at least 1")
+        if not (self.urgent_guard >= 1 and self.urgent_budget >= 1):
+            raise ValueError("urgent_guard and urgent_budget must be at least 1")
         if not self.urgent_memory_s >= 0:
             raise ValueError("urgent_memory_s must not be negative")
+        if not 0 <= self.min_efficiency <= 1:
+            raise ValueError("min_efficiency must be in [0, 1]")
 
 
 class OnlineFit:
@@ -257,11 +261,12 @@ class SchedulerState:
             bulk_slots=math.ceil(t.bulk_share * t.max_batch_size),
             idle=idle,
             idle_queue=t.idle_queue,
+            min_efficiency=t.min_efficiency,
             **self._urgent_bounds(now),
         )
 
     def _urgent_bounds(self, now: float) -> dict[str, float]:
-        """``max_batch_s`` and ``urgent_batch_s`` while urgent traffic is about."""
+        """``max_batch_s`` and ``urgent_latency_s`` while urgent traffic is about."""
         t = self.tuning
         if (
             self.last_urgent_s is None
@@ -274,4 +279,7 @@ class SchedulerState:
         lone_s = fit(cost)  # one item of the usual cost, alone (padded or not: same work)
         if lone_s <= 0:
             return {}
-        return {"max_batch_s": t.urgent_guard * lone_s, "urgent_batch_s": t.urgent_batch * lone_s}
+        return {
+            "max_batch_s": t.urgent_guard * lone_s,
+            "urgent_latency_s": t.urgent_budget * lone_s,
+        }

@@ -14,11 +14,13 @@ from the work; *efficiency* is ``sum cost / (n x max cost)``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 LANE_ORDER = {"urgent": 0, "vip": 1, "normal": 2, "bulk": 3}
 INF = float("inf")
+DUE_SHARE = 0.5  # a padded batch is led by an item that has waited this share of its deadline
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,11 @@ class Profile:
     ``max_batch_s``: no batch of more than one item may be predicted to take
     longer (the caller sets it while urgent traffic is about: a GPU cannot be
     preempted, so an urgent job first waits for the batch already running).
-    ``urgent_batch_s``: the same for a batch that carries urgent items.
+    ``urgent_latency_s``: an urgent job should be done this long after it
+    arrived; the items that ride along with urgent ones are limited so that
+    the batch is predicted to end by then. ``min_efficiency``: for a padded
+    model with more pending than one batch holds, the least share of a batch's
+    work that is not padding (the first item in order still runs at once).
     """
 
     max_batch_size: int
@@ -80,7 +86,8 @@ class Profile:
     idle: bool = False
     idle_queue: int = 1
     max_batch_s: float = INF
-    urgent_batch_s: float = INF
+    urgent_latency_s: float = INF
+    min_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -91,23 +98,23 @@ class Profile:
             raise ValueError("max_batch_cost must be positive")
         if self.bulk_slots < 0 or self.idle_queue < 0:
             raise ValueError("bulk_slots and idle_queue must not be negative")
-        if not (self.max_batch_s > 0 and self.urgent_batch_s > 0):
-            raise ValueError("max_batch_s and urgent_batch_s must be positive")
+        if not (self.max_batch_s > 0 and self.urgent_latency_s > 0):
+            raise ValueError("max_batch_s and urgent_latency_s must be positive")
+        if not 0 <= self.min_efficiency <= 1:
+            raise ValueError("min_efficiency must be in [0, 1]")
 
     @property
     def max_work(self) -> float:
         """The work cap: the cost, memory or latency limit, whichever is lowest."""
-        return self.work_limit(urgent=False)[0]
+        return self.work_limit()[0]
 
-    def work_limit(self, urgent: bool) -> tuple[float, str]:
-        """The work cap of a batch, with urgent items or without, and what sets it."""
+    def work_limit(self) -> tuple[float, str]:
+        """The work cap of a batch and the name of the limit that sets it."""
         limits = [
             (self.max_batch_cost, "cost"),
             (self.memory.inverse(self.memory_limit), "memory"),
             (self.latency.inverse(self.max_batch_s), "latency"),
         ]
-        if urgent:
-            limits.append((self.latency.inverse(self.urgent_batch_s), "latency"))
         return min(limits, key=lambda limit: limit[0])
 
     def work(self, count: int, total_cost: float, max_cost: float) -> float:
@@ -152,7 +159,10 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
     expire: list[PendingItem] = []
     live: list[PendingItem] = []
     for item in pending:
-        if item.deadline_s is not None and _alone_finishes_at(item, profile, now) >= item.deadline_s:
+        if (
+            item.deadline_s is not None
+            and _alone_finishes_at(item, profile, now) >= item.deadline_s
+        ):
             expire.append(item)
         else:
             live.append(item)
@@ -160,7 +170,7 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
         return BatchDecision(expire=tuple(expire))
 
     live.sort(key=order_key)
-    batch, limit = _select(live, profile)
+    batch, limit = _select(live, profile, now)
     costs = [item.cost for item in batch]
     predicted_s = profile.latency(profile.work(len(batch), sum(costs), max(costs)))
     window_s = profile.window_s
@@ -200,23 +210,31 @@ def _alone_finishes_at(item: PendingItem, profile: Profile, now: float) -> float
     return now + profile.latency(profile.work(1, item.cost, item.cost))
 
 
-def _select(live: list[PendingItem], profile: Profile) -> tuple[list[PendingItem], str | None]:
+def _select(
+    live: list[PendingItem], profile: Profile, now: float
+) -> tuple[list[PendingItem], str | None]:
     """The batch to run next, and the limit that closed it (``None``: it has room).
 
-    Lanes are taken in order. A lane that fits whole is taken whole. A lane
-    that does not fit is cut to the items of similar cost that give the best
-    throughput; once a limit (size, cost, memory, latency) cuts a lane, no
-    lower lane may join (no overtaking), except the bulk lane's reserved slots.
-    A padded lane's items of a different cost that were left out by choice (a
-    batch of their own pads less) do not close the batch: lower lanes' items
-    of similar cost may still fill it, and the left-out items lead the next one.
+    Without padding, lanes are taken in order: a lane that fits whole is taken
+    whole, the first that does not is cut where a limit (size, cost, memory,
+    latency) is reached, and no lower lane may then join (no overtaking),
+    except the bulk lane's reserved slots. A padded model's batch is a cost
+    band instead (see :func:`_select_padded`).
     """
     lanes: dict[int, list[PendingItem]] = {}
     for item in live:
         lanes.setdefault(LANE_ORDER[item.lane], []).append(item)
     bulk = lanes.get(LANE_ORDER["bulk"], [])
     reserved = min(profile.bulk_slots, len(bulk), profile.max_batch_size - 1)
-    max_work, work_name = profile.work_limit(urgent=LANE_ORDER["urgent"] in lanes)
+    limits = _Limits(*profile.work_limit(), *profile.work_limit())
+    urgent = lanes.get(LANE_ORDER["urgent"])
+    if urgent and math.isfinite(profile.urgent_latency_s):
+        left_s = profile.urgent_latency_s - (now - min(item.arrival_s for item in urgent))
+        ride = profile.latency.inverse(left_s) if left_s > 0 else 0.0
+        if ride < limits.ride_work:
+            limits = _Limits(limits.work, limits.name, ride, "latency")
+    if profile.padded:
+        return _select_padded(live, profile, now, reserved, limits)
 
     batch: list[PendingItem] = []
     limit: str | None = None
@@ -224,6 +242,7 @@ def _select(live: list[PendingItem], profile: Profile) -> tuple[list[PendingItem
         items = lanes[rank]
         is_bulk = rank == LANE_ORDER["bulk"]
         room = profile.max_batch_size - len(batch) - (0 if is_bulk else reserved)
+        max_work, work_name = limits.of(rank == LANE_ORDER["urgent"])
         chosen, lane_limit = _best_group(batch, items, room, profile, max_work, work_name)
         batch += chosen
         if lane_limit is not None and limit is None:
@@ -231,6 +250,7 @@ def _select(live: list[PendingItem], profile: Profile) -> tuple[list[PendingItem
         if lane_limit is not None and not is_bulk:
             # Cut by a limit: only the bulk lane's reserved slots may still be filled.
             if reserved:
+                max_work, work_name = limits.of(False)
                 chosen, lane_limit = _best_group(
                     batch, bulk, reserved, profile, max_work, work_name
                 )
@@ -239,6 +259,145 @@ def _select(live: list[PendingItem], profile: Profile) -> tuple[list[PendingItem
     if len(batch) >= profile.max_batch_size:
         limit = "size"
     return batch, limit
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """The work cap of the urgent items, and that of the items riding along with them."""
+
+    work: float
+    name: str
+    ride_work: float
+    ride_name: str
+
+    def of(self, urgent: bool) -> tuple[float, str]:
+        return (self.work, self.name) if urgent else (self.ride_work, self.ride_name)
+
+
+def _select_padded(
+    live: list[PendingItem],
+    profile: Profile,
+    now: float,
+    reserved: int,
+    limits: _Limits,
+) -> tuple[list[PendingItem], str | None]:
+    """A padded model's batch: the first item in order and the pending items of similar cost.
+
+    Every input is padded to the batch's longest, so the batch is a cost band
+    ``[low, top]`` that holds the head's cost: the head (the first item in
+    order, which must run now so that every item's turn comes; with it every
+    urgent item that fits) plus the items whose cost lies in the band,
+    whatever their lane, taken in order
+    (lane, deadline, arrival) while they fit. The band is the one whose batch
+    gives the most useful work per second (``sum cost / predicted latency``):
+    while few items are pending that mixes costs (the fixed cost of a batch
+    dominates); once the limits bind, it is the band that wastes least on
+    padding. ``min_efficiency`` may forbid the mixing while more is pending
+    than one batch holds. An item outside the band waits for a batch of its
+    own cost, which it leads when it comes first in order; an item that has
+    waited half its time to its deadline leads before any higher lane but
+    the urgent one, so that an odd cost in a lower lane is never starved.
+    """
+    head = live[0]
+    if head.lane != "urgent":
+        # An item that has used up half its time to the deadline leads, earliest
+        # deadline first: an odd-cost item of a lower lane may match no band
+        # while higher lanes always have work pending.
+        due = [item for item in live if _due(item, now)]
+        if due:
+            head = min(due, key=lambda item: (item.deadline_s, item.arrival_s))
+            live = [head] + [item for item in live if item is not head]
+    if head.lane == "bulk":
+        reserved = 0  # nothing but bulk is pending
+    room = profile.max_batch_size - reserved
+
+    def fits(top: int, max_work: float) -> int:
+        """How many items of cost at most ``top`` a batch may hold."""
+        by_work = int(max_work // top) if math.isfinite(max_work) else room
+        return min(room, by_work)
+
+    # The head runs now; so does every urgent item that fits beside it.
+    forced = [head]
+    if head.lane == "urgent":
+        for item in live[1:]:
+            if item.lane != "urgent":
+                break
+            top = max(item.cost, max(f.cost for f in forced))
+            if len(forced) + 1 > fits(top, limits.work):
+                break
+            forced.append(item)
+    max_work, work_name = limits.ride_work, limits.ride_name  # for the items riding along
+    forced_keys = {id(item) for item in forced}
+    floor = max(item.cost for item in forced)
+    forced_cost = sum(item.cost for item in forced)
+    counts: dict[int, int] = {floor: 0}
+    for item in live:
+        if id(item) not in forced_keys and (item.lane != "bulk" or not reserved):
+            counts[item.cost] = counts.get(item.cost, 0) + 1
+    values = sorted(counts)
+    at = values.index(floor)
+
+    # Pending more than one batch holds: the rest will fill batches of their
+    # own, so a batch must not waste more than this on padding.
+    top_all = max(item.cost for item in live)
+    floor_eff = 0.0 if len(live) <= fits(top_all, max_work) else profile.min_efficiency
+    work = len(forced) * floor
+    best = (forced_cost / max(profile.latency(work), 1e-12), INF, floor)  # (rate, low, top)
+    for j in range(at, len(values)):
+        top = values[j]
+        cap = fits(top, max_work)
+        if cap <= len(forced):
+            break  # not even one more item this long fits beside the forced ones
+        count, total = len(forced), forced_cost
+        for i in range(j, -1, -1):
+            if count >= cap:
+                break
+            take = min(counts[values[i]], cap - count)
+            count += take
+            total += take * values[i]
+            if values[i] > floor:
+                continue  # the band must reach down to the head's cost
+            rate = total / max(profile.latency(count * top), 1e-12)
+            if total < floor_eff * count * top:
+                continue
+            if rate > best[0] * (1 + 1e-9):
+                best = (rate, values[i], top)
+    _, low, top = best
+    cap = max(len(forced), fits(top, max_work))
+    batch = list(forced)
+    limit: str | None = None
+    for item in live[1:]:
+        if id(item) in forced_keys:
+            continue
+        if low <= item.cost <= top and (item.lane != "bulk" or not reserved):
+            if len(batch) >= cap:
+                limit = "size" if cap >= room else work_name
+                break
+            batch.append(item)
+    if limit is None:
+        # Full when the next item in order would not fit beside the batch;
+        # otherwise the rest was left out by choice and the batch has room.
+        taken = {id(item) for item in batch}
+        following = next((item for item in live if id(item) not in taken), None)
+        if following is not None and not (following.lane == "bulk" and reserved):
+            top_with = max(following.cost, max(item.cost for item in batch))
+            if len(batch) + 1 > room:
+                limit = "size"
+            elif (len(batch) + 1) * top_with > max_work:
+                limit = work_name
+    if reserved:
+        bulk = [item for item in live if item.lane == "bulk" and id(item) not in forced_keys]
+        chosen, _ = _best_group(batch, bulk, reserved, profile, max_work, work_name)
+        batch += chosen
+    if len(batch) >= profile.max_batch_size:
+        limit = "size"
+    return batch, limit
+
+
+def _due(item: PendingItem, now: float) -> bool:
+    if item.deadline_s is None:
+        return False
+    return now - item.arrival_s >= DUE_SHARE * (item.deadline_s - item.arrival_s)
 
 
 def _best_group(
@@ -293,7 +452,9 @@ def _best_group(
     best: tuple[float, int, int] | None = None  # (rate, start, end) over by_cost[start:end]
     if base_n:
         # A group must do better than the batch without it.
-        base_rate = base_cost / max(profile.latency(profile.work(base_n, base_cost, base_max)), 1e-12)
+        base_rate = base_cost / max(
+            profile.latency(profile.work(base_n, base_cost, base_max)), 1e-12
+        )
     starts = range(head_at + 1) if head_at is not None else range(len(costs))
     for start in starts:
         first_end = head_at + 1 if head_at is not None else start + 1

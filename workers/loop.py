@@ -155,7 +155,7 @@ class BatchLoop:
             key = entry.entry_id + "@" + entry.stream
             if key not in self.pending:
                 self.pending[key] = entry
-                self.state.observe_arrival(entry.message.cost)
+                self.state.observe_arrival(entry.message.cost, entry.message.lane, self.clock())
 
     def _items(self) -> list[PendingItem]:
         return [
@@ -291,7 +291,10 @@ class BatchLoop:
         """What this worker has learned, for /v1/models and the API's wait estimates."""
         stats = self.stats
         estimate = estimate_of(
-            self.state, stats.mean_cost, stats.pad_ratio if self.state.tuning.padded else 1.0
+            self.state,
+            self.clock(),
+            stats.mean_cost,
+            stats.pad_ratio if self.state.tuning.padded else 1.0,
         )
         mapping = estimate.to_hash()
         if stats.batches:

@@ -28,6 +28,19 @@ def tuning_for(settings: Settings, runtime: Runtime) -> Tuning:
         window_max_s=settings.batch_window_max_ms / 1000.0,
         latency_target_s=target / 1000.0 if target is not None else None,
         bulk_share=settings.bulk_share,
+        window_start_factor=settings.batch_window_start_factor,
+        window_shrink=settings.batch_window_shrink,
+        window_grow=settings.batch_window_grow,
+        latency_high=settings.latency_high_factor,
+        latency_low=settings.latency_low_factor,
+        history_weight=settings.batch_cost_history_weight,
+        idle_queue=settings.idle_queue_max,
+        forget=settings.learning_forget,
+        oom_backoff=settings.oom_backoff,
+        urgent_guard=settings.urgent_guard,
+        urgent_budget=settings.urgent_budget,
+        urgent_memory_s=settings.urgent_memory_s,
+        min_efficiency=settings.batch_min_efficiency,
     )
 
 
@@ -55,14 +68,16 @@ def make_policy(kind: str, state: SchedulerState, fixed_max_delay_s: float) -> P
     raise ValueError(f"unknown scheduler {kind!r} (ferry, fixed or none)")
 
 
-def estimate_of(state: SchedulerState, mean_cost: float, pad_ratio: float) -> ModelEstimate:
+def estimate_of(
+    state: SchedulerState, now: float, mean_cost: float, pad_ratio: float
+) -> ModelEstimate:
     fit = state.latency.fit()
     return ModelEstimate(
         latency_a_s=fit.intercept,
         latency_b_s=fit.slope,
         padded=state.tuning.padded,
         max_batch_size=state.tuning.max_batch_size,
-        max_batch_cost=min(state.tuning.max_batch_cost, state.profile(0.0).max_work),
+        max_batch_cost=min(state.tuning.max_batch_cost, state.profile(now).max_work),
         mean_cost=mean_cost,
         pad_ratio=pad_ratio,
         window_s=state.window_s or 0.0,

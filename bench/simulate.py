@@ -1,0 +1,1050 @@
+"""A discrete-event simulation of one model's GPU worker(s), to compare batching policies.
+
+The simulator drives the very :func:`scheduler.policy.decide` that the workers
+run, through :class:`scheduler.learning.SchedulerState`, on a virtual clock,
+and the peers' batching (:mod:`scheduler.baselines`) on the same traces:
+
+* **Arrivals** come from a trace (uniform, Poisson or bursty), each job with a
+  lane, a deadline and a cost drawn from real text (:mod:`bench.corpus`).
+* **Streams**: Ferry's worker reads the lanes urgent lane first, as
+  ``workers.consumer`` does; the peers read one first-come-first-served queue.
+  A worker holds at most ``prefetch`` entries locally; the rest wait in the
+  streams.
+* **The worker** is single-threaded: it decides only when it is not running a
+  batch. It steps when it becomes free (a batch ended), when it is blocked on an
+  empty read and an entry arrives, and when the wait the policy asked for runs
+  out. In the order of ``workers/loop.py``: a batch that ends is reported
+  (``observe_batch``); a step reads what fits into its local set, reporting
+  every entry it reads (``observe_arrival``), then decides and applies the
+  decision (expire, or run after ``batch_started``, or wait). Entries that
+  arrive while a batch runs are seen when it ends. Several workers
+  (``servers``) share the streams; the default is one.
+* **The GPU** is a padded model: a batch of ``n`` inputs whose longest is
+  ``c_max`` tokens takes ``fixed + per_token x n x c_max`` seconds, times a
+  little noise.
+
+Run ``python -m bench.simulate [--quick] [--seed N] [--out PATH]``: it finds
+each policy's sustainable throughput by bisection, measures latency, deadline
+misses and batch shapes at fractions of it and at a common rate, prints a
+table, and writes the JSON and an SVG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench import svgplot
+from scheduler.baselines import decide_fixed, decide_single
+from scheduler.learning import BatchObservation, SchedulerState, Tuning
+from scheduler.policy import BatchDecision, PendingItem, decide
+
+LANES = ("urgent", "vip", "normal", "bulk")
+DEFAULT_MIX: dict[str, float] = {"urgent": 0.05, "vip": 0.15, "normal": 0.80, "bulk": 0.0}
+# Accepted -> finished. Bulk (backfills) has none.
+DEFAULT_DEADLINES: dict[str, float | None] = {
+    "urgent": 0.100,
+    "vip": 0.250,
+    "normal": 1.000,
+    "bulk": None,
+}
+REPORT_DATE = "2026-11-29"
+MACHINE = "2 CPU cores, simulated GPU"
+MIN_WAKE_S = 1e-6  # a wait the policy asks for is at least this long (no busy loop)
+
+# Outcomes of a job.
+PENDING, ON_TIME, LATE, EXPIRED = 0, 1, 2, 3
+
+
+# --- the simulated GPU --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A padded model's batch latency: ``fixed_s + per_token_s x n x max cost``."""
+
+    name: str
+    fixed_s: float
+    per_token_s: float
+    padded: bool = True
+    jitter: float = 0.03  # relative standard deviation of one batch's time
+
+    def work(self, costs: Sequence[int]) -> float:
+        return float(len(costs) * max(costs)) if self.padded else float(sum(costs))
+
+    def expected_s(self, work: float) -> float:
+        return self.fixed_s + self.per_token_s * work
+
+    def batch_s(self, costs: Sequence[int], rng: random.Random) -> float:
+        noise = min(1.5, max(0.5, rng.gauss(1.0, self.jitter))) if self.jitter else 1.0
+        return self.expected_s(self.work(costs)) * noise
+
+
+# A small BERT (all-MiniLM-L6-v2, 6 layers, 384 wide) on a data-centre GPU in
+# eager PyTorch: a couple of milliseconds of launch and transfer overhead per
+# batch, about a microsecond per padded token.
+PADDED_GPU = GpuModel("padded-gpu", fixed_s=0.002, per_token_s=1.0e-6)
+# Sensitivity: a faster GPU (or a compiled graph): less overhead, cheaper tokens.
+FAST_GPU = GpuModel("fast-gpu", fixed_s=0.0008, per_token_s=0.25e-6)
+MODELS = {m.name: m for m in (PADDED_GPU, FAST_GPU)}
+
+
+# --- traces -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    lane: str
+    cost: int
+    arrival_s: float
+    deadline_s: float | None  # absolute
+
+
+def _unit_gaps(kind: str, n: int, rng: random.Random) -> list[float]:
+    """Inter-arrival gaps of a unit-rate process."""
+    if kind == "uniform":
+        return [1.0] * n
+    if kind == "poisson":
+        return [rng.expovariate(1.0) for _ in range(n)]
+    raise ValueError(f"unknown trace {kind!r}")
+
+
+def _bursty_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
+    """A two-state Markov-modulated Poisson process with mean ``rate``.
+
+    On for 25 % of the time at 3x the mean rate, off for 75 % at 1/3 of it;
+    on periods last 50 ms on average, off periods 150 ms (exponential).
+    """
+    on_rate, off_rate = 3.0 * rate, rate / 3.0
+    mean_on_s, mean_off_s = 0.050, 0.150
+    times: list[float] = []
+    t = 0.0
+    on = rng.random() < 0.25
+    state_end = t + rng.expovariate(1.0 / (mean_on_s if on else mean_off_s))
+    while len(times) < n:
+        gap = rng.expovariate(on_rate if on else off_rate)
+        if t + gap < state_end:
+            t += gap
+            times.append(t)
+        else:  # memoryless: restart the clock at the switch
+            t = state_end
+            on = not on
+            state_end = t + rng.expovariate(1.0 / (mean_on_s if on else mean_off_s))
+    return times
+
+
+def make_trace(
+    kind: str,
+    rate: float,
+    n_jobs: int,
+    costs: Sequence[int],
+    seed: int = 0,
+    mix: dict[str, float] | None = None,
+    deadlines: dict[str, float | None] | None = None,
+) -> list[Job]:
+    """``n_jobs`` jobs arriving at ``rate`` per second on average.
+
+    Uniform and Poisson traces of one seed are the same pattern scaled in time
+    (common random numbers): the jobs' lanes and costs do not depend on the
+    rate, so the comparison between rates and between policies is paired.
+    """
+    if rate <= 0 or n_jobs < 0:
+        raise ValueError("rate must be positive and n_jobs not negative")
+    mix = mix or DEFAULT_MIX
+    deadlines = deadlines or DEFAULT_DEADLINES
+    draw = random.Random(f"jobs-{seed}")
+    lanes = [lane for lane in LANES if mix.get(lane, 0) > 0]
+    weights = [mix[lane] for lane in lanes]
+    job_lanes = draw.choices(lanes, weights, k=n_jobs)
+    job_costs = [costs[draw.randrange(len(costs))] for _ in range(n_jobs)]
+    clock = random.Random(f"arrivals-{kind}-{seed}")
+    if kind == "bursty":
+        times = _bursty_arrivals(rate, n_jobs, clock)
+    else:
+        times = []
+        t = 0.0
+        for gap in _unit_gaps(kind, n_jobs, clock):
+            t += gap / rate
+            times.append(t)
+    jobs = []
+    for i in range(n_jobs):
+        limit = deadlines.get(job_lanes[i])
+        arrival = times[i]
+        deadline = arrival + limit if limit is not None else None
+        jobs.append(Job(i, job_lanes[i], job_costs[i], arrival, deadline))
+    return jobs
+
+
+# --- policies -----------------------------------------------------------------
+
+
+class Policy(Protocol):
+    name: str
+    lanes: bool  # reads the lanes urgent first (else one FIFO queue)
+
+    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision: ...
+    def on_arrival(self, cost: int, lane: str, now: float) -> None: ...
+    def on_start(self) -> None: ...
+    def on_end(self, seen: BatchObservation) -> None: ...
+
+
+class _Stateless:
+    lanes = False
+
+    def on_arrival(self, cost: int, lane: str, now: float) -> None:
+        pass
+
+    def on_start(self) -> None:
+        pass
+
+    def on_end(self, seen: BatchObservation) -> None:
+        pass
+
+
+class SinglePolicy(_Stateless):
+    """No batching: the oldest job runs alone, at once."""
+
+    name = "none"
+
+    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
+        return decide_single(pending, now)
+
+
+class FixedPolicy(_Stateless):
+    """Triton / Ray Serve / TorchServe: FCFS, at most ``max_size``, at most ``max_delay_s``."""
+
+    name = "fixed"
+
+    def __init__(self, max_size: int = 32, max_delay_s: float = 0.005) -> None:
+        self.max_size = max_size
+        self.max_delay_s = max_delay_s
+
+    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
+        return decide_fixed(pending, self.max_size, self.max_delay_s, now)
+
+
+class FerryPolicy:
+    """Ferry's :func:`decide`, with the profile a :class:`SchedulerState` learns."""
+
+    lanes = True
+
+    def __init__(self, tuning: Tuning, name: str = "ferry") -> None:
+        self.name = name
+        self.state = SchedulerState.create(tuning)
+
+    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
+        return decide(pending, self.state.profile(now), now)
+
+    def on_arrival(self, cost: int, lane: str, now: float) -> None:
+        self.state.observe_arrival(cost, lane, now)
+
+    def on_start(self) -> None:
+        self.state.batch_started()
+
+    def on_end(self, seen: BatchObservation) -> None:
+        self.state.observe_batch(seen)
+
+
+# Ferry's settings in the simulation: bigger batches than the peers are allowed,
+# because the cost cap (padded tokens) keeps long inputs from making them slow;
+# everything else is Tuning's defaults (the urgent guard and budget included).
+FERRY_TUNING = Tuning(max_batch_size=256, max_batch_cost=8192, padded=True)
+# Ferry told to keep batches at least this efficient once more is pending than
+# one batch holds (Tuning.min_efficiency): efficiency bought with capacity and
+# latency. The report shows the trade-off.
+EFFICIENCY_FLOORS = (0.8, 0.85, 0.9, 0.93, 0.95)
+FIXED_MAX_SIZE = 32
+FIXED_MAX_DELAY_S = 0.005
+PREFETCH = 128  # the workers' default; a worker holds max(prefetch, max_batch_size)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How to build a policy in a fresh process (policies hold state)."""
+
+    name: str
+    tuning: Tuning | None = None  # Ferry's
+
+    @property
+    def prefetch(self) -> int:
+        return max(PREFETCH, self.tuning.max_batch_size if self.tuning else FIXED_MAX_SIZE)
+
+    def build(self) -> Policy:
+        if self.tuning is not None:
+            return FerryPolicy(self.tuning, self.name)
+        if self.name == "none":
+            return SinglePolicy()
+        if self.name == "fixed":
+            return FixedPolicy(FIXED_MAX_SIZE, FIXED_MAX_DELAY_S)
+        raise ValueError(f"unknown policy {self.name!r}")
+
+
+POLICIES = (
+    PolicySpec("none"),
+    PolicySpec("fixed"),
+    PolicySpec("ferry", FERRY_TUNING),
+)
+
+
+# --- the simulation -----------------------------------------------------------
+
+
+@dataclass
+class BatchRecord:
+    worker: int
+    start_s: float
+    end_s: float
+    size: int
+    cost: int
+    max_cost: int
+    trigger: str
+    lanes: tuple[str, ...]
+    keys: tuple[str, ...]  # the jobs, in the order the policy gave them
+
+
+@dataclass
+class RunResult:
+    jobs: list[Job]
+    outcome: list[int]  # PENDING | ON_TIME | LATE | EXPIRED, per job
+    finish_s: list[float]  # when the job finished or expired (NaN: never)
+    batches: list[BatchRecord]
+    decisions: int = 0
+    clock: list[float] = field(default_factory=list)  # every event time, when traced
+
+
+@dataclass
+class _Worker:
+    index: int
+    pending: dict[int, PendingItem] = field(default_factory=dict)
+    running: tuple[PendingItem, ...] = ()
+    started_s: float = 0.0
+    wake_token: int = 0  # the timer that counts; older timers are stale
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+
+_END, _ARRIVAL, _WAKE = 0, 1, 2  # at one instant: batch ends first, then arrivals
+
+
+def simulate(
+    jobs: Sequence[Job],
+    policy: Policy,
+    model: GpuModel,
+    *,
+    prefetch: int = 128,
+    servers: int = 1,
+    seed: int = 0,
+    trace_clock: bool = False,
+) -> RunResult:
+    """Run every job to an outcome (finished on time, late, or expired)."""
+    if prefetch < 1 or servers < 1:
+        raise ValueError("prefetch and servers must be at least 1")
+    rng = random.Random(f"gpu-{seed}")
+    n = len(jobs)
+    outcome = [PENDING] * n
+    finish = [math.nan] * n
+    batches: list[BatchRecord] = []
+    clock: list[float] = []
+    streams: dict[str, deque[int]] = {lane: deque() for lane in LANES}
+    fifo: deque[int] = deque()
+    workers = [_Worker(i) for i in range(servers)]
+    events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, worker/job, token)
+    seq = 0
+
+    def push(t: float, kind: int, who: int, token: int = 0) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, kind, seq, who, token))
+
+    for job in jobs:
+        push(job.arrival_s, _ARRIVAL, job.index)
+
+    decisions = 0
+
+    def read(w: _Worker, now: float) -> None:
+        room = prefetch - len(w.pending)
+        queues = [streams[lane] for lane in LANES] if policy.lanes else [fifo]
+        for queue in queues:
+            while room > 0 and queue:
+                job = jobs[queue.popleft()]
+                w.pending[job.index] = PendingItem(
+                    key=str(job.index),
+                    lane=job.lane,
+                    cost=job.cost,
+                    arrival_s=job.arrival_s,
+                    deadline_s=job.deadline_s,
+                )
+                policy.on_arrival(job.cost, job.lane, now)
+                room -= 1
+
+    def step(w: _Worker, now: float) -> None:
+        nonlocal decisions
+        decisions += 1
+        decision = policy.decide(list(w.pending.values()), now)
+        for item in decision.expire:
+            index = int(item.key)
+            del w.pending[index]
+            outcome[index] = EXPIRED
+            finish[index] = now
+        if decision.run:
+            for item in decision.run:
+                del w.pending[int(item.key)]
+            costs = [item.cost for item in decision.run]
+            policy.on_start()
+            w.running = decision.run
+            w.started_s = now
+            end = now + model.batch_s(costs, rng)
+            batches.append(
+                BatchRecord(
+                    worker=w.index,
+                    start_s=now,
+                    end_s=end,
+                    size=len(costs),
+                    cost=sum(costs),
+                    max_cost=max(costs),
+                    trigger=decision.trigger or "",
+                    lanes=tuple(sorted({item.lane for item in decision.run})),
+                    keys=tuple(item.key for item in decision.run),
+                )
+            )
+            push(end, _END, w.index)
+        elif decision.wait_s is not None:
+            w.wake_token += 1
+            push(now + max(decision.wait_s, MIN_WAKE_S), _WAKE, w.index, w.wake_token)
+
+    while events:
+        now, kind, _, who, token = heapq.heappop(events)
+        if trace_clock:
+            clock.append(now)
+        if kind == _ARRIVAL:
+            job = jobs[who]
+            (streams[job.lane] if policy.lanes else fifo).append(who)
+            idle = next((w for w in workers if not w.busy), None)
+            if idle is not None:
+                idle.wake_token += 1  # the blocked read returns: any timer is moot
+                read(idle, now)
+                step(idle, now)
+        elif kind == _END:
+            w = workers[who]
+            ran, w.running = w.running, ()
+            job_latency = []
+            for item in ran:
+                index = int(item.key)
+                finish[index] = now
+                late = item.deadline_s is not None and now > item.deadline_s
+                outcome[index] = LATE if late else ON_TIME
+                job_latency.append(now - item.arrival_s)
+            costs = [item.cost for item in ran]
+            policy.on_end(
+                BatchObservation(
+                    size=len(ran),
+                    cost=sum(costs),
+                    work=model.work(costs),
+                    latency_s=now - w.started_s,
+                    ended_s=now,
+                    job_latency_s=job_latency,
+                )
+            )
+            read(w, now)  # what arrived during the batch is seen now
+            step(w, now)
+        else:  # _WAKE
+            w = workers[who]
+            if w.busy or token != w.wake_token:
+                continue
+            read(w, now)
+            step(w, now)
+    return RunResult(list(jobs), outcome, finish, batches, decisions, clock)
+
+
+# --- metrics ------------------------------------------------------------------
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def _cv(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean else 0.0
+
+
+def summarize(result: RunResult, warmup: float = 0.1) -> dict[str, Any]:
+    """Latency per lane, deadline misses, throughput and batch shapes of one run.
+
+    Latency, misses and batches count from the end of the warm-up (the first
+    ``warmup`` share of the trace's time) to the last arrival.
+    """
+    jobs = result.jobs
+    if not jobs:
+        return {}
+    t_end = jobs[-1].arrival_s
+    t_start = warmup * t_end
+    measured = [j for j in jobs if j.arrival_s >= t_start]
+    lanes: dict[str, Any] = {}
+    all_latency: list[float] = []
+    for lane in LANES:
+        mine = [j for j in measured if j.lane == lane]
+        if not mine:
+            continue
+        done = [
+            (result.finish_s[j.index] - j.arrival_s) * 1000.0
+            for j in mine
+            if result.outcome[j.index] in (ON_TIME, LATE)
+        ]
+        all_latency += done
+        late = sum(result.outcome[j.index] == LATE for j in mine)
+        expired = sum(result.outcome[j.index] == EXPIRED for j in mine)
+        lanes[lane] = {
+            "jobs": len(mine),
+            "p50_ms": _quantile(done, 0.50),
+            "p99_ms": _quantile(done, 0.99),
+            "late": late,
+            "expired": expired,
+            "miss_rate": (late + expired) / len(mine),
+        }
+    missed = sum(result.outcome[j.index] in (LATE, EXPIRED) for j in measured)
+    with_deadline = sum(j.deadline_s is not None for j in measured)
+    steady = [b for b in result.batches if t_start <= b.start_s <= t_end]
+    sizes = [float(b.size) for b in steady]
+    durations = [b.end_s - b.start_s for b in steady]
+    effs = [b.cost / (b.size * b.max_cost) for b in steady]
+    computed = sum(b.size * b.max_cost for b in steady)
+    busy = sum(min(b.end_s, t_end) - b.start_s for b in steady)
+    triggers: dict[str, int] = {}
+    for b in steady:
+        triggers[b.trigger] = triggers.get(b.trigger, 0) + 1
+    completed_by_end = sum(
+        1
+        for j in jobs
+        if result.outcome[j.index] in (ON_TIME, LATE) and result.finish_s[j.index] <= t_end
+    )
+    return {
+        "jobs": len(measured),
+        "offered_per_s": len(jobs) / t_end if t_end > 0 else math.nan,
+        "completed_per_s": completed_by_end / t_end if t_end > 0 else math.nan,
+        "completed_share": completed_by_end / len(jobs),
+        "p50_ms": _quantile(all_latency, 0.50),
+        "p99_ms": _quantile(all_latency, 0.99),
+        "lanes": lanes,
+        "miss_rate": missed / with_deadline if with_deadline else 0.0,
+        "expired": sum(result.outcome[j.index] == EXPIRED for j in measured),
+        "batches": len(steady),
+        "batch_size_mean": statistics.fmean(sizes) if sizes else math.nan,
+        "batch_size_cv": _cv(sizes),
+        "batch_ms_mean": 1000.0 * statistics.fmean(durations) if durations else math.nan,
+        "batch_ms_cv": _cv(durations),
+        "efficiency_mean": statistics.fmean(effs) if effs else math.nan,
+        "efficiency_cost_weighted": sum(b.cost for b in steady) / computed
+        if computed
+        else math.nan,
+        "utilization": busy / (t_end - t_start) if t_end > t_start else math.nan,
+        "triggers": dict(sorted(triggers.items())),
+        "decisions": result.decisions,
+    }
+
+
+def backlog_growing(result: RunResult, tolerance_s: float = 0.020) -> bool:
+    """Whether the jobs in the system grew over the trace.
+
+    The mean backlog (arrived, not yet finished or expired) over the last
+    quarter of the trace is compared with the mean over the second quarter; it
+    grows when the difference exceeds ``tolerance_s`` worth of arrivals.
+    """
+    jobs = result.jobs
+    t_end = jobs[-1].arrival_s
+    rate = len(jobs) / t_end
+    leaving = sorted(result.finish_s[j.index] for j in jobs)
+    samples = 200
+    backlog = []
+    arrived = left = 0
+    for k in range(samples + 1):
+        t = t_end * k / samples
+        while arrived < len(jobs) and jobs[arrived].arrival_s <= t:
+            arrived += 1
+        while left < len(leaving) and leaving[left] <= t:
+            left += 1
+        backlog.append(arrived - left)
+    second = statistics.fmean(backlog[samples // 4 : samples // 2 + 1])
+    last = statistics.fmean(backlog[3 * samples // 4 :])
+    return last - second > tolerance_s * rate
+
+
+def sustainable(result: RunResult, share: float = 0.98) -> bool:
+    """Completed by the last arrival >= ``share`` of offered, and no growing backlog."""
+    summary_share = sum(
+        1
+        for j in result.jobs
+        if result.outcome[j.index] in (ON_TIME, LATE)
+        and result.finish_s[j.index] <= result.jobs[-1].arrival_s
+    ) / len(result.jobs)
+    return summary_share >= share and not backlog_growing(result)
+
+
+# --- experiments --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: GpuModel
+    costs: tuple[int, ...]
+    seed: int
+    probe_s: float  # simulated seconds of arrivals per capacity probe ...
+    probe_jobs: int  # ... and at least this many jobs
+    latency_s: float  # the same for a latency run
+    latency_jobs: int
+    precision: float  # bisection stops when hi / lo <= 1 + precision
+
+    def probe_n(self, rate: float) -> int:
+        return max(self.probe_jobs, math.ceil(rate * self.probe_s))
+
+    def latency_n(self, rate: float) -> int:
+        return max(self.latency_jobs, math.ceil(rate * self.latency_s))
+
+
+def run_one(
+    spec: PolicySpec, setup: Setup, kind: str, rate: float, n_jobs: int
+) -> tuple[RunResult, dict[str, Any]]:
+    jobs = make_trace(kind, rate, n_jobs, setup.costs, seed=setup.seed)
+    result = simulate(jobs, spec.build(), setup.model, prefetch=spec.prefetch, seed=setup.seed)
+    return result, summarize(result)
+
+
+def find_capacity(spec: PolicySpec, setup: Setup, guess: float) -> tuple[float, list[Any]]:
+    """The highest Poisson rate that is sustainable, by bracketing then bisection."""
+    probes: list[Any] = []
+
+    def ok(rate: float) -> bool:
+        result, _ = run_one(spec, setup, "poisson", rate, setup.probe_n(rate))
+        good = sustainable(result)
+        probes.append({"rate": round(rate, 1), "sustainable": good})
+        return good
+
+    lo, hi = guess, guess
+    if ok(guess):
+        hi = guess * 1.5
+        while ok(hi):
+            lo, hi = hi, hi * 1.5
+    else:
+        lo = guess / 1.5
+        while not ok(lo):
+            if lo < 1.0:
+                raise RuntimeError(f"{spec.name}: not even 1 job/s is sustainable")
+            hi, lo = lo, lo / 1.5
+    while hi / lo > 1 + setup.precision:
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def _guess(spec: PolicySpec, setup: Setup) -> float:
+    """A starting point for the bracket, from the model alone."""
+    m = setup.model
+    mean = statistics.fmean(setup.costs)
+    lone_s = m.expected_s(mean)
+    if spec.name == "none":
+        return 1.0 / lone_s
+    if spec.name == "fixed":
+        top = sorted(setup.costs)[int(0.97 * (len(setup.costs) - 1))]
+        return FIXED_MAX_SIZE / m.expected_s(FIXED_MAX_SIZE * top)
+    # Ferry: batches 1.5 lone latencies long (the urgent guard), 90 % efficient.
+    work = max(1.5 * lone_s - m.fixed_s, m.per_token_s * mean) / m.per_token_s
+    return 0.9 * work / mean / (1.5 * lone_s)
+
+
+LOADS = (0.1, 0.5, 0.8, 0.9, 0.95)
+OTHER_TRACES = (("uniform", 0.8), ("uniform", 0.9), ("bursty", 0.8), ("bursty", 0.9))
+
+
+def _run_entry(
+    spec: PolicySpec, setup: Setup, kind: str, rate: float, capacity: float
+) -> dict[str, Any]:
+    _, summary = run_one(spec, setup, kind, rate, setup.latency_n(rate))
+    return {"trace": kind, "load": rate / capacity, "rate": rate, **summary}
+
+
+def policy_report(spec: PolicySpec, setup: Setup) -> dict[str, Any]:
+    """Capacity, then latency and batch shapes at shares of it (runs in its own process)."""
+    started = time.perf_counter()
+    capacity, probes = find_capacity(spec, setup, _guess(spec, setup))
+    runs = [
+        _run_entry(spec, setup, "poisson", load * capacity, capacity) | {"load": load}
+        for load in LOADS
+    ]
+    runs += [
+        _run_entry(spec, setup, kind, load * capacity, capacity) | {"load": load}
+        for kind, load in OTHER_TRACES
+    ]
+    return {
+        "policy": spec.name,
+        "capacity_per_s": capacity,
+        "probes": probes,
+        "runs": runs,
+        "common": None,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def short_report(spec: PolicySpec, setup: Setup) -> dict[str, Any]:
+    """Capacity, and the runs at 10 % and 80 % of it (another model, another setting)."""
+    capacity, probes = find_capacity(spec, setup, _guess(spec, setup))
+    runs = [
+        _run_entry(spec, setup, "poisson", load * capacity, capacity) | {"load": load}
+        for load in (0.1, 0.8)
+    ]
+    return {"policy": spec.name, "capacity_per_s": capacity, "probes": probes, "runs": runs}
+
+
+# --- the report ---------------------------------------------------------------
+
+
+def _run_at(report: dict[str, Any], trace: str, load: float) -> dict[str, Any]:
+    return next(r for r in report["runs"] if r["trace"] == trace and abs(r["load"] - load) < 1e-9)
+
+
+def evaluate_targets(reports: dict[str, dict[str, Any]], ferry: str) -> dict[str, Any]:
+    """The issue's targets for one Ferry variant, judged on the runs at hand."""
+    mine, fixed = reports[ferry], reports["fixed"]
+    ratio = mine["capacity_per_s"] / fixed["capacity_per_s"]
+    at_80 = _run_at(mine, "poisson", 0.8)
+    eff = at_80["efficiency_mean"]
+    urgent_10 = _run_at(mine, "poisson", 0.1)["lanes"]["urgent"]["p99_ms"]
+    urgent_80 = at_80["lanes"]["urgent"]["p99_ms"]
+    misses = {
+        f"{r['trace']}@{r['load']:.0%}": r["miss_rate"]
+        for r in mine["runs"]
+        if r["load"] <= 0.9 + 1e-9
+    }
+    worst = max(misses.values())
+    return {
+        "capacity_vs_fixed": {"value": ratio, "target": ">= 1.3", "met": ratio >= 1.3},
+        "efficiency_at_80": {
+            "value": eff,
+            "cost_weighted": at_80["efficiency_cost_weighted"],
+            "at_95": _run_at(mine, "poisson", 0.95)["efficiency_mean"],
+            "target": ">= 0.9",
+            "met": eff >= 0.9,
+        },
+        "urgent_p99_80_over_10": {
+            "value": urgent_80 / urgent_10,
+            "p99_10_ms": urgent_10,
+            "p99_80_ms": urgent_80,
+            "target": "<= 1.2",
+            "met": urgent_80 / urgent_10 <= 1.2,
+        },
+        "deadline_misses_le_90": {
+            "value": worst,
+            "by_run": misses,
+            "target": "<= 0.01",
+            "met": worst <= 0.01,
+        },
+    }
+
+
+def _ms(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.1f}"
+
+
+def _lane_cells(r: dict[str, Any]) -> str:
+    cells = []
+    for lane in ("urgent", "vip", "normal"):
+        s = r["lanes"].get(lane)
+        cells.append(f"{_ms(s['p50_ms'])} / {_ms(s['p99_ms'])}" if s else "-")
+    return " | ".join(cells)
+
+
+def _row(name: str, label: str, r: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {label} | {r['rate']:,.0f} | {_lane_cells(r)} | "
+        f"{100 * r['miss_rate']:.2f} | {r['efficiency_mean']:.2f} | "
+        f"{r['efficiency_cost_weighted']:.2f} | {r['batch_size_mean']:.1f} | "
+        f"{r['batch_size_cv']:.2f} | {r['batch_ms_mean']:.2f} | {r['batch_ms_cv']:.2f} |"
+    )
+
+
+RUN_HEADER = [
+    "| policy | load | jobs/s | urgent p50 / p99 ms | vip p50 / p99 ms | normal p50 / p99 ms"
+    " | missed % | eff | eff (cost-w.) | batch size | size CV | batch ms | ms CV |",
+    "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+]
+
+
+def format_tables(doc: dict[str, Any]) -> str:
+    reports: dict[str, dict[str, Any]] = doc["policies"]
+    model = doc["model"]
+    lines = [
+        f"Ferry scheduler simulation, {doc['date']}, {doc['machine']}; model {model['name']}"
+        f" ({model['fixed_s'] * 1000:g} ms + {model['per_token_s'] * 1e6:g} us per padded"
+        " token); seed " + str(doc["seed"]) + ("; quick" if doc["quick"] else ""),
+        "",
+        "Sustainable throughput (Poisson arrivals):",
+        "",
+        "| policy | capacity (jobs/s) | vs fixed |",
+        "|---|---:|---:|",
+    ]
+    fixed_cap = reports["fixed"]["capacity_per_s"]
+    for name, rep in reports.items():
+        cap = rep["capacity_per_s"]
+        lines.append(f"| {name} | {cap:,.0f} | {cap / fixed_cap:.2f}x |")
+    lines += ["", "Latency and batches at shares of each policy's own capacity:", "", *RUN_HEADER]
+    for name, rep in reports.items():
+        for r in rep["runs"]:
+            label = f"{r['load']:.0%}" + ("" if r["trace"] == "poisson" else f" {r['trace']}")
+            lines.append(_row(name, label, r))
+    lines += ["", f"At a common rate, {doc['common_rate']:,.0f} jobs/s (Poisson):", ""]
+    lines += [RUN_HEADER[0].replace("| load |", "| load of own capacity |"), RUN_HEADER[1]]
+    for name, rep in reports.items():
+        if rep["common"] is not None:
+            lines.append(_row(name, f"{rep['common']['load']:.0%}", rep["common"]))
+    lines += ["", "Targets (ferry):", "", "| target | value | goal | met |", "|---|---:|---|---|"]
+    for key, t in doc["targets"].items():
+        met = "yes" if t["met"] else "NO"
+        lines.append(f"| {key} | {t['value']:.3f} | {t['target']} | {met} |")
+    lines += [
+        "",
+        "Efficiency against capacity and latency (ferry with Tuning.min_efficiency):",
+        "",
+        *SHORT_HEADER,
+    ]
+    floors = doc["efficiency_floors"]
+    for name, rep in floors.items():
+        lines.append(_short_row(name, rep, reports["fixed"]["capacity_per_s"]))
+    sens = doc["sensitivity"]
+    m = sens["model"]
+    lines += [
+        "",
+        f"Sensitivity, model {m['name']} ({m['fixed_s'] * 1000:g} ms +"
+        f" {m['per_token_s'] * 1e6:g} us per padded token):",
+        "",
+        *SHORT_HEADER,
+    ]
+    for name, rep in sens["policies"].items():
+        lines.append(_short_row(name, rep, sens["policies"]["fixed"]["capacity_per_s"]))
+    return "\n".join(lines)
+
+
+SHORT_HEADER = [
+    "| policy | capacity (jobs/s) | vs fixed | eff at 80 % | urgent p99 ms at 10 % / 80 %"
+    " | normal p99 ms at 80 % | missed % at 80 % |",
+    "|---|---:|---:|---:|---|---:|---:|",
+]
+
+
+def _short_row(name: str, rep: dict[str, Any], fixed_capacity: float) -> str:
+    low, high = _run_at(rep, "poisson", 0.1), _run_at(rep, "poisson", 0.8)
+    cap = rep["capacity_per_s"]
+    urgent_10, urgent_80 = low["lanes"]["urgent"]["p99_ms"], high["lanes"]["urgent"]["p99_ms"]
+    return (
+        f"| {name} | {cap:,.0f} | {cap / fixed_capacity:.2f}x | {high['efficiency_mean']:.2f}"
+        f" | {_ms(urgent_10)} / {_ms(urgent_80)} | {_ms(high['lanes']['normal']['p99_ms'])}"
+        f" | {100 * high['miss_rate']:.2f} |"
+    )
+
+
+def write_plot(doc: dict[str, Any], path: Path) -> None:
+    reports: dict[str, dict[str, Any]] = doc["policies"]
+    normal = []
+    urgent = []
+    for name, rep in reports.items():
+        poisson = [r for r in rep["runs"] if r["trace"] == "poisson"]
+        if rep["common"] is not None and rep["common"]["load"] <= 1:  # overload: off the chart
+            poisson.append(rep["common"])
+        normal.append(
+            svgplot.Series(name, [(r["rate"], r["lanes"]["normal"]["p99_ms"]) for r in poisson])
+        )
+        urgent.append(
+            svgplot.Series(
+                name,
+                [
+                    (100 * r["load"], r["lanes"]["urgent"]["p99_ms"])
+                    for r in poisson
+                    if r["load"] <= 1
+                ],
+            )
+        )
+    bars = [
+        svgplot.Series(
+            "jobs/s", [(i, rep["capacity_per_s"]) for i, rep in enumerate(reports.values())]
+        )
+    ]
+    elements = svgplot.line_chart(
+        svgplot.Box(80, 40, 440, 280),
+        normal,
+        title="Normal lane: P99 latency vs offered load (Poisson)",
+        x_label="offered load (jobs/s)",
+        y_label="P99 latency (ms, log scale)",
+        log_y=True,
+    )
+    elements += svgplot.line_chart(
+        svgplot.Box(640, 40, 440, 280),
+        urgent,
+        title="Urgent lane: P99 latency vs load",
+        x_label="load (% of the policy's own capacity)",
+        y_label="P99 latency (ms, log scale)",
+        log_y=True,
+    )
+    elements += svgplot.bar_chart(
+        svgplot.Box(80, 400, 440, 240),
+        list(reports),
+        bars,
+        title=f"Sustainable throughput, {doc['model']['name']}",
+        y_label="jobs/s",
+    )
+    path.write_text(svgplot.document(1120, 700, elements), encoding="utf-8")
+
+
+def _clean(value: Any) -> Any:
+    """JSON without NaN or infinity (``null`` instead)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.simulate",
+        description="Simulate Ferry's scheduler against the peers' batching.",
+    )
+    parser.add_argument("--quick", action="store_true", help="short traces (under a minute)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/scheduler.json"))
+    parser.add_argument(
+        "--processes", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
+    )
+    args = parser.parse_args(argv)
+
+    from bench.corpus import load_corpus
+
+    started = time.perf_counter()
+    corpus = load_corpus(seed=args.seed)
+    costs = tuple(corpus.costs)
+    if args.quick:
+        setup = Setup(PADDED_GPU, costs, args.seed, 2.0, 4_000, 2.5, 8_000, 0.05)
+        sens_setup = replace(setup, model=FAST_GPU, probe_s=1.5, latency_s=2.0)
+    else:
+        setup = Setup(PADDED_GPU, costs, args.seed, 8.0, 20_000, 10.0, 40_000, 0.02)
+        sens_setup = replace(setup, model=FAST_GPU, probe_s=4.0, latency_s=4.0, precision=0.03)
+    specs = {spec.name: spec for spec in POLICIES}
+
+    floors = EFFICIENCY_FLOORS[2:4] if args.quick else EFFICIENCY_FLOORS
+    floor_specs = {
+        f"ferry, min_efficiency {floor:g}": PolicySpec(
+            "ferry", replace(FERRY_TUNING, min_efficiency=floor)
+        )
+        for floor in floors
+    }
+
+    with ProcessPoolExecutor(max_workers=max(1, args.processes)) as pool:
+        futures = {name: pool.submit(policy_report, spec, setup) for name, spec in specs.items()}
+        floor_futures = {
+            name: pool.submit(short_report, spec, setup) for name, spec in floor_specs.items()
+        }
+        sens_futures = {
+            name: pool.submit(short_report, spec, sens_setup) for name, spec in specs.items()
+        }
+        reports = {name: f.result() for name, f in futures.items()}
+        # A rate every batching policy sustains: 80 % of the fixed baseline's capacity.
+        common_rate = float(round(0.8 * reports["fixed"]["capacity_per_s"], -1))
+        common = {
+            name: pool.submit(_run_entry, spec, setup, "poisson", common_rate, 1.0)
+            for name, spec in specs.items()
+        }
+        for name, future in common.items():
+            entry = future.result()
+            entry["load"] = common_rate / reports[name]["capacity_per_s"]
+            reports[name]["common"] = entry
+        floor_reports = {name: f.result() for name, f in floor_futures.items()}
+        sensitivity = {name: f.result() for name, f in sens_futures.items()}
+
+    doc: dict[str, Any] = {
+        "date": REPORT_DATE,
+        "machine": MACHINE,
+        "command": "python -m bench.simulate"
+        + (" --quick" if args.quick else "")
+        + f" --seed {args.seed}",
+        "python": platform.python_version(),
+        "seed": args.seed,
+        "quick": args.quick,
+        "corpus": {
+            "source": "paragraphs of the Python standard library's docstrings",
+            "texts": len(costs),
+            "mean_tokens": statistics.fmean(costs),
+            "quantiles_tokens": {
+                f"p{round(q * 100)}": _quantile(costs, q) for q in (0.1, 0.5, 0.9, 0.99)
+            },
+            "max_tokens": max(costs),
+        },
+        "model": asdict(PADDED_GPU),
+        "lanes": {"mix": DEFAULT_MIX, "deadlines_s": DEFAULT_DEADLINES},
+        "settings": {
+            "none": {"prefetch": specs["none"].prefetch},
+            "fixed": {
+                "max_size": FIXED_MAX_SIZE,
+                "max_delay_s": FIXED_MAX_DELAY_S,
+                "prefetch": specs["fixed"].prefetch,
+            },
+            "ferry": {**asdict(FERRY_TUNING), "prefetch": specs["ferry"].prefetch},
+        },
+        "trace_length": {
+            "capacity_probe": f"{setup.probe_s:g} s of arrivals, at least {setup.probe_jobs} jobs",
+            "latency_run": f"{setup.latency_s:g} s of arrivals, at least {setup.latency_jobs} jobs",
+            "warm_up": "the first 10 % of a trace's time is left out of latency and batch figures",
+        },
+        "capacity_definition": (
+            "the highest Poisson rate at which the jobs completed (on time or late) by the last"
+            " arrival are >= 98 % of those offered and the backlog over the last quarter of the"
+            " trace exceeds that over the second quarter by less than 20 ms of arrivals;"
+            f" bracketed, then bisected to {setup.precision:.0%}"
+        ),
+        "common_rate": common_rate,
+        "policies": reports,
+        "targets": evaluate_targets(reports, "ferry"),
+        "efficiency_floors": floor_reports,
+        "sensitivity": {
+            "model": asdict(FAST_GPU),
+            "policies": sensitivity,
+        },
+    }
+    doc["seconds"] = time.perf_counter() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(_clean(doc), indent=1) + "\n", encoding="utf-8")
+    plot = args.out.with_suffix(".svg")
+    write_plot(doc, plot)
+    print(format_tables(doc))
+    print(f"\nwrote {args.out} and {plot} in {doc['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

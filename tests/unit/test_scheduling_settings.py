@@ -1,0 +1,70 @@
+"""Every scheduler knob in the settings reaches the scheduler, per model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from core.settings import Settings
+from scheduler.learning import Tuning
+from workers.scheduling import make_policy, tuning_for
+
+
+class Declared:
+    """The little a runtime tells the scheduler about itself."""
+
+    padded = True
+
+    def memory_budget_bytes(self) -> float:
+        return 2.0**30
+
+
+KNOBS = {
+    "batch_max_size": 64,
+    "batch_max_cost": 4096,
+    "batch_window_min_ms": 1.0,
+    "batch_window_max_ms": 30.0,
+    "latency_target_ms": 80.0,
+    "memory_threshold": 0.7,
+    "bulk_share": 0.1,
+    "batch_window_start_factor": 2.0,
+    "batch_window_shrink": 0.7,
+    "batch_window_grow": 1.3,
+    "latency_high_factor": 1.5,
+    "latency_low_factor": 0.5,
+    "batch_cost_history_weight": 0.6,
+    "idle_queue_max": 3,
+    "learning_forget": 0.9,
+    "oom_backoff": 0.8,
+    "urgent_guard": 2.0,
+    "urgent_budget": 3.0,
+    "urgent_memory_s": 0.5,
+    "batch_min_efficiency": 0.85,
+}
+
+
+def test_every_tuning_field_comes_from_a_per_model_setting() -> None:
+    settings = Settings(model_settings={"minilm": KNOBS}).for_model("minilm")
+    tuning = tuning_for(settings, Declared())  # type: ignore[arg-type]
+    defaults = Tuning()
+    for field in dataclasses.fields(Tuning):
+        if field.name in ("padded", "memory_budget_bytes"):
+            continue  # the runtime's own
+        assert getattr(tuning, field.name) != getattr(defaults, field.name), field.name
+    assert tuning.padded and tuning.memory_budget_bytes == 2.0**30
+    assert tuning.window_max_s == pytest.approx(0.030)
+    assert tuning.latency_target_s == pytest.approx(0.080)
+    assert tuning.min_efficiency == 0.85
+
+
+def test_other_models_keep_the_shared_settings() -> None:
+    settings = Settings(model_settings={"minilm": KNOBS}).for_model("sim")
+    assert tuning_for(settings, Declared()).max_batch_size == 32  # type: ignore[arg-type]
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    from scheduler.learning import SchedulerState
+
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        make_policy("fifo", SchedulerState.create(Tuning()), 0.005)
