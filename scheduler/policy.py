@@ -20,6 +20,10 @@ from dataclasses import dataclass
 
 LANE_ORDER = {"urgent": 0, "vip": 1, "normal": 2, "bulk": 3}
 INF = float("inf")
+# The efficiency floor is dropped while clearing everything pending would
+# take more than this share of the tightest non-urgent deadline's slack:
+# a backlog clears fastest without it.
+PRESSED_SHARE = 0.5
 DUE_SHARE = 0.5  # a padded batch is led by an item that has waited this share of its deadline
 
 
@@ -340,7 +344,11 @@ def _select_padded(
     # Pending more than one batch holds: the rest will fill batches of their
     # own, so a batch must not waste more than this on padding.
     top_all = max(item.cost for item in live)
-    floor_eff = 0.0 if len(live) <= fits(top_all, max_work) else profile.min_efficiency
+    floor_eff = profile.min_efficiency
+    if len(live) <= fits(top_all, max_work) or _pressed(live, profile, now, max_work):
+        # Everything fits in one batch, or deadlines are at stake: throughput
+        # first (a backlog of due jobs clears fastest without the floor).
+        floor_eff = 0.0
     work = len(forced) * floor
     best = (forced_cost / max(profile.latency(work), 1e-12), INF, floor)  # (rate, low, top)
     for j in range(at, len(values)):
@@ -394,10 +402,26 @@ def _select_padded(
     return batch, limit
 
 
-def _due(item: PendingItem, now: float) -> bool:
+def _pressed(live: list[PendingItem], profile: Profile, now: float, max_work: float) -> bool:
+    """Whether the pending items would take too long to clear for their deadlines."""
+    slack = min(
+        (i.deadline_s - now for i in live if i.deadline_s is not None and i.lane != "urgent"),
+        default=INF,
+    )
+    if math.isinf(slack):
+        return False
+    total = sum(item.cost for item in live)
+    batches = math.ceil(len(live) / profile.max_batch_size)
+    if math.isfinite(max_work) and max_work > 0:
+        batches = max(batches, math.ceil(total / max_work))
+    fit = profile.latency
+    return batches * fit.intercept + fit.slope * total >= PRESSED_SHARE * slack
+
+
+def _due(item: PendingItem, now: float, share: float = DUE_SHARE) -> bool:
     if item.deadline_s is None:
         return False
-    return now - item.arrival_s >= DUE_SHARE * (item.deadline_s - item.arrival_s)
+    return now - item.arrival_s >= share * (item.deadline_s - item.arrival_s)
 
 
 def _best_group(
