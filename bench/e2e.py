@@ -84,9 +84,10 @@ class Report:
 
 def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
     """Texts per second of the model alone, inputs sorted by length, per batch size."""
+    from workers.runtimes.base import resolve_device
     from workers.runtimes.minilm import MiniLMRuntime
 
-    runtime = MiniLMRuntime("cpu", 256)
+    runtime = MiniLMRuntime(resolve_device(os.environ.get("FERRY_DEVICE", "auto")), 256)
     runtime.load()
     ordered = sorted(texts, key=len)
     rates: dict[int, float] = {}
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = corpus.costs[: args.jobs]
     report = Report(
         date=dt.date.today().isoformat(),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, CPU only",
+        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, {_accelerator()}",
         jobs=len(texts),
         concurrency=args.concurrency,
         mean_cost=round(statistics.fmean(costs), 1),
@@ -306,6 +307,14 @@ def print_table(report: Report) -> None:
         cells.append(f"{m.live.p50_ms:>8.0f} {m.live.p99_ms:>8.0f}")
         cells.append(f"{m.drain.mean_batch_size:>6.1f} {m.drain.efficiency:>5.2f}")
         print(" ".join(cells))
+
+
+def _accelerator() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "no GPU"
 
 
 def _after(text: str, label: str) -> str:
