@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 from scheduler.policy import INF, LinearFit, Profile
 
+CEILING_RELAX_AFTER = 100  # clean batches before a lowered memory ceiling rises again
+CEILING_RELAX_STEP = 1.02  # by this factor, up to the threshold
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -136,6 +139,10 @@ class BatchObservation:
     ended_s: float
     job_latency_s: Sequence[float] = ()  # accepted -> finished, per job
     peak_memory_bytes: float | None = None  # measured (a GPU); None: use the declared estimate
+    lanes: Sequence[str] = ()  # the lanes of its items
+    # The batch was split (out of memory, or bisected around a failing input):
+    # its latency and peak are not those of its work, so they are not learned.
+    split: bool = False
 
 
 @dataclass
@@ -151,6 +158,8 @@ class SchedulerState:
     batches: int = 0
     arrived_cost: int = 0  # since the running batch started
     ooms: int = 0
+    clean_batches: int = 0  # since the last out-of-memory
+    batches_since_bulk: int = 0
     mean_cost: float | None = None  # of recent arrivals (moving average)
     last_urgent_s: float | None = None  # when an urgent item was last seen
 
@@ -207,9 +216,13 @@ class SchedulerState:
         t = self.tuning
         self.batches += 1
         self.last_batch_end_s = seen.ended_s
+        self.batches_since_bulk = 0 if "bulk" in seen.lanes else self.batches_since_bulk + 1
+        if seen.split:
+            return
         self.latency.observe(seen.work, seen.latency_s)
         if seen.peak_memory_bytes is not None:
             self.memory.observe(seen.work, seen.peak_memory_bytes)
+        self._relax_ceiling()
         self.avg_batch_s = (
             seen.latency_s
             if self.avg_batch_s is None
@@ -235,6 +248,22 @@ class SchedulerState:
             self.memory = OnlineFit(LinearFit(0.0, 1.0), self.tuning.forget)
             predicted = work
         self.memory_ceiling = min(self.memory_ceiling, predicted * self.tuning.oom_backoff)
+        self.clean_batches = 0
+
+    def _relax_ceiling(self) -> None:
+        """After enough clean batches, let a lowered ceiling creep back up.
+
+        An out-of-memory may have been transient (another process held memory
+        for a while); a ceiling that only ever fell would cost throughput for
+        the rest of the process.
+        """
+        full = self.tuning.memory_budget_bytes * self.tuning.memory_threshold
+        if self.memory_ceiling >= full:
+            return
+        self.clean_batches += 1
+        if self.clean_batches >= CEILING_RELAX_AFTER:
+            self.clean_batches = 0
+            self.memory_ceiling = min(full, self.memory_ceiling * CEILING_RELAX_STEP)
 
     # --- derived ---------------------------------------------------------------
 
@@ -262,6 +291,7 @@ class SchedulerState:
             idle=idle,
             idle_queue=t.idle_queue,
             min_efficiency=t.min_efficiency,
+            bulk_turn=t.bulk_share > 0 and self.batches_since_bulk >= math.ceil(1 / t.bulk_share),
             **self._urgent_bounds(now),
         )
 

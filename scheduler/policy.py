@@ -76,6 +76,9 @@ class Profile:
     the batch is predicted to end by then. ``min_efficiency``: for a padded
     model with more pending than one batch holds, the least share of a batch's
     work that is not padding (the first item in order still runs at once).
+    ``bulk_turn``: the bulk lane has had no job in a batch for a while; unless
+    an urgent job is pending, its first job leads this batch (so bulk never
+    starves, whatever limit closes the batches).
     """
 
     max_batch_size: int
@@ -92,6 +95,7 @@ class Profile:
     max_batch_s: float = INF
     urgent_latency_s: float = INF
     min_efficiency: float = 0.0
+    bulk_turn: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -197,7 +201,7 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
     elif slack_s <= max(0.0, window_s - waited_s):
         # Waiting out the window would leave no slack for the earliest deadline.
         trigger = "deadline"
-    elif waited_s >= window_s:
+    elif waited_s >= window_s - 1e-9:  # a wait of under a nanosecond is no wait
         trigger = "idle" if window_s < profile.window_s else "time"
     else:
         trigger = None
@@ -237,10 +241,18 @@ def _select(
         ride = profile.latency.inverse(left_s) if left_s > 0 else 0.0
         if ride < limits.ride_work:
             limits = _Limits(limits.work, limits.name, ride, "latency")
+    batch: list[PendingItem] = []
+    if profile.bulk_turn and bulk and not urgent:
+        first = bulk[0]
+        live = [first] + [item for item in live if item is not first]
+        if profile.padded:
+            return _select_padded(live, profile, now, reserved, limits, bulk_turn=True)
+        batch.append(first)
+        lanes[LANE_ORDER["bulk"]] = bulk = bulk[1:]
+        reserved = min(reserved, len(bulk))
     if profile.padded:
         return _select_padded(live, profile, now, reserved, limits)
 
-    batch: list[PendingItem] = []
     limit: str | None = None
     for rank in sorted(lanes):
         items = lanes[rank]
@@ -284,6 +296,7 @@ def _select_padded(
     now: float,
     reserved: int,
     limits: _Limits,
+    bulk_turn: bool = False,
 ) -> tuple[list[PendingItem], str | None]:
     """A padded model's batch: the first item in order and the pending items of similar cost.
 
@@ -303,7 +316,7 @@ def _select_padded(
     the urgent one, so that an odd cost in a lower lane is never starved.
     """
     head = live[0]
-    if head.lane != "urgent":
+    if head.lane != "urgent" and not bulk_turn:
         # An item that has used up half its time to the deadline leads, earliest
         # deadline first: an odd-cost item of a lower lane may match no band
         # while higher lanes always have work pending.
@@ -415,7 +428,9 @@ def _pressed(live: list[PendingItem], profile: Profile, now: float, max_work: fl
     if math.isfinite(max_work) and max_work > 0:
         batches = max(batches, math.ceil(total / max_work))
     fit = profile.latency
-    return batches * fit.intercept + fit.slope * total >= PRESSED_SHARE * slack
+    # Padded work is at least the cost, and at the floor's efficiency 1/floor times it.
+    work = total / max(profile.min_efficiency, 0.5) if profile.padded else total
+    return batches * fit.intercept + fit.slope * work >= PRESSED_SHARE * slack
 
 
 def _due(item: PendingItem, now: float, share: float = DUE_SHARE) -> bool:

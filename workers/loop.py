@@ -150,6 +150,9 @@ class BatchLoop:
     def _fill(self, block_ms: int | None) -> None:
         room = self.prefetch - len(self.pending)
         if room <= 0:
+            # Nothing may be read: wait as the policy asked rather than spin.
+            if block_ms:
+                time.sleep(block_ms / 1000.0)
             return
         for entry in self.consumer.read(room, block_ms):
             key = entry.entry_id + "@" + entry.stream
@@ -196,7 +199,11 @@ class BatchLoop:
         costs = [by_job[job.job_id].message.cost for job in claimed]
         self.state.batch_started()
 
+        ooms = 0
+
         def out_of_memory(start: int, end: int) -> None:
+            nonlocal ooms
+            ooms += 1
             self.state.observe_oom(self._work(costs[start:end]))
             log.warning(
                 "out of memory; memory ceiling lowered",
@@ -236,6 +243,8 @@ class BatchLoop:
                         for job in claimed
                     ],
                     peak_memory_bytes=self.runtime.peak_memory_bytes,
+                    lanes=[by_job[job.job_id].message.lane for job in claimed],
+                    split=ooms > 0 or any(not r.ok for r in results),
                 ),
                 eff,
             )
@@ -292,7 +301,6 @@ class BatchLoop:
         stats = self.stats
         estimate = estimate_of(
             self.state,
-            self.clock(),
             stats.mean_cost,
             stats.pad_ratio if self.state.tuning.padded else 1.0,
         )

@@ -68,16 +68,17 @@ def make_policy(kind: str, state: SchedulerState, fixed_max_delay_s: float) -> P
     raise ValueError(f"unknown scheduler {kind!r} (ferry, fixed or none)")
 
 
-def estimate_of(
-    state: SchedulerState, now: float, mean_cost: float, pad_ratio: float
-) -> ModelEstimate:
+def estimate_of(state: SchedulerState, mean_cost: float, pad_ratio: float) -> ModelEstimate:
     fit = state.latency.fit()
     return ModelEstimate(
         latency_a_s=fit.intercept,
         latency_b_s=fit.slope,
         padded=state.tuning.padded,
         max_batch_size=state.tuning.max_batch_size,
-        max_batch_cost=min(state.tuning.max_batch_cost, state.profile(now).max_work),
+        # The standing caps (cost, memory), not the urgent guard's passing one.
+        max_batch_cost=min(
+            state.tuning.max_batch_cost, state.memory.fit().inverse(state.memory_ceiling)
+        ),
         mean_cost=mean_cost,
         pad_ratio=pad_ratio,
         window_s=state.window_s or 0.0,

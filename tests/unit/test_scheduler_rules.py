@@ -393,3 +393,69 @@ def test_profile_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="bulk_slots"):
         Profile(max_batch_size=4, window_s=0.0, bulk_slots=-1)
     assert Profile(max_batch_size=4, window_s=0.0).max_work == INF
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_bulk_never_starves_whatever_limit_closes_the_batches(padded: bool) -> None:
+    # Normal work always fills the cost cap; one old, long bulk job waits.
+    state = SchedulerState.create(
+        Tuning(max_batch_size=32, max_batch_cost=100, padded=padded, bulk_share=0.25),
+        latency_prior=LinearFit(0.001, 1e-5),
+    )
+    bulk = item("bulk", "bulk", cost=50, arrival_s=0.0)
+    pending = [bulk]
+    ran_bulk_at = None
+    now = 1.0
+    for turn in range(12):
+        pending += [item(f"n{turn}-{i}", cost=10, arrival_s=now - 0.5) for i in range(10)]
+        decision = decide(pending, state.profile(now), now)
+        assert decision.run, decision
+        ran = {i.key for i in decision.run}
+        if "bulk" in ran:
+            ran_bulk_at = turn
+            break
+        pending = [i for i in pending if i.key not in ran]
+        state.observe_batch(
+            BatchObservation(
+                size=len(decision.run), cost=100, work=100, latency_s=0.002, ended_s=now,
+                lanes=[i.lane for i in decision.run],
+            )
+        )  # fmt: skip
+        now += 0.002
+    assert ran_bulk_at is not None and ran_bulk_at <= 4  # a turn every 1 / 0.25 batches
+
+
+def test_no_bulk_turn_while_an_urgent_job_waits() -> None:
+    pending = [item("b", "bulk", arrival_s=0.0), item("u", "urgent", arrival_s=1.0)]
+    decision = decide(pending, profile(window_s=0.0, bulk_turn=True, max_batch_size=1), 2.0)
+    assert keys(decision.run) == ["u"]
+
+
+def test_a_split_batch_teaches_nothing() -> None:
+    state = SchedulerState.create(Tuning(), latency_prior=LinearFit(0.01, 0.0))
+    before = state.latency.fit()
+    state.observe_batch(
+        BatchObservation(size=8, cost=80, work=80, latency_s=5.0, ended_s=1.0, split=True)
+    )
+    assert state.latency.fit() == before
+    assert state.window_s is None
+
+
+def test_a_lowered_memory_ceiling_recovers_after_clean_batches() -> None:
+    state = SchedulerState.create(
+        Tuning(memory_budget_bytes=1000.0, memory_threshold=0.8),
+        memory_prior=LinearFit(0.0, 1.0),
+    )
+    state.observe_oom(500)  # ceiling 450
+    low = state.memory_ceiling
+    for _ in range(99):
+        state.observe_batch(observation(0.01, 0.01))
+    assert state.memory_ceiling == low  # not yet
+    for _ in range(3500):  # 1.02 per 100 batches: 450 -> 800 takes 30 steps
+        state.observe_batch(observation(0.01, 0.01))
+    assert low < state.memory_ceiling == pytest.approx(800)  # back to the threshold, no higher
+
+
+def test_a_wait_shorter_than_a_nanosecond_is_no_wait() -> None:
+    decision = decide([item("a", arrival_s=0.0)], profile(window_s=0.3), 0.3 - 4e-15)
+    assert decision.trigger == "time"

@@ -99,6 +99,7 @@ class MiniLMRuntime:
     def run(self, inputs: list[Any]) -> list[Any]:
         if self._model is None:
             raise RuntimeError("model not loaded")
+        self._peak = None  # a run that raises measured nothing
         if self._stream is None:
             return self._run(inputs)
         import torch
