@@ -115,6 +115,7 @@ class SimSpec:
 
     max_cost: int
     max_batch_size: int = 64
+    crash_enabled: bool = False
     name: str = "sim"
     version: str = "1"
     description: str = (
@@ -129,6 +130,16 @@ class SimSpec:
             "properties": {
                 "cost": {"type": "integer", "minimum": 1, "maximum": self.max_cost},
                 "fail": {"type": "boolean", "description": "make the model raise for this input"},
+                **(
+                    {
+                        "crash": {
+                            "type": "boolean",
+                            "description": "kill the worker running it (fault tests)",
+                        }
+                    }
+                    if self.crash_enabled
+                    else {}
+                ),
             },
             "required": ["cost"],
             "additionalProperties": False,
@@ -137,7 +148,8 @@ class SimSpec:
     def validate(self, value: Any) -> Validated:
         if not isinstance(value, dict):
             raise InputError("input", f"must be an object, got {_json_type(value)}")
-        unknown = sorted(set(value) - {"cost", "fail"})
+        fields = {"cost", "fail", "crash"} if self.crash_enabled else {"cost", "fail"}
+        unknown = sorted(set(value) - fields)
         if unknown:
             raise InputError(f"input.{unknown[0]}", "is not a field of sim inputs")
         cost = value.get("cost")
@@ -148,7 +160,14 @@ class SimSpec:
         fail = value.get("fail", False)
         if not isinstance(fail, bool):
             raise InputError("input.fail", f"must be a boolean, got {_json_type(fail)}")
-        return Validated(input={"cost": cost, "fail": fail}, cost=cost)
+        checked: dict[str, Any] = {"cost": cost, "fail": fail}
+        if "crash" in value:
+            if not isinstance(value["crash"], bool):
+                raise InputError(
+                    "input.crash", f"must be a boolean, got {_json_type(value['crash'])}"
+                )
+            checked["crash"] = value["crash"]
+        return Validated(input=checked, cost=cost)
 
 
 def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
@@ -160,7 +179,9 @@ def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
             max_batch_size=settings.for_model("minilm").batch_max_size,
         ),
         SimSpec(
-            max_cost=settings.sim_max_cost, max_batch_size=settings.for_model("sim").batch_max_size
+            max_cost=settings.sim_max_cost,
+            max_batch_size=settings.for_model("sim").batch_max_size,
+            crash_enabled=settings.sim_crash_enabled,
         ),
     ]
     return {spec.name: spec for spec in specs}

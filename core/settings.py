@@ -91,6 +91,18 @@ class Settings(BaseSettings):
     prefetch: int = Field(128, ge=1)
     max_attempts: int = Field(3, ge=1)
 
+    # Recovery (DESIGN.md §4). An entry read but not acknowledged for this long
+    # is taken over by another worker of the model: keep it well above the
+    # longest batch.
+    visibility_timeout_s: float = Field(120.0, gt=0)
+    # Celery beat re-enqueues queued or running jobs that have no stream entry
+    # (Redis lost data) once they are older than the grace (the API may still
+    # be between its commit and its XADD).
+    reconcile_interval_s: float = Field(30.0, gt=0)
+    reconcile_grace_s: float = Field(60.0, gt=0)
+    # How long a stopping worker may take to finish its batch.
+    worker_drain_s: float = Field(30.0, gt=0)
+
     # The API.
     max_body_bytes: int = Field(1_048_576, ge=1024)
     max_wait_s: float = Field(30.0, ge=0)
@@ -112,6 +124,8 @@ class Settings(BaseSettings):
     sim_max_cost: int = Field(4096, ge=1)
     # Simulate an out-of-memory error when a sim batch's memory passes this (0: never).
     sim_memory_capacity_bytes: int = Field(0, ge=0)
+    # Let sim inputs ask to kill their worker ({"crash": true}), for fault tests.
+    sim_crash_enabled: bool = False
 
     log_level: str = "INFO"
 

@@ -1,4 +1,4 @@
-"""The Celery app: maintenance now; webhooks and backfill feeding later.
+"""The Celery app: maintenance (purge, reconciler) now; webhooks and backfill feeding later.
 
 Built by :func:`create_celery` from the settings; ``ferry celery worker`` and
 ``ferry celery beat`` start it, so nothing is configured at import time.
@@ -9,15 +9,38 @@ from __future__ import annotations
 import datetime as dt
 import logging
 
+import redis
 from celery import Celery
 from sqlalchemy import delete
 
 from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.settings import Settings
+from workers.reconcile import reconcile
 
 log = logging.getLogger(__name__)
 
 PURGE_TASK = "ferry.maintenance.purge_results"
+RECONCILE_TASK = "ferry.maintenance.reconcile"
+
+
+def reconcile_streams(settings: Settings) -> int:
+    """One reconciler run (one at a time across every Celery worker, by a Redis lock)."""
+    assert settings.redis_url
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    engine = make_engine(settings.sqlalchemy_url)
+    lock = f"{settings.key_prefix}:reconcile:lock"
+    try:
+        if not client.set(lock, "1", nx=True, ex=max(5, int(settings.reconcile_interval_s))):
+            return 0  # another run is in progress
+        try:
+            return reconcile(
+                make_sessionmaker(engine), client, settings.key_prefix, settings.reconcile_grace_s
+            )
+        finally:
+            client.delete(lock)
+    finally:
+        engine.dispose()
+        client.close()
 
 
 def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
@@ -54,6 +77,7 @@ def create_celery(settings: Settings) -> Celery:
         task_default_queue=f"{settings.key_prefix}.celery",
         beat_schedule={
             "purge-results": {"task": PURGE_TASK, "schedule": settings.purge_interval_s},
+            "reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_interval_s},
         },
         timezone="UTC",
     )
@@ -63,5 +87,10 @@ def create_celery(settings: Settings) -> Celery:
     @app.task(name=PURGE_TASK, shared=False)
     def _purge() -> int:
         return purge_results(settings)
+
+    # A run that finds Redis down is simply skipped: the next one catches up.
+    @app.task(name=RECONCILE_TASK, shared=False, ignore_result=True)
+    def _reconcile() -> int:
+        return reconcile_streams(settings)
 
     return app

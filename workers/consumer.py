@@ -75,6 +75,45 @@ class StreamConsumer:
         # Nothing anywhere: wait on every lane at once.
         return self._xread({s: ">" for s in self.streams}, 1, max(1, block_ms))
 
+    def reclaim(self, min_idle_ms: int, room: int) -> list[Entry]:
+        """Take over entries another consumer read but left unacknowledged for too long.
+
+        XAUTOCLAIM (Redis 6.2+) hands them to this consumer; its attempts
+        counter in the database decides whether they run again.
+        """
+        entries: list[Entry] = []
+        for stream in self.streams:
+            start = "0-0"
+            while room - len(entries) > 0:
+                reply: Any = self.client.xautoclaim(
+                    stream, GROUP, self.consumer, min_idle_ms, start, count=room - len(entries)
+                )
+                start, claimed = reply[0], reply[1]
+                if len(reply) > 2 and reply[2]:
+                    # Deleted while pending (Redis 7 reports them): nothing to run.
+                    self.client.xack(stream, GROUP, *reply[2])
+                entries.extend(self._entries(stream, claimed))
+                if start in ("0-0", b"0-0"):
+                    break
+        if entries:
+            log.warning(
+                "reclaimed entries another worker left unacknowledged",
+                extra={"model": self.model, "count": len(entries)},
+            )
+        return entries
+
+    def touch(self, entries: list[Entry]) -> None:
+        """Reset the idle time of entries held here, so no one reclaims live work."""
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
+        if not by_stream:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, GROUP, self.consumer, 0, cast(Any, ids), justid=True)
+        pipe.execute()
+
     def ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}
         for entry in entries:
@@ -108,16 +147,21 @@ class StreamConsumer:
         )
         entries: list[Entry] = []
         for stream, items in reply or []:
-            for entry_id, fields in items:
-                if fields is None:  # deleted while pending
-                    self.client.xack(stream, GROUP, entry_id)
-                    continue
-                try:
-                    message = JobMessage.decode(fields)
-                except ProtocolError as exc:
-                    self._dead_letter(stream, entry_id, fields, str(exc))
-                    continue
-                entries.append(Entry(stream, entry_id, message))
+            entries.extend(self._entries(stream, items))
+        return entries
+
+    def _entries(self, stream: str, items: Any) -> list[Entry]:
+        entries: list[Entry] = []
+        for entry_id, fields in items:
+            if fields is None:  # deleted while pending
+                self.client.xack(stream, GROUP, entry_id)
+                continue
+            try:
+                message = JobMessage.decode(fields)
+            except ProtocolError as exc:
+                self._dead_letter(stream, entry_id, fields, str(exc))
+                continue
+            entries.append(Entry(stream, entry_id, message))
         return entries
 
     def _dead_letter(self, stream: str, entry_id: str, fields: dict[str, str], why: str) -> None:

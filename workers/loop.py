@@ -74,6 +74,8 @@ class BatchLoop:
         policy: Policy,
         prefetch: int,
         max_attempts: int = 3,
+        visibility_timeout_s: float = 120.0,
+        drain_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runtime = runtime
@@ -85,7 +87,11 @@ class BatchLoop:
         self.policy = policy
         self.prefetch = max(prefetch, state.tuning.max_batch_size)
         self.max_attempts = max_attempts
+        self.visibility_timeout_s = visibility_timeout_s
+        self.drain_s = drain_s
         self.clock = clock
+        self._stop = threading.Event()
+        self._last_upkeep = time.monotonic()
         self.pending: dict[str, Entry] = {}
         self.stats = LoopStats()
         self._last_beat = 0.0
@@ -95,6 +101,7 @@ class BatchLoop:
         return self.consumer.model
 
     def run(self, stop: threading.Event) -> None:
+        self._stop = stop
         self._retrying(stop, self.consumer.ensure_groups)
         self._retrying(stop, self._publish)
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
@@ -115,6 +122,11 @@ class BatchLoop:
                 self.pending.clear()
                 self.consumer.reread_pending()
                 stop.wait(backoff_s)
+                if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                    # Redis lost its data (restarted empty, failed over): make the
+                    # groups again; the reconciler re-enqueues what was lost.
+                    with contextlib.suppress(redis.RedisError):
+                        self.consumer.ensure_groups()
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 wait_ms = MAX_BLOCK_MS
         # Entries read but not run stay unacknowledged; this consumer name gets
@@ -126,6 +138,7 @@ class BatchLoop:
     def step(self, wait_ms: int | None) -> int | None:
         """One turn: read, decide, apply. Returns how long the next read may block."""
         self._heartbeat()
+        self._upkeep()
         self._fill(wait_ms)
         decision = self.policy(self._items(), self.clock())
         self.apply(decision)
@@ -146,6 +159,22 @@ class BatchLoop:
                             extra={"error_type": type(exc).__name__})  # fmt: skip
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+
+    def _upkeep(self) -> None:
+        """Keep held entries ours, and take over those a dead worker left behind."""
+        now = time.monotonic()
+        if now - self._last_upkeep < max(0.5, self.visibility_timeout_s / 4):
+            return
+        self._last_upkeep = now
+        self.consumer.touch(list(self.pending.values()))
+        room = self.prefetch - len(self.pending)
+        if room <= 0:
+            return
+        for entry in self.consumer.reclaim(int(self.visibility_timeout_s * 1000), room):
+            key = entry.entry_id + "@" + entry.stream
+            if key not in self.pending:
+                self.pending[key] = entry
+                self.state.observe_arrival(entry.message.cost, entry.message.lane, self.clock())
 
     def _fill(self, block_ms: int | None) -> None:
         room = self.prefetch - len(self.pending)
@@ -225,8 +254,10 @@ class BatchLoop:
             for job, result in zip(claimed, results, strict=True)
         ]
         finished_at = self.clock()
-        written += self.recorder.finish(
-            outcomes, _utc(finished_at), batch_id=batch_id, batch_size=len(claimed) or None
+        written += self._durably(
+            lambda: self.recorder.finish(
+                outcomes, _utc(finished_at), batch_id=batch_id, batch_size=len(claimed) or None
+            )
         )
         self._acknowledge(entries, written)
         eff = efficiency(costs)
@@ -284,7 +315,32 @@ class BatchLoop:
                 )
                 for e in exhausted
             ]
-        return self.recorder.finish(outcomes, _utc(self.clock()), batch_id=None, batch_size=None)
+        now = _utc(self.clock())
+        return self._durably(
+            lambda: self.recorder.finish(outcomes, now, batch_id=None, batch_size=None)
+        )
+
+    def _durably(self, write: Callable[[], list[str]]) -> list[str]:
+        """Retry a result write while the database is down; nothing is acknowledged meanwhile.
+
+        A stopping worker gives up after its drain time: its entries stay
+        unacknowledged and are run again (by it or another worker).
+        """
+        backoff_s = RETRY_MIN_S
+        started = time.monotonic()
+        while True:
+            try:
+                return write()
+            except SQLAlchemyError as exc:
+                if self._stop.is_set() and time.monotonic() - started > self.drain_s:
+                    raise
+                log.warning(
+                    "database unavailable; retrying the result write",
+                    extra={"model": self.model, "error_type": type(exc).__name__,
+                           "retry_in_s": backoff_s},
+                )  # fmt: skip
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
 
     def _acknowledge(self, entries: list[Entry], written: list[str]) -> None:
         self.consumer.ack(entries)

@@ -53,6 +53,8 @@ def build_loop(
         policy=make_policy(settings.scheduler, state, settings.fixed_max_delay_ms / 1000.0),
         prefetch=settings.prefetch,
         max_attempts=settings.max_attempts,
+        visibility_timeout_s=settings.visibility_timeout_s,
+        drain_s=settings.worker_drain_s,
     )
 
 

@@ -196,3 +196,18 @@ def test_input_error_carries_field_and_message() -> None:
     assert error.message == "must be positive"
     assert str(error) == "input.cost: must be positive"
     assert isinstance(error, ValueError)
+
+
+def test_sim_crash_inputs_only_when_enabled() -> None:
+    with pytest.raises(InputError) as refused:
+        SimSpec(max_cost=10).validate({"cost": 1, "crash": True})
+    assert refused.value.field == "input.crash"
+    assert "crash" not in SimSpec(max_cost=10).input_schema["properties"]
+
+    enabled = SimSpec(max_cost=10, crash_enabled=True)
+    assert enabled.validate({"cost": 1, "crash": True}).input == {
+        "cost": 1, "fail": False, "crash": True,
+    }  # fmt: skip
+    assert "crash" in enabled.input_schema["properties"]
+    with pytest.raises(InputError, match="boolean"):
+        enabled.validate({"cost": 1, "crash": "yes"})

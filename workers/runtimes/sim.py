@@ -7,6 +7,7 @@ when given a capacity, runs out of memory like a GPU above it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from typing import Any
 
 from workers.runtimes.base import OutOfMemory
 
-SIM_MEMORY_BUDGET_BYTES = 8 * 2**30  # the simulated device's memory unless told otherwise
+SIM_MEMORY_BUDGET_BYTES = 8 * 2**30
+CRASH_EXIT_CODE = 70  # the simulated device's memory unless told otherwise
 
 
 class SimulatedFailure(RuntimeError):
@@ -65,6 +67,9 @@ class SimRuntime:
                 f"simulated out of memory: the batch needs {needed} bytes, "
                 f"the device has {self.memory_capacity_bytes}"
             )
+        if any(item.get("crash") for item in inputs):
+            # Die as a segfault would: no cleanup, no acknowledgement.
+            os._exit(CRASH_EXIT_CODE)
         self.sleep(self.latency_ms(batch_cost) / 1000.0)
         for position, item in enumerate(inputs):
             if item.get("fail"):

@@ -1,0 +1,125 @@
+"""Recovery on real Redis and real databases: reclaiming, reconciling, regrouping."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import Job
+from core.settings import Settings
+from core.streams import GROUP, lane_streams, stream_key
+from tests.integration.conftest import RunningLoop, build_sim_loop
+from tests.integration.test_worker import submit, wait_terminal
+from workers.celery_app import RECONCILE_TASK, create_celery, reconcile_streams
+from workers.consumer import StreamConsumer
+from workers.reconcile import reconcile
+
+
+def later(seconds: float) -> dt.datetime:
+    return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
+
+
+def stream_jobs(client: redis.Redis, settings: Settings) -> list[str]:
+    jobs = []
+    for stream in lane_streams(settings.key_prefix, "sim"):
+        entries: Any = client.xrange(stream)
+        jobs += [fields["job"] for _id, fields in entries]
+    return jobs
+
+
+def test_another_worker_takes_over_entries_a_dead_one_left(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(6)]
+    dead = StreamConsumer(redis_client, settings.key_prefix, "sim", "dead-worker")
+    dead.ensure_groups()
+    assert len(dead.read(10, None)) == 6  # read, then never acknowledged: it "died"
+    survivor = settings.model_copy(update={"visibility_timeout_s": 0.6})
+    with RunningLoop(build_sim_loop(survivor, name="survivor")):
+        rows = wait_terminal(sessions, ids, timeout=20)
+    assert {r.status for r in rows.values()} == {"succeeded"}
+    pending: Any = redis_client.xpending(stream_key(settings.key_prefix, "sim", "normal"), GROUP)
+    assert pending["pending"] == 0
+
+
+def test_touched_entries_are_not_reclaimed(redis_client: redis.Redis, settings: Settings) -> None:
+    stream = stream_key(settings.key_prefix, "sim", "normal")
+    holder = StreamConsumer(redis_client, settings.key_prefix, "sim", "holder")
+    other = StreamConsumer(redis_client, settings.key_prefix, "sim", "other")
+    holder.ensure_groups()
+    for i in range(3):
+        redis_client.xadd(stream, {"v": "1", "job": f"j{i}", "lane": "normal", "cost": "1",
+                                   "enq": "0"})  # fmt: skip
+    held = holder.read(10, None)
+    time.sleep(0.3)
+    holder.touch(held)  # the holder is alive: its entries are fresh again
+    assert other.reclaim(200, 10) == []
+    time.sleep(0.3)  # now it stopped touching them
+    taken = other.reclaim(200, 10)
+    assert sorted(e.message.job_id for e in taken) == ["j0", "j1", "j2"]
+
+
+def test_reconcile_re_enqueues_only_what_was_lost(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    lost = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(4)]
+    for stream in lane_streams(settings.key_prefix, "sim"):
+        redis_client.delete(stream)  # Redis "lost its data"
+    kept = [submit(client, auth, model="sim", input={"cost": 2}) for _ in range(2)]
+    with sessions() as session:  # a finished job is never re-enqueued
+        job = session.get(Job, lost[0])
+        assert job is not None
+        job.status, job.finished_at = "succeeded", job.created_at
+        session.commit()
+
+    # Within the grace nothing is touched: the API may still be about to XADD.
+    assert reconcile(sessions, redis_client, settings.key_prefix, grace_s=60) == 0
+    assert reconcile(sessions, redis_client, settings.key_prefix, 60, now=later(120)) == 3
+    assert sorted(stream_jobs(redis_client, settings)) == sorted(lost[1:] + kept)
+    # Run again: everything has its entry now, nothing is doubled.
+    assert reconcile(sessions, redis_client, settings.key_prefix, 60, now=later(120)) == 0
+    assert len(stream_jobs(redis_client, settings)) == 5
+
+
+def test_a_worker_survives_redis_losing_its_groups(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    with RunningLoop(build_sim_loop(settings)):
+        first = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
+        wait_terminal(sessions, first)
+        for stream in lane_streams(settings.key_prefix, "sim"):
+            redis_client.delete(stream)  # streams and groups gone
+        # Accepted now: in the database; the entries go to streams with no group.
+        second = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
+        # The worker's reads fail with NOGROUP; it makes the groups again.
+        rows = wait_terminal(sessions, second, timeout=20)
+    assert {r.status for r in rows.values()} == {"succeeded"}
+
+
+def test_the_reconciler_is_scheduled_and_runs_one_at_a_time(
+    settings: Settings, redis_client: redis.Redis
+) -> None:
+    app = create_celery(settings.model_copy(update={"reconcile_interval_s": 7.0}))
+    entry = app.conf.beat_schedule["reconcile"]
+    assert entry["task"] == RECONCILE_TASK and entry["schedule"] == 7.0
+    assert reconcile_streams(settings) == 0  # nothing to do, and the lock is released
+    assert not redis_client.exists(f"{settings.key_prefix}:reconcile:lock")
+    redis_client.set(f"{settings.key_prefix}:reconcile:lock", "1", ex=30)
+    assert reconcile_streams(settings) == 0  # another run holds the lock: skipped

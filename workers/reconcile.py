@@ -1,0 +1,110 @@
+"""The reconciler: re-enqueue accepted jobs whose stream entry is gone.
+
+A job answered with 202 is in the database; its stream entry can still be
+lost when Redis restarts without its data or fails over to a replica that had
+not seen it. Celery beat runs :func:`reconcile` every ``reconcile_interval_s``:
+jobs still ``queued`` or ``running`` that are older than ``reconcile_grace_s``
+and have no entry in any of their model's lanes get a new one. The grace
+covers the API between its commit and its XADD, so a slow entry is never
+doubled; and a job enqueued twice would still run once, because the worker's
+claim and terminal writes are conditional.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import Job
+from core.streams import JobMessage, lane_streams, stream_key
+
+log = logging.getLogger(__name__)
+
+PAGE = 1000
+MAX_PER_RUN = 50_000  # bound one run's work; the next run continues
+
+
+def reconcile(
+    sessions: sessionmaker[Session],
+    client: redis.Redis,
+    prefix: str,
+    grace_s: float,
+    now: dt.datetime | None = None,
+) -> int:
+    """Re-enqueue lost entries; returns how many jobs were re-enqueued."""
+    cutoff = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(seconds=grace_s)
+    with sessions() as session:
+        models = list(
+            session.scalars(
+                select(Job.model)
+                .where(Job.status.in_(("queued", "running")), Job.created_at < cutoff)
+                .distinct()
+            )
+        )
+    total = 0
+    for model in models:
+        # The streams first, then the rows: a job finished in between is then
+        # terminal in the rows, never mistaken for a lost one.
+        present = _job_ids_in_streams(client, prefix, model)
+        with sessions() as session:
+            rows = session.execute(
+                select(
+                    Job.id, Job.priority, Job.cost, Job.created_at, Job.deadline_at,
+                    Job.request_id,
+                )
+                .where(
+                    Job.model == model,
+                    Job.status.in_(("queued", "running")),
+                    Job.created_at < cutoff,
+                )
+                .order_by(Job.created_at)
+                .limit(MAX_PER_RUN)
+            ).all()  # fmt: skip
+        missing = [row for row in rows if row.id not in present]
+        for start in range(0, len(missing), PAGE):
+            pipe = client.pipeline(transaction=False)
+            for row in missing[start : start + PAGE]:
+                message = JobMessage(
+                    job_id=row.id,
+                    lane=row.priority,
+                    cost=row.cost,
+                    enqueued_at_ms=_ms(row.created_at),
+                    deadline_at_ms=_ms(row.deadline_at) if row.deadline_at else None,
+                    request_id=row.request_id,
+                )
+                pipe.xadd(stream_key(prefix, model, row.priority), message.encode())  # type: ignore[arg-type]
+            pipe.execute()
+        if missing:
+            log.warning(
+                "re-enqueued jobs whose stream entry was lost",
+                extra={"model": model, "count": len(missing)},
+            )
+        total += len(missing)
+    return total
+
+
+def _job_ids_in_streams(client: redis.Redis, prefix: str, model: str) -> set[str]:
+    """Every job id with an entry in the model's lanes (streams hold only live work)."""
+    ids: set[str] = set()
+    for stream in lane_streams(prefix, model):
+        start = "-"
+        while True:
+            page: Any = client.xrange(stream, min=start, max="+", count=PAGE)
+            for _entry_id, fields in page:
+                job = fields.get("job", fields.get(b"job")) if isinstance(fields, dict) else None
+                if job is not None:
+                    ids.add(job.decode() if isinstance(job, bytes) else str(job))
+            if len(page) < PAGE:
+                break
+            last = page[-1][0]
+            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+    return ids
+
+
+def _ms(value: dt.datetime) -> int:
+    return int(value.timestamp() * 1000)
