@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     # The API.
     max_body_bytes: int = Field(1_048_576, ge=1024)
     max_wait_s: float = Field(30.0, ge=0)
+    # On SIGTERM the API first answers /readyz with 503 for this long (so load
+    # balancers stop sending), then stops taking connections and finishes the
+    # requests in flight.
+    api_shutdown_delay_s: float = Field(2.0, ge=0)
     docs_enabled: bool = True
 
     # Retention: Celery beat purges terminal jobs older than this.

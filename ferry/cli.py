@@ -19,17 +19,20 @@ def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from ferry.serve import DrainingServer
 
     settings = get_settings()
     configure_logging(settings.log_level, "api")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=args.host or settings.api_host,
         port=args.port or settings.api_port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.max_wait_s) + 5,
     )
+    DrainingServer(config, app, settings.api_shutdown_delay_s).run()
     return 0
 
 

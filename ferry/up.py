@@ -149,10 +149,15 @@ def up(settings: Settings) -> int:
             time.sleep(0.25)
     finally:
         _say("stopping Ferry...")
-        order = ["api", "worker-", "celery-beat", "celery-worker"]
-        # The API may be holding long-polls of up to max_wait_s open.
-        drain_s = max(MIN_DRAIN_S, settings.max_wait_s + 10.0)
-        for prefix in order:
+        # The API first (it goes not-ready, then finishes what is in flight),
+        # then the workers (each finishes and records its batch), then Celery.
+        drain = {
+            "api": settings.api_shutdown_delay_s + settings.max_wait_s + 10.0,
+            "worker-": settings.worker_drain_s + 5.0,
+            "celery-beat": MIN_DRAIN_S,
+            "celery-worker": MIN_DRAIN_S,
+        }
+        for prefix, drain_s in drain.items():
             if not _stop([c for c in children if c.name.startswith(prefix)], drain_s):
                 code = code or 1
         if redis_process is not None:

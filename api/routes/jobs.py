@@ -75,8 +75,8 @@ async def read_job(
     with hub.watch(job_id) as woken:
         while not services.is_terminal(job):
             remaining = until - loop.time()
-            if remaining <= 0:
-                break
+            if remaining <= 0 or getattr(request.app.state, "draining", False):
+                break  # timed out, or the API is stopping: answer with the state now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), timeout=min(remaining, RECHECK_S))
             woken.clear()

@@ -59,6 +59,8 @@ def healthz() -> dict[str, str]:
 @router.get("/readyz", tags=["health"])
 def readyz(request: Request, client: RedisDep) -> JSONResponse:
     checks: dict[str, str] = {}
+    if getattr(request.app.state, "draining", False):
+        checks["api"] = "shutting down"
     try:
         client.ping()
         checks["redis"] = "ok"
