@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -112,13 +112,13 @@ def submit_job(
     try:
         client.xadd(stream_key(prefix, job.model, job.priority), message.encode())  # type: ignore[arg-type]
     except redis.RedisError as exc:
-        # Not queued, so not accepted: take the row back and let the client retry.
-        log.error("enqueue failed", extra={"job_id": job.id, "error_type": type(exc).__name__})
-        session.execute(delete(Job).where(Job.id == job.id, Job.status == "queued"))
-        session.commit()
-        raise ApiError(
-            503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
-        ) from exc
+        # The row is committed, so the job is accepted: the reconciler gives it
+        # its stream entry once Redis is back (DESIGN.md §4).
+        log.warning(
+            "enqueue failed; the reconciler will enqueue the job",
+            extra={"job_id": job.id, "error_type": type(exc).__name__},
+        )
+        return Submitted(job, False, None)
     return Submitted(job, False, estimate_ms)
 
 

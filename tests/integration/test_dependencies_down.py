@@ -1,19 +1,23 @@
-"""When Redis is unreachable the API says so and keeps nothing half-done."""
+"""When Redis or the database is unreachable the API says so, and loses nothing accepted."""
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
+import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from core.db import Job
 from core.settings import Settings
 from ferry.local_redis import free_port
+from tests.integration.conftest import RunningLoop, build_sim_loop
+from tests.integration.test_worker import wait_terminal
+from workers.reconcile import reconcile
 
 
-def test_submit_with_redis_down_is_a_503_and_leaves_no_row(
+def test_submit_with_redis_down_is_accepted_and_enqueued_when_redis_is_back(
     settings: Settings, token: str, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
     down = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
@@ -22,15 +26,22 @@ def test_submit_with_redis_down_is_a_503_and_leaves_no_row(
         response = client.post(
             "/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=auth
         )
-        assert response.status_code == 503
-        assert response.json()["error"]["type"] == "unavailable"
-        assert response.headers["Retry-After"]
+        # Committed, so accepted: durable in the database, with no estimate.
+        assert response.status_code == 202, response.text
+        assert response.json()["status"] == "queued"
+        assert response.json()["estimated_wait_ms"] is None
         ready = client.get("/readyz")
         assert ready.status_code == 503
         assert ready.json()["checks"]["redis"].startswith("unreachable")
         assert ready.json()["checks"]["database"] == "ok"
-    with sessions() as session:
-        assert session.query(Job).count() == 0
+    job_id = response.json()["id"]
+    assert settings.redis_url
+    back = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=settings.reconcile_grace_s + 1)
+    assert reconcile(sessions, back, settings.key_prefix, settings.reconcile_grace_s, later) == 1
+    with RunningLoop(build_sim_loop(settings)):
+        rows = wait_terminal(sessions, [job_id])
+    assert rows[job_id].status == "succeeded"
 
 
 def test_database_down_is_a_503_not_a_500(settings: Settings) -> None:

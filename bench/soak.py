@@ -1,0 +1,299 @@
+"""A soak: mixed load for a long while, the sim worker killed now and then, memory watched.
+
+Starts ``ferry up`` (its own Redis, SQLite, the sim model), submits sim jobs
+at a steady rate across the lanes, kills the sim worker with SIGKILL every
+``--kill-every`` seconds (``ferry up`` restarts it; its unacknowledged entries
+are run again), samples the resident memory of every Ferry process, and at
+the end checks that every accepted job reached exactly one terminal state.
+
+    python -m bench.soak [--minutes 30] [--rate 40] [--kill-every 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import random
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.7), ("bulk", 0.1))
+
+
+class Soak:
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        self.root = root
+        self.args = args
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        self.env.update(
+            FERRY_DATA_DIR=str(root),
+            FERRY_API_PORT=str(self.port),
+            FERRY_MODELS="sim",
+            FERRY_SIM_LATENCY_BASE_MS="20",
+            FERRY_SIM_LATENCY_PER_COST_MS="0.2",
+            FERRY_VISIBILITY_TIMEOUT_S="10",
+            FERRY_LOG_LEVEL="WARNING",
+            PYTHONUNBUFFERED="1",
+        )
+        self.output: list[str] = []
+        self.accepted: list[str] = []
+        self.refused = collections.Counter[int]()
+        self.done = collections.Counter[str]()
+        self.kills = 0
+        self.samples: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+        self._listen_until = 0.0
+        self.up: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.up = subprocess.Popen(
+            [sys.executable, "-m", "ferry", "up"], cwd=self.root, env=self.env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+        until = time.monotonic() + 120
+        while not any("Ferry is up." in line for line in self.output):
+            if self.up.poll() is not None or time.monotonic() > until:
+                raise RuntimeError("ferry up failed:\n" + "".join(self.output)[-3000:])
+            time.sleep(0.2)
+        text = "".join(self.output)
+        self.token = _after(text, "API key")
+        self.redis_url = _after(text, "Redis")
+
+    def _read(self) -> None:
+        assert self.up is not None and self.up.stdout is not None
+        for line in self.up.stdout:
+            self.output.append(line)
+
+    def listen(self) -> None:
+        """Count terminal transitions as the workers announce them."""
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe("ferry:done")
+        while not self.stop.is_set() or time.monotonic() < self._listen_until:
+            message = pubsub.get_message(timeout=0.5)
+            if message and isinstance(message.get("data"), str):
+                self.done.update(message["data"].split(","))
+
+    def submit(self, until: float) -> None:
+        rng = random.Random(7)
+        headers = {"Authorization": f"Bearer {self.token}"}
+        interval = 1.0 / self.args.rate
+        next_at = time.monotonic()
+        with httpx.Client(base_url=self.base, headers=headers, timeout=10) as client:
+            while time.monotonic() < until:
+                lane = rng.choices([name for name, _ in LANES], [w for _, w in LANES])[0]
+                body = {
+                    "model": "sim",
+                    "input": {"cost": rng.randint(1, 64)},
+                    "priority": lane,
+                    "idempotency_key": str(uuid.uuid4()),
+                }
+                self._post(client, body)
+                next_at += interval
+                time.sleep(max(0.0, next_at - time.monotonic()))
+
+    def _post(self, client: httpx.Client, body: dict[str, Any]) -> None:
+        for _ in range(20):  # the same idempotency key: a retry never doubles a job
+            try:
+                response = client.post("/v1/jobs", json=body)
+            except httpx.HTTPError:
+                time.sleep(0.5)
+                continue
+            if response.status_code == 202:
+                self.accepted.append(response.json()["id"])
+                return
+            self.refused[response.status_code] += 1
+            if response.status_code != 503:
+                return
+            time.sleep(0.5)
+
+    def kill_worker(self) -> None:
+        assert self.up is not None
+        for pid in _children(self.up.pid):
+            if b"worker\x00--model\x00sim" in _cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
+                self.kills += 1
+
+    def sample(self, started: float) -> None:
+        assert self.up is not None
+        rss: dict[str, float] = {}
+        for pid in _children(self.up.pid):
+            name = _name(_cmdline(pid))
+            rss[name] = rss.get(name, 0.0) + _rss_mib(pid)
+        self.samples.append(
+            {"t_s": round(time.monotonic() - started), "rss_mib": rss,
+             "accepted": len(self.accepted), "terminal_events": sum(self.done.values())}
+        )  # fmt: skip
+
+    def finish(self, timeout_s: float) -> dict[str, Any]:
+        db = self.root / "ferry.db"
+        until = time.monotonic() + timeout_s
+        while True:
+            statuses = _statuses(db, self.accepted)
+            open_jobs = sum(1 for s in statuses.values() if s in ("queued", "running"))
+            if open_jobs == 0 or time.monotonic() > until:
+                break
+            time.sleep(1.0)
+        self._listen_until = time.monotonic() + 3
+        time.sleep(3)
+        missing = [job for job in self.accepted if job not in statuses]
+        counts = collections.Counter(statuses.values())
+        duplicated = sum(1 for job in self.accepted if self.done[job] > 1)
+        return {
+            "accepted": len(self.accepted),
+            "refused": dict(self.refused),
+            "statuses": dict(counts),
+            "lost": len(missing) + open_jobs,
+            "duplicated": duplicated,
+            "worker_kills": self.kills,
+        }
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.up is not None and self.up.poll() is None:
+            self.up.send_signal(signal.SIGTERM)
+            try:
+                self.up.wait(90)
+            except subprocess.TimeoutExpired:
+                self.up.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=40.0, help="jobs per second")
+    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds")
+    parser.add_argument("--sample-every", type=float, default=10.0, help="seconds")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="ferry-soak-") as tmp:
+        soak = Soak(Path(tmp), args)
+        try:
+            soak.start()
+            threading.Thread(target=soak.listen, daemon=True).start()
+            started = time.monotonic()
+            until = started + args.minutes * 60
+            submitter = threading.Thread(target=soak.submit, args=(until,), daemon=True)
+            submitter.start()
+            next_kill = started + args.kill_every
+            next_sample = started
+            while time.monotonic() < until:
+                now = time.monotonic()
+                if now >= next_sample:
+                    soak.sample(started)
+                    print(json.dumps(soak.samples[-1]), flush=True)
+                    next_sample += args.sample_every
+                if now >= next_kill:
+                    soak.kill_worker()
+                    next_kill += args.kill_every
+                time.sleep(0.2)
+            submitter.join()
+            result = soak.finish(timeout_s=120)
+            soak.sample(started)
+        finally:
+            soak.close()
+    report = {
+        "date": dt.date.today().isoformat(),
+        "minutes": args.minutes,
+        "rate_per_s": args.rate,
+        "kill_every_s": args.kill_every,
+        **result,
+        "memory": soak.samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "memory"}, indent=2))
+    first, last = soak.samples[1] if len(soak.samples) > 1 else soak.samples[0], soak.samples[-1]
+    for name in sorted(last["rss_mib"]):
+        before, after = first["rss_mib"].get(name, 0.0), last["rss_mib"][name]
+        print(f"  {name:<14} RSS {before:7.1f} -> {after:7.1f} MiB")
+    print(f"wrote {args.out}")
+    return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _name(cmdline: bytes) -> str:
+    parts = [p.decode(errors="replace") for p in cmdline.split(b"\x00") if p]
+    if "ferry" in parts:
+        rest = parts[parts.index("ferry") + 1 :]
+        return "-".join(p for p in rest if not p.startswith("--"))[:14] or "ferry"
+    return Path(parts[0].split()[0]).name if parts else "?"  # redis-server retitles itself
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def _statuses(db: Path, ids: list[str]) -> dict[str, str]:
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        rows = conn.execute(
+            "SELECT id, status FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(ids),),
+        ).fetchall()
+    finally:
+        conn.close()
+    return {row[0]: row[1] for row in rows}
+
+
+def _after(text: str, label: str) -> str:
+    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no {label!r} line in the ferry up banner")
+    return match.group(1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
