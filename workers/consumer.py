@@ -12,6 +12,9 @@ from core.streams import GROUP, JobMessage, ProtocolError, dead_letter_key, lane
 
 log = logging.getLogger(__name__)
 
+# The dead-letter stream is for inspection, not a queue: keep the newest this many.
+DEAD_LETTER_MAXLEN = 100_000
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -133,7 +136,10 @@ class StreamConsumer:
         pipe = self.client.pipeline(transaction=False)
         for entry in entries:
             fields = {**entry.message.encode(), "source": entry.stream, "reason": "max_attempts"}
-            pipe.xadd(dead_letter_key(self.prefix, self.model), cast(Any, fields))
+            pipe.xadd(
+                dead_letter_key(self.prefix, self.model), cast(Any, fields),
+                maxlen=DEAD_LETTER_MAXLEN, approximate=True,
+            )  # fmt: skip
         pipe.execute()
 
     def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
@@ -173,6 +179,8 @@ class StreamConsumer:
         pipe.xadd(
             dead_letter_key(self.prefix, self.model),
             cast(Any, {**fields, "source": stream, "reason": why}),
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
         )
         pipe.xack(stream, GROUP, entry_id)
         pipe.execute()
