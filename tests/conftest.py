@@ -7,11 +7,12 @@ missing service.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,9 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def _postgres_database() -> Generator[str, None, None]:
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str]:
+    """A PostgreSQL database of its own (``ferry_test_<hex>``), dropped afterwards."""
     admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
@@ -110,11 +113,9 @@ def migrated_database_url(
         migrate.upgrade(url)
         yield url
         return
-    generator = _postgres_database()
-    url = next(generator)
-    migrate.upgrade(url)
-    yield url
-    generator.close()
+    with postgres_database() as url:
+        migrate.upgrade(url)
+        yield url
 
 
 @pytest.fixture

@@ -217,6 +217,25 @@ class BatchLoop:
         log.info("jobs expired", extra={"model": self.model, "count": len(written)})
 
     def _run_batch(self, entries: list[Entry], decision: BatchDecision) -> None:
+        started = (
+            self.recorder.started_before([e.message.job_id for e in entries])
+            if len(entries) > 1
+            else set()
+        )
+        if not started:
+            self._run_group(entries, decision)
+            return
+        # A job started before and never finished may be what killed a worker:
+        # each such job runs alone, so it cannot take its batch mates down (and
+        # use up their attempts) with it.
+        fresh = [e for e in entries if e.message.job_id not in started]
+        if fresh:
+            self._run_group(fresh, decision)
+        for entry in entries:
+            if entry.message.job_id in started:
+                self._run_group([entry], decision)
+
+    def _run_group(self, entries: list[Entry], decision: BatchDecision) -> None:
         batch_id = str(uuid.uuid4())
         by_job = {e.message.job_id: e for e in entries}
         claimed, late, exhausted = self.recorder.claim(

@@ -70,6 +70,19 @@ class Recorder:
                 )
         return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late, exhausted
 
+    def started_before(self, job_ids: Sequence[str]) -> set[str]:
+        """The jobs among these that were started before and never finished."""
+        with self.sessions() as session:
+            return set(
+                session.scalars(
+                    select(Job.id).where(
+                        Job.id.in_(job_ids),
+                        Job.attempts > 0,
+                        Job.status.not_in(TERMINAL_STATUSES),
+                    )
+                )
+            )
+
     def finish(
         self,
         outcomes: Sequence[Outcome],

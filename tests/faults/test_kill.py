@@ -1,0 +1,87 @@
+"""kill -9 one of two workers mid-batch: the other takes its entries over; all run once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from core.streams import GROUP, lane_streams
+from tests.faults.conftest import MODEL, Figures, Stack, sim_jobs, wait_for
+
+pytestmark = pytest.mark.faults
+
+JOBS = 2500
+VISIBILITY_TIMEOUT_S = 3.0
+
+
+def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
+    """Jobs the consumer holds that it started running less than ``max_age_s`` ago.
+
+    A batch lasts at least the sim's base latency, so a batch caught this
+    young is still running when the kill lands a few milliseconds later.
+    """
+    held: list[str] = []
+    for stream in lane_streams(stack.prefix, MODEL):
+        pending: Any = stack.redis.xpending_range(
+            stream, GROUP, min="-", max="+", count=1000, consumername=consumer
+        )
+        pipe = stack.redis.pipeline(transaction=False)
+        for entry in pending:
+            pipe.xrange(stream, min=entry["message_id"], max=entry["message_id"])
+        for found in pipe.execute():
+            held += [fields["job"] for _id, fields in found]
+    now = time.time()
+    return [
+        row.id
+        for row in stack.rows(held).values()
+        if row.status == "running" and now - row.started_at.timestamp() < max_age_s
+    ]
+
+
+def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
+    make_stack: Callable[..., Stack], record: Callable[[Figures], None]
+) -> None:
+    stack = make_stack(
+        FERRY_VISIBILITY_TIMEOUT_S=str(VISIBILITY_TIMEOUT_S),
+        # A batch of up to 32 jobs takes 100 ms + 1 ms per unit of cost.
+        FERRY_SIM_LATENCY_BASE_MS="100",
+        FERRY_SIM_LATENCY_PER_COST_MS="1",
+        FERRY_BATCH_MAX_SIZE="32",
+    )
+    stack.start_api()
+    victim = stack.start_worker("w1")
+    survivor = stack.start_worker("w2")
+    started = time.monotonic()
+    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+
+    wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
+    caught: list[str] = []
+
+    def victim_mid_batch() -> bool:
+        caught[:] = fresh_batch_of(stack, victim.name, max_age_s=0.03)
+        return bool(caught)
+
+    wait_for("w1 to start a batch", victim_mid_batch, 30, 0.005)
+    stack.kill(victim)  # not restarted: w2 must take its entries over
+    killed_at = time.monotonic()
+    submitted.result(timeout=120)
+
+    accounting = stack.account("kill -9 a worker mid-batch", submission, started, 120, record)
+    rows = accounting.rows
+    details = accounting.figures.details
+    details["caught_running"] = len(caught)
+    details["killed_after_s"] = round(killed_at - started, 1)
+    stack.assert_nothing_lost(accounting)
+    assert {r.status for r in rows.values()} == {"succeeded"}, details
+    # The batch it was running was run again, by the survivor, once.
+    rerun = [job_id for job_id in caught if job_id in rows]
+    assert rerun and all(rows[job_id].attempts == 2 for job_id in rerun), details
+    assert all(r.attempts <= 2 for r in rows.values()), details
+    reclaims = stack.count_logs(survivor, "reclaimed entries another worker left unacknowledged")
+    details["reclaims"] = reclaims
+    assert reclaims > 0, details
+    assert victim.starts == 1 and not victim.alive()
+    assert survivor.alive() and survivor.starts == 1
