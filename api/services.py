@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -41,7 +41,15 @@ def submit_job(
     body: JobCreate,
     idempotency_key: str | None,
     request_id: str | None,
+    requeue_within_s: float = 90.0,
 ) -> Submitted:
+    """Validate, commit, enqueue.
+
+    If the enqueue fails (Redis down) the committed job is still accepted: the
+    reconciler enqueues it within ``requeue_within_s`` once Redis is back. A job
+    whose deadline is sooner than that could only expire, so it is taken back
+    and refused with 503 instead.
+    """
     spec = catalog.get(body.model)
     if spec is None:
         known = ", ".join(sorted(catalog))
@@ -112,6 +120,16 @@ def submit_job(
     try:
         client.xadd(stream_key(prefix, job.model, job.priority), message.encode())  # type: ignore[arg-type]
     except redis.RedisError as exc:
+        if body.deadline_ms is not None and body.deadline_ms < requeue_within_s * 1000:
+            log.warning(
+                "enqueue failed; job with a short deadline refused",
+                extra={"job_id": job.id, "error_type": type(exc).__name__},
+            )
+            session.execute(delete(Job).where(Job.id == job.id, Job.status == "queued"))
+            session.commit()
+            raise ApiError(
+                503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
+            ) from exc
         # The row is committed, so the job is accepted: the reconciler gives it
         # its stream entry once Redis is back (DESIGN.md §4).
         log.warning(

@@ -117,7 +117,12 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # A database host that stops answering must not hold a worker or a request
+    # for the kernel's TCP timeout (minutes): give up on a connection in 5 s.
+    connect_args = {"connect_timeout": 5} if url.startswith("postgresql") else {}
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args
+    )
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:

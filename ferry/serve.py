@@ -29,7 +29,12 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.app.state.draining = True
-        if self._draining or self.not_ready_s <= 0:
+        if self._draining:
+            self.force_exit = True  # a second signal: stop now
+            self.should_exit = True
+            return
+        if self.not_ready_s <= 0:
+            self._draining = True
             self._stop(sig, frame)
             return
         self._draining = True
@@ -39,6 +44,8 @@ class DrainingServer(uvicorn.Server):
         timer.start()
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            return  # already stopping (a second signal came first)
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             # uvicorn re-raises the signals it caught once it has stopped, so the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import uuid
 
 import redis
 from celery import Celery
@@ -21,6 +22,11 @@ log = logging.getLogger(__name__)
 
 PURGE_TASK = "ferry.maintenance.purge_results"
 RECONCILE_TASK = "ferry.maintenance.reconcile"
+RECONCILE_LOCK_S = 600
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
 
 
 def reconcile_streams(settings: Settings) -> int:
@@ -29,15 +35,17 @@ def reconcile_streams(settings: Settings) -> int:
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     engine = make_engine(settings.sqlalchemy_url)
     lock = f"{settings.key_prefix}:reconcile:lock"
+    token = uuid.uuid4().hex
     try:
-        if not client.set(lock, "1", nx=True, ex=max(5, int(settings.reconcile_interval_s))):
+        # Held well past a slow run, and released only by its holder.
+        if not client.set(lock, token, nx=True, ex=RECONCILE_LOCK_S):
             return 0  # another run is in progress
         try:
             return reconcile(
                 make_sessionmaker(engine), client, settings.key_prefix, settings.reconcile_grace_s
             )
         finally:
-            client.delete(lock)
+            client.eval(_RELEASE, 1, lock, token)
     finally:
         engine.dispose()
         client.close()

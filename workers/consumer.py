@@ -105,17 +105,31 @@ class StreamConsumer:
             )
         return entries
 
-    def touch(self, entries: list[Entry]) -> None:
-        """Reset the idle time of entries held here, so no one reclaims live work."""
-        by_stream: dict[str, list[str]] = {}
+    def touch(self, entries: list[Entry]) -> list[Entry]:
+        """Reset the idle time of the entries still ours; returns those another took over.
+
+        XCLAIM moves an entry to this consumer whoever holds it, so only the
+        ones the group still lists under this consumer are touched: an entry
+        another worker reclaimed (this one stalled) stays theirs.
+        """
+        by_stream: dict[str, list[Entry]] = {}
         for entry in entries:
-            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
-        if not by_stream:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for stream, ids in by_stream.items():
-            pipe.xclaim(stream, GROUP, self.consumer, 0, cast(Any, ids), justid=True)
-        pipe.execute()
+            by_stream.setdefault(entry.stream, []).append(entry)
+        lost: list[Entry] = []
+        for stream, held in by_stream.items():
+            ours = self._owned(stream, [e.entry_id for e in held])
+            mine = [e.entry_id for e in held if e.entry_id in ours]
+            lost += [e for e in held if e.entry_id not in ours]
+            if mine:
+                self.client.xclaim(stream, GROUP, self.consumer, 0, cast(Any, mine), justid=True)
+        return lost
+
+    def _owned(self, stream: str, ids: list[str]) -> set[str]:
+        low, high = min(ids, key=_id_key), max(ids, key=_id_key)
+        reply: Any = self.client.xpending_range(
+            stream, GROUP, min=low, max=high, count=len(ids) + 1000, consumername=self.consumer
+        )
+        return {_text(item["message_id"]) for item in reply}
 
     def ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}
@@ -159,6 +173,8 @@ class StreamConsumer:
     def _entries(self, stream: str, items: Any) -> list[Entry]:
         entries: list[Entry] = []
         for entry_id, fields in items:
+            if entry_id is None:  # Redis 6.2 reports a deleted entry as nil
+                continue
             if fields is None:  # deleted while pending
                 self.client.xack(stream, GROUP, entry_id)
                 continue
@@ -183,4 +199,14 @@ class StreamConsumer:
             approximate=True,
         )
         pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
         pipe.execute()
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    millis, _, seq = entry_id.partition("-")
+    return int(millis), int(seq or 0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

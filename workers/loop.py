@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError, StatementError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from core.queues import HEARTBEAT_TTL_S
 from core.streams import done_channel, stats_key, workers_key
@@ -91,6 +92,7 @@ class BatchLoop:
         self.drain_s = drain_s
         self.clock = clock
         self._stop = threading.Event()
+        self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
         self.pending: dict[str, Entry] = {}
         self.stats = LoopStats()
@@ -166,7 +168,9 @@ class BatchLoop:
         if now - self._last_upkeep < max(0.5, self.visibility_timeout_s / 4):
             return
         self._last_upkeep = now
-        self.consumer.touch(list(self.pending.values()))
+        for entry in self.consumer.touch(list(self.pending.values())):
+            # Another worker took it over while this one stalled: it is theirs now.
+            self.pending.pop(entry.entry_id + "@" + entry.stream, None)
         room = self.prefetch - len(self.pending)
         if room <= 0:
             return
@@ -222,6 +226,7 @@ class BatchLoop:
             if len(entries) > 1
             else set()
         )
+        self.state.batch_started()
         if not started:
             self._run_group(entries, decision)
             return
@@ -229,11 +234,13 @@ class BatchLoop:
         # each such job runs alone, so it cannot take its batch mates down (and
         # use up their attempts) with it.
         fresh = [e for e in entries if e.message.job_id not in started]
-        if fresh:
-            self._run_group(fresh, decision)
-        for entry in entries:
-            if entry.message.job_id in started:
-                self._run_group([entry], decision)
+        groups = ([fresh] if fresh else []) + [[e] for e in entries if e.message.job_id in started]
+        for number, group in enumerate(groups):
+            if number and self._stop.is_set():
+                # Stopping: what has not run stays unacknowledged, for the next worker.
+                return
+            self.consumer.touch([e for g in groups[number:] for e in g])
+            self._run_group(group, decision)
 
     def _run_group(self, entries: list[Entry], decision: BatchDecision) -> None:
         batch_id = str(uuid.uuid4())
@@ -245,8 +252,6 @@ class BatchLoop:
             late, [by_job[job_id] for job_id in exhausted], "the deadline passed before it started"
         )
         costs = [by_job[job.job_id].message.cost for job in claimed]
-        self.state.batch_started()
-
         ooms = 0
 
         def out_of_memory(start: int, end: int) -> None:
@@ -273,10 +278,8 @@ class BatchLoop:
             for job, result in zip(claimed, results, strict=True)
         ]
         finished_at = self.clock()
-        written += self._durably(
-            lambda: self.recorder.finish(
-                outcomes, _utc(finished_at), batch_id=batch_id, batch_size=len(claimed) or None
-            )
+        written += self._record(
+            outcomes, _utc(finished_at), batch_id, len(claimed) or None, entries
         )
         self._acknowledge(entries, written)
         eff = efficiency(costs)
@@ -334,32 +337,82 @@ class BatchLoop:
                 )
                 for e in exhausted
             ]
-        now = _utc(self.clock())
-        return self._durably(
-            lambda: self.recorder.finish(outcomes, now, batch_id=None, batch_size=None)
-        )
+        return self._record(outcomes, _utc(self.clock()), None, None, exhausted)
 
-    def _durably(self, write: Callable[[], list[str]]) -> list[str]:
-        """Retry a result write while the database is down; nothing is acknowledged meanwhile.
+    def _record(
+        self,
+        outcomes: list[Outcome],
+        now: dt.datetime,
+        batch_id: str | None,
+        batch_size: int | None,
+        entries: list[Entry],
+    ) -> list[str]:
+        """Write the outcomes; one the database refuses to store fails on its own."""
+        try:
+            return self._durably(
+                lambda: self.recorder.finish(outcomes, now, batch_id, batch_size), entries
+            )
+        except StatementError as exc:
+            if isinstance(exc, (OperationalError, InterfaceError)):
+                raise  # unreachable past the drain time: leave it unacknowledged
+            if len(outcomes) == 1:
+                log.error(
+                    "result could not be stored; the job fails",
+                    extra={"model": self.model, "job_id": outcomes[0].job_id,
+                           "error_type": type(exc).__name__},
+                )  # fmt: skip
+                failed = Outcome(
+                    outcomes[0].job_id,
+                    "failed",
+                    error=f"the result could not be stored ({type(exc).__name__})",
+                )
+                return self._durably(
+                    lambda: self.recorder.finish([failed], now, batch_id, batch_size), entries
+                )
+            written: list[str] = []
+            for outcome in outcomes:
+                written += self._record([outcome], now, batch_id, batch_size, entries)
+            return written
 
-        A stopping worker gives up after its drain time: its entries stay
-        unacknowledged and are run again (by it or another worker).
+    def _durably(self, write: Callable[[], list[str]], entries: list[Entry]) -> list[str]:
+        """Retry a result write while the database is unreachable; acknowledge nothing meanwhile.
+
+        Only connection failures are retried (a value the database refuses is
+        not going to be stored by trying again). The entries are kept ours
+        while waiting. A stopping worker gives up ``drain_s`` after the stop was
+        asked for: its entries stay unacknowledged and are run again.
         """
         backoff_s = RETRY_MIN_S
-        started = time.monotonic()
         while True:
             try:
                 return write()
-            except SQLAlchemyError as exc:
-                if self._stop.is_set() and time.monotonic() - started > self.drain_s:
+            except (OperationalError, InterfaceError, PoolTimeout) as exc:
+                left_s = self._drain_left_s()
+                if left_s is not None and left_s <= 0:
                     raise
                 log.warning(
                     "database unavailable; retrying the result write",
                     extra={"model": self.model, "error_type": type(exc).__name__,
                            "retry_in_s": backoff_s},
                 )  # fmt: skip
-                time.sleep(backoff_s)
+                self._stop.wait(backoff_s if left_s is None else min(backoff_s, left_s))
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+                with contextlib.suppress(redis.RedisError):
+                    self.consumer.touch(entries)
+
+    def request_stop(self) -> None:
+        """Stop after the current batch (a signal handler calls this)."""
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+        self._stop.set()
+
+    def _drain_left_s(self) -> float | None:
+        """Seconds left to finish after a stop was asked for (None: not stopping)."""
+        if not self._stop.is_set():
+            return None
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+        return self._stop_requested_at + self.drain_s - time.monotonic()
 
     def _acknowledge(self, entries: list[Entry], written: list[str]) -> None:
         self.consumer.ack(entries)

@@ -66,6 +66,7 @@ def run_worker(
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         log.info("stopping after the current batch", extra={"signal": signum})
+        loop.request_stop()
         stop.set()
 
     signal.signal(signal.SIGTERM, _stop)

@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job
@@ -26,7 +26,6 @@ from core.streams import JobMessage, lane_streams, stream_key
 log = logging.getLogger(__name__)
 
 PAGE = 1000
-MAX_PER_RUN = 50_000  # bound one run's work; the next run continues
 
 
 def reconcile(
@@ -51,21 +50,7 @@ def reconcile(
         # The streams first, then the rows: a job finished in between is then
         # terminal in the rows, never mistaken for a lost one.
         present = _job_ids_in_streams(client, prefix, model)
-        with sessions() as session:
-            rows = session.execute(
-                select(
-                    Job.id, Job.priority, Job.cost, Job.created_at, Job.deadline_at,
-                    Job.request_id,
-                )
-                .where(
-                    Job.model == model,
-                    Job.status.in_(("queued", "running")),
-                    Job.created_at < cutoff,
-                )
-                .order_by(Job.created_at)
-                .limit(MAX_PER_RUN)
-            ).all()  # fmt: skip
-        missing = [row for row in rows if row.id not in present]
+        missing = [row for row in _open_rows(sessions, model, cutoff) if row.id not in present]
         for start in range(0, len(missing), PAGE):
             pipe = client.pipeline(transaction=False)
             for row in missing[start : start + PAGE]:
@@ -86,6 +71,26 @@ def reconcile(
             )
         total += len(missing)
     return total
+
+
+def _open_rows(sessions: sessionmaker[Session], model: str, cutoff: dt.datetime) -> list[Any]:
+    """Every queued or running job of the model older than the cutoff, page by page."""
+    rows: list[Any] = []
+    after: tuple[dt.datetime, str] | None = None
+    while True:
+        query = select(
+            Job.id, Job.priority, Job.cost, Job.created_at, Job.deadline_at, Job.request_id
+        ).where(Job.model == model, Job.status.in_(("queued", "running")), Job.created_at < cutoff)
+        if after is not None:
+            query = query.where(
+                or_(Job.created_at > after[0], and_(Job.created_at == after[0], Job.id > after[1]))
+            )
+        with sessions() as session:
+            page = session.execute(query.order_by(Job.created_at, Job.id).limit(PAGE)).all()
+        rows += page
+        if len(page) < PAGE:
+            return rows
+        after = (page[-1].created_at, page[-1].id)
 
 
 def _job_ids_in_streams(client: redis.Redis, prefix: str, model: str) -> set[str]:

@@ -43,6 +43,7 @@ def create_job(
         body,
         idempotency_key,
         request.state.request_id,
+        requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
     )
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.db import Job
 from core.settings import Settings
 from ferry.local_redis import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
@@ -30,10 +31,21 @@ def test_submit_with_redis_down_is_accepted_and_enqueued_when_redis_is_back(
         assert response.status_code == 202, response.text
         assert response.json()["status"] == "queued"
         assert response.json()["estimated_wait_ms"] is None
+        # Still ready: it accepts jobs; Redis's state is reported.
         ready = client.get("/readyz")
-        assert ready.status_code == 503
+        assert ready.status_code == 200
         assert ready.json()["checks"]["redis"].startswith("unreachable")
         assert ready.json()["checks"]["database"] == "ok"
+        # A deadline sooner than the reconciler can enqueue is refused, not stored.
+        short = client.post(
+            "/v1/jobs",
+            json={"model": "sim", "input": {"cost": 1}, "deadline_ms": 5000},
+            headers=auth,
+        )
+        assert short.status_code == 503
+        assert short.headers["Retry-After"]
+    with sessions() as session:
+        assert session.query(Job).count() == 1
     job_id = response.json()["id"]
     assert settings.redis_url
     back = redis.Redis.from_url(settings.redis_url, decode_responses=True)

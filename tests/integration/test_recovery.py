@@ -66,6 +66,10 @@ def test_touched_entries_are_not_reclaimed(redis_client: redis.Redis, settings: 
     time.sleep(0.3)  # now it stopped touching them
     taken = other.reclaim(200, 10)
     assert sorted(e.message.job_id for e in taken) == ["j0", "j1", "j2"]
+    # The holder wakes up: it must not take them back, and learns they are gone.
+    assert sorted(e.message.job_id for e in holder.touch(held)) == ["j0", "j1", "j2"]
+    owners: Any = redis_client.xpending_range(stream, GROUP, "-", "+", 10)
+    assert {o["consumer"] for o in owners} == {"other"}
 
 
 def test_reconcile_re_enqueues_only_what_was_lost(
