@@ -18,6 +18,7 @@ from tests.integration.test_worker import submit, wait_terminal
 from workers.celery_app import RECONCILE_TASK, create_celery, reconcile_streams
 from workers.consumer import StreamConsumer
 from workers.reconcile import reconcile
+from workers.recorder import Outcome
 
 
 def later(seconds: float) -> dt.datetime:
@@ -127,3 +128,29 @@ def test_the_reconciler_is_scheduled_and_runs_one_at_a_time(
     assert not redis_client.exists(f"{settings.key_prefix}:reconcile:lock")
     redis_client.set(f"{settings.key_prefix}:reconcile:lock", "1", ex=30)
     assert reconcile_streams(settings) == 0  # another run holds the lock: skipped
+
+
+def test_a_result_the_database_refuses_fails_that_job_alone(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    database_url: str,
+) -> None:
+    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
+    loop = build_sim_loop(settings)
+    now = dt.datetime.now(dt.UTC)
+    outcomes = [
+        Outcome(ids[0], "succeeded", output={"ok": 1}),
+        # PostgreSQL's JSON has no NaN: the database refuses this one.
+        Outcome(ids[1], "succeeded", output={"bad": float("nan")}),
+        Outcome(ids[2], "succeeded", output={"ok": 2}),
+    ]
+    written = loop._record(outcomes, now, "batch-1", 3, [])
+    assert sorted(written) == sorted(ids)  # every job got exactly one outcome
+    with sessions() as session:
+        rows = {j.id: j for j in session.query(Job).filter(Job.id.in_(ids))}
+    assert rows[ids[0]].status == rows[ids[2]].status == "succeeded"
+    if database_url.startswith("postgresql"):
+        assert rows[ids[1]].status == "failed"
+        assert rows[ids[1]].error == "the result could not be stored (DataError)"
