@@ -200,8 +200,10 @@ def test_a_worker_killed_mid_batch_is_restarted_and_loses_nothing(stack: Stack) 
     jobs = {job_id: _result(stack, job_id) for job_id in ids}
     assert {job["status"] for job in jobs.values()} == {"succeeded"}, jobs
     assert all(job["output"] == {"cost": 600} for job in jobs.values())
-    # The jobs caught running were run again by the restarted worker, once.
-    assert all(jobs[job_id]["attempts"] == 2 for job_id in running), jobs
+    # The batch the kill interrupted was run again by the restarted worker, once
+    # (the jobs listed as running may have finished just before the kill).
+    attempts = [job["attempts"] for job in jobs.values()]
+    assert 2 in attempts and max(attempts) == 2, attempts
     assert any("worker-sim exited with code -9; restarting" in line for line in stack.output)
     assert stack.process.poll() is None
 
