@@ -200,10 +200,12 @@ def test_a_worker_killed_mid_batch_is_restarted_and_loses_nothing(stack: Stack) 
     jobs = {job_id: _result(stack, job_id) for job_id in ids}
     assert {job["status"] for job in jobs.values()} == {"succeeded"}, jobs
     assert all(job["output"] == {"cost": 600} for job in jobs.values())
-    # The batch the kill interrupted was run again by the restarted worker, once
-    # (the jobs listed as running may have finished just before the kill).
+    # A job the kill interrupted ran again once, at most (a job listed as running
+    # may also have finished just before the kill). That the interrupted batch
+    # does run again is asserted by tests/faults/test_kill.py, which catches the
+    # batch from the worker's own log.
     attempts = [job["attempts"] for job in jobs.values()]
-    assert 2 in attempts and max(attempts) == 2, attempts
+    assert set(attempts) <= {1, 2}, attempts
     assert any("worker-sim exited with code -9; restarting" in line for line in stack.output)
     assert stack.process.poll() is None
 
