@@ -28,14 +28,11 @@ import datetime as dt
 import json
 import os
 import platform
-import re
-import signal
 import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -44,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from bench.corpus import load_corpus
+from bench.stack import FerryUp
 
 MODES = ("none", "fixed", "ferry")
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
@@ -100,65 +98,19 @@ def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
     return rates
 
 
-class Stack:
+class Stack(FerryUp):
     """``ferry up`` with no workers, plus a minilm worker started on demand."""
 
     def __init__(self, mode: str, root: Path) -> None:
-        self.mode = mode
-        self.root = root
-        self.port = _free_port()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-        self.env.update(
-            FERRY_DATA_DIR=str(root),
-            FERRY_API_PORT=str(self.port),
-            FERRY_MODELS="",
-            FERRY_SCHEDULER=mode,
-            FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
-            FERRY_PREFETCH="256",
-            PYTHONUNBUFFERED="1",
-        )
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.output: list[str] = []
-        self.up: subprocess.Popen[str] | None = None
+        super().__init__(root, FERRY_MODELS="", FERRY_SCHEDULER=mode, FERRY_PREFETCH="256")
         self.worker: subprocess.Popen[str] | None = None
-        self.token = ""
-
-    def start(self) -> None:
-        self.up = subprocess.Popen(
-            [sys.executable, "-m", "ferry", "up"], cwd=self.root, env=self.env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, args=(self.up,), daemon=True).start()
-        until = time.monotonic() + 120
-        while not any("Ferry is up." in line for line in self.output):
-            if self.up.poll() is not None or time.monotonic() > until:
-                raise RuntimeError("ferry up failed:\n" + "".join(self.output)[-3000:])
-            time.sleep(0.2)
-        text = "".join(self.output)
-        self.token = _after(text, "API key")
-        self.env["FERRY_REDIS_URL"] = _after(text, "Redis")
-        self.env["FERRY_DATABASE_URL"] = _after(text, "Database")
 
     def start_worker(self) -> None:
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "ferry", "worker", "--model", "minilm"], cwd=self.root,
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, args=(self.worker,), daemon=True).start()
+        self.worker = self.spawn([sys.executable, "-m", "ferry", "worker", "--model", "minilm"])
 
-    def stop(self) -> None:
-        for process in (self.worker, self.up):
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-
-    def _read(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            self.output.append(line)
+    def stop_all(self) -> None:
+        self.stop(self.worker, 60)
+        self.stop(self.process, 60)
 
     @property
     def db(self) -> Path:
@@ -252,7 +204,7 @@ def run_mode(mode: str, texts: list[str], concurrency: int, timeout_s: float) ->
             print(f"  {mode}: live  {live.jobs_per_s:.1f} jobs/s", flush=True)
             return ModeResult(mode, round(len(ids) / submit_s, 1), drain, live)
         finally:
-            stack.stop()
+            stack.stop_all()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,13 +269,6 @@ def _accelerator() -> str:
     return "no GPU"
 
 
-def _after(text: str, label: str) -> str:
-    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"no {label!r} line in the ferry up banner")
-    return match.group(1)
-
-
 def _ts(value: str) -> float:
     parsed = dt.datetime.fromisoformat(value)
     if parsed.tzinfo is None:
@@ -335,14 +280,6 @@ def _quantile(ordered: list[float], q: float) -> float:
     if not ordered:
         return float("nan")
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -17,11 +17,8 @@ import datetime as dt
 import json
 import os
 import random
-import re
 import signal
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,27 +29,22 @@ from typing import Any
 import httpx
 import redis
 
+from bench.stack import FerryUp
+
 LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.7), ("bulk", 0.1))
 
 
 class Soak:
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
-        self.root = root
         self.args = args
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-        self.env.update(
-            FERRY_DATA_DIR=str(root),
-            FERRY_API_PORT=str(self.port),
+        self.stack = FerryUp(
+            root,
             FERRY_MODELS="sim",
             FERRY_SIM_LATENCY_BASE_MS="20",
             FERRY_SIM_LATENCY_PER_COST_MS="0.2",
             FERRY_VISIBILITY_TIMEOUT_S="10",
-            FERRY_LOG_LEVEL="WARNING",
-            PYTHONUNBUFFERED="1",
         )
-        self.output: list[str] = []
+        self.root = root
         self.accepted: list[str] = []
         self.refused = collections.Counter[int]()
         self.done = collections.Counter[str]()
@@ -60,27 +52,11 @@ class Soak:
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self._listen_until = 0.0
-        self.up: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
-        self.up = subprocess.Popen(
-            [sys.executable, "-m", "ferry", "up"], cwd=self.root, env=self.env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-        until = time.monotonic() + 120
-        while not any("Ferry is up." in line for line in self.output):
-            if self.up.poll() is not None or time.monotonic() > until:
-                raise RuntimeError("ferry up failed:\n" + "".join(self.output)[-3000:])
-            time.sleep(0.2)
-        text = "".join(self.output)
-        self.token = _after(text, "API key")
-        self.redis_url = _after(text, "Redis")
-
-    def _read(self) -> None:
-        assert self.up is not None and self.up.stdout is not None
-        for line in self.up.stdout:
-            self.output.append(line)
+        self.stack.start()
+        self.token = self.stack.token
+        self.redis_url = self.stack.env["FERRY_REDIS_URL"]
 
     def listen(self) -> None:
         """Count terminal transitions as the workers announce them."""
@@ -97,7 +73,7 @@ class Soak:
         headers = {"Authorization": f"Bearer {self.token}"}
         interval = 1.0 / self.args.rate
         next_at = time.monotonic()
-        with httpx.Client(base_url=self.base, headers=headers, timeout=10) as client:
+        with httpx.Client(base_url=self.stack.base, headers=headers, timeout=10) as client:
             while time.monotonic() < until:
                 lane = rng.choices([name for name, _ in LANES], [w for _, w in LANES])[0]
                 body = {
@@ -126,16 +102,14 @@ class Soak:
             time.sleep(0.5)
 
     def kill_worker(self) -> None:
-        assert self.up is not None
-        for pid in _children(self.up.pid):
+        for pid in self.stack.children():
             if b"worker\x00--model\x00sim" in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
                 self.kills += 1
 
     def sample(self, started: float) -> None:
-        assert self.up is not None
         rss: dict[str, float] = {}
-        for pid in _children(self.up.pid):
+        for pid in self.stack.children():
             name = _name(_cmdline(pid))
             rss[name] = rss.get(name, 0.0) + _rss_mib(pid)
         self.samples.append(
@@ -168,12 +142,7 @@ class Soak:
 
     def close(self) -> None:
         self.stop.set()
-        if self.up is not None and self.up.poll() is None:
-            self.up.send_signal(signal.SIGTERM)
-            try:
-                self.up.wait(90)
-            except subprocess.TimeoutExpired:
-                self.up.kill()
+        self.stack.stop(self.stack.process)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,19 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -278,21 +234,6 @@ def _statuses(db: Path, ids: list[str]) -> dict[str, str]:
     finally:
         conn.close()
     return {row[0]: row[1] for row in rows}
-
-
-def _after(text: str, label: str) -> str:
-    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"no {label!r} line in the ferry up banner")
-    return match.group(1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

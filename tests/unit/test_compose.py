@@ -222,11 +222,25 @@ def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
 
 
 def test_docker_compose_accepts_the_file() -> None:
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        pytest.skip("docker-compose is not installed")
+    # Compose v1 (Debian's docker-compose) or the v2 plugin of the docker CLI.
+    if shutil.which("docker-compose"):
+        command = ["docker-compose"]
+    elif (
+        shutil.which("docker")
+        and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
+        command = ["docker", "compose"]
+    else:
+        pytest.skip(
+            "neither docker-compose nor the docker compose plugin is installed, so Compose's "
+            "own validation cannot run here (.ci/run installs docker-compose where it can); "
+            "the other tests in this module still check the file's structure"
+        )
     result = subprocess.run(
-        [binary, "--file", str(COMPOSE_FILE), "config", "-q"],
+        [*command, "--file", str(COMPOSE_FILE), "config", "-q"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,0 +1,91 @@
+"""`ferry up` as the benchmarks run it: a fresh stack in a directory of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ferry.local_redis import free_port
+
+
+class FerryUp:
+    """Starts ``ferry up`` with ``settings`` (FERRY_* variables) and reads its banner."""
+
+    def __init__(self, root: Path, **settings: str) -> None:
+        self.root = root
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        self.env.update(
+            FERRY_DATA_DIR=str(root),
+            FERRY_API_PORT=str(self.port),
+            FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
+            PYTHONUNBUFFERED="1",
+        )
+        self.env.update(settings)
+        self.output: list[str] = []
+        self.process: subprocess.Popen[str] | None = None
+        self.token = ""
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.process = self.spawn([sys.executable, "-m", "ferry", "up"])
+        until = time.monotonic() + timeout_s
+        while not any("Ferry is up." in line for line in self.output):
+            if self.process.poll() is not None or time.monotonic() > until:
+                raise RuntimeError("ferry up failed:\n" + "".join(self.output)[-3000:])
+            time.sleep(0.2)
+        text = "".join(self.output)
+        self.token = _after(text, "API key")
+        # What a process started beside the stack needs to join it.
+        self.env["FERRY_REDIS_URL"] = _after(text, "Redis")
+        self.env["FERRY_DATABASE_URL"] = _after(text, "Database")
+
+    def spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        """A process with the stack's settings, its output collected with the stack's."""
+        process = subprocess.Popen(
+            args, cwd=self.root, env=self.env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, args=(process,), daemon=True).start()
+        return process
+
+    def children(self) -> list[int]:
+        """The pids of the processes ``ferry up`` started."""
+        assert self.process is not None
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.process.pid:
+                    found.append(int(entry))
+        return found
+
+    @staticmethod
+    def stop(process: subprocess.Popen[str] | None, timeout_s: float = 90.0) -> None:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.output.append(line)
+
+
+def _after(text: str, label: str) -> str:
+    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no {label!r} line in the ferry up banner")
+    return match.group(1)
