@@ -12,14 +12,18 @@ from fastapi import FastAPI
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
 from api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from api.routes import jobs, system
+from api.routes import jobs, system, webhooks
+from api.services import callback_checker
 from core.catalog import build_catalog
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
 from core.streams import done_channel
+from core.urlguard import Resolver, UrlPolicy, system_resolver
+from core.webhooks import DeliveryKicker
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastAPI:
+    """The API. ``resolve`` answers DNS for the callback URL check (tests pass their own)."""
     if not settings.redis_url:
         raise ValueError("FERRY_REDIS_URL is not set (`ferry up` sets it for the API)")
     redis_url = settings.redis_url
@@ -40,9 +44,15 @@ def create_app(settings: Settings) -> FastAPI:
         )
         app.state.hub = hub
         hub.start()
+        kicker = DeliveryKicker(redis_url, settings.key_prefix)
+        app.state.kick = kicker
+        app.state.check_callback = callback_checker(
+            UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks), resolve
+        )
         try:
             yield
         finally:
+            kicker.close()
             await hub.stop()
             app.state.redis.close()
             engine.dispose()
@@ -58,6 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(webhooks.router)
     app.include_router(system.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

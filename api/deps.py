@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated
 
 import redis
@@ -48,6 +48,20 @@ SessionDep = Annotated[Session, Depends(get_session)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]
 HubDep = Annotated[CompletionHub, Depends(get_hub)]
+
+
+def get_kick(request: Request) -> Callable[[Sequence[str]], None]:
+    kick: Callable[[Sequence[str]], None] = request.app.state.kick
+    return kick
+
+
+def get_check_callback(request: Request) -> Callable[[str], None]:
+    check: Callable[[str], None] = request.app.state.check_callback
+    return check
+
+
+KickDep = Annotated[Callable[[Sequence[str]], None], Depends(get_kick)]
+CheckCallbackDep = Annotated[Callable[[str], None], Depends(get_check_callback)]
 
 
 def current_key(request: Request) -> ApiKey:

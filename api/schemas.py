@@ -34,7 +34,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         400: "Malformed JSON.",
         401: "Missing, malformed or revoked API key.",
         404: "No such job for this key.",
-        409: "The job is in the wrong state, or the idempotency key was used differently.",
+        409: "The job is in the wrong state, or the idempotency key was used differently, "
+        "or a delivery attempt is in flight.",
         413: "Request body too large.",
         422: "Invalid input; the message names the field.",
         429: "deadline_unattainable: the queue ahead makes the deadline impossible "
@@ -104,11 +105,54 @@ class Timings(BaseModel):
     total_ms: float | None
 
 
+DeliveryStatus = Literal["pending", "delivering", "retrying", "delivered", "failed"]
+
+
 class CallbackInfo(BaseModel):
     url: str
-    status: str
+    status: DeliveryStatus = Field(
+        description="pending until the job ends and while the first attempt is due; then "
+        "delivering, retrying (an attempt failed, another is scheduled), delivered or failed."
+    )
     attempts: int
     last_status_code: int | None
+    last_error: str | None = None
+    next_attempt_at: dt.datetime | None = Field(
+        default=None, description="When the next attempt is due (pending or retrying)."
+    )
+
+
+class AttemptResource(BaseModel):
+    number: int
+    started_at: dt.datetime
+    duration_ms: float
+    status_code: int | None
+    error: str | None
+
+
+class DeliveryResource(BaseModel):
+    id: str = Field(description="The webhook-id header: the same on every attempt.")
+    type: str = Field(description="The event, e.g. job.succeeded.")
+    url: str
+    status: DeliveryStatus
+    attempts: int
+    next_attempt_at: dt.datetime | None
+    last_status_code: int | None
+    last_error: str | None
+    created_at: dt.datetime
+    finished_at: dt.datetime | None
+    attempt_log: list[AttemptResource] = Field(description="Every attempt, oldest first.")
+
+
+class DeliveryList(BaseModel):
+    data: list[DeliveryResource]
+
+
+class WebhookSecret(BaseModel):
+    secret: str = Field(description="Signs every webhook (Standard Webhooks, whsec_...).")
+    previous_secret_valid_until: dt.datetime | None = Field(
+        description="After a rotation the previous secret also signs until then."
+    )
 
 
 class JobResource(BaseModel):

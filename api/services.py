@@ -6,6 +6,7 @@ import base64
 import datetime as dt
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -14,13 +15,26 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.schemas import BatchInfo, CallbackInfo, JobCreate, JobResource, Timings
+from api.schemas import (
+    AttemptResource,
+    DeliveryResource,
+    JobCreate,
+    JobResource,
+    WebhookSecret,
+)
 from core.catalog import InputError, ModelSpec
-from core.db import TERMINAL_STATUSES, ApiKey, Job, utcnow
+from core.db import TERMINAL_STATUSES, ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s
+from core.keys import new_webhook_secret, rotate_webhook_secret
 from core.queues import lane_depths, live_workers, model_stats
+from core.resources import job_resource
 from core.settings import LANES
 from core.streams import JobMessage, stream_key
+from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
+from core.webhooks import add_job_deliveries
+
+# Hands new webhook deliveries to Celery (see core.webhooks.DeliveryKicker).
+Kick = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +56,7 @@ def submit_job(
     idempotency_key: str | None,
     request_id: str | None,
     requeue_within_s: float = 90.0,
+    check_callback: Callable[[str], None] | None = None,
 ) -> Submitted:
     """Validate, commit, enqueue.
 
@@ -70,6 +85,8 @@ def submit_job(
         existing = _by_idempotency_key(session, key.id, idem)
         if existing is not None:
             return _replay(existing, body, validated.input)
+    if body.callback_url and check_callback is not None:
+        check_callback(body.callback_url)
 
     estimate_ms = _estimate_wait_ms(client, prefix, spec.name, body.priority, validated.cost)
     if body.deadline_ms is not None and estimate_ms is not None and estimate_ms > body.deadline_ms:
@@ -168,6 +185,21 @@ def _estimate_wait_ms(
     return round(estimate_wait_s(estimate, ahead, cost, workers) * 1000.0, 1)
 
 
+def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], None]:
+    """Refuses, with 422, a callback URL that Ferry would never call."""
+
+    def check(url: str) -> None:
+        try:
+            check_url(url, policy, resolve)
+        except UrlRefused as exc:
+            if exc.permanent:
+                raise ApiError(422, "invalid_request", f"callback_url: {exc.reason}") from None
+            # DNS trouble now is not a verdict: each attempt checks again.
+            log.info("callback host did not resolve; accepted", extra={"reason": exc.reason})
+
+    return check
+
+
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     job = session.get(Job, job_id) if _is_uuid(job_id) else None
     if job is None or job.api_key_id != key.id:
@@ -176,20 +208,99 @@ def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     return job
 
 
-def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
+def cancel_job(session: Session, key: ApiKey, job_id: str, kick: Kick | None = None) -> Job:
     job = get_job(session, key, job_id)
+    now = utcnow()
     result = session.execute(
         update(Job)
         .where(Job.id == job.id, Job.status == "queued")
-        .values(status="cancelled", finished_at=utcnow(), error="cancelled by the client")
+        .values(status="cancelled", finished_at=now, error="cancelled by the client")
     )
+    deliveries = add_job_deliveries(session, [job.id], now) if result.rowcount else []  # type: ignore[attr-defined]
     session.commit()
     session.refresh(job)
     if not result.rowcount:  # type: ignore[attr-defined]
         raise ApiError(
             409, "conflict", f"job {job.id} is {job.status}; only a queued job can be cancelled"
         )
+    if deliveries and kick is not None:
+        kick(deliveries)
     return job
+
+
+def deliveries_of(session: Session, jobs: Sequence[Job]) -> dict[str, WebhookDelivery]:
+    """The webhook delivery of each of these jobs that has one, in one query."""
+    ids = [job.id for job in jobs if job.callback_url and job.status in TERMINAL_STATUSES]
+    if not ids:
+        return {}
+    rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.job_id.in_(ids)))
+    return {row.job_id: row for row in rows if row.job_id is not None}
+
+
+def job_deliveries(session: Session, key: ApiKey, job_id: str) -> list[DeliveryResource]:
+    job = get_job(session, key, job_id)
+    deliveries = session.scalars(
+        select(WebhookDelivery)
+        .where(WebhookDelivery.job_id == job.id, WebhookDelivery.api_key_id == key.id)
+        .order_by(WebhookDelivery.created_at)
+    ).all()
+    attempts: dict[str, list[WebhookAttempt]] = {d.id: [] for d in deliveries}
+    if deliveries:
+        for attempt in session.scalars(
+            select(WebhookAttempt)
+            .where(WebhookAttempt.delivery_id.in_(list(attempts)))
+            .order_by(WebhookAttempt.number)
+        ):
+            attempts[attempt.delivery_id].append(attempt)
+    return [to_delivery_resource(d, attempts[d.id]) for d in deliveries]
+
+
+def redeliver(session: Session, key: ApiKey, job_id: str, kick: Kick | None = None) -> str:
+    """Send the job's webhook again, from the start of the schedule, with the same webhook-id."""
+    job = get_job(session, key, job_id)
+    if not job.callback_url:
+        raise ApiError(409, "conflict", f"job {job.id} has no callback_url")
+    if job.status not in TERMINAL_STATUSES:
+        raise ApiError(
+            409, "conflict", f"job {job.id} is {job.status}; its webhook is sent when it ends"
+        )
+    now = utcnow()
+    delivery = session.scalars(
+        select(WebhookDelivery).where(WebhookDelivery.job_id == job.id).with_for_update()
+    ).one_or_none()
+    if delivery is None:  # purged, or the job ended before webhooks existed
+        (delivery_id,) = add_job_deliveries(session, [job.id], now)
+    elif delivery.status == "delivering":
+        raise ApiError(409, "conflict", f"an attempt of delivery {delivery.id} is in flight")
+    else:
+        delivery_id = delivery.id
+        delivery.status = "pending"
+        delivery.step = 0
+        delivery.next_attempt_at = now
+        delivery.queued_until = None
+        delivery.finished_at = None
+    session.commit()
+    if kick is not None:
+        kick([delivery_id])
+    return delivery_id
+
+
+def webhook_secret(session: Session, key: ApiKey, rotate: bool, grace_s: float) -> WebhookSecret:
+    if rotate:
+        row = rotate_webhook_secret(session, key, grace_s)
+    else:
+        found = session.get(ApiKey, key.id)
+        assert found is not None
+        row = found
+        if row.webhook_secret is None:
+            row.webhook_secret = new_webhook_secret()
+            session.commit()
+    assert row.webhook_secret is not None
+    until = row.previous_webhook_secret_until
+    return WebhookSecret(
+        secret=row.webhook_secret,
+        previous_secret_valid_until=until if until is not None and until > utcnow() else None,
+    )
 
 
 def list_jobs(
@@ -248,35 +359,43 @@ def is_terminal(job: Job) -> bool:
     return job.status in TERMINAL_STATUSES
 
 
-def to_resource(job: Job, estimated_wait_ms: float | None = None) -> JobResource:
-    def ms(start: dt.datetime | None, end: dt.datetime | None) -> float | None:
-        if start is None or end is None:
-            return None
-        return round((end - start).total_seconds() * 1000.0, 3)
+def to_resource(
+    job: Job, estimated_wait_ms: float | None = None, delivery: WebhookDelivery | None = None
+) -> JobResource:
+    resource = JobResource.model_validate(job_resource(job, delivery))
+    resource.estimated_wait_ms = estimated_wait_ms
+    return resource
 
-    return JobResource(
-        id=job.id,
-        model=job.model,
-        status=job.status,
-        priority=job.priority,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
-        deadline_at=job.deadline_at,
-        output=job.output,
-        error=job.error,
-        attempts=job.attempts,
-        batch=BatchInfo(id=job.batch_id, size=job.batch_size) if job.batch_id else None,
-        timings=Timings(
-            queue_ms=ms(job.created_at, job.started_at),
-            inference_ms=round(job.inference_ms, 3) if job.inference_ms is not None else None,
-            total_ms=ms(job.created_at, job.finished_at),
-        ),
-        callback=CallbackInfo(
-            url=job.callback_url, status="pending", attempts=0, last_status_code=None
-        )
-        if job.callback_url
+
+def render_job(session: Session, job: Job) -> JobResource:
+    """The resource with its webhook delivery's state."""
+    return to_resource(job, None, deliveries_of(session, [job]).get(job.id))
+
+
+def to_delivery_resource(
+    delivery: WebhookDelivery, attempts: Sequence[WebhookAttempt]
+) -> DeliveryResource:
+    return DeliveryResource(
+        id=delivery.id,
+        type=delivery.event_type,
+        url=delivery.url,
+        status=delivery.status,
+        attempts=delivery.attempts,
+        next_attempt_at=delivery.next_attempt_at
+        if delivery.status in ("pending", "retrying")
         else None,
-        metadata=job.metadata_,
-        estimated_wait_ms=estimated_wait_ms,
+        last_status_code=delivery.last_status_code,
+        last_error=delivery.last_error,
+        created_at=delivery.created_at,
+        finished_at=delivery.finished_at,
+        attempt_log=[
+            AttemptResource(
+                number=a.number,
+                started_at=a.started_at,
+                duration_ms=a.duration_ms,
+                status_code=a.status_code,
+                error=a.error,
+            )
+            for a in attempts
+        ],
     )

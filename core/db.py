@@ -1,4 +1,4 @@
-"""The database schema (jobs, API keys) and how to open it.
+"""The database schema (jobs, API keys, webhook deliveries) and how to open it.
 
 The tables are created by the Alembic migrations in ``migrations/``, never by
 ``create_all``; this module only describes them.
@@ -66,6 +66,14 @@ class ApiKey(Base):
     secret_hash: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The Standard Webhooks signing secret (whsec_...). Kept retrievable, not
+    # hashed: Ferry must sign with it. After a rotation the previous secret
+    # also signs until previous_webhook_secret_until, so receivers can switch.
+    webhook_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    previous_webhook_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    previous_webhook_secret_until: Mapped[dt.datetime | None] = mapped_column(
+        UTCDateTime(), nullable=True
+    )
 
 
 class Job(Base):
@@ -98,6 +106,59 @@ class Job(Base):
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_status_finished", "status", "finished_at"),
     )
+
+
+DELIVERY_OPEN = ("pending", "retrying", "delivering")
+DELIVERY_DONE = ("delivered", "failed")
+
+
+class WebhookDelivery(Base):
+    """One event for one callback URL, delivered at least once.
+
+    ``id`` is the ``webhook-id`` header: the same on every attempt and on a
+    redelivery, so receivers can de-duplicate. ``payload`` holds the exact body
+    sent, frozen when the event happened. The retry schedule lives here
+    (``next_attempt_at``, ``step``), never in a Celery countdown.
+    """
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    job_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    event_type: Mapped[str] = mapped_column(String(40))
+    url: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)
+    # pending -> delivering -> delivered | retrying -> delivering ... | failed
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)  # position in the retry schedule
+    next_attempt_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # A dispatched delivery is not dispatched again before this (its task is queued).
+    queued_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # An attempt in flight owns the delivery until this; past it, it is retried.
+    lease_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "event_type", name="uq_deliveries_job_event"),
+        Index("ix_deliveries_status_next", "status", "next_attempt_at"),
+    )
+
+
+class WebhookAttempt(Base):
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    duration_ms: Mapped[float] = mapped_column()
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 def make_engine(url: str) -> Engine:

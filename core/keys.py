@@ -1,7 +1,13 @@
-"""API keys: ``fy_<id>_<secret>``. Only a salted hash of the secret is stored."""
+"""API keys: ``fy_<id>_<secret>``. Only a salted hash of the secret is stored.
+
+Each key also has a webhook signing secret (``whsec_<base64>``, Standard
+Webhooks), which its owner can read and rotate.
+"""
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import hashlib
 import hmac
 import secrets
@@ -9,7 +15,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from core.db import ApiKey
+from core.db import ApiKey, utcnow
 
 PREFIX = "fy"
 
@@ -19,6 +25,7 @@ class NewKey:
     id: str
     name: str
     token: str  # shown once, never stored
+    webhook_secret: str
 
 
 def _hash(salt: str, secret: str) -> str:
@@ -29,9 +36,47 @@ def create_key(session: Session, name: str) -> NewKey:
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
-    session.add(ApiKey(id=key_id, name=name, salt=salt, secret_hash=_hash(salt, secret)))
+    webhook_secret = new_webhook_secret()
+    session.add(
+        ApiKey(
+            id=key_id,
+            name=name,
+            salt=salt,
+            secret_hash=_hash(salt, secret),
+            webhook_secret=webhook_secret,
+        )
+    )
     session.commit()
-    return NewKey(id=key_id, name=name, token=f"{PREFIX}_{key_id}_{secret}")
+    return NewKey(
+        id=key_id, name=name, token=f"{PREFIX}_{key_id}_{secret}", webhook_secret=webhook_secret
+    )
+
+
+def new_webhook_secret() -> str:
+    # 32 random bytes: the Standard Webhooks specification asks for 24 to 64.
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def rotate_webhook_secret(session: Session, key: ApiKey, grace_s: float) -> ApiKey:
+    """A new secret signs from now on; the old one also signs for ``grace_s`` more."""
+    row = session.get(ApiKey, key.id, with_for_update=True)
+    assert row is not None
+    row.previous_webhook_secret = row.webhook_secret if grace_s > 0 else None
+    row.previous_webhook_secret_until = (
+        utcnow() + dt.timedelta(seconds=grace_s) if row.previous_webhook_secret else None
+    )
+    row.webhook_secret = new_webhook_secret()
+    session.commit()
+    return row
+
+
+def signing_secrets(key: ApiKey, now: dt.datetime) -> list[str]:
+    """The secrets a webhook is signed with now: the current one, then one still in grace."""
+    found = [key.webhook_secret] if key.webhook_secret else []
+    until = key.previous_webhook_secret_until
+    if key.previous_webhook_secret and until is not None and until > now:
+        found.append(key.previous_webhook_secret)
+    return found
 
 
 def parse_token(token: str) -> tuple[str, str] | None:

@@ -7,6 +7,7 @@ tests and the ``ferry`` tool can set the environment first.
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,6 +16,9 @@ from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LANES = ("urgent", "vip", "normal", "bulk")
+# The Standard Webhooks retry schedule: the delay before each attempt, from the
+# previous failure (the first is immediate); ten attempts over about 3 days.
+WEBHOOK_SCHEDULE_S = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)
 # The settings FERRY_MODEL_SETTINGS may override for one model.
 PER_MODEL = frozenset(
     {
@@ -112,6 +116,44 @@ class Settings(BaseSettings):
     api_shutdown_delay_s: float = Field(2.0, ge=0)
     docs_enabled: bool = True
 
+    # Threads in the Celery worker: webhook attempts wait on receivers, so
+    # this is how many slow receivers can be waited on at once.
+    celery_concurrency: int = Field(8, ge=1, le=256)
+
+    # Webhooks (DESIGN.md §4, §9). Seconds before each attempt, from the
+    # previous failure: the Standard Webhooks schedule (JSON list in the env).
+    webhook_retry_schedule_s: list[float] = Field(
+        default_factory=lambda: [
+            0.0,
+            5.0,
+            300.0,
+            1800.0,
+            7200.0,
+            18000.0,
+            36000.0,
+            50400.0,
+            72000.0,
+            86400.0,
+        ],
+        min_length=1,
+        max_length=50,
+    )
+    # Each retry delay is spread by up to this fraction either way.
+    webhook_retry_jitter: float = Field(0.1, ge=0, lt=1)
+    # One attempt, connection to last byte read.
+    webhook_timeout_s: float = Field(15.0, gt=0, le=300)
+    # Most of a receiver's response that is read (the rest is dropped).
+    webhook_max_response_bytes: int = Field(65_536, ge=0)
+    # Celery beat sends the deliveries that are due this often.
+    webhook_dispatch_interval_s: float = Field(5.0, gt=0)
+    # Plain http callback URLs (default: https only).
+    webhook_allow_http: bool = False
+    # Networks a callback may reach although they are not public (loopback,
+    # private, ...), e.g. '["10.20.0.0/16"]'. Empty: public addresses only.
+    webhook_allowed_networks: list[str] = Field(default_factory=list)
+    # After a rotation, the previous signing secret also signs for this long.
+    webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0)
+
     # Retention: Celery beat purges terminal jobs older than this.
     result_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
     purge_interval_s: float = Field(3600.0, gt=0)
@@ -137,6 +179,23 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("webhook_retry_schedule_s")
+    @classmethod
+    def _schedule(cls, value: list[float]) -> list[float]:
+        if any(not 0 <= delay <= 7 * 24 * 3600 for delay in value):
+            raise ValueError("every delay must be between 0 and 604800 seconds")
+        return value
+
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            try:
+                ipaddress.ip_network(network)
+            except ValueError as exc:
+                raise ValueError(f"{network!r} is not a network ({exc})") from None
+        return value
 
     @field_validator("model_settings")
     @classmethod

@@ -59,7 +59,7 @@ def _cmd_celery(args: argparse.Namespace) -> int:
                 "--pool",
                 "threads",
                 "--concurrency",
-                "4",
+                str(settings.celery_concurrency),
                 "--hostname",
                 "ferry-celery@%h",
                 "--task-events",
@@ -100,6 +100,8 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
         engine.dispose()
     print(f"created API key {key.id} ({key.name}); it is shown once:")
     print(key.token)
+    print("webhook signing secret (also at GET /v1/webhook-secret):")
+    print(key.webhook_secret)
     return 0
 
 

@@ -182,6 +182,7 @@ def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
         f"  Database  {settings.sqlalchemy_url}",
         f"  Models    {', '.join(settings.model_names)}",
         f"  API key   {token}",
+        f"  Webhooks  signed with the secret at GET {base}/v1/webhook-secret",
         "",
         "Try:",
         f"  curl -s -X POST {base}/v1/jobs -H 'Authorization: Bearer {token}' \\",

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, delete, text
 from sqlalchemy.engine import make_url
 
 from core import migrate
-from core.db import ApiKey, Job, make_engine
+from core.db import Base, make_engine
 from ferry.local_redis import find_redis_server, free_port, start_redis
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -125,8 +125,9 @@ def database_url(migrated_database_url: str) -> Iterator[str]:
     engine = make_engine(migrated_database_url)
     try:
         with engine.begin() as conn:
-            conn.execute(delete(Job))
-            conn.execute(delete(ApiKey))
+            # Children before parents: every table, in reverse dependency order.
+            for table in reversed(Base.metadata.sorted_tables):
+                conn.execute(delete(table))
     finally:
         engine.dispose()
 

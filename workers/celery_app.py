@@ -1,4 +1,4 @@
-"""The Celery app: maintenance (purge, reconciler) now; webhooks and backfill feeding later.
+"""The Celery app: webhook deliveries, maintenance (purge, reconciler); backfill feeding later.
 
 Built by :func:`create_celery` from the settings; ``ferry celery worker`` and
 ``ferry celery beat`` start it, so nothing is configured at import time.
@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import uuid
 
 import redis
 from celery import Celery
-from sqlalchemy import delete
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
+from core.db import (
+    DELIVERY_DONE,
+    TERMINAL_STATUSES,
+    Job,
+    WebhookAttempt,
+    WebhookDelivery,
+    make_engine,
+    make_sessionmaker,
+)
 from core.settings import Settings
+from core.webhooks import DELIVER_TASK, DISPATCH_TASK, celery_queue
 from workers.reconcile import reconcile
+from workers.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +39,21 @@ _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
+
+
+class Database:
+    """One engine per process, made on first use (never inherited across a fork)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._pid: int | None = None
+        self._sessions: sessionmaker[Session] | None = None
+
+    def sessions(self) -> sessionmaker[Session]:
+        if self._sessions is None or self._pid != os.getpid():
+            self._sessions = make_sessionmaker(make_engine(self.url))
+            self._pid = os.getpid()
+        return self._sessions
 
 
 def reconcile_streams(settings: Settings) -> int:
@@ -61,6 +88,17 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
                 delete(Job).where(Job.status.in_(TERMINAL_STATUSES), Job.finished_at < cutoff)
             )
             count = int(result.rowcount)
+            finished = (
+                select(WebhookDelivery.id)
+                .where(WebhookDelivery.status.in_(DELIVERY_DONE))
+                .where(WebhookDelivery.finished_at < cutoff)
+            )
+            session.execute(delete(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(finished)))
+            session.execute(
+                delete(WebhookDelivery).where(
+                    WebhookDelivery.status.in_(DELIVERY_DONE), WebhookDelivery.finished_at < cutoff
+                )
+            )
     finally:
         engine.dispose()
     log.info("purged expired results", extra={"count": count})
@@ -82,8 +120,14 @@ def create_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         # Ferry's JSON logging stays in place (configured by `ferry celery`).
         worker_hijack_root_logger=False,
-        task_default_queue=f"{settings.key_prefix}.celery",
+        task_default_queue=celery_queue(settings.key_prefix),
         beat_schedule={
+            "dispatch-webhooks": {
+                "task": DISPATCH_TASK,
+                "schedule": settings.webhook_dispatch_interval_s,
+                # While no worker runs, stale dispatches are dropped, not piled up.
+                "options": {"expires": max(settings.webhook_dispatch_interval_s, 1.0)},
+            },
             "purge-results": {"task": PURGE_TASK, "schedule": settings.purge_interval_s},
             "reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_interval_s},
         },
@@ -100,5 +144,27 @@ def create_celery(settings: Settings) -> Celery:
     @app.task(name=RECONCILE_TASK, shared=False, ignore_result=True)
     def _reconcile() -> int:
         return reconcile_streams(settings)
+
+    database = Database(settings.sqlalchemy_url)
+    config = DeliveryConfig.from_settings(settings)
+    # A queued attempt is not queued again before this: long enough for a
+    # backlog to drain, short enough that a lost task costs little.
+    hold_s = max(60.0, 4 * settings.webhook_timeout_s)
+
+    # Each task is one attempt; retries are rows in the database that beat
+    # dispatches when due, never Celery countdowns (Redis would redeliver
+    # those early, after its visibility timeout).
+    @app.task(name=DELIVER_TASK, shared=False, ignore_result=True)
+    def _deliver(delivery_id: str) -> str | None:
+        return attempt_delivery(database.sessions(), delivery_id, config)
+
+    @app.task(name=DISPATCH_TASK, shared=False, ignore_result=True)
+    def _dispatch() -> int:
+        return dispatch_due(
+            database.sessions(),
+            lambda delivery_id: _deliver.apply_async(args=[delivery_id], retry=False),
+            dt.datetime.now(dt.UTC),
+            hold_s,
+        )
 
     return app

@@ -78,6 +78,7 @@ class BatchLoop:
         visibility_timeout_s: float = 120.0,
         drain_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        kick: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.consumer = consumer
@@ -91,6 +92,8 @@ class BatchLoop:
         self.visibility_timeout_s = visibility_timeout_s
         self.drain_s = drain_s
         self.clock = clock
+        # Hands new webhook deliveries to Celery once their jobs are acknowledged.
+        self.kick = kick
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
@@ -418,6 +421,10 @@ class BatchLoop:
         self.consumer.ack(entries)
         if written:
             self.client.publish(done_channel(self.prefix), ",".join(written))
+        # Webhooks go out only after the results are committed and acknowledged.
+        deliveries = self.recorder.take_outbox()
+        if deliveries and self.kick is not None:
+            self.kick(deliveries)
 
     def _learn(self, seen: BatchObservation, eff: float) -> None:
         self.state.observe_batch(seen)

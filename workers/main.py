@@ -12,6 +12,7 @@ import redis
 
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
+from core.webhooks import DeliveryKicker
 from workers.consumer import StreamConsumer
 from workers.loop import BatchLoop
 from workers.recorder import Recorder
@@ -55,6 +56,7 @@ def build_loop(
         max_attempts=settings.max_attempts,
         visibility_timeout_s=settings.visibility_timeout_s,
         drain_s=settings.worker_drain_s,
+        kick=DeliveryKicker(settings.redis_url, settings.key_prefix),
     )
 
 

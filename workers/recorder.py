@@ -15,6 +15,7 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import TERMINAL_STATUSES, Job
+from core.webhooks import add_job_deliveries
 
 _JOBS = cast(Table, Job.__table__)
 
@@ -38,6 +39,12 @@ class Outcome:
 class Recorder:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
+        # Webhook deliveries committed with outcomes, not yet handed to Celery.
+        self.outbox: list[str] = []
+
+    def take_outbox(self) -> list[str]:
+        taken, self.outbox = self.outbox, []
+        return taken
 
     def claim(
         self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int
@@ -90,7 +97,11 @@ class Recorder:
         batch_id: str | None,
         batch_size: int | None,
     ) -> list[str]:
-        """Record every outcome in one transaction; returns the ids actually written."""
+        """Record every outcome in one transaction; returns the ids actually written.
+
+        The same transaction adds the webhook deliveries of the jobs written
+        that have a callback URL (their ids go to :attr:`outbox`).
+        """
         if not outcomes:
             return []
         statement = (
@@ -124,4 +135,6 @@ class Recorder:
                 )
                 if result.rowcount:
                     written.append(outcome.job_id)
+            deliveries = add_job_deliveries(session, written, now)
+        self.outbox += deliveries
         return written

@@ -10,9 +10,26 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from api import services
-from api.deps import CatalogDep, HubDep, KeyDep, RedisDep, SessionDep, SettingsDep
+from api.deps import (
+    CatalogDep,
+    CheckCallbackDep,
+    HubDep,
+    KeyDep,
+    KickDep,
+    RedisDep,
+    SessionDep,
+    SettingsDep,
+)
 from api.errors import ApiError
-from api.schemas import JobCreate, JobList, JobResource, JobStatus, error_responses
+from api.schemas import (
+    DeliveryList,
+    DeliveryResource,
+    JobCreate,
+    JobList,
+    JobResource,
+    JobStatus,
+    error_responses,
+)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
@@ -32,6 +49,7 @@ def create_job(
     client: RedisDep,
     catalog: CatalogDep,
     settings: SettingsDep,
+    check_callback: CheckCallbackDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobResource:
     submitted = services.submit_job(
@@ -44,6 +62,7 @@ def create_job(
         idempotency_key,
         request.state.request_id,
         requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
+        check_callback=check_callback,
     )
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:
@@ -68,9 +87,15 @@ async def read_job(
         with sessions() as session:
             return services.get_job(session, key, job_id)
 
+    def render(job: services.Job) -> JobResource:
+        with sessions() as session:
+            return services.to_resource(
+                job, None, services.deliveries_of(session, [job]).get(job.id)
+            )
+
     job = await run_in_threadpool(load)
     if wait <= 0 or services.is_terminal(job):
-        return services.to_resource(job)
+        return await run_in_threadpool(render, job)
     loop = asyncio.get_running_loop()
     until = loop.time() + wait
     with hub.watch(job_id) as woken:
@@ -82,12 +107,12 @@ async def read_job(
                 await asyncio.wait_for(woken.wait(), timeout=min(remaining, RECHECK_S))
             woken.clear()
             job = await run_in_threadpool(load)
-    return services.to_resource(job)
+    return await run_in_threadpool(render, job)
 
 
 @router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))
-def cancel_job(job_id: str, key: KeyDep, session: SessionDep) -> JobResource:
-    return services.to_resource(services.cancel_job(session, key, job_id))
+def cancel_job(job_id: str, key: KeyDep, session: SessionDep, kick: KickDep) -> JobResource:
+    return services.render_job(session, services.cancel_job(session, key, job_id, kick))
 
 
 @router.get("", response_model=JobList)
@@ -100,4 +125,27 @@ def list_jobs(
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> JobList:
     jobs, next_cursor = services.list_jobs(session, key, status, model, limit, cursor)
-    return JobList(data=[services.to_resource(job) for job in jobs], next_cursor=next_cursor)
+    deliveries = services.deliveries_of(session, jobs)
+    return JobList(
+        data=[services.to_resource(job, None, deliveries.get(job.id)) for job in jobs],
+        next_cursor=next_cursor,
+    )
+
+
+@router.get("/{job_id}/deliveries", response_model=DeliveryList, responses=error_responses(404))
+def list_deliveries(job_id: str, key: KeyDep, session: SessionDep) -> DeliveryList:
+    """The job's webhook deliveries, each with every attempt made."""
+    return DeliveryList(data=services.job_deliveries(session, key, job_id))
+
+
+@router.post(
+    "/{job_id}/deliveries/redeliver",
+    status_code=202,
+    response_model=DeliveryResource,
+    responses=error_responses(404, 409),
+)
+def redeliver(job_id: str, key: KeyDep, session: SessionDep, kick: KickDep) -> DeliveryResource:
+    """Send the job's webhook again (same webhook-id), from the start of the retry schedule."""
+    delivery_id = services.redeliver(session, key, job_id, kick)
+    (delivery,) = [d for d in services.job_deliveries(session, key, job_id) if d.id == delivery_id]
+    return delivery

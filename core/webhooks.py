@@ -1,0 +1,166 @@
+"""Webhook events: the delivery rows, their payloads, and the retry schedule.
+
+When a job reaches a terminal state and has a ``callback_url``, the same
+transaction that writes the outcome adds a :class:`~core.db.WebhookDelivery`
+row (an outbox): a crash right after the commit cannot lose the event. The
+Celery worker sends it (``workers/webhooks.py``); the schedule of its retries
+is stored on the row and walked by Celery beat.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.resources import iso, job_resource
+
+log = logging.getLogger(__name__)
+
+DELIVER_TASK = "ferry.webhooks.deliver"
+DISPATCH_TASK = "ferry.webhooks.dispatch"
+
+
+def new_delivery_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def event_type(job: Job) -> str:
+    return f"job.{job.status}"
+
+
+def payload(kind: str, data: dict[str, Any], at: dt.datetime) -> str:
+    """The exact body sent on every attempt (compact JSON, UTF-8)."""
+    return json.dumps(
+        {"type": kind, "timestamp": iso(at), "data": data},
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+
+
+def add_job_deliveries(session: Session, job_ids: Sequence[str], now: dt.datetime) -> list[str]:
+    """In the caller's transaction: one delivery for each of these jobs that is
+    terminal and has a callback URL (and has none yet). Returns the new ids."""
+    if not job_ids:
+        return []
+    jobs = session.scalars(
+        select(Job).where(
+            Job.id.in_(job_ids),
+            Job.callback_url.is_not(None),
+            Job.status.in_(TERMINAL_STATUSES),
+        )
+    ).all()
+    if not jobs:
+        return []
+    have = set(
+        session.scalars(
+            select(WebhookDelivery.job_id).where(WebhookDelivery.job_id.in_([j.id for j in jobs]))
+        )
+    )
+    created = []
+    for job in jobs:
+        if job.id in have:
+            continue
+        assert job.callback_url is not None
+        delivery = WebhookDelivery(
+            id=new_delivery_id(),
+            api_key_id=job.api_key_id,
+            job_id=job.id,
+            event_type=event_type(job),
+            url=job.callback_url,
+            payload=payload(event_type(job), job_resource(job), now),
+            status="pending",
+            attempts=0,
+            step=0,
+            next_attempt_at=now,
+            created_at=now,
+        )
+        session.add(delivery)
+        created.append(delivery.id)
+    return created
+
+
+def next_delay_s(
+    schedule: Sequence[float],
+    step: int,
+    retry_after_s: float | None = None,
+    jitter: float = 0.0,
+    unit: float = 0.5,
+) -> float | None:
+    """Seconds until the attempt after ``step`` failed ones (None: the schedule is spent).
+
+    ``Retry-After`` is honoured when it asks for longer than the schedule, up to
+    the schedule's longest delay. ``jitter`` spreads each delay by up to that
+    fraction either way, driven by ``unit`` in [0, 1) (pass ``random.random()``),
+    so deliveries that failed together do not all come back together.
+    """
+    if step >= len(schedule):
+        return None
+    delay = schedule[step]
+    if retry_after_s is not None and retry_after_s > delay:
+        delay = min(retry_after_s, max(schedule))
+    return max(0.0, delay * (1.0 + jitter * (2.0 * unit - 1.0)))
+
+
+def parse_retry_after(value: str | None, now: dt.datetime) -> float | None:
+    """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # not "²", which isdigit() also accepts
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return max(0.0, (when - now).total_seconds())
+
+
+def celery_queue(prefix: str) -> str:
+    """The queue Ferry's Celery worker consumes (its tasks and webhook attempts)."""
+    return f"{prefix}.celery"
+
+
+class DeliveryKicker:
+    """Queues the first attempt of new deliveries at once.
+
+    Losing a kick loses nothing: the delivery is a row that is due, and beat
+    dispatches due rows every ``webhook_dispatch_interval_s``. So a failure
+    here is logged, never raised into the job path.
+    """
+
+    def __init__(self, broker_url: str, prefix: str) -> None:
+        self.broker_url = broker_url
+        self.queue = celery_queue(prefix)
+        self._app: Celery | None = None
+
+    def __call__(self, delivery_ids: Sequence[str]) -> None:
+        if not delivery_ids:
+            return
+        try:
+            if self._app is None:
+                self._app = Celery("ferry-producer", broker=self.broker_url, set_as_current=False)
+            for delivery_id in delivery_ids:
+                self._app.send_task(DELIVER_TASK, args=[delivery_id], queue=self.queue, retry=False)
+        except Exception as exc:
+            log.warning(
+                "webhook delivery not queued now; beat will dispatch it",
+                extra={"count": len(delivery_ids), "error_type": type(exc).__name__},
+            )
+
+    def close(self) -> None:
+        if self._app is not None:
+            self._app.close()
+            self._app = None

@@ -1,0 +1,483 @@
+"""Webhook deliveries against a real receiver on 127.0.0.1, real Redis and real databases.
+
+The API and a sim worker run as in production; deliveries are driven by the
+same functions the Celery tasks call (``dispatch_due`` then
+``attempt_delivery``), with a compressed schedule. The end-to-end test in
+``tests/e2e`` runs them through Celery and beat under ``ferry up``.
+Every test here runs inside :func:`loopback_only`: a connection anywhere but
+127.0.0.1 fails the test.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.app import create_app
+from core.db import WebhookDelivery, utcnow
+from core.settings import Settings
+from tests.integration.conftest import RunningLoop
+from tests.webhook_receiver import Answer, NetworkEscape, Receiver, fake_resolver, loopback_only
+from workers.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
+
+SCHEDULE_S = [0.0, 0.2, 0.2, 0.2]  # four attempts, compressed
+NAMES = {"hooks.partner.test": ["127.0.0.1"], "intranet.partner.test": ["10.1.2.3"]}
+
+
+@pytest.fixture(autouse=True)
+def no_network() -> Iterator[list[str]]:
+    with loopback_only() as refused:
+        yield refused
+
+
+@pytest.fixture
+def hook_settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={
+            "webhook_allow_http": True,
+            "webhook_allowed_networks": ["127.0.0.1/32"],
+            "webhook_retry_schedule_s": SCHEDULE_S,
+            "webhook_retry_jitter": 0.0,
+            "webhook_timeout_s": 1.0,
+        }
+    )
+
+
+@pytest.fixture
+def resolver() -> dict[str, list[str]]:
+    return dict(NAMES)  # a test may change an answer, as DNS can
+
+
+@pytest.fixture
+def api(hook_settings: Settings, resolver: dict[str, list[str]]) -> Iterator[TestClient]:
+    with TestClient(create_app(hook_settings, resolve=fake_resolver(resolver))) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def secret(api: TestClient, auth: dict[str, str]) -> str:
+    response = api.get("/v1/webhook-secret", headers=auth)
+    assert response.status_code == 200, response.text
+    value: str = response.json()["secret"]
+    assert value.startswith("whsec_")
+    return value
+
+
+Drive = Callable[..., list[WebhookDelivery]]
+
+
+@pytest.fixture
+def drive(
+    sessions: sessionmaker[Session], hook_settings: Settings, resolver: dict[str, list[str]]
+) -> Drive:
+    """Run due deliveries as beat and the Celery worker would, until none is open."""
+
+    def run(timeout_s: float = 20.0, **overrides: Any) -> list[WebhookDelivery]:
+        config = DeliveryConfig.from_settings(hook_settings.model_copy(update=overrides))
+        resolve = fake_resolver(resolver)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dispatch_due(
+                sessions,
+                lambda delivery_id: attempt_delivery(
+                    sessions, delivery_id, config, resolve=resolve
+                ),
+                utcnow(),
+                hold_s=60.0,
+            )
+            with sessions() as session:
+                rows = list(session.scalars(select(WebhookDelivery)))
+            if rows and all(row.status in ("delivered", "failed") for row in rows):
+                return rows
+            time.sleep(0.05)
+        raise AssertionError("deliveries still open")
+
+    return run
+
+
+def run_job(
+    api: TestClient,
+    auth: dict[str, str],
+    worker: RunningLoop,
+    callback_url: str,
+    **body: Any,
+) -> dict[str, Any]:
+    body.setdefault("input", {"cost": 1})
+    response = api.post(
+        "/v1/jobs", json={"model": "sim", "callback_url": callback_url, **body}, headers=auth
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["callback"]["status"] == "pending"
+    with worker:
+        job: dict[str, Any] = api.get(
+            f"/v1/jobs/{response.json()['id']}?wait=10", headers=auth
+        ).json()
+    return job
+
+
+def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhook_id(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    script = [Answer(500), Answer(500), Answer(500), Answer(200)]
+    with Receiver([secret], script) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        assert job["status"] == "succeeded"
+        (delivery,) = drive()
+        requests = receiver.wait_for(4)
+
+    assert delivery.status == "delivered"
+    assert [r.status for r in requests] == [500, 500, 500, 200]
+    assert all(r.verified for r in requests)
+    assert {r.webhook_id for r in requests} == {delivery.id}
+    assert delivery.id.startswith("msg_")
+    # The receiver acted once; the body is the job resource as it ended.
+    assert len(receiver.processed) == 1
+    event = receiver.processed[0]
+    assert event["type"] == "job.succeeded"
+    assert event["data"]["id"] == job["id"]
+    assert event["data"]["output"] == job["output"]
+    # Fresh timestamps: each is the moment of its attempt, not of the event.
+    for request in requests:
+        assert abs(request.received_at - request.timestamp) < 2.0
+
+    shown = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]
+    assert shown == {
+        "url": receiver.url,
+        "status": "delivered",
+        "attempts": 4,
+        "last_status_code": 200,
+        "last_error": None,
+        "next_attempt_at": None,
+    }
+    listed = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"]
+    assert len(listed) == 1
+    assert listed[0]["id"] == delivery.id
+    assert listed[0]["type"] == "job.succeeded"
+    log = listed[0]["attempt_log"]
+    assert [a["number"] for a in log] == [1, 2, 3, 4]
+    assert [a["status_code"] for a in log] == [500, 500, 500, 200]
+    assert [a["error"] for a in log] == ["HTTP 500", "HTTP 500", "HTTP 500", None]
+    assert all(a["duration_ms"] >= 0 for a in log)
+
+
+def test_a_receiver_down_for_the_whole_schedule_fails_the_delivery_not_the_job(
+    api: TestClient,
+    auth: dict[str, str],
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    with Receiver([]) as receiver:
+        url = receiver.url  # closed when the block ends: nothing listens there
+    job = run_job(api, auth, sim_worker(), url)
+    (delivery,) = drive()
+
+    assert delivery.status == "failed"
+    assert delivery.attempts == len(SCHEDULE_S)
+    listed = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    assert len(listed["attempt_log"]) == len(SCHEDULE_S)
+    for attempt in listed["attempt_log"]:
+        assert attempt["status_code"] is None
+        assert attempt["error"].startswith("connection failed: ConnectionRefusedError")
+    again = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()
+    assert again["status"] == "succeeded"
+    assert again["output"] == job["output"]
+    assert again["callback"]["status"] == "failed"
+    assert again["callback"]["attempts"] == len(SCHEDULE_S)
+
+
+def test_410_gone_stops_at_once(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    with Receiver([secret], [Answer(410)]) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        (delivery,) = drive()
+        assert len(receiver.requests) == 1
+    assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("failed", 1, 410)
+    assert delivery.last_error is not None and "410" in delivery.last_error
+    assert api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]["status"] == "failed"
+
+
+def test_a_slow_receiver_is_cut_off_at_the_timeout_and_retried(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    with Receiver([secret], [Answer(200, delay_s=3.0), Answer(200)]) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        (delivery,) = drive(webhook_timeout_s=0.5)
+        requests = receiver.wait_for(2)
+    assert delivery.status == "delivered"
+    assert requests[0].webhook_id == requests[1].webhook_id
+    log = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    first, second = log["attempt_log"]
+    assert first["error"].startswith("timed out")
+    assert first["status_code"] is None
+    assert 400 <= first["duration_ms"] < 2500  # cut at 0.5 s, not after the 3 s answer
+    assert second["status_code"] == 200
+
+
+def test_retry_after_is_honoured(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    script = [Answer(503, {"Retry-After": "1"}), Answer(200)]
+    with Receiver([secret], script) as receiver:
+        run_job(api, auth, sim_worker(), receiver.url)
+        drive(webhook_retry_schedule_s=[0.0, 0.05, 5.0])
+        first, second = receiver.wait_for(2)
+    # The schedule said 0.05 s; the receiver asked for 1 s.
+    assert second.received_at - first.received_at >= 0.95
+
+
+@pytest.mark.parametrize(
+    ("body", "event"),
+    [
+        ({"input": {"cost": 1, "fail": True}}, "job.failed"),
+        ({"deadline_ms": 1}, "job.expired"),
+    ],
+)
+def test_failed_and_expired_jobs_are_delivered_too(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+    body: dict[str, Any],
+    event: str,
+) -> None:
+    with Receiver([secret]) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url, **body)
+        assert f"job.{job['status']}" == event
+        (delivery,) = drive()
+        (request,) = receiver.wait_for(1)
+    assert delivery.status == "delivered"
+    assert request.verified
+    assert request.body["type"] == event
+    assert request.body["data"]["status"] == job["status"]
+    assert request.body["data"]["error"] == job["error"]
+
+
+def test_a_cancelled_job_is_delivered_and_can_be_redelivered_with_the_same_id(
+    api: TestClient, auth: dict[str, str], secret: str, drive: Drive
+) -> None:
+    with Receiver([secret]) as receiver:
+        response = api.post(
+            "/v1/jobs",
+            json={"model": "sim", "input": {"cost": 1}, "callback_url": receiver.url},
+            headers=auth,
+        )
+        job_id = response.json()["id"]
+        assert api.delete(f"/v1/jobs/{job_id}", headers=auth).status_code == 200
+        drive()
+        redelivered = api.post(f"/v1/jobs/{job_id}/deliveries/redeliver", headers=auth)
+        assert redelivered.status_code == 202, redelivered.text
+        assert redelivered.json()["status"] == "pending"
+        (delivery,) = drive()
+        first, second = receiver.wait_for(2)
+
+    assert first.body["type"] == "job.cancelled"
+    assert first.webhook_id == second.webhook_id == delivery.id
+    assert first.body == second.body
+    assert len(receiver.processed) == 1  # the receiver's de-duplication saw one event
+    assert delivery.attempts == 2
+    log = api.get(f"/v1/jobs/{job_id}/deliveries", headers=auth).json()["data"][0]
+    assert [a["number"] for a in log["attempt_log"]] == [1, 2]
+
+
+def test_redelivery_needs_a_finished_job_with_a_callback(
+    api: TestClient, auth: dict[str, str]
+) -> None:
+    plain = api.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=auth)
+    response = api.post(f"/v1/jobs/{plain.json()['id']}/deliveries/redeliver", headers=auth)
+    assert response.status_code == 409
+    assert "no callback_url" in response.json()["error"]["message"]
+
+    queued = api.post(
+        "/v1/jobs",
+        json={"model": "sim", "input": {"cost": 1}, "callback_url": "http://127.0.0.1:9/x"},
+        headers=auth,
+    )
+    response = api.post(f"/v1/jobs/{queued.json()['id']}/deliveries/redeliver", headers=auth)
+    assert response.status_code == 409
+    assert "is queued" in response.json()["error"]["message"]
+
+
+def test_another_key_sees_no_deliveries(
+    api: TestClient,
+    auth: dict[str, str],
+    make_token: Callable[[str], str],
+) -> None:
+    response = api.post(
+        "/v1/jobs",
+        json={"model": "sim", "input": {"cost": 1}, "callback_url": "http://127.0.0.1:9/x"},
+        headers=auth,
+    )
+    job_id = response.json()["id"]
+    api.delete(f"/v1/jobs/{job_id}", headers=auth)
+    other = {"Authorization": f"Bearer {make_token('other')}"}
+    assert api.get(f"/v1/jobs/{job_id}/deliveries", headers=other).status_code == 404
+    assert api.post(f"/v1/jobs/{job_id}/deliveries/redeliver", headers=other).status_code == 404
+    assert api.get(f"/v1/jobs/{job_id}/deliveries", headers=auth).status_code == 200
+
+
+def test_a_rotated_secret_signs_beside_the_old_one_during_the_grace(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+) -> None:
+    rotated = api.post("/v1/webhook-secret/rotate", headers=auth).json()
+    assert rotated["secret"].startswith("whsec_") and rotated["secret"] != secret
+    assert rotated["previous_secret_valid_until"] is not None
+    assert api.get("/v1/webhook-secret", headers=auth).json()["secret"] == rotated["secret"]
+
+    with Receiver([secret]) as old_only, Receiver([rotated["secret"]]) as new_only:
+        run_job(api, auth, sim_worker(), old_only.url)
+        run_job(api, auth, sim_worker(), new_only.url)
+        drive()
+        (old,) = old_only.wait_for(1)
+        (new,) = new_only.wait_for(1)
+    assert old.verified and new.verified
+    assert len(old.signature.split(" ")) == 2  # v1,<new> v1,<old>
+
+
+def test_a_name_that_resolves_to_a_private_address_later_fails_with_the_reason(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+    resolver: dict[str, list[str]],
+    no_network: list[str],
+) -> None:
+    with Receiver([secret]) as receiver:
+        url = receiver.url.replace("127.0.0.1", "hooks.partner.test")
+        job = run_job(api, auth, sim_worker(), url)
+        resolver["hooks.partner.test"] = ["10.9.8.7"]  # DNS rebinding after the check
+        (delivery,) = drive()
+        assert receiver.requests == []
+    assert delivery.status == "failed"
+    assert delivery.attempts == 1  # an address Ferry may not call is not retried
+    assert delivery.last_error == (
+        "refused: hooks.partner.test resolves to 10.9.8.7, a private address"
+    )
+    assert no_network == []  # refused before any connection was tried
+    callback = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]
+    assert callback["status"] == "failed"
+    assert "10.9.8.7" in callback["last_error"]
+
+
+def test_a_redirect_is_not_followed(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+    no_network: list[str],
+) -> None:
+    script = [Answer(302, {"Location": "http://10.0.0.1/internal"})]
+    with Receiver([secret], script) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        (delivery,) = drive()
+        assert len(receiver.requests) == len(SCHEDULE_S)
+    assert delivery.status == "failed"
+    assert delivery.last_error == "redirect not followed (HTTP 302 to http://10.0.0.1/internal)"
+    assert no_network == []
+    assert api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["status"] == "succeeded"
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://127.0.0.1:8080/hook", "only https URLs are allowed"),
+        ("http://169.254.169.254/latest/meta-data/", "only https URLs are allowed"),
+        ("https://169.254.169.254/latest/meta-data/", "a cloud metadata address"),
+        ("https://10.0.0.1/hook", "10.0.0.1, a private address"),
+        ("https://[::1]/hook", "::1, a loopback address"),
+        ("https://[::ffff:10.0.0.1]/hook", "carries 10.0.0.1, a private address"),
+        ("https://intranet.partner.test/hook", "resolves to 10.1.2.3, a private address"),
+        ("https://nowhere.partner.test/hook", "nowhere.partner.test does not resolve"),
+        ("ftp://hooks.partner.test/hook", "callback_url"),
+        ("file:///etc/passwd", "callback_url"),
+    ],
+)
+def test_callback_urls_ferry_would_never_call_are_refused_at_submission(
+    settings: Settings,
+    auth: dict[str, str],
+    url: str,
+    reason: str,
+) -> None:
+    # The default policy: https only, no allow-list.
+    with TestClient(create_app(settings, resolve=fake_resolver(NAMES))) as api:
+        response = api.post(
+            "/v1/jobs",
+            json={"model": "sim", "input": {"cost": 1}, "callback_url": url},
+            headers=auth,
+        )
+        assert response.status_code == 422, response.text
+        message = response.json()["error"]["message"]
+        assert message.startswith("callback_url")
+        assert reason in message
+        assert api.get("/v1/jobs", headers=auth).json()["data"] == []
+
+
+def test_the_allow_list_admits_loopback_for_http(api: TestClient, auth: dict[str, str]) -> None:
+    response = api.post(
+        "/v1/jobs",
+        json={"model": "sim", "input": {"cost": 1}, "callback_url": "http://127.0.0.1:9/x"},
+        headers=auth,
+    )
+    assert response.status_code == 202, response.text
+    refused = api.post(
+        "/v1/jobs",
+        json={"model": "sim", "input": {"cost": 1}, "callback_url": "http://10.0.0.1/x"},
+        headers=auth,
+    )
+    assert refused.status_code == 422
+    assert "10.0.0.1, a private address" in refused.json()["error"]["message"]
+
+
+def test_the_delivery_row_is_committed_with_the_outcome(
+    api: TestClient,
+    auth: dict[str, str],
+    sim_worker: Callable[..., RunningLoop],
+    sessions: sessionmaker[Session],
+) -> None:
+    job = run_job(api, auth, sim_worker(), "http://127.0.0.1:9/x")
+    with sessions() as session:
+        (delivery,) = session.scalars(select(WebhookDelivery)).all()
+    assert delivery.job_id == job["id"]
+    assert (delivery.status, delivery.attempts, delivery.event_type) == (
+        "pending",
+        0,
+        "job.succeeded",
+    )
+    assert delivery.next_attempt_at is not None
+    assert delivery.next_attempt_at <= utcnow()
+
+
+def test_the_network_guard_itself_stops_a_connection_elsewhere(no_network: list[str]) -> None:
+    with pytest.raises(NetworkEscape):
+        socket.create_connection(("10.255.255.1", 80), timeout=0.1)
+    assert no_network == ["10.255.255.1"]
