@@ -11,6 +11,7 @@ Every test here runs inside :func:`loopback_only`: a connection anywhere but
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,9 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.db import WebhookDelivery, utcnow
 from core.settings import Settings
+from core.urlguard import Target
 from tests.integration.conftest import RunningLoop
 from tests.webhook_receiver import Answer, NetworkEscape, Receiver, fake_resolver, loopback_only
-from workers.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
+from workers.webhooks import AttemptTimeout, DeliveryConfig, attempt_delivery, dispatch_due, post
 
 SCHEDULE_S = [0.0, 0.2, 0.2, 0.2]  # four attempts, compressed
 NAMES = {"hooks.partner.test": ["127.0.0.1"], "intranet.partner.test": ["10.1.2.3"]}
@@ -481,3 +483,55 @@ def test_the_network_guard_itself_stops_a_connection_elsewhere(no_network: list[
     with pytest.raises(NetworkEscape):
         socket.create_connection(("10.255.255.1", 80), timeout=0.1)
     assert no_network == ["10.255.255.1"]
+
+
+class RawServer:
+    """Accepts one connection and plays ``reply`` to it, ``pause_s`` between chunks."""
+
+    def __init__(self, reply: list[bytes], pause_s: float) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.reply = reply
+        self.pause_s = pause_s
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                for chunk in self.reply:
+                    conn.sendall(chunk)
+                    time.sleep(self.pause_s)
+            except OSError:
+                pass  # the sender hung up, as it should
+        self.listener.close()
+
+
+def _target(port: int) -> Target:
+    return Target(
+        url=f"http://127.0.0.1:{port}/", scheme="http", host="127.0.0.1", port=port, path="/",
+        addresses=("127.0.0.1",),
+    )  # fmt: skip
+
+
+def test_a_receiver_that_trickles_its_answer_is_cut_at_the_whole_attempt_timeout() -> None:
+    # One byte every 0.1 s: each read succeeds, only the attempt's deadline stops it.
+    server = RawServer([bytes([b]) for b in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100], 0.1)
+    began = time.monotonic()
+    with pytest.raises(AttemptTimeout):
+        post(_target(server.port), b"{}", {}, timeout_s=0.6, max_response_bytes=1024)
+    assert time.monotonic() - began < 2.0
+
+
+def test_only_the_first_bytes_of_a_large_answer_are_read() -> None:
+    body = b"x" * 5_000_000
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+    server = RawServer([head, body], 0.0)
+    response = post(_target(server.port), b"{}", {}, timeout_s=5, max_response_bytes=100)
+    assert response.status_code == 200
+    assert response.body == b"x" * 100
