@@ -125,7 +125,7 @@ class CallbackInfo(BaseModel):
 class AttemptResource(BaseModel):
     number: int
     started_at: dt.datetime
-    duration_ms: float
+    duration_ms: float | None = Field(description="null: abandoned (the sender stopped).")
     status_code: int | None
     error: str | None
 

@@ -156,7 +156,7 @@ class WebhookAttempt(Base):
     delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id"), index=True)
     number: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
-    duration_ms: Mapped[float] = mapped_column()
+    duration_ms: Mapped[float | None] = mapped_column(nullable=True)  # None: abandoned
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 

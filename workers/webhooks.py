@@ -185,9 +185,21 @@ def _claim(
     sessions: sessionmaker[Session], delivery_id: str, now: dt.datetime, lease_s: float
 ) -> _Claimed | None:
     with sessions.begin() as session:
+        before = session.execute(
+            select(
+                WebhookDelivery.status, WebhookDelivery.attempts, WebhookDelivery.lease_until
+            ).where(WebhookDelivery.id == delivery_id)
+        ).one_or_none()
+        if before is None:
+            return None
+        # Conditional on what was read, so two senders can never both claim it.
         result = session.execute(
             update(WebhookDelivery)
-            .where(WebhookDelivery.id == delivery_id, _due(now))
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.attempts == before.attempts,
+                _due(now),
+            )
             .values(
                 status="delivering",
                 attempts=WebhookDelivery.attempts + 1,
@@ -197,6 +209,19 @@ def _claim(
         )
         if not result.rowcount:  # type: ignore[attr-defined]
             return None  # not due, already being sent, or finished
+        if before.status == "delivering":
+            # Its sender stopped mid-attempt (a killed Celery worker): the
+            # receiver may or may not have had it. Recorded, then sent again.
+            session.add(
+                WebhookAttempt(
+                    delivery_id=delivery_id,
+                    number=before.attempts,
+                    started_at=(before.lease_until or now) - dt.timedelta(seconds=lease_s),
+                    duration_ms=None,
+                    status_code=None,
+                    error="abandoned: the sender stopped before the answer was recorded",
+                )
+            )
         delivery = session.get(WebhookDelivery, delivery_id)
         assert delivery is not None
         key = session.get(ApiKey, delivery.api_key_id)

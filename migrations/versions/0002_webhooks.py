@@ -64,7 +64,7 @@ def upgrade() -> None:
         ),
         sa.Column("number", sa.Integer(), nullable=False),
         sa.Column("started_at", UTCDateTime(), nullable=False),
-        sa.Column("duration_ms", sa.Float(), nullable=False),
+        sa.Column("duration_ms", sa.Float(), nullable=True),
         sa.Column("status_code", sa.Integer(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
     )

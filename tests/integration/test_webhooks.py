@@ -10,6 +10,7 @@ Every test here runs inside :func:`loopback_only`: a connection anywhere but
 
 from __future__ import annotations
 
+import datetime as dt
 import socket
 import threading
 import time
@@ -27,7 +28,14 @@ from core.settings import Settings
 from core.urlguard import Target
 from tests.integration.conftest import RunningLoop
 from tests.webhook_receiver import Answer, NetworkEscape, Receiver, fake_resolver, loopback_only
-from workers.webhooks import AttemptTimeout, DeliveryConfig, attempt_delivery, dispatch_due, post
+from workers.webhooks import (
+    AttemptTimeout,
+    DeliveryConfig,
+    _claim,
+    attempt_delivery,
+    dispatch_due,
+    post,
+)
 
 SCHEDULE_S = [0.0, 0.2, 0.2, 0.2]  # four attempts, compressed
 NAMES = {"hooks.partner.test": ["127.0.0.1"], "intranet.partner.test": ["10.1.2.3"]}
@@ -170,7 +178,7 @@ def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhoo
     assert [a["number"] for a in log] == [1, 2, 3, 4]
     assert [a["status_code"] for a in log] == [500, 500, 500, 200]
     assert [a["error"] for a in log] == ["HTTP 500", "HTTP 500", "HTTP 500", None]
-    assert all(a["duration_ms"] >= 0 for a in log)
+    assert all(a["duration_ms"] is not None and a["duration_ms"] >= 0 for a in log)
 
 
 def test_a_receiver_down_for_the_whole_schedule_fails_the_delivery_not_the_job(
@@ -535,3 +543,30 @@ def test_only_the_first_bytes_of_a_large_answer_are_read() -> None:
     response = post(_target(server.port), b"{}", {}, timeout_s=5, max_response_bytes=100)
     assert response.status_code == 200
     assert response.body == b"x" * 100
+
+
+def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    sessions: sessionmaker[Session],
+    hook_settings: Settings,
+) -> None:
+    config = DeliveryConfig.from_settings(hook_settings)
+    with Receiver([secret]) as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        with sessions() as session:
+            (delivery_id,) = session.scalars(select(WebhookDelivery.id)).all()
+        # A sender claims the delivery, then dies before it sends or records anything.
+        assert _claim(sessions, delivery_id, utcnow(), lease_s=30.0) is not None
+        assert attempt_delivery(sessions, delivery_id, config) is None  # its lease holds
+        later = utcnow() + dt.timedelta(seconds=31)
+        assert attempt_delivery(sessions, delivery_id, config, clock=lambda: later) == "delivered"
+        (request,) = receiver.wait_for(1)
+    assert request.verified and request.webhook_id == delivery_id
+    log = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    abandoned, delivered = log["attempt_log"]
+    assert abandoned["number"] == 1 and abandoned["duration_ms"] is None
+    assert abandoned["error"].startswith("abandoned")
+    assert (delivered["number"], delivered["status_code"]) == (2, 200)
