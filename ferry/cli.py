@@ -98,10 +98,10 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
             key = create_key(session, args.name)
     finally:
         engine.dispose()
+    # The token stays on the last line, for scripts (`... | tail -n 1`).
+    print(f"webhook signing secret (also at GET /v1/webhook-secret): {key.webhook_secret}")
     print(f"created API key {key.id} ({key.name}); it is shown once:")
     print(key.token)
-    print("webhook signing secret (also at GET /v1/webhook-secret):")
-    print(key.webhook_secret)
     return 0
 
 

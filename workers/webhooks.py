@@ -181,6 +181,10 @@ def _due(now: dt.datetime) -> Any:
     )
 
 
+def _unmarked(now: dt.datetime) -> Any:
+    return or_(WebhookDelivery.queued_until.is_(None), WebhookDelivery.queued_until < now)
+
+
 def _claim(
     sessions: sessionmaker[Session], delivery_id: str, now: dt.datetime, lease_s: float
 ) -> _Claimed | None:
@@ -364,20 +368,18 @@ def dispatch_due(
         ids = list(
             session.scalars(
                 select(WebhookDelivery.id)
-                .where(
-                    _due(now),
-                    or_(WebhookDelivery.queued_until.is_(None), WebhookDelivery.queued_until < now),
-                )
+                .where(_due(now), _unmarked(now))
                 .order_by(WebhookDelivery.next_attempt_at)
                 .limit(limit)
             )
         )
-        # Marked before the tasks exist, so no attempt can finish in between
-        # and have its next retry held back by a stale mark.
+        # Marked before the tasks exist, and only while still due and unmarked
+        # (re-checked by the UPDATE itself): a concurrent dispatch whose
+        # delivery was meanwhile attempted must not hold its next retry back.
         if ids:
             session.execute(
                 update(WebhookDelivery)
-                .where(WebhookDelivery.id.in_(ids))
+                .where(WebhookDelivery.id.in_(ids), _due(now), _unmarked(now))
                 .values(queued_until=now + dt.timedelta(seconds=hold_s))
             )
     sent = 0

@@ -160,6 +160,11 @@ def test_keys_create_prints_a_working_key_on_its_last_line(stack: Stack) -> None
     )
     assert response.status_code == 200
     assert response.json()["data"] == []  # a new key sees none of the other key's jobs
+    printed = next(line for line in output.splitlines() if "signing secret" in line).split()[-1]
+    shown = httpx.get(
+        f"{stack.base}/v1/webhook-secret", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ).json()["secret"]
+    assert printed == shown and shown.startswith("whsec_")
 
 
 def _children(parent: int) -> dict[int, str]:

@@ -48,7 +48,11 @@ class Stack(FerryUp):
             job = self.job(job_id)
             if job["callback"] and job["callback"]["status"] in statuses:
                 return job
-            assert time.monotonic() < until, job
+            if time.monotonic() > until:
+                deliveries = httpx.get(
+                    f"{self.base}/v1/jobs/{job_id}/deliveries", headers=self.headers(), timeout=10
+                ).json()
+                raise AssertionError(f"{job['callback']}\n{deliveries}")
             assert self.process is not None and self.process.poll() is None, "".join(self.output)
             time.sleep(0.2)
 
