@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
 from api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from api.routes import jobs, system, webhooks
+from api.routes import backfills, jobs, system, webhooks
 from api.services import callback_checker
 from core.catalog import build_catalog
 from core.db import make_engine, make_sessionmaker
@@ -68,9 +68,14 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     )
     install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(backfills.router)
     app.include_router(webhooks.router)
     app.include_router(system.router)
     # Outermost last: the request id must be on every response, 413s included.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        streamed={"/v1/backfills": settings.backfill_max_bytes},
+    )
     app.add_middleware(RequestIdMiddleware)
     return app

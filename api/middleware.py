@@ -67,15 +67,27 @@ class BodyLimitMiddleware:
     limit, and handed on only if it fits.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, streamed: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # Paths whose route reads the body as a stream and counts it itself
+        # (uploads), with their own limit: never buffered here.
+        self.streamed = streamed or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
+        streamed_limit = self.streamed.get(scope["path"])
+        if streamed_limit is not None:
+            if length is not None and (not length.isdigit() or int(length) > streamed_limit):
+                await self._refuse(scope, receive, send, streamed_limit)
+                return
+            await self.app(scope, receive, send)
+            return
         if length is not None:
             if not length.isdigit() or int(length) > self.max_bytes:
                 await self._refuse(scope, receive, send)
@@ -104,8 +116,12 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, limit: int | None = None
+    ) -> None:
         response = error_response(
-            413, "payload_too_large", f"request body is larger than {self.max_bytes} bytes"
+            413,
+            "payload_too_large",
+            f"request body is larger than {limit or self.max_bytes} bytes",
         )
         await response(scope, receive, send)

@@ -9,8 +9,13 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.catalog import has_nul
+
 Priority = Literal["urgent", "vip", "normal", "bulk"]
-JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
+JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]
+BackfillStatus = Literal[
+    "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"
+]
 
 MAX_METADATA_BYTES = 16_384
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
@@ -72,7 +77,7 @@ class JobCreate(BaseModel):
             json.dumps(value, allow_nan=False)
         except ValueError as exc:
             raise ValueError("must not contain NaN or Infinity") from exc
-        if _has_nul(value):
+        if has_nul(value):
             raise ValueError("must not contain NUL characters")
         return value
 
@@ -184,6 +189,37 @@ class JobList(BaseModel):
     next_cursor: str | None
 
 
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+    expired: int
+    cancelled: int
+
+
+class BackfillResource(BaseModel):
+    id: str
+    model: str
+    status: BackfillStatus
+    callback_url: str | None
+    request_counts: RequestCounts
+    input_bytes: int
+    error: str | None
+    created_at: dt.datetime
+    in_progress_at: dt.datetime | None
+    finalizing_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    cancelling_at: dt.datetime | None
+    eta_s: float | None = Field(
+        description="Seconds left at the rate seen so far (before any result: from the "
+        "model's learned throughput)."
+    )
+
+
+class BackfillList(BaseModel):
+    data: list[BackfillResource]
+
+
 class ModelInfo(BaseModel):
     name: str
     version: str
@@ -212,14 +248,3 @@ class ModelList(BaseModel):
 
 def _compact_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def _has_nul(value: Any) -> bool:
-    """PostgreSQL cannot store NUL in text; refuse it anywhere in a JSON value."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(item) for item in value)
-    return False

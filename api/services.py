@@ -30,6 +30,7 @@ from core.queues import lane_depths, live_workers, model_stats
 from core.resources import job_resource
 from core.settings import LANES
 from core.streams import JobMessage, stream_key
+from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.webhooks import add_job_deliveries
 
@@ -201,7 +202,7 @@ def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], No
 
 
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
-    job = session.get(Job, job_id) if _is_uuid(job_id) else None
+    job = session.get(Job, job_id) if is_uuid(job_id) else None
     if job is None or job.api_key_id != key.id:
         # Another key's job looks exactly like a missing one.
         raise ApiError(404, "not_found", f"no job {job_id!r}")
@@ -216,7 +217,7 @@ def cancel_job(session: Session, key: ApiKey, job_id: str, kick: Kick | None = N
         .where(Job.id == job.id, Job.status == "queued")
         .values(status="cancelled", finished_at=now, error="cancelled by the client")
     )
-    deliveries = add_job_deliveries(session, [job.id], now) if result.rowcount else []  # type: ignore[attr-defined]
+    deliveries = after_terminal(session, [job.id], now) if result.rowcount else []  # type: ignore[attr-defined]
     session.commit()
     session.refresh(job)
     if not result.rowcount:  # type: ignore[attr-defined]
@@ -310,11 +311,16 @@ def list_jobs(
     model: str | None,
     limit: int,
     cursor: str | None,
+    backfill_id: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first, paginated by an opaque (created_at, id) cursor."""
+    """Newest first, paginated by an opaque (created_at, id) cursor.
+
+    A backfill's items are listed only when its id is given: a dataset of a
+    million lines must not bury the jobs submitted one by one.
+    """
     if model is not None and "\x00" in model:
         raise ApiError(422, "invalid_request", "model: must not contain NUL characters")
-    query = select(Job).where(Job.api_key_id == key.id)
+    query = select(Job).where(Job.api_key_id == key.id, Job.backfill_id == backfill_id)
     if status:
         query = query.where(Job.status == status)
     if model:
@@ -341,14 +347,14 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         created, job_id = raw.split("|", 1)
         created_at = dt.datetime.fromisoformat(created)
-        if created_at.tzinfo is None or not _is_uuid(job_id):
+        if created_at.tzinfo is None or not is_uuid(job_id):
             raise ValueError("not a cursor")
         return created_at.astimezone(dt.UTC), job_id
     except (ValueError, OverflowError) as exc:
         raise ApiError(422, "invalid_request", "cursor: not a cursor this API returned") from exc
 
 
-def _is_uuid(value: str) -> bool:
+def is_uuid(value: str) -> bool:
     try:
         return str(uuid.UUID(value)) == value
     except ValueError:

@@ -199,3 +199,14 @@ def _json_type(value: Any) -> str:
     if isinstance(value, list):
         return "array"
     return "object"
+
+
+def has_nul(value: Any) -> bool:
+    """PostgreSQL cannot store NUL in text; look for it anywhere in a JSON value."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(has_nul(k) or has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_nul(item) for item in value)
+    return False

@@ -26,6 +26,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
+# A backfill's item is a job that waits (status "waiting", in no stream) until
+# the feeder queues it in its model's bulk lane.
+WAITING = "waiting"
+BACKFILL_ACTIVE = ("in_progress", "cancelling")
+BACKFILL_DONE = ("completed", "failed", "cancelled")
 
 
 def utcnow() -> dt.datetime:
@@ -100,12 +105,59 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     metadata_: Mapped[Any | None] = mapped_column("metadata", JSON, nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Set for a backfill's items: which backfill, its line (from 1), its custom_id.
+    backfill_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    custom_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_key_idempotency"),
+        UniqueConstraint("backfill_id", "line_no", name="uq_jobs_backfill_line"),
+        UniqueConstraint("backfill_id", "custom_id", name="uq_jobs_backfill_custom_id"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_status_finished", "status", "finished_at"),
     )
+
+
+class Backfill(Base):
+    """A dataset run through a model: one job per input line, fed into the bulk lane."""
+
+    __tablename__ = "backfills"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(64))
+    # validating -> in_progress -> finalizing -> completed | failed;
+    # in_progress -> cancelling -> cancelled
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    callback_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    # Kept with every terminal write of its jobs, in the same transaction.
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    expired: Mapped[int] = mapped_column(Integer, default=0)
+    cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    # The feeder has queued every line up to this one.
+    fed_through: Mapped[int] = mapped_column(Integer, default=0)
+    input_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    in_progress_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finalizing_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    cancelling_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Touched by every stored chunk of the upload: a "validating" backfill
+    # left untouched for long was cut off (the API stopped) and is swept.
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (
+        Index("ix_backfills_key_created", "api_key_id", "created_at"),
+        Index("ix_backfills_status", "status"),
+    )
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed + self.expired + self.cancelled
 
 
 DELIVERY_OPEN = ("pending", "retrying", "delivering")
@@ -126,6 +178,7 @@ class WebhookDelivery(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
     job_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    backfill_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     event_type: Mapped[str] = mapped_column(String(40))
     url: Mapped[str] = mapped_column(Text)
     payload: Mapped[str] = mapped_column(Text)
@@ -145,6 +198,7 @@ class WebhookDelivery(Base):
 
     __table_args__ = (
         UniqueConstraint("job_id", "event_type", name="uq_deliveries_job_event"),
+        UniqueConstraint("backfill_id", "event_type", name="uq_deliveries_backfill_event"),
         Index("ix_deliveries_status_next", "status", "next_attempt_at"),
     )
 

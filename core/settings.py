@@ -154,6 +154,19 @@ class Settings(BaseSettings):
     # After a rotation, the previous signing secret also signs for this long.
     webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0)
 
+    # Backfills (DESIGN.md §9).
+    backfill_max_lines: int = Field(1_000_000, ge=1)
+    backfill_max_bytes: int = Field(2**30, ge=1024)
+    # Per model: the feeder keeps the bulk lane's live entries between half of
+    # this and all of it (enough to keep workers busy, never a whole dataset).
+    backfill_outstanding: int = Field(4096, ge=1)
+    backfill_feed_chunk: int = Field(1000, ge=1)
+    # Celery beat starts the feeder this often; one run feeds for the budget.
+    backfill_feed_interval_s: float = Field(1.0, gt=0)
+    backfill_feed_budget_s: float = Field(30.0, gt=0)
+    # An upload that stored nothing for this long was cut off: it fails.
+    backfill_stale_upload_s: float = Field(600.0, gt=0)
+
     # Retention: Celery beat purges terminal jobs older than this.
     result_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
     purge_interval_s: float = Field(3600.0, gt=0)

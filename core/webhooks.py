@@ -21,7 +21,8 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.backfills import backfill_resource
+from core.db import TERMINAL_STATUSES, Backfill, Job, WebhookDelivery
 from core.resources import iso, job_resource
 
 log = logging.getLogger(__name__)
@@ -72,22 +73,56 @@ def add_job_deliveries(session: Session, job_ids: Sequence[str], now: dt.datetim
         if job.id in have:
             continue
         assert job.callback_url is not None
-        delivery = WebhookDelivery(
-            id=new_delivery_id(),
-            api_key_id=job.api_key_id,
-            job_id=job.id,
-            event_type=event_type(job),
-            url=job.callback_url,
-            payload=payload(event_type(job), job_resource(job), now),
-            status="pending",
-            attempts=0,
-            step=0,
-            next_attempt_at=now,
-            created_at=now,
-        )
-        session.add(delivery)
-        created.append(delivery.id)
+        created.append(
+            _add(session, job.api_key_id, job.callback_url, event_type(job), job_resource(job),
+                 now, job_id=job.id)
+        )  # fmt: skip
     return created
+
+
+def add_backfill_delivery(session: Session, backfill: Backfill, now: dt.datetime) -> str | None:
+    """In the caller's transaction: the ``backfill.<status>`` event, if it has a callback URL."""
+    if not backfill.callback_url:
+        return None
+    kind = f"backfill.{backfill.status}"
+    exists = session.scalars(
+        select(WebhookDelivery.id).where(
+            WebhookDelivery.backfill_id == backfill.id, WebhookDelivery.event_type == kind
+        )
+    ).first()
+    if exists is not None:
+        return None
+    return _add(
+        session, backfill.api_key_id, backfill.callback_url, kind, backfill_resource(backfill),
+        now, backfill_id=backfill.id,
+    )  # fmt: skip
+
+
+def _add(
+    session: Session,
+    key_id: str,
+    url: str,
+    kind: str,
+    data: dict[str, Any],
+    now: dt.datetime,
+    **subject: str,
+) -> str:
+    """A delivery due now, its body frozen; ``subject`` is job_id= or backfill_id=."""
+    delivery = WebhookDelivery(
+        id=new_delivery_id(),
+        api_key_id=key_id,
+        event_type=kind,
+        url=url,
+        payload=payload(kind, data, now),
+        status="pending",
+        attempts=0,
+        step=0,
+        next_attempt_at=now,
+        created_at=now,
+        **subject,
+    )
+    session.add(delivery)
+    return delivery.id
 
 
 def next_delay_s(

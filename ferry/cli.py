@@ -7,6 +7,7 @@ import sys
 
 from core.logs import configure_logging
 from core.settings import get_settings
+from ferry import backfill_cli
 
 
 def _cmd_up(_args: argparse.Namespace) -> int:
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="create a key and print it (once)")
     create.add_argument("--name", required=True)
     create.set_defaults(fn=_cmd_keys_create)
+
+    backfill_cli.add_parser(sub)
     return parser
 
 

@@ -26,13 +26,15 @@ from core.db import (
     make_sessionmaker,
 )
 from core.settings import Settings
-from core.webhooks import DELIVER_TASK, DISPATCH_TASK, celery_queue
+from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
+from workers.feeder import Feeder
 from workers.reconcile import reconcile
 from workers.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
 
 log = logging.getLogger(__name__)
 
 PURGE_TASK = "ferry.maintenance.purge_results"
+FEED_TASK = "ferry.backfills.feed"
 RECONCILE_TASK = "ferry.maintenance.reconcile"
 RECONCILE_LOCK_S = 600
 _RELEASE = """
@@ -122,6 +124,11 @@ def create_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         task_default_queue=celery_queue(settings.key_prefix),
         beat_schedule={
+            "feed-backfills": {
+                "task": FEED_TASK,
+                "schedule": settings.backfill_feed_interval_s,
+                "options": {"expires": max(settings.backfill_feed_interval_s, 1.0)},
+            },
             "dispatch-webhooks": {
                 "task": DISPATCH_TASK,
                 "schedule": settings.webhook_dispatch_interval_s,
@@ -166,5 +173,27 @@ def create_celery(settings: Settings) -> Celery:
             dt.datetime.now(dt.UTC),
             hold_s,
         )
+
+    redis_url = settings.redis_url
+
+    # One run at a time (a Redis lock inside); the others return at once.
+    @app.task(name=FEED_TASK, shared=False, ignore_result=True)
+    def _feed() -> int:
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        kick = DeliveryKicker(redis_url, settings.key_prefix)
+        try:
+            feeder = Feeder(
+                database.sessions(),
+                client,
+                settings.key_prefix,
+                outstanding=settings.backfill_outstanding,
+                chunk=settings.backfill_feed_chunk,
+                stale_upload_s=settings.backfill_stale_upload_s,
+                kick=kick,
+            )
+            return feeder.run(settings.backfill_feed_budget_s)
+        finally:
+            kick.close()
+            client.close()
 
     return app

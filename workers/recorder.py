@@ -15,7 +15,7 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import TERMINAL_STATUSES, Job
-from core.webhooks import add_job_deliveries
+from core.terminal import after_terminal
 
 _JOBS = cast(Table, Job.__table__)
 
@@ -99,8 +99,9 @@ class Recorder:
     ) -> list[str]:
         """Record every outcome in one transaction; returns the ids actually written.
 
-        The same transaction adds the webhook deliveries of the jobs written
-        that have a callback URL (their ids go to :attr:`outbox`).
+        The same transaction counts the jobs written into their backfills and
+        adds the webhook deliveries of those with a callback URL (their ids go
+        to :attr:`outbox`).
         """
         if not outcomes:
             return []
@@ -135,6 +136,6 @@ class Recorder:
                 )
                 if result.rowcount:
                     written.append(outcome.job_id)
-            deliveries = add_job_deliveries(session, written, now)
+            deliveries = after_terminal(session, written, now)
         self.outbox += deliveries
         return written

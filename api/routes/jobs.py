@@ -123,8 +123,11 @@ def list_jobs(
     model: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
+    backfill_id: Annotated[
+        str | None, Query(max_length=36, description="List this backfill's items instead.")
+    ] = None,
 ) -> JobList:
-    jobs, next_cursor = services.list_jobs(session, key, status, model, limit, cursor)
+    jobs, next_cursor = services.list_jobs(session, key, status, model, limit, cursor, backfill_id)
     deliveries = services.deliveries_of(session, jobs)
     return JobList(
         data=[services.to_resource(job, None, deliveries.get(job.id)) for job in jobs],

@@ -1,0 +1,364 @@
+"""Backfills: a file of inputs in, one job per line, results out in input order.
+
+The upload is read line by line (:class:`Ingest`): each line is checked
+against the model's catalog entry and stored as a job in status ``waiting``,
+in chunks, each chunk its own transaction (so a long upload never holds the
+database's write lock). A waiting job is in no stream; the feeder
+(``workers/feeder.py``) queues waiting jobs into the model's ``bulk`` lane a
+chunk at a time, and from there they follow the path of every job. The
+backfill's counters are updated in the transaction of each terminal write
+(:func:`count_outcomes`), so they are exact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.catalog import InputError, ModelSpec, has_nul
+from core.db import TERMINAL_STATUSES, WAITING, Backfill, Job, utcnow
+from core.resources import iso
+
+MAX_CUSTOM_ID_CHARS = 255
+# Terminal job status -> the backfill counter it adds to.
+COUNTER = {
+    "succeeded": "completed",
+    "failed": "failed",
+    "expired": "expired",
+    "cancelled": "cancelled",
+}
+DELETE_CHUNK = 10_000
+
+
+class LineError(ValueError):
+    """A line of an upload that cannot be taken; ``line`` counts from 1."""
+
+    def __init__(self, line: int, message: str, status: int = 422) -> None:
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Item:
+    line: int
+    custom_id: str
+    input: Any
+    cost: int
+
+
+def parse_line(raw: bytes, line: int, spec: ModelSpec) -> Item | None:
+    """One NDJSON line as an item; None for a blank line. Raises :class:`LineError`."""
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise LineError(line, "not UTF-8") from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise LineError(line, f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise LineError(line, 'must be a JSON object {"custom_id": ..., "input": ...}')
+    unknown = sorted(set(value) - {"custom_id", "input"})
+    if unknown:
+        raise LineError(line, f"unknown field(s): {', '.join(unknown)}")
+    custom_id = value.get("custom_id")
+    if custom_id is None:
+        raise LineError(line, "custom_id: missing")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError(line, "custom_id: must be a non-empty string")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
+        raise LineError(line, f"custom_id: at most {MAX_CUSTOM_ID_CHARS} characters, without NUL")
+    if "input" not in value:
+        raise LineError(line, "input: missing")
+    if has_nul(value["input"]):
+        raise LineError(line, "input: must not contain NUL characters")
+    try:
+        checked = spec.validate(value["input"])
+    except InputError as exc:
+        raise LineError(line, f"{exc.field}: {exc.message}") from None
+    return Item(line, custom_id, checked.input, checked.cost)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def start(
+    sessions: sessionmaker[Session], key_id: str, model: str, callback_url: str | None
+) -> str:
+    """A new backfill, validating until its upload is whole; returns its id."""
+    now = utcnow()
+    backfill_id = str(uuid.uuid4())
+    with sessions.begin() as session:
+        session.add(
+            Backfill(
+                id=backfill_id,
+                api_key_id=key_id,
+                model=model,
+                status="validating",
+                callback_url=callback_url,
+                total=0,
+                completed=0,
+                failed=0,
+                expired=0,
+                cancelled=0,
+                fed_through=0,
+                input_bytes=0,
+                created_at=now,
+                updated_at=now,
+            )
+        )
+    return backfill_id
+
+
+class Ingest:
+    """Stores an upload's lines as waiting jobs, chunk by chunk (sync; run off the event loop)."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        backfill_id: str,
+        key_id: str,
+        spec: ModelSpec,
+        max_lines: int,
+    ) -> None:
+        self.sessions = sessions
+        self.backfill_id = backfill_id
+        self.key_id = key_id
+        self.spec = spec
+        self.max_lines = max_lines
+        self.line = 0  # lines read so far, blank ones included
+        self.items = 0
+        self.bytes = 0
+
+    def add(self, lines: Sequence[bytes]) -> None:
+        """Parse and store these lines (the next ones of the file). Raises :class:`LineError`."""
+        items: list[Item] = []
+        seen: dict[str, int] = {}
+        for raw in lines:
+            self.line += 1
+            self.bytes += len(raw) + 1
+            item = parse_line(raw, self.line, self.spec)
+            if item is None:
+                continue
+            if self.items + len(items) >= self.max_lines:
+                raise LineError(
+                    self.line, f"the file has more than {self.max_lines} lines", status=413
+                )
+            if item.custom_id in seen:
+                raise LineError(
+                    self.line,
+                    f"custom_id: {item.custom_id!r} is a duplicate of line {seen[item.custom_id]}",
+                )
+            seen[item.custom_id] = self.line
+            items.append(item)
+        if items:
+            self._store(items)
+        self.items += len(items)
+
+    def _store(self, items: list[Item]) -> None:
+        now = utcnow()
+        rows = [
+            {
+                "id": str(uuid.uuid4()),
+                "api_key_id": self.key_id,
+                "model": self.spec.name,
+                "priority": "bulk",
+                "status": WAITING,
+                "input": item.input,
+                "cost": item.cost,
+                "attempts": 0,
+                "created_at": now,
+                "backfill_id": self.backfill_id,
+                "line_no": item.line,
+                "custom_id": item.custom_id,
+            }
+            for item in items
+        ]
+        try:
+            with self.sessions.begin() as session:
+                session.execute(insert(Job), rows)
+                session.execute(
+                    update(Backfill)
+                    .where(Backfill.id == self.backfill_id)
+                    .values(
+                        total=Backfill.total + len(rows),
+                        input_bytes=self.bytes,
+                        updated_at=now,
+                    )
+                )
+        except IntegrityError:
+            # A custom_id an earlier chunk already has: say which line.
+            with self.sessions() as session:
+                earlier = dict(
+                    session.execute(
+                        select(Job.custom_id, Job.line_no).where(
+                            Job.backfill_id == self.backfill_id,
+                            Job.custom_id.in_([item.custom_id for item in items]),
+                        )
+                    ).all()
+                )
+            for item in items:
+                if item.custom_id in earlier:
+                    raise LineError(
+                        item.line,
+                        f"custom_id: {item.custom_id!r} is a duplicate of line "
+                        f"{earlier[item.custom_id]}",
+                    ) from None
+            raise
+
+    def finish(self) -> Backfill:
+        """The upload is whole and valid: the backfill starts."""
+        if self.items == 0:
+            raise LineError(max(self.line, 1), "the file has no lines (expected NDJSON)")
+        now = utcnow()
+        with self.sessions.begin() as session:
+            session.execute(
+                update(Backfill)
+                .where(Backfill.id == self.backfill_id, Backfill.status == "validating")
+                .values(status="in_progress", in_progress_at=now, updated_at=now)
+            )
+            backfill = session.get(Backfill, self.backfill_id)
+            assert backfill is not None
+            return backfill
+
+    def abort(self) -> None:
+        """The upload was refused or cut: nothing of it stays."""
+        discard(self.sessions, self.backfill_id)
+
+
+def discard(
+    sessions: sessionmaker[Session], backfill_id: str, failed_because: str | None = None
+) -> None:
+    """Delete a backfill's jobs, in chunks (a long delete must not hold the lock), then the
+    backfill itself; or, given a reason, keep it as ``failed`` with that reason."""
+    while True:
+        with sessions.begin() as session:
+            ids = list(
+                session.scalars(
+                    select(Job.id).where(Job.backfill_id == backfill_id).limit(DELETE_CHUNK)
+                )
+            )
+            if not ids:
+                if failed_because is None:
+                    session.execute(delete(Backfill).where(Backfill.id == backfill_id))
+                else:
+                    now = utcnow()
+                    session.execute(
+                        update(Backfill)
+                        .where(Backfill.id == backfill_id)
+                        .values(
+                            status="failed",
+                            error=failed_because,
+                            total=0,
+                            finished_at=now,
+                            updated_at=now,
+                        )
+                    )
+                return
+            session.execute(delete(Job).where(Job.id.in_(ids)))
+
+
+def count_outcomes(session: Session, job_ids: Sequence[str]) -> None:
+    """In the caller's transaction: add these newly terminal jobs to their backfills' counts."""
+    if not job_ids:
+        return
+    rows = session.execute(
+        select(Job.backfill_id, Job.status, func.count())
+        .where(Job.id.in_(job_ids), Job.backfill_id.is_not(None))
+        .group_by(Job.backfill_id, Job.status)
+    ).all()
+    for backfill_id, status, count in rows:
+        column = COUNTER.get(status)
+        if column is None:
+            continue
+        table: Table = Backfill.__table__  # type: ignore[assignment]
+        session.execute(
+            update(table).where(table.c.id == backfill_id).values({column: table.c[column] + count})
+        )
+
+
+def request_counts(backfill: Backfill) -> dict[str, int]:
+    return {
+        "total": backfill.total,
+        "completed": backfill.completed,
+        "failed": backfill.failed,
+        "expired": backfill.expired,
+        "cancelled": backfill.cancelled,
+    }
+
+
+def eta_s(backfill: Backfill, now: dt.datetime, fallback_rate: float | None) -> float | None:
+    """Seconds left at the rate seen so far (or ``fallback_rate`` per second before any)."""
+    if backfill.status not in ("in_progress", "cancelling", "finalizing"):
+        return None
+    left = backfill.total - backfill.done
+    if left <= 0:
+        return 0.0
+    rate = None
+    if backfill.in_progress_at is not None and backfill.done > 0:
+        elapsed = (now - backfill.in_progress_at).total_seconds()
+        if elapsed > 0:
+            rate = backfill.done / elapsed
+    rate = rate or fallback_rate
+    return None if not rate else round(left / rate, 1)
+
+
+def backfill_resource(backfill: Backfill, eta: float | None = None) -> dict[str, Any]:
+    return {
+        "id": backfill.id,
+        "model": backfill.model,
+        "status": backfill.status,
+        "callback_url": backfill.callback_url,
+        "request_counts": request_counts(backfill),
+        "input_bytes": backfill.input_bytes,
+        "error": backfill.error,
+        "created_at": iso(backfill.created_at),
+        "in_progress_at": iso(backfill.in_progress_at),
+        "finalizing_at": iso(backfill.finalizing_at),
+        "finished_at": iso(backfill.finished_at),
+        "cancelling_at": iso(backfill.cancelling_at),
+        "eta_s": eta,
+    }
+
+
+def result_lines(
+    sessions: sessionmaker[Session], backfill_id: str, page: int = 1000
+) -> Iterator[bytes]:
+    """The finished items as NDJSON, in input order (a running backfill gives what is done)."""
+    after = 0
+    while True:
+        with sessions() as session:
+            rows = session.execute(
+                select(Job.line_no, Job.custom_id, Job.status, Job.output, Job.error)
+                .where(Job.backfill_id == backfill_id, Job.line_no > after)
+                .order_by(Job.line_no)
+                .limit(page)
+            ).all()
+        if not rows:
+            return
+        chunk = []
+        for row in rows:
+            if row.status not in TERMINAL_STATUSES:
+                continue
+            record: dict[str, Any] = {"custom_id": row.custom_id, "status": row.status}
+            if row.status == "succeeded":
+                record["output"] = row.output
+            else:
+                record["error"] = row.error
+            chunk.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
+        if chunk:
+            yield ("\n".join(chunk) + "\n").encode()
+        after = rows[-1].line_no

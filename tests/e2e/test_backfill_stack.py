@@ -1,0 +1,83 @@
+"""A 100,000-line backfill through `ferry up` and `ferry backfill submit --wait`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.stack import FerryUp
+
+pytestmark = pytest.mark.e2e
+
+LINES = 100_000
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
+    stack = FerryUp(
+        tmp_path_factory.mktemp("backfill-stack"),
+        FERRY_MODELS="sim",
+        FERRY_SIM_LATENCY_BASE_MS="2",
+        FERRY_SIM_LATENCY_PER_COST_MS="0.01",
+        FERRY_BATCH_MAX_SIZE="256",
+    )
+    try:
+        stack.start(timeout_s=180)
+        yield stack
+    finally:
+        stack.stop(stack.process)
+
+
+def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
+    stack: FerryUp, tmp_path: Path
+) -> None:
+    source = tmp_path / "inputs.ndjson"
+    with source.open("w") as out:
+        for i in range(LINES):
+            out.write(json.dumps({"custom_id": f"doc-{i}", "input": {"cost": 1 + i % 7}}) + "\n")
+    results = tmp_path / "results.ndjson"
+    env = dict(stack.env, FERRY_API_URL=stack.base, FERRY_API_KEY=stack.token)
+    run = subprocess.run(
+        [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
+         "--wait", "--output", str(results)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"wrote {LINES} results" in run.stderr
+    assert "completed [##############################] 100.0%" in run.stderr
+    assert f"{LINES}/{LINES}" in run.stderr
+
+    got = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(got) == LINES
+    assert [r["custom_id"] for r in got] == [f"doc-{i}" for i in range(LINES)]
+    assert all(r["status"] == "succeeded" for r in got)
+    assert [r["output"]["cost"] for r in got] == [1 + i % 7 for i in range(LINES)]
+
+    backfill_id = next(
+        line.split()[1].rstrip(":") for line in run.stderr.splitlines() if "lines" in line
+    )
+    status = subprocess.run(
+        [sys.executable, "-m", "ferry", "backfill", "status", backfill_id],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    assert "completed" in status.stdout
+    assert f"completed {LINES}" in status.stdout
+
+
+def test_a_bad_file_is_refused_by_the_cli_with_its_line(stack: FerryUp, tmp_path: Path) -> None:
+    source = tmp_path / "bad.ndjson"
+    source.write_text('{"custom_id": "a", "input": {"cost": 1}}\n{"custom_id": "a"}\n')
+    env = dict(os.environ, FERRY_API_URL=stack.base, FERRY_API_KEY=stack.token)
+    run = subprocess.run(
+        [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "error: 422: line 2: input: missing" in run.stderr
