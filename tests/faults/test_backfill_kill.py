@@ -1,0 +1,109 @@
+"""A 100,000-line backfill survives kill -9 of the Celery worker mid-feed, or of a GPU
+worker mid-batch: every input line ends with exactly one result, none missing, none twice."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from core.db import Backfill, Job
+from tests.faults.conftest import MODEL, Stack, wait_for
+from tests.faults.test_kill import fresh_batch_of
+
+pytestmark = pytest.mark.faults
+
+LINES = 100_000
+
+
+def body() -> bytes:
+    return "".join(
+        json.dumps({"custom_id": f"line-{i}", "input": {"cost": 1 + i % 5}}) + "\n"
+        for i in range(LINES)
+    ).encode()
+
+
+@pytest.mark.parametrize("victim", ["celery-worker", "gpu-worker"])
+def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
+    make_stack: Callable[..., Stack], victim: str
+) -> None:
+    stack = make_stack(
+        FERRY_SIM_LATENCY_BASE_MS="2",
+        FERRY_SIM_LATENCY_PER_COST_MS="0.02",
+        FERRY_BATCH_MAX_SIZE="256",
+        FERRY_VISIBILITY_TIMEOUT_S="3",
+        FERRY_RECONCILE_INTERVAL_S="1",
+        FERRY_RECONCILE_GRACE_S="3",
+        FERRY_BACKFILL_FEED_CHUNK="500",
+        FERRY_BACKFILL_OUTSTANDING="2000",
+    )
+    stack.start_api()
+    workers = [stack.start_worker(name) for name in ("w1", "w2")]
+    celery = stack.spawn("celery-worker", ["celery", "worker"])
+    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+    client = httpx.Client(
+        base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=120
+    )
+    response = client.post("/v1/backfills", params={"model": MODEL}, content=body())
+    assert response.status_code == 202, response.text
+    backfill_id = response.json()["id"]
+
+    def fed_through() -> int:
+        with stack.engine.connect() as conn:
+            return int(
+                conn.scalar(select(Backfill.fed_through).where(Backfill.id == backfill_id)) or 0
+            )
+
+    wait_for("a tenth fed", lambda: fed_through() >= LINES // 10, 120, 0.05)
+    details: dict[str, Any] = {}
+    if victim == "celery-worker":
+        stack.kill(celery)  # mid-feed: the feeder and its lock die with it
+        details["fed_at_kill"] = fed_through()
+        stack.spawn("celery-worker-2", ["celery", "worker"])
+    else:
+        caught: list[str] = []
+
+        def mid_batch() -> bool:
+            caught[:] = fresh_batch_of(stack, "w1", max_age_s=0.03)
+            return bool(caught)
+
+        wait_for("w1 to start a batch", mid_batch, 60, 0.002)
+        stack.kill(workers[0])  # not restarted: w2 takes its entries over
+        details["caught"] = len(caught)
+
+    started = time.monotonic()
+
+    def finished() -> bool:
+        status = client.get(f"/v1/backfills/{backfill_id}").json()["status"]
+        assert status in ("in_progress", "finalizing", "completed"), status
+        return bool(status == "completed")
+
+    wait_for("the backfill to complete", finished, 600, 0.5)
+    details["after_kill_s"] = round(time.monotonic() - started, 1)
+    resource = client.get(f"/v1/backfills/{backfill_id}").json()
+    assert resource["request_counts"] == {
+        "total": LINES, "completed": LINES, "failed": 0, "expired": 0, "cancelled": 0
+    }, details  # fmt: skip
+
+    with stack.engine.connect() as conn:
+        rows = conn.execute(
+            select(Job.line_no, Job.status, Job.attempts).where(Job.backfill_id == backfill_id)
+        ).all()
+        jobs = conn.scalar(select(func.count()).select_from(Job))
+    assert jobs == LINES  # one job per line, no more
+    assert sorted(r.line_no for r in rows) == list(range(1, LINES + 1))
+    assert {r.status for r in rows} == {"succeeded"}
+    assert max(r.attempts for r in rows) <= 2, details
+    if victim == "gpu-worker":
+        again = {r.attempts for r in rows if r.attempts == 2}
+        assert again, details  # the killed batch was run again, once
+
+    lines = client.get(f"/v1/backfills/{backfill_id}/results").text.splitlines()
+    results = [json.loads(line) for line in lines]
+    assert [r["custom_id"] for r in results] == [f"line-{i}" for i in range(LINES)]
+    assert [r["output"]["cost"] for r in results] == [1 + i % 5 for i in range(LINES)]
