@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,3 +82,39 @@ def test_a_bad_file_is_refused_by_the_cli_with_its_line(stack: FerryUp, tmp_path
     )  # fmt: skip
     assert run.returncode == 1
     assert "error: 422: line 2: input: missing" in run.stderr
+
+
+def test_ctrl_c_while_waiting_leaves_the_backfill_running(stack: FerryUp, tmp_path: Path) -> None:
+    source = tmp_path / "inputs.ndjson"
+    source.write_text(
+        "".join(
+            json.dumps({"custom_id": str(i), "input": {"cost": 3}}) + "\n" for i in range(20_000)
+        )
+    )
+    env = dict(stack.env, FERRY_API_URL=stack.base, FERRY_API_KEY=stack.token)
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
+         "--wait"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert follow.stderr is not None
+    seen: list[str] = []
+    for line in follow.stderr:  # not a terminal: one progress line every few seconds
+        seen.append(line)
+        if line.startswith("in_progress ["):
+            break
+    follow.send_signal(signal.SIGINT)
+    _out, rest = follow.communicate(timeout=60)
+    assert follow.returncode == 130, "".join(seen) + rest
+    backfill_id = next(line.split()[1].rstrip(":") for line in seen if " lines" in line)
+    assert f"backfill {backfill_id} keeps running" in rest
+    assert f"ferry backfill status {backfill_id} --wait" in rest
+
+    results = tmp_path / "results.ndjson"
+    again = subprocess.run(
+        [sys.executable, "-m", "ferry", "backfill", "status", backfill_id, "--wait",
+         "--output", str(results)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(results.read_text().splitlines()) == 20_000
