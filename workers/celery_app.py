@@ -17,8 +17,10 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import (
+    BACKFILL_DONE,
     DELIVERY_DONE,
     TERMINAL_STATUSES,
+    Backfill,
     Job,
     WebhookAttempt,
     WebhookDelivery,
@@ -99,6 +101,11 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
             session.execute(
                 delete(WebhookDelivery).where(
                     WebhookDelivery.status.in_(DELIVERY_DONE), WebhookDelivery.finished_at < cutoff
+                )
+            )
+            session.execute(
+                delete(Backfill).where(
+                    Backfill.status.in_(BACKFILL_DONE), Backfill.finished_at < cutoff
                 )
             )
     finally:
