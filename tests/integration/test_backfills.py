@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import Backfill, Job
+from core.db import Backfill, Job, WebhookDelivery
 from core.settings import Settings
 from core.streams import stream_key
 from tests.integration.conftest import RunningLoop
@@ -321,3 +321,36 @@ def test_another_key_cannot_see_or_cancel_a_backfill(
         assert response.status_code == 404, (method, path)
     assert client.get("/v1/backfills", headers=other).json()["data"] == []
     assert client.get("/v1/backfills/not-an-id", headers=auth).status_code == 404
+
+
+def test_the_end_of_a_backfill_is_pushed_to_its_callback(
+    settings: Settings,
+    auth: dict[str, str],
+    sim_worker: Callable[..., RunningLoop],
+    feeder: Callable[..., RunningFeeder],
+    sessions: sessionmaker[Session],
+) -> None:
+    from api.app import create_app
+    from tests.webhook_receiver import Receiver, loopback_only
+    from workers.webhooks import DeliveryConfig, attempt_delivery
+
+    allowed = settings.model_copy(
+        update={"webhook_allow_http": True, "webhook_allowed_networks": ["127.0.0.1/32"]}
+    )
+    with loopback_only(), TestClient(create_app(allowed)) as client:
+        secret = client.get("/v1/webhook-secret", headers=auth).json()["secret"]
+        with Receiver([secret]) as receiver:
+            created = upload(client, auth, ndjson(50), callback_url=receiver.url).json()
+            with sim_worker(), feeder():
+                done = wait_status(client, auth, created["id"], {"completed"})
+            with sessions() as session:
+                (delivery_id,) = session.scalars(
+                    select(WebhookDelivery.id).where(WebhookDelivery.backfill_id == created["id"])
+                ).all()
+            config = DeliveryConfig.from_settings(allowed)
+            assert attempt_delivery(sessions, delivery_id, config) == "delivered"
+            (request,) = receiver.wait_for(1)
+    assert request.verified
+    assert request.body["type"] == "backfill.completed"
+    assert request.body["data"]["id"] == created["id"]
+    assert request.body["data"]["request_counts"] == done["request_counts"]
