@@ -24,7 +24,7 @@ PER_MODEL = frozenset(
     {
         "scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
         "batch_window_max_ms", "latency_target_ms", "memory_budget_bytes",
-        "memory_threshold", "bulk_share", "fixed_max_delay_ms",
+        "memory_threshold", "bulk_share", "bulk_ride_factor", "fixed_max_delay_ms",
         "batch_window_start_factor", "batch_window_shrink", "batch_window_grow",
         "latency_high_factor", "latency_low_factor", "batch_cost_history_weight",
         "idle_queue_max", "learning_forget", "oom_backoff", "urgent_guard",
@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = Field(None, ge=1)
     memory_threshold: float = Field(0.8, gt=0, le=1)
     bulk_share: float = Field(0.05, ge=0, lt=1)
+    # In a batch carrying interactive jobs, bulk jobs past the reserved share
+    # ride along only while the batch is predicted to take at most this x what
+    # the interactive jobs alone would.
+    bulk_ride_factor: float = Field(1.25, ge=1)
     fixed_max_delay_ms: float = Field(5.0, ge=0)  # the `fixed` scheduler's delay
     # The scheduler's factors (DESIGN.md §5); the defaults are what bench/ measured.
     batch_window_start_factor: float = Field(1.5, gt=0)  # first window: x batch latency

@@ -37,6 +37,8 @@ class Tuning:
     latency_target_s: float | None = None  # None: 3 x the average batch latency
     history_weight: float = 0.7  # target batch cost = 0.7 x history + 0.3 x demand
     bulk_share: float = 0.05  # share of each batch kept for a backlogged bulk lane
+    # Bulk items may stretch a batch carrying interactive ones to this x its latency.
+    bulk_ride_factor: float = math.inf
     idle_queue: int = 1
     forget: float = 0.97  # weight kept by older observations at each new batch
     oom_backoff: float = 0.9  # the memory ceiling drops to this x the failed prediction
@@ -292,6 +294,7 @@ class SchedulerState:
             idle_queue=t.idle_queue,
             min_efficiency=t.min_efficiency,
             bulk_turn=t.bulk_share > 0 and self.batches_since_bulk >= math.ceil(1 / t.bulk_share),
+            bulk_ride_factor=t.bulk_ride_factor,
             **self._urgent_bounds(now),
         )
 

@@ -79,6 +79,10 @@ class Profile:
     ``bulk_turn``: the bulk lane has had no job in a batch for a while; unless
     an urgent job is pending, its first job leads this batch (so bulk never
     starves, whatever limit closes the batches).
+    ``bulk_ride_factor``: in a batch that carries interactive (non-bulk) items,
+    bulk items beyond the reserved slots ride along only while the batch is
+    predicted to take at most this x what the interactive items alone would
+    (a backfill uses the capacity live traffic leaves, not its latency).
     """
 
     max_batch_size: int
@@ -96,6 +100,7 @@ class Profile:
     urgent_latency_s: float = INF
     min_efficiency: float = 0.0
     bulk_turn: bool = False
+    bulk_ride_factor: float = INF
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -110,6 +115,8 @@ class Profile:
             raise ValueError("max_batch_s and urgent_latency_s must be positive")
         if not 0 <= self.min_efficiency <= 1:
             raise ValueError("min_efficiency must be in [0, 1]")
+        if not self.bulk_ride_factor >= 1:
+            raise ValueError("bulk_ride_factor must be at least 1")
 
     @property
     def max_work(self) -> float:
@@ -179,6 +186,7 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
 
     live.sort(key=order_key)
     batch, limit = _select(live, profile, now)
+    batch, limit = _bulk_riders(batch, limit, profile)
     costs = [item.cost for item in batch]
     predicted_s = profile.latency(profile.work(len(batch), sum(costs), max(costs)))
     window_s = profile.window_s
@@ -212,6 +220,38 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
         )
     wait_s = max(0.0, min(window_s - waited_s, slack_s))
     return BatchDecision(expire=tuple(expire), wait_s=wait_s)
+
+
+def _bulk_riders(
+    batch: list[PendingItem], limit: str | None, profile: Profile
+) -> tuple[list[PendingItem], str | None]:
+    """Drop the bulk items past the ride limit from a batch that carries interactive ones.
+
+    The reserved slots stay (so a backfill always moves); the others may only
+    stretch the batch to ``bulk_ride_factor`` x the interactive items' latency.
+    A batch cut here is closed by latency: it runs now.
+    """
+    if not math.isfinite(profile.bulk_ride_factor):
+        return batch, limit
+    interactive = [item for item in batch if item.lane != "bulk"]
+    if not interactive or len(interactive) == len(batch):
+        return batch, limit
+
+    def seconds(items: list[PendingItem]) -> float:
+        costs = [item.cost for item in items]
+        return profile.latency(profile.work(len(costs), sum(costs), max(costs)))
+
+    allowed_s = seconds(interactive) * profile.bulk_ride_factor
+    kept = list(interactive)
+    riders = 0
+    for item in batch:
+        if item.lane != "bulk":
+            continue
+        if riders >= profile.bulk_slots and seconds([*kept, item]) > allowed_s:
+            return [i for i in batch if i.lane != "bulk" or any(i is k for k in kept)], "latency"
+        kept.append(item)
+        riders += 1
+    return batch, limit
 
 
 def _alone_finishes_at(item: PendingItem, profile: Profile, now: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -14,6 +15,11 @@ log = logging.getLogger(__name__)
 
 # The dead-letter stream is for inspection, not a queue: keep the newest this many.
 DEAD_LETTER_MAXLEN = 100_000
+# Redis times out a blocked read only when its cron runs (every 1/hz: 100 ms
+# at the default hz 10), so a 5 ms BLOCK can return after 100 ms. Waits this
+# short (the scheduler's windows) poll instead, every POLL_S.
+PRECISE_BELOW_MS = 250
+POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,16 @@ class StreamConsumer:
         if entries or block_ms is None:
             return entries
         # Nothing anywhere: wait on every lane at once.
-        return self._xread({s: ">" for s in self.streams}, 1, max(1, block_ms))
+        every_lane = {s: ">" for s in self.streams}
+        if block_ms >= PRECISE_BELOW_MS:
+            return self._xread(every_lane, 1, block_ms)
+        deadline = time.monotonic() + block_ms / 1000.0
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, POLL_S))
+            got = self._xread(every_lane, 1, None)
+            if got:
+                return got
+        return []
 
     def reclaim(self, min_idle_ms: int, room: int) -> list[Entry]:
         """Take over entries another consumer read but left unacknowledged for too long.

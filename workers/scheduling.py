@@ -28,6 +28,7 @@ def tuning_for(settings: Settings, runtime: Runtime) -> Tuning:
         window_max_s=settings.batch_window_max_ms / 1000.0,
         latency_target_s=target / 1000.0 if target is not None else None,
         bulk_share=settings.bulk_share,
+        bulk_ride_factor=settings.bulk_ride_factor,
         window_start_factor=settings.batch_window_start_factor,
         window_shrink=settings.batch_window_shrink,
         window_grow=settings.batch_window_grow,

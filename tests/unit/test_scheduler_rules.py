@@ -459,3 +459,70 @@ def test_a_lowered_memory_ceiling_recovers_after_clean_batches() -> None:
 def test_a_wait_shorter_than_a_nanosecond_is_no_wait() -> None:
     decision = decide([item("a", arrival_s=0.0)], profile(window_s=0.3), 0.3 - 4e-15)
     assert decision.trigger == "time"
+
+
+# --- bulk riders ---------------------------------------------------------------
+
+# 20 ms + 0.5 ms per unit of cost, as the sim model is configured in bench/backfill.py.
+SIM = LinearFit(0.020, 0.0005)
+
+
+@pytest.mark.parametrize(
+    ("pending", "prof", "ran", "trigger"),
+    [
+        # Without the rule, bulk fills the batch up to its size.
+        (
+            [item("n", cost=10)] + [item(f"b{i}", "bulk", cost=10) for i in range(7)],
+            profile(latency=SIM, target_cost=10),
+            ["n", *(f"b{i}" for i in range(7))],
+            "size",
+        ),
+        # 1.25 x (20 + 5 ms) = 31.25 ms: one bulk rider fits (30 ms), two do not (35 ms).
+        (
+            [item("n", cost=10)] + [item(f"b{i}", "bulk", cost=10) for i in range(7)],
+            profile(latency=SIM, target_cost=10, bulk_ride_factor=1.25),
+            ["n", "b0"],
+            "latency",
+        ),
+        # The reserved slots ride whatever the factor (a backfill always moves).
+        (
+            [item("n", cost=10)] + [item(f"b{i}", "bulk", cost=10) for i in range(7)],
+            profile(latency=SIM, target_cost=10, bulk_ride_factor=1.0, bulk_slots=1),
+            ["n", "b0"],
+            "latency",
+        ),
+        # A batch of bulk alone is not limited by the rule.
+        (
+            [item(f"b{i}", "bulk", cost=10) for i in range(8)],
+            profile(latency=SIM, bulk_ride_factor=1.0),
+            [f"b{i}" for i in range(8)],
+            "size",
+        ),
+        # Nor is a batch of interactive items alone.
+        (
+            [item(f"n{i}", cost=10) for i in range(8)],
+            profile(latency=SIM, bulk_ride_factor=1.0),
+            [f"n{i}" for i in range(8)],
+            "size",
+        ),
+        # Cut by the rule with no other limit: it is closed, so it runs now.
+        (
+            [item("n", cost=10, arrival_s=0.09)]
+            + [item(f"b{i}", "bulk", cost=10) for i in range(3)],
+            profile(latency=SIM, bulk_ride_factor=1.25),
+            ["n", "b0"],
+            "latency",
+        ),
+    ],
+)
+def test_bulk_rides_with_interactive_items_only_up_to_the_factor(
+    pending: list[PendingItem], prof: Profile, ran: list[str], trigger: str
+) -> None:
+    decision = decide(pending, prof, now=0.1)
+    assert keys(decision.run) == ran
+    assert decision.trigger == trigger
+
+
+def test_bulk_ride_factor_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="bulk_ride_factor"):
+        profile(bulk_ride_factor=0.9)

@@ -1,0 +1,74 @@
+"""How the consumer waits for new entries, on a real Redis.
+
+A Redis blocked read times out only at the server's cron tick (100 ms at the
+default hz), so the scheduler's short windows must not be waits Redis times.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import redis
+
+from core.settings import Settings
+from core.streams import JobMessage, stream_key
+from workers.consumer import PRECISE_BELOW_MS, StreamConsumer
+
+
+class Spy(redis.Redis):
+    """The real client, remembering the BLOCK of every XREADGROUP."""
+
+    blocks: list[int | None]
+
+    def xreadgroup(self, *args: Any, **kwargs: Any) -> Any:
+        self.blocks.append(kwargs.get("block"))
+        return super().xreadgroup(*args, **kwargs)
+
+
+def consumer(settings: Settings) -> tuple[StreamConsumer, Spy]:
+    assert settings.redis_url
+    client = Spy(
+        connection_pool=redis.ConnectionPool.from_url(settings.redis_url, decode_responses=True)
+    )
+    client.blocks = []
+    reader = StreamConsumer(client, settings.key_prefix, "sim", "waiter")
+    reader.ensure_groups()
+    return reader, client
+
+
+def test_a_short_wait_polls_instead_of_asking_redis_to_block(settings: Settings) -> None:
+    reader, client = consumer(settings)
+    began = time.monotonic()
+    assert reader.read(8, 20) == []
+    assert time.monotonic() - began >= 0.02  # it did wait the window
+    assert client.blocks and all(block is None for block in client.blocks)
+
+
+def test_an_entry_that_arrives_during_a_short_wait_is_returned(
+    settings: Settings, redis_client: redis.Redis
+) -> None:
+    reader, client = consumer(settings)
+    message = JobMessage(
+        job_id="00000000-0000-4000-8000-000000000001", lane="normal", cost=1,
+        enqueued_at_ms=int(time.time() * 1000), deadline_at_ms=None, request_id=None,
+    )  # fmt: skip
+    timer = threading.Timer(
+        0.03,
+        lambda: redis_client.xadd(
+            stream_key(settings.key_prefix, "sim", "normal"),
+            message.encode(),  # type: ignore[arg-type]
+        ),
+    )
+    timer.start()
+    got = reader.read(8, PRECISE_BELOW_MS - 1)
+    timer.join()
+    assert [entry.message.job_id for entry in got] == [message.job_id]
+    assert all(block is None for block in client.blocks)
+
+
+def test_a_long_idle_wait_blocks_in_redis(settings: Settings) -> None:
+    reader, client = consumer(settings)
+    assert reader.read(8, PRECISE_BELOW_MS) == []
+    assert client.blocks[-1] == PRECISE_BELOW_MS
