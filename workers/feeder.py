@@ -191,25 +191,30 @@ class Feeder:
         return len(rows)
 
     def _cancel_waiting(self, backfill: Backfill) -> None:
-        """A cancelling backfill: its jobs not yet running become cancelled, a chunk at a time."""
+        """A cancelling backfill: its jobs not yet running become cancelled, a chunk at a time.
+
+        Walks the lines in order, so each chunk reads only lines not yet seen.
+        """
         now = self.clock()
+        after = 0
         while True:
             with self.sessions.begin() as session:
-                ids = list(
-                    session.scalars(
-                        select(Job.id)
-                        .where(
-                            Job.backfill_id == backfill.id,
-                            Job.status.in_((WAITING, "queued")),
-                        )
-                        .limit(CANCEL_CHUNK)
+                rows = session.execute(
+                    select(Job.id, Job.line_no)
+                    .where(
+                        Job.backfill_id == backfill.id,
+                        Job.line_no > after,
+                        Job.status.in_((WAITING, "queued")),
                     )
-                )
-                if not ids:
+                    .order_by(Job.line_no)
+                    .limit(CANCEL_CHUNK)
+                ).all()
+                if not rows:
                     return
+                after = rows[-1].line_no
                 result = session.execute(
                     update(Job)
-                    .where(Job.id.in_(ids), Job.status.in_((WAITING, "queued")))
+                    .where(Job.id.in_([r.id for r in rows]), Job.status.in_((WAITING, "queued")))
                     .values(status="cancelled", finished_at=now, error="the backfill was cancelled")
                 )
                 session.execute(
