@@ -155,6 +155,9 @@ class Settings(BaseSettings):
     # Networks a callback may reach although they are not public (loopback,
     # private, ...), e.g. '["10.20.0.0/16"]'. Empty: public addresses only.
     webhook_allowed_networks: list[str] = Field(default_factory=list)
+    # CA certificates (PEM) that https callbacks are verified against, for
+    # receivers behind a private CA. Unset: the system's trust store.
+    webhook_ca_file: Path | None = None
     # After a rotation, the previous signing secret also signs for this long.
     webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0)
 

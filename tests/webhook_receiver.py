@@ -7,15 +7,18 @@ scripted: a list of actions played in order, the last one repeated.
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from standardwebhooks import Webhook, WebhookVerificationError
@@ -37,11 +40,20 @@ class Received:
     verified: bool
     received_at: float
     status: int  # what the receiver answered
+    host: str = ""  # the Host header
 
 
 class Receiver:
-    def __init__(self, secrets: list[str], script: list[Answer] | None = None) -> None:
+    def __init__(
+        self,
+        secrets: list[str],
+        script: list[Answer] | None = None,
+        tls: ssl.SSLContext | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.secrets = secrets
+        self.tls = tls
+        self.host = host
         self.script = list(script or [Answer()])
         self.requests: list[Received] = []
         self.seen: set[str] = set()  # webhook-ids processed (the receiver's de-duplication)
@@ -49,11 +61,14 @@ class Receiver:
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks/ferry"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.server.server_address[1]}/hooks/ferry"
 
     def __enter__(self) -> Receiver:
         self.thread.start()
@@ -104,6 +119,7 @@ class Receiver:
                             verified=verified,
                             received_at=time.time(),
                             status=answer.status,
+                            host=headers.get("host", ""),
                         )
                     )
                     if verified and 200 <= answer.status < 300 and webhook_id not in receiver.seen:
@@ -125,6 +141,66 @@ class Receiver:
                 pass
 
         return Handler
+
+
+def make_tls(directory: Path, names: list[str]) -> tuple[ssl.SSLContext, Path]:
+    """A private CA and a server certificate for ``names``: (server context, CA file)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def build(subject: str, issuer: x509.Name | None, key: Any, sign_key: Any, ca: bool) -> Any:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer or name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+        )
+        if ca:
+            builder = builder.add_extension(
+                x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                              content_commitment=False, key_encipherment=False,
+                              data_encipherment=False, key_agreement=False,
+                              encipher_only=False, decipher_only=False),
+                critical=True,
+            )  # fmt: skip
+        else:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+            ).add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(sign_key.public_key()),
+                critical=False,
+            )
+        return builder.sign(sign_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = build("Ferry test CA", None, ca_key, ca_key, ca=True)
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    leaf = build(names[0], ca_cert.subject, leaf_key, ca_key, ca=False)
+    pem = serialization.Encoding.PEM
+    ca_file = directory / "ca.pem"
+    ca_file.write_bytes(ca_cert.public_bytes(pem))
+    chain = directory / "server.pem"
+    chain.write_bytes(
+        leaf.public_bytes(pem)
+        + leaf_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(chain)
+    return server, ca_file
 
 
 class NetworkEscape(AssertionError):

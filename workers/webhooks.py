@@ -50,6 +50,7 @@ class DeliveryConfig:
     timeout_s: float
     max_response_bytes: int
     policy: UrlPolicy
+    ssl_context: ssl.SSLContext | None = None  # None: the system's trust store
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DeliveryConfig:
@@ -59,6 +60,9 @@ class DeliveryConfig:
             timeout_s=settings.webhook_timeout_s,
             max_response_bytes=settings.webhook_max_response_bytes,
             policy=UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks),
+            ssl_context=ssl.create_default_context(cafile=str(settings.webhook_ca_file))
+            if settings.webhook_ca_file is not None
+            else None,
         )
 
 
@@ -269,7 +273,7 @@ def attempt_delivery(
             signed_headers(delivery_id, claimed.payload, claimed.secrets, clock()),
             config.timeout_s,
             config.max_response_bytes,
-            ssl_context,
+            ssl_context or config.ssl_context,
         )
         status_code = response.status_code
         if 300 <= status_code < 400:

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,14 @@ from core.db import WebhookDelivery, utcnow
 from core.settings import Settings
 from core.urlguard import Target
 from tests.integration.conftest import RunningLoop
-from tests.webhook_receiver import Answer, NetworkEscape, Receiver, fake_resolver, loopback_only
+from tests.webhook_receiver import (
+    Answer,
+    NetworkEscape,
+    Receiver,
+    fake_resolver,
+    loopback_only,
+    make_tls,
+)
 from workers.webhooks import (
     AttemptTimeout,
     DeliveryConfig,
@@ -570,3 +578,45 @@ def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease
     assert abandoned["number"] == 1 and abandoned["duration_ms"] is None
     assert abandoned["error"].startswith("abandoned")
     assert (delivered["number"], delivered["status_code"]) == (2, 200)
+
+
+@pytest.mark.parametrize(
+    ("certificate_for", "outcome"),
+    [("hooks.partner.test", "delivered"), ("someone-else.test", "retrying")],
+)
+def test_https_goes_to_the_checked_address_with_the_name_for_tls_and_host(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    sessions: sessionmaker[Session],
+    hook_settings: Settings,
+    resolver: dict[str, list[str]],
+    tmp_path: Path,
+    certificate_for: str,
+    outcome: str,
+) -> None:
+    """The name resolves (to 127.0.0.1, allowed); the connection goes to that address, and
+    TLS verifies the certificate against the URL's name, not the address."""
+    server_tls, ca_file = make_tls(tmp_path, [certificate_for])
+    private_ca = hook_settings.model_copy(update={"webhook_ca_file": ca_file})
+    config = DeliveryConfig.from_settings(private_ca)
+    with Receiver([secret], tls=server_tls, host="hooks.partner.test") as receiver:
+        job = run_job(api, auth, sim_worker(), receiver.url)
+        with sessions() as session:
+            (delivery_id,) = session.scalars(select(WebhookDelivery.id)).all()
+        status = attempt_delivery(sessions, delivery_id, config, resolve=fake_resolver(resolver))
+        requests = list(receiver.requests)
+    assert status == outcome
+    with sessions() as session:
+        delivery = session.get(WebhookDelivery, delivery_id)
+        assert delivery is not None
+    if outcome == "delivered":
+        (request,) = requests
+        assert request.verified
+        assert request.host == f"hooks.partner.test:{receiver.server.server_address[1]}"
+        assert request.body["data"]["id"] == job["id"]
+    else:
+        assert requests == []
+        assert delivery.last_error is not None
+        assert "SSLCertVerificationError" in delivery.last_error
