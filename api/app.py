@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
-from api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from api.routes import backfills, jobs, system, webhooks
 from api.services import callback_checker
 from core.catalog import build_catalog
@@ -78,4 +78,5 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         streamed={"/v1/backfills": settings.backfill_max_bytes},
     )
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(MetricsMiddleware)
     return app

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
+from core.metrics import HTTP_DURATION, HTTP_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +127,32 @@ class BodyLimitMiddleware:
             f"request body is larger than {limit or self.max_bytes} bytes",
         )
         await response(scope, receive, send)
+
+
+class MetricsMiddleware:
+    """Counts and times every request by route template (not path: ids would explode)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            method = scope["method"]
+            HTTP_REQUESTS.labels(method, template, str(status)).inc()
+            HTTP_DURATION.labels(method, template).observe(time.perf_counter() - started)

@@ -193,6 +193,11 @@ class Settings(BaseSettings):
     # Let sim inputs ask to kill their worker ({"crash": true}), for fault tests.
     sim_crash_enabled: bool = False
 
+    # `ferry up` serves each worker's and the Celery worker's /metrics on
+    # consecutive ports from this one (0: no metrics servers).
+    metrics_port_base: int = Field(9400, ge=0, le=65000)
+    metrics_host: str = "127.0.0.1"
+
     log_level: str = "INFO"
 
     @field_validator("redis_url", "database_url", mode="before")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from core.logs import configure_logging
 from core.settings import get_settings
@@ -42,6 +43,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     configure_logging(settings.log_level, f"worker-{args.model}")
+    _serve_metrics(settings, args.metrics_port)
     return run_worker(settings, args.model, args.device, args.name)
 
 
@@ -52,6 +54,7 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, f"celery-{args.role}")
     app = create_celery(settings)
     if args.role == "worker":
+        _serve_metrics(settings, args.metrics_port)
         app.worker_main(
             [
                 "worker",
@@ -71,6 +74,22 @@ def _cmd_celery(args: argparse.Namespace) -> int:
         schedule = settings.data_dir / "celerybeat-schedule"
         app.start(["beat", "--loglevel", settings.log_level, "--schedule", str(schedule)])
     return 0
+
+
+def _serve_metrics(settings: Any, port: int | None) -> None:
+    """This process's Prometheus metrics at http://FERRY_METRICS_HOST:port/metrics."""
+    if port:
+        import logging
+
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port, addr=settings.metrics_host)
+        except OSError as exc:
+            # Metrics are not worth failing the worker for; the log says why.
+            logging.getLogger("ferry").error(
+                "metrics not served", extra={"port": port, "error": str(exc)}
+            )
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
@@ -121,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", required=True)
     worker.add_argument("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)")
     worker.add_argument("--name", help="consumer name (default: host:model:device)")
+    worker.add_argument("--metrics-port", type=int, help="serve /metrics on this port")
     worker.set_defaults(fn=_cmd_worker)
 
     celery = sub.add_parser("celery", help="run the Celery worker or beat")
     celery.add_argument("role", choices=["worker", "beat"])
+    celery.add_argument("--metrics-port", type=int, help="worker: serve /metrics on this port")
     celery.set_defaults(fn=_cmd_celery)
 
     db = sub.add_parser("db", help="database migrations")

@@ -124,9 +124,19 @@ def up(settings: Settings) -> int:
         token = dev_key(settings, data_dir)
         python = [sys.executable, "-m", "ferry"]
         children.append(Child("api", [*python, "api"]))
+        ports = metrics_ports(settings)
         for model in settings.model_names:
-            children.append(Child(f"worker-{model}", [*python, "worker", "--model", model]))
-        children.append(Child("celery-worker", [*python, "celery", "worker"]))
+            children.append(
+                Child(
+                    f"worker-{model}",
+                    [*python, "worker", "--model", model, *_port_arg(ports, f"worker-{model}")],
+                )
+            )
+        children.append(
+            Child(
+                "celery-worker", [*python, "celery", "worker", *_port_arg(ports, "celery-worker")]
+            )
+        )
         children.append(Child("celery-beat", [*python, "celery", "beat"]))
         for child in children:
             child.start(env)
@@ -173,6 +183,18 @@ def _ready(base: str) -> bool:
         return False
 
 
+def metrics_ports(settings: Settings) -> dict[str, int]:
+    """The /metrics port of each process `ferry up` starts besides the API (which has its own)."""
+    if not settings.metrics_port_base:
+        return {}
+    names = [f"worker-{model}" for model in settings.model_names] + ["celery-worker"]
+    return {name: settings.metrics_port_base + i for i, name in enumerate(names)}
+
+
+def _port_arg(ports: dict[str, int], name: str) -> list[str]:
+    return ["--metrics-port", str(ports[name])] if name in ports else []
+
+
 def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
     lines = [
         "",
@@ -183,6 +205,11 @@ def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
         f"  Models    {', '.join(settings.model_names)}",
         f"  API key   {token}",
         f"  Webhooks  signed with the secret at GET {base}/v1/webhook-secret",
+        "  Metrics   "
+        + ", ".join(
+            [f"api {base}/metrics"]
+            + [f"{name} :{port}" for name, port in metrics_ports(settings).items()]
+        ),
         "",
         "Try:",
         f"  curl -s -X POST {base}/v1/jobs -H 'Authorization: Bearer {token}' \\",

@@ -27,6 +27,7 @@ from core.db import (
     make_engine,
     make_sessionmaker,
 )
+from core.metrics import WEBHOOK_ATTEMPTS
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.feeder import Feeder
@@ -170,7 +171,10 @@ def create_celery(settings: Settings) -> Celery:
     # those early, after its visibility timeout).
     @app.task(name=DELIVER_TASK, shared=False, ignore_result=True)
     def _deliver(delivery_id: str) -> str | None:
-        return attempt_delivery(database.sessions(), delivery_id, config)
+        outcome = attempt_delivery(database.sessions(), delivery_id, config)
+        if outcome is not None:
+            WEBHOOK_ATTEMPTS.labels(outcome).inc()
+        return outcome
 
     @app.task(name=DISPATCH_TASK, shared=False, ignore_result=True)
     def _dispatch() -> int:

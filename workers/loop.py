@@ -27,6 +27,7 @@ from scheduler.learning import BatchObservation, SchedulerState
 from scheduler.policy import efficiency
 from workers.consumer import Entry, StreamConsumer
 from workers.execute import run_isolating
+from workers.observe import LoopMetrics
 from workers.recorder import Outcome, Recorder
 from workers.runtimes.base import Runtime
 from workers.scheduling import Policy, estimate_of
@@ -94,6 +95,9 @@ class BatchLoop:
         self.clock = clock
         # Hands new webhook deliveries to Celery once their jobs are acknowledged.
         self.kick = kick
+        self.metrics = LoopMetrics(consumer.model)
+        # Terminal statuses written and not yet acknowledged, for the metrics.
+        self._written_status: dict[str, str] = {}
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
@@ -177,7 +181,9 @@ class BatchLoop:
         room = self.prefetch - len(self.pending)
         if room <= 0:
             return
-        for entry in self.consumer.reclaim(int(self.visibility_timeout_s * 1000), room):
+        reclaimed = self.consumer.reclaim(int(self.visibility_timeout_s * 1000), room)
+        self.metrics.reclaimed(len(reclaimed))
+        for entry in reclaimed:
             key = entry.entry_id + "@" + entry.stream
             if key not in self.pending:
                 self.pending[key] = entry
@@ -255,6 +261,7 @@ class BatchLoop:
             late, [by_job[job_id] for job_id in exhausted], "the deadline passed before it started"
         )
         costs = [by_job[job.job_id].message.cost for job in claimed]
+        self.metrics.started([by_job[job.job_id].message for job in claimed], self.clock())
         ooms = 0
 
         def out_of_memory(start: int, end: int) -> None:
@@ -304,6 +311,10 @@ class BatchLoop:
                 ),
                 eff,
             )
+        self.metrics.batch(
+            costs, batch_s, decision.predicted_s, eff, self.state.window_s,
+            self.runtime.peak_memory_bytes,
+        )  # fmt: skip
         log.info(
             "batch done",
             extra={
@@ -331,6 +342,7 @@ class BatchLoop:
         outcomes = [Outcome(job_id, "expired", error=why) for job_id in late]
         if exhausted:
             self.consumer.dead_letter(exhausted)
+            self.metrics.dead_lettered(e.message for e in exhausted)
             outcomes += [
                 Outcome(
                     e.message.job_id,
@@ -343,6 +355,22 @@ class BatchLoop:
         return self._record(outcomes, _utc(self.clock()), None, None, exhausted)
 
     def _record(
+        self,
+        outcomes: list[Outcome],
+        now: dt.datetime,
+        batch_id: str | None,
+        batch_size: int | None,
+        entries: list[Entry],
+    ) -> list[str]:
+        """Write the outcomes; remember what was written, for the metrics."""
+        written = self._write(outcomes, now, batch_id, batch_size, entries)
+        done = set(written)
+        for outcome in outcomes:
+            if outcome.job_id in done:
+                self._written_status[outcome.job_id] = outcome.status
+        return written
+
+    def _write(
         self,
         outcomes: list[Outcome],
         now: dt.datetime,
@@ -374,7 +402,7 @@ class BatchLoop:
                 )
             written: list[str] = []
             for outcome in outcomes:
-                written += self._record([outcome], now, batch_id, batch_size, entries)
+                written += self._write([outcome], now, batch_id, batch_size, entries)
             return written
 
     def _durably(self, write: Callable[[], list[str]], entries: list[Entry]) -> list[str]:
@@ -421,6 +449,15 @@ class BatchLoop:
         self.consumer.ack(entries)
         if written:
             self.client.publish(done_channel(self.prefix), ",".join(written))
+        by_job = {e.message.job_id: e.message for e in entries}
+        self.metrics.finished(
+            (
+                (by_job[job_id], self._written_status.pop(job_id, "succeeded"))
+                for job_id in written
+                if job_id in by_job
+            ),
+            self.clock(),
+        )
         # Webhooks go out only after the results are committed and acknowledged.
         deliveries = self.recorder.take_outbox()
         if deliveries and self.kick is not None:

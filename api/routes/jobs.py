@@ -30,6 +30,7 @@ from api.schemas import (
     JobStatus,
     error_responses,
 )
+from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
@@ -67,6 +68,8 @@ def create_job(
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:
         response.headers["Idempotent-Replayed"] = "true"
+    else:
+        JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
     return services.to_resource(submitted.job, submitted.estimated_wait_ms)
 
 
@@ -112,7 +115,9 @@ async def read_job(
 
 @router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))
 def cancel_job(job_id: str, key: KeyDep, session: SessionDep, kick: KickDep) -> JobResource:
-    return services.render_job(session, services.cancel_job(session, key, job_id, kick))
+    job = services.cancel_job(session, key, job_id, kick)
+    JOBS_FINISHED.labels(job.model, job.priority, "cancelled").inc()
+    return services.render_job(session, job)
 
 
 @router.get("", response_model=JobList)

@@ -6,11 +6,13 @@ import logging
 
 import redis
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
 from api.schemas import ModelInfo, ModelList, error_responses
+from core.metrics import queue_metrics
 from core.queues import lane_depths, live_workers, model_stats
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ def list_models(
 
 def _ms(seconds: float | None, digits: int = 3) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, digits)
+
+
+@router.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+def metrics(client: RedisDep, catalog: CatalogDep, settings: SettingsDep) -> PlainTextResponse:
+    """Prometheus metrics of this API process, and the queues' state read from Redis now."""
+    body = generate_latest(REGISTRY)
+    try:
+        body += queue_metrics(client, settings.key_prefix, catalog)
+    except redis.RedisError as exc:
+        log.warning("queue metrics unavailable", extra={"error_type": type(exc).__name__})
+    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz", tags=["health"])

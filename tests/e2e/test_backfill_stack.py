@@ -10,7 +10,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import FerryUp
 
@@ -70,6 +72,20 @@ def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
     assert status.returncode == 0, status.stderr
     assert "completed" in status.stdout
     assert f"completed {LINES}" in status.stdout
+
+    # The sim worker's own /metrics (the first port `ferry up` hands out) counted every line.
+    base = int(stack.env["FERRY_METRICS_PORT_BASE"])
+    worker = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
+    finished = {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(worker)
+        for sample in family.samples
+        if sample.name == "ferry_jobs_finished_total"
+    }
+    assert finished[(("lane", "bulk"), ("model", "sim"), ("status", "succeeded"))] == LINES
+    celery = httpx.get(f"http://127.0.0.1:{base + 1}/metrics", timeout=10)
+    assert celery.status_code == 200 and "python_info" in celery.text
+    assert f"worker-sim :{base}" in "".join(stack.output)
 
 
 def test_a_bad_file_is_refused_by_the_cli_with_its_line(stack: FerryUp, tmp_path: Path) -> None:

@@ -1,0 +1,134 @@
+"""Prometheus metrics: every name Ferry exports, in one place.
+
+Each process (API, GPU worker, Celery worker) exports the metrics it updates
+at ``/metrics``: the API on its own port, the others on
+``FERRY_METRICS_PORT``. Queue state (depth, lag, pending entries) is read from
+Redis when the API is scraped, so it is right whichever worker is alive.
+Names follow Prometheus conventions: ``ferry_`` prefix, units in the name,
+``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from core.queues import lane_depths
+from core.settings import LANES
+from core.streams import GROUP, lane_streams
+
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+COST_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+# The API.
+JOBS_ACCEPTED = Counter("ferry_jobs_accepted_total", "Jobs accepted (202).", ["model", "lane"])
+HTTP_REQUESTS = Counter(
+    "ferry_http_requests_total", "HTTP requests answered.", ["method", "route", "status"]
+)
+HTTP_DURATION = Histogram(
+    "ferry_http_request_duration_seconds",
+    "Time to answer an HTTP request (a long-poll counts its wait).",
+    ["method", "route"],
+    buckets=LATENCY_BUCKETS_S,
+)
+
+# Jobs reaching a terminal state: succeeded, failed, expired (workers),
+# cancelled (API, backfill feeder).
+JOBS_FINISHED = Counter(
+    "ferry_jobs_finished_total", "Jobs that reached a terminal state.", ["model", "lane", "status"]
+)
+JOBS_DEAD_LETTERED = Counter(
+    "ferry_jobs_dead_lettered_total",
+    "Jobs that used up their attempts and went to the dead-letter stream.",
+    ["model", "lane"],
+)
+JOB_LATENCY = Histogram(
+    "ferry_job_latency_seconds",
+    "End to end: accepted (or queued by the feeder) to result recorded.",
+    ["model", "lane"],
+    buckets=LATENCY_BUCKETS_S,
+)
+JOB_QUEUE_WAIT = Histogram(
+    "ferry_job_queue_wait_seconds",
+    "Accepted to its batch starting.",
+    ["model", "lane"],
+    buckets=LATENCY_BUCKETS_S,
+)
+
+# Batches (GPU workers).
+BATCH_SIZE = Histogram("ferry_batch_size", "Jobs per batch.", ["model"], buckets=SIZE_BUCKETS)
+BATCH_COST = Histogram(
+    "ferry_batch_cost", "Summed job cost per batch (tokens for minilm).", ["model"],
+    buckets=COST_BUCKETS,
+)  # fmt: skip
+BATCH_EFFICIENCY = Histogram(
+    "ferry_batch_efficiency_ratio",
+    "Sum of costs / (jobs x largest cost): the share of computed work that is not padding.",
+    ["model"],
+    buckets=RATIO_BUCKETS,
+)
+BATCH_LATENCY = Histogram(
+    "ferry_batch_latency_seconds", "Observed time to run a batch.", ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)  # fmt: skip
+BATCH_PREDICTED = Histogram(
+    "ferry_batch_predicted_latency_seconds",
+    "The scheduler's prediction of the same batches' latency.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+BATCH_WINDOW = Gauge("ferry_batch_window_seconds", "The adaptive batching window now.", ["model"])
+ENTRIES_RECLAIMED = Counter(
+    "ferry_entries_reclaimed_total",
+    "Stream entries taken over from a worker that stopped acknowledging them.",
+    ["model"],
+)
+MEMORY = Gauge(
+    "ferry_worker_memory_bytes",
+    "The worker's memory: the process's resident set (kind=in_use); the peak of the last "
+    "batch on a GPU (torch.cuda), the process's peak resident set on the CPU (kind=peak).",
+    ["model", "kind"],
+)
+
+# Webhooks (Celery worker).
+WEBHOOK_ATTEMPTS = Counter(
+    "ferry_webhook_attempts_total",
+    "Webhook delivery attempts, by what the delivery became: delivered, retrying, failed.",
+    ["outcome"],
+)
+
+
+def queue_metrics(client: redis.Redis, prefix: str, models: Iterable[str]) -> bytes:
+    """Per model and lane, read from Redis now: depth, group lag, pending entries."""
+    registry = CollectorRegistry()
+    depth = Gauge(
+        "ferry_queue_depth", "Entries not yet acknowledged (queued or running).",
+        ["model", "lane"], registry=registry,
+    )  # fmt: skip
+    lag = Gauge(
+        "ferry_queue_lag", "Entries no worker has read yet (consumer-group lag).",
+        ["model", "lane"], registry=registry,
+    )  # fmt: skip
+    pending = Gauge(
+        "ferry_queue_pending_entries", "Entries read by a worker and not acknowledged yet.",
+        ["model", "lane"], registry=registry,
+    )  # fmt: skip
+    for model in models:
+        depths = lane_depths(client, prefix, model)
+        pipe = client.pipeline(transaction=False)
+        streams = lane_streams(prefix, model)
+        for stream in streams:
+            pipe.xpending(stream, GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        for lane, reply in zip(LANES, replies, strict=True):
+            held = int(reply.get("pending", 0)) if isinstance(reply, dict) else 0
+            depth.labels(model, lane).set(depths[lane])
+            pending.labels(model, lane).set(held)
+            lag.labels(model, lane).set(max(depths[lane] - held, 0))
+    return generate_latest(registry)
