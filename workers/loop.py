@@ -291,7 +291,7 @@ class BatchLoop:
         written += self._record(
             outcomes, _utc(finished_at), batch_id, len(claimed) or None, entries
         )
-        self._acknowledge(entries, written)
+        self._acknowledge(entries, written, batch_id)
         eff = efficiency(costs)
         if claimed:
             self._learn(
@@ -445,11 +445,24 @@ class BatchLoop:
             self._stop_requested_at = time.monotonic()
         return self._stop_requested_at + self.drain_s - time.monotonic()
 
-    def _acknowledge(self, entries: list[Entry], written: list[str]) -> None:
+    def _acknowledge(
+        self, entries: list[Entry], written: list[str], batch_id: str | None = None
+    ) -> None:
         self.consumer.ack(entries)
         if written:
             self.client.publish(done_channel(self.prefix), ",".join(written))
         by_job = {e.message.job_id: e.message for e in entries}
+        for job_id in written:
+            message = by_job.get(job_id)
+            # A request's X-Request-ID follows its job here (backfill items have
+            # none: their batches are logged whole).
+            if message is not None and message.request_id:
+                log.info(
+                    "job finished",
+                    extra={"job_id": job_id, "request_id": message.request_id,
+                           "batch_id": batch_id, "model": self.model, "lane": message.lane,
+                           "status": self._written_status.get(job_id)},
+                )  # fmt: skip
         self.metrics.finished(
             (
                 (by_job[job_id], self._written_status.pop(job_id, "succeeded"))

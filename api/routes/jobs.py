@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -31,6 +32,8 @@ from api.schemas import (
     error_responses,
 )
 from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
@@ -70,6 +73,11 @@ def create_job(
         response.headers["Idempotent-Replayed"] = "true"
     else:
         JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
+        log.info(
+            "job accepted",
+            extra={"job_id": submitted.job.id, "request_id": request.state.request_id,
+                   "model": submitted.job.model, "lane": submitted.job.priority},
+        )  # fmt: skip
     return services.to_resource(submitted.job, submitted.estimated_wait_ms)
 
 

@@ -1,14 +1,18 @@
-"""Prometheus metrics after a known workload, parsed with prometheus_client's own parser."""
+"""Prometheus metrics after a known workload (parsed with prometheus_client's own parser), and
+the request id that follows a job through the logs."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.logs import JsonFormatter
 from tests.integration.conftest import RunningLoop
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -90,3 +94,33 @@ def test_queue_gauges_show_a_backlog(client: TestClient, auth: dict[str, str]) -
     api = parse(client.get("/metrics").text)
     assert value(api, "ferry_queue_depth", model="sim", lane="normal") == 3
     assert value(api, "ferry_queue_lag", model="sim", lane="normal") == 3
+
+
+def test_a_request_id_follows_its_job_from_the_api_into_the_worker_log(
+    client: TestClient,
+    auth: dict[str, str],
+    sim_worker: Callable[..., RunningLoop],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    response = client.post(
+        "/v1/jobs",
+        json={"model": "sim", "input": {"cost": 1}},
+        headers={**auth, "X-Request-ID": "trace-7f3a"},
+    )
+    assert response.headers["X-Request-ID"] == "trace-7f3a"
+    job_id = response.json()["id"]
+    with sim_worker():
+        assert client.get(f"/v1/jobs/{job_id}?wait=10", headers=auth).json()["status"] == (
+            "succeeded"
+        )
+    lines = [r for r in caplog.records if getattr(r, "request_id", None) == "trace-7f3a"]
+    by_message = {r.getMessage(): r for r in lines}
+    accepted, finished = by_message["job accepted"], by_message["job finished"]
+    assert accepted.name.startswith("api.") and finished.name.startswith("workers.")
+    assert vars(accepted)["job_id"] == vars(finished)["job_id"] == job_id
+    assert vars(finished)["batch_id"]
+    assert vars(finished)["status"] == "succeeded"
+    # Neither the input nor the output ({"cost": ...}) is in the log lines.
+    formatter = JsonFormatter()
+    assert all('"cost"' not in formatter.format(record) for record in lines)
