@@ -187,11 +187,13 @@ def test_models_shows_live_workers_and_what_they_learned(
         sim = next(m for m in models if m["name"] == "sim")
         assert sim["workers"] == 1
     # The sim batch sleeps 100 ms + 1 ms per unit of cost: never less (a loaded
-    # machine only oversleeps), and the fit must explain the batches it saw.
-    assert sim["latency_fixed_ms"] >= 75.0
+    # machine only oversleeps). After a handful of batches the fit still leans
+    # on its prior, and the averages are moving averages: it must explain the
+    # batches it saw roughly, not to the millisecond.
+    assert 75.0 <= sim["latency_fixed_ms"] <= 400.0
     assert sim["latency_per_work_ms"] >= 0
     predicted_ms = sim["latency_fixed_ms"] + sim["latency_per_work_ms"] * 20 * sim["avg_batch_size"]
-    assert predicted_ms == pytest.approx(sim["avg_batch_ms"], rel=0.25)
+    assert predicted_ms == pytest.approx(sim["avg_batch_ms"], rel=0.4)
     assert 0 < sim["batch_efficiency"] <= 1
     assert sim["avg_batch_size"] >= 1
     after = slow_client.get("/v1/models", headers=auth).json()["data"]
