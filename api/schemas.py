@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.catalog import has_nul
+from core.catalog import text_problem
 
 Priority = Literal["urgent", "vip", "normal", "bulk"]
 JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]
@@ -65,9 +65,10 @@ class JobCreate(BaseModel):
 
     @field_validator("model", "idempotency_key", "callback_url")
     @classmethod
-    def _no_nul(cls, value: str | None) -> str | None:
-        if value is not None and "\x00" in value:
-            raise ValueError("must not contain NUL characters")
+    def _text(cls, value: str | None) -> str | None:
+        problem = text_problem(value)
+        if problem:
+            raise ValueError(f"must not contain {problem}")
         return value
 
     @field_validator("input", "metadata")
@@ -77,8 +78,9 @@ class JobCreate(BaseModel):
             json.dumps(value, allow_nan=False)
         except ValueError as exc:
             raise ValueError("must not contain NaN or Infinity") from exc
-        if has_nul(value):
-            raise ValueError("must not contain NUL characters")
+        problem = text_problem(value)
+        if problem:
+            raise ValueError(f"must not contain {problem}")
         return value
 
     @field_validator("callback_url")

@@ -320,6 +320,8 @@ def list_jobs(
     """
     if model is not None and "\x00" in model:
         raise ApiError(422, "invalid_request", "model: must not contain NUL characters")
+    if backfill_id is not None and not is_uuid(backfill_id):
+        raise ApiError(422, "invalid_request", "backfill_id: not a backfill id (a UUID)")
     query = select(Job).where(Job.api_key_id == key.id, Job.backfill_id == backfill_id)
     if status:
         query = query.where(Job.status == status)

@@ -23,7 +23,7 @@ from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.catalog import InputError, ModelSpec, has_nul
+from core.catalog import InputError, ModelSpec, text_problem
 from core.db import TERMINAL_STATUSES, WAITING, Backfill, Job, utcnow
 from core.resources import iso
 
@@ -78,12 +78,14 @@ def parse_line(raw: bytes, line: int, spec: ModelSpec) -> Item | None:
         raise LineError(line, "custom_id: missing")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(line, "custom_id: must be a non-empty string")
-    if len(custom_id) > MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
-        raise LineError(line, f"custom_id: at most {MAX_CUSTOM_ID_CHARS} characters, without NUL")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise LineError(line, f"custom_id: at most {MAX_CUSTOM_ID_CHARS} characters")
     if "input" not in value:
         raise LineError(line, "input: missing")
-    if has_nul(value["input"]):
-        raise LineError(line, "input: must not contain NUL characters")
+    for field in ("custom_id", "input"):
+        problem = text_problem(value[field])
+        if problem:
+            raise LineError(line, f"{field}: must not contain {problem}")
     try:
         checked = spec.validate(value["input"])
     except InputError as exc:

@@ -201,12 +201,26 @@ def _json_type(value: Any) -> str:
     return "object"
 
 
-def has_nul(value: Any) -> bool:
-    """PostgreSQL cannot store NUL in text; look for it anywhere in a JSON value."""
+def text_problem(value: Any) -> str | None:
+    """What in this JSON value no database can store as text (None: nothing).
+
+    PostgreSQL refuses NUL in text, and no UTF-8 column can hold an unpaired
+    surrogate (JSON's "\\ud800" decodes to one).
+    """
     if isinstance(value, str):
-        return "\x00" in value
+        if "\x00" in value:
+            return "NUL characters"
+        if any("\ud800" <= c <= "\udfff" for c in value):
+            return "unpaired surrogates (not valid Unicode)"
+        return None
     if isinstance(value, dict):
-        return any(has_nul(k) or has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(has_nul(item) for item in value)
-    return False
+        items: Any = (x for pair in value.items() for x in pair)
+    elif isinstance(value, list):
+        items = iter(value)
+    else:
+        return None
+    for item in items:
+        problem = text_problem(item)
+        if problem:
+            return problem
+    return None

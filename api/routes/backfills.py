@@ -13,6 +13,7 @@ from api.deps import CatalogDep, CheckCallbackDep, KeyDep, RedisDep, SessionDep,
 from api.errors import ApiError
 from api.schemas import BackfillList, BackfillResource, error_responses
 from core.backfills import result_lines
+from core.catalog import text_problem
 
 router = APIRouter(
     prefix="/v1/backfills", tags=["backfills"], responses=error_responses(401, 422, 503)
@@ -55,8 +56,9 @@ async def create_backfill(
         known = ", ".join(sorted(catalog))
         raise ApiError(422, "invalid_request", f"model: unknown model {model!r} (known: {known})")
     if callback_url is not None:
-        if "\x00" in callback_url:
-            raise ApiError(422, "invalid_request", "callback_url: must not contain NUL characters")
+        problem = text_problem(callback_url)
+        if problem:
+            raise ApiError(422, "invalid_request", f"callback_url: must not contain {problem}")
         await run_in_threadpool(check_callback, callback_url)
     sessions = request.app.state.sessions
     backfill_id = await services.upload(

@@ -241,6 +241,12 @@ def test_cancel_stops_feeding_and_cancels_the_rest(
         (b'{"custom_id": 7, "input": {"cost": 1}}\n', 422, "line 1: custom_id: must be"),
         (b'{"custom_id": "a", "input": {"cost": NaN}}\n', 422, "line 1: not valid JSON"),
         (b"\xff\xfe\n", 422, "line 1: not UTF-8"),
+        (
+            b'{"custom_id": "\\ud800", "input": {"cost": 1}}\n',
+            422,
+            "line 1: custom_id: must not contain unpaired surrogates",
+        ),
+        (b'{"custom_id": "a", "input": "\\u0000"}\n', 422, "line 1: input: must not contain NUL"),
         (b"", 422, "line 1: the file has no lines"),
         (b"\n\n  \n", 422, "the file has no lines"),
     ],
@@ -321,6 +327,9 @@ def test_another_key_cannot_see_or_cancel_a_backfill(
         assert response.status_code == 404, (method, path)
     assert client.get("/v1/backfills", headers=other).json()["data"] == []
     assert client.get("/v1/backfills/not-an-id", headers=auth).status_code == 404
+    refused = client.get("/v1/jobs", params={"backfill_id": "x\x00"}, headers=auth)
+    assert refused.status_code == 422
+    assert refused.json()["error"]["message"].startswith("backfill_id: not a backfill id")
 
 
 def test_the_end_of_a_backfill_is_pushed_to_its_callback(
