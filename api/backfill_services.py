@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ApiError
 from api.schemas import BackfillResource
-from api.services import is_uuid
+from api.services import owned
 from core import backfills
 from core.catalog import ModelSpec
 from core.db import ApiKey, Backfill, utcnow
@@ -78,10 +78,7 @@ async def upload(
 
 
 def get_backfill(session: Session, key: ApiKey, backfill_id: str) -> Backfill:
-    backfill = session.get(Backfill, backfill_id) if is_uuid(backfill_id) else None
-    if backfill is None or backfill.api_key_id != key.id:
-        raise ApiError(404, "not_found", f"no backfill {backfill_id!r}")
-    return backfill
+    return owned(session, Backfill, key, backfill_id, "backfill")
 
 
 def cancel(session: Session, key: ApiKey, backfill_id: str) -> Backfill:

@@ -8,6 +8,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from sqlalchemy import and_, delete, or_, select, update
@@ -23,7 +24,15 @@ from api.schemas import (
     WebhookSecret,
 )
 from core.catalog import InputError, ModelSpec
-from core.db import TERMINAL_STATUSES, ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
+from core.db import (
+    TERMINAL_STATUSES,
+    ApiKey,
+    Backfill,
+    Job,
+    WebhookAttempt,
+    WebhookDelivery,
+    utcnow,
+)
 from core.estimates import ModelEstimate, estimate_wait_s
 from core.keys import new_webhook_secret, rotate_webhook_secret
 from core.queues import lane_depths, live_workers, model_stats
@@ -33,6 +42,8 @@ from core.streams import JobMessage, stream_key
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.webhooks import add_job_deliveries
+
+Owned = TypeVar("Owned", Job, Backfill)
 
 # Hands new webhook deliveries to Celery (see core.webhooks.DeliveryKicker).
 Kick = Callable[[Sequence[str]], None]
@@ -201,12 +212,19 @@ def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], No
     return check
 
 
+def owned(session: Session, kind: type[Owned], key: ApiKey, row_id: str, noun: str) -> Owned:
+    """The calling key's row of this kind, or a 404.
+
+    Another key's row looks exactly like a missing one.
+    """
+    row = session.get(kind, row_id) if is_uuid(row_id) else None
+    if row is None or row.api_key_id != key.id:
+        raise ApiError(404, "not_found", f"no {noun} {row_id!r}")
+    return row
+
+
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
-    job = session.get(Job, job_id) if is_uuid(job_id) else None
-    if job is None or job.api_key_id != key.id:
-        # Another key's job looks exactly like a missing one.
-        raise ApiError(404, "not_found", f"no job {job_id!r}")
-    return job
+    return owned(session, Job, key, job_id, "job")
 
 
 def cancel_job(session: Session, key: ApiKey, job_id: str, kick: Kick | None = None) -> Job:

@@ -15,9 +15,7 @@ from collections.abc import Iterable
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from core.queues import lane_depths
-from core.settings import LANES
-from core.streams import GROUP, lane_streams
+from core.queues import lane_states
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -120,15 +118,8 @@ def queue_metrics(client: redis.Redis, prefix: str, models: Iterable[str]) -> by
         ["model", "lane"], registry=registry,
     )  # fmt: skip
     for model in models:
-        depths = lane_depths(client, prefix, model)
-        pipe = client.pipeline(transaction=False)
-        streams = lane_streams(prefix, model)
-        for stream in streams:
-            pipe.xpending(stream, GROUP)
-        replies = pipe.execute(raise_on_error=False)
-        for lane, reply in zip(LANES, replies, strict=True):
-            held = int(reply.get("pending", 0)) if isinstance(reply, dict) else 0
-            depth.labels(model, lane).set(depths[lane])
-            pending.labels(model, lane).set(held)
-            lag.labels(model, lane).set(max(depths[lane] - held, 0))
+        for lane, state in lane_states(client, prefix, model).items():
+            depth.labels(model, lane).set(state.depth)
+            pending.labels(model, lane).set(state.pending)
+            lag.labels(model, lane).set(state.lag)
     return generate_latest(registry)

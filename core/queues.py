@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -14,8 +15,18 @@ DEPTH_SCAN_LIMIT = 10_000
 HEARTBEAT_TTL_S = 10.0  # a worker that has not beaten for this long is not live
 
 
-def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
-    """Entries per lane not yet acknowledged: delivered-but-pending plus undelivered."""
+@dataclass(frozen=True)
+class LaneState:
+    pending: int  # read by a worker, not acknowledged yet
+    lag: int  # read by no worker yet
+
+    @property
+    def depth(self) -> int:
+        return self.pending + self.lag
+
+
+def lane_states(client: redis.Redis, prefix: str, model: str) -> dict[str, LaneState]:
+    """Per lane, from the consumer group: entries held by workers and entries not yet read."""
     keys = lane_streams(prefix, model)
     pipe = client.pipeline(transaction=False)
     for key in keys:
@@ -26,26 +37,27 @@ def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
         if present:
             pipe.xinfo_groups(key)
     infos = iter(pipe.execute())
-    depths: dict[str, int] = {}
-    tail_reads: list[tuple[str, str, str]] = []
+    states: dict[str, LaneState] = {}
     for lane, key, present in zip(LANES, keys, exists, strict=True):
         if not present:
-            depths[lane] = 0
+            states[lane] = LaneState(0, 0)
             continue
         group = _group(next(infos))
         if group is None:
-            depths[lane] = int(client.xlen(key))
+            states[lane] = LaneState(0, int(client.xlen(key)))
             continue
-        depths[lane] = int(group.get("pending") or 0)
         lag = group.get("lag")
-        if lag is not None:
-            depths[lane] += int(lag)
-        else:  # Redis < 7 reports no lag: count what follows the last delivered id
-            tail_reads.append((lane, key, str(group.get("last-delivered-id") or "0-0")))
-    for lane, key, last_id in tail_reads:
-        tail: Any = client.xrange(key, min=f"({last_id}", count=DEPTH_SCAN_LIMIT)
-        depths[lane] += len(tail)
-    return depths
+        if lag is None:  # Redis < 7 reports no lag: count what follows the last delivered id
+            last_id = str(group.get("last-delivered-id") or "0-0")
+            tail: Any = client.xrange(key, min=f"({last_id}", count=DEPTH_SCAN_LIMIT)
+            lag = len(tail)
+        states[lane] = LaneState(int(group.get("pending") or 0), int(lag))
+    return states
+
+
+def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
+    """Entries per lane not yet acknowledged: delivered-but-pending plus undelivered."""
+    return {lane: state.depth for lane, state in lane_states(client, prefix, model).items()}
 
 
 def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None = None) -> int:

@@ -8,9 +8,7 @@ scripted: a list of actions played in order, the last one repeated.
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 import json
-import socket
 import ssl
 import threading
 import time
@@ -22,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from standardwebhooks import Webhook, WebhookVerificationError
+
+from tests.e2e.netguard.sitecustomize import patch
 
 
 @dataclass(frozen=True)
@@ -215,36 +215,16 @@ def loopback_only() -> Iterator[list[str]]:
     Yields the list of refused destinations, for assertions.
     """
     refused: list[str] = []
-    original_connect = socket.socket.connect
-    original_connect_ex = socket.socket.connect_ex
 
-    def check(sock: socket.socket, address: Any) -> None:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return
-        host = str(address[0]).split("%", 1)[0]
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False  # a name: Ferry's sender never connects to one
-        if not loopback:
-            refused.append(host)
-            raise NetworkEscape(f"test tried to connect to {host}")
+    def refuse(host: str) -> None:
+        refused.append(host)
+        raise NetworkEscape(f"test tried to connect to {host}")
 
-    def connect(sock: socket.socket, address: Any) -> None:
-        check(sock, address)
-        original_connect(sock, address)
-
-    def connect_ex(sock: socket.socket, address: Any) -> int:
-        check(sock, address)
-        return original_connect_ex(sock, address)
-
-    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
-    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign,assignment]
+    undo = patch(refuse)
     try:
         yield refused
     finally:
-        socket.socket.connect = original_connect  # type: ignore[method-assign]
-        socket.socket.connect_ex = original_connect_ex  # type: ignore[method-assign]
+        undo()
 
 
 def fake_resolver(names: dict[str, list[str]]) -> Callable[[str, int], list[str]]:

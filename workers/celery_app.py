@@ -185,26 +185,29 @@ def create_celery(settings: Settings) -> Celery:
             hold_s,
         )
 
-    redis_url = settings.redis_url
+    # Made once per process (neither connects before it is used).
+    feed_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    kick = DeliveryKicker(settings.redis_url, settings.key_prefix)
 
     # One run at a time (a Redis lock inside); the others return at once.
+    # One feeder per process, so its sweep of cut-off uploads keeps its pace
+    # across runs instead of running at every beat tick.
+    feeders: list[Feeder] = []
+
     @app.task(name=FEED_TASK, shared=False, ignore_result=True)
     def _feed() -> int:
-        client = redis.Redis.from_url(redis_url, decode_responses=True)
-        kick = DeliveryKicker(redis_url, settings.key_prefix)
-        try:
-            feeder = Feeder(
-                database.sessions(),
-                client,
-                settings.key_prefix,
-                outstanding=settings.backfill_outstanding,
-                chunk=settings.backfill_feed_chunk,
-                stale_upload_s=settings.backfill_stale_upload_s,
-                kick=kick,
+        if not feeders:
+            feeders.append(
+                Feeder(
+                    database.sessions(),
+                    feed_client,
+                    settings.key_prefix,
+                    outstanding=settings.backfill_outstanding,
+                    chunk=settings.backfill_feed_chunk,
+                    stale_upload_s=settings.backfill_stale_upload_s,
+                    kick=kick,
+                )
             )
-            return feeder.run(settings.backfill_feed_budget_s)
-        finally:
-            kick.close()
-            client.close()
+        return feeders[0].run(settings.backfill_feed_budget_s)
 
     return app

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.backfills import discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
+from core.metrics import JOBS_FINISHED
 from core.streams import JobMessage, stream_key
 from core.webhooks import add_backfill_delivery
 
@@ -126,7 +127,12 @@ class Feeder:
                 fed += count
                 room -= count
         for backfill in active:
-            self._maybe_finish(backfill.id)
+            # Counts read at the start of this pass: a running backfill that
+            # just got there is finished on the next pass, without a
+            # transaction per pass for each one still running. A cancelling one
+            # was just settled above: look now.
+            if backfill.status == "cancelling" or backfill.done >= backfill.total:
+                self._maybe_finish(backfill.id)
         return bool(active), fed
 
     def _live(self, model: str) -> int:
@@ -217,11 +223,13 @@ class Feeder:
                     .where(Job.id.in_([r.id for r in rows]), Job.status.in_((WAITING, "queued")))
                     .values(status="cancelled", finished_at=now, error="the backfill was cancelled")
                 )
+                count = int(result.rowcount)  # type: ignore[attr-defined]
                 session.execute(
                     update(Backfill)
                     .where(Backfill.id == backfill.id)
-                    .values(cancelled=Backfill.cancelled + result.rowcount)  # type: ignore[attr-defined]
+                    .values(cancelled=Backfill.cancelled + count)
                 )
+            JOBS_FINISHED.labels(backfill.model, "bulk", "cancelled").inc(count)
 
     def _maybe_finish(self, backfill_id: str) -> None:
         now = self.clock()
