@@ -27,6 +27,7 @@ class FerryUp:
             FERRY_API_PORT=str(self.port),
             # Each stack's workers serve /metrics from a port of their own.
             FERRY_METRICS_PORT_BASE=str(free_port()),
+            FERRY_FLOWER_PORT=str(free_port()),
             FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
             PYTHONUNBUFFERED="1",
         )

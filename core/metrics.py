@@ -89,8 +89,8 @@ ENTRIES_RECLAIMED = Counter(
 )
 MEMORY = Gauge(
     "ferry_worker_memory_bytes",
-    "The worker's memory: the process's resident set (kind=in_use); the peak of the last "
-    "batch on a GPU (torch.cuda), the process's peak resident set on the CPU (kind=peak).",
+    "The worker's memory (kind=in_use, peak): on a GPU, what torch.cuda has allocated and "
+    "the peak of the last batch; on the CPU, the process's resident set and its peak.",
     ["model", "kind"],
 )
 

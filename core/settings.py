@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LANES = ("urgent", "vip", "normal", "bulk")
@@ -198,12 +198,30 @@ class Settings(BaseSettings):
     metrics_port_base: int = Field(9400, ge=0, le=65000)
     metrics_host: str = "127.0.0.1"
 
+    # Flower (`ferry up` starts it; `ferry flower` alone). Basic auth: unset,
+    # `ferry up` makes a password, keeps it under data_dir and prints it.
+    flower_host: str = "127.0.0.1"
+    flower_port: int = Field(5555, ge=0, le=65535)  # 0: `ferry up` starts no Flower
+    flower_user: str = Field("ferry", pattern=r"^[^:\s]+$")
+    flower_password: SecretStr | None = None
+    flower_forget_offline_s: int = Field(3600, ge=1)
+    # GPU workers send Celery events (heartbeats, each batch as a task) for Flower.
+    worker_events: bool = True
+
     log_level: str = "INFO"
 
-    @field_validator("redis_url", "database_url", mode="before")
+    @field_validator("redis_url", "database_url", "flower_password", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("flower_password")
+    @classmethod
+    def _flower_password(cls, value: SecretStr | None) -> SecretStr | None:
+        # Flower reads a comma as the start of another user's credentials.
+        if value is not None and (not value.get_secret_value() or "," in value.get_secret_value()):
+            raise ValueError("must be non-empty and contain no comma")
+        return value
 
     @field_validator("webhook_retry_schedule_s")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -43,8 +44,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     configure_logging(settings.log_level, f"worker-{args.model}")
-    _serve_metrics(settings, args.metrics_port)
-    return run_worker(settings, args.model, args.device, args.name)
+    return run_worker(settings, args.model, args.device, args.name, args.metrics_port)
 
 
 def _cmd_celery(args: argparse.Namespace) -> int:
@@ -54,7 +54,8 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, f"celery-{args.role}")
     app = create_celery(settings)
     if args.role == "worker":
-        _serve_metrics(settings, args.metrics_port)
+        if args.metrics_port:
+            _serve_celery_health(settings.metrics_host, args.metrics_port)
         app.worker_main(
             [
                 "worker",
@@ -76,20 +77,48 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_metrics(settings: Any, port: int | None) -> None:
-    """This process's Prometheus metrics at http://FERRY_METRICS_HOST:port/metrics."""
-    if port:
-        import logging
+def _serve_celery_health(host: str, port: int) -> None:
+    """/metrics, /healthz and /readyz (ready from Celery's worker_ready to its shutdown)."""
+    import threading
 
-        from prometheus_client import start_http_server
+    from celery.signals import worker_ready, worker_shutting_down
 
-        try:
-            start_http_server(port, addr=settings.metrics_host)
-        except OSError as exc:
-            # Metrics are not worth failing the worker for; the log says why.
-            logging.getLogger("ferry").error(
-                "metrics not served", extra={"port": port, "error": str(exc)}
-            )
+    from workers.health import serve
+
+    ready = threading.Event()
+
+    def _ready(**_: Any) -> None:
+        ready.set()
+
+    def _stopping(**_: Any) -> None:
+        ready.clear()
+
+    worker_ready.connect(_ready, weak=False)
+    worker_shutting_down.connect(_stopping, weak=False)
+    serve(host, port, ready.is_set)
+
+
+def _cmd_flower(_args: argparse.Namespace) -> int:
+    from workers.celery_app import create_celery
+
+    settings = get_settings()
+    configure_logging(settings.log_level, "flower")
+    if settings.flower_password is None:
+        raise SystemExit("FERRY_FLOWER_PASSWORD is not set (`ferry up` makes one)")
+    app = create_celery(settings)
+    # Through Flower's environment, not its command line (which `ps` shows).
+    password = settings.flower_password.get_secret_value()
+    os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    app.start(
+        [
+            "flower",
+            f"--address={settings.flower_host}",
+            f"--port={settings.flower_port}",
+            # Workers gone for this long leave the Workers page.
+            f"--purge_offline_workers={settings.flower_forget_offline_s}",
+        ]
+    )
+    return 0
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
@@ -140,13 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", required=True)
     worker.add_argument("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)")
     worker.add_argument("--name", help="consumer name (default: host:model:device)")
-    worker.add_argument("--metrics-port", type=int, help="serve /metrics on this port")
+    worker.add_argument(
+        "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port"
+    )
     worker.set_defaults(fn=_cmd_worker)
 
     celery = sub.add_parser("celery", help="run the Celery worker or beat")
     celery.add_argument("role", choices=["worker", "beat"])
-    celery.add_argument("--metrics-port", type=int, help="worker: serve /metrics on this port")
+    celery.add_argument(
+        "--metrics-port", type=int, help="worker: serve /metrics, /healthz and /readyz on this port"
+    )
     celery.set_defaults(fn=_cmd_celery)
+
+    flower = sub.add_parser("flower", help="run Flower (every worker and batch) with basic auth")
+    flower.set_defaults(fn=_cmd_flower)
 
     db = sub.add_parser("db", help="database migrations")
     db_sub = db.add_subparsers(dest="db_command", required=True)

@@ -55,7 +55,11 @@ def start_redis(data_dir: Path, port: int | None = None) -> tuple[subprocess.Pop
         "--protected-mode", "yes",
         "--logfile", str(redis_dir / "redis.log"),
     ]  # fmt: skip
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Own session: a Ctrl-C at the terminal must not stop Redis before the
+    # processes that drain into it (`ferry up` stops it last).
+    process = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 15

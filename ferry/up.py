@@ -1,15 +1,16 @@
 """``ferry up``: the whole stack on one machine, in the foreground.
 
 Starts (or uses) Redis, migrates the database, then runs the API, one worker per
-model, the Celery worker and beat as child processes. Ctrl-C or SIGTERM stops
+model, the Celery worker and beat, and Flower as child processes. Ctrl-C or SIGTERM stops
 them in order: the API first (no new work), then the workers (each finishes
-its batch), then Celery, then the embedded Redis. A child that dies on its own
+its batch), then Celery and Flower, then the embedded Redis. A child that dies on its own
 is restarted with backoff; one that dies five times in a minute stops the stack.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -94,6 +95,19 @@ def dev_key(settings: Settings, data_dir: Path) -> str:
     return token
 
 
+def flower_password(settings: Settings, data_dir: Path) -> str:
+    """FERRY_FLOWER_PASSWORD, or one made for this data dir and kept there (0600)."""
+    if settings.flower_password is not None:
+        return settings.flower_password.get_secret_value()
+    path = data_dir / "flower-password"
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    password = secrets.token_urlsafe(18)
+    path.touch(mode=0o600)
+    path.write_text(password + "\n")
+    return password
+
+
 def up(settings: Settings) -> int:
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +152,9 @@ def up(settings: Settings) -> int:
             )
         )
         children.append(Child("celery-beat", [*python, "celery", "beat"]))
+        if settings.flower_port:
+            env["FERRY_FLOWER_PASSWORD"] = flower_password(settings, data_dir)
+            children.append(Child("flower", [*python, "flower"]))
         for child in children:
             child.start(env)
         base = f"http://{settings.api_host}:{settings.api_port}"
@@ -150,7 +167,7 @@ def up(settings: Settings) -> int:
                 break
             if not announced:
                 if _ready(base):
-                    _banner(settings, base, redis_url, token)
+                    _banner(settings, base, redis_url, token, env.get("FERRY_FLOWER_PASSWORD"))
                     announced = True
                 elif now > ready_deadline:
                     _say(f"the API did not become ready within {READY_TIMEOUT_S:g} s; stopping")
@@ -166,6 +183,7 @@ def up(settings: Settings) -> int:
             "worker-": settings.worker_drain_s + 5.0,
             "celery-beat": MIN_DRAIN_S,
             "celery-worker": MIN_DRAIN_S,
+            "flower": MIN_DRAIN_S,
         }
         for prefix, drain_s in drain.items():
             if not _stop([c for c in children if c.name.startswith(prefix)], drain_s):
@@ -195,7 +213,17 @@ def _port_arg(ports: dict[str, int], name: str) -> list[str]:
     return ["--metrics-port", str(ports[name])] if name in ports else []
 
 
-def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
+def _banner(
+    settings: Settings, base: str, redis_url: str, token: str, flower_password: str | None
+) -> None:
+    flower = (
+        [
+            f"  Flower    http://{settings.flower_host}:{settings.flower_port}"
+            f"   (user {settings.flower_user}, password {flower_password})"
+        ]
+        if flower_password is not None
+        else []
+    )
     lines = [
         "",
         "Ferry is up.",
@@ -205,6 +233,7 @@ def _banner(settings: Settings, base: str, redis_url: str, token: str) -> None:
         f"  Models    {', '.join(settings.model_names)}",
         f"  API key   {token}",
         f"  Webhooks  signed with the secret at GET {base}/v1/webhook-secret",
+        *flower,
         "  Metrics   "
         + ", ".join(
             [f"api {base}/metrics"]

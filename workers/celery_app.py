@@ -115,6 +115,15 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
     return count
 
 
+def celery_for_events(settings: Settings) -> Celery:
+    """An app on Ferry's broker that only sends events (a GPU worker's, for Flower)."""
+    if not settings.redis_url:
+        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
+    app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(event_serializer="json", broker_connection_retry_on_startup=True)
+    return app
+
+
 def create_celery(settings: Settings) -> Celery:
     if not settings.redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
@@ -122,6 +131,7 @@ def create_celery(settings: Settings) -> Celery:
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
+        event_serializer="json",
         worker_send_task_events=True,
         task_send_sent_event=True,
         task_acks_late=True,

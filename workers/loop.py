@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import threading
 import time
@@ -28,7 +29,8 @@ from scheduler.policy import efficiency
 from workers.consumer import Entry, StreamConsumer
 from workers.execute import run_isolating
 from workers.observe import LoopMetrics
-from workers.recorder import Outcome, Recorder
+from workers.presence import BatchEvents
+from workers.recorder import Claimed, Outcome, Recorder
 from workers.runtimes.base import Runtime
 from workers.scheduling import Policy, estimate_of
 
@@ -80,6 +82,7 @@ class BatchLoop:
         drain_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         kick: Callable[[list[str]], None] | None = None,
+        events: BatchEvents | None = None,
     ) -> None:
         self.runtime = runtime
         self.consumer = consumer
@@ -95,7 +98,11 @@ class BatchLoop:
         self.clock = clock
         # Hands new webhook deliveries to Celery once their jobs are acknowledged.
         self.kick = kick
-        self.metrics = LoopMetrics(consumer.model)
+        self.metrics = LoopMetrics(consumer.model, runtime.device)
+        # Each batch as a Celery task, for Flower (workers.presence).
+        self.events = events
+        # Set once the worker reads its streams; cleared when it stops (the /readyz of its port).
+        self.ready = threading.Event()
         # Terminal statuses written and not yet acknowledged, for the metrics.
         self._written_status: dict[str, str] = {}
         self._stop = threading.Event()
@@ -113,6 +120,7 @@ class BatchLoop:
         self._stop = stop
         self._retrying(stop, self.consumer.ensure_groups)
         self._retrying(stop, self._publish)
+        self.ready.set()
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
         wait_ms: int | None = MAX_BLOCK_MS
         backoff_s = RETRY_MIN_S
@@ -138,6 +146,7 @@ class BatchLoop:
                         self.consumer.ensure_groups()
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 wait_ms = MAX_BLOCK_MS
+        self.ready.clear()
         # Entries read but not run stay unacknowledged; this consumer name gets
         # them back at its next start.
         with contextlib.suppress(redis.RedisError):
@@ -262,6 +271,38 @@ class BatchLoop:
         )
         costs = [by_job[job.job_id].message.cost for job in claimed]
         self.metrics.started([by_job[job.job_id].message for job in claimed], self.clock())
+        started = time.perf_counter()
+        run = functools.partial(
+            self._run_claimed, batch_id, entries, claimed, costs, written, decision, started
+        )
+        if not claimed or self.events is None:
+            run()
+            return
+        lanes = [by_job[job.job_id].message.lane for job in claimed]
+        self.events.batch_started(batch_id, len(claimed), sum(costs), lanes, decision.predicted_s)
+        try:
+            failed = run()
+        except BaseException as exc:
+            # Its jobs were not recorded: they stay pending and run again in another batch.
+            self.events.batch_finished(
+                batch_id, time.perf_counter() - started, len(claimed), len(claimed),
+                error=f"{type(exc).__name__} (not recorded; its jobs will run again)",
+            )  # fmt: skip
+            raise
+        self.events.batch_finished(batch_id, time.perf_counter() - started, len(claimed), failed)
+
+    def _run_claimed(
+        self,
+        batch_id: str,
+        entries: list[Entry],
+        claimed: list[Claimed],
+        costs: list[int],
+        written: list[str],
+        decision: BatchDecision,
+        started: float,
+    ) -> int:
+        """Run the claimed jobs, record and acknowledge; returns how many failed."""
+        by_job = {e.message.job_id: e for e in entries}
         ooms = 0
 
         def out_of_memory(start: int, end: int) -> None:
@@ -274,7 +315,6 @@ class BatchLoop:
                        "memory_ceiling_bytes": round(self.state.memory_ceiling)},
             )  # fmt: skip
 
-        started = time.perf_counter()
         results = run_isolating(self.runtime.run, [c.input for c in claimed], on_oom=out_of_memory)
         batch_s = time.perf_counter() - started
         outcomes = [
@@ -331,6 +371,7 @@ class BatchLoop:
                 "failed": sum(1 for r in results if not r.ok),
             },
         )
+        return sum(1 for r in results if not r.ok)
 
     def _work(self, costs: list[int]) -> float:
         if not costs:

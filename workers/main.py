@@ -13,8 +13,12 @@ import redis
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
 from core.webhooks import DeliveryKicker
+from workers.celery_app import celery_for_events
 from workers.consumer import StreamConsumer
+from workers.gpu_stats import register_gpu_metrics
+from workers.health import serve
 from workers.loop import BatchLoop
+from workers.presence import CeleryPresence
 from workers.recorder import Recorder
 from workers.runtimes import load_runtime
 from workers.scheduling import build_state, make_policy
@@ -61,9 +65,21 @@ def build_loop(
 
 
 def run_worker(
-    settings: Settings, model: str, device: str | None = None, name: str | None = None
+    settings: Settings,
+    model: str,
+    device: str | None = None,
+    name: str | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     loop = build_loop(settings, model, device, name)
+    if metrics_port:
+        serve(settings.metrics_host, metrics_port, loop.ready.is_set)
+        register_gpu_metrics(model, loop.runtime.device)
+    presence = None
+    if settings.worker_events:
+        presence = CeleryPresence(celery_for_events(settings), model, loop.consumer.consumer)
+        loop.events = presence
+        presence.start()
     stop = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -73,5 +89,9 @@ def run_worker(
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    loop.run(stop)
+    try:
+        loop.run(stop)
+    finally:
+        if presence is not None:
+            presence.stop()
     return 0

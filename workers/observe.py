@@ -25,8 +25,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class LoopMetrics:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, device: str = "cpu") -> None:
         self.model = model
+        self.device = device
 
     def started(self, messages: Iterable[JobMessage], now_s: float) -> None:
         for message in messages:
@@ -62,7 +63,11 @@ class LoopMetrics:
         MEMORY.labels(self.model, "peak").set(
             peak_memory_bytes if peak_memory_bytes is not None else _peak_resident_bytes()
         )
-        MEMORY.labels(self.model, "in_use").set(_resident_bytes())
+        MEMORY.labels(self.model, "in_use").set(
+            _cuda_allocated_bytes(self.device)
+            if self.device.startswith("cuda")
+            else _resident_bytes()
+        )
 
     def reclaimed(self, count: int) -> None:
         if count:
@@ -79,6 +84,13 @@ def _peak_resident_bytes() -> float:
     except ImportError:  # not on this platform
         return 0.0
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+
+
+def _cuda_allocated_bytes(device: str) -> float:
+    """What the caching allocator has handed out on the worker's device."""
+    import torch
+
+    return float(torch.cuda.memory_allocated(torch.device(device)))
 
 
 def _resident_bytes() -> float:

@@ -60,6 +60,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     env.update(
         FERRY_API_PORT=str(port),
+        FERRY_METRICS_PORT_BASE=str(free_port()),
+        FERRY_FLOWER_PORT=str(free_port()),
         FERRY_SIM_LATENCY_BASE_MS="40",
         FERRY_BATCH_WINDOW_MIN_MS="20",
         FERRY_BATCH_WINDOW_MAX_MS="20",

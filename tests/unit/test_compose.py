@@ -6,6 +6,7 @@ test asks ``docker-compose config`` itself when it is installed.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -131,7 +132,15 @@ def test_ferry_services_share_the_image_build_and_environment(
     reference = services["api"]
     for name in FERRY_SERVICES:
         service = services[name]
-        assert service["environment"] == reference["environment"], name
+        if name == "flower":
+            # Flower's own settings come on top; the Flower password reaches no other service.
+            shared = {
+                k: v for k, v in service["environment"].items() if k in reference["environment"]
+            }
+            assert shared == reference["environment"]
+            assert not any("FLOWER" in key for key in reference["environment"])
+        else:
+            assert service["environment"] == reference["environment"], name
         assert service["build"]["context"] == reference["build"]["context"] == "."
         assert service["build"].get("dockerfile", "Dockerfile") == "Dockerfile"
         if name != "gpu-worker":
@@ -189,19 +198,54 @@ def test_the_api_listens_publicly_and_is_health_checked(
     assert "/healthz" in " ".join(check)
 
 
-def test_flower_needs_a_password(services: dict[str, dict[str, Any]]) -> None:
+def test_flower_runs_behind_a_password_that_must_be_set(
+    services: dict[str, dict[str, Any]],
+) -> None:
     flower = services["flower"]
-    assert argv(flower["entrypoint"]) == ["celery"]
-    args = argv(flower["command"])
-    assert "flower" in args
-    options = option_values(args)
-    assert options.get("--broker") == services["api"]["environment"]["FERRY_REDIS_URL"]
-    assert options.get("--port") == "5555"
-    user, _, password = interpolate(options["--basic-auth"], {}).partition(":")
-    assert user
-    assert password
-    assert "${FLOWER_PASSWORD" in options["--basic-auth"], "the password must be settable"
+    # `ferry flower`: the same Celery app (broker, queues) as the workers.
+    assert argv(flower["command"]) == ["flower"]
+    assert "entrypoint" not in flower
+    env = flower["environment"]
+    assert env["FERRY_FLOWER_HOST"] == "0.0.0.0"
+    assert env["FERRY_FLOWER_PORT"] == "5555"
+    assert interpolate(env["FERRY_FLOWER_USER"], {})
+    # No default: compose refuses to start without one (${FLOWER_PASSWORD:?...}).
+    assert str(env["FERRY_FLOWER_PASSWORD"]).startswith("${FLOWER_PASSWORD:?")
     assert any(str(port).endswith("5555") for port in flower["ports"])
+    assert "/healthcheck" in " ".join(argv(flower["healthcheck"]["test"]))
+
+
+def test_every_worker_serves_metrics_and_readiness(services: dict[str, dict[str, Any]]) -> None:
+    assert services["api"]["environment"]["FERRY_METRICS_HOST"] == "0.0.0.0"
+    for name in ("gpu-worker", "sim-worker", "celery-worker"):
+        service = services[name]
+        assert option_values(argv(service["command"])).get("--metrics-port") == "9400", name
+        check = " ".join(argv(service["healthcheck"]["test"]))
+        assert "127.0.0.1:9400/readyz" in check, name
+
+
+def test_prometheus_and_grafana_use_the_repository_configuration(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    prometheus = services["prometheus"]
+    config = option_values(argv(prometheus["command"]))["--config.file"]
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in prometheus["volumes"]}
+    assert (ROOT / mounts[config]).is_file()
+    assert any(str(port).endswith("9090") for port in prometheus["ports"])
+
+    grafana = services["grafana"]
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in grafana["volumes"]}
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    assert (provisioning / "datasources").is_dir()
+    assert (provisioning / "dashboards").is_dir()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    folder, _, file = home.rpartition("/")
+    assert (ROOT / mounts[folder] / file).is_file()
+    assert str(grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"]).startswith(
+        "${GRAFANA_PASSWORD:?"
+    )
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "prometheus" in depends_on(grafana)
 
 
 def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
@@ -221,7 +265,7 @@ def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
     assert users[-1] not in {"root", "0"}
 
 
-def test_docker_compose_accepts_the_file() -> None:
+def _compose_command() -> list[str]:
     # Compose v1 (Debian's docker-compose) or the v2 plugin of the docker CLI.
     if shutil.which("docker-compose"):
         command = ["docker-compose"]
@@ -239,12 +283,38 @@ def test_docker_compose_accepts_the_file() -> None:
             "own validation cannot run here (.ci/run installs docker-compose where it can); "
             "the other tests in this module still check the file's structure"
         )
-    result = subprocess.run(
-        [*command, "--file", str(COMPOSE_FILE), "config", "-q"],
+    return command
+
+
+def _compose_config(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    return subprocess.run(
+        # Only the given variables: a developer's own .env must not answer for them.
+        [
+            *_compose_command(),
+            "--env-file",
+            str(empty),
+            "--file",
+            str(COMPOSE_FILE),
+            "config",
+            "-q",
+        ],
         cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.endswith("_PASSWORD")} | env,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
+    result = _compose_config({"FLOWER_PASSWORD": "f", "GRAFANA_PASSWORD": "g"}, tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+def test_docker_compose_refuses_to_run_without_the_flower_password(tmp_path: Path) -> None:
+    result = _compose_config({"GRAFANA_PASSWORD": "g"}, tmp_path)
+    assert result.returncode != 0
+    assert "FLOWER_PASSWORD" in result.stderr

@@ -127,6 +127,9 @@ def test_model_names(monkeypatch: pytest.MonkeyPatch, models: str, expected: lis
         ("FERRY_MINILM_OVERLENGTH", "drop"),
         ("FERRY_MINILM_MAX_TOKENS", "513"),
         ("FERRY_RESULT_TTL_S", "0"),
+        ("FERRY_FLOWER_PASSWORD", "a,b"),  # Flower reads a comma as another user
+        ("FERRY_FLOWER_USER", "a:b"),
+        ("FERRY_FLOWER_PORT", "65536"),
     ],
 )
 def test_invalid_values_are_rejected(
