@@ -87,6 +87,11 @@ ENTRIES_RECLAIMED = Counter(
     "Stream entries taken over from a worker that stopped acknowledging them.",
     ["model"],
 )
+EVENTS_DROPPED = Counter(
+    "ferry_worker_events_dropped_total",
+    "Celery events (heartbeats, batches) a GPU worker could not send to Flower's broker.",
+    ["model"],
+)
 MEMORY = Gauge(
     "ferry_worker_memory_bytes",
     "The worker's memory (kind=in_use, peak): on a GPU, what torch.cuda has allocated and "

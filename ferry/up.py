@@ -45,11 +45,16 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     crashes: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
+    # Settings for this child only (a secret the others must not see).
+    own_env: dict[str, str] = field(default_factory=dict)
+    # A crash loop of a child that is not critical (Flower) stops only that child.
+    critical: bool = True
+    given_up: bool = False
 
     def start(self, env: dict[str, str]) -> None:
         # Own process group: Ctrl-C reaches only `ferry up`, which stops
         # the children in order.
-        self.process = subprocess.Popen(self.args, env=env, start_new_session=True)
+        self.process = subprocess.Popen(self.args, env=env | self.own_env, start_new_session=True)
         self.restart_at = None
 
     def check(self, now: float, env: dict[str, str]) -> bool:
@@ -58,13 +63,18 @@ class Child:
             if now >= self.restart_at:
                 self.start(env)
             return True
-        if self.process is None or self.process.poll() is None:
+        if self.given_up or self.process is None or self.process.poll() is None:
             return True
         self.crashes.append(now)
         while self.crashes and now - self.crashes[0] > CRASH_WINDOW_S:
             self.crashes.popleft()
         code = self.process.returncode
         if len(self.crashes) >= CRASH_LIMIT:
+            if not self.critical:
+                _say(f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; "
+                     "it stays stopped, the rest of Ferry runs on")  # fmt: skip
+                self.given_up = True
+                return True
             _say(f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; stopping")
             return False
         delay = min(2.0 ** (len(self.crashes) - 1), 30.0)
@@ -100,11 +110,16 @@ def flower_password(settings: Settings, data_dir: Path) -> str:
     if settings.flower_password is not None:
         return settings.flower_password.get_secret_value()
     path = data_dir / "flower-password"
-    if path.exists() and path.read_text().strip():
+    if path.is_file() and not path.is_symlink() and path.read_text().strip():
+        path.chmod(0o600)
         return path.read_text().strip()
     password = secrets.token_urlsafe(18)
-    path.touch(mode=0o600)
-    path.write_text(password + "\n")
+    # Written private from its first byte, then put in place whole.
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(password + "\n")
+    os.replace(temporary, path)
     return password
 
 
@@ -152,9 +167,17 @@ def up(settings: Settings) -> int:
             )
         )
         children.append(Child("celery-beat", [*python, "celery", "beat"]))
+        password = None
         if settings.flower_port:
-            env["FERRY_FLOWER_PASSWORD"] = flower_password(settings, data_dir)
-            children.append(Child("flower", [*python, "flower"]))
+            password = flower_password(settings, data_dir)
+            children.append(
+                Child(
+                    "flower",
+                    [*python, "flower"],
+                    own_env={"FERRY_FLOWER_PASSWORD": password},
+                    critical=False,
+                )
+            )
         for child in children:
             child.start(env)
         base = f"http://{settings.api_host}:{settings.api_port}"
@@ -167,7 +190,7 @@ def up(settings: Settings) -> int:
                 break
             if not announced:
                 if _ready(base):
-                    _banner(settings, base, redis_url, token, env.get("FERRY_FLOWER_PASSWORD"))
+                    _banner(settings, base, redis_url, token, password)
                     announced = True
                 elif now > ready_deadline:
                     _say(f"the API did not become ready within {READY_TIMEOUT_S:g} s; stopping")

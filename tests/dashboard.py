@@ -12,7 +12,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "ferry.json"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 
-METRIC = re.compile(r"\b((?:ferry|flower)_[a-z0-9_]+)\b")
+METRIC = re.compile(r"\b(ferry_[a-z0-9_]+)\b")
 HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
 
 

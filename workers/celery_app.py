@@ -115,23 +115,36 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
     return count
 
 
-def celery_for_events(settings: Settings) -> Celery:
-    """An app on Ferry's broker that only sends events (a GPU worker's, for Flower)."""
+def _on_broker(settings: Settings) -> Celery:
+    """A Celery app on Ferry's broker: what the Celery worker, Flower and GPU workers share."""
     if not settings.redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
     app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
-    app.conf.update(event_serializer="json", broker_connection_retry_on_startup=True)
+    app.conf.update(task_serializer="json", accept_content=["json"], event_serializer="json")
+    return app
+
+
+def celery_for_events(settings: Settings) -> Celery:
+    """An app for a GPU worker's events and remote-control answers (Flower).
+
+    Short timeouts and no connection retries: a broker that is down or hung
+    costs the sender thread two seconds, never an unbounded wait.
+    """
+    app = _on_broker(settings)
+    app.conf.update(
+        broker_connection_timeout=2.0,
+        broker_connection_retry=False,
+        broker_transport_options={
+            "max_retries": 0, "socket_timeout": 2.0, "socket_connect_timeout": 2.0,
+        },
+    )  # fmt: skip
     return app
 
 
 def create_celery(settings: Settings) -> Celery:
-    if not settings.redis_url:
-        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
-    app = Celery("ferry", broker=settings.redis_url, set_as_current=True)
+    app = _on_broker(settings)
+    app.set_current()
     app.conf.update(
-        task_serializer="json",
-        accept_content=["json"],
-        event_serializer="json",
         worker_send_task_events=True,
         task_send_sent_event=True,
         task_acks_late=True,
@@ -196,8 +209,9 @@ def create_celery(settings: Settings) -> Celery:
         )
 
     # Made once per process (neither connects before it is used).
-    feed_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    kick = DeliveryKicker(settings.redis_url, settings.key_prefix)
+    redis_url = str(settings.redis_url)  # checked by _on_broker
+    feed_client = redis.Redis.from_url(redis_url, decode_responses=True)
+    kick = DeliveryKicker(redis_url, settings.key_prefix)
 
     # One run at a time (a Redis lock inside); the others return at once.
     # One feeder per process, so its sweep of cut-off uploads keeps its pace

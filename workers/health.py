@@ -25,6 +25,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # an idle or trickling client gives up its thread
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would drown the worker's log."""
 

@@ -128,7 +128,10 @@ class BatchLoop:
             try:
                 wait_ms = self.step(wait_ms)
                 backoff_s = RETRY_MIN_S
+                if not stop.is_set():
+                    self.ready.set()
             except (redis.RedisError, SQLAlchemyError) as exc:
+                self.ready.clear()  # it can run nothing until Redis and the database are back
                 # Whatever was read but not recorded is still pending in Redis:
                 # forget the local copy and read it again once things are back.
                 log.warning(
@@ -286,7 +289,8 @@ class BatchLoop:
             # Its jobs were not recorded: they stay pending and run again in another batch.
             self.events.batch_finished(
                 batch_id, time.perf_counter() - started, len(claimed), len(claimed),
-                error=f"{type(exc).__name__} (not recorded; its jobs will run again)",
+                error=f"{type(exc).__name__} while running or recording it "
+                "(jobs not acknowledged run again)",
             )  # fmt: skip
             raise
         self.events.batch_finished(batch_id, time.perf_counter() - started, len(claimed), failed)
@@ -476,6 +480,7 @@ class BatchLoop:
         """Stop after the current batch (a signal handler calls this)."""
         if self._stop_requested_at is None:
             self._stop_requested_at = time.monotonic()
+        self.ready.clear()  # draining: /readyz says so at once
         self._stop.set()
 
     def _drain_left_s(self) -> float | None:

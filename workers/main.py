@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 from types import FrameType
+from typing import Any
 
 import redis
 
@@ -15,6 +16,7 @@ from core.settings import Settings
 from core.webhooks import DeliveryKicker
 from workers.celery_app import celery_for_events
 from workers.consumer import StreamConsumer
+from workers.control import ControlResponder
 from workers.gpu_stats import register_gpu_metrics
 from workers.health import serve
 from workers.loop import BatchLoop
@@ -71,15 +73,25 @@ def run_worker(
     name: str | None = None,
     metrics_port: int | None = None,
 ) -> int:
-    loop = build_loop(settings, model, device, name)
+    # The port answers while the model loads (/readyz 503 until the loop reads its streams).
+    loops: list[BatchLoop] = []
     if metrics_port:
-        serve(settings.metrics_host, metrics_port, loop.ready.is_set)
+        serve(settings.metrics_host, metrics_port, lambda: bool(loops) and loops[0].ready.is_set())
+    loop = build_loop(settings, model, device, name)
+    loops.append(loop)
+    if metrics_port:
         register_gpu_metrics(model, loop.runtime.device)
-    presence = None
+    presence = control = None
     if settings.worker_events:
-        presence = CeleryPresence(celery_for_events(settings), model, loop.consumer.consumer)
+        app = celery_for_events(settings)
+        presence = CeleryPresence(app, model, loop.consumer.consumer)
         loop.events = presence
         presence.start()
+        control = ControlResponder(
+            app, presence, settings.key_prefix, lambda: worker_facts(loop),
+            worker_conf(settings.for_model(model), loop),
+        )  # fmt: skip
+        control.start()
     stop = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -92,6 +104,35 @@ def run_worker(
     try:
         loop.run(stop)
     finally:
+        if control is not None:
+            control.stop()
         if presence is not None:
             presence.stop()
     return 0
+
+
+def worker_facts(loop: BatchLoop) -> dict[str, Any]:
+    """What Flower's worker page shows beside Celery's own figures."""
+    stats = loop.stats
+    return {
+        "model": loop.model,
+        "device": loop.runtime.device,
+        # Not "consumer": Celery uses that key for its own consumer stats, which Flower reads.
+        "stream_consumer": loop.consumer.consumer,
+        "ready": loop.ready.is_set(),
+        "pending_entries": len(loop.pending),
+        "batches": stats.batches,
+        "jobs": stats.jobs,
+        "avg_batch_ms": round(stats.avg_batch_ms, 2),
+        "avg_batch_size": round(stats.avg_batch_size, 2),
+        "efficiency": round(stats.efficiency, 3),
+        "window_ms": None if loop.state.window_s is None else round(loop.state.window_s * 1e3, 2),
+    }
+
+
+def worker_conf(settings: Settings, loop: BatchLoop) -> dict[str, Any]:
+    """The batching settings in force (no URLs, no secrets)."""
+    names = ("scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
+             "batch_window_max_ms", "latency_target_ms", "memory_threshold", "bulk_share",
+             "max_attempts", "visibility_timeout_s", "worker_drain_s")  # fmt: skip
+    return {"prefetch": loop.prefetch} | {name: getattr(settings, name) for name in names}

@@ -16,6 +16,7 @@ offline, which is the truth as far as it can tell).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,6 +27,8 @@ from typing import Any, Protocol
 
 import celery
 from celery import Celery
+
+from core.metrics import EVENTS_DROPPED
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +81,10 @@ class CeleryPresence:
         self._dispatcher: Any = None
         self._connection: Any = None
         self._broken_until = 0.0
-        self._active = 0
-        self._processed = 0
+        self._stopping = threading.Event()
+        # Read by the remote-control thread (workers.control); each is replaced whole.
+        self.processed = 0
+        self.current: dict[str, Any] | None = None
 
     # The batch loop's side: never blocks.
 
@@ -87,7 +92,6 @@ class CeleryPresence:
         self, batch_id: str, size: int, cost: int, lanes: Sequence[str], predicted_s: float
     ) -> None:
         now = self.clock()
-        self._active = 1
         counts = {lane: lanes.count(lane) for lane in dict.fromkeys(lanes)}
         kwargs = {
             "size": size,
@@ -95,6 +99,10 @@ class CeleryPresence:
             "lanes": counts,
             "predicted_ms": round(predicted_s * 1000.0, 2),
         }
+        self.current = {
+            "id": batch_id, "name": task_name(self.model), "args": "()",
+            "kwargs": repr(kwargs), "time_start": now,
+        }  # fmt: skip
         self._put(
             "task-received",
             uuid=batch_id,
@@ -114,8 +122,8 @@ class CeleryPresence:
         self, batch_id: str, runtime_s: float, size: int, failed: int, error: str | None = None
     ) -> None:
         """``failed``: jobs of the batch that failed; ``error``: why the batch itself broke off."""
-        self._active = 0
-        self._processed += 1
+        self.current = None
+        self.processed += 1
         now = self.clock()
         if error is None and failed:
             # A batch whose jobs failed is a failed task: that is what an operator
@@ -137,7 +145,11 @@ class CeleryPresence:
         try:
             self._queue.put_nowait((kind, fields))
         except queue.Full:
-            self.dropped += 1
+            self._dropped(kind)
+
+    def _dropped(self, kind: str) -> None:
+        EVENTS_DROPPED.labels(self.model).inc()
+        self.dropped += 1
 
     # The sender thread.
 
@@ -149,7 +161,10 @@ class CeleryPresence:
         """Send what is queued, then ``worker-offline``; returns within about ``timeout_s``."""
         if self._thread is None:
             return
-        self._queue.put(None)
+        self._stopping.set()
+        # Wakes the sender if it waits on an empty queue; a full one is drained anyway.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
         self._thread.join(timeout_s)
         self._thread = None
 
@@ -160,29 +175,33 @@ class CeleryPresence:
             try:
                 item = self._queue.get(timeout=max(next_beat - time.monotonic(), 0.0))
             except queue.Empty:
-                item = ("worker-heartbeat", {})
-            if item is None:
+                item = None if self._stopping.is_set() else ("worker-heartbeat", {})
+            if item is None and self._stopping.is_set() and self._queue.empty():
+                # Even right after a failure, the goodbye is worth one try.
+                self._broken_until = 0.0
                 self._send("worker-offline", self._worker_fields())
                 self._close()
                 return
-            kind, fields = item
-            if kind == "worker-heartbeat":
-                fields = self._worker_fields()
+            beat = item is not None and item[0] == "worker-heartbeat"
+            if item is not None and not beat:
+                self._send(*item)
+            # A backlog of batch events must not starve the heartbeat.
+            if beat or time.monotonic() >= next_beat:
+                self._send("worker-heartbeat", self._worker_fields())
                 next_beat = time.monotonic() + self.heartbeat_s
-            self._send(kind, fields)
 
     def _worker_fields(self) -> dict[str, Any]:
         return {
             "freq": self.heartbeat_s,
-            "active": self._active,
-            "processed": self._processed,
+            "active": 0 if self.current is None else 1,
+            "processed": self.processed,
             "loadavg": [round(x, 2) for x in os.getloadavg()],
             **SOFTWARE,
         }
 
     def _send(self, kind: str, fields: dict[str, Any]) -> None:
         if time.monotonic() < self._broken_until:
-            self.dropped += 1
+            self._dropped(kind)
             return
         try:
             if self._dispatcher is None:
@@ -192,7 +211,7 @@ class CeleryPresence:
                 )
             self._dispatcher.send(kind, **fields)
         except Exception as exc:  # whatever the transport raises; a batch never waits on it
-            self.dropped += 1
+            self._dropped(kind)
             log.warning(
                 "celery event not sent; retrying later",
                 extra={"model": self.model, "event": kind, "error_type": type(exc).__name__},

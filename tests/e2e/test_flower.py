@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -185,6 +186,24 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
         )
         _until(lambda: online("ferry-celery@"), what="the Celery worker online", seen=table)
         _shoot(browser, tmp_path, "flower-workers")
+
+        # A GPU worker's own page: Flower inspects it, and it answers with what it is.
+        name = str(_worker_row(browser, own)).split(" | ")[0]
+        browser.get(f"{flower.url}/worker/{quote(name)}")
+        _until(lambda: "ferry.batch.sim" in browser.page_source, what="the worker's page")
+        # The "Other" tab: what Ferry adds (model, device, consumer, batch figures).
+        browser.find_element(By.ID, "worker-tab-other").click()
+        _until(
+            lambda: "show" in str(browser.find_element(By.ID, "tab-other").get_attribute("class")),
+            what="the Other tab",
+        )
+        time.sleep(0.5)  # its fade-in, for the screenshot
+        _shoot(browser, tmp_path, "flower-worker")
+        # Flower humanizes names ("avg_batch_ms" shows as "Avg batch ms").
+        page = browser.page_source.lower().replace("_", " ")
+        # Its pool, its batch figures and its four streams (the stack's default key prefix).
+        for text in ("ferry batch loop", "avg batch ms", "stream consumer", "ferry:{sim}:urgent"):
+            assert text in page, text
     finally:
         extra.send_signal(signal.SIGTERM)
         try:
@@ -194,6 +213,7 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
             raise
 
     # Stopped: offline (its worker-offline event), while the stack's worker stays online.
+    browser.get(f"{flower.url}/workers")
     _until(
         lambda: "Offline" in (_worker_row(browser, "ferry-sim@extra-sim") or ""),
         what="the stopped worker offline",
@@ -227,7 +247,7 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
     assert batch_id, failed
     browser.get(f"{flower.url}/task/{batch_id.group()}")
     page = _until(lambda: browser.find_element(By.TAG_NAME, "body").text, what="task page")
-    for text in ("ferry.batch.sim", "FAILURE", "'size': ", "'cost': ", "'lanes': {'normal': ",
+    for text in ("ferry.batch.sim", "FAILURE", "'size': ", "'cost': ", "'lanes': {", "'normal': ",
                  "jobs failed", "ferry-sim@"):  # fmt: skip
         assert text in page, (text, page)
     _shoot(browser, tmp_path, "flower-batch")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,11 +16,15 @@ import pytest
 from celery import Celery
 from celery.events.state import State
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from workers.celery_app import celery_for_events
-from workers.presence import CeleryPresence, node_name
+from workers.control import ControlResponder
+from workers.loop import BatchLoop
+from workers.main import worker_conf, worker_facts
+from workers.presence import QUEUE_MAX, CeleryPresence, node_name
 
 
 class Watcher:
@@ -58,6 +63,15 @@ class Watcher:
             time.sleep(0.05)
 
 
+def _worker(app: Celery, settings: Settings) -> tuple[BatchLoop, CeleryPresence]:
+    """A sim worker loop of its own name, reporting through Celery events (fast heartbeats)."""
+    consumer = f"test-{secrets.token_hex(4)}"
+    loop = build_sim_loop(settings, consumer)
+    presence = CeleryPresence(app, "sim", consumer, heartbeat_s=0.5)
+    loop.events = presence
+    return loop, presence
+
+
 @pytest.fixture
 def app(settings: Settings) -> Iterator[Celery]:
     app = celery_for_events(settings)
@@ -68,11 +82,9 @@ def app(settings: Settings) -> Iterator[Celery]:
 def test_a_worker_and_its_batches_show_as_a_celery_worker_and_tasks(
     app: Celery, settings: Settings, client: TestClient, auth: dict[str, str]
 ) -> None:
-    consumer = f"test-{secrets.token_hex(4)}"
-    hostname = node_name("sim", consumer)
-    loop = build_sim_loop(settings, consumer)
-    presence = CeleryPresence(app, "sim", consumer, heartbeat_s=0.5)
-    loop.events = presence
+    loop, presence = _worker(app, settings)
+    hostname, consumer = presence.hostname, loop.consumer.consumer
+    assert hostname == node_name("sim", consumer) == f"ferry-sim@{consumer}"
     with Watcher(app) as watcher:
         presence.start()
         watcher.until(lambda: hostname in watcher.state.workers)
@@ -133,18 +145,104 @@ def test_a_worker_and_its_batches_show_as_a_celery_worker_and_tasks(
     assert presence.dropped == 0
 
 
-def test_an_unreachable_broker_never_holds_up_the_worker(settings: Settings) -> None:
-    unreachable = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
-    presence = CeleryPresence(celery_for_events(unreachable), "sim", "nowhere", heartbeat_s=0.2)
+@pytest.fixture
+def silent_broker() -> Iterator[str]:
+    """A 'Redis' that accepts connections and never answers (hung, or half-open)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    server.close()
+    for connection in accepted:
+        connection.close()
+
+
+@pytest.mark.parametrize("broker", ["refused", "silent"])
+def test_a_broker_that_is_down_or_hung_never_holds_up_the_worker(
+    settings: Settings, silent_broker: str, broker: str
+) -> None:
+    url = "redis://127.0.0.1:1/0" if broker == "refused" else silent_broker
+    presence = CeleryPresence(
+        celery_for_events(settings.model_copy(update={"redis_url": url})), "sim", "nowhere",
+        heartbeat_s=0.2,
+    )  # fmt: skip
+    dropped_before = _dropped("sim")
     presence.start()
     started = time.monotonic()
-    for number in range(200):
+    # More than the queue holds: the rest is dropped, never waited for.
+    for number in range(QUEUE_MAX):
         presence.batch_started(f"b{number}", 1, 1, ["normal"], 0.01)
         presence.batch_finished(f"b{number}", 0.01, 1, 0)
-    assert time.monotonic() - started < 0.5
-    presence.stop(timeout_s=10)
-    assert presence.dropped > 0
+    assert time.monotonic() - started < 2.0
+    stopping = time.monotonic()
+    presence.stop(timeout_s=3)
+    assert time.monotonic() - stopping < 4.0
+    assert presence.dropped >= QUEUE_MAX
+    assert _dropped("sim") - dropped_before == presence.dropped
+
+
+def _dropped(model: str) -> float:
+    return REGISTRY.get_sample_value("ferry_worker_events_dropped_total", {"model": model}) or 0.0
 
 
 def _kwargs(task: Any) -> dict[str, Any]:
     return dict(ast.literal_eval(task.kwargs))
+
+
+def test_a_worker_answers_the_inspections_flower_makes(
+    app: Celery, settings: Settings, client: TestClient, auth: dict[str, str]
+) -> None:
+    loop, presence = _worker(app, settings)
+    hostname, consumer = presence.hostname, loop.consumer.consumer
+    responder = ControlResponder(
+        app, presence, settings.key_prefix, lambda: worker_facts(loop),
+        worker_conf(settings.for_model("sim"), loop),
+    )  # fmt: skip
+    presence.start()
+    responder.start()
+    try:
+        inspect = app.control.inspect(destination=[hostname], timeout=3)
+        deadline = time.monotonic() + 10
+        while not (inspect.ping() or {}).get(hostname):
+            assert time.monotonic() < deadline, "the worker never answered a ping"
+        job = client.post(
+            "/v1/jobs", json={"model": "sim", "input": {"cost": 2}}, headers=auth
+        ).json()
+        with RunningLoop(loop):
+            assert client.get(f"/v1/jobs/{job['id']}?wait=10", headers=auth).json()["status"] == (
+                "succeeded"
+            )
+            stats = inspect.stats()[hostname]
+            # Asked to stop: not ready at once, while it finishes what it holds.
+            assert loop.ready.is_set()
+            loop.request_stop()
+            assert not loop.ready.is_set()
+        assert stats["total"] == {"ferry.batch.sim": 1}
+        assert stats["model"] == "sim"
+        assert stats["stream_consumer"] == consumer
+        assert stats["batches"] == 1 and stats["jobs"] == 1
+        assert "password" not in str(stats["broker"])
+        assert set(stats["broker"]) == {"transport", "hostname", "port", "virtual_host"}
+        queues = inspect.active_queues()[hostname]
+        assert [q["routing_key"] for q in queues] == ["urgent", "vip", "normal", "bulk"]
+        assert all(q["name"].startswith(f"{settings.key_prefix}:") for q in queues)
+        assert inspect.registered()[hostname] == ["ferry.batch.sim"]
+        assert inspect.active()[hostname] == []
+        conf = inspect.conf()[hostname]
+        assert conf["scheduler"] == settings.scheduler
+        assert conf["batch_max_size"] == settings.batch_max_size
+        assert not any("url" in key or "secret" in key for key in conf)
+        # What would change a Celery worker does not apply; it is answered, not ignored.
+        refused = app.control.broadcast(
+            "pool_grow", arguments={"n": 1}, destination=[hostname], reply=True, timeout=3
+        )
+        assert "does not apply" in refused[0][hostname]["error"]
+    finally:
+        responder.stop()
+        presence.stop()

@@ -4,20 +4,18 @@ Grafana dashboard asks only for metrics and labels that Ferry (or Flower) export
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import flower.events
 import pytest
 import redis
 import yaml
-from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import core.metrics
 from core.metrics import queue_metrics
 from tests.dashboard import (
+    HISTOGRAM_PARTS,
     METRIC,
     PROMETHEUS,
     PROVISIONING,
@@ -32,47 +30,49 @@ from workers.gpu_stats import GpuCollector
 DURATION = re.compile(r"^\d+(ms|s|m|h|d)$")
 
 
-def _labels_by_family() -> dict[str, set[str]]:
-    """Every family Ferry exports, with its label names."""
+def _families() -> dict[str, tuple[str, set[str]]]:
+    """Every family Ferry exports: its type and its label names."""
     assert core.metrics  # registered on import
-    known: dict[str, set[str]] = {}
-    for metric in REGISTRY.collect():
-        if metric.name.startswith("ferry_"):
-            known[metric.name] = set()
-            for sample in metric.samples:
-                known[metric.name] |= set(sample.labels) - {"le"}
-    # Labelled metrics without children have no samples: take their declared labels.
+    known: dict[str, tuple[str, set[str]]] = {}
     for value in vars(core.metrics).values():
         names = getattr(value, "_labelnames", None)
         name = getattr(value, "_name", None)
-        if names is not None and name is not None:
-            known[family(name)] = set(names)
+        kind = getattr(value, "_type", None)
+        if names is not None and name is not None and kind is not None:
+            known[family(name)] = (kind, set(names))
     queues = queue_metrics(redis.Redis(), "unused", [])
     for parsed in text_string_to_metric_families(queues.decode()):
-        known[parsed.name] = {"model", "lane"}
+        known[parsed.name] = (parsed.type, {"model", "lane"})
     nvml = SimpleNamespace(
         nvmlDeviceGetUtilizationRates=lambda _h: SimpleNamespace(gpu=50),
         nvmlDeviceGetMemoryInfo=lambda _h: SimpleNamespace(used=1, total=2),
     )
     for metric in GpuCollector(nvml, None, "m", "GPU-0").collect():
-        known[metric.name] = {"model", "gpu"}
+        known[metric.name] = (metric.type, {"model", "gpu"})
     return known
 
 
-def test_the_dashboard_asks_only_for_exported_metrics_and_labels() -> None:
-    known = _labels_by_family()
-    flower_source = Path(flower.events.__file__).read_text()
+# The series each type exports, by suffix.
+SERIES = {"counter": ("_total",), "histogram": HISTOGRAM_PARTS, "gauge": ("",)}
+
+
+def test_the_dashboard_asks_only_for_exported_series_and_labels() -> None:
+    known = _families()
+    jobs = {job["job_name"] for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
     for expr in expressions():
-        names = {family(name) for name in METRIC.findall(expr)}
-        assert names, expr
+        names = METRIC.findall(expr)
         labels: set[str] = set()
         for name in names:
-            if name.startswith("flower_"):
-                assert f"'{name}'" in flower_source, name
-                labels |= {"worker"}
-            else:
-                assert name in known, (name, expr)
-                labels |= known[name]
+            kind, own = known[family(name)]
+            # A counter is read as _total, a histogram as _bucket/_sum/_count, a gauge as is.
+            assert any(name == family(name) + suffix for suffix in SERIES[kind]), (name, expr)
+            labels |= own
+        if not names:
+            # Prometheus's own `up`, for the jobs its configuration scrapes.
+            selected = re.fullmatch(r'sum by \(job\) \(up\{job=~"([^"]+)"\}\)', expr)
+            assert selected, expr
+            assert set(selected.group(1).split("|")) <= jobs, expr
+            continue
         for group in re.findall(r"by \(([^)]*)\)", expr):
             for label in (part.strip() for part in group.split(",")):
                 assert label in labels | {"le"}, (label, expr)

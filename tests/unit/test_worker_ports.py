@@ -3,6 +3,8 @@ password and banner of `ferry up`."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import core.metrics
 from core.settings import Settings
 from ferry.local_redis import free_port
-from ferry.up import _banner, flower_password
+from ferry.up import CRASH_LIMIT, Child, _banner, flower_password
 from workers.gpu_stats import register_gpu_metrics
 from workers.health import serve
 
@@ -141,3 +143,40 @@ def test_the_banner_shows_where_flower_is_and_how_to_log_in(
     assert "Flower    http://127.0.0.1:5599   (user ops, password pw123)" in out
     _banner(settings, "http://127.0.0.1:8000", "redis://x", "fy_token", None)
     assert "Flower" not in capsys.readouterr().out
+
+
+def test_an_existing_password_file_is_kept_private(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    path = tmp_path / "flower-password"
+    path.write_text("kept\n")
+    path.chmod(0o644)
+    assert flower_password(settings, tmp_path) == "kept"
+    assert path.stat().st_mode & 0o077 == 0
+    # An empty file left by a crash is replaced whole, private from the start.
+    path.write_text("")
+    made = flower_password(settings, tmp_path)
+    assert made and path.read_text().strip() == made
+    assert path.stat().st_mode & 0o077 == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["flower-password"]
+
+
+@pytest.mark.parametrize("critical", [True, False])
+def test_a_crash_loop_stops_the_stack_only_for_a_critical_child(critical: bool) -> None:
+    child = Child("flower", [sys.executable, "-c", "raise SystemExit(3)"], critical=critical)
+    env = dict(os.environ)
+    now = 0.0
+    child.start(env)
+    results = []
+    for _ in range(CRASH_LIMIT):
+        assert child.process is not None
+        child.process.wait()
+        results.append(child.check(now, env))
+        now += 9.0  # past the longest backoff before the fifth crash (8 s)
+        child.check(now, env)  # restarts it
+    assert results[:-1] == [True] * (CRASH_LIMIT - 1)
+    assert results[-1] is (not critical)
+    assert child.given_up is (not critical)
+    if not critical:
+        # Given up: it is not started again, and it never stops the stack.
+        assert child.check(now + 100.0, env)
+        assert child.process is not None and child.process.poll() is not None
