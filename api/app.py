@@ -8,11 +8,18 @@ from contextlib import asynccontextmanager
 import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
-from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from api.routes import backfills, jobs, system, webhooks
+from api.limits import RequestLimits
+from api.middleware import (
+    BodyLimitMiddleware,
+    MetricsMiddleware,
+    RequestIdMiddleware,
+    SecurityHeadersMiddleware,
+)
+from api.routes import admin, backfills, jobs, system, webhooks
 from api.services import callback_checker
 from core.catalog import build_catalog
 from core.db import make_engine, make_sessionmaker
@@ -43,6 +50,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             done_channel(settings.key_prefix),
         )
         app.state.hub = hub
+        app.state.limits = RequestLimits(redis_url, settings.key_prefix, settings.rate_limit)
         hub.start()
         kicker = DeliveryKicker(redis_url, settings.key_prefix)
         app.state.kick = kicker
@@ -71,6 +79,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(backfills.router)
     app.include_router(webhooks.router)
     app.include_router(system.router)
+    app.include_router(admin.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -78,5 +87,16 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         streamed={"/v1/backfills": settings.backfill_max_bytes},
     )
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)
+    if settings.cors_origins:
+        # Off unless configured: browsers on other origins get no access at all.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "X-Request-ID"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+            max_age=600,
+        )
     app.add_middleware(MetricsMiddleware)
     return app

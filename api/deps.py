@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.completions import CompletionHub
 from api.errors import ApiError
+from api.limits import RequestLimits
 from core.catalog import ModelSpec
 from core.db import ApiKey
 from core.keys import verify_token
@@ -82,6 +83,8 @@ def current_key(request: Request) -> ApiKey:
         if key is None:
             raise _unauthorized("invalid or revoked API key")
         session.expunge(key)
+    limits: RequestLimits = request.app.state.limits
+    limits.check(key.id)
     return key
 
 
@@ -90,3 +93,13 @@ def _unauthorized(message: str) -> ApiError:
 
 
 KeyDep = Annotated[ApiKey, Depends(current_key)]
+
+
+def admin_key(key: KeyDep) -> ApiKey:
+    """The calling key, which must have the admin scope (403 otherwise)."""
+    if key.scope != "admin":
+        raise ApiError(403, "forbidden", "this endpoint needs an API key with the admin scope")
+    return key
+
+
+AdminDep = Annotated[ApiKey, Depends(admin_key)]

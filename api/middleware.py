@@ -156,3 +156,41 @@ class MetricsMiddleware:
             method = scope["method"]
             HTTP_REQUESTS.labels(method, template, str(status)).inc()
             HTTP_DURATION.labels(method, template).observe(time.perf_counter() - started)
+
+
+# Sent on every response. Responses carry job results and secrets, so nothing
+# caches them; nothing frames them; /docs alone may run the Swagger UI's scripts.
+SECURITY_HEADERS = (
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cross-origin-resource-policy", b"same-origin"),
+)
+STRICT_CSP = b"default-src 'none'; frame-ancestors 'none'"
+DOCS_PATHS = ("/docs", "/openapi.json")
+
+
+class SecurityHeadersMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        docs = str(scope.get("path", "")).startswith(DOCS_PATHS)
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                extra = [*SECURITY_HEADERS]
+                if not docs:
+                    extra.append((b"content-security-policy", STRICT_CSP))
+                if b"cache-control" not in present:
+                    extra.append((b"cache-control", b"no-store"))
+                headers += [(name, value) for name, value in extra if name not in present]
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -38,12 +38,14 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     meaning = {
         400: "Malformed JSON.",
         401: "Missing, malformed or revoked API key.",
+        403: "The key lacks the admin scope this endpoint needs.",
         404: "No such job for this key.",
         409: "The job is in the wrong state, or the idempotency key was used differently, "
         "or a delivery attempt is in flight.",
         413: "Request body too large.",
         422: "Invalid input; the message names the field.",
-        429: "deadline_unattainable: the queue ahead makes the deadline impossible "
+        429: "rate_limited: the key is over its request rate (see Retry-After); or "
+        "deadline_unattainable: the queue ahead makes the deadline impossible "
         "(the error carries estimated_wait_ms).",
         503: "Redis or the database is unavailable; see Retry-After.",
     }

@@ -71,6 +71,8 @@ class ApiKey(Base):
     secret_hash: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # client: its own jobs, backfills and secret. admin: also the operator endpoints.
+    scope: Mapped[str] = mapped_column(String(16), default="client", server_default="client")
     # The Standard Webhooks signing secret (whsec_...). Kept retrievable, not
     # hashed: Ferry must sign with it. After a rotation the previous secret
     # also signs until previous_webhook_secret_until, so receivers can switch.

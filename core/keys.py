@@ -13,11 +13,13 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import ApiKey, utcnow
 
 PREFIX = "fy"
+SCOPES = ("client", "admin")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,9 @@ def _hash(salt: str, secret: str) -> str:
     return hmac.new(bytes.fromhex(salt), secret.encode(), hashlib.sha256).hexdigest()
 
 
-def create_key(session: Session, name: str) -> NewKey:
+def create_key(session: Session, name: str, scope: str = "client") -> NewKey:
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}")
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
@@ -44,11 +48,45 @@ def create_key(session: Session, name: str) -> NewKey:
             salt=salt,
             secret_hash=_hash(salt, secret),
             webhook_secret=webhook_secret,
+            scope=scope,
         )
     )
     session.commit()
     return NewKey(
         id=key_id, name=name, token=f"{PREFIX}_{key_id}_{secret}", webhook_secret=webhook_secret
+    )
+
+
+def list_keys(session: Session) -> list[ApiKey]:
+    """Every key, oldest first (their hashes and secrets are the caller's to leave out)."""
+    return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)))
+
+
+def revoke_key(session: Session, key_id: str) -> ApiKey | None:
+    """Revoke now: the next request with its token is a 401. None if there is no such key."""
+    row = session.get(ApiKey, key_id, with_for_update=True)
+    if row is None:
+        return None
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+    session.commit()
+    return row
+
+
+def rotate_key(session: Session, key_id: str) -> NewKey | None:
+    """A new token for the same key (its jobs stay its own); the old token stops at once."""
+    row = session.get(ApiKey, key_id, with_for_update=True)
+    if row is None or row.revoked_at is not None:
+        return None
+    secret = secrets.token_urlsafe(32)
+    row.salt = secrets.token_hex(16)
+    row.secret_hash = _hash(row.salt, secret)
+    session.commit()
+    return NewKey(
+        id=row.id,
+        name=row.name,
+        token=f"{PREFIX}_{row.id}_{secret}",
+        webhook_secret=row.webhook_secret or "",
     )
 
 

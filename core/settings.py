@@ -8,6 +8,7 @@ tests and the ``ferry`` tool can set the environment first.
 from __future__ import annotations
 
 import ipaddress
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -119,6 +120,12 @@ class Settings(BaseSettings):
     # requests in flight.
     api_shutdown_delay_s: float = Field(2.0, ge=0)
     docs_enabled: bool = True
+    # Requests each API key may make, counted in Redis across API processes
+    # ("limits" notation, ';'-separated: "20/second;1000/minute"). Empty: none.
+    rate_limit: str = "1000/second"
+    # Origins a browser may call the API from, e.g. '["https://app.example.com"]'.
+    # Empty: no CORS headers at all (other origins' pages cannot read responses).
+    cors_origins: list[str] = Field(default_factory=list)
 
     # Threads in the Celery worker: webhook attempts wait on receivers, so
     # this is how many slow receivers can be waited on at once.
@@ -214,6 +221,28 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate_limit(cls, value: str) -> str:
+        if value:
+            from limits import parse_many
+
+            try:
+                parse_many(value)
+            except ValueError:
+                raise ValueError(
+                    f"{value!r} is not a rate limit (e.g. '20/second;1000/minute')"
+                ) from None
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], or *)")
+        return value
 
     @field_validator("flower_password")
     @classmethod

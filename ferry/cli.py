@@ -9,7 +9,7 @@ from typing import Any
 
 from core.logs import configure_logging
 from core.settings import get_settings
-from ferry import backfill_cli
+from ferry import backfill_cli, keys_cli
 
 
 def _cmd_up(_args: argparse.Namespace) -> int:
@@ -132,28 +132,6 @@ def _cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_keys_create(args: argparse.Namespace) -> int:
-    from core import migrate
-    from core.db import make_engine, make_sessionmaker
-    from core.keys import create_key
-
-    settings = get_settings()
-    if settings.database_url is None:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-    migrate.upgrade(settings.sqlalchemy_url)
-    engine = make_engine(settings.sqlalchemy_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            key = create_key(session, args.name)
-    finally:
-        engine.dispose()
-    # The token stays on the last line, for scripts (`... | tail -n 1`).
-    print(f"webhook signing secret (also at GET /v1/webhook-secret): {key.webhook_secret}")
-    print(f"created API key {key.id} ({key.name}); it is shown once:")
-    print(key.token)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,12 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     upgrade.add_argument("--revision", default="head")
     upgrade.set_defaults(fn=_cmd_db)
 
-    keys = sub.add_parser("keys", help="API keys")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    create = keys_sub.add_parser("create", help="create a key and print it (once)")
-    create.add_argument("--name", required=True)
-    create.set_defaults(fn=_cmd_keys_create)
-
+    keys_cli.add_parser(sub)
     backfill_cli.add_parser(sub)
     return parser
 

@@ -1,0 +1,116 @@
+"""Operator endpoints: every tenant's queues and keys. Admin-scoped keys only."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+from sqlalchemy import func, select
+
+from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
+from api.errors import ApiError
+from api.schemas import error_responses
+from core.db import TERMINAL_STATUSES, ApiKey, Job
+from core.keys import list_keys, revoke_key
+from core.queues import lane_states, live_workers
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+class LaneInfo(BaseModel):
+    pending: int  # read by a worker, not acknowledged yet
+    lag: int  # read by no worker yet
+
+
+class TenantLoad(BaseModel):
+    key_id: str
+    name: str
+    waiting: int = 0  # backfill items not fed yet
+    queued: int = 0
+    running: int = 0
+
+
+class ModelQueues(BaseModel):
+    model: str
+    workers: int
+    lanes: dict[str, LaneInfo]
+    tenants: list[TenantLoad]
+
+
+class QueueOverview(BaseModel):
+    data: list[ModelQueues]
+
+
+class KeyInfo(BaseModel):
+    id: str
+    name: str
+    scope: str
+    created_at: dt.datetime
+    revoked_at: dt.datetime | None
+
+
+class KeyList(BaseModel):
+    data: list[KeyInfo]
+
+
+@router.get("/queues", response_model=QueueOverview, responses=error_responses(401, 403, 503))
+def queues(
+    _admin: AdminDep,
+    session: SessionDep,
+    client: RedisDep,
+    catalog: CatalogDep,
+    settings: SettingsDep,
+) -> QueueOverview:
+    """Per model: live workers, each lane's stream, and what each tenant has outstanding."""
+    rows = session.execute(
+        select(Job.model, Job.api_key_id, ApiKey.name, Job.status, func.count())
+        .join(ApiKey, ApiKey.id == Job.api_key_id)
+        .where(Job.status.not_in(TERMINAL_STATUSES))
+        .group_by(Job.model, Job.api_key_id, ApiKey.name, Job.status)
+    ).all()
+    tenants: dict[str, dict[str, TenantLoad]] = {}
+    for model, key_id, name, status, count in rows:
+        by_key = tenants.setdefault(model, {})
+        load = by_key.setdefault(key_id, TenantLoad(key_id=key_id, name=name))
+        if status in ("waiting", "queued", "running"):
+            setattr(load, status, int(count))
+    data = [
+        ModelQueues(
+            model=model,
+            workers=live_workers(client, settings.key_prefix, model),
+            lanes={
+                lane: LaneInfo(pending=state.pending, lag=state.lag)
+                for lane, state in lane_states(client, settings.key_prefix, model).items()
+            },
+            tenants=sorted(
+                tenants.get(model, {}).values(), key=lambda t: -(t.queued + t.running + t.waiting)
+            ),
+        )
+        for model in catalog
+    ]
+    return QueueOverview(data=data)
+
+
+def _info(key: ApiKey) -> KeyInfo:
+    return KeyInfo(
+        id=key.id, name=key.name, scope=key.scope, created_at=key.created_at,
+        revoked_at=key.revoked_at,
+    )  # fmt: skip
+
+
+@router.get("/keys", response_model=KeyList, responses=error_responses(401, 403))
+def keys(_admin: AdminDep, session: SessionDep) -> KeyList:
+    """Every key, without its hash or secrets."""
+    return KeyList(data=[_info(key) for key in list_keys(session)])
+
+
+@router.post(
+    "/keys/{key_id}/revoke", response_model=KeyInfo, responses=error_responses(401, 403, 404)
+)
+def revoke(key_id: str, _admin: AdminDep, session: SessionDep) -> KeyInfo:
+    """Revoke a key now: its next request is a 401."""
+    key = revoke_key(session, key_id)
+    if key is None:
+        raise ApiError(404, "not_found", f"no API key {key_id!r}")
+    return _info(key)

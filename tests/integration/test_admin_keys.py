@@ -1,0 +1,120 @@
+"""Keys and scopes: admin endpoints need the admin scope; revoking and rotating take effect
+at the next request; `ferry keys` never prints a secret it did not just make."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.keys import create_key, rotate_key
+
+ADMIN_PATHS = [("GET", "/v1/admin/queues"), ("GET", "/v1/admin/keys"),
+               ("POST", "/v1/admin/keys/0123456789abcdef/revoke")]  # fmt: skip
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_operator_endpoints_need_the_admin_scope(
+    client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as session:
+        plain = create_key(session, "team-a").token
+    for method, path in ADMIN_PATHS:
+        refused = client.request(method, path, headers=_bearer(plain))
+        assert refused.status_code == 403, (path, refused.text)
+        assert refused.json()["error"]["type"] == "forbidden"
+        assert "admin scope" in refused.json()["error"]["message"]
+        assert client.request(method, path).status_code == 401
+
+
+def test_an_admin_sees_every_tenants_queue_and_key(
+    client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as session:
+        admin = create_key(session, "ops", "admin")
+        team_a = create_key(session, "team-a")
+        team_b = create_key(session, "team-b")
+    for token, count in ((team_a.token, 3), (team_b.token, 1)):
+        for _ in range(count):
+            response = client.post(
+                "/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=_bearer(token)
+            )
+            assert response.status_code == 202
+    overview = client.get("/v1/admin/queues", headers=_bearer(admin.token))
+    assert overview.status_code == 200, overview.text
+    sim = next(m for m in overview.json()["data"] if m["model"] == "sim")
+    assert sum(lane["lag"] + lane["pending"] for lane in sim["lanes"].values()) == 4
+    queued = {t["name"]: t["queued"] for t in sim["tenants"]}
+    assert queued == {"team-a": 3, "team-b": 1}
+
+    listed = client.get("/v1/admin/keys", headers=_bearer(admin.token))
+    assert listed.status_code == 200
+    scopes = {k["name"]: k["scope"] for k in listed.json()["data"]}
+    assert scopes == {"ops": "admin", "team-a": "client", "team-b": "client"}
+    for secret in (admin.token, team_a.token, admin.webhook_secret, "salt", "hash"):
+        assert secret not in listed.text
+
+
+def test_revocation_and_rotation_take_effect_at_the_next_request(
+    client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as session:
+        admin = create_key(session, "ops", "admin").token
+        team = create_key(session, "team-a")
+    job = client.post(
+        "/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=_bearer(team.token)
+    ).json()
+    with sessions() as session:
+        rotated = rotate_key(session, team.id)
+    assert rotated is not None and rotated.token != team.token
+    old = client.get(f"/v1/jobs/{job['id']}", headers=_bearer(team.token))
+    assert old.status_code == 401
+    # Same key, new token: its jobs are still its own.
+    assert client.get(f"/v1/jobs/{job['id']}", headers=_bearer(rotated.token)).status_code == 200
+
+    revoked = client.post(f"/v1/admin/keys/{team.id}/revoke", headers=_bearer(admin))
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"]
+    after = client.get(f"/v1/jobs/{job['id']}", headers=_bearer(rotated.token))
+    assert after.status_code == 401
+    assert after.json()["error"]["message"] == "invalid or revoked API key"
+    missing = client.post("/v1/admin/keys/ffffffffffffffff/revoke", headers=_bearer(admin))
+    assert missing.status_code == 404
+
+
+def _ferry(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", "keys", *args],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_keys_command_creates_lists_rotates_and_revokes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env["FERRY_DATA_DIR"] = str(tmp_path)
+    made = _ferry(env, "create", "--name", "ops", "--scope", "admin")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip().splitlines()[-1]
+    key_id = token.split("_")[1]
+    listed = _ferry(env, "list")
+    assert listed.returncode == 0
+    assert key_id in listed.stdout and "admin" in listed.stdout
+    assert token.split("_", 2)[2] not in listed.stdout
+    rotated = _ferry(env, "rotate", key_id)
+    assert rotated.returncode == 0
+    new_token = rotated.stdout.strip().splitlines()[-1]
+    assert new_token.startswith(f"fy_{key_id}_") and new_token != token
+    assert _ferry(env, "revoke", key_id).returncode == 0
+    listed = _ferry(env, "list")
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(key_id))
+    assert row.split()[4] != "-"  # a revocation date (created is columns 2-3)
+    assert _ferry(env, "rotate", key_id).returncode == 1  # a revoked key gets no new token
+    assert _ferry(env, "revoke", "nonexistent").returncode == 1
+    bad = _ferry(env, "create", "--name", "x", "--scope", "root")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -1,0 +1,66 @@
+"""Per-key request rate limits, counted in Redis: a burst over the limit gets 429s with
+Retry-After naming the limit; other keys are untouched; accepted jobs still complete."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.app import create_app
+from core.keys import create_key
+from core.settings import Settings
+from tests.integration.conftest import RunningLoop
+
+
+@pytest.fixture
+def limited(settings: Settings) -> Iterator[TestClient]:
+    configured = settings.model_copy(update={"rate_limit": "5/second;40/minute"})
+    with TestClient(create_app(configured)) as test_client:
+        yield test_client
+
+
+def test_a_burst_over_the_limit_is_refused_and_what_was_accepted_completes(
+    limited: TestClient,
+    sessions: sessionmaker[Session],
+    sim_worker: Callable[..., RunningLoop],
+) -> None:
+    with sessions() as session:
+        greedy = {"Authorization": f"Bearer {create_key(session, 'greedy').token}"}
+        calm = {"Authorization": f"Bearer {create_key(session, 'calm').token}"}
+    responses = [
+        limited.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=greedy)
+        for _ in range(12)
+    ]
+    accepted = [r.json()["id"] for r in responses if r.status_code == 202]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(accepted) + len(refused) == 12
+    assert 1 <= len(accepted) <= 6 and refused  # 5 per second, and the second may turn over
+    for response in refused:
+        error = response.json()["error"]
+        assert error["type"] == "rate_limited"
+        assert "5 per 1 second" in error["message"]
+        assert 1 <= int(response.headers["Retry-After"]) <= 2
+    # Another key has a budget of its own.
+    assert limited.get("/v1/jobs", headers=calm).status_code == 200
+    # After Retry-After the key is served again, and its accepted jobs ran.
+    time.sleep(int(refused[-1].headers["Retry-After"]))
+    with sim_worker():
+        deadline = time.monotonic() + 15
+        while True:  # two requests a second: within the limit
+            listed = limited.get("/v1/jobs?limit=50", headers=greedy)
+            assert listed.status_code == 200, listed.text
+            status = {job["id"]: job["status"] for job in listed.json()["data"]}
+            if all(status.get(job_id) == "succeeded" for job_id in accepted):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+    assert set(status) == set(accepted)  # nothing refused was stored
+
+
+def test_a_bad_rate_limit_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="is not a rate limit"):
+        Settings(rate_limit="lots")
