@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import redis
@@ -95,6 +96,17 @@ def _unavailable(request: Request, what: str, exc: BaseException) -> JSONRespons
     )
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method the API documents for this path (its OpenAPI paths, templates matched)."""
+    methods: set[str] = set()
+    for template, operations in app.openapi()["paths"].items():
+        parts = re.split(r"(\{[^/}]+\})", template)
+        pattern = "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
+        if re.fullmatch(pattern, request.url.path):
+            methods |= {method.upper() for method in operations}
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -106,10 +118,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status, type_, message)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = _STATUS_TYPES.get(exc.status_code, "error")
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return error_response(exc.status_code, type_, message, dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route on the path; a path can have several.
+            allowed = _allowed_methods(app, request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"method {request.method} not allowed here (allowed: {', '.join(allowed)})"
+        return error_response(exc.status_code, type_, message, headers)
 
     @app.exception_handler(redis.RedisError)
     async def _redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:

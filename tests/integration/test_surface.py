@@ -87,3 +87,12 @@ def test_configured_origins_and_only_they_get_cors(cors_client: TestClient) -> N
 def test_an_origin_that_is_not_one_is_refused(origin: str) -> None:
     with pytest.raises(ValidationError, match="is not an origin"):
         Settings(cors_origins=[origin])
+
+
+def test_a_wrong_method_names_every_method_the_path_has(client: TestClient) -> None:
+    response = client.request("PUT", "/v1/jobs")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "GET, POST"
+    assert response.json()["error"]["message"] == (
+        "method PUT not allowed here (allowed: GET, POST)"
+    )
