@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 import redis
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ApiError
@@ -14,7 +14,7 @@ from api.schemas import BackfillResource
 from api.services import owned
 from core import backfills
 from core.catalog import ModelSpec
-from core.db import ApiKey, Backfill, utcnow
+from core.db import BACKFILL_DONE, ApiKey, Backfill, utcnow
 from core.queues import live_workers, model_stats
 from core.settings import Settings
 
@@ -35,10 +35,14 @@ async def upload(
     Never holds the file: at most one chunk of lines (and one line's bytes) at
     a time. Any refusal deletes what was stored of it.
     """
+    room = await run_in_threadpool(
+        _backfill_room, sessions, key, settings.max_outstanding_backfill_lines
+    )
     backfill_id = await run_in_threadpool(
         backfills.start, sessions, key.id, spec.name, callback_url
     )
-    ingest = backfills.Ingest(sessions, backfill_id, key.id, spec, settings.backfill_max_lines)
+    max_lines = min(settings.backfill_max_lines, room)
+    ingest = backfills.Ingest(sessions, backfill_id, key.id, spec, max_lines)
     try:
         lines: list[bytes] = []
         rest = b""
@@ -69,12 +73,40 @@ async def upload(
         await run_in_threadpool(ingest.finish)
     except backfills.LineError as exc:
         await run_in_threadpool(ingest.abort)
+        if exc.status == 413 and max_lines < settings.backfill_max_lines and ingest.over_lines:
+            raise _quota_error(settings.max_outstanding_backfill_lines, room) from None
         kind = "payload_too_large" if exc.status == 413 else "invalid_request"
         raise ApiError(exc.status, kind, str(exc), line=exc.line) from None
     except BaseException:
         await run_in_threadpool(ingest.abort)  # a client that went away, or a failure
         raise
     return backfill_id
+
+
+def _backfill_room(sessions: sessionmaker[Session], key: ApiKey, limit: int) -> int:
+    """Lines this key may still upload: its limit less the lines of its unfinished backfills."""
+    finished = Backfill.completed + Backfill.failed + Backfill.expired + Backfill.cancelled
+    with sessions() as session:
+        outstanding = session.scalar(
+            select(func.coalesce(func.sum(Backfill.total - finished), 0))
+            .where(Backfill.api_key_id == key.id)
+            .where(Backfill.status.not_in(BACKFILL_DONE))
+        )
+    room = limit - int(outstanding or 0)
+    if room <= 0:
+        raise _quota_error(limit, 0)
+    return room
+
+
+def _quota_error(limit: int, room: int) -> ApiError:
+    return ApiError(
+        429,
+        "quota_exceeded",
+        f"backfill lines outstanding: this key may have {limit} unfinished backfill lines "
+        f"(FERRY_MAX_OUTSTANDING_BACKFILL_LINES) and has room for {room}; "
+        "upload more as its backfills finish",
+        {"Retry-After": "60"},
+    )
 
 
 def get_backfill(session: Session, key: ApiKey, backfill_id: str) -> Backfill:

@@ -44,7 +44,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         "or a delivery attempt is in flight.",
         413: "Request body too large.",
         422: "Invalid input; the message names the field.",
-        429: "rate_limited: the key is over its request rate (see Retry-After); or "
+        429: "rate_limited: the key is over its request rate (see Retry-After); "
+        "quota_exceeded: too much of the key's work is outstanding; or "
         "deadline_unattainable: the queue ahead makes the deadline impossible "
         "(the error carries estimated_wait_ms).",
         503: "Redis or the database is unavailable; see Retry-After.",

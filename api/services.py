@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -58,6 +58,36 @@ class Submitted:
     estimated_wait_ms: float | None
 
 
+QUOTA_RETRY_AFTER_S = 5
+
+
+def check_job_quota(session: Session, key: ApiKey, limit: int | None) -> None:
+    """A 429 while the key has ``limit`` jobs queued or running (counting stops there).
+
+    Two submissions racing past the last free slot may both be accepted: the
+    quota keeps a tenant from flooding the queue, it is not an exact count.
+    """
+    if limit is None:
+        return
+    outstanding = session.scalar(
+        select(func.count()).select_from(
+            select(Job.id)
+            .where(Job.api_key_id == key.id, Job.status.in_(("queued", "running")))
+            .where(Job.backfill_id.is_(None))
+            .limit(limit)
+            .subquery()
+        )
+    )
+    if (outstanding or 0) >= limit:
+        raise ApiError(
+            429,
+            "quota_exceeded",
+            f"jobs outstanding: this key has {limit} jobs queued or running, its limit "
+            "(FERRY_MAX_OUTSTANDING_JOBS); submit more as they finish",
+            {"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+        )
+
+
 def submit_job(
     session: Session,
     client: redis.Redis,
@@ -69,6 +99,7 @@ def submit_job(
     request_id: str | None,
     requeue_within_s: float = 90.0,
     check_callback: Callable[[str], None] | None = None,
+    max_outstanding: int | None = None,
 ) -> Submitted:
     """Validate, commit, enqueue.
 
@@ -97,6 +128,8 @@ def submit_job(
         existing = _by_idempotency_key(session, key.id, idem)
         if existing is not None:
             return _replay(existing, body, validated.input)
+    # A replay above is answered whatever the quota; only new work counts against it.
+    check_job_quota(session, key, max_outstanding)
     if body.callback_url and check_callback is not None:
         check_callback(body.callback_url)
 

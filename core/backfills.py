@@ -144,6 +144,7 @@ class Ingest:
         self.line = 0  # lines read so far, blank ones included
         self.items = 0
         self.bytes = 0
+        self.over_lines = False  # refused for having more than max_lines lines
 
     def add(self, lines: Sequence[bytes]) -> None:
         """Parse and store these lines (the next ones of the file). Raises :class:`LineError`."""
@@ -156,6 +157,7 @@ class Ingest:
             if item is None:
                 continue
             if self.items + len(items) >= self.max_lines:
+                self.over_lines = True
                 raise LineError(
                     self.line, f"the file has more than {self.max_lines} lines", status=413
                 )

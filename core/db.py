@@ -118,6 +118,7 @@ class Job(Base):
         UniqueConstraint("backfill_id", "custom_id", name="uq_jobs_backfill_custom_id"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_status_finished", "status", "finished_at"),
+        Index("ix_jobs_key_status", "api_key_id", "status"),
     )
 
 

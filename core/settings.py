@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     # Requests each API key may make, counted in Redis across API processes
     # ("limits" notation, ';'-separated: "20/second;1000/minute"). Empty: none.
     rate_limit: str = "1000/second"
+    # Per key: jobs queued or running at once (backfill items not counted), and
+    # backfill lines not yet finished. Past them, new work is a 429.
+    max_outstanding_jobs: int = Field(10_000, ge=1)
+    max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
     # Origins a browser may call the API from, e.g. '["https://app.example.com"]'.
     # Empty: no CORS headers at all (other origins' pages cannot read responses).
     cors_origins: list[str] = Field(default_factory=list)

@@ -67,6 +67,7 @@ def create_job(
         request.state.request_id,
         requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
         check_callback=check_callback,
+        max_outstanding=settings.max_outstanding_jobs,
     )
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:
