@@ -73,7 +73,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
             return 400, "invalid_json", f"request body is not valid JSON: {error.get('msg', '')}"
     parts = []
     for error in errors[:5]:
-        message = str(error.get("msg", "invalid"))
+        # Pydantic prefixes a validator's own message with "Value error, ".
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         if error.get("type") == "missing":
             message = "is required"
         elif error.get("type") == "extra_forbidden":
@@ -96,6 +97,11 @@ def _unavailable(request: Request, what: str, exc: BaseException) -> JSONRespons
     )
 
 
+def _json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
     """Every method the API documents for this path (its OpenAPI paths, templates matched)."""
     methods: set[str] = set()
@@ -113,7 +119,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.type, exc.message, exc.headers, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        body_refused = any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors())
+        if body_refused and request.method in ("POST", "PUT", "PATCH") and not _json(content_type):
+            # A JSON body sent as something else is read as no JSON at all: say why.
+            return error_response(
+                415,
+                "unsupported_media_type",
+                f"Content-Type must be application/json (got {content_type or 'none'!r})",
+            )
         status, type_, message = _validation_message(exc)
         return error_response(status, type_, message)
 
@@ -122,6 +137,9 @@ def install_error_handlers(app: FastAPI) -> None:
         type_ = _STATUS_TYPES.get(exc.status_code, "error")
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         headers = dict(exc.headers or {})
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            # What Starlette says of bytes it could not decode or nest (RecursionError).
+            message = "request body is not valid JSON (not UTF-8, or nested too deeply)"
         if exc.status_code == 405:
             # Starlette names only the first route on the path; a path can have several.
             allowed = _allowed_methods(app, request)

@@ -43,6 +43,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         409: "The job is in the wrong state, or the idempotency key was used differently, "
         "or a delivery attempt is in flight.",
         413: "Request body too large.",
+        415: "The body is not sent as application/json.",
         422: "Invalid input; the message names the field.",
         429: "rate_limited: the key is over its request rate (see Retry-After); "
         "quota_exceeded: too much of the key's work is outstanding; or "

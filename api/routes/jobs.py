@@ -42,7 +42,10 @@ RECHECK_S = 1.0
 
 
 @router.post(
-    "", status_code=202, response_model=JobResource, responses=error_responses(400, 409, 413, 429)
+    "",
+    status_code=202,
+    response_model=JobResource,
+    responses=error_responses(400, 409, 413, 415, 429),
 )
 def create_job(
     body: JobCreate,

@@ -155,7 +155,7 @@ def test_small_chunked_body_is_accepted(client: TestClient, auth: dict[str, str]
     ("body", "needle"),
     [
         ({"model": "sim", "input": {"cost": 1}, "metadata": {"a": float("nan")}}, "metadata"),
-        ({"model": "minilm", "input": "a\x00b"}, "input: Value error, must not contain NUL"),
+        ({"model": "minilm", "input": "a\x00b"}, "input: must not contain NUL"),
         ({"model": "sim", "input": {"cost": 1}, "idempotency_key": "k\x00"}, "idempotency_key"),
         (
             {"model": "sim", "input": {"cost": 1}, "callback_url": "https://a\x00.b/"},

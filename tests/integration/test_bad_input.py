@@ -1,0 +1,201 @@
+"""The catalogue of bad input for POST /v1/jobs and the job paths: each gets its status and a
+message naming the field and why; nothing is stored; hostile strings are stored verbatim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import Job
+
+JSON = {"Content-Type": "application/json"}
+OK = {"model": "sim", "input": {"cost": 1}}
+
+
+def _with(**fields: Any) -> dict[str, Any]:
+    return {**OK, **fields}
+
+
+@pytest.mark.parametrize(
+    ("name", "request_kwargs", "status", "needle"),
+    [
+        (
+            "text content type",
+            {
+                "content": b'{"model":"sim","input":{"cost":1}}',
+                "headers": {"Content-Type": "text/plain"},
+            },
+            415,
+            "Content-Type must be application/json (got 'text/plain')",
+        ),
+        (
+            "no content type",
+            {"content": b'{"model":"sim","input":{"cost":1}}'},
+            415,
+            "Content-Type must be application/json",
+        ),
+        (
+            "not UTF-8",
+            {
+                "content": b'{"model":"sim","input":{"cost":1},"metadata":{"a":"\xff"}}',
+                "headers": JSON,
+            },
+            400,
+            "not valid JSON",
+        ),
+        (
+            "nested 5000 deep",
+            {
+                "content": b'{"model":"sim","input":' + b"[" * 5000 + b"]" * 5000 + b"}",
+                "headers": JSON,
+            },
+            400,
+            "nested too deeply",
+        ),
+        ("a JSON array", {"json": [OK]}, 422, "body:"),
+        ("model a number", {"json": _with(model=5)}, 422, "model: Input should be a valid string"),
+        ("model empty", {"json": _with(model="")}, 422, "model: String should have at least 1"),
+        (
+            "model too long",
+            {"json": _with(model="m" * 65)},
+            422,
+            "model: String should have at most 64",
+        ),
+        (
+            "priority a number",
+            {"json": _with(priority=1)},
+            422,
+            "priority: Input should be 'urgent'",
+        ),
+        (
+            "deadline a string",
+            {"json": _with(deadline_ms="soon")},
+            422,
+            "deadline_ms: Input should be a valid integer",
+        ),
+        (
+            "deadline fractional",
+            {"json": _with(deadline_ms=1.5)},
+            422,
+            "deadline_ms: Input should be a valid integer",
+        ),
+        (
+            "deadline too far",
+            {"json": _with(deadline_ms=10**20)},
+            422,
+            "deadline_ms: Input should be less than or equal to 604800000",
+        ),
+        (
+            "metadata a list",
+            {"json": _with(metadata=[1])},
+            422,
+            "metadata: Input should be a valid dictionary",
+        ),
+        (
+            "metadata too big",
+            {"json": _with(metadata={"a": "x" * 20_000})},
+            422,
+            "metadata: must be at most 16384 bytes",
+        ),
+        (
+            "idempotency key empty",
+            {"json": _with(idempotency_key="")},
+            422,
+            "idempotency_key: String should have at least 1",
+        ),
+        (
+            "idempotency key long",
+            {"json": _with(idempotency_key="k" * 256)},
+            422,
+            "idempotency_key: String should have at most 255",
+        ),
+        (
+            "callback a number",
+            {"json": _with(callback_url=5)},
+            422,
+            "callback_url: Input should be a valid string",
+        ),
+        (
+            "minilm text too long",
+            {"json": {"model": "minilm", "input": "a" * 20_001}},
+            422,
+            "input: is 20001 characters; the limit is 20000",
+        ),
+        (
+            "sim cost zero",
+            {"json": {"model": "sim", "input": {"cost": 0}}},
+            422,
+            "input.cost: must be between 1 and 4096",
+        ),
+        (
+            "sim cost huge",
+            {"json": {"model": "sim", "input": {"cost": 10**9}}},
+            422,
+            "input.cost: must be between 1 and 4096",
+        ),
+    ],
+)
+def test_bad_input_gets_its_status_and_reason_and_stores_nothing(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    name: str,
+    request_kwargs: dict[str, Any],
+    status: int,
+    needle: str,
+) -> None:
+    kwargs = dict(request_kwargs)  # the parameters are shared by every database's run
+    headers = {**auth, **kwargs.pop("headers", {})}
+    response = client.post("/v1/jobs", headers=headers, **kwargs)
+    assert response.status_code == status, (name, response.text)
+    assert needle in response.json()["error"]["message"], (name, response.text)
+    with sessions() as session:
+        assert session.query(Job).count() == 0
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [("wait=-1", "wait: Input should be greater than or equal to 0"),
+     ("wait=31", "wait: at most 10 seconds"), ("wait=1e400", "wait: at most 10 seconds"),
+     ("wait=abc", "wait: Input should be a valid number")],
+)  # fmt: skip
+def test_wait_out_of_range_is_a_422(  # these tests' FERRY_MAX_WAIT_S is 10
+    client: TestClient, auth: dict[str, str], query: str, needle: str
+) -> None:
+    job = client.post("/v1/jobs", json=OK, headers=auth).json()
+    response = client.get(f"/v1/jobs/{job['id']}?{query}", headers=auth)
+    assert response.status_code == 422
+    assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/jobs/not-a-uuid", "/v1/jobs/1;DROP TABLE jobs", "/v1/jobs/..%2F..%2Fetc",
+     "/v1/jobs/xyz/deliveries", "/v1/backfills/xyz", "/v1/backfills/xyz/results"],
+)  # fmt: skip
+def test_ids_that_are_not_uuids_are_not_found(
+    client: TestClient, auth: dict[str, str], path: str
+) -> None:
+    response = client.get(path, headers=auth)
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found"
+
+
+HOSTILE = "'; DROP TABLE jobs; -- $(rm -rf /) `id` | && %s %n {{7*7}} <script>\u202e"
+
+
+def test_sql_and_shell_metacharacters_are_stored_and_returned_verbatim(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    body = _with(metadata={HOSTILE: HOSTILE, "nested": [HOSTILE]}, idempotency_key=HOSTILE)
+    created = client.post("/v1/jobs", json=body, headers=auth)
+    assert created.status_code == 202, created.text
+    again = client.get(f"/v1/jobs/{created.json()['id']}", headers=auth).json()
+    assert again["metadata"] == {HOSTILE: HOSTILE, "nested": [HOSTILE]}
+    # The same hostile idempotency key finds the same job: it was compared, not interpreted.
+    replay = client.post("/v1/jobs", json=body, headers=auth)
+    assert replay.json()["id"] == created.json()["id"]
+    assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1
