@@ -10,6 +10,7 @@ Names follow Prometheus conventions: ``ferry_`` prefix, units in the name,
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterable
 
 import redis
@@ -128,3 +129,11 @@ def queue_metrics(client: redis.Redis, prefix: str, models: Iterable[str]) -> by
             pending.labels(model, lane).set(state.pending)
             lag.labels(model, lane).set(state.lag)
     return generate_latest(registry)
+
+
+def token_matches(expected: str | None, authorization: str | None) -> bool:
+    """Whether an Authorization header carries the metrics token (always, when none is set)."""
+    if expected is None:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), expected)

@@ -208,6 +208,9 @@ class Settings(BaseSettings):
     # consecutive ports from this one (0: no metrics servers).
     metrics_port_base: int = Field(9400, ge=0, le=65000)
     metrics_host: str = "127.0.0.1"
+    # When set, every /metrics (the API's, the workers') asks for
+    # "Authorization: Bearer <token>"; /healthz and /readyz stay open.
+    metrics_token: SecretStr | None = None
 
     # Flower (`ferry up` starts it; `ferry flower` alone). Basic auth: unset,
     # `ferry up` makes a password, keeps it under data_dir and prints it.
@@ -221,7 +224,7 @@ class Settings(BaseSettings):
 
     log_level: str = "INFO"
 
-    @field_validator("redis_url", "database_url", "flower_password", mode="before")
+    @field_validator("redis_url", "database_url", "flower_password", "metrics_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value

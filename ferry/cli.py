@@ -49,13 +49,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_celery(args: argparse.Namespace) -> int:
     from workers.celery_app import create_celery
+    from workers.main import metrics_token
 
     settings = get_settings()
     configure_logging(settings.log_level, f"celery-{args.role}")
     app = create_celery(settings)
     if args.role == "worker":
         if args.metrics_port:
-            _serve_celery_health(settings.metrics_host, args.metrics_port)
+            _serve_celery_health(settings.metrics_host, args.metrics_port, metrics_token(settings))
         app.worker_main(
             [
                 "worker",
@@ -77,7 +78,7 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_celery_health(host: str, port: int) -> None:
+def _serve_celery_health(host: str, port: int, token: str | None) -> None:
     """/metrics, /healthz and /readyz (ready from Celery's worker_ready to its shutdown)."""
     import threading
 
@@ -95,7 +96,7 @@ def _serve_celery_health(host: str, port: int) -> None:
 
     worker_ready.connect(_ready, weak=False)
     worker_shutting_down.connect(_stopping, weak=False)
-    serve(host, port, ready.is_set)
+    serve(host, port, ready.is_set, token)
 
 
 def _cmd_flower(_args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+from core.metrics import token_matches
+
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +33,9 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes every few seconds would drown the worker's log."""
 
 
-def health_app(ready: Callable[[], bool]) -> Callable[..., Iterable[bytes]]:
+def health_app(
+    ready: Callable[[], bool], token: str | None = None
+) -> Callable[..., Iterable[bytes]]:
     metrics = make_wsgi_app()
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -43,6 +47,8 @@ def health_app(ready: Callable[[], bool]) -> Callable[..., Iterable[bytes]]:
                 return _text(start_response, "200 OK", "ready")
             return _text(start_response, "503 Service Unavailable", "not ready")
         if path == "/metrics":
+            if not token_matches(token, environ.get("HTTP_AUTHORIZATION")):
+                return _text(start_response, "401 Unauthorized", "metrics token required")
             return metrics(environ, start_response)
         return _text(start_response, "404 Not Found", "not found")
 
@@ -57,11 +63,13 @@ def _text(start_response: Callable[..., Any], status: str, body: str) -> list[by
     return [data]
 
 
-def serve(host: str, port: int, ready: Callable[[], bool]) -> WSGIServer | None:
+def serve(
+    host: str, port: int, ready: Callable[[], bool], token: str | None = None
+) -> WSGIServer | None:
     """Serve the port from a daemon thread; None (logged) if it cannot be bound."""
     try:
         server = make_server(
-            host, port, health_app(ready), server_class=_Server, handler_class=_QuietHandler
+            host, port, health_app(ready, token), server_class=_Server, handler_class=_QuietHandler
         )
     except OSError as exc:
         # Metrics are not worth failing the worker for; the log says why.

@@ -76,7 +76,10 @@ def run_worker(
     # The port answers while the model loads (/readyz 503 until the loop reads its streams).
     loops: list[BatchLoop] = []
     if metrics_port:
-        serve(settings.metrics_host, metrics_port, lambda: bool(loops) and loops[0].ready.is_set())
+        serve(
+            settings.metrics_host, metrics_port,
+            lambda: bool(loops) and loops[0].ready.is_set(), metrics_token(settings),
+        )  # fmt: skip
     loop = build_loop(settings, model, device, name)
     loops.append(loop)
     if metrics_port:
@@ -109,6 +112,11 @@ def run_worker(
         if presence is not None:
             presence.stop()
     return 0
+
+
+def metrics_token(settings: Settings) -> str | None:
+    token = settings.metrics_token
+    return None if token is None else token.get_secret_value()
 
 
 def worker_facts(loop: BatchLoop) -> dict[str, Any]:

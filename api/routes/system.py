@@ -11,8 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
+from api.errors import ApiError
 from api.schemas import ModelInfo, ModelList, error_responses
-from core.metrics import queue_metrics
+from core.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, model_stats
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,23 @@ def _ms(seconds: float | None, digits: int = 3) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, digits)
 
 
-@router.get("/metrics", tags=["health"], response_class=PlainTextResponse)
-def metrics(client: RedisDep, catalog: CatalogDep, settings: SettingsDep) -> PlainTextResponse:
-    """Prometheus metrics of this API process, and the queues' state read from Redis now."""
+@router.get(
+    "/metrics", tags=["health"], response_class=PlainTextResponse,
+    responses=error_responses(401),
+)  # fmt: skip
+def metrics(
+    request: Request, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
+) -> PlainTextResponse:
+    """Prometheus metrics of this API process, and the queues' state read from Redis now.
+
+    With FERRY_METRICS_TOKEN set, only for "Authorization: Bearer <that token>".
+    """
+    token = settings.metrics_token
+    expected = None if token is None else token.get_secret_value()
+    if not token_matches(expected, request.headers.get("authorization")):
+        raise ApiError(
+            401, "unauthorized", "metrics token required", {"WWW-Authenticate": "Bearer"}
+        )
     body = generate_latest(REGISTRY)
     try:
         body += queue_metrics(client, settings.key_prefix, catalog)

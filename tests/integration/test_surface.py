@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from api.app import create_app
 from core.settings import Settings
@@ -96,3 +96,15 @@ def test_a_wrong_method_names_every_method_the_path_has(client: TestClient) -> N
     assert response.json()["error"]["message"] == (
         "method PUT not allowed here (allowed: GET, POST)"
     )
+
+
+def test_with_a_metrics_token_the_apis_metrics_ask_for_it(settings: Settings) -> None:
+    configured = settings.model_copy(update={"metrics_token": SecretStr("s3cret")})
+    with TestClient(create_app(configured)) as locked:
+        refused = locked.get("/metrics")
+        assert refused.status_code == 401
+        assert refused.json()["error"]["message"] == "metrics token required"
+        assert locked.get("/metrics", headers={"Authorization": "Bearer no"}).status_code == 401
+        scraped = locked.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert scraped.status_code == 200 and "ferry_queue_depth" in scraped.text
+        assert locked.get("/healthz").status_code == 200

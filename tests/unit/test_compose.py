@@ -224,11 +224,30 @@ def test_every_worker_serves_metrics_and_readiness(services: dict[str, dict[str,
         assert "127.0.0.1:9400/readyz" in check, name
 
 
+def test_metrics_need_the_token_prometheus_scrapes_with(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    token = services["api"]["environment"]["FERRY_METRICS_TOKEN"]
+    assert str(token).startswith("${METRICS_TOKEN:?"), "required, with no default"
+    prometheus = services["prometheus"]
+    assert prometheus["environment"]["METRICS_TOKEN"] == token
+    (script,) = argv(prometheus["command"])
+    written = re.search(r'printf %s "\$\$METRICS_TOKEN" > (\S+)', script)
+    assert written, script
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    ferry_jobs = [job for job in config["scrape_configs"] if job["job_name"].startswith("ferry-")]
+    assert len(ferry_jobs) == 3
+    for job in ferry_jobs:
+        assert job["authorization"]["credentials_file"] == written.group(1), job["job_name"]
+
+
 def test_prometheus_and_grafana_use_the_repository_configuration(
     services: dict[str, dict[str, Any]],
 ) -> None:
     prometheus = services["prometheus"]
-    config = option_values(argv(prometheus["command"]))["--config.file"]
+    assert argv(prometheus["entrypoint"]) == ["/bin/sh", "-c"]
+    (script,) = argv(prometheus["command"])
+    config = option_values(shlex.split(script))["--config.file"]
     mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in prometheus["volumes"]}
     assert (ROOT / mounts[config]).is_file()
     assert any(str(port).endswith("9090") for port in prometheus["ports"])
@@ -310,11 +329,13 @@ def _compose_config(env: dict[str, str], tmp_path: Path) -> subprocess.Completed
 
 
 def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
-    result = _compose_config({"FLOWER_PASSWORD": "f", "GRAFANA_PASSWORD": "g"}, tmp_path)
+    result = _compose_config(
+        {"FLOWER_PASSWORD": "f", "GRAFANA_PASSWORD": "g", "METRICS_TOKEN": "m"}, tmp_path
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_docker_compose_refuses_to_run_without_the_flower_password(tmp_path: Path) -> None:
-    result = _compose_config({"GRAFANA_PASSWORD": "g"}, tmp_path)
+    result = _compose_config({"GRAFANA_PASSWORD": "g", "METRICS_TOKEN": "m"}, tmp_path)
     assert result.returncode != 0
     assert "FLOWER_PASSWORD" in result.stderr

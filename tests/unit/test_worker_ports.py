@@ -180,3 +180,21 @@ def test_a_crash_loop_stops_the_stack_only_for_a_critical_child(critical: bool) 
         # Given up: it is not started again, and it never stops the stack.
         assert child.check(now + 100.0, env)
         assert child.process is not None and child.process.poll() is not None
+
+
+def test_with_a_token_metrics_ask_for_it_and_health_stays_open() -> None:
+    port = free_port()
+    server = serve("127.0.0.1", port, lambda: True, token="s3cret")
+    assert server is not None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/metrics").status_code == 401
+        wrong = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        right = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200 and "ferry_" in right.text
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert httpx.get(f"{base}/readyz").status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
