@@ -201,12 +201,20 @@ def _json_type(value: Any) -> str:
     return "object"
 
 
-def text_problem(value: Any) -> str | None:
-    """What in this JSON value no database can store as text (None: nothing).
+# Deepest nesting of arrays and objects a stored value may have: well inside what
+# the JSON serializers that return it can write (pydantic's stops at a few hundred).
+MAX_JSON_DEPTH = 64
+
+
+def text_problem(value: Any, depth: int = 0) -> str | None:
+    """What in this JSON value cannot be stored and returned (None: nothing).
 
     PostgreSQL refuses NUL in text, and no UTF-8 column can hold an unpaired
-    surrogate (JSON's "\\ud800" decodes to one).
+    surrogate (JSON's "\\ud800" decodes to one). Nesting past MAX_JSON_DEPTH
+    would be stored but could not be written back out.
     """
+    if depth > MAX_JSON_DEPTH:
+        return f"more than {MAX_JSON_DEPTH} levels of nesting"
     if isinstance(value, str):
         if "\x00" in value:
             return "NUL characters"
@@ -220,7 +228,7 @@ def text_problem(value: Any) -> str | None:
     else:
         return None
     for item in items:
-        problem = text_problem(item)
+        problem = text_problem(item, depth + 1)
         if problem:
             return problem
     return None

@@ -3,6 +3,7 @@ message naming the field and why; nothing is stored; hostile strings are stored 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -199,3 +200,38 @@ def test_sql_and_shell_metacharacters_are_stored_and_returned_verbatim(
     replay = client.post("/v1/jobs", json=body, headers=auth)
     assert replay.json()["id"] == created.json()["id"]
     assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_nesting_past_the_limit_is_refused_and_what_fits_reads_back(
+    client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]
+) -> None:
+    # {"a": [[...]]}: the object is level 0, so 64 arrays is the deepest that fits.
+    too_deep = client.post("/v1/jobs", json=_with(metadata={"a": _nested(65)}), headers=auth)
+    assert too_deep.status_code == 422
+    assert "metadata: must not contain more than 64 levels of nesting" in too_deep.text
+    with sessions() as session:
+        assert session.query(Job).count() == 0
+    fits = client.post("/v1/jobs", json=_with(metadata={"a": _nested(64)}), headers=auth)
+    assert fits.status_code == 202, fits.text
+    # Stored, and written back out: one job, one list, both readable.
+    assert client.get(f"/v1/jobs/{fits.json()['id']}", headers=auth).status_code == 200
+    assert client.get("/v1/jobs", headers=auth).status_code == 200
+
+
+def test_a_backfill_line_nested_too_deep_is_refused_with_its_line(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    deep = {"custom_id": "deep", "input": {"cost": 1, "x": _nested(80)}}
+    body = b'{"custom_id": "ok", "input": {"cost": 1}}\n' + json.dumps(deep).encode() + b"\n"
+    response = client.post("/v1/backfills", params={"model": "sim"}, content=body, headers=auth)
+    assert response.status_code == 422, response.text
+    assert "line 2" in response.json()["error"]["message"]
+    assert "levels of nesting" in response.json()["error"]["message"]
+    assert client.get("/v1/backfills", headers=auth).json()["data"] == []
