@@ -95,7 +95,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "X-Request-ID"],
-            expose_headers=["X-Request-ID", "Retry-After"],
+            expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
     app.add_middleware(MetricsMiddleware)

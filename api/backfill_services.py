@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 import redis
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ApiError
@@ -14,7 +14,7 @@ from api.schemas import BackfillResource
 from api.services import owned
 from core import backfills
 from core.catalog import ModelSpec
-from core.db import BACKFILL_DONE, ApiKey, Backfill, utcnow
+from core.db import ApiKey, Backfill, utcnow
 from core.queues import live_workers, model_stats
 from core.settings import Settings
 
@@ -70,7 +70,11 @@ async def upload(
         if rest:
             lines.append(rest)
         await run_in_threadpool(ingest.add, lines)
-        await run_in_threadpool(ingest.finish)
+        await run_in_threadpool(ingest.finish, settings.max_outstanding_backfill_lines)
+    except backfills.QuotaExceeded as exc:
+        # Uploads that finished meanwhile took the room this one counted on.
+        await run_in_threadpool(ingest.abort)
+        raise _quota_error(settings.max_outstanding_backfill_lines, exc.room) from None
     except backfills.LineError as exc:
         await run_in_threadpool(ingest.abort)
         if exc.status == 413 and max_lines < settings.backfill_max_lines and ingest.over_lines:
@@ -85,14 +89,8 @@ async def upload(
 
 def _backfill_room(sessions: sessionmaker[Session], key: ApiKey, limit: int) -> int:
     """Lines this key may still upload: its limit less the lines of its unfinished backfills."""
-    finished = Backfill.completed + Backfill.failed + Backfill.expired + Backfill.cancelled
     with sessions() as session:
-        outstanding = session.scalar(
-            select(func.coalesce(func.sum(Backfill.total - finished), 0))
-            .where(Backfill.api_key_id == key.id)
-            .where(Backfill.status.not_in(BACKFILL_DONE))
-        )
-    room = limit - int(outstanding or 0)
+        room = limit - backfills.outstanding_lines(session, key.id)
     if room <= 0:
         raise _quota_error(limit, 0)
     return room

@@ -20,17 +20,24 @@ from api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
+SKIP_AFTER_FAILURE_S = 5.0
+
 
 class RequestLimits:
     def __init__(self, redis_url: str, prefix: str, spec: str) -> None:
         self.items: list[RateLimitItem] = parse_many(spec) if spec else []
+        # Short timeouts: a hung Redis must cost a request little, and only once.
         self.storage = RedisStorage(
-            redis_url, key_prefix=f"{prefix}:limits", socket_timeout=1, socket_connect_timeout=1
-        )
+            redis_url, key_prefix=f"{prefix}:limits", socket_timeout=0.25,
+            socket_connect_timeout=0.25,
+        )  # fmt: skip
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
+        self._skip_until = 0.0
 
     def check(self, key_id: str) -> None:
         """Count one request of this key; a 429 if it is over any limit."""
+        if time.monotonic() < self._skip_until:
+            return
         for item in self.items:
             try:
                 allowed = self.limiter.hit(item, "requests", key_id)
@@ -38,7 +45,12 @@ class RequestLimits:
                     continue
                 stats = self.limiter.get_window_stats(item, "requests", key_id)
             except Exception as exc:  # redis errors, wrapped or not: do not limit blind
-                log.warning("rate limit not checked", extra={"error_type": type(exc).__name__})
+                # Not limited for a while, rather than every request paying the timeout.
+                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+                log.warning(
+                    "rate limits not checked for a while",
+                    extra={"error_type": type(exc).__name__, "for_s": SKIP_AFTER_FAILURE_S},
+                )
                 return
             retry_s = max(1, math.ceil(stats.reset_time - time.time()))
             raise ApiError(

@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.catalog import InputError, ModelSpec, text_problem
-from core.db import TERMINAL_STATUSES, WAITING, Backfill, Job, utcnow
+from core.db import BACKFILL_DONE, TERMINAL_STATUSES, WAITING, ApiKey, Backfill, Job, utcnow
 from core.resources import iso
 
 MAX_CUSTOM_ID_CHARS = 255
@@ -68,6 +68,8 @@ def parse_line(raw: bytes, line: int, spec: ModelSpec) -> Item | None:
         value = json.loads(text, parse_constant=_no_constant)
     except ValueError as exc:
         raise LineError(line, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise LineError(line, "not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise LineError(line, 'must be a JSON object {"custom_id": ..., "input": ...}')
     unknown = sorted(set(value) - {"custom_id", "input"})
@@ -223,17 +225,30 @@ class Ingest:
                     ) from None
             raise
 
-    def finish(self) -> Backfill:
-        """The upload is whole and valid: the backfill starts."""
+    def finish(self, max_outstanding: int | None = None) -> Backfill:
+        """The upload is whole and valid: the backfill starts.
+
+        With ``max_outstanding``, its key's started backfills may then hold at most
+        that many unfinished lines, or it does not start (:class:`QuotaExceeded`).
+        The check holds the key's row, so uploads finishing together are counted
+        one after the other.
+        """
         if self.items == 0:
             raise LineError(max(self.line, 1), "the file has no lines (expected NDJSON)")
         now = utcnow()
         with self.sessions.begin() as session:
+            if max_outstanding is not None:
+                session.execute(select(ApiKey.id).where(ApiKey.id == self.key_id).with_for_update())
             session.execute(
                 update(Backfill)
                 .where(Backfill.id == self.backfill_id, Backfill.status == "validating")
                 .values(status="in_progress", in_progress_at=now, updated_at=now)
             )
+            if max_outstanding is not None:
+                started = outstanding_lines(session, self.key_id, include_uploads=False)
+                if started > max_outstanding:
+                    # Raised inside the transaction: the start is rolled back.
+                    raise QuotaExceeded(max_outstanding - (started - self.items))
             backfill = session.get(Backfill, self.backfill_id)
             assert backfill is not None
             return backfill
@@ -241,6 +256,24 @@ class Ingest:
     def abort(self) -> None:
         """The upload was refused or cut: nothing of it stays."""
         discard(self.sessions, self.backfill_id)
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, room: int) -> None:
+        super().__init__(f"room for {room} lines")
+        self.room = max(room, 0)
+
+
+def outstanding_lines(session: Session, key_id: str, include_uploads: bool = True) -> int:
+    """Lines of the key's unfinished backfills not finished yet (uploads: those stored so far)."""
+    finished = Backfill.completed + Backfill.failed + Backfill.expired + Backfill.cancelled
+    excluded = BACKFILL_DONE if include_uploads else (*BACKFILL_DONE, "validating")
+    total = session.scalar(
+        select(func.coalesce(func.sum(Backfill.total - finished), 0))
+        .where(Backfill.api_key_id == key_id)
+        .where(Backfill.status.not_in(excluded))
+    )
+    return int(total or 0)
 
 
 def discard(

@@ -213,7 +213,7 @@ def text_problem(value: Any, depth: int = 0) -> str | None:
     surrogate (JSON's "\\ud800" decodes to one). Nesting past MAX_JSON_DEPTH
     would be stored but could not be written back out.
     """
-    if depth > MAX_JSON_DEPTH:
+    if isinstance(value, (dict, list)) and depth >= MAX_JSON_DEPTH:
         return f"more than {MAX_JSON_DEPTH} levels of nesting"
     if isinstance(value, str):
         if "\x00" in value:

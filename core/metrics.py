@@ -136,4 +136,7 @@ def token_matches(expected: str | None, authorization: str | None) -> bool:
     if expected is None:
         return True
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), expected)
+    # As bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), expected.encode()
+    )

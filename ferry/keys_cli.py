@@ -71,6 +71,9 @@ def _rotate(args: argparse.Namespace) -> int:
         print(f"no live API key {args.id!r}")
         return 1
     print(f"new token for API key {key.id} ({key.name}); the old one is refused from now on.")
+    # Whoever held the old token could read the signing secret too.
+    print("its webhook signing secret is unchanged: if the old token may have leaked, rotate")
+    print("it as well (POST /v1/webhook-secret/rotate with the new token).")
     print("It is shown once:")
     print(key.token)
     return 0

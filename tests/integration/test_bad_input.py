@@ -3,7 +3,6 @@ message naming the field and why; nothing is stored; hostile strings are stored 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -203,7 +202,8 @@ def test_sql_and_shell_metacharacters_are_stored_and_returned_verbatim(
 
 
 def _nested(depth: int) -> Any:
-    value: Any = []
+    """``depth`` arrays, one inside the other, a number in the innermost."""
+    value: Any = [1]
     for _ in range(depth - 1):
         value = [value]
     return value
@@ -212,13 +212,13 @@ def _nested(depth: int) -> Any:
 def test_nesting_past_the_limit_is_refused_and_what_fits_reads_back(
     client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]
 ) -> None:
-    # {"a": [[...]]}: the object is level 0, so 64 arrays is the deepest that fits.
-    too_deep = client.post("/v1/jobs", json=_with(metadata={"a": _nested(65)}), headers=auth)
+    # {"a": [[...]]}: the object is one level, so 63 arrays inside it is the most that fits.
+    too_deep = client.post("/v1/jobs", json=_with(metadata={"a": _nested(64)}), headers=auth)
     assert too_deep.status_code == 422
     assert "metadata: must not contain more than 64 levels of nesting" in too_deep.text
     with sessions() as session:
         assert session.query(Job).count() == 0
-    fits = client.post("/v1/jobs", json=_with(metadata={"a": _nested(64)}), headers=auth)
+    fits = client.post("/v1/jobs", json=_with(metadata={"a": _nested(63)}), headers=auth)
     assert fits.status_code == 202, fits.text
     # Stored, and written back out: one job, one list, both readable.
     assert client.get(f"/v1/jobs/{fits.json()['id']}", headers=auth).status_code == 200
@@ -228,10 +228,14 @@ def test_nesting_past_the_limit_is_refused_and_what_fits_reads_back(
 def test_a_backfill_line_nested_too_deep_is_refused_with_its_line(
     client: TestClient, auth: dict[str, str]
 ) -> None:
-    deep = {"custom_id": "deep", "input": {"cost": 1, "x": _nested(80)}}
-    body = b'{"custom_id": "ok", "input": {"cost": 1}}\n' + json.dumps(deep).encode() + b"\n"
-    response = client.post("/v1/backfills", params={"model": "sim"}, content=body, headers=auth)
-    assert response.status_code == 422, response.text
-    assert "line 2" in response.json()["error"]["message"]
-    assert "levels of nesting" in response.json()["error"]["message"]
-    assert client.get("/v1/backfills", headers=auth).json()["data"] == []
+    first = b'{"custom_id": "ok", "input": {"cost": 1}}\n'
+    # 80 levels: parsed, then refused; 5,000: more than the JSON parser itself will nest.
+    for depth, why in ((80, "levels of nesting"), (5000, "nested too deeply")):
+        nested = "[" * depth + "]" * depth  # written by hand: json.dumps cannot go so deep
+        deep = '{"custom_id": "deep", "input": {"cost": 1, "x": ' + nested + "}}"
+        body = first + deep.encode() + b"\n"
+        response = client.post("/v1/backfills", params={"model": "sim"}, content=body, headers=auth)
+        assert response.status_code == 422, response.text
+        assert "line 2" in response.json()["error"]["message"]
+        assert why in response.json()["error"]["message"]
+        assert client.get("/v1/backfills", headers=auth).json()["data"] == []

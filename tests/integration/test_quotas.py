@@ -11,6 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core import backfills
+from core.catalog import build_catalog
 from core.keys import create_key
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
@@ -87,3 +89,26 @@ def test_backfill_lines_past_the_quota_are_refused_and_nothing_is_kept(
     assert "room for 0" in full.json()["error"]["message"]
     assert upload(calm, 10).status_code == 202
     assert len(capped.get("/v1/backfills", headers=greedy).json()["data"]) == 2
+
+
+def test_uploads_finishing_together_cannot_pass_the_backfill_quota(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Each upload counted its room at its start; the check at its end is the one that holds."""
+    with sessions() as session:
+        key_id = create_key(session, "racer").id
+    spec = build_catalog(settings)["sim"]
+    uploads = []
+    for _ in range(3):  # all three started while nothing was outstanding
+        backfill_id = backfills.start(sessions, key_id, "sim", None)
+        ingest = backfills.Ingest(sessions, backfill_id, key_id, spec, 10)
+        ingest.add(ndjson(5).splitlines())
+        uploads.append(ingest)
+    uploads[0].finish(max_outstanding=10)
+    uploads[1].finish(max_outstanding=10)
+    with pytest.raises(backfills.QuotaExceeded) as refused:
+        uploads[2].finish(max_outstanding=10)
+    assert refused.value.room == 0
+    uploads[2].abort()
+    with sessions() as session:
+        assert backfills.outstanding_lines(session, key_id) == 10

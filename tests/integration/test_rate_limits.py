@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from api.limits import RequestLimits
 from core.keys import create_key
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
@@ -64,3 +65,11 @@ def test_a_burst_over_the_limit_is_refused_and_what_was_accepted_completes(
 def test_a_bad_rate_limit_setting_is_refused() -> None:
     with pytest.raises(ValueError, match="is not a rate limit"):
         Settings(rate_limit="lots")
+
+
+def test_an_unreachable_redis_leaves_requests_unlimited_and_fast() -> None:
+    limits = RequestLimits("redis://127.0.0.1:1/0", "nowhere", "1/second")
+    started = time.monotonic()
+    for _ in range(50):
+        limits.check("some-key")  # never a 429: not limited blind
+    assert time.monotonic() - started < 2.0  # one failed try, then skipped for a while

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import core.metrics
+from core.metrics import token_matches
 from core.settings import Settings
 from ferry.local_redis import free_port
 from ferry.up import CRASH_LIMIT, Child, _banner, flower_password
@@ -198,3 +199,15 @@ def test_with_a_token_metrics_ask_for_it_and_health_stays_open() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("expected", "header", "allowed"),
+    [(None, None, True), ("s3cret", "Bearer s3cret", True), ("s3cret", "bearer s3cret", True),
+     ("s3cret", "Bearer s3cré", False), ("s3cret", "Basic s3cret", False),
+     ("s3cret", None, False), ("tøken", "Bearer tøken", True), ("tøken", "Bearer token", False)],
+)  # fmt: skip
+def test_the_token_comparison_takes_any_header(
+    expected: str | None, header: str | None, allowed: bool
+) -> None:
+    assert token_matches(expected, header) is allowed
