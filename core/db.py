@@ -22,6 +22,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -118,7 +119,14 @@ class Job(Base):
         UniqueConstraint("backfill_id", "custom_id", name="uq_jobs_backfill_custom_id"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_status_finished", "status", "finished_at"),
-        Index("ix_jobs_key_status", "api_key_id", "status"),
+        # The outstanding-jobs quota counts through this (backfill items are not counted).
+        Index(
+            "ix_jobs_key_outstanding",
+            "api_key_id",
+            "status",
+            postgresql_where=text("backfill_id IS NULL"),
+            sqlite_where=text("backfill_id IS NULL"),
+        ),
     )
 
 
