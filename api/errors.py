@@ -142,7 +142,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "request body is not valid JSON (not UTF-8, or nested too deeply)"
         if exc.status_code == 405:
             # Starlette names only the first route on the path; a path can have several.
-            allowed = _allowed_methods(app, request)
+            # Paths outside the document (/docs) keep what Starlette found.
+            allowed = _allowed_methods(app, request) or headers.get("Allow", "").split(", ")
             headers["Allow"] = ", ".join(allowed)
             message = f"method {request.method} not allowed here (allowed: {', '.join(allowed)})"
         return error_response(exc.status_code, type_, message, headers)

@@ -108,3 +108,9 @@ def test_with_a_metrics_token_the_apis_metrics_ask_for_it(settings: Settings) ->
         scraped = locked.get("/metrics", headers={"Authorization": "Bearer s3cret"})
         assert scraped.status_code == 200 and "ferry_queue_depth" in scraped.text
         assert locked.get("/healthz").status_code == 200
+
+
+def test_a_wrong_method_on_the_docs_still_names_the_allowed_one(client: TestClient) -> None:
+    response = client.post("/openapi.json")
+    assert response.status_code == 405
+    assert "GET" in response.headers["allow"].split(", ")
