@@ -50,7 +50,9 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             done_channel(settings.key_prefix),
         )
         app.state.hub = hub
-        app.state.limits = RequestLimits(redis_url, settings.key_prefix, settings.rate_limit)
+        app.state.limits = RequestLimits(
+            redis_url, settings.key_prefix, settings.rate_limit, settings.auth_failure_limit
+        )
         hub.start()
         kicker = DeliveryKicker(redis_url, settings.key_prefix)
         app.state.kick = kicker

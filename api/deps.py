@@ -77,13 +77,18 @@ def current_key(request: Request) -> ApiKey:
         raise _unauthorized("missing Authorization header (expected: Bearer <api key>)")
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("Authorization header must be: Bearer <api key>")
+    limits: RequestLimits = request.app.state.limits
+    # Guessing keys costs a database lookup each: an address that keeps failing
+    # is refused before the lookup.
+    address = request.client.host if request.client else "unknown"
+    limits.refuse_if_failing(address)
     sessions: sessionmaker[Session] = request.app.state.sessions
     with sessions() as session:
         key = verify_token(session, token.strip())
         if key is None:
+            limits.failed(address)
             raise _unauthorized("invalid or revoked API key")
         session.expunge(key)
-    limits: RequestLimits = request.app.state.limits
     limits.check(key.id)
     return key
 

@@ -1,4 +1,6 @@
-"""Per-key request rate limits, counted in Redis so they hold across API processes.
+"""Rate limits, counted in Redis so they hold across API processes: requests per
+key, and failed authentications per client address (checked before any key is
+looked up, so guessing keys cannot keep the database busy).
 
 The ``limits`` library's sliding-window counter: two Redis keys per limit and
 key, no per-request history. A request over a limit is a 429 that names the
@@ -15,6 +17,7 @@ import time
 from limits import RateLimitItem, parse_many
 from limits.storage import RedisStorage
 from limits.strategies import SlidingWindowCounterRateLimiter
+from limits.util import WindowStats
 
 from api.errors import ApiError
 
@@ -24,8 +27,11 @@ SKIP_AFTER_FAILURE_S = 5.0
 
 
 class RequestLimits:
-    def __init__(self, redis_url: str, prefix: str, spec: str) -> None:
+    """Requests per key, and failed authentications per client address."""
+
+    def __init__(self, redis_url: str, prefix: str, spec: str, failures: str = "") -> None:
         self.items: list[RateLimitItem] = parse_many(spec) if spec else []
+        self.failure_items: list[RateLimitItem] = parse_many(failures) if failures else []
         # Short timeouts: a hung Redis must cost a request little, and only once.
         self.storage = RedisStorage(
             redis_url, key_prefix=f"{prefix}:limits", socket_timeout=0.25,
@@ -36,26 +42,46 @@ class RequestLimits:
 
     def check(self, key_id: str) -> None:
         """Count one request of this key; a 429 if it is over any limit."""
-        if time.monotonic() < self._skip_until:
-            return
         for item in self.items:
-            try:
-                allowed = self.limiter.hit(item, "requests", key_id)
-                if allowed:
-                    continue
-                stats = self.limiter.get_window_stats(item, "requests", key_id)
-            except Exception as exc:  # redis errors, wrapped or not: do not limit blind
-                # Not limited for a while, rather than every request paying the timeout.
-                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-                log.warning(
-                    "rate limits not checked for a while",
-                    extra={"error_type": type(exc).__name__, "for_s": SKIP_AFTER_FAILURE_S},
-                )
-                return
-            retry_s = max(1, math.ceil(stats.reset_time - time.time()))
-            raise ApiError(
-                429,
-                "rate_limited",
-                f"request rate limit {item} exceeded for this key; retry in {retry_s} s",
-                {"Retry-After": str(retry_s)},
+            stats = self._over(item, True, "requests", key_id)
+            if stats is not None:
+                raise _refusal(f"request rate limit {item} exceeded for this key", stats)
+
+    def refuse_if_failing(self, address: str) -> None:
+        """A 429, before any key is looked up, for an address over its failed-auth limit."""
+        for item in self.failure_items:
+            stats = self._over(item, False, "auth-failures", address)
+            if stats is not None:
+                raise _refusal(f"too many failed authentications ({item}) from this address", stats)
+
+    def failed(self, address: str) -> None:
+        """Count one failed authentication from this address."""
+        for item in self.failure_items:
+            self._over(item, True, "auth-failures", address)
+
+    def _over(self, item: RateLimitItem, count: bool, *identifiers: str) -> WindowStats | None:
+        """The window's stats if ``identifiers`` are over ``item`` (counting a hit if asked)."""
+        if time.monotonic() < self._skip_until:
+            return None
+        try:
+            allowed = (
+                self.limiter.hit(item, *identifiers)
+                if count
+                else self.limiter.test(item, *identifiers)
             )
+            return None if allowed else self.limiter.get_window_stats(item, *identifiers)
+        except Exception as exc:  # redis errors, wrapped or not: do not limit blind
+            # Not limited for a while, rather than every request paying the timeout.
+            self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            log.warning(
+                "rate limits not checked for a while",
+                extra={"error_type": type(exc).__name__, "for_s": SKIP_AFTER_FAILURE_S},
+            )
+            return None
+
+
+def _refusal(what: str, stats: WindowStats) -> ApiError:
+    retry_s = max(1, math.ceil(stats.reset_time - time.time()))
+    return ApiError(
+        429, "rate_limited", f"{what}; retry in {retry_s} s", {"Retry-After": str(retry_s)}
+    )

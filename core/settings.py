@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     # Requests each API key may make, counted in Redis across API processes
     # ("limits" notation, ';'-separated: "20/second;1000/minute"). Empty: none.
     rate_limit: str = "1000/second"
+    # Failed authentications (a token that is not a live key) per client address;
+    # past it the address is refused before any key is looked up. Empty: none.
+    auth_failure_limit: str = "20/second;300/minute"
     # Per key: jobs queued or running at once (backfill items not counted), and
     # backfill lines not yet finished. Past them, new work is a 429.
     max_outstanding_jobs: int = Field(10_000, ge=1)
@@ -229,7 +232,7 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
 
-    @field_validator("rate_limit")
+    @field_validator("rate_limit", "auth_failure_limit")
     @classmethod
     def _rate_limit(cls, value: str) -> str:
         if value:

@@ -73,3 +73,23 @@ def test_an_unreachable_redis_leaves_requests_unlimited_and_fast() -> None:
     for _ in range(50):
         limits.check("some-key")  # never a 429: not limited blind
     assert time.monotonic() - started < 2.0  # one failed try, then skipped for a while
+
+
+def test_an_address_that_keeps_failing_to_authenticate_is_refused_before_any_lookup(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    configured = settings.model_copy(update={"auth_failure_limit": "3/second;30/minute"})
+    with sessions() as session:
+        good = {"Authorization": f"Bearer {create_key(session, 'good').token}"}
+    guess = {"Authorization": "Bearer fy_0123456789abcdef_guess"}
+    with TestClient(create_app(configured)) as api:
+        assert [api.get("/v1/jobs", headers=guess).status_code for _ in range(3)] == [401] * 3
+        refused = api.get("/v1/jobs", headers=guess)
+        assert refused.status_code == 429
+        assert "too many failed authentications (3 per 1 second)" in refused.text
+        retry_s = int(refused.headers["Retry-After"])
+        assert 1 <= retry_s <= 2
+        # The address is refused whatever it sends, until the window turns over.
+        assert api.get("/v1/jobs", headers=good).status_code == 429
+        time.sleep(retry_s)
+        assert api.get("/v1/jobs", headers=good).status_code == 200
