@@ -315,6 +315,11 @@ class Settings(BaseSettings):
         return type(self).model_validate(data)
 
     @property
+    def metrics_bearer(self) -> str | None:
+        """The token every /metrics asks for, in clear (None: they ask for none)."""
+        return None if self.metrics_token is None else self.metrics_token.get_secret_value()
+
+    @property
     def model_names(self) -> list[str]:
         return [name.strip() for name in self.models.split(",") if name.strip()]
 

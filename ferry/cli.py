@@ -49,14 +49,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_celery(args: argparse.Namespace) -> int:
     from workers.celery_app import create_celery
-    from workers.main import metrics_token
 
     settings = get_settings()
     configure_logging(settings.log_level, f"celery-{args.role}")
     app = create_celery(settings)
     if args.role == "worker":
         if args.metrics_port:
-            _serve_celery_health(settings.metrics_host, args.metrics_port, metrics_token(settings))
+            _serve_celery_health(settings.metrics_host, args.metrics_port, settings.metrics_bearer)
         app.worker_main(
             [
                 "worker",

@@ -78,7 +78,7 @@ def run_worker(
     if metrics_port:
         serve(
             settings.metrics_host, metrics_port,
-            lambda: bool(loops) and loops[0].ready.is_set(), metrics_token(settings),
+            lambda: bool(loops) and loops[0].ready.is_set(), settings.metrics_bearer,
         )  # fmt: skip
     loop = build_loop(settings, model, device, name)
     loops.append(loop)
@@ -112,11 +112,6 @@ def run_worker(
         if presence is not None:
             presence.stop()
     return 0
-
-
-def metrics_token(settings: Settings) -> str | None:
-    token = settings.metrics_token
-    return None if token is None else token.get_secret_value()
 
 
 def worker_facts(loop: BatchLoop) -> dict[str, Any]:

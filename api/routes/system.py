@@ -65,9 +65,7 @@ def metrics(
 
     With FERRY_METRICS_TOKEN set, only for "Authorization: Bearer <that token>".
     """
-    token = settings.metrics_token
-    expected = None if token is None else token.get_secret_value()
-    if not token_matches(expected, request.headers.get("authorization")):
+    if not token_matches(settings.metrics_bearer, request.headers.get("authorization")):
         raise ApiError(
             401, "unauthorized", "metrics token required", {"WWW-Authenticate": "Bearer"}
         )

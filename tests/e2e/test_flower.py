@@ -38,7 +38,11 @@ CHROMEDRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):
     if os.environ.get("CI"):
         raise RuntimeError("CI needs chromium and chromium-driver for the Flower browser test")
-    pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
+    pytest.skip(
+        "needs Debian's chromium and chromium-driver (apt-get install chromium "
+        "chromium-driver; .ci/run installs them, and under CI their absence is a failure)",
+        allow_module_level=True,
+    )
 
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
