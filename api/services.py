@@ -33,12 +33,11 @@ from core.db import (
     WebhookDelivery,
     utcnow,
 )
-from core.estimates import ModelEstimate, estimate_wait_s
+from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
 from core.keys import new_webhook_secret, rotate_webhook_secret
-from core.queues import lane_depths, live_workers, model_stats
+from core.queues import live_workers, model_stats, tenant_depths
 from core.resources import job_resource
-from core.settings import LANES
-from core.streams import JobMessage, stream_key
+from core.streams import JobMessage, Scripts
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.webhooks import add_job_deliveries
@@ -133,7 +132,9 @@ def submit_job(
     if body.callback_url and check_callback is not None:
         check_callback(body.callback_url)
 
-    estimate_ms = _estimate_wait_ms(client, prefix, spec.name, body.priority, validated.cost)
+    estimate_ms = _estimate_wait_ms(
+        client, prefix, spec.name, body.priority, validated.cost, key.id
+    )
     if body.deadline_ms is not None and estimate_ms is not None and estimate_ms > body.deadline_ms:
         # Refuse now rather than accept a job that would only expire in the queue.
         raise ApiError(
@@ -175,12 +176,13 @@ def submit_job(
         job_id=job.id,
         lane=job.priority,
         cost=job.cost,
-        enqueued_at_ms=int(now.timestamp() * 1000),
-        deadline_at_ms=int(job.deadline_at.timestamp() * 1000) if job.deadline_at else None,
+        enqueued_at_ms=_ms(now),
+        deadline_at_ms=_ms(job.deadline_at) if job.deadline_at else None,
         request_id=request_id,
+        tenant=key.id,
     )
     try:
-        client.xadd(stream_key(prefix, job.model, job.priority), message.encode())  # type: ignore[arg-type]
+        Scripts(client).enqueue(client, prefix, job.model, message, now_ms=_ms(now))
     except redis.RedisError as exc:
         if body.deadline_ms is not None and body.deadline_ms < requeue_within_s * 1000:
             log.warning(
@@ -215,19 +217,24 @@ def _replay(existing: Job, body: JobCreate, validated_input: object) -> Submitte
 
 
 def _estimate_wait_ms(
-    client: redis.Redis, prefix: str, model: str, lane: str, cost: int
+    client: redis.Redis, prefix: str, model: str, lane: str, cost: int, tenant: str
 ) -> float | None:
     """From what the model's workers learned and the queue ahead (None: nothing learned yet)."""
     try:
         estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
         if estimate is None:  # no worker has published: spare the depth reads
             return None
-        depths = lane_depths(client, prefix, model)
+        depths = tenant_depths(client, prefix, model)
         workers = live_workers(client, prefix, model)
     except redis.RedisError:
         return None
-    ahead = sum(depths[name] for name in LANES[: LANES.index(lane) + 1])
-    return round(estimate_wait_s(estimate, ahead, cost, workers) * 1000.0, 1)
+    return round(
+        estimate_wait_s(estimate, jobs_ahead(depths, lane, tenant), cost, workers) * 1000.0, 1
+    )
+
+
+def _ms(value: dt.datetime) -> int:
+    return int(value.timestamp() * 1000)
 
 
 def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], None]:

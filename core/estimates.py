@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from core.settings import LANES
+
 
 @dataclass(frozen=True)
 class ModelEstimate:
@@ -66,6 +68,19 @@ def estimate_wait_s(est: ModelEstimate, ahead_items: int, cost: int, workers: in
     if est.padded:
         own_work = max(own_work, own_items * cost)  # padded to this job's length at least
     return queue_s / max(workers, 1) + est.window_s + est.latency_s(own_work)
+
+
+def jobs_ahead(depths: dict[str, dict[str, int]], lane: str, tenant: str) -> int:
+    """The jobs that run before a new one of ``tenant`` in ``lane``.
+
+    Every job of a higher lane; in its own lane, the tenant's own queue and,
+    as workers take the lane's tenants in turn, as many of each other
+    tenant's jobs as its own plus one (a flood of another tenant is not ahead).
+    """
+    ahead = sum(sum(depths[name].values()) for name in LANES[: LANES.index(lane)])
+    own = depths[lane].get(tenant, 0)
+    others = sum(min(depth, own + 1) for name, depth in depths[lane].items() if name != tenant)
+    return ahead + own + others
 
 
 def _work(est: ModelEstimate, cost: float) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 
 from core.settings import LANES
-from core.streams import GROUP, lane_streams, stats_key, workers_key
+from core.streams import GROUP, stats_key, stream_key, tenants_key, workers_key
 
 DEPTH_SCAN_LIMIT = 10_000
 HEARTBEAT_TTL_S = 10.0  # a worker that has not beaten for this long is not live
@@ -25,39 +25,80 @@ class LaneState:
         return self.pending + self.lag
 
 
+def lane_tenants(client: redis.Redis, prefix: str, model: str) -> dict[str, list[str]]:
+    """Per lane, the tenants with a stream that may hold entries, first listed first."""
+    pipe = client.pipeline(transaction=False)
+    for lane in LANES:
+        pipe.zrange(tenants_key(prefix, model, lane), 0, -1)
+    return {lane: [_text(t) for t in got] for lane, got in zip(LANES, pipe.execute(), strict=True)}
+
+
+def model_streams(client: redis.Redis, prefix: str, model: str) -> list[str]:
+    """Every stream of the model's lanes: each lane's shared stream, then its tenants'."""
+    return [
+        stream_key(prefix, model, lane, tenant)
+        for lane, tenants in lane_tenants(client, prefix, model).items()
+        for tenant in [None, *tenants]
+    ]
+
+
+def tenant_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, dict[str, int]]:
+    """Per lane, the entries not yet acknowledged in each tenant's stream ('' is the shared one).
+
+    Acknowledged entries are deleted at once, so a stream's length is its depth.
+    """
+    streams = [
+        (lane, tenant)
+        for lane, tenants in lane_tenants(client, prefix, model).items()
+        for tenant in ["", *tenants]
+    ]
+    pipe = client.pipeline(transaction=False)
+    for lane, tenant in streams:
+        pipe.xlen(stream_key(prefix, model, lane, tenant or None))
+    depths: dict[str, dict[str, int]] = {lane: {} for lane in LANES}
+    for (lane, tenant), length in zip(streams, pipe.execute(), strict=True):
+        depths[lane][tenant] = int(length)
+    return depths
+
+
 def lane_states(client: redis.Redis, prefix: str, model: str) -> dict[str, LaneState]:
-    """Per lane, from the consumer group: entries held by workers and entries not yet read."""
-    keys = lane_streams(prefix, model)
+    """Per lane, from the consumer groups: entries held by workers and entries not yet read."""
+    keys = [
+        (lane, stream_key(prefix, model, lane, tenant or None))
+        for lane, by_tenant in tenant_depths(client, prefix, model).items()
+        for tenant, depth in by_tenant.items()
+        if depth
+    ]
     pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.exists(key)
-    exists = pipe.execute()
-    pipe = client.pipeline(transaction=False)
-    for key, present in zip(keys, exists, strict=True):
-        if present:
-            pipe.xinfo_groups(key)
-    infos = iter(pipe.execute())
-    states: dict[str, LaneState] = {}
-    for lane, key, present in zip(LANES, keys, exists, strict=True):
-        if not present:
-            states[lane] = LaneState(0, 0)
-            continue
-        group = _group(next(infos))
-        if group is None:
-            states[lane] = LaneState(0, int(client.xlen(key)))
-            continue
-        lag = group.get("lag")
-        if lag is None:  # Redis < 7 reports no lag: count what follows the last delivered id
-            last_id = str(group.get("last-delivered-id") or "0-0")
-            tail: Any = client.xrange(key, min=f"({last_id}", count=DEPTH_SCAN_LIMIT)
-            lag = len(tail)
-        states[lane] = LaneState(int(group.get("pending") or 0), int(lag))
+    for _lane, key in keys:
+        pipe.xinfo_groups(key)
+    states = {lane: LaneState(0, 0) for lane in LANES}
+    for (lane, key), groups in zip(keys, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(groups, redis.ResponseError):
+            continue  # emptied and deleted meanwhile
+        was = states[lane]
+        here = _stream_state(client, key, _group(groups))
+        states[lane] = LaneState(was.pending + here.pending, was.lag + here.lag)
     return states
+
+
+def _stream_state(client: redis.Redis, key: str, group: dict[str, Any] | None) -> LaneState:
+    if group is None:
+        return LaneState(0, int(client.xlen(key)))
+    lag = group.get("lag")
+    if lag is None:  # Redis < 7 reports no lag: count what follows the last delivered id
+        last_id = str(group.get("last-delivered-id") or "0-0")
+        tail: Any = client.xrange(key, min=f"({last_id}", count=DEPTH_SCAN_LIMIT)
+        lag = len(tail)
+    return LaneState(int(group.get("pending") or 0), int(lag))
 
 
 def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
     """Entries per lane not yet acknowledged: delivered-but-pending plus undelivered."""
-    return {lane: state.depth for lane, state in lane_states(client, prefix, model).items()}
+    return {
+        lane: sum(by_tenant.values())
+        for lane, by_tenant in tenant_depths(client, prefix, model).items()
+    }
 
 
 def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None = None) -> int:

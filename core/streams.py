@@ -1,13 +1,22 @@
-"""Redis key names and the stream message protocol, in one place.
+"""Redis key names, the stream message protocol and the enqueue script, in one place.
 
 Every key of one model carries the ``{model}`` hash tag so that all of a model's
 streams land in one Redis Cluster slot.
+
+Each lane of a model is a set of streams: one per tenant (API key) with work
+in it, listed in the lane's *tenants* sorted set, plus the lane's shared
+stream, which holds entries without a tenant. Workers
+read a lane's tenants in turn, so one tenant's backlog never stands in front
+of another tenant's jobs (see ``workers.consumer``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import redis
 
 from core.settings import LANES
 
@@ -19,13 +28,97 @@ class ProtocolError(ValueError):
     """A stream entry that is not a valid Ferry message."""
 
 
-def stream_key(prefix: str, model: str, lane: str) -> str:
-    return f"{prefix}:{{{model}}}:{lane}"
+def stream_key(prefix: str, model: str, lane: str, tenant: str | None = None) -> str:
+    """The lane's stream for ``tenant``; without one, the lane's shared stream."""
+    shared = f"{prefix}:{{{model}}}:{lane}"
+    return f"{shared}:t:{tenant}" if tenant else shared
 
 
 def lane_streams(prefix: str, model: str) -> list[str]:
-    """The model's streams, most urgent lane first."""
+    """The model's shared streams, most urgent lane first."""
     return [stream_key(prefix, model, lane) for lane in LANES]
+
+
+def wake_key(prefix: str, model: str) -> str:
+    """Stream of wake-up markers: a tenant has its first job in a lane."""
+    return f"{prefix}:{{{model}}}:wake"
+
+
+def tenants_key(prefix: str, model: str, lane: str) -> str:
+    """Sorted set of the tenants whose stream in the lane may hold entries."""
+    return f"{prefix}:{{{model}}}:{lane}:tenants"
+
+
+# XADD to the tenant's stream and list the tenant in the lane, atomically, so
+# a worker pruning an empty tenant (PRUNE) can never drop one just added to.
+# A tenant new to the lane also gets a wake-up marker in the model's wake
+# stream, which blocked workers wait on beside the lanes: their reads do not
+# include the new stream yet. Markers nobody reads are trimmed.
+WAKE_FIELD = "wake"
+WAKE_MAXLEN = 1000
+_ENQUEUE = f"""
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+if redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
+             'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
+end
+return id
+"""
+# Forget a tenant whose stream is empty (entries are deleted when acknowledged,
+# so empty means nothing queued and nothing held by a worker).
+_PRUNE = """
+if redis.call('XLEN', KEYS[1]) == 0 then
+  return redis.call('ZREM', KEYS[2], ARGV[1])
+end
+return 0
+"""
+
+
+class Scripts:
+    """The Lua scripts, registered once per client (redis-py caches them by SHA)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.enqueue_script = client.register_script(_ENQUEUE)
+        self.prune_script = client.register_script(_PRUNE)
+
+    def enqueue(
+        self,
+        target: redis.Redis | redis.client.Pipeline,
+        prefix: str,
+        model: str,
+        message: JobMessage,
+        now_ms: int,
+    ) -> Any:
+        """Add the message to its tenant's stream in its lane (the shared one without a tenant)."""
+        fields = message.encode()
+        tenant = message.tenant
+        if not tenant:
+            return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
+        flat = [item for pair in fields.items() for item in pair]
+        return self.enqueue_script(
+            keys=[
+                stream_key(prefix, model, message.lane, tenant),
+                tenants_key(prefix, model, message.lane),
+                wake_key(prefix, model),
+            ],
+            args=[tenant, now_ms, *flat],
+            client=target,
+        )
+
+    def prune(
+        self,
+        target: redis.Redis | redis.client.Pipeline,
+        prefix: str,
+        model: str,
+        lane: str,
+        tenant: str,
+    ) -> Any:
+        """Unlist ``tenant`` from the lane if its stream is empty (1 if it was unlisted)."""
+        return self.prune_script(
+            keys=[stream_key(prefix, model, lane, tenant), tenants_key(prefix, model, lane)],
+            args=[tenant],
+            client=target,
+        )
 
 
 def dead_letter_key(prefix: str, model: str) -> str:
@@ -57,6 +150,7 @@ class JobMessage:
     enqueued_at_ms: int
     deadline_at_ms: int | None = None
     request_id: str | None = None
+    tenant: str | None = None  # the API key whose job it is
 
     def encode(self) -> dict[str, str]:
         fields = {
@@ -70,6 +164,8 @@ class JobMessage:
             fields["dl"] = str(self.deadline_at_ms)
         if self.request_id:
             fields["rid"] = self.request_id
+        if self.tenant:
+            fields["t"] = self.tenant
         return fields
 
     @classmethod
@@ -91,11 +187,17 @@ class JobMessage:
                 enqueued_at_ms=int(f["enq"]),
                 deadline_at_ms=int(f["dl"]) if "dl" in f else None,
                 request_id=f.get("rid"),
+                tenant=f.get("t"),
             )
         except ProtocolError:
             raise
         except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
             raise ProtocolError(f"malformed job message: {exc!r}") from exc
+
+
+def is_wake(fields: Mapping[bytes | str, bytes | str] | None) -> bool:
+    """Whether a stream entry is a wake-up marker rather than a job."""
+    return bool(fields) and (WAKE_FIELD in fields or WAKE_FIELD.encode() in fields)  # type: ignore[operator]
 
 
 def _text(value: bytes | str) -> str:

@@ -36,6 +36,11 @@ class PendingItem:
     cost: int
     arrival_s: float  # when the job was accepted
     deadline_s: float | None = None  # when it must have finished, if ever
+    tenant: str = ""  # whose job it is (the API key)
+    # When the tenant last had a job in a batch, as a count of the caller's
+    # batches (-1: never); with several tenants pending, the one served least
+    # recently goes first among equals.
+    last_served: int = -1
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,30 @@ def order_key(item: PendingItem) -> tuple[int, float, float]:
     return (LANE_ORDER[item.lane], deadline, item.arrival_s)
 
 
+def fair_order(items: list[PendingItem]) -> list[PendingItem]:
+    """Lane first, then the tenants in turn: each one's first job, then each one's second...
+
+    Within a tenant the order is :func:`order_key`'s. Among jobs of equal turn
+    the tenant served least recently goes first, then the earliest deadline,
+    then arrival. With one tenant this is exactly :func:`order_key`'s order;
+    with several, a tenant's backlog (or its deadlines) cannot put its jobs
+    ahead of another tenant's first one.
+    """
+    items = sorted(items, key=order_key)
+    if len({item.tenant for item in items}) < 2:
+        return items
+    seen: dict[tuple[str, str], int] = {}
+    turns: dict[int, int] = {}
+    for item in items:
+        group = (item.tenant, item.lane)
+        turns[id(item)] = seen.get(group, 0)
+        seen[group] = turns[id(item)] + 1
+    # Stable: ties keep order_key's order (deadline, then arrival).
+    return sorted(
+        items, key=lambda item: (LANE_ORDER[item.lane], turns[id(item)], item.last_served)
+    )
+
+
 def efficiency(costs: Sequence[int]) -> float:
     """Useful work over computed work when every input is padded to the longest."""
     if not costs:
@@ -184,7 +213,7 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
     if not live:
         return BatchDecision(expire=tuple(expire))
 
-    live.sort(key=order_key)
+    live = fair_order(live)
     batch, limit = _select(live, profile, now)
     batch, limit = _bulk_riders(batch, limit, profile)
     costs = [item.cost for item in batch]
@@ -344,9 +373,9 @@ def _select_padded(
     ``[low, top]`` that holds the head's cost: the head (the first item in
     order, which must run now so that every item's turn comes; with it every
     urgent item that fits) plus the items whose cost lies in the band,
-    whatever their lane, taken in order
-    (lane, deadline, arrival) while they fit. The band is the one whose batch
-    gives the most useful work per second (``sum cost / predicted latency``):
+    whatever their lane, taken in order (:func:`fair_order`) while they fit.
+    The band is the one whose batch gives the most useful work per second
+    (``sum cost / predicted latency``):
     while few items are pending that mixes costs (the fixed cost of a batch
     dominates); once the limits bind, it is the band that wastes least on
     padding. ``min_efficiency`` may forbid the mixing while more is pending

@@ -9,7 +9,18 @@ from typing import Any, cast
 
 import redis
 
-from core.streams import GROUP, JobMessage, ProtocolError, dead_letter_key, lane_streams
+from core.queues import lane_tenants
+from core.settings import LANES
+from core.streams import (
+    GROUP,
+    JobMessage,
+    ProtocolError,
+    Scripts,
+    dead_letter_key,
+    is_wake,
+    stream_key,
+    wake_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +31,8 @@ DEAD_LETTER_MAXLEN = 100_000
 # short (the scheduler's windows) poll instead, every POLL_S.
 PRECISE_BELOW_MS = 250
 POLL_S = 0.002
+# How often a consumer drops from the lanes' lists the tenants with nothing queued.
+PRUNE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -30,34 +43,86 @@ class Entry:
 
 
 class StreamConsumer:
-    """One consumer in the model's group, reading the most urgent lane first."""
+    """One consumer in the model's group, reading the most urgent lane first.
+
+    Within a lane it reads the tenants' streams in turn, an equal share of
+    the room from each (see ``core.streams``), so a tenant with a backlog
+    takes no more of a read than one that has a single job waiting.
+    """
 
     def __init__(self, client: redis.Redis, prefix: str, model: str, consumer: str) -> None:
         self.client = client
         self.prefix = prefix
         self.model = model
         self.consumer = consumer
-        self.streams = lane_streams(prefix, model)
+        self.scripts = Scripts(client)
+        # Per lane: the shared stream, then one per tenant with work (refreshed at each read).
+        self.lanes: dict[str, list[str]] = {
+            lane: [stream_key(prefix, model, lane)] for lane in LANES
+        }
+        self.wake = wake_key(prefix, model)
+        self._grouped: set[str] = set()  # streams whose group this consumer made or found
+        self._turn: dict[str, int] = dict.fromkeys(LANES, 0)  # where each lane's next read starts
+        self._pruned_at = time.monotonic()
         # Entries this consumer name was given before a restart and never
         # acknowledged; they are read again (from id 0) before new ones.
         self._backlog: dict[str, str] = {}
+        self._reread = False
+        self._woken = False  # a wake-up marker was read
+
+    @property
+    def streams(self) -> list[str]:
+        """Every stream known to hold the model's work, most urgent lane first."""
+        return [stream for lane in LANES for stream in self.lanes[lane]]
 
     def ensure_groups(self) -> None:
-        for stream in self.streams:
-            try:
-                # From id 0, so entries added before any worker started are delivered.
-                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        self._grouped.clear()  # Redis may have lost them (restarted empty)
+        self.refresh()
         self.reread_pending()
+
+    def refresh(self) -> None:
+        """Learn which tenants have streams in each lane, and give new streams the group."""
+        tenants = lane_tenants(self.client, self.prefix, self.model)
+        for lane in LANES:
+            shared = stream_key(self.prefix, self.model, lane)
+            self.lanes[lane] = [
+                shared,
+                *(stream_key(self.prefix, self.model, lane, t) for t in tenants[lane]),
+            ]
+        for stream in [*self.streams, self.wake]:
+            if stream not in self._grouped:
+                self._create_group(stream)
+                self._grouped.add(stream)
+        if time.monotonic() - self._pruned_at >= PRUNE_S:
+            self._prune(tenants)
+
+    def _create_group(self, stream: str) -> None:
+        try:
+            # From id 0, so entries added before any worker started are delivered.
+            self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _prune(self, tenants: dict[str, list[str]]) -> None:
+        """Drop tenants whose stream is empty from the lanes' lists (their streams stay)."""
+        self._pruned_at = time.monotonic()
+        pipe = self.client.pipeline(transaction=False)
+        for lane, names in tenants.items():
+            for tenant in names:
+                self.scripts.prune(pipe, self.prefix, self.model, lane, tenant)
+        pipe.execute()
 
     def reread_pending(self) -> None:
         """Read this consumer's unacknowledged entries again, before any new ones."""
-        self._backlog = {stream: "0" for stream in self.streams}
+        self._reread = True
 
     def read(self, room: int, block_ms: int | None) -> list[Entry]:
         """Up to ``room`` entries, urgent lane first; blocks only when told to."""
+        self.refresh()
+        if self._reread:
+            self._backlog = dict.fromkeys(self.streams, "0")
+            self._reread = False
         entries: list[Entry] = []
         for stream in self.streams:
             if room - len(entries) <= 0:
@@ -75,16 +140,21 @@ class StreamConsumer:
             # New entries only once the old ones are all back in hand, so that
             # an entry is never read twice.
             return entries
-        for stream in self.streams:
+        for lane in LANES:
             if room - len(entries) <= 0:
                 return entries
-            entries.extend(self._xread({stream: ">"}, room - len(entries), None))
+            entries.extend(self._read_lane(lane, room - len(entries)))
         if entries or block_ms is None:
             return entries
-        # Nothing anywhere: wait on every lane at once.
-        every_lane = {s: ">" for s in self.streams}
+        # Nothing anywhere: wait on every stream at once. A tenant new to a
+        # lane wakes the wait through the wake stream.
+        every_lane = dict.fromkeys([*self.streams, self.wake], ">")
         if block_ms >= PRECISE_BELOW_MS:
-            return self._xread(every_lane, 1, block_ms)
+            self._woken = False
+            got = self._xread(every_lane, 1, block_ms)
+            if got or not self._woken:
+                return got
+            return self.read(room, None)  # a new tenant: its stream is read now
         deadline = time.monotonic() + block_ms / 1000.0
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, POLL_S))
@@ -93,6 +163,33 @@ class StreamConsumer:
                 return got
         return []
 
+    def _read_lane(self, lane: str, room: int) -> list[Entry]:
+        """Up to ``room`` new entries of the lane, an equal share from each of its streams.
+
+        A stream that has fewer than its share leaves the rest to the others,
+        in a further read. Which streams come first turns at every read, so
+        the remainder of an uneven share goes to each in turn.
+        """
+        streams = self.lanes[lane]
+        turn = self._turn[lane] % len(streams)
+        self._turn[lane] = turn + 1
+        order = streams[turn:] + streams[:turn]
+        entries: list[Entry] = []
+        while order and room - len(entries) > 0:
+            left = room - len(entries)
+            asked = order[:left]  # more streams than room: one each from the first ones
+            share = max(1, left // len(asked))
+            got = self._xread(dict.fromkeys(asked, ">"), share, None)
+            entries.extend(got)
+            counts: dict[str, int] = {}
+            for entry in got:
+                counts[entry.stream] = counts.get(entry.stream, 0) + 1
+            # Those not asked yet come first; then the streams that filled
+            # their share (only they may have more).
+            full = [stream for stream in asked if counts.get(stream, 0) >= share]
+            order = order[len(asked) :] + full
+        return entries
+
     def reclaim(self, min_idle_ms: int, room: int) -> list[Entry]:
         """Take over entries another consumer read but left unacknowledged for too long.
 
@@ -100,7 +197,7 @@ class StreamConsumer:
         counter in the database decides whether they run again.
         """
         entries: list[Entry] = []
-        for stream in self.streams:
+        for stream in [*self.streams, self.wake]:
             start = "0-0"
             while room - len(entries) > 0:
                 reply: Any = self.client.xautoclaim(
@@ -186,12 +283,17 @@ class StreamConsumer:
         return entries
 
     def _entries(self, stream: str, items: Any) -> list[Entry]:
+        stream = _text(stream)
         entries: list[Entry] = []
         for entry_id, fields in items:
             if entry_id is None:  # Redis 6.2 reports a deleted entry as nil
                 continue
             if fields is None:  # deleted while pending
                 self.client.xack(stream, GROUP, entry_id)
+                continue
+            if is_wake(fields):  # its work is the refresh the next read makes
+                self._discard(stream, entry_id)
+                self._woken = True
                 continue
             try:
                 message = JobMessage.decode(fields)
@@ -200,6 +302,12 @@ class StreamConsumer:
                 continue
             entries.append(Entry(stream, entry_id, message))
         return entries
+
+    def _discard(self, stream: str, entry_id: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
 
     def _dead_letter(self, stream: str, entry_id: str, fields: dict[str, str], why: str) -> None:
         log.error(

@@ -31,7 +31,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.backfills import discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
 from core.metrics import JOBS_FINISHED
-from core.streams import JobMessage, stream_key
+from core.queues import tenant_depths
+from core.streams import JobMessage, Scripts
 from core.webhooks import add_backfill_delivery
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class Feeder:
         return bool(active), fed
 
     def _live(self, model: str) -> int:
-        return int(self.client.xlen(stream_key(self.prefix, model, "bulk")))
+        return sum(tenant_depths(self.client, self.prefix, model)["bulk"].values())
 
     def _last_line(self, backfill: Backfill) -> int:
         with self.sessions() as session:
@@ -180,8 +181,8 @@ class Feeder:
         backfill.fed_through = through
         if not rows:
             return 0
-        stream = stream_key(self.prefix, backfill.model, "bulk")
         enqueued_at_ms = int(now.timestamp() * 1000)
+        scripts = Scripts(self.client)
         pipe = self.client.pipeline(transaction=False)
         for row in rows:
             message = JobMessage(
@@ -191,8 +192,9 @@ class Feeder:
                 enqueued_at_ms=enqueued_at_ms,
                 deadline_at_ms=None,
                 request_id=None,
+                tenant=backfill.api_key_id,
             )
-            pipe.xadd(stream, message.encode())  # type: ignore[arg-type]
+            scripts.enqueue(pipe, self.prefix, backfill.model, message, enqueued_at_ms)
         pipe.execute()
         return len(rows)
 

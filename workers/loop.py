@@ -109,6 +109,10 @@ class BatchLoop:
         self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
         self.pending: dict[str, Entry] = {}
+        # Per tenant, the number of the batch that last ran one of its jobs
+        # (the scheduler takes tenants in turn, least recently served first).
+        self._served: dict[str, int] = {}
+        self._batches = 0
         self.stats = LoopStats()
         self._last_beat = 0.0
 
@@ -224,15 +228,28 @@ class BatchLoop:
                 deadline_s=(e.message.deadline_at_ms / 1000.0)
                 if e.message.deadline_at_ms is not None
                 else None,
+                tenant=e.message.tenant or "",
+                last_served=self._served.get(e.message.tenant or "", -1),
             )
             for key, e in self.pending.items()
         ]
+
+    def _mark_served(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._served[entry.message.tenant or ""] = self._batches
+        self._batches += 1
+        if len(self._served) > 2 * len(self.pending) + 1000:
+            # Forget tenants with nothing pending: they come back as never served.
+            waiting = {e.message.tenant or "" for e in self.pending.values()}
+            self._served = {t: n for t, n in self._served.items() if t in waiting}
 
     def apply(self, decision: BatchDecision) -> None:
         if decision.expire:
             self._expire([self.pending.pop(item.key) for item in decision.expire])
         if decision.run:
-            self._run_batch([self.pending.pop(item.key) for item in decision.run], decision)
+            batch = [self.pending.pop(item.key) for item in decision.run]
+            self._mark_served(batch)
+            self._run_batch(batch, decision)
 
     def _expire(self, entries: list[Entry]) -> None:
         written = self._settle_unrunnable(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from typing import Any
 
 import redis
@@ -21,7 +22,8 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job
-from core.streams import JobMessage, lane_streams, stream_key
+from core.queues import model_streams
+from core.streams import JobMessage, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ def reconcile(
         # terminal in the rows, never mistaken for a lost one.
         present = _job_ids_in_streams(client, prefix, model)
         missing = [row for row in _open_rows(sessions, model, cutoff) if row.id not in present]
+        scripts = Scripts(client)
+        now_ms = int(time.time() * 1000)
         for start in range(0, len(missing), PAGE):
             pipe = client.pipeline(transaction=False)
             for row in missing[start : start + PAGE]:
@@ -61,8 +65,9 @@ def reconcile(
                     enqueued_at_ms=_ms(row.created_at),
                     deadline_at_ms=_ms(row.deadline_at) if row.deadline_at else None,
                     request_id=row.request_id,
+                    tenant=row.api_key_id,
                 )
-                pipe.xadd(stream_key(prefix, model, row.priority), message.encode())  # type: ignore[arg-type]
+                scripts.enqueue(pipe, prefix, model, message, now_ms)
             pipe.execute()
         if missing:
             log.warning(
@@ -79,7 +84,13 @@ def _open_rows(sessions: sessionmaker[Session], model: str, cutoff: dt.datetime)
     after: tuple[dt.datetime, str] | None = None
     while True:
         query = select(
-            Job.id, Job.priority, Job.cost, Job.created_at, Job.deadline_at, Job.request_id
+            Job.id,
+            Job.priority,
+            Job.cost,
+            Job.created_at,
+            Job.deadline_at,
+            Job.request_id,
+            Job.api_key_id,
         ).where(Job.model == model, Job.status.in_(("queued", "running")), Job.created_at < cutoff)
         if after is not None:
             query = query.where(
@@ -96,7 +107,7 @@ def _open_rows(sessions: sessionmaker[Session], model: str, cutoff: dt.datetime)
 def _job_ids_in_streams(client: redis.Redis, prefix: str, model: str) -> set[str]:
     """Every job id with an entry in the model's lanes (streams hold only live work)."""
     ids: set[str] = set()
-    for stream in lane_streams(prefix, model):
+    for stream in model_streams(client, prefix, model):
         start = "-"
         while True:
             page: Any = client.xrange(stream, min=start, max="+", count=PAGE)

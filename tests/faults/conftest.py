@@ -47,7 +47,8 @@ from sqlalchemy.engine import make_url
 from core import migrate
 from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.streams import dead_letter_key, done_channel, lane_streams, workers_key
+from core.queues import lane_depths
+from core.streams import dead_letter_key, done_channel, workers_key
 from ferry.local_redis import find_redis_server, free_port, start_redis
 from tests.conftest import missing_service, postgres_database
 
@@ -654,7 +655,7 @@ class Stack:
 
     def stream_entries(self) -> int:
         """Entries still in the model's lane streams (acknowledged ones are deleted)."""
-        return sum(int(self.redis.xlen(stream)) for stream in lane_streams(self.prefix, MODEL))
+        return sum(lane_depths(self.redis, self.prefix, MODEL).values())
 
     def dead_letters(self) -> list[dict[str, str]]:
         entries: Any = self.redis.xrange(dead_letter_key(self.prefix, MODEL))

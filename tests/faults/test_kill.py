@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from core.streams import GROUP, lane_streams
+from core.streams import GROUP
 from tests.faults.conftest import MODEL, Figures, Stack, sim_jobs, wait_for
+from tests.streams import all_stream_names
 
 pytestmark = pytest.mark.faults
 
@@ -24,7 +25,7 @@ def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
     young is still running when the kill lands a few milliseconds later.
     """
     held: list[str] = []
-    for stream in lane_streams(stack.prefix, MODEL):
+    for stream in all_stream_names(stack.redis, stack.prefix, MODEL):
         pending: Any = stack.redis.xpending_range(
             stream, GROUP, min="-", max="+", count=1000, consumername=consumer
         )

@@ -16,8 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import services
 from core.db import Job
 from core.settings import Settings
-from core.streams import JobMessage, stream_key
+from core.streams import stream_key
 from tests.integration.conftest import RunningLoop
+from tests.streams import lane_messages
 
 
 def submit(client: TestClient, auth: dict[str, str], **body: Any) -> Any:
@@ -54,13 +55,17 @@ def test_submit_commits_the_row_then_queues_it_in_its_lane(
         assert (row.status, row.cost, row.input) == ("queued", 7, {"cost": 7, "fail": False})
         assert row.deadline_at is not None
 
-    entries: Any = redis_client.xrange(stream_key(settings.key_prefix, "sim", "vip"))
-    assert len(entries) == 1
-    message = JobMessage.decode(entries[0][1])
+    messages = lane_messages(redis_client, settings.key_prefix, "sim", "vip")
+    assert len(messages) == 1
+    message = messages[0]
     assert (message.job_id, message.lane, message.cost) == (job["id"], "vip", 7)
     assert message.deadline_at_ms is not None
     assert message.request_id == response.headers["X-Request-ID"]
-    assert redis_client.xlen(stream_key(settings.key_prefix, "sim", "normal")) == 0
+    with sessions() as session:
+        assert message.tenant == session.get(Job, job["id"]).api_key_id  # type: ignore[union-attr]
+    # In the key's own stream of the lane, which the lane now lists.
+    assert redis_client.xlen(stream_key(settings.key_prefix, "sim", "vip", message.tenant)) == 1
+    assert lane_messages(redis_client, settings.key_prefix, "sim", "normal") == []
 
 
 def test_client_request_id_is_echoed(client: TestClient, auth: dict[str, str]) -> None:
@@ -271,7 +276,7 @@ def test_idempotency_key_returns_the_original_job(
     assert first.status_code == again.status_code == 202
     assert first.json()["id"] == again.json()["id"]
     assert again.headers.get("Idempotent-Replayed") == "true"
-    assert redis_client.xlen(stream_key(settings.key_prefix, "sim", "normal")) == 1
+    assert len(lane_messages(redis_client, settings.key_prefix, "sim", "normal")) == 1
     conflict = submit(client, auth, model="sim", input={"cost": 4}, idempotency_key="k1")
     assert conflict.status_code == 409
     assert "idempotency_key" in conflict.json()["error"]["message"]

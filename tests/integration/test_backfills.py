@@ -19,8 +19,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Backfill, Job, WebhookDelivery
+from core.queues import lane_depths
 from core.settings import Settings
-from core.streams import stream_key
 from tests.integration.conftest import RunningLoop
 from workers.feeder import Feeder
 
@@ -60,7 +60,7 @@ class RunningFeeder:
     def _run(self) -> None:
         while not self.stop.is_set():
             self.feeder.step()
-            live = int(self.feeder.client.xlen(stream_key(self.feeder.prefix, "sim", "bulk")))
+            live = lane_depths(self.feeder.client, self.feeder.prefix, "sim")["bulk"]
             self.max_live = max(self.max_live, live)
             time.sleep(0.02)
 

@@ -12,9 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job
 from core.settings import Settings
-from core.streams import GROUP, lane_streams, stream_key
+from core.streams import GROUP, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
+from tests.streams import forget_model, lane_pending, model_messages
 from workers.celery_app import RECONCILE_TASK, create_celery, reconcile_streams
 from workers.consumer import StreamConsumer
 from workers.reconcile import reconcile
@@ -26,11 +27,7 @@ def later(seconds: float) -> dt.datetime:
 
 
 def stream_jobs(client: redis.Redis, settings: Settings) -> list[str]:
-    jobs = []
-    for stream in lane_streams(settings.key_prefix, "sim"):
-        entries: Any = client.xrange(stream)
-        jobs += [fields["job"] for _id, fields in entries]
-    return jobs
+    return [m.job_id for m in model_messages(client, settings.key_prefix, "sim")]
 
 
 def test_another_worker_takes_over_entries_a_dead_one_left(
@@ -48,8 +45,7 @@ def test_another_worker_takes_over_entries_a_dead_one_left(
     with RunningLoop(build_sim_loop(survivor, name="survivor")):
         rows = wait_terminal(sessions, ids, timeout=20)
     assert {r.status for r in rows.values()} == {"succeeded"}
-    pending: Any = redis_client.xpending(stream_key(settings.key_prefix, "sim", "normal"), GROUP)
-    assert pending["pending"] == 0
+    assert lane_pending(redis_client, settings.key_prefix, "sim", "normal") == 0
 
 
 def test_touched_entries_are_not_reclaimed(redis_client: redis.Redis, settings: Settings) -> None:
@@ -81,8 +77,7 @@ def test_reconcile_re_enqueues_only_what_was_lost(
     redis_client: redis.Redis,
 ) -> None:
     lost = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(4)]
-    for stream in lane_streams(settings.key_prefix, "sim"):
-        redis_client.delete(stream)  # Redis "lost its data"
+    forget_model(redis_client, settings.key_prefix, "sim")  # Redis "lost its data"
     kept = [submit(client, auth, model="sim", input={"cost": 2}) for _ in range(2)]
     with sessions() as session:  # a finished job is never re-enqueued
         job = session.get(Job, lost[0])
@@ -109,8 +104,7 @@ def test_a_worker_survives_redis_losing_its_groups(
     with RunningLoop(build_sim_loop(settings)):
         first = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
         wait_terminal(sessions, first)
-        for stream in lane_streams(settings.key_prefix, "sim"):
-            redis_client.delete(stream)  # streams and groups gone
+        forget_model(redis_client, settings.key_prefix, "sim")  # streams and groups gone
         # Accepted now: in the database; the entries go to streams with no group.
         second = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
         # The worker's reads fail with NOGROUP; it makes the groups again.

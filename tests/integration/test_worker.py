@@ -15,8 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job, utcnow
 from core.settings import Settings
-from core.streams import GROUP, JobMessage, dead_letter_key, stream_key
+from core.streams import JobMessage, dead_letter_key, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
+from tests.streams import lane_pending, lane_stream_names
 from workers.recorder import Outcome, Recorder
 
 
@@ -42,8 +43,7 @@ def wait_terminal(
 
 
 def pending_count(client: redis.Redis, settings: Settings, lane: str = "normal") -> int:
-    info: Any = client.xpending(stream_key(settings.key_prefix, "sim", lane), GROUP)
-    return int(info["pending"])
+    return lane_pending(client, settings.key_prefix, "sim", lane)
 
 
 def test_queued_jobs_run_in_batches_and_are_acknowledged(
@@ -65,8 +65,10 @@ def test_queued_jobs_run_in_batches_and_are_acknowledged(
     assert sum(s or 0 for s in sizes.values()) == 20  # each job in exactly one batch
     assert loop.stats.jobs == 20
     assert pending_count(redis_client, settings) == 0
-    # Acknowledged entries are deleted: the stream holds only live work.
-    assert redis_client.xlen(stream_key(settings.key_prefix, "sim", "normal")) == 0
+    # Acknowledged entries are deleted: the streams hold only live work.
+    streams = lane_stream_names(redis_client, settings.key_prefix, "sim", "normal")
+    assert len(streams) == 2  # the shared stream and the key's
+    assert [redis_client.xlen(stream) for stream in streams] == [0, 0]
     models = client.get("/v1/models", headers=auth).json()["data"]
     assert next(m for m in models if m["name"] == "sim")["queue_depth"]["normal"] == 0
 

@@ -13,9 +13,12 @@ from core.streams import (
     ProtocolError,
     dead_letter_key,
     done_channel,
+    is_wake,
     lane_streams,
     stats_key,
     stream_key,
+    tenants_key,
+    wake_key,
     workers_key,
 )
 
@@ -189,6 +192,30 @@ def test_all_keys_of_a_model_share_one_cluster_slot(model: str) -> None:
         dead_letter_key("ferry", model),
         workers_key("ferry", model),
         stats_key("ferry", model),
+        stream_key("ferry", model, "normal", "0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11"),
+        tenants_key("ferry", model, "bulk"),
+        wake_key("ferry", model),
     ]
     slots = {key_slot(k.encode()) for k in model_keys}
     assert slots == {key_slot(model.encode())}
+
+
+def test_a_tenants_stream_is_named_under_its_lane() -> None:
+    assert stream_key("ferry", "sim", "vip", "k1") == "ferry:{sim}:vip:t:k1"
+    assert stream_key("ferry", "sim", "vip", None) == stream_key("ferry", "sim", "vip")
+    assert tenants_key("ferry", "sim", "vip") == "ferry:{sim}:vip:tenants"
+
+
+@pytest.mark.parametrize("convert", [as_str, as_bytes])
+def test_the_tenant_travels_in_the_message(convert: Callable[[dict[str, str]], Fields]) -> None:
+    message = JobMessage("j", "normal", 3, 10, tenant="k1")
+    assert message.encode()["t"] == "k1"
+    assert JobMessage.decode(convert(message.encode())) == message
+    assert JobMessage.decode(convert(BARE.encode())).tenant is None
+
+
+@pytest.mark.parametrize("convert", [as_str, as_bytes])
+def test_a_wake_marker_is_told_from_a_job(convert: Callable[[dict[str, str]], Fields]) -> None:
+    assert is_wake(convert({"v": "1", "wake": "k1"}))
+    assert not is_wake(convert(FULL.encode()))
+    assert not is_wake(None)

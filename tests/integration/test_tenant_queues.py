@@ -1,0 +1,122 @@
+"""Each tenant's own stream in a lane, read in turn: one tenant's backlog is not another's wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.queues import lane_depths, lane_tenants
+from core.settings import Settings
+from core.streams import JobMessage, Scripts, stream_key
+from tests.integration.conftest import RunningLoop, build_sim_loop
+from tests.integration.test_worker import submit, wait_terminal
+from workers import consumer as consumer_module
+from workers.consumer import StreamConsumer
+
+MODEL = "sim"
+
+
+def enqueue(
+    client: redis.Redis, settings: Settings, tenant: str, count: int, lane: str = "normal"
+) -> list[str]:
+    scripts = Scripts(client)
+    now_ms = int(time.time() * 1000)
+    ids = []
+    for i in range(count):
+        message = JobMessage(f"{tenant}-{i}", lane, 1, now_ms, tenant=tenant)
+        scripts.enqueue(client, settings.key_prefix, MODEL, message, now_ms)
+        ids.append(message.job_id)
+    return ids
+
+
+def reader(client: redis.Redis, settings: Settings, name: str = "reader") -> StreamConsumer:
+    consumer = StreamConsumer(client, settings.key_prefix, MODEL, name)
+    consumer.ensure_groups()
+    return consumer
+
+
+def test_a_read_takes_an_equal_share_from_each_tenant(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    enqueue(redis_client, settings, "flood", 50)
+    few = enqueue(redis_client, settings, "few", 2)
+    got = reader(redis_client, settings).read(8, None)
+    jobs = [entry.message.job_id for entry in got]
+    assert len(jobs) == 8
+    assert set(few) <= set(jobs)  # behind 50 of the flood's, still in the first read
+    assert {entry.message.tenant for entry in got} == {"flood", "few"}
+    # The room the small tenant could not use went to the other.
+    assert sum(job.startswith("flood") for job in jobs) == 6
+    assert lane_depths(redis_client, settings.key_prefix, MODEL)["normal"] == 52
+
+
+def test_the_share_turns_when_tenants_outnumber_the_room(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    for name in "abcde":
+        enqueue(redis_client, settings, name, 3)
+    consumer = reader(redis_client, settings)
+    firsts = [{entry.message.tenant for entry in consumer.read(2, None)} for _ in range(5)]
+    assert all(len(tenants) == 2 for tenants in firsts)  # one each from two tenants
+    assert set().union(*firsts) == set("abcde")  # and every tenant had a turn
+
+
+def test_a_new_tenant_wakes_a_blocked_read(redis_client: redis.Redis, settings: Settings) -> None:
+    consumer = reader(redis_client, settings)
+    timer = threading.Timer(0.2, lambda: enqueue(redis_client, settings, "newcomer", 1))
+    began = time.monotonic()
+    timer.start()
+    got = consumer.read(8, 5000)
+    timer.join()
+    assert [entry.message.job_id for entry in got] == ["newcomer-0"]
+    assert time.monotonic() - began < 2.0  # not the 5 s block
+    # The marker was taken off the wake stream.
+    assert consumer.read(8, None) == []
+
+
+def test_an_emptied_tenant_is_unlisted_and_comes_back_with_its_next_job(
+    redis_client: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(consumer_module, "PRUNE_S", 0.0)
+    consumer = reader(redis_client, settings)
+    enqueue(redis_client, settings, "t1", 2)
+    enqueue(redis_client, settings, "t2", 1)
+    consumer.ack(consumer.read(8, None))  # t1 and t2 are now empty
+    enqueue(redis_client, settings, "t2", 1)  # but t2 is not: only t1 goes
+    consumer.read(8, None)
+    consumer.read(8, None)  # the prune runs at the start of a read
+    assert lane_tenants(redis_client, settings.key_prefix, MODEL)["normal"] == ["t2"]
+    assert redis_client.exists(stream_key(settings.key_prefix, MODEL, "normal", "t1"))
+    enqueue(redis_client, settings, "t1", 1)
+    assert sorted(lane_tenants(redis_client, settings.key_prefix, MODEL)["normal"]) == ["t1", "t2"]
+    assert [e.message.job_id for e in consumer.read(8, None)] == ["t1-0"]
+
+
+def test_one_tenants_flood_does_not_hold_back_another_tenants_job(
+    client: TestClient,
+    make_token: Callable[[str], str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+) -> None:
+    flood_auth = {"Authorization": f"Bearer {make_token('flood')}"}
+    other_auth = {"Authorization": f"Bearer {make_token('other')}"}
+    # 200 jobs in batches of 8: 25 batches of at least 20 ms each.
+    flood = [submit(client, flood_auth, model=MODEL, input={"cost": 1}) for _ in range(200)]
+    slow = settings.model_copy(update={"sim_latency_base_ms": 20.0})
+    with RunningLoop(build_sim_loop(slow)):
+        time.sleep(0.1)  # the flood is being worked through
+        mine = submit(client, other_auth, model=MODEL, input={"cost": 1})
+        rows = wait_terminal(sessions, [mine, *flood], timeout=30)
+    finished = rows[mine].finished_at
+    assert finished is not None and rows[mine].status == "succeeded"
+    created = rows[mine].created_at
+    after = sum(1 for job in flood if (rows[job].finished_at or finished) > finished)
+    # Most of the flood was still queued; the other tenant's job did not wait for it.
+    assert after > 100, after
+    assert (finished - created).total_seconds() < 0.5
