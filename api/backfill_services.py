@@ -42,7 +42,9 @@ async def upload(
         backfills.start, sessions, key.id, spec.name, callback_url
     )
     max_lines = min(settings.backfill_max_lines, room)
-    ingest = backfills.Ingest(sessions, backfill_id, key.id, spec, max_lines)
+    ingest = backfills.Ingest(
+        sessions, backfill_id, key.id, spec, max_lines, settings.max_json_depth
+    )
     try:
         lines: list[bytes] = []
         rest = b""

@@ -17,7 +17,6 @@ BackfillStatus = Literal[
     "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"
 ]
 
-MAX_METADATA_BYTES = 16_384
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 
 
@@ -95,13 +94,6 @@ class JobCreate(BaseModel):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an absolute http(s) URL")
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and len(_compact_json(value)) > MAX_METADATA_BYTES:
-            raise ValueError(f"must be at most {MAX_METADATA_BYTES} bytes of JSON")
         return value
 
 
@@ -250,6 +242,13 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     data: list[ModelInfo]
+
+
+def metadata_problem(value: dict[str, Any] | None, max_bytes: int) -> str | None:
+    """Why this metadata is refused under the limit (None: it is not)."""
+    if value is not None and len(_compact_json(value)) > max_bytes:
+        return f"must be at most {max_bytes} bytes of JSON"
+    return None
 
 
 def _compact_json(value: Any) -> bytes:

@@ -22,8 +22,9 @@ from api.schemas import (
     JobCreate,
     JobResource,
     WebhookSecret,
+    metadata_problem,
 )
-from core.catalog import InputError, ModelSpec
+from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, nesting_problem
 from core.db import (
     TERMINAL_STATUSES,
     ApiKey,
@@ -99,6 +100,8 @@ def submit_job(
     requeue_within_s: float = 90.0,
     check_callback: Callable[[str], None] | None = None,
     max_outstanding: int | None = None,
+    max_metadata_bytes: int = 16_384,
+    max_json_depth: int = MAX_JSON_DEPTH,
 ) -> Submitted:
     """Validate, commit, enqueue.
 
@@ -113,6 +116,13 @@ def submit_job(
         raise ApiError(
             422, "invalid_request", f"model: unknown model {body.model!r} (known: {known})"
         )
+    for field, value in (("input", body.input), ("metadata", body.metadata)):
+        problem = nesting_problem(value, max_json_depth)
+        if problem:
+            raise ApiError(422, "invalid_request", f"{field}: must not contain {problem}")
+    problem = metadata_problem(body.metadata, max_metadata_bytes)
+    if problem:
+        raise ApiError(422, "invalid_request", f"metadata: {problem}")
     try:
         validated = spec.validate(body.input)
     except InputError as exc:

@@ -23,7 +23,7 @@ from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.catalog import InputError, ModelSpec, text_problem
+from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.db import BACKFILL_DONE, TERMINAL_STATUSES, WAITING, ApiKey, Backfill, Job, utcnow
 from core.resources import iso
 
@@ -56,7 +56,9 @@ class Item:
     cost: int
 
 
-def parse_line(raw: bytes, line: int, spec: ModelSpec) -> Item | None:
+def parse_line(
+    raw: bytes, line: int, spec: ModelSpec, max_depth: int = MAX_JSON_DEPTH
+) -> Item | None:
     """One NDJSON line as an item; None for a blank line. Raises :class:`LineError`."""
     if not raw.strip():
         return None
@@ -85,7 +87,7 @@ def parse_line(raw: bytes, line: int, spec: ModelSpec) -> Item | None:
     if "input" not in value:
         raise LineError(line, "input: missing")
     for field in ("custom_id", "input"):
-        problem = text_problem(value[field])
+        problem = text_problem(value[field], max_depth=max_depth)
         if problem:
             raise LineError(line, f"{field}: must not contain {problem}")
     try:
@@ -137,8 +139,10 @@ class Ingest:
         key_id: str,
         spec: ModelSpec,
         max_lines: int,
+        max_depth: int = MAX_JSON_DEPTH,
     ) -> None:
         self.sessions = sessions
+        self.max_depth = max_depth
         self.backfill_id = backfill_id
         self.key_id = key_id
         self.spec = spec
@@ -155,7 +159,7 @@ class Ingest:
         for raw in lines:
             self.line += 1
             self.bytes += len(raw) + 1
-            item = parse_line(raw, self.line, self.spec)
+            item = parse_line(raw, self.line, self.spec, self.max_depth)
             if item is None:
                 continue
             if self.items + len(items) >= self.max_lines:

@@ -203,18 +203,19 @@ def _json_type(value: Any) -> str:
 
 # Deepest nesting of arrays and objects a stored value may have: well inside what
 # the JSON serializers that return it can write (pydantic's stops at a few hundred).
+# FERRY_MAX_JSON_DEPTH may lower it.
 MAX_JSON_DEPTH = 64
 
 
-def text_problem(value: Any, depth: int = 0) -> str | None:
+def text_problem(value: Any, depth: int = 0, max_depth: int = MAX_JSON_DEPTH) -> str | None:
     """What in this JSON value cannot be stored and returned (None: nothing).
 
     PostgreSQL refuses NUL in text, and no UTF-8 column can hold an unpaired
-    surrogate (JSON's "\\ud800" decodes to one). Nesting past MAX_JSON_DEPTH
-    would be stored but could not be written back out.
+    surrogate (JSON's "\\ud800" decodes to one). Nesting past ``max_depth``
+    (at most MAX_JSON_DEPTH) would be stored but could not be written back out.
     """
-    if isinstance(value, (dict, list)) and depth >= MAX_JSON_DEPTH:
-        return f"more than {MAX_JSON_DEPTH} levels of nesting"
+    if isinstance(value, (dict, list)) and depth >= max_depth:
+        return f"more than {max_depth} levels of nesting"
     if isinstance(value, str):
         if "\x00" in value:
             return "NUL characters"
@@ -228,7 +229,24 @@ def text_problem(value: Any, depth: int = 0) -> str | None:
     else:
         return None
     for item in items:
-        problem = text_problem(item, depth + 1)
+        problem = text_problem(item, depth + 1, max_depth)
         if problem:
             return problem
+    return None
+
+
+def nesting_problem(value: Any, max_depth: int) -> str | None:
+    """Whether arrays and objects nest past ``max_depth`` (containers only; no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth >= max_depth:
+            return f"more than {max_depth} levels of nesting"
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return None

@@ -29,7 +29,7 @@ PER_MODEL = frozenset(
         "batch_window_start_factor", "batch_window_shrink", "batch_window_grow",
         "latency_high_factor", "latency_low_factor", "batch_cost_history_weight",
         "idle_queue_max", "learning_forget", "oom_backoff", "urgent_guard",
-        "urgent_budget", "urgent_memory_s", "batch_min_efficiency",
+        "urgent_budget", "urgent_memory_s", "batch_min_efficiency"
     }
 )  # fmt: skip
 
@@ -114,6 +114,11 @@ class Settings(BaseSettings):
 
     # The API.
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    # A job's metadata, as compact UTF-8 JSON.
+    max_metadata_bytes: int = Field(16_384, ge=0)
+    # Arrays and objects nested in a job's input or metadata, or a backfill
+    # line's input; at most 64, which the JSON writers that return them handle.
+    max_json_depth: int = Field(64, ge=1, le=64)
     max_wait_s: float = Field(30.0, ge=0)
     # On SIGTERM the API first answers /readyz with 503 for this long (so load
     # balancers stop sending), then stops taking connections and finishes the

@@ -71,6 +71,8 @@ def create_job(
         requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
         check_callback=check_callback,
         max_outstanding=settings.max_outstanding_jobs,
+        max_metadata_bytes=settings.max_metadata_bytes,
+        max_json_depth=settings.max_json_depth,
     )
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:

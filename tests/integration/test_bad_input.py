@@ -3,13 +3,16 @@ message naming the field and why; nothing is stored; hostile strings are stored 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.app import create_app
 from core.db import Job
+from core.settings import Settings
 
 JSON = {"Content-Type": "application/json"}
 OK = {"model": "sim", "input": {"cost": 1}}
@@ -239,3 +242,35 @@ def test_a_backfill_line_nested_too_deep_is_refused_with_its_line(
         assert "line 2" in response.json()["error"]["message"]
         assert why in response.json()["error"]["message"]
         assert client.get("/v1/backfills", headers=auth).json()["data"] == []
+
+
+def test_lowered_metadata_and_nesting_limits_are_enforced_before_anything_is_stored(
+    settings: Settings, auth: dict[str, str], sessions: sessionmaker[Session]
+) -> None:
+    strict = settings.model_copy(update={"max_metadata_bytes": 100, "max_json_depth": 4})
+    with TestClient(create_app(strict)) as client:
+        refused = {
+            "metadata: must be at most 100 bytes of JSON": _with(metadata={"k": "x" * 100}),
+            "input: must not contain more than 4 levels of nesting": _with(
+                input={"cost": 1, "x": _nested(4)}
+            ),
+            "metadata: must not contain more than 4 levels of nesting": _with(
+                metadata={"a": _nested(4)}
+            ),
+        }
+        for needle, body in refused.items():
+            response = client.post("/v1/jobs", json=body, headers=auth)
+            assert response.status_code == 422, response.text
+            assert needle in response.json()["error"]["message"]
+        line = json.dumps({"custom_id": "deep", "input": {"cost": 1, "x": _nested(4)}})
+        response = client.post(
+            "/v1/backfills", params={"model": "sim"}, content=line.encode(), headers=auth
+        )
+        assert response.status_code == 422, response.text
+        assert "line 1: input: must not contain more than 4 levels" in response.text
+        with sessions() as session:
+            assert session.query(Job).count() == 0
+        # Just inside both limits: accepted.
+        for metadata in ({"k": "x" * 92}, {"a": _nested(3)}):  # 100 bytes; 4 levels
+            fits = client.post("/v1/jobs", json=_with(metadata=metadata), headers=auth)
+            assert fits.status_code == 202, fits.text
