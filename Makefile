@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test lint typecheck audit audit-soft unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Ferry needs Python 3.11 or newer")'
@@ -29,7 +29,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) lint typecheck
+# Known vulnerabilities in the pinned dependencies, from PyPI's advisory data.
+AUDIT := $(BIN)/pip-audit -r constraints.txt --no-deps --disable-pip --progress-spinner off
+
+# Fails when any dependency could not be checked, as well as on a vulnerability.
+audit: $(STAMP)
+	$(AUDIT) --strict
+
+# What make test runs: fails on a known vulnerability; where the advisory
+# service cannot be reached, says how many dependencies went unchecked.
+audit-soft: $(STAMP)
+	@$(AUDIT) > $(VENV)/audit.txt 2>&1 || { cat $(VENV)/audit.txt; exit 1; }
+	@unchecked=$$(grep -c "could not be audited" $(VENV)/audit.txt); \
+	if [ "$$unchecked" -gt 0 ]; then \
+		echo "pip-audit: no known vulnerabilities; $$unchecked dependencies could not be checked (run make audit where PyPI's advisory data can be reached)"; \
+	else echo "pip-audit: no known vulnerabilities"; fi
+
+test: $(STAMP) lint typecheck audit-soft
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
