@@ -96,8 +96,15 @@ EVENTS_DROPPED = Counter(
 MEMORY = Gauge(
     "ferry_worker_memory_bytes",
     "The worker's memory (kind=in_use, peak): on a GPU, what torch.cuda has allocated and "
-    "the peak of the last batch; on the CPU, the process's resident set and its peak.",
+    "the peak of the last batch; on the CPU, the process's resident set and its peak. "
+    "On a GPU also kind=reserved (held by the caching allocator) and kind=fragmentation "
+    "(reserved but not allocated).",
     ["model", "kind"],
+)
+GPU_MEMORY_RECLAIMS = Counter(
+    "ferry_gpu_memory_reclaims_total",
+    "Times a GPU worker gave fragmented memory back to the device (FERRY_GPU_RECLAIM_BYTES).",
+    ["model"],
 )
 
 # Webhooks (Celery worker).

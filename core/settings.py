@@ -29,7 +29,8 @@ PER_MODEL = frozenset(
         "batch_window_start_factor", "batch_window_shrink", "batch_window_grow",
         "latency_high_factor", "latency_low_factor", "batch_cost_history_weight",
         "idle_queue_max", "learning_forget", "oom_backoff", "urgent_guard",
-        "urgent_budget", "urgent_memory_s", "batch_min_efficiency"
+        "urgent_budget", "urgent_memory_s", "batch_min_efficiency", "precision",
+        "gpu_memory_fraction",
     }
 )  # fmt: skip
 
@@ -199,6 +200,23 @@ class Settings(BaseSettings):
 
     # Workers.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # The GPUs `ferry up` starts a worker on, one per entry for each model that
+    # runs on a device (minilm; sim is simulated): auto (every GPU NVML sees;
+    # none without a driver), none (one worker on FERRY_DEVICE), or a comma-
+    # separated list of CUDA_VISIBLE_DEVICES values: indexes, GPU- or MIG- UUIDs
+    # (one worker per MIG slice). Each worker sees only its own entry, as cuda:0.
+    gpus: str = Field("auto", pattern=r"^(auto|none|[A-Za-z0-9/_-]+(,[A-Za-z0-9/_-]+)*)$")
+    # The arithmetic of a model's forward pass (autocast); per model with
+    # FERRY_MODEL_SETTINGS. fp16 and bf16 halve the memory and, on a GPU with
+    # tensor cores, several-fold the speed; on a CPU fp32 is usually fastest.
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # On a GPU: the share of the device's memory one worker process may
+    # allocate (several workers may share a device), the caching allocator's
+    # options (PYTORCH_CUDA_ALLOC_CONF, if not set already), and how much
+    # memory reserved but unused after a batch is given back.
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    cuda_alloc_conf: str = "expandable_segments:True"
+    gpu_reclaim_bytes: int = Field(2**30, ge=0)
     minilm_max_tokens: int = Field(256, ge=8, le=512)
     minilm_max_chars: int = Field(20_000, ge=1)
     minilm_overlength: Literal["truncate", "refuse"] = "truncate"

