@@ -88,10 +88,10 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         max_bytes=settings.max_body_bytes,
         streamed={"/v1/backfills": settings.backfill_max_bytes},
     )
-    app.add_middleware(RequestIdMiddleware)
-    app.add_middleware(SecurityHeadersMiddleware)
     if settings.cors_origins:
         # Off unless configured: browsers on other origins get no access at all.
+        # Inside the request id and the security headers, so that the
+        # preflight answers it makes itself carry them too.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
@@ -100,5 +100,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware)
     return app

@@ -8,13 +8,14 @@ tests and the ``ferry`` tool can set the environment first.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LANES = ("urgent", "vip", "normal", "bulk")
 # The Standard Webhooks retry schedule: the delay before each attempt, from the
@@ -138,7 +139,8 @@ class Settings(BaseSettings):
     max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
     # Origins a browser may call the API from, e.g. '["https://app.example.com"]'.
     # Empty: no CORS headers at all (other origins' pages cannot read responses).
-    cors_origins: list[str] = Field(default_factory=list)
+    # A JSON list or comma-separated: https://a.example.com,https://b.example.com
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # Threads in the Celery worker: webhook attempts wait on receivers, so
     # this is how many slow receivers can be waited on at once.
@@ -267,6 +269,16 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"{value!r} is not a rate limit (e.g. '20/second;1000/minute')"
                 ) from None
+        return value
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _origins_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [origin.strip() for origin in text.split(",") if origin.strip()]
         return value
 
     @field_validator("cors_origins")

@@ -73,6 +73,10 @@ def test_configured_origins_and_only_they_get_cors(cors_client: TestClient) -> N
     )  # fmt: skip
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    # The preflight CORS answers itself still carries the request id and the headers.
+    assert preflight.headers["x-request-id"]
+    assert preflight.headers["x-content-type-options"] == "nosniff"
+    assert preflight.headers["content-security-policy"] == STRICT_CSP
     other = cors_client.options(
         "/v1/jobs",
         headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
@@ -81,6 +85,19 @@ def test_configured_origins_and_only_they_get_cors(cors_client: TestClient) -> N
     response = cors_client.get("/healthz", headers={"Origin": ORIGIN})
     assert response.headers["access-control-allow-origin"] == ORIGIN
     assert "x-request-id" in response.headers["access-control-expose-headers"].lower()
+
+
+def test_origins_are_read_from_a_json_list_or_a_comma_separated_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for text in (f'["{ORIGIN}", "http://localhost:3000"]', f"{ORIGIN}, http://localhost:3000"):
+        monkeypatch.setenv("FERRY_CORS_ORIGINS", text)
+        assert Settings().cors_origins == [ORIGIN, "http://localhost:3000"]
+    monkeypatch.setenv("FERRY_CORS_ORIGINS", "")
+    assert Settings().cors_origins == []
+    monkeypatch.setenv("FERRY_CORS_ORIGINS", "app.example.com")
+    with pytest.raises(ValidationError, match="is not an origin"):
+        Settings()
 
 
 @pytest.mark.parametrize("origin", ["app.example.com", "https://a.example/path", "ftp://x"])
