@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
+import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -192,7 +194,7 @@ def submit_job(
         tenant=key.id,
     )
     try:
-        Scripts(client).enqueue(client, prefix, job.model, message, now_ms=_ms(now))
+        Scripts(client).enqueue(client, prefix, job.model, message)
     except redis.RedisError as exc:
         if body.deadline_ms is not None and body.deadline_ms < requeue_within_s * 1000:
             log.warning(
@@ -234,13 +236,32 @@ def _estimate_wait_ms(
         estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
         if estimate is None:  # no worker has published: spare the depth reads
             return None
-        depths = tenant_depths(client, prefix, model)
+        depths = _recent_depths(client, prefix, model)
         workers = live_workers(client, prefix, model)
     except redis.RedisError:
         return None
     return round(
         estimate_wait_s(estimate, jobs_ahead(depths, lane, tenant), cost, workers) * 1000.0, 1
     )
+
+
+# The queue's shape is read once per DEPTHS_TTL_S per API process and model,
+# not at every submission: with many tenants it is a command per stream.
+DEPTHS_TTL_S = 0.25
+_depths: weakref.WeakKeyDictionary[
+    redis.Redis, dict[tuple[str, str], tuple[float, dict[str, dict[str, int]]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _recent_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, dict[str, int]]:
+    now = time.monotonic()
+    cache = _depths.setdefault(client, {})
+    cached = cache.get((prefix, model))
+    if cached is not None and now - cached[0] < DEPTHS_TTL_S:
+        return cached[1]
+    depths = tenant_depths(client, prefix, model)
+    cache[(prefix, model)] = (now, depths)
+    return depths
 
 
 def _ms(value: dt.datetime) -> int:

@@ -17,8 +17,9 @@ normal-lane jobs at a fixed rate, open loop, in three phases of equal length:
 
 Latency is accepted -> finished, from the results table. Beside it, for each
 steady job, the batches that *started* after it was accepted and before its
-own: Ferry's promise is at most the one running when it arrived, so that the
-flood raises its latency by at most one batch.
+own. Ferry's promise is at most one: the batch the worker had just formed
+when the job arrived (a batch already running then is not counted, and the
+job runs in the next one).
 
     python -m bench.fairness [--seconds 20] [--rate 10] [--flood 8000]
 """

@@ -26,7 +26,7 @@ class LaneState:
 
 
 def lane_tenants(client: redis.Redis, prefix: str, model: str) -> dict[str, list[str]]:
-    """Per lane, the tenants with a stream that may hold entries, first listed first."""
+    """Per lane, the tenants with a stream that may hold entries, least recently added to first."""
     pipe = client.pipeline(transaction=False)
     for lane in LANES:
         pipe.zrange(tenants_key(prefix, model, lane), 0, -1)

@@ -45,8 +45,18 @@ def wake_key(prefix: str, model: str) -> str:
 
 
 def tenants_key(prefix: str, model: str, lane: str) -> str:
-    """Sorted set of the tenants whose stream in the lane may hold entries."""
+    """Sorted set of the tenants whose stream in the lane may hold entries.
+
+    Each is scored by the model's enqueue sequence number of its latest entry,
+    so a reader can tell a stream that has had nothing new since it found it
+    drained.
+    """
     return f"{prefix}:{{{model}}}:{lane}:tenants"
+
+
+def seq_key(prefix: str, model: str) -> str:
+    """Counter of the model's enqueues: it changes whenever any of its streams gets an entry."""
+    return f"{prefix}:{{{model}}}:seq"
 
 
 # XADD to the tenant's stream and list the tenant in the lane, atomically, so
@@ -57,8 +67,9 @@ def tenants_key(prefix: str, model: str, lane: str) -> str:
 WAKE_FIELD = "wake"
 WAKE_MAXLEN = 1000
 _ENQUEUE = f"""
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-if redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1]) == 1 then
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+local seq = redis.call('INCR', KEYS[4])
+if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
 end
@@ -87,12 +98,12 @@ class Scripts:
         prefix: str,
         model: str,
         message: JobMessage,
-        now_ms: int,
     ) -> Any:
         """Add the message to its tenant's stream in its lane (the shared one without a tenant)."""
         fields = message.encode()
         tenant = message.tenant
         if not tenant:
+            target.incr(seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
         flat = [item for pair in fields.items() for item in pair]
         return self.enqueue_script(
@@ -100,8 +111,9 @@ class Scripts:
                 stream_key(prefix, model, message.lane, tenant),
                 tenants_key(prefix, model, message.lane),
                 wake_key(prefix, model),
+                seq_key(prefix, model),
             ],
-            args=[tenant, now_ms, *flat],
+            args=[tenant, *flat],
             client=target,
         )
 

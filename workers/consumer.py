@@ -9,7 +9,6 @@ from typing import Any, cast
 
 import redis
 
-from core.queues import lane_tenants
 from core.settings import LANES
 from core.streams import (
     GROUP,
@@ -18,7 +17,9 @@ from core.streams import (
     Scripts,
     dead_letter_key,
     is_wake,
+    seq_key,
     stream_key,
+    tenants_key,
     wake_key,
 )
 
@@ -63,6 +64,13 @@ class StreamConsumer:
         self.wake = wake_key(prefix, model)
         self._grouped: set[str] = set()  # streams whose group this consumer made or found
         self._turn: dict[str, int] = dict.fromkeys(LANES, 0)  # where each lane's next read starts
+        # Per tenant stream: its score (latest enqueue's sequence number) at the
+        # last refresh, and the score it had when a read found it drained: it
+        # is not asked again until an enqueue changes its score.
+        self._scores: dict[str, float] = {}
+        self._drained: dict[str, float] = {}
+        self._seq: Any = None  # the model's enqueue counter at the last refresh
+        self._raw_counts: dict[str, int] = {}  # items per stream in the last XREADGROUP reply
         self._pruned_at = time.monotonic()
         # Entries this consumer name was given before a restart and never
         # acknowledged; they are read again (from id 0) before new ones.
@@ -77,18 +85,28 @@ class StreamConsumer:
 
     def ensure_groups(self) -> None:
         self._grouped.clear()  # Redis may have lost them (restarted empty)
+        self._drained.clear()  # and its sequence numbers with them
         self.refresh()
         self.reread_pending()
 
     def refresh(self) -> None:
         """Learn which tenants have streams in each lane, and give new streams the group."""
-        tenants = lane_tenants(self.client, self.prefix, self.model)
+        pipe = self.client.pipeline(transaction=False)
         for lane in LANES:
-            shared = stream_key(self.prefix, self.model, lane)
-            self.lanes[lane] = [
-                shared,
-                *(stream_key(self.prefix, self.model, lane, t) for t in tenants[lane]),
-            ]
+            pipe.zrange(tenants_key(self.prefix, self.model, lane), 0, -1, withscores=True)
+        pipe.get(seq_key(self.prefix, self.model))
+        *scored, seq = pipe.execute()
+        self._seq = seq
+        tenants: dict[str, list[str]] = {}
+        self._scores = {}
+        for lane, members in zip(LANES, scored, strict=True):
+            tenants[lane] = [_text(tenant) for tenant, _score in members]
+            streams = [stream_key(self.prefix, self.model, lane)]
+            for tenant, score in members:
+                stream = stream_key(self.prefix, self.model, lane, _text(tenant))
+                self._scores[stream] = float(score)
+                streams.append(stream)
+            self.lanes[lane] = streams
         for stream in [*self.streams, self.wake]:
             if stream not in self._grouped:
                 self._create_group(stream)
@@ -154,13 +172,18 @@ class StreamConsumer:
             got = self._xread(every_lane, 1, block_ms)
             if got or not self._woken:
                 return got
-            return self.read(room, None)  # a new tenant: its stream is read now
+            # A new tenant: its stream is read now. The markers left are stale
+            # (this worker is awake and reads every listed stream).
+            self.client.xtrim(self.wake, maxlen=0)
+            return self.read(room, None)
+        # A short wait polls the model's enqueue counter, one GET, and reads
+        # as soon as anything was enqueued.
         deadline = time.monotonic() + block_ms / 1000.0
+        seq = seq_key(self.prefix, self.model)
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, POLL_S))
-            got = self._xread(every_lane, 1, None)
-            if got:
-                return got
+            if self.client.get(seq) != self._seq:
+                return self.read(room, None)
         return []
 
     def _read_lane(self, lane: str, room: int) -> list[Entry]:
@@ -170,10 +193,17 @@ class StreamConsumer:
         in a further read. Which streams come first turns at every read, so
         the remainder of an uneven share goes to each in turn.
         """
-        streams = self.lanes[lane]
+        # Streams found drained and given nothing since are not asked.
+        streams = [
+            stream
+            for stream in self.lanes[lane]
+            if stream not in self._scores or self._drained.get(stream) != self._scores[stream]
+        ]
+        if not streams:
+            return []
         turn = self._turn[lane] % len(streams)
-        self._turn[lane] = turn + 1
         order = streams[turn:] + streams[:turn]
+        self._turn[lane] = turn + min(room, len(order))
         entries: list[Entry] = []
         while order and room - len(entries) > 0:
             left = room - len(entries)
@@ -181,9 +211,12 @@ class StreamConsumer:
             share = max(1, left // len(asked))
             got = self._xread(dict.fromkeys(asked, ">"), share, None)
             entries.extend(got)
-            counts: dict[str, int] = {}
-            for entry in got:
-                counts[entry.stream] = counts.get(entry.stream, 0) + 1
+            # What Redis handed over per stream, markers and malformed entries included.
+            counts = self._raw_counts
+            for stream in asked:
+                if counts.get(stream, 0) < share and stream in self._scores:
+                    # Fewer than asked: nothing undelivered was left in it.
+                    self._drained[stream] = self._scores[stream]
             # Those not asked yet come first; then the streams that filled
             # their share (only they may have more).
             full = [stream for stream in asked if counts.get(stream, 0) >= share]
@@ -278,7 +311,9 @@ class StreamConsumer:
             block=block_ms,
         )
         entries: list[Entry] = []
+        self._raw_counts = {}
         for stream, items in reply or []:
+            self._raw_counts[_text(stream)] = len(items)
             entries.extend(self._entries(stream, items))
         return entries
 

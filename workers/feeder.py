@@ -194,7 +194,7 @@ class Feeder:
                 request_id=None,
                 tenant=backfill.api_key_id,
             )
-            scripts.enqueue(pipe, self.prefix, backfill.model, message, enqueued_at_ms)
+            scripts.enqueue(pipe, self.prefix, backfill.model, message)
         pipe.execute()
         return len(rows)
 

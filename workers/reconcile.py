@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import time
 from typing import Any
 
 import redis
@@ -54,7 +53,6 @@ def reconcile(
         present = _job_ids_in_streams(client, prefix, model)
         missing = [row for row in _open_rows(sessions, model, cutoff) if row.id not in present]
         scripts = Scripts(client)
-        now_ms = int(time.time() * 1000)
         for start in range(0, len(missing), PAGE):
             pipe = client.pipeline(transaction=False)
             for row in missing[start : start + PAGE]:
@@ -67,7 +65,7 @@ def reconcile(
                     request_id=row.request_id,
                     tenant=row.api_key_id,
                 )
-                scripts.enqueue(pipe, prefix, model, message, now_ms)
+                scripts.enqueue(pipe, prefix, model, message)
             pipe.execute()
         if missing:
             log.warning(

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from core.settings import Settings
-from core.streams import JobMessage, stream_key
+from core.streams import JobMessage, Scripts
 from workers.consumer import PRECISE_BELOW_MS, StreamConsumer
 
 
@@ -56,10 +56,7 @@ def test_an_entry_that_arrives_during_a_short_wait_is_returned(
     )  # fmt: skip
     timer = threading.Timer(
         0.03,
-        lambda: redis_client.xadd(
-            stream_key(settings.key_prefix, "sim", "normal"),
-            message.encode(),  # type: ignore[arg-type]
-        ),
+        lambda: Scripts(redis_client).enqueue(redis_client, settings.key_prefix, "sim", message),
     )
     timer.start()
     got = reader.read(8, PRECISE_BELOW_MS - 1)

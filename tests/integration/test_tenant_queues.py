@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -30,7 +31,7 @@ def enqueue(
     ids = []
     for i in range(count):
         message = JobMessage(f"{tenant}-{i}", lane, 1, now_ms, tenant=tenant)
-        scripts.enqueue(client, settings.key_prefix, MODEL, message, now_ms)
+        scripts.enqueue(client, settings.key_prefix, MODEL, message)
         ids.append(message.job_id)
     return ids
 
@@ -120,3 +121,48 @@ def test_one_tenants_flood_does_not_hold_back_another_tenants_job(
     # Most of the flood was still queued; the other tenant's job did not wait for it.
     assert after > 100, after
     assert (finished - created).total_seconds() < 0.5
+
+
+class CountingClient(redis.Redis):
+    """The real client, counting XREADGROUP calls."""
+
+    reads = 0
+
+    def xreadgroup(self, *args: Any, **kwargs: Any) -> Any:
+        self.reads += 1
+        return super().xreadgroup(*args, **kwargs)
+
+
+def test_drained_tenants_cost_no_reads_until_they_get_a_job(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    assert settings.redis_url
+    client = CountingClient(
+        connection_pool=redis.ConnectionPool.from_url(settings.redis_url, decode_responses=True)
+    )
+    for number in range(300):
+        enqueue(redis_client, settings, f"t{number}", 1)
+    consumer = reader(client, settings)
+    taken = consumer.read(400, None)
+    assert len(taken) == 300
+    consumer.ack(taken)
+    client.reads = 0
+    assert consumer.read(8, None) == []
+    assert client.reads <= 4  # each lane's shared stream, not 300 drained tenants
+    enqueue(redis_client, settings, "t42", 1)
+    assert [e.message.job_id for e in consumer.read(8, None)] == ["t42-0"]
+
+
+def test_a_short_wait_returns_as_soon_as_a_job_is_enqueued(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    consumer = reader(redis_client, settings)
+    enqueue(redis_client, settings, "early", 1)
+    consumer.ack(consumer.read(8, None))
+    timer = threading.Timer(0.05, lambda: enqueue(redis_client, settings, "early", 2))
+    began = time.monotonic()
+    timer.start()
+    got = consumer.read(8, 200)
+    timer.join()
+    assert [e.message.job_id for e in got] == ["early-0", "early-1"]
+    assert time.monotonic() - began < 0.15

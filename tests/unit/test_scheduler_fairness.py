@@ -35,6 +35,10 @@ def test_one_tenant_keeps_lane_deadline_arrival_order() -> None:
         for i in range(200)
     ]  # fmt: skip
     assert keys(fair_order(items)) == keys(sorted(items, key=order_key))
+    # The same with a second tenant alone in another lane (the fair path runs).
+    other = [job(f"v{i}", "b", lane="vip", arrival_s=i, deadline_s=9 - i) for i in range(5)]
+    mixed = [item for item in items if item.lane != "vip"] + other
+    assert keys(fair_order(mixed)) == keys(sorted(mixed, key=order_key))
 
 
 def test_tenants_take_turns_within_a_lane() -> None:
