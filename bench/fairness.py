@@ -81,7 +81,7 @@ class Report:
     shared_key_p99_ms: float
 
 
-def submit_many(base: str, token: str, count: int, threads: int = 8) -> list[str]:
+def submit_many(base: str, token: str, count: int, threads: int = 8, cost: int = COST) -> list[str]:
     """``count`` jobs as fast as the API takes them."""
     headers = {"Authorization": f"Bearer {token}"}
 
@@ -89,7 +89,7 @@ def submit_many(base: str, token: str, count: int, threads: int = 8) -> list[str
         ids = []
         with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
             for _ in range(share):
-                response = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": COST}})
+                response = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": cost}})
                 if response.status_code != 202:
                     raise RuntimeError(f"flood refused: {response.status_code} {response.text}")
                 ids.append(response.json()["id"])

@@ -82,6 +82,11 @@ BATCH_PREDICTED = Histogram(
     ["model"],
     buckets=LATENCY_BUCKETS_S,
 )
+COMPUTE_SECONDS = Counter(
+    "ferry_worker_compute_seconds_total",
+    "Time a GPU worker spent running batches on its model (1 - its rate: the device's idle share).",
+    ["model"],
+)
 BATCH_WINDOW = Gauge("ferry_batch_window_seconds", "The adaptive batching window now.", ["model"])
 ENTRIES_RECLAIMED = Counter(
     "ferry_entries_reclaimed_total",

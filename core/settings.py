@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # be between its commit and its XADD).
     reconcile_interval_s: float = Field(30.0, gt=0)
     reconcile_grace_s: float = Field(60.0, gt=0)
+    # Record batch N (result write, acknowledgement, webhooks) on a thread of
+    # its own while batch N + 1 runs, so the device does not wait for the database.
+    pipeline: bool = True
     # How long a stopping worker may take to finish its batch.
     worker_drain_s: float = Field(30.0, gt=0)
 

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -27,7 +28,7 @@ from scheduler import BatchDecision, PendingItem
 from scheduler.learning import BatchObservation, SchedulerState
 from scheduler.policy import efficiency
 from workers.consumer import Entry, StreamConsumer
-from workers.execute import run_isolating
+from workers.execute import ItemResult, run_isolating
 from workers.observe import LoopMetrics
 from workers.presence import BatchEvents
 from workers.recorder import Claimed, Outcome, Recorder
@@ -83,6 +84,7 @@ class BatchLoop:
         clock: Callable[[], float] = time.time,
         kick: Callable[[list[str]], None] | None = None,
         events: BatchEvents | None = None,
+        pipeline: bool = False,
     ) -> None:
         self.runtime = runtime
         self.consumer = consumer
@@ -109,6 +111,14 @@ class BatchLoop:
         self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
         self.pending: dict[str, Entry] = {}
+        # Pipelined: one thread records batch N (result write, acknowledgement,
+        # webhooks) while this one computes batch N + 1.
+        self._recording = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"record-{consumer.model}")
+            if pipeline
+            else None
+        )
+        self._recorded: Future[None] | None = None
         # Per tenant, the number of the batch that last ran one of its jobs
         # (the scheduler takes tenants in turn, least recently served first).
         self._served: dict[str, int] = {}
@@ -143,6 +153,7 @@ class BatchLoop:
                     extra={"model": self.model, "error_type": type(exc).__name__,
                            "retry_in_s": backoff_s},
                 )  # fmt: skip
+                self._settle_recording()
                 self.pending.clear()
                 self.consumer.reread_pending()
                 stop.wait(backoff_s)
@@ -153,6 +164,9 @@ class BatchLoop:
                         self.consumer.ensure_groups()
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 wait_ms = MAX_BLOCK_MS
+        self._settle_recording()  # the last batch's results are written before it stops
+        if self._recording is not None:
+            self._recording.shutdown(wait=True)
         self.ready.clear()
         # Entries read but not run stay unacknowledged; this consumer name gets
         # them back at its next start.
@@ -292,37 +306,65 @@ class BatchLoop:
         costs = [by_job[job.job_id].message.cost for job in claimed]
         self.metrics.started([by_job[job.job_id].message for job in claimed], self.clock())
         started = time.perf_counter()
-        run = functools.partial(
-            self._run_claimed, batch_id, entries, claimed, costs, written, decision, started
-        )
-        if not claimed or self.events is None:
-            run()
-            return
-        lanes = [by_job[job.job_id].message.lane for job in claimed]
-        self.events.batch_started(batch_id, len(claimed), sum(costs), lanes, decision.predicted_s)
+        events = self.events if claimed else None
+        if events is not None:
+            lanes = [by_job[job.job_id].message.lane for job in claimed]
+            events.batch_started(batch_id, len(claimed), sum(costs), lanes, decision.predicted_s)
         try:
-            failed = run()
+            computed = self._compute(batch_id, entries, claimed, costs)
         except BaseException as exc:
+            self._batch_failed(events, batch_id, started, len(claimed), exc)
+            raise
+        finish = functools.partial(
+            self._finish, batch_id, entries, claimed, costs, written, decision, computed, started
+        )
+        self._hand_over(finish)
+
+    def _batch_failed(
+        self, events: BatchEvents | None, batch_id: str, started: float, size: int,
+        exc: BaseException,
+    ) -> None:  # fmt: skip
+        if events is not None:
             # Its jobs were not recorded: they stay pending and run again in another batch.
-            self.events.batch_finished(
-                batch_id, time.perf_counter() - started, len(claimed), len(claimed),
+            events.batch_finished(
+                batch_id, time.perf_counter() - started, size, size,
                 error=f"{type(exc).__name__} while running or recording it "
                 "(jobs not acknowledged run again)",
             )  # fmt: skip
-            raise
-        self.events.batch_finished(batch_id, time.perf_counter() - started, len(claimed), failed)
 
-    def _run_claimed(
-        self,
-        batch_id: str,
-        entries: list[Entry],
-        claimed: list[Claimed],
-        costs: list[int],
-        written: list[str],
-        decision: BatchDecision,
-        started: float,
-    ) -> int:
-        """Run the claimed jobs, record and acknowledge; returns how many failed."""
+    def _hand_over(self, finish: Callable[[], None]) -> None:
+        """Record the batch now, or, pipelined, on the recording thread while the next one runs.
+
+        One batch at most is being recorded while another computes: before
+        handing over, the previous recording must be done, and an error it
+        raised (the database gone) is raised here, in the loop.
+        """
+        if self._recording is None:
+            finish()
+            return
+        self.wait_recorded()
+        self._recorded = self._recording.submit(finish)
+
+    def _settle_recording(self) -> None:
+        """Wait for the batch being recorded; its failure leaves its entries unacknowledged."""
+        try:
+            self.wait_recorded()
+        except (redis.RedisError, SQLAlchemyError) as exc:
+            log.warning(
+                "a batch's results were not recorded; its jobs run again",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+
+    def wait_recorded(self) -> None:
+        """Until the batch being recorded is; re-raises what its recording raised."""
+        if self._recorded is not None:
+            recorded, self._recorded = self._recorded, None
+            recorded.result()
+
+    def _compute(
+        self, batch_id: str, entries: list[Entry], claimed: list[Claimed], costs: list[int]
+    ) -> _Computed:
+        """Run the claimed jobs and learn from the batch (what the scheduler needs next)."""
         by_job = {e.message.job_id: e for e in entries}
         ooms = 0
 
@@ -336,23 +378,12 @@ class BatchLoop:
                        "memory_ceiling_bytes": round(self.state.memory_ceiling)},
             )  # fmt: skip
 
+        began = time.perf_counter()
         results = run_isolating(self.runtime.run, [c.input for c in claimed], on_oom=out_of_memory)
-        batch_s = time.perf_counter() - started
-        outcomes = [
-            Outcome(
-                job.job_id,
-                "succeeded" if result.ok else "failed",
-                output=result.output,
-                error=result.error,
-                inference_ms=result.inference_ms,
-            )
-            for job, result in zip(claimed, results, strict=True)
-        ]
-        finished_at = self.clock()
-        written += self._record(
-            outcomes, _utc(finished_at), batch_id, len(claimed) or None, entries
-        )
-        self._acknowledge(entries, written, batch_id)
+        batch_s = time.perf_counter() - began
+        self.metrics.computed(batch_s)
+        computed_at = self.clock()
+        peak = self.runtime.peak_memory_bytes
         eff = efficiency(costs)
         if claimed:
             self._learn(
@@ -361,20 +392,55 @@ class BatchLoop:
                     cost=sum(costs),
                     work=self._work(costs),
                     latency_s=batch_s,
-                    ended_s=finished_at,
+                    ended_s=computed_at,
                     job_latency_s=[
-                        finished_at - by_job[job.job_id].message.enqueued_at_ms / 1000.0
+                        computed_at - by_job[job.job_id].message.enqueued_at_ms / 1000.0
                         for job in claimed
                     ],
-                    peak_memory_bytes=self.runtime.peak_memory_bytes,
+                    peak_memory_bytes=peak,
                     lanes=[by_job[job.job_id].message.lane for job in claimed],
                     split=ooms > 0 or any(not r.ok for r in results),
                 ),
                 eff,
             )
+        return _Computed(results, batch_s, eff, peak, self.state.window_s)
+
+    def _finish(
+        self,
+        batch_id: str,
+        entries: list[Entry],
+        claimed: list[Claimed],
+        costs: list[int],
+        written: list[str],
+        decision: BatchDecision,
+        computed: _Computed,
+        started: float,
+    ) -> None:
+        """Record the outcomes, acknowledge, and tell the metrics, the log and Flower."""
+        events = self.events if claimed else None
+        results = computed.results
+        failed = sum(1 for r in results if not r.ok)
+        try:
+            outcomes = [
+                Outcome(
+                    job.job_id,
+                    "succeeded" if result.ok else "failed",
+                    output=result.output,
+                    error=result.error,
+                    inference_ms=result.inference_ms,
+                )
+                for job, result in zip(claimed, results, strict=True)
+            ]
+            written = written + self._record(
+                outcomes, _utc(self.clock()), batch_id, len(claimed) or None, entries
+            )
+            self._acknowledge(entries, written, batch_id)
+        except BaseException as exc:
+            self._batch_failed(events, batch_id, started, len(claimed), exc)
+            raise
         self.metrics.batch(
-            costs, batch_s, decision.predicted_s, eff, self.state.window_s,
-            self.runtime.peak_memory_bytes,
+            costs, computed.batch_s, decision.predicted_s, computed.efficiency,
+            computed.window_s, computed.peak_memory_bytes,
         )  # fmt: skip
         log.info(
             "batch done",
@@ -383,16 +449,16 @@ class BatchLoop:
                 "batch_id": batch_id,
                 "size": len(claimed),
                 "cost": sum(costs),
-                "efficiency": round(eff, 3),
+                "efficiency": round(computed.efficiency, 3),
                 "lanes": sorted({e.message.lane for e in entries}),
-                "batch_ms": round(batch_s * 1000.0, 2),
+                "batch_ms": round(computed.batch_s * 1000.0, 2),
                 "predicted_ms": round(decision.predicted_s * 1000.0, 2),
                 "trigger": decision.trigger,
-                "pending": len(self.pending),
-                "failed": sum(1 for r in results if not r.ok),
+                "failed": failed,
             },
         )
-        return sum(1 for r in results if not r.ok)
+        if events is not None:
+            events.batch_finished(batch_id, time.perf_counter() - started, len(claimed), failed)
 
     def _work(self, costs: list[int]) -> float:
         if not costs:
@@ -573,6 +639,17 @@ class BatchLoop:
         # Workers that died without saying so: forget them after a while.
         pipe.zremrangebyscore(key, "-inf", wall - 30 * HEARTBEAT_TTL_S)
         pipe.execute()
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """A batch run and not yet recorded."""
+
+    results: list[ItemResult]
+    batch_s: float
+    efficiency: float
+    peak_memory_bytes: float | None
+    window_s: float | None
 
 
 def _utc(epoch_s: float) -> dt.datetime:

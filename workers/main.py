@@ -69,6 +69,7 @@ def build_loop(
         max_attempts=settings.max_attempts,
         visibility_timeout_s=settings.visibility_timeout_s,
         drain_s=settings.worker_drain_s,
+        pipeline=settings.pipeline,
         kick=DeliveryKicker(settings.redis_url, settings.key_prefix),
     )
 

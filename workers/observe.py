@@ -12,6 +12,7 @@ from core.metrics import (
     BATCH_PREDICTED,
     BATCH_SIZE,
     BATCH_WINDOW,
+    COMPUTE_SECONDS,
     ENTRIES_RECLAIMED,
     JOB_LATENCY,
     JOB_QUEUE_WAIT,
@@ -68,6 +69,9 @@ class LoopMetrics:
             if self.device.startswith("cuda")
             else _resident_bytes()
         )
+
+    def computed(self, seconds: float) -> None:
+        COMPUTE_SECONDS.labels(self.model).inc(seconds)
 
     def reclaimed(self, count: int) -> None:
         if count:

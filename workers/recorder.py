@@ -7,6 +7,7 @@ or finished elsewhere is never overwritten: the first terminal write wins.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,10 +41,13 @@ class Recorder:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
         # Webhook deliveries committed with outcomes, not yet handed to Celery.
+        # The loop's recording thread and its main thread both write outcomes.
         self.outbox: list[str] = []
+        self._outbox_lock = threading.Lock()
 
     def take_outbox(self) -> list[str]:
-        taken, self.outbox = self.outbox, []
+        with self._outbox_lock:
+            taken, self.outbox = self.outbox, []
         return taken
 
     def claim(
@@ -137,5 +141,6 @@ class Recorder:
                 if result.rowcount:
                     written.append(outcome.job_id)
             deliveries = after_terminal(session, written, now)
-        self.outbox += deliveries
+        with self._outbox_lock:
+            self.outbox += deliveries
         return written

@@ -1,0 +1,173 @@
+"""The pipelined worker against the plain one: how long the device waits for the database.
+
+A worker records batch N (the result write, the acknowledgement, webhooks) on
+a thread of its own while batch N + 1 runs (``FERRY_PIPELINE=true``, the
+default); without it, the device waits for every write. For each mode, on one
+fresh ``ferry up`` stack with no worker of its own, ``--jobs`` sim jobs are
+queued, then a ``ferry worker --model sim`` starts and drains them. The sim
+model stands in for a fast GPU: a batch takes 5 ms + 0.1 ms per unit of cost
+(32 jobs of cost 4: 17.8 ms), about what all-MiniLM-L6-v2 takes on a
+data-centre GPU.
+
+* **jobs/s**: jobs / (last finished - first started), from the results table;
+* **device idle**: 1 - (time inside the model's run, from the worker's
+  ``ferry_worker_compute_seconds_total``) / that same span.
+
+    python -m bench.pipeline [--jobs 6000] [--postgres] [--out bench/results/pipeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy
+
+from bench.fairness import _cpus, submit_many
+from bench.stack import FerryUp
+from ferry.local_redis import free_port
+from tests.conftest import postgres_database
+
+SIM = {"FERRY_SIM_LATENCY_BASE_MS": "5", "FERRY_SIM_LATENCY_PER_COST_MS": "0.1"}
+
+
+@dataclass
+class ModeResult:
+    pipeline: bool
+    database: str
+    jobs: int
+    seconds: float
+    jobs_per_s: float
+    compute_s: float
+    device_idle: float
+    mean_batch_size: float
+
+
+@dataclass
+class Report:
+    date: str
+    machine: str
+    python: str
+    sim: dict[str, str]
+    modes: list[ModeResult]
+
+
+def drain(pipeline: bool, jobs: int, database_url: str | None) -> ModeResult:
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-pipeline-") as tmp:
+        root = Path(tmp)
+        url = database_url or f"sqlite:///{root / 'ferry.db'}"
+        extra = {"FERRY_DATABASE_URL": database_url} if database_url else {}
+        stack = FerryUp(
+            root, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
+            FERRY_MAX_OUTSTANDING_JOBS="100000", FERRY_PIPELINE=str(pipeline).lower(),
+            **SIM, **extra,
+        )  # fmt: skip
+        worker = None
+        engine = sqlalchemy.create_engine(url)
+        try:
+            stack.start()
+            submit_many(stack.base, stack.token, jobs, cost=4)
+            port = free_port()
+            worker = stack.spawn(
+                [sys.executable, "-m", "ferry", "worker", "--model", "sim",
+                 "--metrics-port", str(port)]
+            )  # fmt: skip
+            until = time.monotonic() + 900
+            while True:
+                with engine.connect() as conn:
+                    left = conn.execute(
+                        sqlalchemy.text(
+                            "SELECT count(*) FROM jobs WHERE status IN ('queued', 'running')"
+                        )
+                    ).scalar_one()
+                if not left:
+                    break
+                if time.monotonic() > until:
+                    raise RuntimeError(f"{left} jobs left unfinished")
+                time.sleep(0.2)
+            compute_s = _compute_seconds(port)
+            with engine.connect() as conn:
+                first, last, batches = conn.execute(
+                    sqlalchemy.text(
+                        "SELECT min(started_at), max(finished_at), count(DISTINCT batch_id) "
+                        "FROM jobs"
+                    )
+                ).one()
+        finally:
+            engine.dispose()
+            stack.stop(worker, 60)
+            stack.stop(stack.process, 60)
+    seconds = (_aware(last) - _aware(first)).total_seconds()
+    return ModeResult(
+        pipeline=pipeline,
+        database="postgresql" if database_url else "sqlite",
+        jobs=jobs,
+        seconds=round(seconds, 3),
+        jobs_per_s=round(jobs / seconds, 1),
+        compute_s=round(compute_s, 3),
+        device_idle=round(1.0 - compute_s / seconds, 3),
+        mean_batch_size=round(jobs / batches, 2),
+    )
+
+
+def _aware(value: Any) -> dt.datetime:
+    parsed = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def _compute_seconds(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    match = re.search(r'^ferry_worker_compute_seconds_total\{model="sim"\} (\S+)$', text, re.M)
+    if match is None:
+        raise RuntimeError("the worker exported no ferry_worker_compute_seconds_total")
+    return float(match.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=6000)
+    parser.add_argument(
+        "--postgres", action="store_true",
+        help="also run on a scratch database of the PostgreSQL at 127.0.0.1:5432",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
+    args = parser.parse_args(argv)
+    modes = []
+    for database in ("sqlite", "postgresql") if args.postgres else ("sqlite",):
+        for pipeline in (False, True):
+            with contextlib.ExitStack() as scope:
+                url = scope.enter_context(postgres_database()) if database != "sqlite" else None
+                modes.append(drain(pipeline, args.jobs, url))
+            print(f"  {asdict(modes[-1])}", flush=True)
+    report = Report(
+        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        machine=f"{platform.machine()}, {_cpus()} CPUs, no GPU (sim model)",
+        python=platform.python_version(),
+        sim=SIM,
+        modes=modes,
+    )
+    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    print(f"{'database':11} {'mode':10} {'jobs/s':>8} {'device idle':>12} {'batch':>6}")
+    for mode in modes:
+        name = "pipelined" if mode.pipeline else "plain"
+        print(
+            f"{mode.database:11} {name:10} {mode.jobs_per_s:>8.1f} {mode.device_idle:>12.1%} "
+            f"{mode.mean_batch_size:>6.1f}"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
