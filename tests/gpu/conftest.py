@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu_check.sh on a GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA device: run pytest tests/gpu on a GPU machine")
     for item in items:
         if "tests/gpu/" in str(item.fspath):
             item.add_marker(skip)

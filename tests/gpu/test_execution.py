@@ -1,6 +1,6 @@
 """The GPU execution layer on a real GPU: streams, overlap, out-of-memory, precision, memory.
 
-Skipped without CUDA (see conftest.py). ``bench/gpu_check.sh`` runs them first.
+Skipped without CUDA (see conftest.py).
 """
 
 from __future__ import annotations
