@@ -7,6 +7,9 @@ model's own ``tokenizer.json``, read with the ``tokenizers`` library.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +173,64 @@ class SimSpec:
         return Validated(input=checked, cost=cost)
 
 
+JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class ResNet50Spec:
+    """An encoded image (base64 JPEG or PNG) to classify; checked, never decoded, here."""
+
+    image_size: int
+    max_image_bytes: int
+    max_pixels: int
+    max_batch_size: int = 64
+    name: str = "resnet50"
+    version: str = "resnet50-v1.5"
+    description: str = (
+        "ImageNet classification, top five classes with probabilities (ResNet-50, "
+        "torchvision's architecture, weights from FERRY_RESNET50_WEIGHTS)."
+    )
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        return {
+            "type": "string",
+            "contentEncoding": "base64",
+            "contentMediaType": "image/jpeg, image/png",
+            "minLength": 1,
+            "maxLength": 4 * ((self.max_image_bytes + 2) // 3),
+            "description": f"A JPEG or PNG image, base64; at most {self.max_image_bytes} bytes "
+            f"and {self.max_pixels} pixels. It is resized and cropped to "
+            f"{self.image_size} x {self.image_size}.",
+        }
+
+    def validate(self, value: Any) -> Validated:
+        if not isinstance(value, str):
+            raise InputError("input", f"must be a base64 string, got {_json_type(value)}")
+        if len(value) > 4 * ((self.max_image_bytes + 2) // 3):
+            raise InputError("input", f"is larger than {self.max_image_bytes} bytes of image")
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise InputError("input", "is not valid base64") from None
+        if not data.startswith((JPEG_MAGIC, PNG_MAGIC)):
+            raise InputError("input", "must be a JPEG or PNG image")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            # Reads the header only: the size is known before anything is decoded.
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+            raise InputError("input", "is not a readable JPEG or PNG image") from None
+        if width * height > self.max_pixels:
+            raise InputError(
+                "input", f"is {width} x {height} pixels; the limit is {self.max_pixels} pixels"
+            )
+        return Validated(input=value, cost=self.image_size * self.image_size)
+
+
 def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
     specs: list[ModelSpec] = [
         MiniLMSpec(
@@ -177,6 +238,12 @@ def build_catalog(settings: Settings) -> dict[str, ModelSpec]:
             max_chars=settings.minilm_max_chars,
             overlength=settings.minilm_overlength,
             max_batch_size=settings.for_model("minilm").batch_max_size,
+        ),
+        ResNet50Spec(
+            image_size=settings.resnet50_image_size,
+            max_image_bytes=settings.resnet50_max_image_bytes,
+            max_pixels=settings.resnet50_max_pixels,
+            max_batch_size=settings.for_model("resnet50").batch_max_size,
         ),
         SimSpec(
             max_cost=settings.sim_max_cost,

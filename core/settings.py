@@ -222,6 +222,16 @@ class Settings(BaseSettings):
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     cuda_alloc_conf: str = "expandable_segments:True"
     gpu_reclaim_bytes: int = Field(2**30, ge=0)
+    # resnet50: a state_dict file (torchvision's architecture). Random weights
+    # only when asked (benchmarks); its outputs then say so.
+    resnet50_weights: Path | None = None
+    resnet50_random_weights: bool = False
+    resnet50_image_size: int = Field(224, ge=32, le=1024)
+    resnet50_max_image_bytes: int = Field(4 * 2**20, ge=1024)
+    # Decoded pixels (width x height) an image may have: a decompression bomb
+    # is refused before anything decodes it.
+    resnet50_max_pixels: int = Field(40_000_000, ge=1024)
+    resnet50_decode_threads: int = Field(4, ge=1, le=64)
     minilm_max_tokens: int = Field(256, ge=8, le=512)
     minilm_max_chars: int = Field(20_000, ge=1)
     minilm_overlength: Literal["truncate", "refuse"] = "truncate"

@@ -13,6 +13,7 @@ import datetime as dt
 import email.utils
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -180,13 +181,17 @@ class DeliveryKicker:
         self.broker_url = broker_url
         self.queue = celery_queue(prefix)
         self._app: Celery | None = None
+        self._lock = threading.Lock()  # called from the loop's and its recording thread
 
     def __call__(self, delivery_ids: Sequence[str]) -> None:
         if not delivery_ids:
             return
         try:
-            if self._app is None:
-                self._app = Celery("ferry-producer", broker=self.broker_url, set_as_current=False)
+            with self._lock:
+                if self._app is None:
+                    self._app = Celery(
+                        "ferry-producer", broker=self.broker_url, set_as_current=False
+                    )
             for delivery_id in delivery_ids:
                 self._app.send_task(DELIVER_TASK, args=[delivery_id], queue=self.queue, retry=False)
         except Exception as exc:

@@ -239,7 +239,7 @@ def metrics_ports(
 
 
 # Models whose worker runs on a device; the others (sim) need one worker only.
-DEVICE_MODELS = frozenset({"minilm"})
+DEVICE_MODELS = frozenset({"minilm", "resnet50"})
 
 
 def worker_plan(

@@ -138,44 +138,50 @@ class BatchLoop:
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
         wait_ms: int | None = MAX_BLOCK_MS
         backoff_s = RETRY_MIN_S
-        while not stop.is_set():
-            try:
-                wait_ms = self.step(wait_ms)
-                backoff_s = RETRY_MIN_S
-                if not stop.is_set():
-                    self.ready.set()
-            except (redis.RedisError, SQLAlchemyError) as exc:
-                self.ready.clear()  # it can run nothing until Redis and the database are back
-                # Whatever was read but not recorded is still pending in Redis:
-                # forget the local copy and read it again once things are back.
-                log.warning(
-                    "dependency error; retrying",
-                    extra={"model": self.model, "error_type": type(exc).__name__,
-                           "retry_in_s": backoff_s},
-                )  # fmt: skip
-                self._settle_recording()
-                self.pending.clear()
-                self.consumer.reread_pending()
-                stop.wait(backoff_s)
-                if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
-                    # Redis lost its data (restarted empty, failed over): make the
-                    # groups again; the reconciler re-enqueues what was lost.
-                    with contextlib.suppress(redis.RedisError):
-                        self.consumer.ensure_groups()
-                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
-                wait_ms = MAX_BLOCK_MS
-        self._settle_recording()  # the last batch's results are written before it stops
-        if self._recording is not None:
-            self._recording.shutdown(wait=True)
-        self.ready.clear()
-        # Entries read but not run stay unacknowledged; this consumer name gets
-        # them back at its next start.
-        with contextlib.suppress(redis.RedisError):
-            self.client.zrem(workers_key(self.prefix, self.model), self.consumer.consumer)
-        log.info("worker stopped", extra={"model": self.model, "left_pending": len(self.pending)})
+        try:
+            while not stop.is_set():
+                try:
+                    wait_ms = self.step(wait_ms)
+                    backoff_s = RETRY_MIN_S
+                    if not stop.is_set():
+                        self.ready.set()
+                except (redis.RedisError, SQLAlchemyError) as exc:
+                    self.ready.clear()  # it can run nothing until Redis and the database are back
+                    # Whatever was read but not recorded is still pending in Redis:
+                    # forget the local copy and read it again once things are back.
+                    log.warning(
+                        "dependency error; retrying",
+                        extra={"model": self.model, "error_type": type(exc).__name__,
+                               "retry_in_s": backoff_s},
+                    )  # fmt: skip
+                    self._settle_recording()
+                    self.pending.clear()
+                    self.consumer.reread_pending()
+                    stop.wait(backoff_s)
+                    if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                        # Redis lost its data (restarted empty, failed over): make the
+                        # groups again; the reconciler re-enqueues what was lost.
+                        with contextlib.suppress(redis.RedisError):
+                            self.consumer.ensure_groups()
+                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+                    wait_ms = MAX_BLOCK_MS
+        finally:
+            self._settle_recording()  # the last batch's results are written before it stops
+            if self._recording is not None:
+                self._recording.shutdown(wait=True)
+            self.ready.clear()
+            # Entries read but not run stay unacknowledged; this consumer name gets
+            # them back at its next start.
+            with contextlib.suppress(redis.RedisError):
+                self.client.zrem(workers_key(self.prefix, self.model), self.consumer.consumer)
+            log.info(
+                "worker stopped", extra={"model": self.model, "left_pending": len(self.pending)}
+            )
 
     def step(self, wait_ms: int | None) -> int | None:
         """One turn: read, decide, apply. Returns how long the next read may block."""
+        if self._recorded is not None and self._recorded.done():
+            self.wait_recorded()  # a recording that failed is heard of now, even when idle
         self._heartbeat()
         self._upkeep()
         self._fill(wait_ms)
@@ -291,6 +297,8 @@ class BatchLoop:
             if number and self._stop.is_set():
                 # Stopping: what has not run stays unacknowledged, for the next worker.
                 return
+            # A suspect may kill the process: what ran before it is recorded first.
+            self.wait_recorded()
             self.consumer.touch([e for g in groups[number:] for e in g])
             self._run_group(group, decision)
 
@@ -342,8 +350,13 @@ class BatchLoop:
         if self._recording is None:
             finish()
             return
-        self.wait_recorded()
-        self._recorded = self._recording.submit(finish)
+        try:
+            self.wait_recorded()
+        finally:
+            # Recorded even when the previous recording failed: this batch ran,
+            # and its own recording may well succeed (the loop then waits for
+            # it before reading the streams again).
+            self._recorded = self._recording.submit(finish)
 
     def _settle_recording(self) -> None:
         """Wait for the batch being recorded; its failure leaves its entries unacknowledged."""
@@ -353,6 +366,10 @@ class BatchLoop:
             log.warning(
                 "a batch's results were not recorded; its jobs run again",
                 extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+        except Exception:
+            log.exception(
+                "recording a batch failed; its jobs run again", extra={"model": self.model}
             )
 
     def wait_recorded(self) -> None:
@@ -608,7 +625,15 @@ class BatchLoop:
     def _learn(self, seen: BatchObservation, eff: float) -> None:
         self.state.observe_batch(seen)
         self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
-        self._publish()
+        try:
+            self._publish()
+        except redis.RedisError as exc:
+            # Advisory (estimates for the API): the batch is recorded all the same,
+            # and the next batch publishes again.
+            log.warning(
+                "learned figures not published",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
 
     def _publish(self) -> None:
         """What this worker has learned, for /v1/models and the API's wait estimates."""

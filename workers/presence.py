@@ -85,6 +85,8 @@ class CeleryPresence:
         # Read by the remote-control thread (workers.control); each is replaced whole.
         self.processed = 0
         self.current: dict[str, Any] | None = None
+        # Batches start on the loop's thread and finish on its recording thread.
+        self._counts = threading.Lock()
 
     # The batch loop's side: never blocks.
 
@@ -99,10 +101,11 @@ class CeleryPresence:
             "lanes": counts,
             "predicted_ms": round(predicted_s * 1000.0, 2),
         }
-        self.current = {
-            "id": batch_id, "name": task_name(self.model), "args": "()",
-            "kwargs": repr(kwargs), "time_start": now,
-        }  # fmt: skip
+        with self._counts:
+            self.current = {
+                "id": batch_id, "name": task_name(self.model), "args": "()",
+                "kwargs": repr(kwargs), "time_start": now,
+            }  # fmt: skip
         self._put(
             "task-received",
             uuid=batch_id,
@@ -122,8 +125,11 @@ class CeleryPresence:
         self, batch_id: str, runtime_s: float, size: int, failed: int, error: str | None = None
     ) -> None:
         """``failed``: jobs of the batch that failed; ``error``: why the batch itself broke off."""
-        self.current = None
-        self.processed += 1
+        with self._counts:
+            # The recording thread finishes batch N after batch N + 1 started.
+            if self.current is not None and self.current["id"] == batch_id:
+                self.current = None
+            self.processed += 1
         now = self.clock()
         if error is None and failed:
             # A batch whose jobs failed is a failed task: that is what an operator

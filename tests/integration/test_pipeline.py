@@ -40,21 +40,24 @@ def test_the_next_batch_runs_while_the_last_one_is_recorded(
 
     finish = loop.recorder.finish
 
-    def slow_finish(*args: Any, **kwargs: Any) -> Any:
+    def slow_finish(outcomes: Any, *args: Any, **kwargs: Any) -> Any:
+        if not outcomes:  # the main thread's check for expired jobs: nothing to write
+            return finish(outcomes, *args, **kwargs)
         time.sleep(0.1)  # a slow database
-        return finish(*args, **kwargs)
+        return timed("record", finish)(outcomes, *args, **kwargs)
 
-    loop.recorder.finish = timed("record", slow_finish)  # type: ignore[method-assign]
+    loop.recorder.finish = slow_finish  # type: ignore[method-assign]
     loop.runtime.run = timed("compute", loop.runtime.run)  # type: ignore[method-assign]
     ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(40)]
     with RunningLoop(loop):
         rows = wait_terminal(sessions, ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
-    records = [(a, b) for kind, a, b in spans if kind == "record"]
+    records = [(a - 0.1, b) for kind, a, b in spans if kind == "record"]  # with the sleep
     computes = [(a, b) for kind, a, b in spans if kind == "compute"]
     assert len(computes) >= 3
-    # Some batch computed while an earlier one was being recorded.
-    assert any(c0 < r1 and r0 < c1 for r0, r1 in records for c0, c1 in computes)
+    # Batches computed while an earlier one was being recorded.
+    overlapped = [c for c in computes if any(r0 < c[0] < r1 for r0, r1 in records)]
+    assert len(overlapped) >= 2, (records, computes)
     assert lane_pending(redis_client, settings.key_prefix, "sim", "normal") == 0
 
 
@@ -85,4 +88,5 @@ def test_a_recording_that_fails_leaves_its_jobs_to_run_again(
             time.sleep(0.05)
     assert failures, "the acknowledgement never failed"
     assert {row.status for row in rows.values()} == {"succeeded"}
-    assert loop.ready.is_set() is False  # stopped cleanly
+    # No batch was thrown away for it: every job was started once.
+    assert {row.attempts for row in rows.values()} == {1}

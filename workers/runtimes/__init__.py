@@ -32,6 +32,21 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
             memory_fraction=settings.gpu_memory_fraction,
             reclaim_bytes=settings.gpu_reclaim_bytes,
         )
+    elif model == "resnet50":
+        from workers.runtimes.resnet50 import ResNet50Runtime
+
+        runtime = ResNet50Runtime(
+            device=resolve_device(device or settings.device),
+            weights=settings.resnet50_weights,
+            random_weights=settings.resnet50_random_weights,
+            image_size=settings.resnet50_image_size,
+            precision=settings.precision,
+            budget_bytes=settings.memory_budget_bytes,
+            warmup_batch=settings.batch_max_size,
+            memory_fraction=settings.gpu_memory_fraction,
+            reclaim_bytes=settings.gpu_reclaim_bytes,
+            decode_threads=settings.resnet50_decode_threads,
+        )
     else:
         raise ValueError(f"no runtime for model {model!r}")
     runtime.load()

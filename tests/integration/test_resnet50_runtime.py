@@ -1,0 +1,110 @@
+"""The resnet50 runtime on the CPU: random weights say so, a weights file loads, and an
+image that cannot be decoded fails alone."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.settings import Settings
+from tests.integration.conftest import RunningLoop
+from tests.integration.test_worker import submit, wait_terminal
+from workers.execute import run_isolating
+from workers.main import build_loop
+from workers.runtimes.resnet50 import ResNet50Runtime, build_resnet50
+
+
+def encoded(colour: tuple[int, int, int], size: tuple[int, int], fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+IMAGES = [
+    encoded((250, 20, 20), (320, 200)),
+    encoded((20, 250, 20), (64, 96), "JPEG"),
+    encoded((20, 20, 250), (224, 224)),
+]
+
+
+@pytest.fixture(scope="module")
+def random_runtime() -> ResNet50Runtime:
+    runtime = ResNet50Runtime("cpu", weights=None, random_weights=True, decode_threads=2)
+    runtime.load()
+    return runtime
+
+
+def test_random_weights_say_so_in_every_output(random_runtime: ResNet50Runtime) -> None:
+    outputs = random_runtime.run(IMAGES)
+    assert len(outputs) == 3
+    for output in outputs:
+        assert output["weights"] == "random"
+        scores = [entry["score"] for entry in output["top5"]]
+        assert len(scores) == 5 and scores == sorted(scores, reverse=True)
+        assert 0 < sum(scores) <= 1.0 + 1e-6
+        assert all(0 <= entry["class"] < 1000 for entry in output["top5"])
+    # On the CPU no stream, device memory share or pinned staging is made.
+    assert (random_runtime._stream, random_runtime._memory, random_runtime._stager) == (
+        None, None, None,
+    )  # fmt: skip
+    assert random_runtime.peak_memory_bytes is None
+
+
+def test_weights_come_from_a_state_dict_file(
+    random_runtime: ResNet50Runtime, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    path = tmp_path / "resnet50.pth"
+    torch.save(build_resnet50().state_dict(), path)
+    from_file = ResNet50Runtime("cpu", weights=path, decode_threads=2)
+    from_file.load()
+    outputs = from_file.run(IMAGES[:2])
+    assert [o["weights"] for o in outputs] == ["file", "file"]
+    # The same seeded network: the same answers as the random runtime's.
+    expected = random_runtime.run(IMAGES[:2])
+    assert [o["top5"] for o in outputs] == [e["top5"] for e in expected]
+
+
+def test_no_weights_is_refused_and_a_wrong_file_says_what_it_is(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="FERRY_RESNET50_WEIGHTS"):
+        ResNet50Runtime("cpu", weights=None)
+    wrong = tmp_path / "wrong.pth"
+    torch.save({"fc.weight": torch.zeros(3, 3)}, wrong)
+    with pytest.raises(ValueError, match="not a ResNet-50 state_dict"):
+        ResNet50Runtime("cpu", weights=wrong).load()
+
+
+def test_an_undecodable_image_fails_alone(random_runtime: ResNet50Runtime) -> None:
+    broken = base64.b64encode(base64.b64decode(IMAGES[0])[:60]).decode()  # a cut-off PNG
+    results = run_isolating(random_runtime.run, [IMAGES[0], broken, IMAGES[2]])
+    assert [result.ok for result in results] == [True, False, True]
+    assert results[1].error
+
+
+def test_a_resnet50_job_runs_through_the_api_and_a_worker(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+) -> None:
+    resnet = settings.model_copy(update={"resnet50_random_weights": True, "device": "cpu"})
+    job = submit(client, auth, model="resnet50", input=IMAGES[1], priority="vip")
+    refused = client.post(
+        "/v1/jobs", json={"model": "resnet50", "input": "R0lGODlh"}, headers=auth
+    )  # a GIF's header
+    assert refused.status_code == 422
+    assert "input: must be a JPEG or PNG image" in refused.json()["error"]["message"]
+    with RunningLoop(build_loop(resnet, "resnet50")):
+        row = wait_terminal(sessions, [job], timeout=60)[job]
+    assert row.status == "succeeded", row.error
+    assert row.cost == 224 * 224
+    output = row.output
+    assert output is not None
+    assert output["weights"] == "random" and len(output["top5"]) == 5
