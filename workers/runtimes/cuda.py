@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
+from workers.runtimes.base import OutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +121,54 @@ class PinnedStager:
     @property
     def bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class TorchRuntime:
+    """What the torch runtimes share: the memory budget, the measured peak, timing.
+
+    A subclass sets ``_memory`` (a :class:`DeviceMemory` on a CUDA device,
+    else None) and runs its batches through :meth:`_measured`.
+    """
+
+    budget_bytes: int | None = None
+    cpu_budget_bytes: float = 4 * 2**30
+    _memory: DeviceMemory | None = None
+    _peak: float | None = None
+
+    def memory_budget_bytes(self) -> float:
+        if self.budget_bytes:
+            return float(self.budget_bytes)
+        if self._memory is not None:
+            return self._memory.budget_bytes
+        return float(self.cpu_budget_bytes)
+
+    @property
+    def peak_memory_bytes(self) -> float | None:
+        return self._peak
+
+    def _measured(self, run: Callable[[], list[Any]]) -> list[Any]:
+        """Run a batch; on a GPU measure its peak and turn out-of-memory into OutOfMemory."""
+        self._peak = None  # a run that raises measured nothing
+        if self._memory is None:
+            return run()
+        import torch
+
+        try:
+            self._memory.begin_batch()
+            outputs = run()
+            self._peak = self._memory.end_batch()
+            return outputs
+        except torch.cuda.OutOfMemoryError as exc:
+            self._memory.out_of_memory()
+            raise OutOfMemory(
+                str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
+            ) from exc
+
+    def _timed(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> float:
+        """The best of two runs (the first of a shape may pay for allocation)."""
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            run(inputs)
+            best = min(best, time.perf_counter() - started)
+        return best

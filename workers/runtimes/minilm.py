@@ -10,21 +10,19 @@ with inputs and outputs staged in pinned host buffers reused from batch to batch
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from core.catalog import minilm_model_dir
-from workers.runtimes.base import OutOfMemory, autocast
-from workers.runtimes.cuda import DeviceMemory, PinnedStager
+from workers.runtimes.base import autocast
+from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime
 
-CPU_MEMORY_BUDGET_BYTES = 4 * 2**30
 # Activations per padded token, a deliberate over-estimate (hidden states,
 # attention scores for 12 heads, the feed-forward layer, in fp32) used where
 # peak memory cannot be measured.
 DECLARED_BYTES_PER_TOKEN = 64 * 1024
 
 
-class MiniLMRuntime:
+class MiniLMRuntime(TorchRuntime):
     name = "minilm"
     padded = True  # every text in a batch is padded to the longest
 
@@ -52,7 +50,6 @@ class MiniLMRuntime:
         self._memory: DeviceMemory | None = None
         self._stager: PinnedStager | None = None
         self._weights_bytes = 0
-        self._peak: float | None = None
 
     def load(self) -> None:
         # The weights are on disk; never let a library reach for a hub.
@@ -91,55 +88,22 @@ class MiniLMRuntime:
     def declared_memory(self) -> tuple[float, float]:
         return float(self._weights_bytes), float(DECLARED_BYTES_PER_TOKEN)
 
-    def memory_budget_bytes(self) -> float:
-        if self.budget_bytes:
-            return float(self.budget_bytes)
-        if self._memory is not None:
-            return self._memory.budget_bytes
-        return float(CPU_MEMORY_BUDGET_BYTES)
-
-    @property
-    def peak_memory_bytes(self) -> float | None:
-        return self._peak
-
     def calibrate(self) -> tuple[float, float, float] | None:
         """Time a small and a large batch, so the first estimates are measured, not guessed."""
         short = "a short sentence"
         long_text = " ".join(["word"] * (self.max_tokens - 2))
-        small = self._timed([short])
+        small = self._timed(self.run, [short])
         span_items = 16
-        large = self._timed([long_text] * span_items)
+        large = self._timed(self.run, [long_text] * span_items)
         small_work = len(self._tokenizer.encode(short).ids)
         span = span_items * self.max_tokens
         slope = max(0.0, (large - small) / max(span - small_work, 1))
         return max(0.0, small - slope * small_work), slope, float(span)
 
-    def _timed(self, inputs: list[str]) -> float:
-        best = float("inf")
-        for _ in range(2):  # the first run of a shape may pay for allocation
-            started = time.perf_counter()
-            self.run(inputs)
-            best = min(best, time.perf_counter() - started)
-        return best
-
     def run(self, inputs: list[Any]) -> list[Any]:
         if self._model is None:
             raise RuntimeError("model not loaded")
-        self._peak = None  # a run that raises measured nothing
-        if self._memory is None:
-            return self._run(inputs)
-        import torch
-
-        try:
-            self._memory.begin_batch()
-            outputs = self._run(inputs)
-            self._peak = self._memory.end_batch()
-            return outputs
-        except torch.cuda.OutOfMemoryError as exc:
-            self._memory.out_of_memory()
-            raise OutOfMemory(
-                str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
-            ) from exc
+        return self._measured(lambda: self._run(inputs))
 
     def _run(self, inputs: list[Any]) -> list[Any]:
         import torch

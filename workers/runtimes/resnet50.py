@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from workers.runtimes.base import OutOfMemory, autocast
-from workers.runtimes.cuda import DeviceMemory, PinnedStager
+from workers.runtimes.base import autocast
+from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime
 
-CPU_MEMORY_BUDGET_BYTES = 4 * 2**30
 # Activations per input pixel, a deliberate over-estimate (about 100 MB per
 # 224 x 224 image in fp32) used where peak memory cannot be measured.
 DECLARED_BYTES_PER_PIXEL = 2048
@@ -35,7 +33,7 @@ MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
 
-class ResNet50Runtime:
+class ResNet50Runtime(TorchRuntime):
     name = "resnet50"
     padded = False  # every image is resized to the same shape
 
@@ -72,7 +70,6 @@ class ResNet50Runtime:
         self._memory: DeviceMemory | None = None
         self._stager: PinnedStager | None = None
         self._weights_bytes = 0
-        self._peak: float | None = None
 
     def load(self) -> None:
         import torch
@@ -114,52 +111,19 @@ class ResNet50Runtime:
     def declared_memory(self) -> tuple[float, float]:
         return float(self._weights_bytes), float(DECLARED_BYTES_PER_PIXEL)
 
-    def memory_budget_bytes(self) -> float:
-        if self.budget_bytes:
-            return float(self.budget_bytes)
-        if self._memory is not None:
-            return self._memory.budget_bytes
-        return float(CPU_MEMORY_BUDGET_BYTES)
-
-    @property
-    def peak_memory_bytes(self) -> float | None:
-        return self._peak
-
     def calibrate(self) -> tuple[float, float, float] | None:
         blank = _encoded_blank(self.image_size)
-        small = self._timed([blank])
+        small = self._timed(self.run, [blank])
         large_items = 4
-        large = self._timed([blank] * large_items)
+        large = self._timed(self.run, [blank] * large_items)
         slope = max(0.0, (large - small) / ((large_items - 1) * self.cost))
         return max(0.0, small - slope * self.cost), slope, float(large_items * self.cost)
-
-    def _timed(self, inputs: list[str]) -> float:
-        best = float("inf")
-        for _ in range(2):
-            started = time.perf_counter()
-            self.run(inputs)
-            best = min(best, time.perf_counter() - started)
-        return best
 
     def run(self, inputs: list[Any]) -> list[Any]:
         if self._model is None:
             raise RuntimeError("model not loaded")
-        self._peak = None
         pixels = list(self._pool.map(self._decode, inputs))
-        if self._memory is None:
-            return self._run(pixels)
-        import torch
-
-        try:
-            self._memory.begin_batch()
-            outputs = self._run(pixels)
-            self._peak = self._memory.end_batch()
-            return outputs
-        except torch.cuda.OutOfMemoryError as exc:
-            self._memory.out_of_memory()
-            raise OutOfMemory(
-                str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
-            ) from exc
+        return self._measured(lambda: self._run(pixels))
 
     def _decode(self, encoded: Any) -> Any:
         """base64 image -> normalised float32 array, 3 x size x size (on a pool thread)."""
