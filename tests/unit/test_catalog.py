@@ -211,3 +211,12 @@ def test_sim_crash_inputs_only_when_enabled() -> None:
     assert "crash" in enabled.input_schema["properties"]
     with pytest.raises(InputError, match="boolean"):
         enabled.validate({"cost": 1, "crash": "yes"})
+
+
+def test_a_copy_of_the_minilm_weights_elsewhere_wins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FERRY_MINILM_MODEL_DIR", str(tmp_path))
+    assert minilm_model_dir() == tmp_path
+    monkeypatch.setenv("FERRY_MINILM_MODEL_DIR", "")
+    assert (minilm_model_dir() / "model.safetensors").exists()  # the package's own

@@ -75,7 +75,9 @@ class MiniLMRuntime(TorchRuntime):
             self._stream = torch.cuda.Stream(device=torch.device(self.device))
             self._stager = PinnedStager()
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
-        self._model = model.to(self.device).eval()
+        # fp32 whatever the file holds (a copy may be stored in fp16); the
+        # precision setting decides the arithmetic.
+        self._model = model.float().to(self.device).eval()
         self._weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # The first forward pass pays for lazy initialisation; pay it before traffic.
         self.run(["warm-up"])

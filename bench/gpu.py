@@ -1,0 +1,254 @@
+"""The GPU benchmark: each model alone, then through the whole stack, on one device.
+
+1. **raw**: the runtime alone in this process (``minilm`` on the corpus,
+   inputs sorted by length; ``resnet50`` on generated JPEGs, random weights),
+   items per second at each batch size.
+2. **stack, saturated**: a fresh ``ferry up`` (its own Redis, SQLite) with no
+   worker; ``--jobs`` jobs are queued through ``POST /v1/jobs``, then one
+   ``ferry worker`` starts and drains them. Jobs per second = jobs / (first
+   started -> last finished), and its share of the best raw rate.
+3. **stack, 70 % load**: the same stack, jobs sent open loop at 70 % of the
+   saturated rate for ``--seconds``; p50 and p99 of accepted -> finished.
+
+    python -m bench.gpu [--quick] [--jobs 20000] [--seconds 20] [--out bench/results/gpu.json]
+
+``--quick`` runs a few hundred jobs at small batch sizes (a smoke run, on a
+CPU too). On a CUDA device the models run in fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime as dt
+import io
+import json
+import os
+import platform
+import random
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.corpus import load_corpus
+from bench.e2e import _quantile, _ts, wait_done
+from bench.stack import FerryUp
+
+
+@dataclass
+class ModelResult:
+    model: str
+    raw_by_batch: dict[int, float] = field(default_factory=dict)
+    raw_best: float = 0.0
+    stack_jobs_per_s: float = 0.0
+    stack_share_of_raw: float = 0.0
+    load_per_s: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+
+
+@dataclass
+class Report:
+    date: str
+    machine: str
+    device: str
+    precision: str
+    models: list[ModelResult]
+
+
+def images(count: int, seed: int = 0) -> list[str]:
+    """Noise JPEGs of a few camera-like sizes, base64."""
+    import numpy as np
+    from PIL import Image
+
+    rng = random.Random(seed)
+    made = []
+    for _ in range(count):
+        width, height = rng.choice([(640, 480), (320, 240), (500, 375)])
+        pixels = np.random.default_rng(rng.randrange(2**32)).integers(
+            0, 256, (height, width, 3), dtype=np.uint8
+        )
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
+        made.append(base64.b64encode(buffer.getvalue()).decode())
+    return made
+
+
+def inputs_for(model: str, count: int) -> list[Any]:
+    if model == "minilm":
+        texts = load_corpus().texts
+        return [texts[i % len(texts)] for i in range(count)]
+    pool = images(64)
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+def raw(
+    model: str, device: str, precision: str, sizes: tuple[int, ...], items: int
+) -> dict[int, float]:
+    from workers.runtimes.minilm import MiniLMRuntime
+    from workers.runtimes.resnet50 import ResNet50Runtime
+
+    runtime: Any
+    if model == "minilm":
+        runtime = MiniLMRuntime(device, 256, precision=precision, warmup_batch=max(sizes))
+    else:
+        runtime = ResNet50Runtime(
+            device, None, random_weights=True, precision=precision, warmup_batch=max(sizes),
+            decode_threads=min(16, os.cpu_count() or 4),
+        )  # fmt: skip
+    runtime.load()
+    data = inputs_for(model, items)
+    if model == "minilm":
+        data.sort(key=len)
+    rates = {}
+    for size in sizes:
+        runtime.run(data[:size])  # this shape's first run pays for allocation
+        started = time.perf_counter()
+        for start in range(0, len(data), size):
+            runtime.run(data[start : start + size])
+        rates[size] = round(len(data) / (time.perf_counter() - started), 1)
+        print(f"  {model} raw, batch {size:>4}: {rates[size]:>10.1f} items/s", flush=True)
+    return rates
+
+
+def submit(base: str, token: str, model: str, data: list[Any], threads: int = 16) -> list[str]:
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def send(chunk: list[Any]) -> list[str]:
+        ids = []
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+            for item in chunk:
+                response = client.post("/v1/jobs", json={"model": model, "input": item})
+                if response.status_code != 202:
+                    raise RuntimeError(f"refused: {response.status_code} {response.text[:200]}")
+                ids.append(response.json()["id"])
+        return ids
+
+    with ThreadPoolExecutor(threads) as pool:
+        return [
+            job for ids in pool.map(send, [data[i::threads] for i in range(threads)]) for job in ids
+        ]
+
+
+def paced(base: str, token: str, model: str, data: list[Any], rate: float) -> list[str]:
+    """Each job sent at its time, ``rate`` per second, whatever the answers (open loop)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    begin = time.monotonic()
+    local = threading.local()
+
+    def send(number: int) -> str:
+        time.sleep(max(0.0, begin + number / rate - time.monotonic()))
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=base, headers=headers, timeout=60)
+        response = local.client.post(
+            "/v1/jobs", json={"model": model, "input": data[number % len(data)]}
+        )
+        if response.status_code != 202:
+            raise RuntimeError(f"refused: {response.status_code} {response.text[:200]}")
+        return str(response.json()["id"])
+
+    with ThreadPoolExecutor(64) as pool:
+        return list(pool.map(send, range(len(data))))
+
+
+def stack(model: str, precision: str, jobs: int, seconds: float, result: ModelResult) -> None:
+    settings = {
+        "FERRY_MODELS": "",
+        "FERRY_RATE_LIMIT": "1000000/second",
+        "FERRY_MAX_OUTSTANDING_JOBS": str(max(10 * jobs, 10_000)),
+        "FERRY_RESNET50_RANDOM_WEIGHTS": "true",
+        "FERRY_PRECISION": precision,
+        "FERRY_BATCH_MAX_SIZE": str(max(result.raw_by_batch, key=result.raw_by_batch.__getitem__)),
+        "FERRY_PREFETCH": "1024",
+    }
+    with tempfile.TemporaryDirectory(prefix=f"ferry-bench-gpu-{model}-") as tmp:
+        up = FerryUp(Path(tmp), **settings)
+        worker = None
+        try:
+            up.start()
+            db = up.root / "ferry.db"
+            queued = submit(up.base, up.token, model, inputs_for(model, jobs))
+            worker = up.spawn([sys.executable, "-m", "ferry", "worker", "--model", model])
+            wait_done(db, queued, timeout_s=600)
+            with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+                first, last = conn.execute(
+                    "SELECT min(started_at), max(finished_at) FROM jobs "
+                    "WHERE id IN (SELECT value FROM json_each(?))",
+                    (json.dumps(queued),),
+                ).fetchone()
+            result.stack_jobs_per_s = round(len(queued) / (_ts(last) - _ts(first)), 1)
+            result.stack_share_of_raw = round(result.stack_jobs_per_s / result.raw_best, 3)
+            print(f"  {model} stack, saturated: {result.stack_jobs_per_s} jobs/s", flush=True)
+            result.load_per_s = round(0.7 * result.stack_jobs_per_s, 1)
+            count = max(1, int(result.load_per_s * seconds))
+            sent = paced(up.base, up.token, model, inputs_for(model, count), result.load_per_s)
+            wait_done(db, sent, timeout_s=600)
+            with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+                rows = conn.execute(
+                    "SELECT created_at, finished_at FROM jobs "
+                    "WHERE id IN (SELECT value FROM json_each(?))",
+                    (json.dumps(sent),),
+                ).fetchall()
+            latencies = sorted((_ts(f) - _ts(c)) * 1000.0 for c, f in rows)
+            result.p50_ms = round(_quantile(latencies, 0.5), 1)
+            result.p99_ms = round(_quantile(latencies, 0.99), 1)
+            print(f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
+                  f"p99 {result.p99_ms} ms", flush=True)  # fmt: skip
+        finally:
+            up.stop(worker, 60)
+            up.stop(up.process, 60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--models", default="minilm,resnet50")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu.json"))
+    args = parser.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda:0" if cuda else "cpu"
+    precision = "fp16" if cuda else "fp32"
+    sizes = (1, 8) if args.quick else (1, 8, 32, 64, 128, 256)
+    jobs = 200 if args.quick else args.jobs
+    seconds = 5.0 if args.quick else args.seconds
+    os.environ["FERRY_DEVICE"] = device
+    results = []
+    for model in args.models.split(","):
+        result = ModelResult(model)
+        items = 64 if args.quick else (4096 if model == "minilm" else 2048)
+        result.raw_by_batch = raw(model, device, precision, sizes, items)
+        result.raw_best = max(result.raw_by_batch.values())
+        stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result)
+        results.append(result)
+    report = Report(
+        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        device=torch.cuda.get_device_name(0) if cuda else "cpu",
+        precision=precision,
+        models=results,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    for r in results:
+        print(f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
+              f"({r.stack_share_of_raw:.0%} of raw); at {r.load_per_s}/s p50 {r.p50_ms} ms, "
+              f"p99 {r.p99_ms} ms")  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

