@@ -109,6 +109,7 @@ def _cmd_flower(_args: argparse.Namespace) -> int:
     # Through Flower's environment, not its command line (which `ps` shows).
     password = settings.flower_password.get_secret_value()
     os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    guard_flower_metrics(settings.metrics_bearer)
     app.start(
         [
             "flower",
@@ -119,6 +120,31 @@ def _cmd_flower(_args: argparse.Namespace) -> int:
         ]
     )
     return 0
+
+
+def guard_flower_metrics(token: str | None) -> None:
+    """Flower serves /metrics without its login: ask for credentials there too.
+
+    With FERRY_METRICS_TOKEN, the bearer token every Ferry /metrics asks for
+    (what Prometheus scrapes with); without it, Flower's own basic auth.
+    """
+    import tornado.web
+    from flower.views.monitor import Metrics
+
+    from core.metrics import token_matches
+
+    unguarded = getattr(Metrics, "_ferry_unguarded", Metrics.get)
+
+    async def get(self: Metrics) -> None:
+        if token is None:
+            self.get_current_user()  # Flower's basic auth: a 401 without it
+        elif not token_matches(token, self.request.headers.get("Authorization")):
+            self.set_header("WWW-Authenticate", 'Bearer realm="metrics"')
+            raise tornado.web.HTTPError(401)
+        await unguarded(self)
+
+    Metrics._ferry_unguarded = unguarded
+    Metrics.get = get
 
 
 def _cmd_db(args: argparse.Namespace) -> int:

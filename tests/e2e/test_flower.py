@@ -280,7 +280,11 @@ def test_every_process_is_ready_and_the_dashboard_metrics_exist(
         ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
         assert ready.status_code == 200, (name, ready.text)
         pages.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
-    pages.append(httpx.get(f"{flower.url}/metrics", timeout=10).text)
+    # Flower's /metrics asks for its login too (no metrics token in this stack).
+    assert httpx.get(f"{flower.url}/metrics", timeout=10).status_code == 401
+    pages.append(
+        httpx.get(f"{flower.url}/metrics", auth=(flower.user, flower.password), timeout=10).text
+    )
     exported = {
         family(parsed.name) for page in pages for parsed in text_string_to_metric_families(page)
     }

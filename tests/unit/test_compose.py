@@ -235,8 +235,11 @@ def test_metrics_need_the_token_prometheus_scrapes_with(
     written = re.search(r'printf %s "\$\$METRICS_TOKEN" > (\S+)', script)
     assert written, script
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    ferry_jobs = [job for job in config["scrape_configs"] if job["job_name"].startswith("ferry-")]
-    assert len(ferry_jobs) == 3
+    ferry_jobs = [
+        job for job in config["scrape_configs"] if job["job_name"].startswith("ferry-")
+        or job["job_name"] == "flower"
+    ]  # fmt: skip
+    assert len(ferry_jobs) == 4
     for job in ferry_jobs:
         assert job["authorization"]["credentials_file"] == written.group(1), job["job_name"]
 
