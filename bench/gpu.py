@@ -43,6 +43,8 @@ from bench.corpus import load_corpus
 from bench.e2e import _quantile, _ts, wait_done
 from bench.stack import FerryUp
 
+DECODE_THREADS = min(16, os.cpu_count() or 4)
+
 
 @dataclass
 class ModelResult:
@@ -103,7 +105,7 @@ def raw(
     else:
         runtime = ResNet50Runtime(
             device, None, random_weights=True, precision=precision, warmup_batch=max(sizes),
-            decode_threads=min(16, os.cpu_count() or 4),
+            decode_threads=DECODE_THREADS,
         )  # fmt: skip
     runtime.load()
     data = inputs_for(model, items)
@@ -169,7 +171,12 @@ def stack(model: str, precision: str, jobs: int, seconds: float, result: ModelRe
         "FERRY_PRECISION": precision,
         "FERRY_BATCH_MAX_SIZE": str(max(result.raw_by_batch, key=result.raw_by_batch.__getitem__)),
         "FERRY_PREFETCH": "1024",
+        # The same decode threads as the raw run, so the two compare.
+        "FERRY_RESNET50_DECODE_THREADS": str(DECODE_THREADS),
     }
+    # FerryUp passes no FERRY_* variable on: the kit's minilm weights must be named.
+    if os.environ.get("FERRY_MINILM_MODEL_DIR"):
+        settings["FERRY_MINILM_MODEL_DIR"] = os.environ["FERRY_MINILM_MODEL_DIR"]
     with tempfile.TemporaryDirectory(prefix=f"ferry-bench-gpu-{model}-") as tmp:
         up = FerryUp(Path(tmp), **settings)
         worker = None
@@ -225,14 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = 200 if args.quick else args.jobs
     seconds = 5.0 if args.quick else args.seconds
     os.environ["FERRY_DEVICE"] = device
-    results = []
-    for model in args.models.split(","):
-        result = ModelResult(model)
-        items = 64 if args.quick else (4096 if model == "minilm" else 2048)
-        result.raw_by_batch = raw(model, device, precision, sizes, items)
-        result.raw_best = max(result.raw_by_batch.values())
-        stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result)
-        results.append(result)
+    results: list[ModelResult] = []
     report = Report(
         date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -241,7 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         models=results,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+
+    for model in args.models.split(","):
+        result = ModelResult(model)
+        results.append(result)
+        items = 64 if args.quick else (4096 if model == "minilm" else 2048)
+        result.raw_by_batch = raw(model, device, precision, sizes, items)
+        result.raw_best = max(result.raw_by_batch.values())
+        save()
+        stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result)
+        save()
     for r in results:
         print(f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
               f"({r.stack_share_of_raw:.0%} of raw); at {r.load_per_s}/s p50 {r.p50_ms} ms, "

@@ -227,10 +227,11 @@ class Settings(BaseSettings):
     resnet50_weights: Path | None = None
     resnet50_random_weights: bool = False
     resnet50_image_size: int = Field(224, ge=32, le=1024)
-    resnet50_max_image_bytes: int = Field(4 * 2**20, ge=1024)
+    # Base64 makes it 4/3 larger: the default fits FERRY_MAX_BODY_BYTES' 1 MiB.
+    resnet50_max_image_bytes: int = Field(700 * 1024, ge=1024)
     # Decoded pixels (width x height) an image may have: a decompression bomb
-    # is refused before anything decodes it.
-    resnet50_max_pixels: int = Field(40_000_000, ge=1024)
+    # is refused before anything decodes it. Pillow itself refuses beyond 2 x 89 M.
+    resnet50_max_pixels: int = Field(40_000_000, ge=1024, le=178_000_000)
     resnet50_decode_threads: int = Field(4, ge=1, le=64)
     minilm_max_tokens: int = Field(256, ge=8, le=512)
     minilm_max_chars: int = Field(20_000, ge=1)

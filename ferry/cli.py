@@ -137,7 +137,8 @@ def guard_flower_metrics(token: str | None) -> None:
 
     async def get(self: Metrics) -> None:
         if token is None:
-            self.get_current_user()  # Flower's basic auth: a 401 without it
+            if not self.get_current_user():  # Flower's login (basic auth raises 401 itself)
+                raise tornado.web.HTTPError(401)
         elif not token_matches(token, self.request.headers.get("Authorization")):
             self.set_header("WWW-Authenticate", 'Bearer realm="metrics"')
             raise tornado.web.HTTPError(401)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,20 @@ def test_a_resnet50_job_runs_through_the_api_and_a_worker(
     output = row.output
     assert output is not None
     assert output["weights"] == "random" and len(output["top5"]) == 5
+
+
+def test_odd_images_decode_to_the_square_without_blowing_up(
+    random_runtime: ResNet50Runtime,
+) -> None:
+    import numpy as np
+
+    sliver = encoded((10, 200, 30), (10, 40_000))  # 1:4000: resized only in its centre square
+    began = time.monotonic()
+    pixels = random_runtime._decode(sliver)
+    assert pixels.shape == (3, 224, 224) and time.monotonic() - began < 5
+    # 16-bit greyscale: scaled to 8 bits, not clipped to white.
+    ramp = np.tile(np.linspace(0, 65535, 256, dtype=np.uint16), (256, 1))
+    buffer = io.BytesIO()
+    Image.fromarray(ramp).save(buffer, format="PNG")
+    grey = random_runtime._decode(base64.b64encode(buffer.getvalue()).decode())
+    assert float(grey.max()) - float(grey.min()) > 3.0  # a ramp, not a constant

@@ -64,3 +64,24 @@ def test_the_check_does_not_import_torch() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def png_header(width: int, height: int) -> str:
+    """A PNG with a header and no pixels: what the check reads."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    rest = chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + header + rest).decode()
+
+
+def test_a_header_past_pillows_bomb_warning_is_a_422_not_a_500() -> None:
+    # 100 M pixels: Pillow warns (warnings are errors in the tests); the limit answers.
+    spec = ResNet50Spec(image_size=224, max_image_bytes=64 * 1024, max_pixels=40_000_000)
+    with pytest.raises(InputError, match="is 10000 x 10000 pixels"):
+        spec.validate(png_header(10_000, 10_000))

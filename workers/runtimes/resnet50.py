@@ -128,22 +128,28 @@ class ResNet50Runtime(TorchRuntime):
     def _decode(self, encoded: Any) -> Any:
         """base64 image -> normalised float32 array, 3 x size x size (on a pool thread)."""
         import numpy as np
-        from PIL import Image
+        from PIL import Image, ImageOps
 
         data = base64.b64decode(str(encoded), validate=True)
-        with Image.open(io.BytesIO(data)) as image:
-            rgb = image.convert("RGB")
         size = self.image_size
-        short = round(size * 256 / 224)
+        with Image.open(io.BytesIO(data)) as image:
+            # A JPEG may decode straight to a smaller scale: less work, same result.
+            image.draft("RGB", (size * 2, size * 2))
+            upright = ImageOps.exif_transpose(image)
+            if upright.mode.startswith("I"):  # 16-bit greyscale: to 8 bits, not clipped
+                wide = np.asarray(upright, dtype=np.float32)
+                scale = 257.0 if float(wide.max()) > 255 else 1.0
+                upright = Image.fromarray(np.clip(wide / scale, 0, 255).astype(np.uint8))
+            rgb = upright.convert("RGB")
+        # The centre square that, resized so its side is 256/224 of ``size``,
+        # holds the ``size`` crop: only that region is resized, so an image of
+        # any shape costs at most size x size pixels here.
         width, height = rgb.size
-        scale = short / min(width, height)
-        resized = rgb.resize(
-            (max(size, round(width * scale)), max(size, round(height * scale))),
-            Image.Resampling.BILINEAR,
+        side = min(width, height) * 224 / 256
+        left, top = (width - side) / 2, (height - side) / 2
+        crop = rgb.resize(
+            (size, size), Image.Resampling.BILINEAR, box=(left, top, left + side, top + side)
         )
-        left = (resized.width - size) // 2
-        top = (resized.height - size) // 2
-        crop = resized.crop((left, top, left + size, top + size))
         scaled: Any = np.asarray(crop, dtype=np.float32) / np.float32(255.0)
         normal = (scaled - np.asarray(MEAN, dtype=np.float32)) / np.asarray(STD, dtype=np.float32)
         return normal.transpose(2, 0, 1)
