@@ -37,7 +37,8 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     make_stack: Callable[..., Stack], victim: str
 ) -> None:
     stack = make_stack(
-        FERRY_SIM_LATENCY_BASE_MS="2",
+        # Batches long enough (about 35 ms) for the probe to catch one running.
+        FERRY_SIM_LATENCY_BASE_MS="20",
         FERRY_SIM_LATENCY_PER_COST_MS="0.02",
         FERRY_BATCH_MAX_SIZE="256",
         FERRY_VISIBILITY_TIMEOUT_S="3",

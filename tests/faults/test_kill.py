@@ -24,6 +24,9 @@ def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
     A batch lasts at least the sim's base latency, so a batch caught this
     young is still running when the kill lands a few milliseconds later.
     """
+    # Ages count from the probe's start: on a loaded machine reading what the
+    # consumer holds can itself take longer than max_age_s.
+    probed_at = time.time()
     held: list[str] = []
     for stream in all_stream_names(stack.redis, stack.prefix, MODEL):
         pending: Any = stack.redis.xpending_range(
@@ -34,11 +37,10 @@ def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
             pipe.xrange(stream, min=entry["message_id"], max=entry["message_id"])
         for found in pipe.execute():
             held += [fields["job"] for _id, fields in found]
-    now = time.time()
     return [
         row.id
         for row in stack.rows(held).values()
-        if row.status == "running" and now - row.started_at.timestamp() < max_age_s
+        if row.status == "running" and probed_at - row.started_at.timestamp() < max_age_s
     ]
 
 
