@@ -7,18 +7,35 @@ or finished elsewhere is never overwritten: the first terminal write wins.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import Table, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import TERMINAL_STATUSES, Job
 from core.terminal import after_terminal
 
 _JOBS = cast(Table, Job.__table__)
+
+# A batch's outcomes as parallel arrays, one statement whatever the batch's size
+# (the same text every time, so the driver prepares it once). Only a job not
+# yet terminal is written: the first terminal write wins.
+_PG_FINISH = text(
+    """
+    UPDATE jobs SET status = o.status, output = CAST(o.output AS json), error = o.error,
+        inference_ms = o.inference_ms, finished_at = :now, batch_id = :batch_id,
+        batch_size = :batch_size
+    FROM unnest(CAST(:ids AS text[]), CAST(:statuses AS text[]), CAST(:outputs AS text[]),
+                CAST(:errors AS text[]), CAST(:inference_ms AS double precision[]))
+        AS o (id, status, output, error, inference_ms)
+    WHERE jobs.id = o.id AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
+    RETURNING jobs.id
+    """
+)
 
 
 @dataclass(frozen=True)
@@ -109,37 +126,63 @@ class Recorder:
         """
         if not outcomes:
             return []
-        statement = (
-            update(_JOBS)
-            .where(_JOBS.c.id == bindparam("b_id"), _JOBS.c.status.not_in(TERMINAL_STATUSES))
-            .values(
-                status=bindparam("b_status"),
-                output=bindparam("b_output"),
-                error=bindparam("b_error"),
-                inference_ms=bindparam("b_inference_ms"),
-                finished_at=now,
-                batch_id=batch_id,
-                batch_size=batch_size,
-            )
-        )
         written: list[str] = []
         with self.sessions.begin() as session:
             connection = session.connection()
-            # One statement per row: executemany's rowcount is not reliable on
-            # every driver, and we must know which writes won.
-            for outcome in outcomes:
-                result = connection.execute(
-                    statement,
-                    {
-                        "b_id": outcome.job_id,
-                        "b_status": outcome.status,
-                        "b_output": outcome.output,
-                        "b_error": outcome.error,
-                        "b_inference_ms": outcome.inference_ms,
-                    },
+            if connection.dialect.name == "postgresql":
+                # One statement for the whole batch: a round trip per row would
+                # cost the recording more than the batch took to compute.
+                won = set(
+                    connection.scalars(
+                        _PG_FINISH,
+                        {
+                            "ids": [o.job_id for o in outcomes],
+                            "statuses": [o.status for o in outcomes],
+                            # JSON text, as the JSON column's own writes make it.
+                            "outputs": [json.dumps(o.output) for o in outcomes],
+                            "errors": [o.error for o in outcomes],
+                            "inference_ms": [o.inference_ms for o in outcomes],
+                            "now": now,
+                            "batch_id": batch_id,
+                            "batch_size": batch_size,
+                            "terminal": list(TERMINAL_STATUSES),
+                        },
+                    )
                 )
-                if result.rowcount:
-                    written.append(outcome.job_id)
+                # In the outcomes' order, once each (a job may have two entries).
+                written = list(dict.fromkeys(o.job_id for o in outcomes if o.job_id in won))
+            else:
+                statement = (
+                    update(_JOBS)
+                    .where(
+                        _JOBS.c.id == bindparam("b_id"),
+                        _JOBS.c.status.not_in(TERMINAL_STATUSES),
+                    )
+                    .values(
+                        status=bindparam("b_status"),
+                        output=bindparam("b_output"),
+                        error=bindparam("b_error"),
+                        inference_ms=bindparam("b_inference_ms"),
+                        finished_at=now,
+                        batch_id=batch_id,
+                        batch_size=batch_size,
+                    )
+                )
+                # One statement per row (SQLite is in this process: no round
+                # trips), each telling by its row count whether its write won.
+                for outcome in outcomes:
+                    result = connection.execute(
+                        statement,
+                        {
+                            "b_id": outcome.job_id,
+                            "b_status": outcome.status,
+                            "b_output": outcome.output,
+                            "b_error": outcome.error,
+                            "b_inference_ms": outcome.inference_ms,
+                        },
+                    )
+                    if result.rowcount:
+                        written.append(outcome.job_id)
             deliveries = after_terminal(session, written, now)
         with self._outbox_lock:
             self.outbox += deliveries
