@@ -9,6 +9,11 @@
    started -> last finished), and its share of the best raw rate.
 3. **stack, 70 % load**: the same stack, jobs sent open loop at 70 % of the
    saturated rate for ``--seconds``; p50 and p99 of accepted -> finished.
+4. **stack, plain worker**: the saturated run again (half the jobs) with a
+   worker that overlaps nothing (``FERRY_PIPELINE=false``,
+   ``FERRY_PIPELINE_PREPARE=false``): its jobs per second, and for both
+   workers the GPU's idle share, 1 - (the stream's busy time, timed by CUDA
+   events, from ``ferry_worker_compute_seconds_total``) / the span.
 
     python -m bench.gpu [--quick] [--jobs 20000] [--seconds 20] [--out bench/results/gpu.json]
 
@@ -28,10 +33,12 @@ import os
 import platform
 import random
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +48,8 @@ import httpx
 
 from bench.corpus import load_corpus
 from bench.e2e import _quantile, _ts, wait_done
-from bench.stack import FerryUp
+from bench.stack import FerryUp, compute_seconds
+from ferry.local_redis import free_port
 
 DECODE_THREADS = min(16, os.cpu_count() or 4)
 
@@ -53,6 +61,9 @@ class ModelResult:
     raw_best: float = 0.0
     stack_jobs_per_s: float = 0.0
     stack_share_of_raw: float = 0.0
+    stack_device_idle: float = 0.0
+    plain_jobs_per_s: float = 0.0
+    plain_device_idle: float = 0.0
     load_per_s: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
@@ -162,7 +173,10 @@ def paced(base: str, token: str, model: str, data: list[Any], rate: float) -> li
         return list(pool.map(send, range(len(data))))
 
 
-def stack(model: str, precision: str, jobs: int, seconds: float, result: ModelResult) -> None:
+def stack(
+    model: str, precision: str, jobs: int, seconds: float, result: ModelResult,
+    save: Callable[[], None],
+) -> None:  # fmt: skip
     settings = {
         "FERRY_MODELS": "",
         "FERRY_RATE_LIMIT": "1000000/second",
@@ -183,18 +197,11 @@ def stack(model: str, precision: str, jobs: int, seconds: float, result: ModelRe
         try:
             up.start()
             db = up.root / "ferry.db"
-            queued = submit(up.base, up.token, model, inputs_for(model, jobs))
-            worker = up.spawn([sys.executable, "-m", "ferry", "worker", "--model", model])
-            wait_done(db, queued, timeout_s=600)
-            with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-                first, last = conn.execute(
-                    "SELECT min(started_at), max(finished_at) FROM jobs "
-                    "WHERE id IN (SELECT value FROM json_each(?))",
-                    (json.dumps(queued),),
-                ).fetchone()
-            result.stack_jobs_per_s = round(len(queued) / (_ts(last) - _ts(first)), 1)
+            rate, idle, worker = saturate(up, model, inputs_for(model, jobs))
+            result.stack_jobs_per_s, result.stack_device_idle = rate, idle
             result.stack_share_of_raw = round(result.stack_jobs_per_s / result.raw_best, 3)
-            print(f"  {model} stack, saturated: {result.stack_jobs_per_s} jobs/s", flush=True)
+            print(f"  {model} stack, saturated: {rate} jobs/s, GPU idle {idle:.1%}", flush=True)
+            save()
             result.load_per_s = round(0.7 * result.stack_jobs_per_s, 1)
             count = max(1, int(result.load_per_s * seconds))
             sent = paced(up.base, up.token, model, inputs_for(model, count), result.load_per_s)
@@ -210,9 +217,47 @@ def stack(model: str, precision: str, jobs: int, seconds: float, result: ModelRe
             result.p99_ms = round(_quantile(latencies, 0.99), 1)
             print(f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
                   f"p99 {result.p99_ms} ms", flush=True)  # fmt: skip
+            save()
+            up.stop(worker, 60)
+            rate, idle, worker = saturate(
+                up, model, inputs_for(model, max(1, jobs // 2)),
+                FERRY_PIPELINE="false", FERRY_PIPELINE_PREPARE="false",
+            )  # fmt: skip
+            result.plain_jobs_per_s, result.plain_device_idle = rate, idle
+            print(f"  {model} stack, plain worker: {rate} jobs/s, GPU idle {idle:.1%}", flush=True)
         finally:
             up.stop(worker, 60)
             up.stop(up.process, 60)
+
+
+def saturate(
+    up: FerryUp, model: str, data: list[Any], **worker_settings: str
+) -> tuple[float, float, subprocess.Popen[str]]:
+    """Queue ``data``, then start a worker to drain it: jobs/s, the device's idle share, the worker.
+
+    ``worker_settings``: FERRY_* variables for this worker only.
+    """
+    queued = submit(up.base, up.token, model, data)
+    port = free_port()
+    stack_env = up.env
+    up.env = {**stack_env, **worker_settings}
+    try:
+        worker = up.spawn(
+            [sys.executable, "-m", "ferry", "worker", "--model", model,
+             "--metrics-port", str(port)]
+        )  # fmt: skip
+    finally:
+        up.env = stack_env
+    wait_done(up.root / "ferry.db", queued, timeout_s=600)
+    with contextlib.closing(sqlite3.connect(up.root / "ferry.db", timeout=30)) as conn:
+        first, last = conn.execute(
+            "SELECT min(started_at), max(finished_at) FROM jobs "
+            "WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(queued),),
+        ).fetchone()
+    span = _ts(last) - _ts(first)
+    busy = compute_seconds(port, model)
+    return round(len(queued) / span, 1), round(max(0.0, 1.0 - busy / span), 3), worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,12 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         result.raw_by_batch = raw(model, device, precision, sizes, items)
         result.raw_best = max(result.raw_by_batch.values())
         save()
-        stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result)
+        stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result, save)
         save()
     for r in results:
         print(f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
-              f"({r.stack_share_of_raw:.0%} of raw); at {r.load_per_s}/s p50 {r.p50_ms} ms, "
-              f"p99 {r.p99_ms} ms")  # fmt: skip
+              f"({r.stack_share_of_raw:.0%} of raw, GPU idle {r.stack_device_idle:.1%}; "
+              f"plain worker {r.plain_jobs_per_s}/s, idle {r.plain_device_idle:.1%}); "
+              f"at {r.load_per_s}/s p50 {r.p50_ms} ms, p99 {r.p99_ms} ms")  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 

@@ -1,16 +1,23 @@
-"""The pipelined worker against the plain one: how long the device waits for the database.
+"""The pipelined worker against the plain one: how long the device waits for Python.
 
-A worker records batch N (the result write, the acknowledgement, webhooks) on
-a thread of its own while batch N + 1 runs (``FERRY_PIPELINE=true``, the
-default); without it, the device waits for every write. For each mode, on one
-fresh ``ferry up`` stack with no worker of its own, ``--jobs`` sim jobs are
-queued, then a ``ferry worker --model sim`` starts and drains them. The sim
-model stands in for a fast GPU: a batch takes 5 ms + 0.1 ms per unit of cost
-(32 jobs of cost 4: 17.8 ms), about what all-MiniLM-L6-v2 takes on a
-data-centre GPU.
+Three workers drain the same queue:
+
+* **plain**: read, decide, claim, prepare, compute, record, one after the other;
+* **record**: batch N is recorded (the result write, the acknowledgement,
+  webhooks) on a thread of its own while batch N + 1 runs (``FERRY_PIPELINE``);
+* **three-stage**: also, batch N + 1 is decided, claimed and prepared while
+  batch N computes, and launched the moment N is done
+  (``FERRY_PIPELINE_PREPARE``).
+
+For each, on one fresh ``ferry up`` stack with no worker of its own,
+``--jobs`` sim jobs are queued, then a ``ferry worker --model sim`` starts and
+drains them. The sim model stands in for a fast GPU: a batch takes 5 ms +
+0.1 ms per unit of cost on the device (32 jobs of cost 4: 17.8 ms), about
+what all-MiniLM-L6-v2 takes on a data-centre GPU, and preparing it costs the
+CPU 0.1 ms per input (a tokeniser's work), done as busy work.
 
 * **jobs/s**: jobs / (last finished - first started), from the results table;
-* **device idle**: 1 - (time inside the model's run, from the worker's
+* **device idle**: 1 - (the device's busy time, from the worker's
   ``ferry_worker_compute_seconds_total``) / that same span.
 
     python -m bench.pipeline [--jobs 6000] [--postgres] [--out bench/results/pipeline.json]
@@ -23,7 +30,6 @@ import contextlib
 import datetime as dt
 import json
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -31,20 +37,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import sqlalchemy
 
 from bench.fairness import _cpus, submit_many
-from bench.stack import FerryUp
+from bench.stack import FerryUp, compute_seconds
 from ferry.local_redis import free_port
 from tests.conftest import postgres_database
 
-SIM = {"FERRY_SIM_LATENCY_BASE_MS": "5", "FERRY_SIM_LATENCY_PER_COST_MS": "0.1"}
+SIM = {
+    "FERRY_SIM_LATENCY_BASE_MS": "5",
+    "FERRY_SIM_LATENCY_PER_COST_MS": "0.1",
+    "FERRY_SIM_PREPARE_MS_PER_ITEM": "0.1",
+}
+# Mode: (FERRY_PIPELINE, FERRY_PIPELINE_PREPARE).
+MODES = {"plain": (False, False), "record": (True, False), "three-stage": (True, True)}
 
 
 @dataclass
 class ModeResult:
-    pipeline: bool
+    mode: str
     database: str
     jobs: int
     seconds: float
@@ -63,7 +74,8 @@ class Report:
     modes: list[ModeResult]
 
 
-def drain(pipeline: bool, jobs: int, database_url: str | None) -> ModeResult:
+def drain(mode: str, jobs: int, database_url: str | None) -> ModeResult:
+    pipeline, prepare = MODES[mode]
     with tempfile.TemporaryDirectory(prefix="ferry-bench-pipeline-") as tmp:
         root = Path(tmp)
         url = database_url or f"sqlite:///{root / 'ferry.db'}"
@@ -71,6 +83,7 @@ def drain(pipeline: bool, jobs: int, database_url: str | None) -> ModeResult:
         stack = FerryUp(
             root, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
             FERRY_MAX_OUTSTANDING_JOBS="100000", FERRY_PIPELINE=str(pipeline).lower(),
+            FERRY_PIPELINE_PREPARE=str(prepare).lower(),
             **SIM, **extra,
         )  # fmt: skip
         worker = None
@@ -96,7 +109,7 @@ def drain(pipeline: bool, jobs: int, database_url: str | None) -> ModeResult:
                 if time.monotonic() > until:
                     raise RuntimeError(f"{left} jobs left unfinished")
                 time.sleep(0.2)
-            compute_s = _compute_seconds(port)
+            compute_s = compute_seconds(port, "sim")
             with engine.connect() as conn:
                 first, last, batches = conn.execute(
                     sqlalchemy.text(
@@ -110,7 +123,7 @@ def drain(pipeline: bool, jobs: int, database_url: str | None) -> ModeResult:
             stack.stop(stack.process, 60)
     seconds = (_aware(last) - _aware(first)).total_seconds()
     return ModeResult(
-        pipeline=pipeline,
+        mode=mode,
         database="postgresql" if database_url else "sqlite",
         jobs=jobs,
         seconds=round(seconds, 3),
@@ -126,14 +139,6 @@ def _aware(value: Any) -> dt.datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
-def _compute_seconds(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    match = re.search(r'^ferry_worker_compute_seconds_total\{model="sim"\} (\S+)$', text, re.M)
-    if match is None:
-        raise RuntimeError("the worker exported no ferry_worker_compute_seconds_total")
-    return float(match.group(1))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=6000)
@@ -143,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args(argv)
-    modes = []
+    modes: list[ModeResult] = []
     for database in ("sqlite", "postgresql") if args.postgres else ("sqlite",):
-        for pipeline in (False, True):
+        for name in MODES:
             with contextlib.ExitStack() as scope:
                 url = scope.enter_context(postgres_database()) if database != "sqlite" else None
-                modes.append(drain(pipeline, args.jobs, url))
+                modes.append(drain(name, args.jobs, url))
             print(f"  {asdict(modes[-1])}", flush=True)
     report = Report(
         date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -158,12 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         modes=modes,
     )
     args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
-    print(f"{'database':11} {'mode':10} {'jobs/s':>8} {'device idle':>12} {'batch':>6}")
-    for mode in modes:
-        name = "pipelined" if mode.pipeline else "plain"
+    print(f"{'database':11} {'mode':12} {'jobs/s':>8} {'device idle':>12} {'batch':>6}")
+    for result in modes:
         print(
-            f"{mode.database:11} {name:10} {mode.jobs_per_s:>8.1f} {mode.device_idle:>12.1%} "
-            f"{mode.mean_batch_size:>6.1f}"
+            f"{result.database:11} {result.mode:12} {result.jobs_per_s:>8.1f} "
+            f"{result.device_idle:>12.1%} {result.mean_batch_size:>6.1f}"
         )
     print(f"wrote {args.out}")
     return 0

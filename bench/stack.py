@@ -87,6 +87,18 @@ class FerryUp:
             self.output.append(line)
 
 
+def compute_seconds(port: int, model: str) -> float:
+    """A worker's device time so far (``ferry_worker_compute_seconds_total`` on its port)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    pattern = rf'^ferry_worker_compute_seconds_total\{{model="{re.escape(model)}"\}} (\S+)$'
+    match = re.search(pattern, text, re.M)
+    if match is None:
+        raise RuntimeError("the worker exported no ferry_worker_compute_seconds_total")
+    return float(match.group(1))
+
+
 def _after(text: str, label: str) -> str:
     match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", text, re.MULTILINE)
     if match is None:

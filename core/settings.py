@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     # Record batch N (result write, acknowledgement, webhooks) on a thread of
     # its own while batch N + 1 runs, so the device does not wait for the database.
     pipeline: bool = True
+    # On a device that computes asynchronously (CUDA; the sim model): decide,
+    # claim and prepare batch N + 1 (tokenise, decode, stage in pinned
+    # memory) while batch N computes, and launch it the moment N is done.
+    pipeline_prepare: bool = True
     # How long a stopping worker may take to finish its batch.
     worker_drain_s: float = Field(30.0, gt=0)
 
@@ -243,6 +247,8 @@ class Settings(BaseSettings):
     sim_max_cost: int = Field(4096, ge=1)
     # Simulate an out-of-memory error when a sim batch's memory passes this (0: never).
     sim_memory_capacity_bytes: int = Field(0, ge=0)
+    # CPU time spent preparing each input (busy work, as a tokeniser's), in ms.
+    sim_prepare_ms_per_item: float = Field(0.0, ge=0)
     # Let sim inputs ask to kill their worker ({"crash": true}), for fault tests.
     sim_crash_enabled: bool = False
 

@@ -31,13 +31,22 @@ def run_isolating(
     inputs: list[Any],
     clock: Callable[[], float] = time.perf_counter,
     on_oom: Callable[[int, int], None] | None = None,
+    failed: Exception | None = None,
 ) -> list[ItemResult]:
     """Run ``inputs``; an out-of-memory halves the batch, any other error bisects it.
 
     ``on_oom(start, end)`` is told which slice of ``inputs`` ran out of memory,
-    so the caller can learn from it.
+    so the caller can learn from it. ``failed``: the whole batch already ran
+    and raised this (so it is not run whole again).
     """
-    return _run_slice(run, inputs, 0, len(inputs), clock, on_oom)
+    return _run_slice(run, inputs, 0, len(inputs), clock, on_oom, failed)
+
+
+def check_outputs(outputs: list[Any], inputs: list[Any]) -> list[Any]:
+    """``outputs``, when there is one per input (a model's bug otherwise)."""
+    if len(outputs) != len(inputs):
+        raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
+    return outputs
 
 
 def _run_slice(
@@ -47,15 +56,16 @@ def _run_slice(
     end: int,
     clock: Callable[[], float],
     on_oom: Callable[[int, int], None] | None,
+    failed: Exception | None = None,
 ) -> list[ItemResult]:
     if start >= end:
         return []
     batch = inputs[start:end]
     started = clock()
     try:
-        outputs = run(batch)
-        if len(outputs) != len(batch):
-            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(batch)} inputs")
+        if failed is not None:
+            raise failed
+        outputs = check_outputs(run(batch), batch)
     except Exception as exc:
         out_of_memory = isinstance(exc, OutOfMemory)
         if out_of_memory and on_oom is not None:

@@ -8,6 +8,7 @@ found to need no run: cancelled, missing, already finished).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -28,11 +29,11 @@ from scheduler import BatchDecision, PendingItem
 from scheduler.learning import BatchObservation, SchedulerState
 from scheduler.policy import efficiency
 from workers.consumer import Entry, StreamConsumer
-from workers.execute import ItemResult, run_isolating
+from workers.execute import ItemResult, check_outputs, run_isolating
 from workers.observe import LoopMetrics
 from workers.presence import BatchEvents
 from workers.recorder import Claimed, Outcome, Recorder
-from workers.runtimes.base import Runtime
+from workers.runtimes.base import Launched, Runtime
 from workers.scheduling import Policy, estimate_of
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ HEARTBEAT_S = 2.0
 MAX_BLOCK_MS = 1000
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
+# Why a batch may be prepared while the one before computes: it will not grow
+# by waiting (size, cost, memory, latency limits) or must not wait.
+AHEAD_TRIGGERS = frozenset({"size", "cost", "memory", "latency", "urgent", "deadline"})
 
 
 @dataclass
@@ -85,6 +89,7 @@ class BatchLoop:
         kick: Callable[[list[str]], None] | None = None,
         events: BatchEvents | None = None,
         pipeline: bool = False,
+        launch_ahead: bool = False,
     ) -> None:
         self.runtime = runtime
         self.consumer = consumer
@@ -111,6 +116,9 @@ class BatchLoop:
         self._stop_requested_at: float | None = None
         self._last_upkeep = time.monotonic()
         self.pending: dict[str, Entry] = {}
+        # Entries taken into a batch and not yet acknowledged (on the device,
+        # being recorded): reading this consumer's backlog again returns them.
+        self._running: set[str] = set()
         # Pipelined: one thread records batch N (result write, acknowledgement,
         # webhooks) while this one computes batch N + 1.
         self._recording = (
@@ -119,6 +127,11 @@ class BatchLoop:
             else None
         )
         self._recorded: Future[None] | None = None
+        # On a device that computes asynchronously: batch N + 1 is decided,
+        # claimed and prepared (tokenised, decoded, staged) while batch N
+        # computes, and launched the moment N is done.
+        self._ahead = launch_ahead and runtime.asynchronous
+        self._in_flight: _InFlight | None = None
         # Per tenant, the number of the batch that last ran one of its jobs
         # (the scheduler takes tenants in turn, least recently served first).
         self._served: dict[str, int] = {}
@@ -156,6 +169,7 @@ class BatchLoop:
                     )  # fmt: skip
                     self._settle_recording()
                     self.pending.clear()
+                    self._running.clear()
                     self.consumer.reread_pending()
                     stop.wait(backoff_s)
                     if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
@@ -184,14 +198,34 @@ class BatchLoop:
             self.wait_recorded()  # a recording that failed is heard of now, even when idle
         self._heartbeat()
         self._upkeep()
-        self._fill(wait_ms)
-        decision = self.policy(self._items(), self.clock())
+        # While a batch computes, read only what is there already: it is landed next.
+        self._fill(wait_ms if self._in_flight is None else None)
+        decision = self._decide()
         self.apply(decision)
         if decision.run:
             return None  # more may be ready: look again without blocking
         if decision.wait_s is not None:
             return min(MAX_BLOCK_MS, int(decision.wait_s * 1000)) or None
         return MAX_BLOCK_MS
+
+    def _decide(self) -> BatchDecision:
+        """The scheduler's decision; while a batch computes, whether to prepare the next.
+
+        A batch is prepared ahead only when the scheduler would send it as
+        soon as the device is free for a reason that more waiting cannot
+        change: it is full, or holds urgent work or a deadline. It is decided
+        for the time the batch on the device is expected to end. Otherwise
+        (an underfull batch that waited long enough) the batch on the device
+        is landed first and the decision taken again, with what arrived
+        meanwhile. Jobs are expired only against the real clock.
+        """
+        flight = self._in_flight
+        if flight is not None:
+            ahead = self.policy(self._items(), max(self.clock(), flight.ends_s))
+            if ahead.run and ahead.trigger in AHEAD_TRIGGERS:
+                return dataclasses.replace(ahead, expire=())
+            self._land()
+        return self.policy(self._items(), self.clock())
 
     def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
         backoff_s = RETRY_MIN_S
@@ -213,17 +247,13 @@ class BatchLoop:
         self._last_upkeep = now
         for entry in self.consumer.touch(list(self.pending.values())):
             # Another worker took it over while this one stalled: it is theirs now.
-            self.pending.pop(entry.entry_id + "@" + entry.stream, None)
+            self.pending.pop(_key(entry), None)
         room = self.prefetch - len(self.pending)
         if room <= 0:
             return
         reclaimed = self.consumer.reclaim(int(self.visibility_timeout_s * 1000), room)
         self.metrics.reclaimed(len(reclaimed))
-        for entry in reclaimed:
-            key = entry.entry_id + "@" + entry.stream
-            if key not in self.pending:
-                self.pending[key] = entry
-                self.state.observe_arrival(entry.message.cost, entry.message.lane, self.clock())
+        self._take(reclaimed)
 
     def _fill(self, block_ms: int | None) -> None:
         room = self.prefetch - len(self.pending)
@@ -232,9 +262,13 @@ class BatchLoop:
             if block_ms:
                 time.sleep(block_ms / 1000.0)
             return
-        for entry in self.consumer.read(room, block_ms):
-            key = entry.entry_id + "@" + entry.stream
-            if key not in self.pending:
+        self._take(self.consumer.read(room, block_ms))
+
+    def _take(self, entries: list[Entry]) -> None:
+        """Hold entries read, except those already held (a re-read returns them again)."""
+        for entry in entries:
+            key = _key(entry)
+            if key not in self.pending and key not in self._running:
                 self.pending[key] = entry
                 self.state.observe_arrival(entry.message.cost, entry.message.lane, self.clock())
 
@@ -268,6 +302,7 @@ class BatchLoop:
             self._expire([self.pending.pop(item.key) for item in decision.expire])
         if decision.run:
             batch = [self.pending.pop(item.key) for item in decision.run]
+            self._running.update(_key(entry) for entry in batch)
             self._mark_served(batch)
             self._run_batch(batch, decision)
 
@@ -286,8 +321,9 @@ class BatchLoop:
         )
         self.state.batch_started()
         if not started:
-            self._run_group(entries, decision)
+            self._run_group(entries, decision, ahead=self._ahead)
             return
+        self._land()  # a suspect runs with nothing else on the device
         # A job started before and never finished may be what killed a worker:
         # each such job runs alone, so it cannot take its batch mates down (and
         # use up their attempts) with it.
@@ -302,7 +338,9 @@ class BatchLoop:
             self.consumer.touch([e for g in groups[number:] for e in g])
             self._run_group(group, decision)
 
-    def _run_group(self, entries: list[Entry], decision: BatchDecision) -> None:
+    def _run_group(
+        self, entries: list[Entry], decision: BatchDecision, ahead: bool = False
+    ) -> None:
         batch_id = str(uuid.uuid4())
         by_job = {e.message.job_id: e for e in entries}
         claimed, late, exhausted = self.recorder.claim(
@@ -318,15 +356,98 @@ class BatchLoop:
         if events is not None:
             lanes = [by_job[job.job_id].message.lane for job in claimed]
             events.batch_started(batch_id, len(claimed), sum(costs), lanes, decision.predicted_s)
+        flight = _InFlight(batch_id, entries, claimed, costs, written, decision, started, ahead)
+        if claimed:
+            self._launch(flight)
+            if not ahead:
+                self._land()  # prepared, launched and collected one after the other
+            return
+        self._land()
+        self._hand_over(self._finisher(flight, self._compute(batch_id, entries, claimed, costs)))
+
+    def _launch(self, flight: _InFlight) -> None:
+        """Prepare this batch while the one before computes; launch it once that one is done.
+
+        Preparing or launching may raise (an image that does not decode, the
+        device out of memory): the batch is then run input by input when it
+        is landed, so only the inputs at fault fail. A worker that dies while
+        a batch computes has claimed the next one too: those jobs count it as
+        an attempt and run alone next time, like the batch's own.
+        """
+        inputs = [job.input for job in flight.claimed]
+        prepared = None
+        flight.began = time.perf_counter()
         try:
-            computed = self._compute(batch_id, entries, claimed, costs)
+            prepared = self.runtime.prepare(inputs)
+        except Exception as exc:
+            flight.failed = exc
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            previous.wait()
+            if previous.failed is not None:
+                # It runs again input by input (or halved) with nothing else on
+                # the device, so that what it teaches (a lower memory ceiling)
+                # and the peaks measured belong to it alone.
+                self._land_batch(previous)
+                previous = None
+        if prepared is not None:
+            try:
+                flight.launched = self.runtime.launch(prepared)
+            except Exception as exc:
+                flight.failed = exc
+        flight.ends_s = self.clock() + flight.decision.predicted_s
+        self._in_flight = flight
+        if previous is not None:
+            self._land_batch(previous)  # while this one computes
+        if flight.failed is not None:
+            self._land()  # the same, at once: the device is idle
+
+    def _land(self) -> None:
+        """Wait for the batch on the device, if there is one, and hand it over to be recorded."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            flight.wait()
+            self._land_batch(flight)
+
+    def _land_batch(self, flight: _InFlight) -> None:
+        try:
+            computed = self._collect(flight)
         except BaseException as exc:
-            self._batch_failed(events, batch_id, started, len(claimed), exc)
+            self._batch_failed(self.events, flight.batch_id, flight.started,
+                               len(flight.claimed), exc)  # fmt: skip
             raise
-        finish = functools.partial(
-            self._finish, batch_id, entries, claimed, costs, written, decision, computed, started
+        self._hand_over(self._finisher(flight, computed))
+
+    def _collect(self, flight: _InFlight) -> _Computed:
+        """A launched batch's outputs; one that raised is run again, isolating the culprits."""
+        inputs = [job.input for job in flight.claimed]
+        launched, failed = flight.launched, flight.failed
+        if launched is not None and failed is None:
+            try:
+                outputs = check_outputs(self.runtime.collect(launched), inputs)
+            except Exception as exc:
+                failed = exc
+            else:
+                # Launched ahead, its preparation overlapped the batch before:
+                # its latency is the device's. Otherwise it is the whole run.
+                batch_s = launched.device_s if flight.ahead else time.perf_counter() - flight.began
+                results = [
+                    ItemResult(ok=True, output=output, inference_ms=batch_s * 1000.0)
+                    for output in outputs
+                ]
+                return self._learned(
+                    flight.entries, flight.claimed, flight.costs, results,
+                    batch_s, launched.peak_memory_bytes, 0, device_s=launched.device_s,
+                )  # fmt: skip
+        return self._compute(
+            flight.batch_id, flight.entries, flight.claimed, flight.costs, failed=failed
         )
-        self._hand_over(finish)
+
+    def _finisher(self, flight: _InFlight, computed: _Computed) -> Callable[[], None]:
+        return functools.partial(
+            self._finish, flight.batch_id, flight.entries, flight.claimed, flight.costs,
+            flight.written, flight.decision, computed, flight.started,
+        )  # fmt: skip
 
     def _batch_failed(
         self, events: BatchEvents | None, batch_id: str, started: float, size: int,
@@ -359,18 +480,22 @@ class BatchLoop:
             self._recorded = self._recording.submit(finish)
 
     def _settle_recording(self) -> None:
-        """Wait for the batch being recorded; its failure leaves its entries unacknowledged."""
-        try:
-            self.wait_recorded()
-        except (redis.RedisError, SQLAlchemyError) as exc:
-            log.warning(
-                "a batch's results were not recorded; its jobs run again",
-                extra={"model": self.model, "error_type": type(exc).__name__},
-            )
-        except Exception:
-            log.exception(
-                "recording a batch failed; its jobs run again", extra={"model": self.model}
-            )
+        """Land the batch on the device and wait for the one being recorded.
+
+        A failure leaves the batch's entries unacknowledged: its jobs run again.
+        """
+        for settle in (self._land, self.wait_recorded):
+            try:
+                settle()
+            except (redis.RedisError, SQLAlchemyError) as exc:
+                log.warning(
+                    "a batch's results were not recorded; its jobs run again",
+                    extra={"model": self.model, "error_type": type(exc).__name__},
+                )
+            except Exception:
+                log.exception(
+                    "recording a batch failed; its jobs run again", extra={"model": self.model}
+                )
 
     def wait_recorded(self) -> None:
         """Until the batch being recorded is; re-raises what its recording raised."""
@@ -379,10 +504,17 @@ class BatchLoop:
             recorded.result()
 
     def _compute(
-        self, batch_id: str, entries: list[Entry], claimed: list[Claimed], costs: list[int]
+        self,
+        batch_id: str,
+        entries: list[Entry],
+        claimed: list[Claimed],
+        costs: list[int],
+        failed: Exception | None = None,
     ) -> _Computed:
-        """Run the claimed jobs and learn from the batch (what the scheduler needs next)."""
-        by_job = {e.message.job_id: e for e in entries}
+        """Run the claimed jobs and learn from the batch (what the scheduler needs next).
+
+        ``failed``: what the whole batch raised when it was launched ahead.
+        """
         ooms = 0
 
         def out_of_memory(start: int, end: int) -> None:
@@ -396,11 +528,32 @@ class BatchLoop:
             )  # fmt: skip
 
         began = time.perf_counter()
-        results = run_isolating(self.runtime.run, [c.input for c in claimed], on_oom=out_of_memory)
+        results = run_isolating(
+            self.runtime.run, [c.input for c in claimed], on_oom=out_of_memory, failed=failed
+        )
         batch_s = time.perf_counter() - began
-        self.metrics.computed(batch_s)
-        computed_at = self.clock()
         peak = self.runtime.peak_memory_bytes
+        return self._learned(entries, claimed, costs, results, batch_s, peak, ooms)
+
+    def _learned(
+        self,
+        entries: list[Entry],
+        claimed: list[Claimed],
+        costs: list[int],
+        results: list[ItemResult],
+        batch_s: float,
+        peak: float | None,
+        ooms: int,
+        device_s: float | None = None,
+    ) -> _Computed:
+        """Tell the scheduler and the metrics how the batch went.
+
+        ``batch_s``: the batch's latency as the scheduler plans it (what it
+        kept the next batch waiting); ``device_s``: the device's busy time.
+        """
+        by_job = {e.message.job_id: e for e in entries}
+        self.metrics.computed(batch_s if device_s is None else device_s)
+        computed_at = self.clock()
         eff = efficiency(costs)
         if claimed:
             self._learn(
@@ -595,6 +748,7 @@ class BatchLoop:
         self, entries: list[Entry], written: list[str], batch_id: str | None = None
     ) -> None:
         self.consumer.ack(entries)
+        self._running.difference_update(_key(entry) for entry in entries)
         if written:
             self.client.publish(done_channel(self.prefix), ",".join(written))
         by_job = {e.message.job_id: e.message for e in entries}
@@ -666,6 +820,32 @@ class BatchLoop:
         pipe.execute()
 
 
+@dataclass
+class _InFlight:
+    """A claimed batch on its way through the device, until it is handed over to be recorded."""
+
+    batch_id: str
+    entries: list[Entry]
+    claimed: list[Claimed]
+    costs: list[int]
+    written: list[str]  # jobs of its entries settled without running (late, out of attempts)
+    decision: BatchDecision
+    started: float  # perf_counter when it was claimed
+    ahead: bool = False  # prepared while the batch before computed
+    began: float = 0.0  # perf_counter when its preparation began
+    launched: Launched | None = None
+    failed: Exception | None = None  # what preparing, launching or the device raised
+    ends_s: float = 0.0  # when the scheduler expects it done (the loop's clock)
+
+    def wait(self) -> None:
+        """Until the device is done with it; what the device raised is kept for landing."""
+        if self.launched is not None and self.failed is None:
+            try:
+                self.launched.wait()
+            except Exception as exc:
+                self.failed = exc
+
+
 @dataclass(frozen=True)
 class _Computed:
     """A batch run and not yet recorded."""
@@ -675,6 +855,10 @@ class _Computed:
     efficiency: float
     peak_memory_bytes: float | None
     window_s: float | None
+
+
+def _key(entry: Entry) -> str:
+    return entry.entry_id + "@" + entry.stream
 
 
 def _utc(epoch_s: float) -> dt.datetime:

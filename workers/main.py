@@ -70,6 +70,7 @@ def build_loop(
         visibility_timeout_s=settings.visibility_timeout_s,
         drain_s=settings.worker_drain_s,
         pipeline=settings.pipeline,
+        launch_ahead=settings.pipeline_prepare,
         kick=DeliveryKicker(settings.redis_url, settings.key_prefix),
     )
 

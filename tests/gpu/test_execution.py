@@ -5,7 +5,9 @@ Skipped without CUDA (see conftest.py).
 
 from __future__ import annotations
 
+import base64
 import bisect
+import io
 import json
 import math
 import threading
@@ -18,6 +20,7 @@ from bench.corpus import load_texts
 from workers.execute import run_isolating
 from workers.runtimes.base import OutOfMemory
 from workers.runtimes.minilm import MiniLMRuntime
+from workers.runtimes.resnet50 import ResNet50Runtime
 
 DEVICE = "cuda:0"
 
@@ -150,12 +153,12 @@ def test_no_memory_growth_over_a_thousand_batches(runtime: MiniLMRuntime, texts:
         runtime.run(texts[: sizes[number % len(sizes)]])
     settled = torch.cuda.memory_allocated(torch.device(DEVICE))
     reserved = torch.cuda.memory_reserved(torch.device(DEVICE))
-    staged = runtime._stager.bytes if runtime._stager is not None else 0
+    staged = runtime.pinned_bytes
     for number in range(1000):
         runtime.run(texts[: sizes[number % len(sizes)]])
     assert torch.cuda.memory_allocated(torch.device(DEVICE)) <= settled
     assert torch.cuda.memory_reserved(torch.device(DEVICE)) <= reserved + 64 * 2**20
-    assert (runtime._stager.bytes if runtime._stager is not None else 0) == staged
+    assert runtime.pinned_bytes == staged
 
 
 def test_the_peak_of_each_batch_is_measured(runtime: MiniLMRuntime, texts: list[str]) -> None:
@@ -164,3 +167,121 @@ def test_the_peak_of_each_batch_is_measured(runtime: MiniLMRuntime, texts: list[
     runtime.run(texts[:64])
     large: Any = runtime.peak_memory_bytes
     assert small is not None and large is not None and large > small
+
+
+@pytest.fixture(scope="module")
+def resnet() -> ResNet50Runtime:
+    loaded = ResNet50Runtime(
+        DEVICE, weights=None, random_weights=True, precision="fp16", warmup_batch=32,
+        memory_fraction=0.3,
+    )  # fmt: skip
+    loaded.load()
+    return loaded
+
+
+def jpegs(count: int) -> list[str]:
+    from PIL import Image
+
+    encoded = []
+    for number in range(count):
+        buffer = io.BytesIO()
+        colour = (number * 37 % 256, number * 91 % 256, number * 13 % 256)
+        Image.new("RGB", (320 + number, 240), colour).save(buffer, format="JPEG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode())
+    return encoded
+
+
+def test_resnet50_runs_in_channels_last_on_its_own_stream(
+    resnet: ResNet50Runtime, tmp_path: Path
+) -> None:
+    import torch
+
+    default = gpu_streams(
+        lambda: (torch.ones(64, device=DEVICE) * 2).cpu(), tmp_path / "default.json"
+    )
+    model = gpu_streams(lambda: resnet.run(jpegs(16)), tmp_path / "resnet.json")
+    assert model and not model & default, (model, default)
+    assert len(model) == 1, model
+    conv = resnet._model.conv1.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("model", ["minilm", "resnet50"])
+def test_a_batch_staged_while_another_computes_keeps_its_own_buffers(
+    model: str, runtime: MiniLMRuntime, resnet: ResNet50Runtime, texts: list[str]
+) -> None:
+    """Batch B is staged while A computes, and A is read only after B is done too.
+
+    Were the two to share a pinned buffer, A would read B's inputs or outputs.
+    """
+    loaded: Any = runtime if model == "minilm" else resnet
+    inputs = texts[:64] if model == "minilm" else jpegs(48)
+    first, second = inputs[: len(inputs) // 2], inputs[len(inputs) // 2 :]
+    alone = [loaded.run(first), loaded.run(second)]
+    launched = loaded.launch(loaded.prepare(first))
+    staged = loaded.prepare(second)  # while the first computes
+    launched.wait()
+    following = loaded.launch(staged)
+    following.wait()
+    ahead = [loaded.collect(launched), loaded.collect(following)]
+    assert launched.device_s > 0 and following.device_s > 0
+    for got, expected in zip(ahead, alone, strict=True):
+        if model == "minilm":
+            assert min(cosine(a, b) for a, b in zip(got, expected, strict=True)) >= 0.9999
+        else:
+            for a, b in zip(got, expected, strict=True):
+                assert [e["class"] for e in a["top5"]] == [e["class"] for e in b["top5"]]
+                assert [e["score"] for e in a["top5"]] == pytest.approx(
+                    [e["score"] for e in b["top5"]], abs=1e-2
+                )
+
+
+def test_each_batch_launched_ahead_has_its_own_peak(
+    runtime: MiniLMRuntime, texts: list[str]
+) -> None:
+    runtime.run(texts[:2])
+    small_alone: Any = runtime.peak_memory_bytes
+    launched = runtime.launch(runtime.prepare(texts[:2]))
+    staged = runtime.prepare(texts[:128])
+    launched.wait()
+    following = runtime.launch(staged)
+    following.wait()
+    runtime.collect(launched)
+    runtime.collect(following)
+    assert launched.peak_memory_bytes is not None and following.peak_memory_bytes is not None
+    assert launched.peak_memory_bytes == pytest.approx(small_alone, rel=0.05)
+    assert following.peak_memory_bytes > launched.peak_memory_bytes
+
+
+def test_preparing_ahead_leaves_the_gpu_less_idle(runtime: MiniLMRuntime, texts: list[str]) -> None:
+    """The same batches one after the other, then each prepared while the last computes."""
+    import time
+
+    batches = [texts[i : i + 64] for i in range(0, 256, 64)] * 8
+
+    def plain() -> float:
+        busy, started = 0.0, time.perf_counter()
+        for batch in batches:
+            launched = runtime.launch(runtime.prepare(batch))
+            runtime.collect(launched)
+            busy += launched.device_s
+        return 1.0 - busy / (time.perf_counter() - started)
+
+    def ahead() -> float:
+        busy, started = 0.0, time.perf_counter()
+        launched = runtime.launch(runtime.prepare(batches[0]))
+        for batch in [*batches[1:], None]:
+            staged = runtime.prepare(batch) if batch is not None else None
+            launched.wait()
+            busy += launched.device_s
+            following = runtime.launch(staged) if staged is not None else None
+            runtime.collect(launched)
+            if following is None:
+                break
+            launched = following
+        return 1.0 - busy / (time.perf_counter() - started)
+
+    plain(), ahead()  # warm
+    idle_plain, idle_ahead = plain(), ahead()
+    print(f"GPU idle: one after the other {idle_plain:.1%}, prepared ahead {idle_ahead:.1%}")
+    assert idle_ahead < idle_plain

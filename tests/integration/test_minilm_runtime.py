@@ -34,9 +34,25 @@ def test_reduced_precision_agrees_with_fp32(
     runtime = MiniLMRuntime("cpu", 256, precision=precision, warmup_batch=32)
     runtime.load()
     # On the CPU there is no stream, no device memory share and no pinned staging.
-    assert (runtime._stream, runtime._memory, runtime._stager) == (None, None, None)
+    assert (runtime._stream, runtime._memory, runtime.pinned_bytes) == (None, None, 0)
     outputs = runtime.run(texts)
     assert runtime.peak_memory_bytes is None
     agreement = [cosine(a, b) for a, b in zip(outputs, reference, strict=True)]
     assert min(agreement) >= 0.999, agreement
     assert outputs != reference  # it did compute in the lower precision
+
+
+def test_the_three_stages_give_what_run_gives(
+    texts: list[str], reference: list[list[float]]
+) -> None:
+    runtime = MiniLMRuntime("cpu", 256)
+    runtime.load()
+    assert not runtime.asynchronous  # on the CPU a launch computes at once
+    first = runtime.prepare(texts[:8])
+    second = runtime.prepare(texts[8:])  # tokenised before the first is launched
+    ids, mask, types = first.tensors
+    assert ids.shape == mask.shape == types.shape and ids.shape[0] == 8
+    launched = runtime.launch(first)
+    assert launched.device_s > 0 and launched.peak_memory_bytes is None
+    outputs = runtime.collect(launched) + runtime.collect(runtime.launch(second))
+    assert min(cosine(a, b) for a, b in zip(outputs, reference, strict=True)) >= 0.99999

@@ -52,8 +52,8 @@ def test_random_weights_say_so_in_every_output(random_runtime: ResNet50Runtime) 
         assert 0 < sum(scores) <= 1.0 + 1e-6
         assert all(0 <= entry["class"] < 1000 for entry in output["top5"])
     # On the CPU no stream, device memory share or pinned staging is made.
-    assert (random_runtime._stream, random_runtime._memory, random_runtime._stager) == (
-        None, None, None,
+    assert (random_runtime._stream, random_runtime._memory, random_runtime.pinned_bytes) == (
+        None, None, 0,
     )  # fmt: skip
     assert random_runtime.peak_memory_bytes is None
 
@@ -126,3 +126,21 @@ def test_odd_images_decode_to_the_square_without_blowing_up(
     Image.fromarray(ramp).save(buffer, format="PNG")
     grey = random_runtime._decode(base64.b64encode(buffer.getvalue()).decode())
     assert float(grey.max()) - float(grey.min()) > 3.0  # a ramp, not a constant
+
+
+def test_the_three_stages_give_what_run_gives(random_runtime: ResNet50Runtime) -> None:
+    # On the CPU a launch computes at once: the loop does not launch ahead there.
+    assert not random_runtime.asynchronous
+    first = random_runtime.prepare(IMAGES)
+    second = random_runtime.prepare(IMAGES[::-1])  # staged before the first is launched
+    (images,) = first.tensors
+    assert tuple(images.shape) == (3, 3, 224, 224)
+    assert torch.equal(images[1], torch.from_numpy(random_runtime._decode(IMAGES[1])))
+    ahead = random_runtime.collect(random_runtime.launch(first))
+    reversed_ahead = random_runtime.collect(random_runtime.launch(second))
+    whole = random_runtime.run(IMAGES)
+    for one, other in [*zip(ahead, whole, strict=True), *zip(reversed_ahead[::-1], whole,
+                                                              strict=True)]:  # fmt: skip
+        assert [e["class"] for e in one["top5"]] == [e["class"] for e in other["top5"]]
+        for a, b in zip(one["top5"], other["top5"], strict=True):
+            assert a["score"] == pytest.approx(b["score"], abs=1e-4)

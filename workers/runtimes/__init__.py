@@ -18,6 +18,7 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
             memory_base_bytes=settings.sim_memory_base_bytes,
             memory_per_cost_bytes=settings.sim_memory_per_cost_bytes,
             memory_capacity_bytes=settings.sim_memory_capacity_bytes,
+            prepare_ms_per_item=settings.sim_prepare_ms_per_item,
             budget_bytes=settings.memory_budget_bytes,
         )
     elif model == "minilm":

@@ -13,12 +13,36 @@ class OutOfMemory(RuntimeError):
     """
 
 
+class Launched(Protocol):
+    """A batch handed to the device: its copies and kernels are queued, maybe not done.
+
+    ``wait`` blocks until the device has finished it (and measures it), and
+    raises what the device raised; it may be called more than once.
+    ``device_s`` is then the device's time for the batch and
+    ``peak_memory_bytes`` its peak (None where nothing is measured).
+    """
+
+    device_s: float
+    peak_memory_bytes: float | None
+
+    def wait(self) -> None: ...
+
+
 class Runtime(Protocol):
     """Loads a model once and runs whole batches of validated inputs.
 
     ``run`` returns one output per input, in order, or raises: the loop then
     bisects the batch to find the input that fails (or, for
     :class:`OutOfMemory`, halves it and tries again).
+
+    ``run`` is ``collect(launch(prepare(inputs)))``, three stages the loop
+    may also call apart: ``prepare`` is the CPU's work (tokenising, decoding,
+    staging in pinned memory) and touches nothing on the device; ``launch``
+    queues the batch's copies and kernels; ``collect`` waits for them and
+    turns the device's output into one output per input. ``asynchronous``:
+    ``launch`` returns before the device is done (a CUDA stream), so the
+    loop can prepare batch N + 1 while the device computes batch N. A
+    prepared batch that is never launched costs nothing but its memory.
 
     ``padded``: inputs are padded to the longest in the batch, so the batch's
     work is ``n x max cost``. ``declared_memory`` is ``(m0, m1)``: the model's
@@ -31,9 +55,18 @@ class Runtime(Protocol):
     device: str
     padded: bool
 
+    @property
+    def asynchronous(self) -> bool: ...
+
     def load(self) -> None: ...
 
     def run(self, inputs: list[Any]) -> list[Any]: ...
+
+    def prepare(self, inputs: list[Any]) -> Any: ...
+
+    def launch(self, prepared: Any) -> Launched: ...
+
+    def collect(self, launched: Any) -> list[Any]: ...
 
     def declared_memory(self) -> tuple[float, float]: ...
 

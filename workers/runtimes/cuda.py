@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
@@ -124,16 +125,31 @@ class PinnedStager:
 
 
 class TorchRuntime:
-    """What the torch runtimes share: the memory budget, the measured peak, timing.
+    """What the torch runtimes share: the three stages, the memory budget, timing.
 
-    A subclass sets ``_memory`` (a :class:`DeviceMemory` on a CUDA device,
-    else None) and runs its batches through :meth:`_measured`.
+    A subclass loads ``_model`` and sets ``_stream`` and ``_memory`` (a
+    :class:`DeviceMemory`) on a CUDA device, and says how a batch is made:
+    ``_host_inputs`` (the CPU's work, staging into the given buffers when
+    there are some), ``_forward`` (the model on the device's tensors) and
+    ``_outputs`` (the output tensor, on the host, to one output per input).
+
+    On a CUDA device each batch in preparation or on the device has its own
+    set of pinned buffers, so batch N + 1 can be staged while batch N's
+    copies are still in flight; a set is reused once its batch is collected.
     """
 
     budget_bytes: int | None = None
     cpu_budget_bytes: float = 4 * 2**30
+    device: str = "cpu"
+    _model: Any = None
+    _stream: Any = None
     _memory: DeviceMemory | None = None
     _peak: float | None = None
+    _spare: list[PinnedStager] | None = None  # pinned buffer sets not in use
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._stream is not None
 
     def memory_budget_bytes(self) -> float:
         if self.budget_bytes:
@@ -144,25 +160,86 @@ class TorchRuntime:
 
     @property
     def peak_memory_bytes(self) -> float | None:
+        """The peak of the last batch waited for (on a GPU; None on the CPU)."""
         return self._peak
 
-    def _measured(self, run: Callable[[], list[Any]]) -> list[Any]:
-        """Run a batch; on a GPU measure its peak and turn out-of-memory into OutOfMemory."""
-        self._peak = None  # a run that raises measured nothing
-        if self._memory is None:
-            return run()
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held in buffer sets not in use (0 on the CPU)."""
+        return sum(stager.bytes for stager in self._spare or [])
+
+    def run(self, inputs: list[Any]) -> list[Any]:
+        return self.collect(self.launch(self.prepare(inputs)))
+
+    def prepare(self, inputs: list[Any]) -> Prepared:
+        if self._model is None:
+            raise RuntimeError("model not loaded")
+        stager = None
+        if self._stream is not None:
+            stager = self._spare.pop() if self._spare else PinnedStager()
+        return Prepared(self._host_inputs(inputs, stager), stager)
+
+    def launch(self, prepared: Prepared) -> TorchLaunched:
+        """On a GPU: queue the copies, the kernels and the copy back on the model's stream."""
         import torch
 
+        self._peak = None  # a launch that raises measured nothing
+        if self._stream is None or self._memory is None or prepared.stager is None:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                result = self._forward(*prepared.tensors)
+            return TorchLaunched(self, result, None, device_s=time.perf_counter() - started)
+        stager = prepared.stager
+        device = torch.device(self.device)
         try:
             self._memory.begin_batch()
-            outputs = run()
-            self._peak = self._memory.end_batch()
-            return outputs
+            # Every copy and kernel on the model's stream, never the default one.
+            with torch.inference_mode(), torch.cuda.stream(self._stream):
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(self._stream)
+                on_device = [t.to(device, non_blocking=True) for t in prepared.tensors]
+                result = self._forward(*on_device)
+                host = stager.buffer("out", tuple(result.shape), result.dtype)
+                host.copy_(result, non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(self._stream)
         except torch.cuda.OutOfMemoryError as exc:
+            # Copies already queued may still read the buffers: once the stream
+            # is done with them they serve the next batch.
+            self._stream.synchronize()
+            self._spare = (self._spare or []) + [stager]
             self._memory.out_of_memory()
             raise OutOfMemory(
                 str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
             ) from exc
+        return TorchLaunched(self, host, stager, events=(began, done))
+
+    def collect(self, launched: TorchLaunched) -> list[Any]:
+        launched.wait()
+        try:
+            return self._outputs(launched.result)
+        finally:
+            if launched.stager is not None:  # its buffers are free again
+                self._spare = (self._spare or []) + [launched.stager]
+
+    def _warm_up(self, inputs: list[Any]) -> None:
+        """Run a batch as the pipelined loop does: two staged, one at a time on the device.
+
+        The allocator's pool and both sets of pinned buffers reach their full
+        size now, not under the first burst of traffic.
+        """
+        first, second = self.prepare(inputs), self.prepare(inputs)
+        self.collect(self.launch(first))
+        self.collect(self.launch(second))
+
+    def _host_inputs(self, inputs: list[Any], stager: PinnedStager | None) -> list[Any]:
+        raise NotImplementedError
+
+    def _forward(self, *tensors: Any) -> Any:
+        raise NotImplementedError
+
+    def _outputs(self, result: Any) -> list[Any]:
+        raise NotImplementedError
 
     def _timed(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> float:
         """The best of two runs (the first of a shape may pay for allocation)."""
@@ -172,3 +249,48 @@ class TorchRuntime:
             run(inputs)
             best = min(best, time.perf_counter() - started)
         return best
+
+
+def staged(stager: PinnedStager | None, name: str, tensor: Any) -> Any:
+    """``tensor`` in ``stager``'s pinned buffer ``name``, or itself without a stager."""
+    return tensor if stager is None else stager.stage(name, tensor)
+
+
+@dataclass
+class Prepared:
+    """A batch's inputs on the host (pinned on a GPU), ready to launch."""
+
+    tensors: list[Any]
+    stager: PinnedStager | None
+
+
+class TorchLaunched:
+    """A batch queued on the model's stream (or, on the CPU, already computed)."""
+
+    def __init__(
+        self,
+        runtime: TorchRuntime,
+        result: Any,
+        stager: PinnedStager | None,
+        events: tuple[Any, Any] | None = None,
+        device_s: float = 0.0,
+    ) -> None:
+        self.runtime = runtime
+        self.result = result
+        self.stager = stager
+        self.events = events
+        self.device_s = device_s
+        self.peak_memory_bytes: float | None = None
+
+    def wait(self) -> None:
+        """Until this stream's work is done (not the device's); then time and measure it."""
+        if self.events is None:
+            return
+        began, done = self.events
+        done.synchronize()
+        self.events = None
+        self.device_s = began.elapsed_time(done) / 1000.0
+        memory = self.runtime._memory
+        if memory is not None:
+            self.peak_memory_bytes = memory.end_batch()
+            self.runtime._peak = self.peak_memory_bytes

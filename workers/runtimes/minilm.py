@@ -14,7 +14,7 @@ from typing import Any
 
 from core.catalog import minilm_model_dir
 from workers.runtimes.base import autocast
-from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime
+from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime, staged
 
 # Activations per padded token, a deliberate over-estimate (hidden states,
 # attention scores for 12 heads, the feed-forward layer, in fp32) used where
@@ -43,12 +43,7 @@ class MiniLMRuntime(TorchRuntime):
         self.warmup_batch = warmup_batch
         self.memory_fraction = memory_fraction
         self.reclaim_bytes = reclaim_bytes
-        self._model: Any = None
         self._tokenizer: Any = None
-        # On a CUDA device only: the model's own stream, its memory, its staging buffers.
-        self._stream: Any = None
-        self._memory: DeviceMemory | None = None
-        self._stager: PinnedStager | None = None
         self._weights_bytes = 0
 
     def load(self) -> None:
@@ -73,7 +68,6 @@ class MiniLMRuntime(TorchRuntime):
                 self.device, self.name, self.memory_fraction, self.reclaim_bytes
             )
             self._stream = torch.cuda.Stream(device=torch.device(self.device))
-            self._stager = PinnedStager()
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
         # fp32 whatever the file holds (a copy may be stored in fp16); the
         # precision setting decides the arithmetic.
@@ -82,10 +76,8 @@ class MiniLMRuntime(TorchRuntime):
         # The first forward pass pays for lazy initialisation; pay it before traffic.
         self.run(["warm-up"])
         if self._stream is not None and self.warmup_batch > 1:
-            # The largest batch the scheduler may send, at the longest input:
-            # the allocator's pool and the pinned buffers reach their full
-            # size now, not under the first burst of traffic.
-            self.run([" ".join(["word"] * self.max_tokens)] * self.warmup_batch)
+            # The largest batch the scheduler may send, at the longest input.
+            self._warm_up([" ".join(["word"] * self.max_tokens)] * self.warmup_batch)
 
     def declared_memory(self) -> tuple[float, float]:
         return float(self._weights_bytes), float(DECLARED_BYTES_PER_TOKEN)
@@ -102,35 +94,14 @@ class MiniLMRuntime(TorchRuntime):
         slope = max(0.0, (large - small) / max(span - small_work, 1))
         return max(0.0, small - slope * small_work), slope, float(span)
 
-    def run(self, inputs: list[Any]) -> list[Any]:
-        if self._model is None:
-            raise RuntimeError("model not loaded")
-        return self._measured(lambda: self._run(inputs))
-
-    def _run(self, inputs: list[Any]) -> list[Any]:
+    def _host_inputs(self, inputs: list[Any], stager: PinnedStager | None) -> list[Any]:
         import torch
 
         encodings = self._tokenizer.encode_batch([str(text) for text in inputs])
-        ids = torch.tensor([e.ids for e in encodings], dtype=torch.long)
-        mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)
-        types = torch.tensor([e.type_ids for e in encodings], dtype=torch.long)
-        with torch.inference_mode():
-            if self._stream is None or self._stager is None:
-                return self._forward(ids, mask, types).tolist()
-            stager = self._stager
-            # Every copy and kernel on the model's stream, never the default one.
-            with torch.cuda.stream(self._stream):
-                device = torch.device(self.device)
-                ids_d = stager.stage("ids", ids).to(device, non_blocking=True)
-                mask_d = stager.stage("mask", mask).to(device, non_blocking=True)
-                types_d = stager.stage("types", types).to(device, non_blocking=True)
-                result = self._forward(ids_d, mask_d, types_d)
-                host = stager.buffer("out", tuple(result.shape), result.dtype)
-                host.copy_(result, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            done.synchronize()  # this stream's work only, not the device's
-            return host.tolist()
+        return [
+            staged(stager, name, torch.tensor([getattr(e, name) for e in encodings]))
+            for name in ("ids", "attention_mask", "type_ids")
+        ]
 
     def _forward(self, ids: Any, mask: Any, types: Any) -> Any:
         import torch
@@ -141,3 +112,6 @@ class MiniLMRuntime(TorchRuntime):
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+    def _outputs(self, result: Any) -> list[Any]:
+        return list(result.tolist())

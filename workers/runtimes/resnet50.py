@@ -65,10 +65,6 @@ class ResNet50Runtime(TorchRuntime):
         self.memory_fraction = memory_fraction
         self.reclaim_bytes = reclaim_bytes
         self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="resnet50-decode")
-        self._model: Any = None
-        self._stream: Any = None
-        self._memory: DeviceMemory | None = None
-        self._stager: PinnedStager | None = None
         self._weights_bytes = 0
 
     def load(self) -> None:
@@ -79,7 +75,6 @@ class ResNet50Runtime(TorchRuntime):
                 self.device, self.name, self.memory_fraction, self.reclaim_bytes
             )
             self._stream = torch.cuda.Stream(device=torch.device(self.device))
-            self._stager = PinnedStager()
         if self.weights is None:
             torch.manual_seed(0)  # the same random network in every process
         model = build_resnet50()
@@ -101,7 +96,7 @@ class ResNet50Runtime(TorchRuntime):
         blank = _encoded_blank(self.image_size)
         self.run([blank])  # lazy initialisation, before traffic
         if self._stream is not None and self.warmup_batch > 1:
-            self.run([blank] * self.warmup_batch)  # the pool at its largest batch
+            self._warm_up([blank] * self.warmup_batch)  # the pool at its largest batch
 
     @property
     def cost(self) -> int:
@@ -119,11 +114,23 @@ class ResNet50Runtime(TorchRuntime):
         slope = max(0.0, (large - small) / ((large_items - 1) * self.cost))
         return max(0.0, small - slope * self.cost), slope, float(large_items * self.cost)
 
-    def run(self, inputs: list[Any]) -> list[Any]:
-        if self._model is None:
-            raise RuntimeError("model not loaded")
-        pixels = list(self._pool.map(self._decode, inputs))
-        return self._measured(lambda: self._run(pixels))
+    def _host_inputs(self, inputs: list[Any], stager: PinnedStager | None) -> list[Any]:
+        """Decode on the pool's threads, each image straight into its row of the batch."""
+        import torch
+
+        shape = (len(inputs), 3, self.image_size, self.image_size)
+        if stager is None:
+            batch = torch.empty(shape, dtype=torch.float32)
+        else:
+            batch = stager.buffer("images", shape, torch.float32)
+        rows = batch.numpy()
+
+        def decode_into(row: int) -> None:
+            rows[row] = self._decode(inputs[row])
+
+        for done in [self._pool.submit(decode_into, row) for row in range(len(inputs))]:
+            done.result()  # the first image that failed to decode fails the batch
+        return [batch]
 
     def _decode(self, encoded: Any) -> Any:
         """base64 image -> normalised float32 array, 3 x size x size (on a pool thread)."""
@@ -154,33 +161,14 @@ class ResNet50Runtime(TorchRuntime):
         normal = (scaled - np.asarray(MEAN, dtype=np.float32)) / np.asarray(STD, dtype=np.float32)
         return normal.transpose(2, 0, 1)
 
-    def _run(self, pixels: list[Any]) -> list[Any]:
-        import numpy as np
+    def _forward(self, images: Any) -> Any:
         import torch
 
-        batch = torch.from_numpy(np.stack(pixels))
-        with torch.inference_mode():
-            if self._stream is None or self._stager is None:
-                logits = self._forward(batch.contiguous(memory_format=torch.channels_last))
-                return self._top5(logits)
-            stager = self._stager
-            with torch.cuda.stream(self._stream):
-                staged = stager.stage("images", batch)
-                on_device = staged.to(torch.device(self.device), non_blocking=True)
-                logits = self._forward(on_device.contiguous(memory_format=torch.channels_last))
-                host = stager.buffer("logits", tuple(logits.shape), logits.dtype)
-                host.copy_(logits, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            done.synchronize()
-            return self._top5(host)
-
-    def _forward(self, images: Any) -> Any:
         with autocast(self.device, self.precision):
-            logits = self._model(images)
+            logits = self._model(images.contiguous(memory_format=torch.channels_last))
         return logits.float()
 
-    def _top5(self, logits: Any) -> list[Any]:
+    def _outputs(self, logits: Any) -> list[Any]:
         import torch
 
         probabilities = torch.softmax(logits, dim=1)

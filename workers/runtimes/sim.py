@@ -1,6 +1,8 @@
 """The simulated accelerator: a batch takes ``base + per_cost x cost`` ms.
 
-It sleeps rather than burning CPU, so batching behaviour can be measured on a
+Like a GPU it computes asynchronously: ``launch`` queues a batch behind the
+ones before it and returns at once; ``collect`` waits until it is done. It
+sleeps rather than burning CPU, so batching behaviour can be measured on a
 machine without a GPU. It declares ``m0 + m1 x cost`` bytes of memory and,
 when given a capacity, runs out of memory like a GPU above it.
 """
@@ -31,10 +33,16 @@ class SimRuntime:
     memory_per_cost_bytes: int
     memory_capacity_bytes: int = 0  # 0: unlimited
     budget_bytes: int | None = None
+    prepare_ms_per_item: float = 0.0  # the CPU's work per input before a launch
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     name: str = "sim"
     device: str = "sim"
     padded: bool = False
+    # Like a GPU's stream: a launched batch computes while the worker goes on.
+    asynchronous: bool = True
+    # When the last batch launched is done (the device's queue drains then).
+    _free_at: float = field(default=0.0, init=False, repr=False)
 
     def load(self) -> None:
         return None
@@ -60,20 +68,52 @@ class SimRuntime:
         return None  # like a CPU: the declared estimate stands
 
     def run(self, inputs: list[Any]) -> list[Any]:
-        batch_cost = sum(int(item["cost"]) for item in inputs)
+        return self.collect(self.launch(self.prepare(inputs)))
+
+    def prepare(self, inputs: list[Any]) -> list[Any]:
+        """The CPU's share: busy work, holding the GIL as Python preprocessing does."""
+        until = time.perf_counter() + self.prepare_ms_per_item * len(inputs) / 1000.0
+        while time.perf_counter() < until:
+            pass
+        return list(inputs)
+
+    def launch(self, prepared: list[Any]) -> SimLaunched:
+        """Queue the batch on the simulated device: it starts once the one before is done."""
+        batch_cost = sum(int(item["cost"]) for item in prepared)
         needed = self.memory_bytes(batch_cost)
         if self.memory_capacity_bytes and needed > self.memory_capacity_bytes:
             raise OutOfMemory(
                 f"simulated out of memory: the batch needs {needed} bytes, "
                 f"the device has {self.memory_capacity_bytes}"
             )
-        if any(item.get("crash") for item in inputs):
+        if any(item.get("crash") for item in prepared):
             # Die as a segfault would: no cleanup, no acknowledgement.
             os._exit(CRASH_EXIT_CODE)
-        self.sleep(self.latency_ms(batch_cost) / 1000.0)
-        for position, item in enumerate(inputs):
+        device_s = self.latency_ms(batch_cost) / 1000.0
+        self._free_at = max(self.clock(), self._free_at) + device_s
+        return SimLaunched(prepared, self._free_at, device_s, self)
+
+    def collect(self, launched: SimLaunched) -> list[Any]:
+        launched.wait()
+        for position, item in enumerate(launched.inputs):
             if item.get("fail"):
                 raise SimulatedFailure(
                     f"simulated failure (input asked for it, batch position {position})"
                 )
-        return [{"cost": int(item["cost"])} for item in inputs]
+        return [{"cost": int(item["cost"])} for item in launched.inputs]
+
+
+@dataclass
+class SimLaunched:
+    """A batch on the simulated device, done at ``ready_at`` (the runtime's clock)."""
+
+    inputs: list[Any]
+    ready_at: float
+    device_s: float
+    runtime: SimRuntime
+    peak_memory_bytes: float | None = None  # like a CPU: the declared estimate stands
+
+    def wait(self) -> None:
+        left = self.ready_at - self.runtime.clock()
+        if left > 0:
+            self.runtime.sleep(left)

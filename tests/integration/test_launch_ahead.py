@@ -1,0 +1,201 @@
+"""Launching ahead: batch N + 1 is claimed and prepared while batch N computes.
+
+The sim model computes asynchronously, as a CUDA stream does: ``launch``
+returns at once and ``collect`` waits for the device. These tests run the
+real loop against real Redis and a real database.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.settings import Settings
+from tests.integration.conftest import RunningLoop, build_sim_loop
+from tests.integration.test_worker import submit, wait_terminal
+from tests.streams import lane_pending
+from workers.runtimes.sim import SimRuntime
+
+
+@pytest.fixture
+def slow_settings(settings: Settings) -> Settings:
+    # Batches of 8 at 40 ms on the device: long enough to see what happens meanwhile.
+    return settings.model_copy(update={"sim_latency_base_ms": 40.0})
+
+
+def test_the_next_batch_is_prepared_while_the_device_computes(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    slow_settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    loop = build_sim_loop(slow_settings)
+    runtime = loop.runtime
+    assert isinstance(runtime, SimRuntime) and loop._ahead
+    lock = threading.Lock()
+    prepared: list[float] = []  # when each batch was prepared
+    on_device: list[tuple[float, float]] = []  # each batch's time on the device
+    prepare, launch = runtime.prepare, runtime.launch
+
+    def timed_prepare(inputs: list[Any]) -> Any:
+        with lock:
+            prepared.append(runtime.clock())
+        return prepare(inputs)
+
+    def timed_launch(batch: Any) -> Any:
+        launched = launch(batch)
+        with lock:
+            on_device.append((launched.ready_at - launched.device_s, launched.ready_at))
+        return launched
+
+    runtime.prepare = timed_prepare  # type: ignore[method-assign]
+    runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
+    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(48)]
+    with RunningLoop(loop):
+        rows = wait_terminal(sessions, ids, timeout=30)
+    assert {row.status for row in rows.values()} == {"succeeded"}
+    assert {row.attempts for row in rows.values()} == {1}  # nothing ran twice
+    assert len(on_device) >= 4
+    # Batches prepared while an earlier batch was on the device.
+    overlapped = [t for t in prepared if any(a < t < b for a, b in on_device)]
+    assert len(overlapped) >= len(on_device) // 2, (prepared, on_device)
+    # And launched the moment it was done: the device waited for nothing
+    # between most batches.
+    gaps = [a1 - b0 for (_, b0), (a1, _) in itertools.pairwise(sorted(on_device))]
+    assert sum(gap < 0.002 for gap in gaps) >= len(gaps) // 2, gaps
+    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
+
+
+def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    slow_settings: Settings,
+) -> None:
+    loop = build_sim_loop(slow_settings)
+    runtime = loop.runtime
+    assert isinstance(runtime, SimRuntime)
+    prepare, run = runtime.prepare, runtime.run
+    refused: list[tuple[int, bool]] = []  # (batch size, device busy meanwhile)
+    slices_beside_a_batch: list[bool] = []
+
+    def picky_prepare(inputs: list[Any]) -> Any:
+        if any(item["cost"] == 7 for item in inputs):
+            refused.append((len(inputs), runtime._free_at > runtime.clock()))
+            raise ValueError("input 7 does not decode")
+        return prepare(inputs)
+
+    def watched_run(inputs: list[Any]) -> Any:
+        slices_beside_a_batch.append(runtime._free_at > runtime.clock())
+        return run(inputs)
+
+    runtime.prepare = picky_prepare  # type: ignore[method-assign]
+    runtime.run = watched_run  # type: ignore[method-assign]
+    # Batches of 8: the culprit is in the second, prepared while the first computes.
+    ids = [
+        submit(client, auth, model="sim", input={"cost": 7 if n == 11 else 1}) for n in range(24)
+    ]
+    with RunningLoop(loop):
+        rows = wait_terminal(sessions, ids, timeout=30)
+    assert rows[ids[11]].status == "failed"
+    assert "ValueError: input 7 does not decode" in (rows[ids[11]].error or "")
+    assert {rows[i].status for i in ids if i != ids[11]} == {"succeeded"}
+    assert refused[0][0] > 1 and refused[0][1], refused  # in a batch, beside another
+    # Then isolated, slice by slice, with nothing else on the device.
+    assert slices_beside_a_batch and not any(slices_beside_a_batch)
+
+
+def test_a_launch_out_of_memory_splits_the_batch(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+) -> None:
+    # Room on the device for a batch of cost 20 at most; the scheduler is told
+    # nothing of it, so it sends larger batches until it learns.
+    limited = settings.model_copy(
+        update={
+            "sim_memory_base_bytes": 0,
+            "sim_memory_per_cost_bytes": 2**20,
+            "sim_memory_capacity_bytes": 20 * 2**20,
+        }
+    )
+    loop = build_sim_loop(limited)
+    ooms: list[int] = []
+    launch = loop.runtime.launch
+
+    def counting_launch(batch: Any) -> Any:
+        try:
+            return launch(batch)
+        except Exception:
+            ooms.append(len(batch))
+            raise
+
+    loop.runtime.launch = counting_launch  # type: ignore[method-assign, assignment]
+    ids = [submit(client, auth, model="sim", input={"cost": 6}) for _ in range(8)]
+    with RunningLoop(loop):
+        rows = wait_terminal(sessions, ids, timeout=30)
+    assert {row.status for row in rows.values()} == {"succeeded"}
+    assert ooms, "no batch ran out of memory"
+    assert loop.state.memory_ceiling < float("inf")
+
+
+def test_a_stopping_worker_records_the_batch_on_the_device(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    slow_settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    loop = build_sim_loop(slow_settings)
+    running = RunningLoop(loop)
+    launched: list[Any] = []
+    launch = loop.runtime.launch
+
+    def stopping_launch(batch: Any) -> Any:
+        result = launch(batch)
+        launched.append(result)
+        running.stop.set()  # asked to stop while the batch is on the device
+        return result
+
+    loop.runtime.launch = stopping_launch  # type: ignore[method-assign, assignment]
+    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
+    with running:
+        running.thread.join(10)
+    assert len(launched) == 1
+    rows = wait_terminal(sessions, ids, timeout=1)
+    assert {row.status for row in rows.values()} == {"succeeded"}
+    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
+    assert loop._in_flight is None
+
+
+def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    slow_settings: Settings,
+) -> None:
+    loop = build_sim_loop(slow_settings.model_copy(update={"pipeline_prepare": False}))
+    assert not loop._ahead
+    runtime = loop.runtime
+    assert isinstance(runtime, SimRuntime)
+    busy: list[bool] = []  # whether the device was computing when a batch was prepared
+    prepare = runtime.prepare
+
+    def watched_prepare(inputs: list[Any]) -> Any:
+        busy.append(runtime._free_at > runtime.clock())
+        return prepare(inputs)
+
+    runtime.prepare = watched_prepare  # type: ignore[method-assign]
+    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(24)]
+    with RunningLoop(loop):
+        rows = wait_terminal(sessions, ids, timeout=30)
+    assert {row.status for row in rows.values()} == {"succeeded"}
+    assert len(busy) >= 3 and not any(busy)
