@@ -33,7 +33,7 @@ from workers.execute import ItemResult, check_outputs, run_isolating
 from workers.observe import LoopMetrics
 from workers.presence import BatchEvents
 from workers.recorder import Claimed, Outcome, Recorder
-from workers.runtimes.base import Launched, Runtime
+from workers.runtimes.base import DeviceLost, Launched, Runtime
 from workers.scheduling import Policy, estimate_of
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,11 @@ class BatchLoop:
                     backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                     wait_ms = MAX_BLOCK_MS
         finally:
-            self._settle_recording()  # the last batch's results are written before it stops
+            lost = None
+            try:
+                self._settle_recording()  # the last batch's results are written before it stops
+            except DeviceLost as exc:
+                lost = exc
             if self._recording is not None:
                 self._recording.shutdown(wait=True)
             self.ready.clear()
@@ -191,6 +195,8 @@ class BatchLoop:
             log.info(
                 "worker stopped", extra={"model": self.model, "left_pending": len(self.pending)}
             )
+            if lost is not None:
+                raise lost
 
     def step(self, wait_ms: int | None) -> int | None:
         """One turn: read, decide, apply. Returns how long the next read may block."""
@@ -483,10 +489,14 @@ class BatchLoop:
         """Land the batch on the device and wait for the one being recorded.
 
         A failure leaves the batch's entries unacknowledged: its jobs run again.
+        A lost device is raised once what was computed before it is recorded.
         """
+        lost = None
         for settle in (self._land, self.wait_recorded):
             try:
                 settle()
+            except DeviceLost as exc:
+                lost = exc
             except (redis.RedisError, SQLAlchemyError) as exc:
                 log.warning(
                     "a batch's results were not recorded; its jobs run again",
@@ -496,6 +506,8 @@ class BatchLoop:
                 log.exception(
                     "recording a batch failed; its jobs run again", extra={"model": self.model}
                 )
+        if lost is not None:
+            raise lost
 
     def wait_recorded(self) -> None:
         """Until the batch being recorded is; re-raises what its recording raised."""

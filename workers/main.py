@@ -24,8 +24,12 @@ from workers.loop import BatchLoop
 from workers.presence import CeleryPresence
 from workers.recorder import Recorder
 from workers.runtimes import load_runtime
+from workers.runtimes.base import DeviceLost
 from workers.runtimes.cuda import configure_allocator
 from workers.scheduling import build_state, make_policy
+
+# A worker whose device became unusable (ferry up starts it again).
+DEVICE_LOST_EXIT_CODE = 75
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,14 @@ def run_worker(
     signal.signal(signal.SIGINT, _stop)
     try:
         loop.run(stop)
+    except DeviceLost as exc:
+        # What it held stays unacknowledged: it runs again, here after the
+        # supervisor's restart (a fresh CUDA context) or on another worker.
+        log.critical(
+            "device lost; the worker exits to be started again",
+            extra={"model": model, "device": loop.runtime.device, "error": str(exc)},
+        )
+        return DEVICE_LOST_EXIT_CODE
     finally:
         if control is not None:
             control.stop()

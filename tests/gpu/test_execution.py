@@ -9,7 +9,6 @@ import base64
 import bisect
 import io
 import json
-import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,17 +16,13 @@ from typing import Any
 import pytest
 
 from bench.corpus import load_texts
+from tests.vectors import cosine
 from workers.execute import run_isolating
 from workers.runtimes.base import OutOfMemory
 from workers.runtimes.minilm import MiniLMRuntime
 from workers.runtimes.resnet50 import ResNet50Runtime
 
 DEVICE = "cuda:0"
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,12 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.db import Job
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.streams import lane_pending
+from workers.runtimes.base import DeviceLost
 from workers.runtimes.sim import SimRuntime
 
 
@@ -199,3 +201,52 @@ def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
         rows = wait_terminal(sessions, ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     assert len(busy) >= 3 and not any(busy)
+
+
+def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    slow_settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    loop = build_sim_loop(slow_settings)
+    runtime = loop.runtime
+    assert isinstance(runtime, SimRuntime)
+    launch = runtime.launch
+    launches: list[list[int]] = []  # each batch's costs: every job's cost is its own
+
+    class Broken:
+        """The third batch's stream: the context dies under it."""
+
+        device_s = 0.0
+        peak_memory_bytes = None
+
+        def wait(self) -> None:
+            raise DeviceLost("the CUDA device is unusable: an illegal memory access")
+
+    def failing_launch(batch: Any) -> Any:
+        launches.append([int(item["cost"]) for item in batch])
+        return Broken() if len(launches) == 3 else launch(batch)
+
+    runtime.launch = failing_launch  # type: ignore[method-assign, assignment]
+    ids = [submit(client, auth, model="sim", input={"cost": n + 1}) for n in range(32)]
+    stop = threading.Event()
+    with pytest.raises(DeviceLost):
+        loop.run(stop)
+    lost = set(launches[2])
+    with sessions() as session:
+        rows = {j.id: j for j in session.query(Job).filter(Job.id.in_(ids))}
+    tags = {job_id: int(rows[job_id].input["cost"]) for job_id in ids}
+    # The batches before it were recorded; its own jobs were not, nor acknowledged.
+    for job_id in ids:
+        if tags[job_id] in set(launches[0]) | set(launches[1]):
+            assert rows[job_id].status == "succeeded"
+        if tags[job_id] in lost:
+            assert rows[job_id].status == "running"
+    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") >= len(lost)
+    # Started again (same consumer name), the worker runs them: nothing is lost.
+    with RunningLoop(build_sim_loop(slow_settings)):
+        done = wait_terminal(sessions, ids, timeout=30)
+    assert {row.status for row in done.values()} == {"succeeded"}
+    assert {done[i].attempts for i in ids if tags[i] in lost} == {2}

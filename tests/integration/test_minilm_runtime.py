@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from bench.corpus import load_texts
+from tests.vectors import cosine
 from workers.runtimes.minilm import MiniLMRuntime
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
 @pytest.fixture(scope="module")

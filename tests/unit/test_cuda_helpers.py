@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
-from workers.runtimes.cuda import DeviceMemory, PinnedStager, configure_allocator
+from workers.runtimes.base import DeviceLost
+from workers.runtimes.cuda import DeviceMemory, PinnedStager, check_device, configure_allocator
 
 
 def test_staging_reuses_one_buffer_and_grows_only_for_a_larger_batch() -> None:
@@ -104,3 +105,52 @@ def test_allocator_options_are_set_unless_the_operator_did(
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     configure_allocator("expandable_segments:True")
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+class AcceleratorError(RuntimeError):
+    pass
+
+
+def probing_torch(probe_fails: bool) -> Any:
+    """A torch whose device probe works or fails, counting the probes."""
+    probes: list[str] = []
+
+    def synchronize(device: Any) -> None:
+        probes.append("synchronize")
+        if probe_fails:
+            raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    return SimpleNamespace(
+        AcceleratorError=AcceleratorError,
+        cuda=SimpleNamespace(synchronize=synchronize),
+        ones=lambda *a, **k: torch.ones(1),
+        probes=probes,
+    )
+
+
+def test_a_cuda_error_that_breaks_the_context_means_the_device_is_lost() -> None:
+    fake = probing_torch(probe_fails=True)
+    error = AcceleratorError("CUDA error: device-side assert triggered")
+    with pytest.raises(DeviceLost, match="the CUDA device is unusable: CUDA error: an illegal"):
+        check_device(fake, "cuda:0", error)
+    assert fake.probes == ["synchronize"]
+    assert issubclass(DeviceLost, BaseException) and not issubclass(DeviceLost, Exception)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        AcceleratorError("CUDA error: misaligned address"),  # the probe says the device is fine
+        RuntimeError("CUDA error: launch failed"),  # the same, from an older torch
+    ],
+)
+def test_a_cuda_error_the_device_survives_is_the_batchs_own(error: Exception) -> None:
+    fake = probing_torch(probe_fails=False)
+    check_device(fake, "cuda:0", error)  # returns: the caller re-raises the batch's error
+    assert fake.probes == ["synchronize"]
+
+
+def test_an_error_that_is_not_cudas_is_not_probed() -> None:
+    fake = probing_torch(probe_fails=True)
+    check_device(fake, "cuda:0", ValueError("shape mismatch"))
+    assert fake.probes == []

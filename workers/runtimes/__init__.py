@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from core.settings import Settings
 from workers.runtimes.base import OutOfMemory, Runtime, resolve_device
 
@@ -24,34 +26,34 @@ def load_runtime(model: str, settings: Settings, device: str | None = None) -> R
     elif model == "minilm":
         from workers.runtimes.minilm import MiniLMRuntime
 
-        runtime = MiniLMRuntime(
-            device=resolve_device(device or settings.device),
-            max_tokens=settings.minilm_max_tokens,
-            budget_bytes=settings.memory_budget_bytes,
-            precision=settings.precision,
-            warmup_batch=settings.batch_max_size,
-            memory_fraction=settings.gpu_memory_fraction,
-            reclaim_bytes=settings.gpu_reclaim_bytes,
-        )
+        runtime = MiniLMRuntime(max_tokens=settings.minilm_max_tokens, **_torch(settings, device))
     elif model == "resnet50":
         from workers.runtimes.resnet50 import ResNet50Runtime
 
         runtime = ResNet50Runtime(
-            device=resolve_device(device or settings.device),
             weights=settings.resnet50_weights,
             random_weights=settings.resnet50_random_weights,
             image_size=settings.resnet50_image_size,
-            precision=settings.precision,
-            budget_bytes=settings.memory_budget_bytes,
-            warmup_batch=settings.batch_max_size,
-            memory_fraction=settings.gpu_memory_fraction,
-            reclaim_bytes=settings.gpu_reclaim_bytes,
             decode_threads=settings.resnet50_decode_threads,
+            **_torch(settings, device),
         )
     else:
         raise ValueError(f"no runtime for model {model!r}")
     runtime.load()
     return runtime
+
+
+def _torch(settings: Settings, device: str | None) -> dict[str, Any]:
+    """What every torch runtime is built with: its device, precision and memory."""
+    return {
+        "device": resolve_device(device or settings.device),
+        "precision": settings.precision,
+        "budget_bytes": settings.memory_budget_bytes,
+        # The largest batch the scheduler may send: warmed up at start-up.
+        "warmup_batch": settings.batch_max_size,
+        "memory_fraction": settings.gpu_memory_fraction,
+        "reclaim_bytes": settings.gpu_reclaim_bytes,
+    }
 
 
 __all__ = ["OutOfMemory", "Runtime", "load_runtime"]

@@ -13,6 +13,17 @@ class OutOfMemory(RuntimeError):
     """
 
 
+class DeviceLost(BaseException):
+    """The device can run nothing more in this process (a sticky CUDA error).
+
+    Not an error of the batch's jobs: the worker stops at once, leaving what
+    it holds unacknowledged, and its supervisor starts it again on a fresh
+    context. A job that does this every time is dead-lettered, as one that
+    kills its worker is. A ``BaseException``, so that no handler meant for a
+    model's errors can turn it into failed jobs.
+    """
+
+
 class Launched(Protocol):
     """A batch handed to the device: its copies and kernels are queued, maybe not done.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
-from workers.runtimes.base import OutOfMemory
+from workers.runtimes.base import DeviceLost, OutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,9 @@ class TorchRuntime:
             raise OutOfMemory(
                 str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
             ) from exc
+        except Exception as exc:
+            check_device(torch, device, exc)
+            raise
         return TorchLaunched(self, host, stager, events=(began, done))
 
     def collect(self, launched: TorchLaunched) -> list[Any]:
@@ -251,6 +254,24 @@ class TorchRuntime:
         return best
 
 
+def check_device(torch: Any, device: Any, exc: BaseException) -> None:
+    """After ``exc`` from CUDA work: raise :class:`DeviceLost` if the device is now unusable.
+
+    A CUDA error (an illegal memory access, a device-side assert) leaves the
+    context broken: every later call fails the same way. A small probe tells
+    it apart from an error of the batch alone.
+    """
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    if not (isinstance(exc, accelerator_error) or "CUDA error" in str(exc)):
+        return
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as probe:
+        first = (str(probe) or type(probe).__name__).splitlines()[0]
+        raise DeviceLost(f"the CUDA device is unusable: {first}") from exc
+
+
 def staged(stager: PinnedStager | None, name: str, tensor: Any) -> Any:
     """``tensor`` in ``stager``'s pinned buffer ``name``, or itself without a stager."""
     return tensor if stager is None else stager.stage(name, tensor)
@@ -287,7 +308,13 @@ class TorchLaunched:
         if self.events is None:
             return
         began, done = self.events
-        done.synchronize()
+        try:
+            done.synchronize()
+        except Exception as exc:
+            import torch
+
+            check_device(torch, torch.device(self.runtime.device), exc)
+            raise
         self.events = None
         self.device_s = began.elapsed_time(done) / 1000.0
         memory = self.runtime._memory
