@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sqlite3
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +22,11 @@ from core.terminal import after_terminal
 
 _JOBS = cast(Table, Job.__table__)
 
-# A batch's outcomes as parallel arrays, one statement whatever the batch's size
-# (the same text every time, so the driver prepares it once). Only a job not
-# yet terminal is written: the first terminal write wins.
+# A batch's outcomes in one statement whatever the batch's size (the same text
+# every time, so the driver prepares it once), instead of one per job, which
+# would cost the recording more than the batch took to compute. Only a job not
+# yet terminal is written: the first terminal write wins. PostgreSQL: parallel
+# arrays; each output is JSON text, as the JSON column's own writes make it.
 _PG_FINISH = text(
     """
     UPDATE jobs SET status = o.status, output = CAST(o.output AS json), error = o.error,
@@ -35,7 +38,28 @@ _PG_FINISH = text(
     WHERE jobs.id = o.id AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
     RETURNING jobs.id
     """
-)
+).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
+# SQLite (3.35 or newer, for RETURNING): a JSON array of [id, status, output
+# JSON text, error, inference_ms] rows; each row finds its job by primary key.
+_SQLITE_FINISH = text(
+    """
+    UPDATE jobs SET status = json_extract(o.value, '$[1]'),
+        output = json_extract(o.value, '$[2]'), error = json_extract(o.value, '$[3]'),
+        inference_ms = json_extract(o.value, '$[4]'), finished_at = :now,
+        batch_id = :batch_id, batch_size = :batch_size
+    FROM json_each(:rows) AS o
+    WHERE jobs.id = json_extract(o.value, '$[0]')
+        AND jobs.status NOT IN (SELECT value FROM json_each(:terminal))
+    RETURNING jobs.id
+    """
+).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
+
+
+def _batched_writes(dialect: str) -> bool:
+    """Whether this database takes a batch's outcomes in one statement."""
+    return dialect == "postgresql" or (
+        dialect == "sqlite" and sqlite3.sqlite_version_info >= (3, 35)
+    )
 
 
 @dataclass(frozen=True)
@@ -129,26 +153,32 @@ class Recorder:
         written: list[str] = []
         with self.sessions.begin() as session:
             connection = session.connection()
-            if connection.dialect.name == "postgresql":
-                # One statement for the whole batch: a round trip per row would
-                # cost the recording more than the batch took to compute.
-                won = set(
-                    connection.scalars(
-                        _PG_FINISH,
-                        {
-                            "ids": [o.job_id for o in outcomes],
-                            "statuses": [o.status for o in outcomes],
-                            # JSON text, as the JSON column's own writes make it.
-                            "outputs": [json.dumps(o.output) for o in outcomes],
-                            "errors": [o.error for o in outcomes],
-                            "inference_ms": [o.inference_ms for o in outcomes],
-                            "now": now,
-                            "batch_id": batch_id,
-                            "batch_size": batch_size,
-                            "terminal": list(TERMINAL_STATUSES),
-                        },
+            dialect = connection.dialect.name
+            if _batched_writes(dialect):
+                common = {
+                    "now": now,
+                    "batch_id": batch_id,
+                    "batch_size": batch_size,
+                    "terminal": list(TERMINAL_STATUSES),
+                }
+                if dialect == "postgresql":
+                    values: dict[str, Any] = {
+                        "ids": [o.job_id for o in outcomes],
+                        "statuses": [o.status for o in outcomes],
+                        "outputs": [json.dumps(o.output) for o in outcomes],
+                        "errors": [o.error for o in outcomes],
+                        "inference_ms": [o.inference_ms for o in outcomes],
+                    }
+                    won = set(connection.scalars(_PG_FINISH, values | common))
+                else:
+                    rows = [
+                        [o.job_id, o.status, json.dumps(o.output), o.error, o.inference_ms]
+                        for o in outcomes
+                    ]
+                    common["terminal"] = json.dumps(common["terminal"])
+                    won = set(
+                        connection.scalars(_SQLITE_FINISH, {"rows": json.dumps(rows)} | common)
                     )
-                )
                 # In the outcomes' order, once each (a job may have two entries).
                 written = list(dict.fromkeys(o.job_id for o in outcomes if o.job_id in won))
             else:
@@ -168,8 +198,8 @@ class Recorder:
                         batch_size=batch_size,
                     )
                 )
-                # One statement per row (SQLite is in this process: no round
-                # trips), each telling by its row count whether its write won.
+                # One statement per row, each telling by its row count whether
+                # its write won.
                 for outcome in outcomes:
                     result = connection.execute(
                         statement,

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -196,6 +197,52 @@ def test_terminal_writes_are_conditional(
         )
     again, _, _ = recorder.claim([job_id], utcnow(), 3)
     assert again == []  # a terminal job is never claimed again
+
+
+def test_a_batch_is_written_in_one_statement_as_one_per_job_would_write_it(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outputs: list[Any] = [{"x": [0.1234567891234, -2.5e-08]}, [1, 2], "text", 7, True, None]
+    stamp = utcnow()
+
+    def written(batched: bool) -> list[tuple[Any, ...]]:
+        ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
+        recorder = Recorder(sessions)
+        recorder.claim(ids, stamp, 3)
+        cancelled = ids[-1]
+        with sessions.begin() as session:
+            row = session.get(Job, cancelled)
+            assert row is not None
+            row.status = "cancelled"
+        if not batched:  # one statement per job (an older SQLite, without RETURNING)
+            monkeypatch.setattr("workers.recorder._batched_writes", lambda dialect: False)
+        outcomes = [
+            Outcome(job_id, "succeeded", output=output, inference_ms=1.5)
+            for job_id, output in zip(ids, outputs, strict=False)
+        ] + [
+            Outcome(ids[6], "failed", error="boom"),
+            Outcome(ids[6], "failed", error="boom"),  # two entries of one job
+            Outcome(cancelled, "succeeded", output={"late": True}),
+        ]
+        done = recorder.finish(outcomes, stamp, "b1", 8)
+        monkeypatch.undo()
+        assert done == ids[:7]  # once each, in order; the cancelled job is left alone
+        with sessions() as session:
+            rows = [session.get(Job, job_id) for job_id in ids]
+        return [
+            (r.status, r.output, r.error, r.inference_ms, r.finished_at, r.batch_id, r.batch_size)
+            for r in rows
+            if r is not None
+        ]
+
+    batched, per_job = written(True), written(False)
+    assert batched == per_job
+    assert [row[1] for row in batched[:6]] == outputs
+    assert batched[6][:3] == ("failed", None, "boom")
+    assert batched[7][0] == "cancelled" and batched[7][1] is None
 
 
 def test_claim_reports_jobs_past_their_deadline(
