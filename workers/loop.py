@@ -225,13 +225,14 @@ class BatchLoop:
         is landed first and the decision taken again, with what arrived
         meanwhile. Jobs are expired only against the real clock.
         """
+        items = self._items()  # landing a batch changes nothing pending
         flight = self._in_flight
         if flight is not None:
-            ahead = self.policy(self._items(), max(self.clock(), flight.ends_s))
+            ahead = self.policy(items, max(self.clock(), flight.ends_s))
             if ahead.run and ahead.trigger in AHEAD_TRIGGERS:
                 return dataclasses.replace(ahead, expire=())
             self._land()
-        return self.policy(self._items(), self.clock())
+        return self.policy(items, self.clock())
 
     def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
         backoff_s = RETRY_MIN_S

@@ -138,14 +138,45 @@ class TorchRuntime:
     copies are still in flight; a set is reused once its batch is collected.
     """
 
-    budget_bytes: int | None = None
+    name: str
     cpu_budget_bytes: float = 4 * 2**30
-    device: str = "cpu"
-    _model: Any = None
-    _stream: Any = None
-    _memory: DeviceMemory | None = None
-    _peak: float | None = None
-    _spare: list[PinnedStager] | None = None  # pinned buffer sets not in use
+
+    def __init__(
+        self,
+        device: str,
+        precision: str = "fp32",
+        budget_bytes: int | None = None,
+        warmup_batch: int = 1,
+        memory_fraction: float = 0.9,
+        reclaim_bytes: int = 2**30,
+    ) -> None:
+        self.device = device
+        self.precision = precision
+        self.budget_bytes = budget_bytes
+        self.warmup_batch = warmup_batch
+        self.memory_fraction = memory_fraction
+        self.reclaim_bytes = reclaim_bytes
+        self._model: Any = None
+        self._weights_bytes = 0
+        # On a CUDA device only: the model's own stream and its memory share.
+        self._stream: Any = None
+        self._memory: DeviceMemory | None = None
+        self._peak: float | None = None
+        self._spare: list[PinnedStager] = []  # pinned buffer sets not in use
+
+    def _take_device(self) -> None:
+        """On a CUDA device: the process's memory share and the model's stream.
+
+        Called before the weights are loaded: they already count against the share.
+        """
+        if not self.device.startswith("cuda"):
+            return
+        import torch
+
+        self._memory = DeviceMemory(
+            self.device, self.name, self.memory_fraction, self.reclaim_bytes
+        )
+        self._stream = torch.cuda.Stream(device=torch.device(self.device))
 
     @property
     def asynchronous(self) -> bool:
@@ -166,7 +197,7 @@ class TorchRuntime:
     @property
     def pinned_bytes(self) -> int:
         """Pinned host memory held in buffer sets not in use (0 on the CPU)."""
-        return sum(stager.bytes for stager in self._spare or [])
+        return sum(stager.bytes for stager in self._spare)
 
     def run(self, inputs: list[Any]) -> list[Any]:
         return self.collect(self.launch(self.prepare(inputs)))
@@ -207,7 +238,7 @@ class TorchRuntime:
             # Copies already queued may still read the buffers: once the stream
             # is done with them they serve the next batch.
             self._stream.synchronize()
-            self._spare = (self._spare or []) + [stager]
+            self._spare.append(stager)
             self._memory.out_of_memory()
             raise OutOfMemory(
                 str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
@@ -223,14 +254,21 @@ class TorchRuntime:
             return self._outputs(launched.result)
         finally:
             if launched.stager is not None:  # its buffers are free again
-                self._spare = (self._spare or []) + [launched.stager]
+                self._spare.append(launched.stager)
 
-    def _warm_up(self, inputs: list[Any]) -> None:
-        """Run a batch as the pipelined loop does: two staged, one at a time on the device.
+    def _warm_up(self, small: Any, largest: Any) -> None:
+        """Pay for lazy initialisation before traffic; on a GPU, fill the pools too.
 
-        The allocator's pool and both sets of pinned buffers reach their full
+        ``small`` is run alone. On a GPU, a batch of ``warmup_batch`` (the
+        largest the scheduler may send) of ``largest`` then runs as the
+        pipelined loop runs it, two staged and one at a time on the device, so
+        the allocator's pool and both sets of pinned buffers reach their full
         size now, not under the first burst of traffic.
         """
+        self.run([small])
+        if self._stream is None or self.warmup_batch <= 1:
+            return
+        inputs = [largest] * self.warmup_batch
         first, second = self.prepare(inputs), self.prepare(inputs)
         self.collect(self.launch(first))
         self.collect(self.launch(second))

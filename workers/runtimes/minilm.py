@@ -14,7 +14,7 @@ from typing import Any
 
 from core.catalog import minilm_model_dir
 from workers.runtimes.base import autocast
-from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime, staged
+from workers.runtimes.cuda import PinnedStager, TorchRuntime, staged
 
 # Activations per padded token, a deliberate over-estimate (hidden states,
 # attention scores for 12 heads, the feed-forward layer, in fp32) used where
@@ -36,21 +36,16 @@ class MiniLMRuntime(TorchRuntime):
         memory_fraction: float = 0.9,
         reclaim_bytes: int = 2**30,
     ) -> None:
-        self.device = device
+        super().__init__(
+            device, precision, budget_bytes, warmup_batch, memory_fraction, reclaim_bytes
+        )
         self.max_tokens = max_tokens
-        self.budget_bytes = budget_bytes
-        self.precision = precision
-        self.warmup_batch = warmup_batch
-        self.memory_fraction = memory_fraction
-        self.reclaim_bytes = reclaim_bytes
         self._tokenizer: Any = None
-        self._weights_bytes = 0
 
     def load(self) -> None:
         # The weights are on disk; never let a library reach for a hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        import torch
         import transformers
         from tokenizers import Tokenizer
         from transformers import AutoModel
@@ -62,22 +57,13 @@ class MiniLMRuntime(TorchRuntime):
         self._tokenizer = tokenizer
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        if self.device.startswith("cuda"):
-            # The share first: the weights already count against it.
-            self._memory = DeviceMemory(
-                self.device, self.name, self.memory_fraction, self.reclaim_bytes
-            )
-            self._stream = torch.cuda.Stream(device=torch.device(self.device))
+        self._take_device()
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
         # fp32 whatever the file holds (a copy may be stored in fp16); the
         # precision setting decides the arithmetic.
         self._model = model.float().to(self.device).eval()
         self._weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # The first forward pass pays for lazy initialisation; pay it before traffic.
-        self.run(["warm-up"])
-        if self._stream is not None and self.warmup_batch > 1:
-            # The largest batch the scheduler may send, at the longest input.
-            self._warm_up([" ".join(["word"] * self.max_tokens)] * self.warmup_batch)
+        self._warm_up("warm-up", " ".join(["word"] * self.max_tokens))  # the longest input
 
     def declared_memory(self) -> tuple[float, float]:
         return float(self._weights_bytes), float(DECLARED_BYTES_PER_TOKEN)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.runtimes.base import autocast
-from workers.runtimes.cuda import DeviceMemory, PinnedStager, TorchRuntime
+from workers.runtimes.cuda import PinnedStager, TorchRuntime
 
 # Activations per input pixel, a deliberate over-estimate (about 100 MB per
 # 224 x 224 image in fp32) used where peak memory cannot be measured.
@@ -55,26 +55,18 @@ class ResNet50Runtime(TorchRuntime):
                 "resnet50 needs weights: set FERRY_RESNET50_WEIGHTS to a state_dict file "
                 "(or FERRY_RESNET50_RANDOM_WEIGHTS=true for a benchmark)"
             )
-        self.device = device
+        super().__init__(
+            device, precision, budget_bytes, warmup_batch, memory_fraction, reclaim_bytes
+        )
         self.weights = weights
         self.weights_kind = "file" if weights is not None else "random"
         self.image_size = image_size
-        self.precision = precision
-        self.budget_bytes = budget_bytes
-        self.warmup_batch = warmup_batch
-        self.memory_fraction = memory_fraction
-        self.reclaim_bytes = reclaim_bytes
         self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="resnet50-decode")
-        self._weights_bytes = 0
 
     def load(self) -> None:
         import torch
 
-        if self.device.startswith("cuda"):
-            self._memory = DeviceMemory(
-                self.device, self.name, self.memory_fraction, self.reclaim_bytes
-            )
-            self._stream = torch.cuda.Stream(device=torch.device(self.device))
+        self._take_device()
         if self.weights is None:
             torch.manual_seed(0)  # the same random network in every process
         model = build_resnet50()
@@ -94,9 +86,7 @@ class ResNet50Runtime(TorchRuntime):
         self._weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self._model = model.to(self.device, memory_format=torch.channels_last).eval()
         blank = _encoded_blank(self.image_size)
-        self.run([blank])  # lazy initialisation, before traffic
-        if self._stream is not None and self.warmup_batch > 1:
-            self._warm_up([blank] * self.warmup_batch)  # the pool at its largest batch
+        self._warm_up(blank, blank)
 
     @property
     def cost(self) -> int:

@@ -1,0 +1,102 @@
+"""How long the worker's result write takes: one statement per batch against one per job.
+
+For each database (a scratch SQLite file; with ``--postgres``, a scratch
+database of the PostgreSQL at 127.0.0.1:5432), ``--batches`` batches of
+``--size`` running jobs are finished through ``Recorder.finish``, alternating
+the batched write and the per-job write, side by side in one run, for small
+outputs and for 384-float embeddings (what minilm returns).
+
+    python -m bench.recording [--size 256] [--batches 20] [--postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from sqlalchemy import insert
+
+from core import migrate
+from core.db import Job, make_engine, make_sessionmaker, utcnow
+from core.keys import create_key
+from tests.conftest import postgres_database
+from workers.recorder import Outcome, Recorder
+
+OUTPUTS: dict[str, Any] = {"small": {"cost": 1}, "embedding": [0.123456789] * 384}
+
+
+@contextlib.contextmanager
+def database(kind: str) -> Iterator[str]:
+    if kind == "postgresql":
+        with postgres_database() as url:
+            yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-recording-") as tmp:
+        yield f"sqlite:///{Path(tmp) / 'ferry.db'}"
+
+
+def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], float]:
+    """Median ms per batch, by (output kind, write)."""
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
+    recorder = Recorder(sessions)
+    with sessions() as session:
+        key = create_key(session, "bench").id
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for _ in range(batches):
+            for kind, output in OUTPUTS.items():
+                for write in ("batched", "per job"):
+                    ids = [str(uuid.uuid4()) for _ in range(size)]
+                    with sessions.begin() as session:
+                        session.execute(
+                            insert(Job),
+                            [
+                                {"id": job_id, "api_key_id": key, "model": "minilm",
+                                 "priority": "normal", "input": "x", "cost": 1,
+                                 "status": "running"}
+                                for job_id in ids
+                            ],
+                        )  # fmt: skip
+                    outcomes = [
+                        Outcome(i, "succeeded", output=output, inference_ms=3.0) for i in ids
+                    ]
+                    batched = write == "batched"
+                    with mock.patch("workers.recorder._batched_writes", lambda _d, b=batched: b):
+                        started = time.perf_counter()
+                        written = recorder.finish(outcomes, utcnow(), "bench", size)
+                        elapsed = time.perf_counter() - started
+                    assert len(written) == size
+                    times.setdefault((kind, write), []).append(elapsed * 1000.0)
+    finally:
+        engine.dispose()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--postgres", action="store_true")
+    args = parser.parse_args(argv)
+    print(f"{'database':11} {'outputs':10} {'per job':>9} {'batched':>9} {'ratio':>6}")
+    for kind in ("sqlite", "postgresql") if args.postgres else ("sqlite",):
+        with database(kind) as url:
+            medians = measure(url, args.size, args.batches)
+        for output in OUTPUTS:
+            one, each = medians[(output, "batched")], medians[(output, "per job")]
+            print(f"{kind:11} {output:10} {each:>7.1f}ms {one:>7.1f}ms {each / one:>5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
