@@ -127,14 +127,17 @@ def _submit(stack: FerryUp, body: dict[str, Any]) -> str:
 
 
 def _rows(driver: webdriver.Chrome, table: str) -> list[str]:
-    """A table's rows as 'cell | cell | ...' (textContent: no line breaks from the layout)."""
-    return [
-        " | ".join(
-            str(cell.get_attribute("textContent")).strip()
-            for cell in row.find_elements(By.TAG_NAME, "td")
-        )
-        for row in driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
-    ]
+    """A table's rows as 'cell | cell | ...' (textContent: no line breaks from the layout).
+
+    Read in one script, within one turn of the page's own: Flower redraws the
+    table every second, and cells read one by one can vanish between reads.
+    """
+    rows = driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]), row =>"
+        " Array.from(row.querySelectorAll('td'), cell => cell.textContent.trim()).join(' | '))",
+        f"#{table} tbody tr",
+    )
+    return [str(row) for row in rows]
 
 
 def _worker_row(driver: webdriver.Chrome, prefix: str) -> str | None:
