@@ -21,7 +21,7 @@ from api.middleware import (
 )
 from api.routes import admin, backfills, jobs, system, webhooks
 from api.services import callback_checker
-from core.catalog import build_catalog
+from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
 from core.streams import done_channel
@@ -34,6 +34,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     if not settings.redis_url:
         raise ValueError("FERRY_REDIS_URL is not set (`ferry up` sets it for the API)")
     redis_url = settings.redis_url
+    # Before anything starts: a repository Ferry cannot serve stops the API with its problems.
+    catalog = build_catalog(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -41,7 +43,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         app.state.settings = settings
         app.state.engine = engine
         app.state.sessions = make_sessionmaker(engine)
-        app.state.catalog = build_catalog(settings)
+        app.state.catalog = catalog
+        app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
         app.state.redis = redis.Redis.from_url(
             redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )

@@ -56,7 +56,16 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=64)
+    model: str = Field(
+        min_length=1,
+        max_length=64,
+        description="A model of GET /v1/models; 'name@N' asks for its version N.",
+    )
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        description="The model's version to run (default: its active version).",
+    )
     input: Any = Field(description="The model's input; see GET /v1/models for its schema.")
     priority: Priority = "normal"
     deadline_ms: int | None = Field(
@@ -161,6 +170,12 @@ class WebhookSecret(BaseModel):
 class JobResource(BaseModel):
     id: str
     model: str
+    model_version: int | None = Field(
+        description="The version of the model that ran the job (null until it starts)."
+    )
+    requested_version: int | None = Field(
+        description="The version the job asked for (null: the model's active version)."
+    )
     status: JobStatus
     priority: Priority
     created_at: dt.datetime
@@ -218,9 +233,23 @@ class BackfillList(BaseModel):
     data: list[BackfillResource]
 
 
+class VersionInfo(BaseModel):
+    version: int
+    active: bool = Field(description="New jobs run on this version.")
+    state: str = Field(
+        description="What the model's live workers do with it: loading, ready (serving), "
+        "draining (its last batches finish), failed (could not load: see reason), or "
+        "available (in the repository; no worker holds it)."
+    )
+    reason: str | None = Field(default=None, description="Why it failed to load.")
+    workers: int = Field(default=0, description="Live workers in that state.")
+
+
 class ModelInfo(BaseModel):
     name: str
-    version: str
+    backend: str
+    version: int = Field(description="The active version: the one jobs run on by default.")
+    versions: list[VersionInfo]
     description: str
     input_schema: dict[str, Any]
     max_batch_size: int

@@ -26,6 +26,7 @@ from api.schemas import (
     WebhookSecret,
     metadata_problem,
 )
+from backends.catalog import LiveVersions
 from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, nesting_problem
 from core.db import (
     TERMINAL_STATUSES,
@@ -90,6 +91,52 @@ def check_job_quota(session: Session, key: ApiKey, limit: int | None) -> None:
         )
 
 
+def resolve_model(
+    catalog: dict[str, ModelSpec],
+    model: str,
+    version: int | None = None,
+    live: LiveVersions | None = None,
+) -> tuple[ModelSpec, int | None]:
+    """The model a request names (``name`` or ``name@N``) and the version it asks for.
+
+    ``live`` gives the versions and the active one as they are now (default:
+    as they were at start-up). A version that exists but is not the active
+    one is refused: workers serve the active version.
+    """
+    name, at, suffix = model.partition("@")
+    if at:
+        if not suffix.isdigit() or int(suffix) < 1:
+            raise ApiError(
+                422, "invalid_request", f"model: {model!r} must be 'name' or 'name@N' (N a version)"
+            )
+        if version is not None and version != int(suffix):
+            raise ApiError(
+                422, "invalid_request", f"version: {version} differs from the model's @{suffix}"
+            )
+        version = int(suffix)
+    spec = catalog.get(name)
+    if spec is None:
+        known = ", ".join(sorted(catalog))
+        raise ApiError(422, "invalid_request", f"model: unknown model {name!r} (known: {known})")
+    if version is None:
+        return spec, None
+    numbers, active = live.of(spec) if live is not None else (spec.versions, spec.active_version)
+    if version not in numbers:
+        versions = ", ".join(map(str, numbers))
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"version: {name} has no version {version} (versions: {versions})",
+        )
+    if version != active:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"version: {name}@{version} takes no jobs; its active version is {active}",
+        )
+    return spec, version
+
+
 def submit_job(
     session: Session,
     client: redis.Redis,
@@ -104,6 +151,7 @@ def submit_job(
     max_outstanding: int | None = None,
     max_metadata_bytes: int = 16_384,
     max_json_depth: int = MAX_JSON_DEPTH,
+    live: LiveVersions | None = None,
 ) -> Submitted:
     """Validate, commit, enqueue.
 
@@ -112,12 +160,7 @@ def submit_job(
     whose deadline is sooner than that could only expire, so it is taken back
     and refused with 503 instead.
     """
-    spec = catalog.get(body.model)
-    if spec is None:
-        known = ", ".join(sorted(catalog))
-        raise ApiError(
-            422, "invalid_request", f"model: unknown model {body.model!r} (known: {known})"
-        )
+    spec, requested_version = resolve_model(catalog, body.model, body.version, live)
     for field, value in (("input", body.input), ("metadata", body.metadata)):
         problem = nesting_problem(value, max_json_depth)
         if problem:
@@ -162,6 +205,7 @@ def submit_job(
         id=str(uuid.uuid4()),
         api_key_id=key.id,
         model=spec.name,
+        requested_version=requested_version,
         priority=body.priority,
         status="queued",
         input=validated.input,
@@ -192,6 +236,7 @@ def submit_job(
         deadline_at_ms=_ms(job.deadline_at) if job.deadline_at else None,
         request_id=request_id,
         tenant=key.id,
+        version=job.requested_version,
     )
     try:
         Scripts(client).enqueue(client, prefix, job.model, message)

@@ -101,9 +101,13 @@ def load_texts(seed: int = 0, max_files: int | None = None) -> list[str]:
 
 
 def token_costs(texts: list[str]) -> list[int]:
-    from core.catalog import count_tokens
+    from backends.catalog import repository_for
+    from core.inputs import count_tokens
+    from core.settings import Settings
 
-    return [min(MAX_TOKENS, count_tokens(text)) for text in texts]
+    tokenizer = repository_for(Settings())["minilm"].tokenizer_path()
+    assert tokenizer is not None
+    return [min(MAX_TOKENS, count_tokens(text, tokenizer)) for text in texts]
 
 
 def load_corpus(seed: int = 0, max_files: int | None = None) -> Corpus:

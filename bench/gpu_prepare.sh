@@ -56,9 +56,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from core.catalog import minilm_model_dir
+from backends.catalog import repository_for
+from core.settings import Settings
 
-source, target = minilm_model_dir(), Path(sys.argv[1])
+source, target = repository_for(Settings())["minilm"].version().files, Path(sys.argv[1])
 shutil.copytree(source, target, ignore=shutil.ignore_patterns("model.safetensors", "*.md"))
 weights = load_file(str(source / "model.safetensors"))
 save_file({k: v.half().contiguous() for k, v in weights.items()}, str(target / "model.safetensors"))

@@ -383,7 +383,9 @@ def result_lines(
     while True:
         with sessions() as session:
             rows = session.execute(
-                select(Job.line_no, Job.custom_id, Job.status, Job.output, Job.error)
+                select(
+                    Job.line_no, Job.custom_id, Job.status, Job.output, Job.error, Job.model_version
+                )
                 .where(Job.backfill_id == backfill_id, Job.line_no > after)
                 .order_by(Job.line_no)
                 .limit(page)
@@ -395,6 +397,8 @@ def result_lines(
             if row.status not in TERMINAL_STATUSES:
                 continue
             record: dict[str, Any] = {"custom_id": row.custom_id, "status": row.status}
+            if row.model_version is not None:
+                record["model_version"] = row.model_version
             if row.status == "succeeded":
                 record["output"] = row.output
             else:

@@ -90,6 +90,10 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), index=False)
     model: Mapped[str] = mapped_column(String(64))
+    # The version the job asked for (None: the model's active one), and the
+    # version of the worker that last ran it.
+    requested_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    model_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     priority: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), default="queued")
     input: Mapped[Any] = mapped_column(JSON)
@@ -128,6 +132,20 @@ class Job(Base):
             sqlite_where=text("backfill_id IS NULL"),
         ),
     )
+
+
+class ModelActivation(Base):
+    """The version of a model an operator made active (ferry models activate).
+
+    Without a row, the model's model.toml decides (``active_version``, or the
+    highest version). Workers poll it and switch to the version it names.
+    """
+
+    __tablename__ = "model_activations"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Backfill(Base):

@@ -53,6 +53,8 @@ def job_resource(job: Job, delivery: WebhookDelivery | None = None) -> dict[str,
     return {
         "id": job.id,
         "model": job.model,
+        "model_version": job.model_version,
+        "requested_version": job.requested_version,
         "status": job.status,
         "priority": job.priority,
         "created_at": iso(job.created_at),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -52,8 +53,20 @@ class Settings(BaseSettings):
     # test runs) can share one Redis.
     key_prefix: str = Field("ferry", pattern=r"^[A-Za-z0-9_.-]+$")
 
-    # Models that `ferry up` starts a worker for, comma-separated.
+    # The model repository: one folder per model, each with a model.toml and
+    # its version folders (docs/model-repository.md). Unset: ./models when
+    # there is one, else the repository that ships with Ferry.
+    model_repository: Path | None = None
+    # Models that `ferry up` starts workers for and the API takes jobs for,
+    # comma-separated; empty: every model of the repository.
     models: str = "minilm,sim"
+    # Per model, values that replace those of its model.toml's [input] and
+    # [parameters], e.g. '{"sim": {"latency_base_ms": 5}}'. A single value may
+    # also come from FERRY_<MODEL>_<KEY> (FERRY_SIM_LATENCY_BASE_MS=5).
+    model_parameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # How often workers and the API look for a new version or an activation
+    # (0: never; a worker then serves the version it started with).
+    model_poll_s: float = Field(1.0, ge=0)
 
     # Batching (DESIGN.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.
@@ -61,8 +74,8 @@ class Settings(BaseSettings):
     # served (what Triton and Ray Serve do). none: one job at a time.
     scheduler: Literal["ferry", "fixed", "none"] = "ferry"
     batch_max_size: int = Field(32, ge=1, le=4096)
-    # Most work in one batch: padded tokens for minilm, the sum of costs for
-    # sim. Unset: no cost cap (memory still caps it).
+    # Most work in one batch, in the units of the model's [cost] (padded
+    # tokens for minilm, the sum of costs for sim). Unset: no cost cap.
     batch_max_cost: int | None = Field(None, ge=1)
     batch_window_min_ms: float = Field(0.0, ge=0)
     batch_window_max_ms: float = Field(20.0, ge=0)
@@ -210,9 +223,10 @@ class Settings(BaseSettings):
     # Workers.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # The GPUs `ferry up` starts a worker on, one per entry for each model that
-    # runs on a device (minilm; sim is simulated): auto (every GPU NVML sees;
-    # none without a driver), none (one worker on FERRY_DEVICE), or a comma-
-    # separated list of CUDA_VISIBLE_DEVICES values: indexes, GPU- or MIG- UUIDs
+    # runs on a device (minilm; not sim, whose model.toml says device = "none"):
+    # auto (every GPU NVML sees; none without a driver), none (one worker on
+    # FERRY_DEVICE), or a comma-separated list of CUDA_VISIBLE_DEVICES values:
+    # indexes, GPU- or MIG- UUIDs
     # (one worker per MIG slice). Each worker sees only its own entry, as cuda:0.
     gpus: str = Field("auto", pattern=r"^(auto|none|[A-Za-z0-9/_-]+(,[A-Za-z0-9/_-]+)*)$")
     # The arithmetic of a model's forward pass (autocast); per model with
@@ -226,32 +240,6 @@ class Settings(BaseSettings):
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     cuda_alloc_conf: str = "expandable_segments:True"
     gpu_reclaim_bytes: int = Field(2**30, ge=0)
-    # resnet50: a state_dict file (torchvision's architecture). Random weights
-    # only when asked (benchmarks); its outputs then say so.
-    resnet50_weights: Path | None = None
-    resnet50_random_weights: bool = False
-    resnet50_image_size: int = Field(224, ge=32, le=1024)
-    # Base64 makes it 4/3 larger: the default fits FERRY_MAX_BODY_BYTES' 1 MiB.
-    resnet50_max_image_bytes: int = Field(700 * 1024, ge=1024)
-    # Decoded pixels (width x height) an image may have: a decompression bomb
-    # is refused before anything decodes it. Pillow itself refuses beyond 2 x 89 M.
-    resnet50_max_pixels: int = Field(40_000_000, ge=1024, le=178_000_000)
-    resnet50_decode_threads: int = Field(4, ge=1, le=64)
-    minilm_max_tokens: int = Field(256, ge=8, le=512)
-    minilm_max_chars: int = Field(20_000, ge=1)
-    minilm_overlength: Literal["truncate", "refuse"] = "truncate"
-    sim_latency_base_ms: float = Field(20.0, ge=0)
-    sim_latency_per_cost_ms: float = Field(0.5, ge=0)
-    sim_memory_base_bytes: int = Field(64 * 2**20, ge=0)
-    sim_memory_per_cost_bytes: int = Field(2**20, ge=0)
-    sim_max_cost: int = Field(4096, ge=1)
-    # Simulate an out-of-memory error when a sim batch's memory passes this (0: never).
-    sim_memory_capacity_bytes: int = Field(0, ge=0)
-    # CPU time spent preparing each input (busy work, as a tokeniser's), in ms.
-    sim_prepare_ms_per_item: float = Field(0.0, ge=0)
-    # Let sim inputs ask to kill their worker ({"crash": true}), for fault tests.
-    sim_crash_enabled: bool = False
-
     # `ferry up` serves each worker's and the Celery worker's /metrics on
     # consecutive ports from this one (0: no metrics servers).
     metrics_port_base: int = Field(9400, ge=0, le=65000)
@@ -272,7 +260,10 @@ class Settings(BaseSettings):
 
     log_level: str = "INFO"
 
-    @field_validator("redis_url", "database_url", "flower_password", "metrics_token", mode="before")
+    @field_validator(
+        "redis_url", "database_url", "flower_password", "metrics_token", "model_repository",
+        mode="before",
+    )  # fmt: skip
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
@@ -339,16 +330,9 @@ class Settings(BaseSettings):
     def _only_model_knobs(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for model, knobs in value.items():
             for name, knob in knobs.items():
-                if name not in PER_MODEL:
-                    allowed = ", ".join(sorted(PER_MODEL))
-                    raise ValueError(f"{model}.{name} cannot be set per model ({allowed})")
-                field = cls.model_fields[name]
-                try:
-                    kind: Any = Annotated[field.annotation, *field.metadata]
-                    TypeAdapter(kind).validate_python(knob)
-                except ValidationError as exc:
-                    reason = exc.errors()[0]["msg"]
-                    raise ValueError(f"{model}.{name}: {reason}") from None
+                problem = knob_problem(name, knob)
+                if problem:
+                    raise ValueError(f"{model}.{name}: {problem}")
         return value
 
     @field_validator("batch_window_max_ms")
@@ -359,13 +343,23 @@ class Settings(BaseSettings):
             raise ValueError(f"must not be below batch_window_min_ms ({low})")
         return value
 
-    def for_model(self, model: str) -> Settings:
-        """These settings with the model's own overrides from ``model_settings`` applied."""
+    def for_model(self, model: str, defaults: Mapping[str, Any] | None = None) -> Settings:
+        """These settings as ``model`` runs with them.
+
+        ``defaults``: the model's own settings from its model.toml ([batching],
+        [memory], precision). They replace Ferry's defaults, but not a setting
+        given explicitly (FERRY_BATCH_MAX_SIZE); ``model_settings`` overrides both.
+        """
+        file_settings = {
+            name: value for name, value in (defaults or {}).items()
+            if name not in self.model_fields_set
+        }  # fmt: skip
         overrides = self.model_settings.get(model)
-        if not overrides:
+        if not overrides and not file_settings:
             return self
         data = self.model_dump()
-        data.update(overrides)
+        data.update(file_settings)
+        data.update(overrides or {})
         data["model_settings"] = {}
         return type(self).model_validate(data)
 
@@ -376,13 +370,37 @@ class Settings(BaseSettings):
 
     @property
     def model_names(self) -> list[str]:
+        """The models listed in FERRY_MODELS (empty: every model of the repository)."""
         return [name.strip() for name in self.models.split(",") if name.strip()]
+
+    @property
+    def model_repository_path(self) -> Path:
+        """FERRY_MODEL_REPOSITORY, or ./models, or the repository shipped beside Ferry's code."""
+        if self.model_repository is not None:
+            return self.model_repository
+        here = Path("models")
+        if here.is_dir():
+            return here
+        return Path(__file__).resolve().parents[1] / "models"
 
     @property
     def sqlalchemy_url(self) -> str:
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'ferry.db').resolve()}"
+
+
+def knob_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``name``'s value for one model (None: it can)."""
+    if name not in PER_MODEL:
+        return f"cannot be set per model ({', '.join(sorted(PER_MODEL))})"
+    field = Settings.model_fields[name]
+    try:
+        kind: Any = Annotated[field.annotation, *field.metadata]
+        TypeAdapter(kind).validate_python(value)
+    except ValidationError as exc:
+        return str(exc.errors()[0]["msg"])
+    return None
 
 
 @lru_cache(maxsize=1)

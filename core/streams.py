@@ -147,6 +147,11 @@ def workers_key(prefix: str, model: str) -> str:
     return f"{prefix}:{{{model}}}:workers"
 
 
+def versions_key(prefix: str, model: str) -> str:
+    """Hash of each worker's versions of the model: ``"<version>|<consumer>"`` -> JSON state."""
+    return f"{prefix}:{{{model}}}:versions"
+
+
 def stats_key(prefix: str, model: str) -> str:
     """Hash of the model's learned numbers (batch latency), written by workers."""
     return f"{prefix}:{{{model}}}:stats"
@@ -163,6 +168,7 @@ class JobMessage:
     deadline_at_ms: int | None = None
     request_id: str | None = None
     tenant: str | None = None  # the API key whose job it is
+    version: int | None = None  # the model version the job asked for (None: the active one)
 
     def encode(self) -> dict[str, str]:
         fields = {
@@ -178,6 +184,8 @@ class JobMessage:
             fields["rid"] = self.request_id
         if self.tenant:
             fields["t"] = self.tenant
+        if self.version is not None:
+            fields["ver"] = str(self.version)
         return fields
 
     @classmethod
@@ -200,6 +208,7 @@ class JobMessage:
                 deadline_at_ms=int(f["dl"]) if "dl" in f else None,
                 request_id=f.get("rid"),
                 tenant=f.get("t"),
+                version=int(f["ver"]) if "ver" in f else None,
             )
         except ProtocolError:
             raise

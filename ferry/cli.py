@@ -9,7 +9,7 @@ from typing import Any
 
 from core.logs import configure_logging
 from core.settings import get_settings
-from ferry import backfill_cli, keys_cli
+from ferry import backfill_cli, keys_cli, models_cli
 
 
 def _cmd_up(_args: argparse.Namespace) -> int:
@@ -197,12 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys_cli.add_parser(sub)
     backfill_cli.add_parser(sub)
+    models_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from core.repository import RepositoryError
+
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except RepositoryError as exc:
+        # A repository that cannot be served: say every reason, then stop.
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        print("the model repository cannot be served (ferry models check)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from core.settings import get_settings
 
 
 @contextlib.contextmanager
-def _session() -> Iterator[Session]:
+def database_session() -> Iterator[Session]:
+    """A session on the configured database, migrated to the newest revision first."""
     from core import migrate
     from core.db import make_engine, make_sessionmaker
 
@@ -34,7 +35,7 @@ def _session() -> Iterator[Session]:
 
 
 def _create(args: argparse.Namespace) -> int:
-    with _session() as session:
+    with database_session() as session:
         key = create_key(session, args.name, args.scope)
     # The token stays on the last line, for scripts (`... | tail -n 1`).
     print(f"webhook signing secret (also at GET /v1/webhook-secret): {key.webhook_secret}")
@@ -44,7 +45,7 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _list(_args: argparse.Namespace) -> int:
-    with _session() as session:
+    with database_session() as session:
         rows = list_keys(session)
         print(f"{'id':16}  {'scope':6}  {'created':20}  {'revoked':20}  name")
         for key in rows:
@@ -55,7 +56,7 @@ def _list(_args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    with _session() as session:
+    with database_session() as session:
         key = revoke_key(session, args.id)
     if key is None:
         print(f"no API key {args.id!r}")
@@ -65,7 +66,7 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _rotate(args: argparse.Namespace) -> int:
-    with _session() as session:
+    with database_session() as session:
         key = rotate_key(session, args.id)
     if key is None:
         print(f"no live API key {args.id!r}")

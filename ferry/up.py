@@ -9,6 +9,7 @@ is restarted with backoff; one that dies five times in a minute stops the stack.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -23,11 +24,14 @@ from types import FrameType
 
 import httpx
 
+from backends.catalog import check, repository_for, served_models
 from core import migrate
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key, verify_token
+from core.repository import Repository
 from core.settings import Settings
 from ferry.local_redis import start_redis
+from workers.versions import RESTART_EXIT_CODE
 
 MIN_DRAIN_S = 30.0
 READY_TIMEOUT_S = 120.0
@@ -65,6 +69,11 @@ class Child:
                 self.start(env)
             return True
         if self.given_up or self.process is None or self.process.poll() is None:
+            return True
+        if self.process.returncode == RESTART_EXIT_CODE:
+            # A worker that stopped to load another model version alone: not a crash.
+            _say(f"{self.name} restarts to load another version of its model")
+            self.start(env)
             return True
         self.crashes.append(now)
         while self.crashes and now - self.crashes[0] > CRASH_WINDOW_S:
@@ -125,10 +134,21 @@ def flower_password(settings: Settings, data_dir: Path) -> str:
 
 
 def up(settings: Settings) -> int:
+    # A repository Ferry cannot serve stops it here, before anything starts.
+    repository = repository_for(settings)
+    problems = check(repository, served_models(settings, repository))
+    for problem in problems:
+        _say(f"{'warning' if problem.warning else 'error'}: {problem}")
+    if any(not p.warning for p in problems):
+        where = settings.model_repository_path
+        _say(f"the model repository ({where}) cannot be served; not starting")
+        return 2
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["FERRY_DATA_DIR"] = str(data_dir)
+    # Every process reads the same repository, wherever it starts.
+    env["FERRY_MODEL_REPOSITORY"] = str(settings.model_repository_path.resolve())
     settings = settings.model_copy(update={"data_dir": data_dir})
     env["FERRY_DATABASE_URL"] = settings.sqlalchemy_url
 
@@ -238,21 +258,28 @@ def metrics_ports(
     return {name: settings.metrics_port_base + i for i, name in enumerate(names)}
 
 
-# Models whose worker runs on a device; the others (sim) need one worker only.
-DEVICE_MODELS = frozenset({"minilm", "resnet50"})
-
-
 def worker_plan(
-    settings: Settings, visible: Callable[[], list[str]] | None = None
+    settings: Settings,
+    visible: Callable[[], list[str]] | None = None,
+    repository: Repository | None = None,
 ) -> list[tuple[str, str, str | None]]:
-    """``(child name, model, CUDA_VISIBLE_DEVICES or None)`` of every worker to start."""
+    """``(child name, model, CUDA_VISIBLE_DEVICES or None)`` of every worker to start.
+
+    A model's [instances] decide: ``device = "auto"`` or ``"gpu"``, ``count``
+    workers on each GPU (on the CPU without GPUs); ``"cpu"`` and ``"none"``
+    (needs no device: sim), ``count`` workers in all.
+    """
+    repository = repository or repository_for(settings)
     gpus = _gpus(settings.gpus, visible or visible_gpus)
     plan: list[tuple[str, str, str | None]] = []
-    for model in settings.model_names:
-        if model in DEVICE_MODELS and gpus:
-            plan += [(f"worker-{model}-gpu{gpu}", model, gpu) for gpu in gpus]
+    for model in served_models(settings, repository):
+        config = repository.models.get(model)
+        device, count = (config.device, config.count) if config else ("auto", 1)
+        copies = [f"-{i + 1}" if count > 1 else "" for i in range(count)]
+        if device in ("auto", "gpu") and gpus:
+            plan += [(f"worker-{model}-gpu{gpu}{c}", model, gpu) for gpu in gpus for c in copies]
         else:
-            plan.append((f"worker-{model}", model, None))
+            plan += [(f"worker-{model}{c}", model, None) for c in copies]
     return plan
 
 
@@ -288,6 +315,15 @@ def _port_arg(ports: dict[str, int], name: str) -> list[str]:
 def _banner(
     settings: Settings, base: str, redis_url: str, token: str, flower_password: str | None
 ) -> None:
+    served = served_models(settings, repository_for(settings))
+    # minilm's job when it is served; another model's input is described by GET /v1/models.
+    example = (
+        json.dumps({"model": "minilm", "input": "hello"})
+        if "minilm" in served
+        else json.dumps({"model": served[0], "input": "..."})
+        if served
+        else "{}"
+    )
     flower = (
         [
             f"  Flower    http://{settings.flower_host}:{settings.flower_port}"
@@ -302,7 +338,7 @@ def _banner(
         f"  API       {base}   (docs: {base}/docs)",
         f"  Redis     {redis_url}",
         f"  Database  {settings.sqlalchemy_url}",
-        f"  Models    {', '.join(settings.model_names)}",
+        f"  Models    {', '.join(served)}",
         f"  API key   {token}",
         f"  Webhooks  signed with the secret at GET {base}/v1/webhook-secret",
         *flower,
@@ -314,7 +350,7 @@ def _banner(
         "",
         "Try:",
         f"  curl -s -X POST {base}/v1/jobs -H 'Authorization: Bearer {token}' \\",
-        '       -H \'Content-Type: application/json\' -d \'{"model": "minilm", "input": "hello"}\'',
+        f"       -H 'Content-Type: application/json' -d '{example}'",
         f"  curl -s '{base}/v1/jobs/<id>?wait=10' -H 'Authorization: Bearer {token}'",
         "",
         "Ctrl-C stops everything.",

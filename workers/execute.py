@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workers.runtimes.base import OutOfMemory
+from backends.base import OutOfMemory
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,13 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from backends.base import DeviceLost, Launched, Runtime
 from core.queues import HEARTBEAT_TTL_S
 from core.streams import done_channel, stats_key, workers_key
 from scheduler import BatchDecision, PendingItem
@@ -33,13 +35,15 @@ from workers.execute import ItemResult, check_outputs, run_isolating
 from workers.observe import LoopMetrics
 from workers.presence import BatchEvents
 from workers.recorder import Claimed, Outcome, Recorder
-from workers.runtimes.base import DeviceLost, Launched, Runtime
 from workers.scheduling import Policy, estimate_of
+from workers.versions import VersionManager
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
 MAX_BLOCK_MS = 1000
+# How often jobs pinned to a version no longer served are looked for.
+PIN_CHECK_S = 0.5
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
 # Why a batch may be prepared while the one before computes: it will not grow
@@ -108,6 +112,13 @@ class BatchLoop:
         self.metrics = LoopMetrics(consumer.model, runtime.device)
         # Each batch as a Celery task, for Flower (workers.presence).
         self.events = events
+        # The model's own settings from its model.toml (what Flower's conf shows).
+        self.model_settings: dict[str, Any] = {}
+        # Hot reload: when set, the loop switches to the versions it loads.
+        self.versions: VersionManager | None = None
+        # The loop stopped so that its process restarts with another version.
+        self.restart_requested = False
+        self._pins_checked = 0.0
         # Set once the worker reads its streams; cleared when it stops (the /readyz of its port).
         self.ready = threading.Event()
         # Terminal statuses written and not yet acknowledged, for the metrics.
@@ -130,6 +141,7 @@ class BatchLoop:
         # On a device that computes asynchronously: batch N + 1 is decided,
         # claimed and prepared (tokenised, decoded, staged) while batch N
         # computes, and launched the moment N is done.
+        self._launch_ahead = launch_ahead
         self._ahead = launch_ahead and runtime.asynchronous
         self._in_flight: _InFlight | None = None
         # Per tenant, the number of the batch that last ran one of its jobs
@@ -147,6 +159,8 @@ class BatchLoop:
         self._stop = stop
         self._retrying(stop, self.consumer.ensure_groups)
         self._retrying(stop, self._publish)
+        if self.versions is not None:
+            self.versions.start()
         self.ready.set()
         log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
         wait_ms: int | None = MAX_BLOCK_MS
@@ -187,6 +201,8 @@ class BatchLoop:
                 lost = exc
             if self._recording is not None:
                 self._recording.shutdown(wait=True)
+            if self.versions is not None:
+                self.versions.stop()
             self.ready.clear()
             # Entries read but not run stay unacknowledged; this consumer name gets
             # them back at its next start.
@@ -204,6 +220,7 @@ class BatchLoop:
             self.wait_recorded()  # a recording that failed is heard of now, even when idle
         self._heartbeat()
         self._upkeep()
+        self._follow_version()
         # While a batch computes, read only what is there already: it is landed next.
         self._fill(wait_ms if self._in_flight is None else None)
         decision = self._decide()
@@ -233,6 +250,69 @@ class BatchLoop:
                 return dataclasses.replace(ahead, expire=())
             self._land()
         return self.policy(items, self.clock())
+
+    @property
+    def version(self) -> int | None:
+        """The version of the model this worker runs new batches on."""
+        return self.recorder.model_version
+
+    def _follow_version(self) -> None:
+        """Switch to a version the manager has loaded; settle jobs pinned to one not served.
+
+        The batch on the device (launched ahead) is landed first with the
+        runtime that launched it, so every batch runs, and is recorded as
+        run, by one version. Jobs claimed from now on record the new one.
+        """
+        if self.versions is None:
+            return
+        loaded = self.versions.poll()
+        if self.versions.restart_for is not None and not self.restart_requested:
+            if self.versions.take_restart_turn():
+                log.info(
+                    "restarting to load another version alone",
+                    extra={"model": self.model, "version": self.versions.restart_for},
+                )
+                self.restart_requested = True
+                self.request_stop()  # drains: the batch on the device is recorded first
+            return
+        if loaded is not None:
+            self._land()
+            previous = self.runtime
+            self.runtime = loaded.runtime
+            self.recorder.model_version = loaded.version
+            self._ahead = self._launch_ahead and loaded.runtime.asynchronous
+            old = self.versions.switched(loaded)
+            del previous  # its batches are all landed: nothing holds it now
+            self.versions.unloaded(old)
+        self._settle_unserved_pins()
+
+    def _settle_unserved_pins(self) -> None:
+        """Fail jobs pinned to a version this worker neither serves nor is going to."""
+        now = time.monotonic()
+        if self.versions is None or now - self._pins_checked < PIN_CHECK_S:
+            return  # a pass over everything pending: not every step
+        self._pins_checked = now
+        wanted = self.versions.wanted
+        # A job pinned to the version being loaded waits for it, unless its load failed.
+        servable = {self.version} | ({wanted} if not self.versions.failed(wanted) else set())
+        unserved = [
+            key for key, e in self.pending.items()
+            if e.message.version is not None and e.message.version not in servable
+        ]  # fmt: skip
+        if not unserved:
+            return
+        entries = [self.pending.pop(key) for key in unserved]
+        outcomes = [
+            Outcome(
+                e.message.job_id,
+                "failed",
+                error=f"version {e.message.version} of {self.model} is not served now "
+                f"(the active version is {wanted}; serving {self.version})",
+            )
+            for e in entries
+        ]
+        written = self._record(outcomes, _utc(self.clock()), None, None, entries)
+        self._acknowledge(entries, written)
 
     def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
         backoff_s = RETRY_MIN_S
@@ -293,6 +373,9 @@ class BatchLoop:
                 last_served=self._served.get(e.message.tenant or "", -1),
             )
             for key, e in self.pending.items()
+            if self.versions is None
+            or e.message.version is None
+            or e.message.version == self.version
         ]
 
     def _mark_served(self, entries: list[Entry]) -> None:

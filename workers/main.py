@@ -12,8 +12,12 @@ from typing import Any
 
 import redis
 
+from backends.base import DeviceLost
+from backends.catalog import load_runtime, repository_for
+from backends.torch_runtime import configure_allocator
 from core.db import make_engine, make_sessionmaker
 from core.settings import Settings
+from core.versions import active_version
 from core.webhooks import DeliveryKicker
 from workers.celery_app import celery_for_events
 from workers.consumer import StreamConsumer
@@ -23,10 +27,8 @@ from workers.health import serve
 from workers.loop import BatchLoop
 from workers.presence import CeleryPresence
 from workers.recorder import Recorder
-from workers.runtimes import load_runtime
-from workers.runtimes.base import DeviceLost
-from workers.runtimes.cuda import configure_allocator
 from workers.scheduling import build_state, make_policy
+from workers.versions import RESTART_EXIT_CODE, Loaded, VersionManager
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -47,24 +49,46 @@ def default_consumer_name(model: str, device: str) -> str:
 def build_loop(
     settings: Settings, model: str, device: str | None = None, name: str | None = None
 ) -> BatchLoop:
-    settings = settings.for_model(model)
-    if not settings.redis_url:
+    redis_url = settings.redis_url
+    if not redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
+    config = repository_for(settings).models.get(model)
+    if config is None:
+        raise SystemExit(
+            f"the model repository ({settings.model_repository_path}) has no {model!r}"
+        )
+    settings = settings.for_model(model, config.settings)
     configure_allocator(settings.cuda_alloc_conf)  # before torch first touches CUDA
-    runtime = load_runtime(model, settings, device)
+    engine = make_engine(settings.sqlalchemy_url)
+    sessions = make_sessionmaker(engine)
+    # The version new jobs run on: an operator's activation, else model.toml's.
+    with sessions() as session:
+        version = active_version(session, config)
+    try:
+        runtime = load_runtime(config, settings, version, device=device)
+    except Exception as exc:
+        if version == config.active_version:
+            raise
+        # The activated version cannot load even alone: serve model.toml's meanwhile.
+        log.error(
+            "the active version failed to load; serving model.toml's",
+            extra={"model": model, "version": version, "error": str(exc).splitlines()[0][:500],
+                   "serving": config.active_version},
+        )  # fmt: skip
+        version = config.active_version
+        runtime = load_runtime(config, settings, version, device=device)
     state = build_state(settings, runtime)
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
     consumer = StreamConsumer(
         client,
         settings.key_prefix,
         model,
         name or default_consumer_name(model, runtime.device),
     )
-    engine = make_engine(settings.sqlalchemy_url)
-    return BatchLoop(
+    loop = BatchLoop(
         runtime=runtime,
         consumer=consumer,
-        recorder=Recorder(make_sessionmaker(engine)),
+        recorder=Recorder(sessions, version),
         client=client,
         prefix=settings.key_prefix,
         state=state,
@@ -75,8 +99,22 @@ def build_loop(
         drain_s=settings.worker_drain_s,
         pipeline=settings.pipeline,
         launch_ahead=settings.pipeline_prepare,
-        kick=DeliveryKicker(settings.redis_url, settings.key_prefix),
+        kick=DeliveryKicker(redis_url, settings.key_prefix),
     )
+    loop.model_settings = dict(config.settings)
+    if settings.model_poll_s > 0:
+        loop.versions = VersionManager(
+            model,
+            Loaded(version, runtime),
+            lambda: repository_for(settings).models.get(model),
+            lambda fresh, version: load_runtime(fresh, settings, version, device),
+            sessions,
+            client,
+            settings.key_prefix,
+            consumer.consumer,
+            poll_s=settings.model_poll_s,
+        )
+    return loop
 
 
 def run_worker(
@@ -105,7 +143,7 @@ def run_worker(
         presence.start()
         control = ControlResponder(
             app, presence, settings.key_prefix, lambda: worker_facts(loop),
-            worker_conf(settings.for_model(model), loop),
+            worker_conf(settings.for_model(model, loop.model_settings), loop),
         )  # fmt: skip
         control.start()
     stop = threading.Event()
@@ -132,6 +170,9 @@ def run_worker(
             control.stop()
         if presence is not None:
             presence.stop()
+    if loop.restart_requested:
+        # Drained: `ferry up` starts it again at once, and it loads the active version alone.
+        return RESTART_EXIT_CODE
     return 0
 
 

@@ -64,6 +64,7 @@ def reconcile(
                     deadline_at_ms=_ms(row.deadline_at) if row.deadline_at else None,
                     request_id=row.request_id,
                     tenant=row.api_key_id,
+                    version=row.requested_version,
                 )
                 scripts.enqueue(pipe, prefix, model, message)
             pipe.execute()
@@ -89,6 +90,7 @@ def _open_rows(sessions: sessionmaker[Session], model: str, cutoff: dt.datetime)
             Job.deadline_at,
             Job.request_id,
             Job.api_key_id,
+            Job.requested_version,
         ).where(Job.model == model, Job.status.in_(("queued", "running")), Job.created_at < cutoff)
         if after is not None:
             query = query.where(

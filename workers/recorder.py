@@ -79,8 +79,10 @@ class Outcome:
 
 
 class Recorder:
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], model_version: int | None = None) -> None:
         self.sessions = sessions
+        # Written on every job this worker claims: the version that ran it.
+        self.model_version = model_version
         # Webhook deliveries committed with outcomes, not yet handed to Celery.
         # The loop's recording thread and its main thread both write outcomes.
         self.outbox: list[str] = []
@@ -118,7 +120,12 @@ class Recorder:
                         Job.id.in_([r.id for r in claimed]),
                         Job.status.not_in(TERMINAL_STATUSES),
                     )
-                    .values(status="running", started_at=now, attempts=Job.attempts + 1)
+                    .values(
+                        status="running",
+                        started_at=now,
+                        attempts=Job.attempts + 1,
+                        model_version=self.model_version,
+                    )
                 )
         return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late, exhausted
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from backends.base import Runtime
 from core.estimates import ModelEstimate
 from core.settings import Settings
 from scheduler import BatchDecision, PendingItem, decide
 from scheduler.baselines import decide_fixed, decide_single
 from scheduler.learning import SchedulerState, Tuning
 from scheduler.policy import INF, LinearFit
-from workers.runtimes.base import Runtime
 
 Policy = Callable[[Sequence[PendingItem], float], BatchDecision]
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 
-from fastapi import APIRouter
-from pydantic import BaseModel
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
 from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import error_responses
+from backends.catalog import model_problems
 from core.db import TERMINAL_STATUSES, ApiKey, Job
 from core.keys import list_keys, revoke_key
 from core.queues import lane_states, live_workers
+from core.versions import ActivationError, activate, active_version
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -52,6 +57,48 @@ class KeyInfo(BaseModel):
 
 class KeyList(BaseModel):
     data: list[KeyInfo]
+
+
+class Activation(BaseModel):
+    version: int = Field(ge=1, description="The version new jobs of the model run on from now.")
+
+
+class Activated(BaseModel):
+    model: str
+    version: int
+    previous: int
+
+
+@router.post(
+    "/models/{name}/activate",
+    response_model=Activated,
+    responses=error_responses(400, 401, 403, 404, 413, 415, 503),
+)
+def activate_version(
+    name: str, body: Activation, _admin: AdminDep, session: SessionDep, request: Request,
+    catalog: CatalogDep,
+) -> Activated:  # fmt: skip
+    """Make a version the active one: every worker loads it, switches, and drops the old.
+
+    Activating an older version is a rollback. A version whose files the
+    backend finds a problem with is refused here; one that fails to load in
+    a worker leaves the old one serving (GET /v1/models says why).
+    """
+    spec = catalog.get(name)
+    model = request.app.state.versions.model(name) if spec is not None else None
+    if spec is None or model is None:
+        raise ApiError(404, "not_found", f"model: no model {name!r} is served")
+    problems = model_problems(model, [body.version]) if body.version in model.versions else []
+    if problems:
+        raise ApiError(422, "invalid_request", f"version: {'; '.join(map(str, problems))}")
+    previous = active_version(session, model)
+    try:
+        activate(session, model, body.version)
+    except ActivationError as exc:
+        raise ApiError(422, "invalid_request", f"version: {exc}") from None
+    log.info("version activated", extra={"model": name, "version": body.version,
+                                         "previous": previous})  # fmt: skip
+    return Activated(model=name, version=body.version, previous=previous)
 
 
 @router.get("/queues", response_model=QueueOverview, responses=error_responses(401, 403, 503))

@@ -12,6 +12,7 @@ from api import backfill_services as services
 from api.deps import CatalogDep, CheckCallbackDep, KeyDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import BackfillList, BackfillResource, error_responses
+from api.services import resolve_model
 from core.backfills import result_lines
 from core.catalog import text_problem
 
@@ -51,10 +52,7 @@ async def create_backfill(
     The body is read as it arrives. A line that cannot be taken refuses the
     whole file, with its line number, and nothing of it is kept.
     """
-    spec = catalog.get(model)
-    if spec is None:
-        known = ", ".join(sorted(catalog))
-        raise ApiError(422, "invalid_request", f"model: unknown model {model!r} (known: {known})")
+    spec, _version = resolve_model(catalog, model)
     if callback_url is not None:
         problem = text_problem(callback_url)
         if problem:

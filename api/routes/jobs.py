@@ -73,6 +73,7 @@ def create_job(
         max_outstanding=settings.max_outstanding_jobs,
         max_metadata_bytes=settings.max_metadata_bytes,
         max_json_depth=settings.max_json_depth,
+        live=request.app.state.versions,
     )
     response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
     if submitted.replayed:

@@ -12,9 +12,10 @@ from sqlalchemy import text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import ModelInfo, ModelList, error_responses
+from api.schemas import ModelInfo, ModelList, VersionInfo, error_responses
 from core.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, model_stats
+from core.versions import version_states
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,28 @@ router = APIRouter()
     "/v1/models", response_model=ModelList, tags=["models"], responses=error_responses(401, 503)
 )
 def list_models(
-    _key: KeyDep, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
+    _key: KeyDep, request: Request, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
 ) -> ModelList:
     data = []
     for spec in catalog.values():
         stats = model_stats(client, settings.key_prefix, spec.name)
+        known, active = request.app.state.versions.of(spec)
+        states = version_states(client, settings.key_prefix, spec.name)
         data.append(
             ModelInfo(
                 name=spec.name,
-                version=spec.version,
+                backend=spec.backend,
+                version=active,
+                versions=[
+                    VersionInfo(
+                        version=number,
+                        active=number == active,
+                        state=states[number].state if number in states else "available",
+                        reason=states[number].reason if number in states else None,
+                        workers=states[number].workers if number in states else 0,
+                    )
+                    for number in known
+                ],
                 description=spec.description,
                 input_schema=spec.input_schema,
                 max_batch_size=spec.max_batch_size,

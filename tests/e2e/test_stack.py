@@ -22,9 +22,9 @@ import httpx
 import numpy as np
 import pytest
 
-from core.catalog import minilm_model_dir
 from ferry.local_redis import free_port
 from tests.conftest import run_ferry
+from tests.models import minilm_files
 
 pytestmark = pytest.mark.e2e
 
@@ -129,7 +129,7 @@ def test_minilm_embeddings_match_sentence_transformers(stack: Stack) -> None:
     ids = [_submit(stack, {"model": "minilm", "input": text})["id"] for text in TEXTS]
     jobs = [_result(stack, job_id) for job_id in ids]
     assert [job["status"] for job in jobs] == ["succeeded"] * len(TEXTS), jobs
-    reference = SentenceTransformer(str(minilm_model_dir()), device="cpu").encode(TEXTS)
+    reference = SentenceTransformer(str(minilm_files()), device="cpu").encode(TEXTS)
     for job, expected in zip(jobs, reference, strict=True):
         got = np.asarray(job["output"], dtype=np.float64)
         assert got.shape == (384,)

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
+from backends.base import OutOfMemory
+from backends.sentence_transformers import SentenceTransformerRuntime as MiniLMRuntime
+from backends.torchvision import TorchvisionRuntime as ResNet50Runtime
 from bench.corpus import load_texts
+from tests.models import runtime as shipped_runtime
 from tests.vectors import cosine
 from workers.execute import run_isolating
-from workers.runtimes.base import OutOfMemory
-from workers.runtimes.minilm import MiniLMRuntime
-from workers.runtimes.resnet50 import ResNet50Runtime
 
 DEVICE = "cuda:0"
 
@@ -30,10 +31,14 @@ def texts() -> list[str]:
     return load_texts(0, max_files=60)[:256]
 
 
+def minilm(**options: Any) -> Any:
+    """The shipped minilm on the GPU, loaded (FERRY_MODEL_REPOSITORY may hold a copy)."""
+    return shipped_runtime("minilm", DEVICE, **options)
+
+
 @pytest.fixture(scope="module")
 def runtime() -> MiniLMRuntime:
-    loaded = MiniLMRuntime(DEVICE, 256, warmup_batch=64, memory_fraction=0.5)
-    loaded.load()
+    loaded = minilm(warmup_batch=64, memory_fraction=0.5)
     return loaded
 
 
@@ -71,9 +76,8 @@ def test_two_models_in_one_process_overlap(texts: list[str], tmp_path: Path) -> 
     """Two runtimes, each on its stream, run from two threads: their kernels overlap in time."""
     from torch.profiler import ProfilerActivity, profile
 
-    first = MiniLMRuntime(DEVICE, 256, memory_fraction=0.4)
-    second = MiniLMRuntime(DEVICE, 256, memory_fraction=0.4)
-    first.load()
+    first = minilm(memory_fraction=0.4)
+    second = minilm(memory_fraction=0.4)
     second.load()
     batch = texts[:128]
 
@@ -111,8 +115,7 @@ def test_two_models_in_one_process_overlap(texts: list[str], tmp_path: Path) -> 
 def test_a_forced_out_of_memory_is_survived_by_splitting(texts: list[str]) -> None:
     import torch
 
-    runtime = MiniLMRuntime(DEVICE, 256, memory_fraction=0.9)
-    runtime.load()
+    runtime = minilm(memory_fraction=0.9)
     # Shrink the share to a little above what the weights and a small batch need.
     in_use = torch.cuda.memory_allocated(torch.device(DEVICE))
     total = torch.cuda.get_device_properties(torch.device(DEVICE)).total_memory
@@ -133,8 +136,7 @@ def test_a_forced_out_of_memory_is_survived_by_splitting(texts: list[str]) -> No
 def test_reduced_precision_agrees_with_fp32_on_the_corpus(
     precision: str, runtime: MiniLMRuntime, texts: list[str]
 ) -> None:
-    reduced = MiniLMRuntime(DEVICE, 256, precision=precision, memory_fraction=0.3)
-    reduced.load()
+    reduced = minilm(precision=precision, memory_fraction=0.3)
     reference = runtime.run(texts)
     outputs = reduced.run(texts)
     assert min(cosine(a, b) for a, b in zip(outputs, reference, strict=True)) >= 0.999
@@ -166,11 +168,10 @@ def test_the_peak_of_each_batch_is_measured(runtime: MiniLMRuntime, texts: list[
 
 @pytest.fixture(scope="module")
 def resnet() -> ResNet50Runtime:
-    loaded = ResNet50Runtime(
-        DEVICE, weights=None, random_weights=True, precision="fp16", warmup_batch=32,
-        memory_fraction=0.3,
+    loaded: Any = shipped_runtime(
+        "resnet50", DEVICE, overrides={"random_weights": True}, precision="fp16",
+        warmup_batch=32, memory_fraction=0.3,
     )  # fmt: skip
-    loaded.load()
     return loaded
 
 

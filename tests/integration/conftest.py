@@ -25,8 +25,12 @@ def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path)
         database_url=database_url,
         key_prefix=key_prefix,
         data_dir=tmp_path,
-        sim_latency_base_ms=5.0,
-        sim_latency_per_cost_ms=0.1,
+        models="minilm,resnet50,sim",
+        model_parameters={
+            "sim": {"latency_base_ms": 5.0, "latency_per_cost_ms": 0.1},
+            # resnet50 jobs run on random weights (there are no weight files here).
+            "resnet50": {"random_weights": True},
+        },
         batch_max_size=8,
         batch_window_min_ms=20.0,
         batch_window_max_ms=20.0,

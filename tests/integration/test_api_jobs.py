@@ -52,7 +52,7 @@ def test_submit_commits_the_row_then_queues_it_in_its_lane(
     with sessions() as session:
         row = session.get(Job, job["id"])
         assert row is not None
-        assert (row.status, row.cost, row.input) == ("queued", 7, {"cost": 7, "fail": False})
+        assert (row.status, row.cost, row.input) == ("queued", 7, {"cost": 7})  # stored as sent
         assert row.deadline_at is not None
 
     messages = lane_messages(redis_client, settings.key_prefix, "sim", "vip")

@@ -16,19 +16,20 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from backends.base import DeviceLost
+from backends.sim import SimRuntime
 from core.db import Job
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
+from tests.models import with_parameters
 from tests.streams import lane_pending
-from workers.runtimes.base import DeviceLost
-from workers.runtimes.sim import SimRuntime
 
 
 @pytest.fixture
 def slow_settings(settings: Settings) -> Settings:
     # Batches of 8 at 40 ms on the device: long enough to see what happens meanwhile.
-    return settings.model_copy(update={"sim_latency_base_ms": 40.0})
+    return with_parameters(settings, "sim", latency_base_ms=40.0)
 
 
 def test_the_next_batch_is_prepared_while_the_device_computes(
@@ -122,12 +123,12 @@ def test_a_launch_out_of_memory_splits_the_batch(
 ) -> None:
     # Room on the device for a batch of cost 20 at most; the scheduler is told
     # nothing of it, so it sends larger batches until it learns.
-    limited = settings.model_copy(
-        update={
-            "sim_memory_base_bytes": 0,
-            "sim_memory_per_cost_bytes": 2**20,
-            "sim_memory_capacity_bytes": 20 * 2**20,
-        }
+    limited = with_parameters(
+        settings,
+        "sim",
+        memory_base_bytes=0,
+        memory_per_cost_bytes=2**20,
+        memory_capacity_bytes=20 * 2**20,
     )
     loop = build_sim_loop(limited)
     ooms: list[int] = []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench.corpus import load_texts
+from tests.models import runtime as shipped_runtime
 from tests.vectors import cosine
-from workers.runtimes.minilm import MiniLMRuntime
 
 
 @pytest.fixture(scope="module")
@@ -16,17 +18,14 @@ def texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(texts: list[str]) -> list[list[float]]:
-    runtime = MiniLMRuntime("cpu", 256)
-    runtime.load()
-    return runtime.run(texts)
+    return shipped_runtime("minilm").run(texts)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_reduced_precision_agrees_with_fp32(
     precision: str, texts: list[str], reference: list[list[float]]
 ) -> None:
-    runtime = MiniLMRuntime("cpu", 256, precision=precision, warmup_batch=32)
-    runtime.load()
+    runtime: Any = shipped_runtime("minilm", precision=precision, warmup_batch=32)
     # On the CPU there is no stream, no device memory share and no pinned staging.
     assert (runtime._stream, runtime._memory, runtime.pinned_bytes) == (None, None, 0)
     outputs = runtime.run(texts)
@@ -39,8 +38,7 @@ def test_reduced_precision_agrees_with_fp32(
 def test_the_three_stages_give_what_run_gives(
     texts: list[str], reference: list[list[float]]
 ) -> None:
-    runtime = MiniLMRuntime("cpu", 256)
-    runtime.load()
+    runtime = shipped_runtime("minilm")
     assert not runtime.asynchronous  # on the CPU a launch computes at once
     first = runtime.prepare(texts[:8])
     second = runtime.prepare(texts[8:])  # tokenised before the first is launched

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from backends.catalog import build_catalog
 from core import backfills
-from core.catalog import build_catalog
 from core.keys import create_key
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop

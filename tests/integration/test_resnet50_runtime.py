@@ -14,12 +14,13 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from sqlalchemy.orm import Session, sessionmaker
 
+from backends.torchvision import TorchvisionRuntime, build_resnet50
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
+from tests.models import runtime as shipped_runtime
 from workers.execute import run_isolating
 from workers.main import build_loop
-from workers.runtimes.resnet50 import ResNet50Runtime, build_resnet50
 
 
 def encoded(colour: tuple[int, int, int], size: tuple[int, int], fmt: str = "PNG") -> str:
@@ -36,13 +37,13 @@ IMAGES = [
 
 
 @pytest.fixture(scope="module")
-def random_runtime() -> ResNet50Runtime:
-    runtime = ResNet50Runtime("cpu", weights=None, random_weights=True, decode_threads=2)
-    runtime.load()
+def random_runtime() -> TorchvisionRuntime:
+    runtime = shipped_runtime("resnet50", overrides={"random_weights": True, "decode_threads": 2})
+    assert isinstance(runtime, TorchvisionRuntime)
     return runtime
 
 
-def test_random_weights_say_so_in_every_output(random_runtime: ResNet50Runtime) -> None:
+def test_random_weights_say_so_in_every_output(random_runtime: TorchvisionRuntime) -> None:
     outputs = random_runtime.run(IMAGES)
     assert len(outputs) == 3
     for output in outputs:
@@ -59,13 +60,12 @@ def test_random_weights_say_so_in_every_output(random_runtime: ResNet50Runtime) 
 
 
 def test_weights_come_from_a_state_dict_file(
-    random_runtime: ResNet50Runtime, tmp_path: Path
+    random_runtime: TorchvisionRuntime, tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
     path = tmp_path / "resnet50.pth"
     torch.save(build_resnet50().state_dict(), path)
-    from_file = ResNet50Runtime("cpu", weights=path, decode_threads=2)
-    from_file.load()
+    from_file = shipped_runtime("resnet50", overrides={"weights": str(path), "decode_threads": 2})
     outputs = from_file.run(IMAGES[:2])
     assert [o["weights"] for o in outputs] == ["file", "file"]
     # The same seeded network: the same answers as the random runtime's.
@@ -75,14 +75,14 @@ def test_weights_come_from_a_state_dict_file(
 
 def test_no_weights_is_refused_and_a_wrong_file_says_what_it_is(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="FERRY_RESNET50_WEIGHTS"):
-        ResNet50Runtime("cpu", weights=None)
+        shipped_runtime("resnet50", load=False, overrides={"weights": ""})
     wrong = tmp_path / "wrong.pth"
     torch.save({"fc.weight": torch.zeros(3, 3)}, wrong)
-    with pytest.raises(ValueError, match="not a ResNet-50 state_dict"):
-        ResNet50Runtime("cpu", weights=wrong).load()
+    with pytest.raises(ValueError, match="not a resnet50 state_dict"):
+        shipped_runtime("resnet50", overrides={"weights": str(wrong)})
 
 
-def test_an_undecodable_image_fails_alone(random_runtime: ResNet50Runtime) -> None:
+def test_an_undecodable_image_fails_alone(random_runtime: TorchvisionRuntime) -> None:
     broken = base64.b64encode(base64.b64decode(IMAGES[0])[:60]).decode()  # a cut-off PNG
     results = run_isolating(random_runtime.run, [IMAGES[0], broken, IMAGES[2]])
     assert [result.ok for result in results] == [True, False, True]
@@ -95,7 +95,9 @@ def test_a_resnet50_job_runs_through_the_api_and_a_worker(
     sessions: sessionmaker[Session],
     settings: Settings,
 ) -> None:
-    resnet = settings.model_copy(update={"resnet50_random_weights": True, "device": "cpu"})
+    resnet = settings.model_copy(
+        update={"model_parameters": {"resnet50": {"random_weights": True}}, "device": "cpu"}
+    )
     job = submit(client, auth, model="resnet50", input=IMAGES[1], priority="vip")
     refused = client.post(
         "/v1/jobs", json={"model": "resnet50", "input": "R0lGODlh"}, headers=auth
@@ -112,7 +114,7 @@ def test_a_resnet50_job_runs_through_the_api_and_a_worker(
 
 
 def test_odd_images_decode_to_the_square_without_blowing_up(
-    random_runtime: ResNet50Runtime,
+    random_runtime: TorchvisionRuntime,
 ) -> None:
     import numpy as np
 
@@ -128,7 +130,7 @@ def test_odd_images_decode_to_the_square_without_blowing_up(
     assert float(grey.max()) - float(grey.min()) > 3.0  # a ramp, not a constant
 
 
-def test_the_three_stages_give_what_run_gives(random_runtime: ResNet50Runtime) -> None:
+def test_the_three_stages_give_what_run_gives(random_runtime: TorchvisionRuntime) -> None:
     # On the CPU a launch computes at once: the loop does not launch ahead there.
     assert not random_runtime.asynchronous
     first = random_runtime.prepare(IMAGES)

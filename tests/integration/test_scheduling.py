@@ -16,6 +16,7 @@ from core.db import Job
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
+from tests.models import with_parameters
 
 
 def submitter(client: TestClient, auth: dict[str, str], cost: int) -> Callable[[], Any]:
@@ -45,9 +46,7 @@ def publish_then_stop(settings: Settings, one: Callable[[], Any]) -> None:
 @pytest.fixture
 def slow_settings(settings: Settings) -> Settings:
     # 100 ms per batch plus 1 ms per unit of cost: easy to reason about.
-    return settings.model_copy(
-        update={"sim_latency_base_ms": 100.0, "sim_latency_per_cost_ms": 1.0}
-    )
+    return with_parameters(settings, "sim", latency_base_ms=100.0, latency_per_cost_ms=1.0)
 
 
 @pytest.fixture
@@ -109,7 +108,7 @@ def test_jobs_that_can_no_longer_finish_in_time_expire_without_running(
     # Every batch takes 1.5 s. Accepted while no worker has published anything
     # (so no estimate and no refusal), the job's deadline is still a second
     # away when the worker sees it: too close for a 1.5 s batch.
-    slow = settings.model_copy(update={"sim_latency_base_ms": 1500.0})
+    slow = with_parameters(settings, "sim", latency_base_ms=1500.0)
     with TestClient(create_app(slow)) as api:
         doomed = submit(api, auth, model="sim", input={"cost": 1}, deadline_ms=1000)
         fine = submit(api, auth, model="sim", input={"cost": 1})
@@ -129,15 +128,13 @@ def test_an_out_of_memory_batch_is_split_and_nobody_fails(
 ) -> None:
     # The operator declared 8 GiB but the device really holds 64 units of cost
     # (64 MiB + 1 MiB per cost): the first full batch runs out of memory.
-    oom = settings.model_copy(
-        update={
-            "sim_memory_capacity_bytes": 64 * 2**20 + 100 * 2**20,
-            "batch_window_min_ms": 200.0,
-            "batch_window_max_ms": 200.0,
-        }
+    capacity = 64 * 2**20 + 100 * 2**20
+    oom = with_parameters(
+        settings.model_copy(update={"batch_window_min_ms": 200.0, "batch_window_max_ms": 200.0}),
+        "sim",
+        memory_capacity_bytes=capacity,
     )
     loop = build_sim_loop(oom)
-    capacity = oom.sim_memory_capacity_bytes
     ooms = []
     with TestClient(create_app(oom)) as api, RunningLoop(loop):
         for _wave in range(3):

@@ -17,6 +17,7 @@ from core.settings import Settings
 from core.streams import JobMessage, Scripts, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
+from tests.models import with_parameters
 from workers import consumer as consumer_module
 from workers.consumer import StreamConsumer
 
@@ -109,7 +110,7 @@ def test_one_tenants_flood_does_not_hold_back_another_tenants_job(
     other_auth = {"Authorization": f"Bearer {make_token('other')}"}
     # 200 jobs in batches of 8: 25 batches of at least 20 ms each.
     flood = [submit(client, flood_auth, model=MODEL, input={"cost": 1}) for _ in range(200)]
-    slow = settings.model_copy(update={"sim_latency_base_ms": 20.0})
+    slow = with_parameters(settings, "sim", latency_base_ms=20.0)
     with RunningLoop(build_sim_loop(slow)):
         time.sleep(0.1)  # the flood is being worked through
         mine = submit(client, other_auth, model=MODEL, input={"cost": 1})

@@ -1,4 +1,4 @@
-"""Input validation and pricing by the catalog's model specs."""
+"""Input validation and pricing by the catalog's specs of the shipped models."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from core.catalog import InputError, MiniLMSpec, SimSpec, Validated, minilm_model_dir
+from backends.catalog import build_catalog
+from core.catalog import InputError, ModelSpec, Validated
+from core.inputs import TextSpec
+from core.repository import CostConfig
+from core.settings import Settings
+from tests.models import REPOSITORY, minilm_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def independent_count(text: str) -> int:
     """The token count, from a tokenizer loaded here, not the catalog's."""
-    tokenizer = Tokenizer.from_file(str(minilm_model_dir() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(minilm_files() / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return len(tokenizer.encode(text).ids)
@@ -25,11 +30,33 @@ def independent_count(text: str) -> int:
 
 def minilm(
     max_tokens: int = 256, max_chars: int = 20_000, overlength: str = "truncate"
-) -> MiniLMSpec:
-    return MiniLMSpec(max_tokens=max_tokens, max_chars=max_chars, overlength=overlength)
+) -> TextSpec:
+    return TextSpec(
+        name="minilm",
+        max_chars=max_chars,
+        max_tokens=max_tokens,
+        overlength=overlength,
+        tokenizer=minilm_files() / "tokenizer.json",
+        cost=CostConfig("tokens"),
+    )
 
 
-# --- MiniLMSpec --------------------------------------------------------------
+def shipped(model: str, **parameters: Any) -> ModelSpec:
+    """The API's spec of a shipped model, [input]/[parameters] values replaced."""
+    settings = Settings(
+        model_repository=REPOSITORY, models=model, model_parameters={model: parameters}
+    )
+    return build_catalog(settings)[model]
+
+
+def test_the_shipped_minilm_is_priced_as_this_spec() -> None:
+    text = "one two three four five six seven eight nine ten " * 40  # 402 tokens
+    assert shipped("minilm").validate(text) == minilm().validate(text) == Validated(text, 256)
+    with pytest.raises(InputError, match="402 tokens; minilm takes at most 256"):
+        shipped("minilm", overlength="refuse").validate(text)
+
+
+# --- text inputs priced in tokens (minilm) -----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -126,12 +153,16 @@ def test_minilm_overlength_refuse(max_tokens: int) -> None:
     assert info.value.field == "input"
 
 
-def test_minilm_validation_does_not_import_torch() -> None:
+def test_the_catalog_checks_inputs_without_importing_torch() -> None:
+    # What the API does: the repository checked with every backend, each input priced.
     code = (
-        "import sys, core.catalog as c; "
-        "spec = c.MiniLMSpec(max_tokens=256, max_chars=1000, overlength='truncate'); "
-        "assert spec.validate('hello world').cost == 4; "
-        "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "import sys; from backends.catalog import build_catalog; "
+        "from core.settings import Settings; "
+        "c = build_catalog(Settings(models='minilm,resnet50,sim', "
+        "model_parameters={'resnet50': {'random_weights': True}})); "
+        "assert c['minilm'].validate('hello world').cost == 4; "
+        "assert c['sim'].validate({'cost': 3}).cost == 3; "
+        "loaded = [m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules]; "
         "assert not loaded, loaded"
     )
     result = subprocess.run(
@@ -144,7 +175,7 @@ def test_minilm_validation_does_not_import_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
-# --- SimSpec -----------------------------------------------------------------
+# --- JSON inputs priced by a member (sim) -------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -156,15 +187,15 @@ def test_minilm_validation_does_not_import_torch() -> None:
         ([{"cost": 1}], "input", "must be an object, got array"),
         ({"cost": 1, "colour": "red"}, "input.colour", "not a field"),
         ({"cost": 1, "b": 1, "a": 2}, "input.a", "not a field"),  # the first, sorted
-        ({}, "input.cost", "must be an integer, got null"),
-        ({"fail": True}, "input.cost", "must be an integer, got null"),
+        ({}, "input.cost", "is missing"),
+        ({"fail": True}, "input.cost", "is missing"),
         ({"cost": True}, "input.cost", "must be an integer, got boolean"),
         ({"cost": False}, "input.cost", "must be an integer, got boolean"),
         ({"cost": 2.0}, "input.cost", "must be an integer, got number"),
         ({"cost": "3"}, "input.cost", "must be an integer, got string"),
-        ({"cost": 0}, "input.cost", "between 1 and 100"),
-        ({"cost": -1}, "input.cost", "between 1 and 100"),
-        ({"cost": 101}, "input.cost", "between 1 and 100"),
+        ({"cost": 0}, "input.cost", "between 1 and 4096"),
+        ({"cost": -1}, "input.cost", "between 1 and 4096"),
+        ({"cost": 4097}, "input.cost", "between 1 and 4096"),
         ({"cost": 1, "fail": 1}, "input.fail", "must be a boolean, got number"),
         ({"cost": 1, "fail": "yes"}, "input.fail", "must be a boolean, got string"),
         ({"cost": 1, "fail": None}, "input.fail", "must be a boolean, got null"),
@@ -172,7 +203,7 @@ def test_minilm_validation_does_not_import_torch() -> None:
 )
 def test_sim_rejects(value: Any, field: str, message: str) -> None:
     with pytest.raises(InputError, match=message) as info:
-        SimSpec(max_cost=100).validate(value)
+        shipped("sim").validate(value)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
 
@@ -180,14 +211,15 @@ def test_sim_rejects(value: Any, field: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ({"cost": 1}, Validated(input={"cost": 1, "fail": False}, cost=1)),
-        ({"cost": 100}, Validated(input={"cost": 100, "fail": False}, cost=100)),
+        ({"cost": 1}, Validated(input={"cost": 1}, cost=1)),
+        ({"cost": 4096}, Validated(input={"cost": 4096}, cost=4096)),
         ({"cost": 7, "fail": True}, Validated(input={"cost": 7, "fail": True}, cost=7)),
         ({"cost": 7, "fail": False}, Validated(input={"cost": 7, "fail": False}, cost=7)),
     ],
 )
 def test_sim_accepts(value: dict[str, Any], expected: Validated) -> None:
-    assert SimSpec(max_cost=100).validate(value) == expected
+    # The input is stored as sent: a JSON model's check does not rewrite it.
+    assert shipped("sim").validate(value) == expected
 
 
 def test_input_error_carries_field_and_message() -> None:
@@ -200,23 +232,19 @@ def test_input_error_carries_field_and_message() -> None:
 
 def test_sim_crash_inputs_only_when_enabled() -> None:
     with pytest.raises(InputError) as refused:
-        SimSpec(max_cost=10).validate({"cost": 1, "crash": True})
+        shipped("sim").validate({"cost": 1, "crash": True})
     assert refused.value.field == "input.crash"
-    assert "crash" not in SimSpec(max_cost=10).input_schema["properties"]
+    assert "crash" not in shipped("sim").input_schema["properties"]
 
-    enabled = SimSpec(max_cost=10, crash_enabled=True)
-    assert enabled.validate({"cost": 1, "crash": True}).input == {
-        "cost": 1, "fail": False, "crash": True,
-    }  # fmt: skip
+    enabled = shipped("sim", crash_enabled=True)
+    assert enabled.validate({"cost": 1, "crash": True}).input == {"cost": 1, "crash": True}
     assert "crash" in enabled.input_schema["properties"]
     with pytest.raises(InputError, match="boolean"):
         enabled.validate({"cost": 1, "crash": "yes"})
 
 
-def test_a_copy_of_the_minilm_weights_elsewhere_wins(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("FERRY_MINILM_MODEL_DIR", str(tmp_path))
-    assert minilm_model_dir() == tmp_path
-    monkeypatch.setenv("FERRY_MINILM_MODEL_DIR", "")
-    assert (minilm_model_dir() / "model.safetensors").exists()  # the package's own
+def test_fail_inputs_only_when_enabled() -> None:
+    assert "fail" in shipped("sim").input_schema["properties"]
+    with pytest.raises(InputError) as refused:
+        shipped("sim", fail_enabled=False).validate({"cost": 1, "fail": True})
+    assert refused.value.field == "input.fail"

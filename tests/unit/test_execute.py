@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from backends.base import OutOfMemory
 from workers.execute import ItemResult, run_isolating
-from workers.runtimes.base import OutOfMemory
 
 
 class PoisonError(RuntimeError):

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"api", "core", "workers", "scheduler", "ferry", "migrations", "tests", "bench"}
+OURS = {"api", "core", "workers", "scheduler", "ferry", "migrations", "tests", "bench", "backends"}
 ALLOWED = {
+    "backends": {"core"},
     "scheduler": set(),
     "core": set(),
-    "api": {"core"},
-    "workers": {"core", "scheduler"},
+    "api": {"core", "backends"},
+    "workers": {"core", "scheduler", "backends"},
     "migrations": {"core"},
 }
 # The batching policy is a pure function: no clock, no sleeping, no I/O, no torch.

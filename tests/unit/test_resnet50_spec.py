@@ -12,9 +12,13 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from core.catalog import InputError, ResNet50Spec
+from core.catalog import InputError
+from core.inputs import ImageSpec
+from core.repository import CostConfig
 
-SPEC = ResNet50Spec(image_size=224, max_image_bytes=64 * 1024, max_pixels=640 * 480)
+PIXELS = CostConfig("pixels")
+
+SPEC = ImageSpec(image_size=224, max_image_bytes=64 * 1024, max_pixels=640 * 480, cost=PIXELS)
 
 
 def encoded(size: tuple[int, int] = (32, 24), fmt: str = "PNG") -> str:
@@ -53,8 +57,9 @@ def test_refused_inputs_say_why(value: Any, message: str) -> None:
 
 def test_the_check_does_not_import_torch() -> None:
     code = (
-        "import sys, core.catalog as c; "
-        f"spec = c.ResNet50Spec(image_size=224, max_image_bytes=65536, max_pixels=10**6); "
+        "import sys, core.inputs as c; from core.repository import CostConfig; "
+        "spec = c.ImageSpec(image_size=224, max_image_bytes=65536, max_pixels=10**6, "
+        "cost=CostConfig('pixels')); "
         f"assert spec.validate({encoded()!r}).cost == 224 * 224; "
         "loaded = [m for m in ('torch', 'torchvision') if m in sys.modules]; "
         "assert not loaded, loaded"
@@ -82,6 +87,6 @@ def png_header(width: int, height: int) -> str:
 
 def test_a_header_past_pillows_bomb_warning_is_a_422_not_a_500() -> None:
     # 100 M pixels: Pillow warns (warnings are errors in the tests); the limit answers.
-    spec = ResNet50Spec(image_size=224, max_image_bytes=64 * 1024, max_pixels=40_000_000)
+    spec = ImageSpec(image_size=224, max_image_bytes=64 * 1024, max_pixels=40_000_000, cost=PIXELS)
     with pytest.raises(InputError, match="is 10000 x 10000 pixels"):
         spec.validate(png_header(10_000, 10_000))

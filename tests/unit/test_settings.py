@@ -30,7 +30,9 @@ def test_defaults(tmp_path: Path) -> None:
     assert settings.key_prefix == "ferry"
     assert settings.data_dir == Path(".ferry")
     assert settings.model_names == ["minilm", "sim"]
-    assert settings.minilm_overlength == "truncate"
+    # No ./models here: the repository that ships beside Ferry's code.
+    assert settings.model_repository is None
+    assert settings.model_repository_path == Path(__file__).resolve().parents[2] / "models"
     assert settings.sqlalchemy_url == f"sqlite:///{tmp_path.resolve() / '.ferry' / 'ferry.db'}"
 
 
@@ -47,7 +49,12 @@ def test_defaults(tmp_path: Path) -> None:
         ({"FERRY_SCHEDULER": "fixed"}, "scheduler", "fixed"),
         ({"FERRY_MEMORY_THRESHOLD": "0.5"}, "memory_threshold", 0.5),
         ({"FERRY_DOCS_ENABLED": "false"}, "docs_enabled", False),
-        ({"FERRY_MINILM_OVERLENGTH": "refuse"}, "minilm_overlength", "refuse"),
+        ({"FERRY_MODEL_REPOSITORY": "/srv/models"}, "model_repository", Path("/srv/models")),
+        (
+            {"FERRY_MODEL_PARAMETERS": '{"sim": {"latency_base_ms": 5}}'},
+            "model_parameters",
+            {"sim": {"latency_base_ms": 5}},
+        ),
         ({"FERRY_DATA_DIR": "/var/lib/ferry"}, "data_dir", Path("/var/lib/ferry")),
         ({"ferry_api_port": "9001"}, "api_port", 9001),  # case-insensitive
     ],
@@ -124,8 +131,7 @@ def test_model_names(monkeypatch: pytest.MonkeyPatch, models: str, expected: lis
         ("FERRY_BATCH_MAX_COST", "0"),
         ("FERRY_MODEL_SETTINGS", '{"minilm": {"api_port": 1}}'),
         ("FERRY_MODEL_SETTINGS", '{"minilm": {"batch_max_size": 0}}'),
-        ("FERRY_MINILM_OVERLENGTH", "drop"),
-        ("FERRY_MINILM_MAX_TOKENS", "513"),
+        ("FERRY_MODEL_PARAMETERS", '["sim"]'),
         ("FERRY_RESULT_TTL_S", "0"),
         ("FERRY_FLOWER_PASSWORD", "a,b"),  # Flower reads a comma as another user
         ("FERRY_FLOWER_USER", "a:b"),
@@ -168,6 +174,18 @@ def test_model_settings_override_only_their_model(monkeypatch: pytest.MonkeyPatc
     assert (minilm.batch_max_size, minilm.batch_max_cost) == (64, 8192)
     assert (sim.batch_max_size, sim.batch_max_cost) == (16, None)
     assert settings.batch_max_size == 16  # the shared settings are untouched
+
+
+def test_a_models_own_settings_give_way_to_explicit_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # model.toml's [batching] replaces Ferry's defaults, not what the operator set.
+    from_file = {"batch_max_size": 64, "batch_window_max_ms": 7.0, "precision": "bf16"}
+    plain = Settings().for_model("m", from_file)
+    assert (plain.batch_max_size, plain.batch_window_max_ms, plain.precision) == (64, 7.0, "bf16")
+    monkeypatch.setenv("FERRY_BATCH_MAX_SIZE", "16")
+    monkeypatch.setenv("FERRY_MODEL_SETTINGS", '{"m": {"batch_window_max_ms": 3.0}}')
+    explicit = Settings().for_model("m", from_file)
+    assert (explicit.batch_max_size, explicit.batch_window_max_ms) == (16, 3.0)
+    assert explicit.precision == "bf16"
 
 
 def test_window_bounds_must_be_ordered() -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from workers.runtimes.base import OutOfMemory
-from workers.runtimes.sim import SimRuntime, SimulatedFailure
+from backends.base import OutOfMemory
+from backends.sim import SimRuntime, SimulatedFailure
 
 
 class FakeTime:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from backends.base import DeviceLost, OutOfMemory, RuntimeOptions
 from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
-from workers.runtimes.base import DeviceLost, OutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -141,21 +141,13 @@ class TorchRuntime:
     name: str
     cpu_budget_bytes: float = 4 * 2**30
 
-    def __init__(
-        self,
-        device: str,
-        precision: str = "fp32",
-        budget_bytes: int | None = None,
-        warmup_batch: int = 1,
-        memory_fraction: float = 0.9,
-        reclaim_bytes: int = 2**30,
-    ) -> None:
-        self.device = device
-        self.precision = precision
-        self.budget_bytes = budget_bytes
-        self.warmup_batch = warmup_batch
-        self.memory_fraction = memory_fraction
-        self.reclaim_bytes = reclaim_bytes
+    def __init__(self, options: RuntimeOptions) -> None:
+        self.device = options.device
+        self.precision = options.precision
+        self.budget_bytes = options.budget_bytes
+        self.warmup_batch = options.warmup_batch
+        self.memory_fraction = options.memory_fraction
+        self.reclaim_bytes = options.reclaim_bytes
         self._model: Any = None
         self._weights_bytes = 0
         # On a CUDA device only: the model's own stream and its memory share.
@@ -290,6 +282,22 @@ class TorchRuntime:
             run(inputs)
             best = min(best, time.perf_counter() - started)
         return best
+
+
+def calibrate_text(runtime: Any, longest: str) -> tuple[float, float, float]:
+    """``(a, b, span)`` for a padded text model: a short and a long batch, timed.
+
+    ``runtime`` has ``run``, ``_timed``, ``_tokenizer`` and ``max_tokens``;
+    ``longest`` is a text of about ``max_tokens`` tokens.
+    """
+    short = "a short sentence"
+    small = runtime._timed(runtime.run, [short])
+    span_items = 16
+    large = runtime._timed(runtime.run, [longest] * span_items)
+    small_work = len(runtime._tokenizer.encode(short).ids)
+    span = span_items * runtime.max_tokens
+    slope = max(0.0, (large - small) / max(span - small_work, 1))
+    return max(0.0, small - slope * small_work), slope, float(span)
 
 
 def check_device(torch: Any, device: Any, exc: BaseException) -> None:

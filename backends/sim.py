@@ -1,4 +1,8 @@
-"""The simulated accelerator: a batch takes ``base + per_cost x cost`` ms.
+"""The ``sim`` backend, a simulated accelerator: a batch takes ``base + per_cost x cost`` ms.
+
+For measuring batching, and for capacity planning, on a machine without a
+GPU: a model of this backend declares its device's latency and memory in
+[parameters] and takes JSON inputs priced by a member (``{"cost": n}``).
 
 Like a GPU it computes asynchronously: ``launch`` queues a batch behind the
 ones before it and returns at once; ``collect`` waits until it is done. It
@@ -15,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.runtimes.base import OutOfMemory
+from backends.base import OutOfMemory, RuntimeOptions, parameter_problems
+from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
 
 SIM_MEMORY_BUDGET_BYTES = 8 * 2**30
 CRASH_EXIT_CODE = 70  # the simulated device's memory unless told otherwise
@@ -37,6 +42,8 @@ class SimRuntime:
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     name: str = "sim"
+    # Only where the model enables it (the API refuses the member otherwise).
+    crash_enabled: bool = True
     device: str = "sim"
     padded: bool = False
     # Like a GPU's stream: a launched batch computes while the worker goes on.
@@ -86,7 +93,7 @@ class SimRuntime:
                 f"simulated out of memory: the batch needs {needed} bytes, "
                 f"the device has {self.memory_capacity_bytes}"
             )
-        if any(item.get("crash") for item in prepared):
+        if self.crash_enabled and any(item.get("crash") for item in prepared):
             # Die as a segfault would: no cleanup, no acknowledgement.
             os._exit(CRASH_EXIT_CODE)
         device_s = self.latency_ms(batch_cost) / 1000.0
@@ -117,3 +124,68 @@ class SimLaunched:
         left = self.ready_at - self.runtime.clock()
         if left > 0:
             self.runtime.sleep(left)
+
+
+PARAMETERS: dict[str, type | tuple[type, ...]] = {
+    "latency_base_ms": (int, float),
+    "latency_per_cost_ms": (int, float),
+    "memory_base_bytes": int,
+    "memory_per_cost_bytes": int,
+    # Raise a simulated out-of-memory error above this much memory (0: never).
+    "memory_capacity_bytes": int,
+    # CPU time spent preparing each input (busy work, as a tokeniser's).
+    "prepare_ms_per_item": (int, float),
+    # Inputs may ask to kill the worker running them ({"crash": true}): fault tests only.
+    "crash_enabled": bool,
+    # Inputs may ask to fail ({"fail": true}).
+    "fail_enabled": bool,
+}
+
+
+class SimBackend:
+    name = "sim"
+    input_kinds = frozenset({"json"})
+    uses_device = False
+
+    def check(self, model: ModelConfig, version: ModelVersion) -> list[Problem]:
+        problems = parameter_problems(model, PARAMETERS)
+        for key in PARAMETERS:
+            value = model.parameters.get(key, 0)
+            if not isinstance(value, bool) and isinstance(value, int | float) and value < 0:
+                file = model.where()
+                problems.append(Problem(file, f"parameters.{key}", "must not be negative"))
+        if model.cost.function != "field":
+            file = model.where()
+            problems.append(
+                Problem(file, "cost.function", "sim prices inputs by a member: function = 'field'")
+            )
+        return problems
+
+    def input_config(self, model: ModelConfig) -> InputConfig:
+        """The model's schema, with the ``crash`` and ``fail`` members only where enabled."""
+        schema = dict(model.input.schema or {})
+        properties = dict(schema.get("properties", {}))
+        for member, key in (("crash", "crash_enabled"), ("fail", "fail_enabled")):
+            if not model.parameters.get(key, member == "fail"):
+                properties.pop(member, None)
+        schema["properties"] = properties
+        return InputConfig(kind="json", schema=schema)
+
+    def runtime(
+        self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions
+    ) -> SimRuntime:
+        p = model.parameters
+        return SimRuntime(
+            latency_base_ms=float(p.get("latency_base_ms", 20.0)),
+            latency_per_cost_ms=float(p.get("latency_per_cost_ms", 0.5)),
+            memory_base_bytes=int(p.get("memory_base_bytes", 64 * 2**20)),
+            memory_per_cost_bytes=int(p.get("memory_per_cost_bytes", 2**20)),
+            memory_capacity_bytes=int(p.get("memory_capacity_bytes", 0)),
+            prepare_ms_per_item=float(p.get("prepare_ms_per_item", 0.0)),
+            budget_bytes=options.budget_bytes,
+            name=model.name,
+            crash_enabled=bool(p.get("crash_enabled", False)),
+        )
+
+
+BACKENDS = {"sim": SimBackend()}

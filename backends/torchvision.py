@@ -1,4 +1,8 @@
-"""ResNet-50 image classification: torchvision's architecture, weights from a file.
+"""The ``torchvision`` backend: image classification with a torchvision architecture.
+
+``architecture`` names the network (``resnet50`` by default: torchvision's
+ResNet-50, or a built-in copy of it with the same parameter names when
+torchvision is absent; any other name needs torchvision).
 
 Inputs are encoded images (base64 JPEG or PNG). They are decoded and resized
 on a pool of CPU threads (Pillow releases the GIL while it works), resized so
@@ -7,12 +11,11 @@ the shorter side is 256/224 of ``image_size`` and centre-cropped to
 in ``channels_last`` layout. Each output is the top five ImageNet classes with
 their probabilities, and says where the weights came from.
 
-The weights are a ``state_dict`` file (``FERRY_RESNET50_WEIGHTS``, for example
-torchvision's ``resnet50-11ad3fa6.pth``). Random weights are used only when
-``FERRY_RESNET50_RANDOM_WEIGHTS`` asks for them (benchmarks), and then every
-output says ``"weights": "random"``. The network is torchvision's when it is
-installed; otherwise the same architecture, with the same parameter names, is
-built here, so the same weight files load into either.
+The weights are a ``state_dict`` file in the version's folder (parameter
+``weights``, for example torchvision's ``resnet50-11ad3fa6.pth``; an absolute
+path, or ``FERRY_<MODEL>_WEIGHTS``, may point elsewhere). Random weights are
+used only when ``random_weights`` asks for them (benchmarks), and then every
+output says ``"weights": "random"``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from workers.runtimes.base import autocast
-from workers.runtimes.cuda import PinnedStager, TorchRuntime
+from backends.base import RuntimeOptions, autocast, parameter_problems
+from backends.torch_runtime import PinnedStager, TorchRuntime
+from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
 
 # Activations per input pixel, a deliberate over-estimate (about 100 MB per
 # 224 x 224 image in fp32) used where peak memory cannot be measured.
@@ -33,35 +37,109 @@ MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
 
-class ResNet50Runtime(TorchRuntime):
-    name = "resnet50"
+PARAMETERS: dict[str, type | tuple[type, ...]] = {
+    "architecture": str,
+    "weights": str,
+    "random_weights": bool,
+    "decode_threads": int,
+    "top_k": int,
+}
+
+
+class TorchvisionBackend:
+    name = "torchvision"
+    input_kinds = frozenset({"image"})
+    uses_device = True
+
+    def check(self, model: ModelConfig, version: ModelVersion) -> list[Problem]:
+        problems = parameter_problems(model, PARAMETERS)
+        threads, top_k = model.parameters.get("decode_threads", 4), model.parameters.get("top_k", 5)
+        for key, value, low, high in (
+            ("decode_threads", threads, 1, 64),
+            ("top_k", top_k, 1, 1000),
+        ):
+            if isinstance(value, int) and not low <= value <= high:
+                problems.append(
+                    Problem(model.where(), f"parameters.{key}", f"must be {low} to {high}")
+                )
+        if model.parameters.get("random_weights"):
+            return problems
+        weights = model.parameter_path("weights", version.number)
+        if weights is None:
+            problems.append(
+                Problem(
+                    model.where(),
+                    "parameters.weights",
+                    "is missing: a state_dict file (or random_weights = true, for benchmarks)",
+                )
+            )
+        elif not weights.is_file():
+            problems.append(
+                Problem(
+                    model.where(version.folder),
+                    "",
+                    f"{weights.name} is missing (parameters.weights; "
+                    f"{_env_hint(model)} may point elsewhere)",
+                )
+            )
+        return problems
+
+    def input_config(self, model: ModelConfig) -> InputConfig:
+        return model.input
+
+    def runtime(
+        self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions
+    ) -> TorchvisionRuntime:
+        p = model.parameters
+        random_weights = bool(p.get("random_weights", False))
+        return TorchvisionRuntime(
+            name=model.name,
+            options=options,
+            architecture=str(p.get("architecture", "resnet50")),
+            weights=None if random_weights else model.parameter_path("weights", version.number),
+            random_weights=random_weights,
+            image_size=model.input.image_size,
+            decode_threads=int(p.get("decode_threads", 4)),
+            top_k=int(p.get("top_k", 5)),
+        )
+
+
+def _env_hint(model: ModelConfig) -> str:
+    from core.repository import env_name
+
+    return env_name(model.name, "weights")
+
+
+BACKENDS = {"torchvision": TorchvisionBackend()}
+
+
+class TorchvisionRuntime(TorchRuntime):
     padded = False  # every image is resized to the same shape
 
     def __init__(
         self,
-        device: str,
+        name: str,
+        options: RuntimeOptions,
+        architecture: str,
         weights: Path | None,
         random_weights: bool = False,
         image_size: int = 224,
-        precision: str = "fp32",
-        budget_bytes: int | None = None,
-        warmup_batch: int = 1,
-        memory_fraction: float = 0.9,
-        reclaim_bytes: int = 2**30,
         decode_threads: int = 4,
+        top_k: int = 5,
     ) -> None:
         if weights is None and not random_weights:
             raise ValueError(
-                "resnet50 needs weights: set FERRY_RESNET50_WEIGHTS to a state_dict file "
-                "(or FERRY_RESNET50_RANDOM_WEIGHTS=true for a benchmark)"
+                f"{name} needs weights: a state_dict file (parameters.weights, or "
+                f"FERRY_{name.upper()}_WEIGHTS), or random_weights for a benchmark"
             )
-        super().__init__(
-            device, precision, budget_bytes, warmup_batch, memory_fraction, reclaim_bytes
-        )
+        super().__init__(options)
+        self.name = name
+        self.architecture = architecture
         self.weights = weights
         self.weights_kind = "file" if weights is not None else "random"
         self.image_size = image_size
-        self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="resnet50-decode")
+        self.top_k = top_k
+        self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix=f"{name}-decode")
 
     def load(self) -> None:
         import torch
@@ -69,18 +147,20 @@ class ResNet50Runtime(TorchRuntime):
         self._take_device()
         if self.weights is None:
             torch.manual_seed(0)  # the same random network in every process
-        model = build_resnet50()
+        model = build_network(self.architecture)
         if self.weights is not None:
             state = torch.load(self.weights, map_location="cpu", weights_only=True)
             try:
                 result = model.load_state_dict(state, strict=False)
             except RuntimeError as exc:  # tensors of the wrong shapes
-                raise ValueError(f"{self.weights} is not a ResNet-50 state_dict: {exc}") from exc
+                raise ValueError(
+                    f"{self.weights} is not a {self.architecture} state_dict: {exc}"
+                ) from exc
             # Older files lack the batch norms' counters, which inference never reads.
             missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
             if missing or result.unexpected_keys:
                 raise ValueError(
-                    f"{self.weights} is not a ResNet-50 state_dict "
+                    f"{self.weights} is not a {self.architecture} state_dict "
                     f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
                 )
         self._weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -162,10 +242,10 @@ class ResNet50Runtime(TorchRuntime):
         import torch
 
         probabilities = torch.softmax(logits, dim=1)
-        scores, classes = probabilities.topk(5, dim=1)
+        scores, classes = probabilities.topk(min(self.top_k, probabilities.shape[1]), dim=1)
         return [
             {
-                "top5": [
+                f"top{self.top_k}": [
                     {"class": int(c), "score": round(float(s), 6)}
                     for c, s in zip(row_classes.tolist(), row_scores.tolist(), strict=True)
                 ],
@@ -175,14 +255,21 @@ class ResNet50Runtime(TorchRuntime):
         ]
 
 
+def build_network(architecture: str) -> Any:
+    """torchvision's ``architecture``, untrained; ResNet-50 (v1.5) is built here without it."""
+    try:
+        from torchvision.models import get_model
+
+        return get_model(architecture, weights=None)
+    except Exception as exc:  # not installed, or a build that does not match this torch
+        if architecture == "resnet50":
+            return _resnet50()
+        raise ValueError(f"torchvision cannot build {architecture!r} here ({exc})") from exc
+
+
 def build_resnet50() -> Any:
     """torchvision's ResNet-50 (v1.5: the stride in the 3 x 3 convolution), untrained."""
-    try:
-        from torchvision.models import resnet50
-
-        return resnet50(weights=None)
-    except Exception:  # not installed, or a build that does not match this torch
-        return _resnet50()
+    return build_network("resnet50")
 
 
 def _resnet50() -> Any:

@@ -1,0 +1,202 @@
+"""The repository, checked with its backends, and the API's catalog built from it.
+
+``check`` is what ``ferry models check`` prints and what ``ferry up``, the
+API and the workers refuse to start on: every problem of the repository's
+files (core.repository) and of each model's backend (its files, its
+parameters, its input kind), each naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import replace
+
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from backends import UnknownBackend, get_backend
+from backends.base import Runtime, RuntimeOptions, resolve_device
+from core.catalog import ModelSpec
+from core.inputs import input_spec
+from core.repository import ModelConfig, Problem, Repository, load_repository
+from core.settings import PER_MODEL, Settings, knob_problem
+
+
+def repository_for(settings: Settings) -> Repository:
+    """The repository FERRY_MODEL_REPOSITORY names, FERRY_MODEL_PARAMETERS applied."""
+    return load_repository(
+        settings.model_repository_path,
+        overrides=settings.model_parameters,
+        known_settings=PER_MODEL,
+    )
+
+
+def served_models(settings: Settings, repository: Repository) -> list[str]:
+    """The models this deployment serves: FERRY_MODELS, or every model of the repository."""
+    return settings.model_names or sorted(repository.models)
+
+
+def check(repository: Repository, served: Collection[str] | None = None) -> list[Problem]:
+    """Every problem of ``repository``; those of models not ``served`` are only warnings."""
+    problems = list(repository.problems)
+    for model in repository.models.values():
+        found = model_problems(model)
+        if served is not None and model.name not in served:
+            found = [replace(p, warning=True) for p in found]
+        problems += found
+    if served is not None:
+        for name in served:
+            # A folder whose model.toml has errors is reported already.
+            if name not in repository.models and not (repository.root / name).is_dir():
+                known = ", ".join(sorted(repository.models)) or "none"
+                problems.append(
+                    Problem(
+                        str(repository.root),
+                        "",
+                        f"has no model {name!r} (FERRY_MODELS lists it; the repository has: "
+                        f"{known})",
+                    )
+                )
+    return problems
+
+
+def model_problems(model: ModelConfig, versions: Collection[int] | None = None) -> list[Problem]:
+    """The backend's problems with one model: input kind, settings, each version (or those)."""
+    problems = []
+    for name, value in model.settings.items():
+        reason = knob_problem(name, value)
+        if reason:
+            table = "memory" if name.startswith(("memory", "gpu")) else "batching"
+            field = "precision" if name == "precision" else f"{table}.{name}"
+            problems.append(Problem(model.where(), field, reason))
+    try:
+        backend = get_backend(model.backend)
+    except UnknownBackend as exc:
+        return [*problems, Problem(model.where(), "backend", str(exc))]
+    if model.input.kind not in backend.input_kinds:
+        kinds = ", ".join(sorted(backend.input_kinds))
+        problems.append(
+            Problem(
+                model.where(),
+                "input.kind",
+                f"{model.backend} takes {kinds} inputs, not {model.input.kind}",
+            )
+        )
+        return problems
+    for version in model.versions.values():
+        if versions is None or version.number in versions:
+            problems += backend.check(model, version)
+    return problems
+
+
+def build_catalog(settings: Settings, repository: Repository | None = None) -> dict[str, ModelSpec]:
+    """A spec for each model served; raises core.repository.RepositoryError on an error."""
+    from core.repository import RepositoryError
+
+    repository = repository or repository_for(settings)
+    served = served_models(settings, repository)
+    errors = [p for p in check(repository, served) if not p.warning]
+    if errors:
+        raise RepositoryError(errors)
+    catalog = {}
+    for name in served:
+        model = repository[name]
+        backend = get_backend(model.backend)
+        as_checked = replace(model, input=backend.input_config(model))
+        catalog[name] = ModelSpec(
+            name=name,
+            description=model.description,
+            backend=model.backend,
+            active_version=model.active_version,
+            versions=tuple(sorted(model.versions)),
+            max_batch_size=settings.for_model(name, model.settings).batch_max_size,
+            input=input_spec(as_checked),
+        )
+    return catalog
+
+
+class LiveVersions:
+    """Each served model's versions and active version as they are now.
+
+    Re-read (the repository's version folders, the database's activations)
+    at most every ``poll_s``, so a new version or an activation is seen by
+    the API as soon as by the workers.
+    """
+
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker[Session], poll_s: float = 1.0
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._read_at = -float("inf")
+        self._repository: Repository | None = None
+        self._activated: dict[str, int] = {}
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._read_at < self.poll_s and self._repository is not None:
+            return
+        self._read_at = now
+        self._repository = repository_for(self.settings)
+        from core.db import ModelActivation
+
+        with self.sessions() as session:
+            rows = session.execute(select(ModelActivation.model, ModelActivation.version)).all()
+        self._activated = {row.model: row.version for row in rows}
+
+    def of(self, spec: ModelSpec) -> tuple[tuple[int, ...], int]:
+        """``(versions, active)`` of the model; the catalog's own if it cannot be read now."""
+        with self._lock:
+            try:
+                self._refresh()
+            except (OSError, SQLAlchemyError):
+                return spec.versions, spec.active_version
+            model = self._repository.models.get(spec.name) if self._repository else None
+        if model is None:
+            return spec.versions, spec.active_version
+        chosen = self._activated.get(spec.name)
+        active = chosen if chosen is not None and chosen in model.versions else model.active_version
+        return tuple(sorted(model.versions)), active
+
+    def model(self, name: str) -> ModelConfig | None:
+        with self._lock:
+            self._refresh()
+            return self._repository.models.get(name) if self._repository else None
+
+
+def load_runtime(
+    model: ModelConfig,
+    settings: Settings,
+    version: int | None = None,
+    device: str | None = None,
+) -> Runtime:
+    """Build and load ``model``'s runtime for ``version`` (None: the active one).
+
+    ``settings`` must carry the model's own (``Settings.for_model``). Raises
+    core.repository.RepositoryError when the model's backend finds a problem,
+    before anything is loaded.
+    """
+    from core.repository import RepositoryError
+
+    number = model.active_version if version is None else version
+    errors = model_problems(model, [number])
+    if errors:
+        raise RepositoryError(errors)
+    backend = get_backend(model.backend)
+    options = RuntimeOptions(
+        device="sim" if not backend.uses_device else resolve_device(device or settings.device),
+        precision=settings.precision,
+        budget_bytes=settings.memory_budget_bytes,
+        # The largest batch the scheduler may send: warmed up at start-up.
+        warmup_batch=settings.batch_max_size,
+        memory_fraction=settings.gpu_memory_fraction,
+        reclaim_bytes=settings.gpu_reclaim_bytes,
+    )
+    runtime = backend.runtime(model, model.version(number), options)
+    runtime.load()
+    return runtime

@@ -1,0 +1,169 @@
+"""Version states in Redis, activations in the database, and the version manager's decisions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from backends.base import HostRuntime, Runtime
+from core.repository import ModelConfig
+from core.settings import Settings
+from core.streams import workers_key
+from core.versions import activate, active_version, report, version_states
+from tests.integration.test_hot_reload import echo_repository
+from workers.versions import Loaded, VersionManager
+
+
+class Stub(HostRuntime):
+    name = "echo"
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def load(self) -> None:
+        return None
+
+    def compute(self, prepared: list[int]) -> list[int]:
+        return prepared
+
+
+def test_states_are_gathered_over_the_live_workers(redis_url: str, key_prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    now = time.time()
+    client.zadd(workers_key(key_prefix, "m"), {"a": now, "b": now, "gone": now - 3600})
+    report(client, key_prefix, "m", "a", 1, "ready")
+    report(client, key_prefix, "m", "b", 1, "draining")
+    report(client, key_prefix, "m", "b", 2, "loading")
+    report(client, key_prefix, "m", "a", 3, "failed", "bad weights")
+    report(client, key_prefix, "m", "gone", 4, "ready")  # a dead worker's: not shown
+    report(client, key_prefix, "m", "gone", 5, "failed", "out of memory")  # shown a while
+    states = version_states(client, key_prefix, "m")
+    assert {v: (s.state, s.workers) for v, s in states.items()} == {
+        1: ("ready", 1), 2: ("loading", 1), 3: ("failed", 1), 5: ("failed", 1),
+    }  # fmt: skip
+    assert (states[3].reason, states[5].reason) == ("bad weights", "out of memory")
+    report(client, key_prefix, "m", "a", 1, None)  # a unloads version 1
+    assert version_states(client, key_prefix, "m")[1].state == "draining"
+    later = version_states(client, key_prefix, "m", now=now + 7200)
+    assert 5 not in later  # an old failure of a gone worker is forgotten
+
+
+def test_an_activation_wins_only_for_a_version_in_the_repository(
+    settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    model = echo(tmp_path)
+    with sessions() as session:
+        assert active_version(session, model) == 1  # model.toml's active_version
+        activate(session, model, 2)
+        assert active_version(session, model) == 2
+        gone = ModelConfig(**{**model.__dict__, "versions": {1: model.versions[1]}})
+        assert active_version(session, gone) == 1  # version 2's folder was removed
+
+
+def echo(tmp_path: Path) -> ModelConfig:
+    from backends.catalog import repository_for
+
+    echo_repository(tmp_path / "models")
+    return repository_for(Settings(model_repository=tmp_path / "models", models="echo"))["echo"]
+
+
+def test_the_manager_loads_the_active_version_once_and_does_not_retry_a_failure(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    model = echo(tmp_path)
+    loads: list[int] = []
+
+    def load(config: ModelConfig, version: int) -> Runtime:
+        loads.append(version)
+        if (config.versions[version].files / "BROKEN").exists():
+            raise ValueError("cannot load: BROKEN\nsecond line not shown")
+        return Stub(version)
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.zadd(workers_key(key_prefix, "echo"), {"w": time.time()})
+    manager = VersionManager(
+        "echo", Loaded(1, Stub(1)), lambda: echo_again(tmp_path), load, sessions, client,
+        key_prefix, "w", poll_s=0.0,
+    )  # fmt: skip
+    manager.start()
+    assert manager.poll() is None and loads == []  # 1 is active and served
+
+    broken = tmp_path / "models" / "echo" / "2" / "BROKEN"
+    broken.write_text("x")
+    with sessions() as session:
+        activate(session, model, 2)
+    assert manager.poll() is None  # the load starts on its thread
+    assert until(lambda: manager.poll() is None and manager.failed(2))
+    states = version_states(client, key_prefix, "echo")
+    assert (states[2].state, states[2].reason) == ("failed", "cannot load: BROKEN")
+    assert states[1].state == "ready"
+    for _ in range(5):
+        assert manager.poll() is None
+    assert loads == [2]  # not tried again while nothing changed
+
+    broken.unlink()  # the version's files changed: it is tried again, and loads
+    loaded = until(manager.poll)
+    assert isinstance(loaded, Loaded) and loaded.version == 2 and loads == [2, 2]
+    old = manager.switched(loaded)
+    assert old.version == 1
+    assert version_states(client, key_prefix, "echo")[1].state == "draining"
+    manager.unloaded(old)
+    assert set(version_states(client, key_prefix, "echo")) == {2}
+    manager.stop()
+
+
+def echo_again(tmp_path: Path) -> ModelConfig:
+    from backends.catalog import repository_for
+
+    return repository_for(Settings(model_repository=tmp_path / "models", models="echo"))["echo"]
+
+
+def until(probe: object, timeout: float = 10.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = probe()  # type: ignore[operator]
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_a_job_pinned_to_a_version_no_longer_active_fails_and_says_why(
+    settings: Settings, sessions: sessionmaker[Session], auth: dict[str, str], tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from tests.integration.conftest import RunningLoop
+    from tests.integration.test_worker import submit, wait_terminal
+    from workers.main import build_loop
+
+    model = echo(tmp_path)
+    live = settings.model_copy(
+        update={"model_repository": tmp_path / "models", "models": "echo",
+                "model_parameters": {}, "model_poll_s": 0.1}
+    )  # fmt: skip
+    with TestClient(create_app(live)) as client:
+        old = submit(client, auth, model="echo@1", input=7)
+        with sessions() as session:
+            activate(session, model, 2)
+        with RunningLoop(build_loop(live, "echo", name="echo-w")):
+            new = submit(client, auth, model="echo", version=2, input=8)
+            rows = wait_terminal(sessions, [old, new], timeout=30)
+        assert (rows[old].status, rows[old].error) == (
+            "failed", "version 1 of echo is not served now (the active version is 2; serving 2)",
+        )  # fmt: skip
+        assert (rows[new].status, rows[new].model_version, rows[new].requested_version) == (
+            "succeeded", 2, 2,
+        )  # fmt: skip
+        assert rows[new].output == {"v": 2, "x": 8}
+        refused = client.post("/v1/jobs", json={"model": "echo@1", "input": 1}, headers=auth)
+        assert refused.status_code == 422
+        assert "echo@1 takes no jobs; its active version is 2" in refused.text

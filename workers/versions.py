@@ -1,0 +1,220 @@
+"""Hot reload: a worker follows its model's active version without losing a job.
+
+Every ``poll_s`` the worker reads the repository again (a new version folder,
+a changed ``active_version``) and the database's activation. When the active
+version is not the one it serves, it loads that version on a thread of its
+own, beside the one serving, and warms it up; the batch loop then switches
+new batches to it at the next step, lets the batch of the old version that
+is on the device finish with its own runtime, and drops the old one. A
+version that fails to load (bad weights, wrong shapes, a backend problem,
+out of memory) leaves the old one serving; its state says why, and it is not
+tried again until the repository or the activation changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from backends.base import OutOfMemory, Runtime
+from core.repository import ModelConfig
+from core.versions import active_version, report
+
+log = logging.getLogger(__name__)
+
+# A worker that stops to load another version in a fresh process (not enough
+# memory beside the one it serves): `ferry up` starts it again at once.
+RESTART_EXIT_CODE = 76
+# How long one worker of a model may hold its turn to restart.
+RESTART_TURN_S = 600
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A version loaded and warmed up, ready to take batches."""
+
+    version: int
+    runtime: Runtime
+
+
+# Reads the model's config as the repository has it now (None: gone or broken).
+ReadConfig = Callable[[], ModelConfig | None]
+# Builds, loads and warms up ``version`` of the model.
+LoadVersion = Callable[[ModelConfig, int], Runtime]
+
+
+class VersionManager:
+    """Decides when the worker loads another version; the loop switches to it."""
+
+    def __init__(
+        self,
+        model: str,
+        serving: Loaded,
+        read_config: ReadConfig,
+        load: LoadVersion,
+        sessions: sessionmaker[Session],
+        client: redis.Redis,
+        prefix: str,
+        consumer: str,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.serving = serving
+        self.read_config = read_config
+        self.load = load
+        self.sessions = sessions
+        self.client = client
+        self.prefix = prefix
+        self.consumer = consumer
+        self.poll_s = poll_s
+        self.clock = clock
+        self._next_poll = 0.0
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"load-{model}")
+        self._loading: tuple[int, Future[Runtime]] | None = None
+        # A version that failed, with what it failed on: not tried again until that changes.
+        self._failed: dict[int, str] = {}
+        self._signature = ""
+        self._lock = threading.Lock()
+        # The version the worker should serve, as of the last poll.
+        self.wanted = serving.version
+        # A version that did not fit beside the one serving: the worker
+        # restarts to load it alone, when it is its turn.
+        self.restart_for: int | None = None
+
+    def start(self) -> None:
+        self._report(self.serving.version, "ready")
+        # Serving again after a restart: the next worker may take its turn.
+        with contextlib.suppress(redis.RedisError):
+            key = restart_key(self.prefix, self.model)
+            if self.client.get(key) == self.consumer:
+                self.client.delete(key)
+
+    def poll(self) -> Loaded | None:
+        """A version loaded and ready to switch to, when there is one; never blocks on a load."""
+        with self._lock:
+            if self._loading is not None:
+                return self._loaded()
+            now = self.clock()
+            if now < self._next_poll:
+                return None
+            self._next_poll = now + self.poll_s
+            config = self.read_config()
+            if config is None:
+                return None
+            try:
+                with self.sessions() as session:
+                    wanted = active_version(session, config)
+            except SQLAlchemyError:
+                return None  # the database is away: keep serving what is loaded
+            self.wanted = wanted
+            if wanted == self.serving.version:
+                return None
+            signature = _signature(config, wanted)
+            if self._failed.get(wanted) == signature:
+                return None
+            self._failed.pop(wanted, None)
+            log.info(
+                "loading another version",
+                extra={"model": self.model, "version": wanted, "serving": self.serving.version},
+            )
+            self._report(wanted, "loading")
+            self._loading = (wanted, self._loader.submit(self.load, config, wanted))
+            self._signature = signature
+            return None
+
+    def _loaded(self) -> Loaded | None:
+        assert self._loading is not None
+        version, future = self._loading
+        if not future.done():
+            return None
+        self._loading = None
+        try:
+            runtime = future.result()
+        except Exception as exc:
+            reason = (str(exc) or type(exc).__name__).splitlines()[0][:500]
+            if out_of_memory(exc):
+                # It may fit alone: the worker restarts to load it, one worker at a time.
+                self.restart_for = version
+                self._report(
+                    version,
+                    "loading",
+                    f"no room beside version {self.serving.version}; the worker restarts to "
+                    f"load it ({reason})",
+                )
+                return None
+            self._failed[version] = self._signature
+            self._report(version, "failed", reason)
+            log.error(
+                "version failed to load; the one serving goes on",
+                extra={"model": self.model, "version": version, "reason": reason,
+                       "serving": self.serving.version},
+            )  # fmt: skip
+            return None
+        return Loaded(version, runtime)
+
+    def take_restart_turn(self) -> bool:
+        """Whether this worker may restart now: one worker of the model at a time."""
+        key = restart_key(self.prefix, self.model)
+        try:
+            taken = self.client.set(key, self.consumer, nx=True, ex=RESTART_TURN_S)
+            return bool(taken) or self.client.get(key) == self.consumer
+        except redis.RedisError:
+            return False
+
+    def failed(self, version: int) -> bool:
+        """Whether this worker could not load ``version`` (and will not try it again as it is)."""
+        return version in self._failed
+
+    def switched(self, new: Loaded) -> Loaded:
+        """The loop switched new batches to ``new``; returns the one it replaced (draining)."""
+        old, self.serving = self.serving, new
+        self._report(new.version, "ready")
+        self._report(old.version, "draining")
+        log.info(
+            "switched version",
+            extra={"model": self.model, "version": new.version, "previous": old.version},
+        )
+        return old
+
+    def unloaded(self, old: Loaded) -> None:
+        """The old version's last batch is done: it is dropped."""
+        self._report(old.version, None)
+
+    def stop(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._report(self.serving.version, None)
+
+    def _report(self, version: int, state: str | None, reason: str | None = None) -> None:
+        # Advisory (what GET /v1/models shows): the worker goes on without it.
+        with contextlib.suppress(redis.RedisError):
+            report(self.client, self.prefix, self.model, self.consumer, version, state, reason)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether a load failed for want of memory (torch's CUDA error, or the host's)."""
+    return isinstance(exc, OutOfMemory | MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def restart_key(prefix: str, model: str) -> str:
+    """Which worker of the model is restarting to load another version (one at a time)."""
+    return f"{prefix}:{{{model}}}:restarting"
+
+
+def _signature(config: ModelConfig, version: int) -> str:
+    """What a version's load depends on: its model.toml and its folder, as of now."""
+    folder = config.versions[version].files
+    stamps = [config.config_file.stat().st_mtime_ns]
+    with contextlib.suppress(OSError):
+        stamps += sorted(entry.stat().st_mtime_ns for entry in os.scandir(folder))
+    return f"{version}:{stamps}"
