@@ -195,7 +195,7 @@ def test_a_worker_restarting_for_another_version_is_started_again_at_once() -> N
         child.process.wait()
         assert child.check(0.0, env)  # the same instant: no backoff
         assert child.restart_at is None and child.process is not None
-    assert child.process is not first and not child.crashes
+    assert child.process is not None and child.process is not first and not child.crashes
     child.process.wait()
 
 
