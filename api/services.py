@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
+import re
 import time
 import uuid
 import weakref
@@ -105,7 +106,7 @@ def resolve_model(
     """
     name, at, suffix = model.partition("@")
     if at:
-        if not suffix.isdigit() or int(suffix) < 1:
+        if not re.fullmatch(r"[1-9][0-9]{0,8}", suffix):
             raise ApiError(
                 422, "invalid_request", f"model: {model!r} must be 'name' or 'name@N' (N a version)"
             )

@@ -88,6 +88,16 @@ def model_problems(model: ModelConfig, versions: Collection[int] | None = None) 
         return problems
     for version in model.versions.values():
         if versions is None or version.number in versions:
+            tokenizer = model.tokenizer_path(version.number)
+            if tokenizer is not None and not tokenizer.is_file():
+                problems.append(
+                    Problem(
+                        model.where(version.folder),
+                        "",
+                        f"{model.input.tokenizer} is missing (input.tokenizer; the API counts "
+                        "tokens with it)",
+                    )
+                )
             problems += backend.check(model, version)
     return problems
 
@@ -139,7 +149,9 @@ class LiveVersions:
 
     def _refresh(self) -> None:
         now = time.monotonic()
-        if now - self._read_at < self.poll_s and self._repository is not None:
+        # poll_s 0: workers never follow a change, so neither does the API.
+        fresh = self.poll_s == 0 or now - self._read_at < self.poll_s
+        if fresh and self._repository is not None:
             return
         self._read_at = now
         self._repository = repository_for(self.settings)
@@ -154,7 +166,7 @@ class LiveVersions:
         with self._lock:
             try:
                 self._refresh()
-            except (OSError, SQLAlchemyError):
+            except (OSError, SQLAlchemyError, ValueError):
                 return spec.versions, spec.active_version
             model = self._repository.models.get(spec.name) if self._repository else None
         if model is None:

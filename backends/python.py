@@ -12,14 +12,16 @@ model's folder), or else an importable module. The class follows
 
 Optional attributes tell the scheduler more: ``padded`` (a batch costs
 ``n x max cost``), ``declared_memory() -> (base_bytes, bytes_per_cost)``.
-The example in examples/models/doubler is one such model.
+The example in examples/models/text-stats is one such model.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,10 +62,11 @@ class PythonBackend:
                     "importable module, and the class in it)",
                 )
             )
-        elif (
-            module_file(model, version, module) is None
-            and importlib.util.find_spec(module.split(".")[0]) is None
-        ):
+        elif (path := module_file(model, version, module)) is not None:
+            problem = class_problem(path, attribute)
+            if problem:
+                problems.append(Problem(model.where(path), "", problem))
+        elif not _importable(module):
             problems.append(
                 Problem(
                     model.where(version.folder),
@@ -95,6 +98,33 @@ def module_file(model: ModelConfig, version: ModelVersion, module: str) -> Path 
     return None
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def class_problem(path: Path, name: str) -> str | None:
+    """Why ``path`` does not define class ``name`` (read, never run: the API runs no user code)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
+        return f"cannot be read as Python ({exc})"
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return None
+        if isinstance(node, ast.Assign | ast.ImportFrom) and name in _bound_names(node):
+            return None  # bound another way (an alias, an import): found when loaded
+    return f"defines no class {name!r} (parameters.class names it)"
+
+
+def _bound_names(node: ast.Assign | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.ImportFrom):
+        return {alias.asname or alias.name for alias in node.names}
+    return {t.id for t in node.targets if isinstance(t, ast.Name)}
+
+
 def load_class(model: ModelConfig, version: ModelVersion) -> Any:
     """The class ``parameters.class`` names, its module loaded afresh for this version."""
     module_name, _, attribute = str(model.parameters["class"]).partition(":")
@@ -110,11 +140,23 @@ def load_class(model: ModelConfig, version: ModelVersion) -> Any:
             raise ImportError(f"{path} cannot be loaded as a module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[unique] = module
+        folder = str(path.parent)
+        before = set(sys.modules)
+        # Its own folder first on the path while it loads, so `import helpers` finds
+        # the helpers beside it; then the modules it took from there are forgotten,
+        # so that another version's `import helpers` finds its own.
+        sys.path.insert(0, folder)
         try:
             spec.loader.exec_module(module)
         except BaseException:
             del sys.modules[unique]
             raise
+        finally:
+            sys.path.remove(folder)
+            for name in set(sys.modules) - before:
+                origin = getattr(sys.modules[name], "__file__", None) or ""
+                if origin.startswith(folder + os.sep):
+                    del sys.modules[name]
     try:
         return getattr(module, attribute)
     except AttributeError:

@@ -79,13 +79,20 @@ def read_layout(files: Path) -> Layout:
         config = json.loads((pooling / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"the pooling module's config.json cannot be read ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError("the pooling module's config.json must be a JSON object")
     modes = [mode for key, mode in POOLING_MODES.items() if config.get(key)]
     if len(modes) != 1:
         raise ValueError("the pooling module's config.json must choose one of mean, cls or max")
     max_seq_length = None
     bert_config = transformer / "sentence_bert_config.json"
     if bert_config.is_file():
-        max_seq_length = json.loads(bert_config.read_text()).get("max_seq_length")
+        try:
+            max_seq_length = json.loads(bert_config.read_text()).get("max_seq_length")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"sentence_bert_config.json cannot be read ({exc})") from None
+        if max_seq_length is not None and not isinstance(max_seq_length, int):
+            raise ValueError("sentence_bert_config.json: max_seq_length must be an integer")
     return Layout(transformer, modes[0], normalize, max_seq_length)
 
 

@@ -27,6 +27,7 @@ from core.repository import (
     relative,
 )
 
+MODULE_NAME = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 INPUT_KINDS = ("text", "image", "json", "tensor")
 COST_FUNCTIONS = ("tokens", "pixels", "field", "constant")
@@ -91,6 +92,14 @@ def read_repository(
         problems += reader.problems
         if model is not None:
             models[model.name] = model
+    for name in sorted(set(overrides or {}) - {p.name for p in root.iterdir() if p.is_dir()}):
+        problems.append(
+            Problem(
+                relative(root, root / name),
+                "",
+                "FERRY_MODEL_PARAMETERS sets values for it, but the repository has no such model",
+            )
+        )
     if not models and not problems:
         problems.append(Problem(str(root), "", "holds no model folder"))
     return Repository(root, models, tuple(problems))
@@ -121,7 +130,7 @@ class _Reader:
     def model(self, folder: Path) -> ModelConfig | None:
         try:
             data = tomllib.loads(self.path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
             self.problem("", f"is not valid TOML ({exc})")
             return None
         for key in sorted(set(data) - TOP_LEVEL):
@@ -403,7 +412,7 @@ class _Reader:
     def versions(self, folder: Path) -> dict[int, ModelVersion]:
         versions: dict[int, ModelVersion] = {}
         for path in sorted(folder.iterdir()):
-            if not path.is_dir() or not path.name.isdigit():
+            if not path.is_dir() or not (path.name.isascii() and path.name.isdigit()):
                 continue
             number = int(path.name)
             if number < 1 or path.name != str(number):
@@ -425,7 +434,7 @@ class _Reader:
         file = relative(self.root, marker)
         try:
             data = tomllib.loads(marker.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
             self.problem("", f"is not valid TOML ({exc})", file)
             return None
         unknown = sorted(set(data) - {"files", "package"})
@@ -441,16 +450,30 @@ class _Reader:
                 self.problem("files", f"{path} is not a folder", file)
                 return None
             return path.resolve()
-        package = str(data["package"])
+        package = data["package"]
+        if not isinstance(package, str) or not re.fullmatch(
+            r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", package
+        ):
+            self.problem("package", f"must be a module name, got {package!r}", file)
+            return None
         try:
             module = importlib.import_module(package)
-        except ImportError as exc:
+            # Weight packages name their files with get_model_path(); else the package's folder.
+            getter = getattr(module, "get_model_path", None)
+            if callable(getter):
+                location = Path(str(getter()))
+            elif getattr(module, "__file__", None):
+                location = Path(str(module.__file__)).parent
+            else:
+                self.problem("package", f"{package!r} has no folder (a namespace package)", file)
+                return None
+        except Exception as exc:  # the package's own code runs here: any error is a problem
             self.problem("package", f"{package!r} cannot be imported ({exc})", file)
             return None
-        # Weight packages name their files with get_model_path(); else the package's folder.
-        getter = getattr(module, "get_model_path", None)
-        location = getter() if callable(getter) else Path(str(module.__file__)).parent
-        return Path(str(location)).resolve()
+        if not location.is_dir():
+            self.problem("package", f"{package!r} names {location}, which is not a folder", file)
+            return None
+        return location.resolve()
 
 
 def _parse_like(current: Any, raw: str) -> Any:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import ModelActivation, utcnow
@@ -51,13 +52,20 @@ def activate(session: Session, model: ModelConfig, version: int) -> None:
     if version not in model.versions:
         known = ", ".join(map(str, sorted(model.versions)))
         raise ActivationError(f"{model.name} has no version {version} (versions: {known})")
-    row = session.get(ModelActivation, model.name)
-    if row is None:
-        session.add(ModelActivation(model=model.name, version=version, updated_at=utcnow()))
-    else:
-        row.version = version
-        row.updated_at = utcnow()
-    session.commit()
+    for _attempt in range(2):
+        row = session.get(ModelActivation, model.name)
+        if row is None:
+            session.add(ModelActivation(model=model.name, version=version, updated_at=utcnow()))
+        else:
+            row.version = version
+            row.updated_at = utcnow()
+        try:
+            session.commit()
+            return
+        except IntegrityError:
+            # Another activation made the row first: this one updates it.
+            session.rollback()
+    raise ActivationError(f"{model.name}: the activation could not be written; try again")
 
 
 @dataclass(frozen=True)

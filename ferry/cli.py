@@ -44,7 +44,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     configure_logging(settings.log_level, f"worker-{args.model}")
-    return run_worker(settings, args.model, args.device, args.name, args.metrics_port)
+    return run_worker(
+        settings, args.model, args.device, args.name, args.metrics_port, args.instance
+    )
 
 
 def _cmd_celery(args: argparse.Namespace) -> int:
@@ -174,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", required=True)
     worker.add_argument("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)")
     worker.add_argument("--name", help="consumer name (default: host:model:device)")
+    worker.add_argument(
+        "--instance", type=int, help="which of several workers of the model on this device"
+    )
     worker.add_argument(
         "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port"
     )

@@ -54,11 +54,20 @@ def _list(args: argparse.Namespace) -> int:
     settings = get_settings()
     repository = repository_for(settings)
     served = set(served_models(settings, repository))
+    active = {name: model.active_version for name, model in repository.models.items()}
+    try:  # an operator's activations, where the database can be reached
+        from core.versions import active_version
+        from ferry.keys_cli import database_session
+
+        with database_session() as session:
+            active = {n: active_version(session, m) for n, m in repository.models.items()}
+    except Exception as exc:
+        print(f"(activations not read: {str(exc).splitlines()[0][:200]})")
     print(f"{'model':20} {'backend':22} {'input':7} {'active':>6}  {'versions':10} served")
     for model in repository.models.values():
         versions = ",".join(map(str, sorted(model.versions)))
         print(
-            f"{model.name:20} {model.backend:22} {model.input.kind:7} {model.active_version:>6}  "
+            f"{model.name:20} {model.backend:22} {model.input.kind:7} {active[model.name]:>6}  "
             f"{versions:10} {'yes' if model.name in served else 'no'}"
         )
     return 0

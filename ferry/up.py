@@ -39,6 +39,9 @@ READY_TIMEOUT_S = 120.0
 
 CRASH_WINDOW_S = 60.0
 CRASH_LIMIT = 5
+# Restarts to load another model version a worker may ask for in CRASH_WINDOW_S
+# before they count as crashes.
+RELOAD_LIMIT = 3
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Child:
     args: list[str]
     process: subprocess.Popen[bytes] | None = None
     crashes: deque[float] = field(default_factory=deque)
+    # Restarts it asked for (exit code 76) in the last CRASH_WINDOW_S.
+    reloads: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
     # Settings for this child only (a secret the others must not see).
     own_env: dict[str, str] = field(default_factory=dict)
@@ -71,10 +76,15 @@ class Child:
         if self.given_up or self.process is None or self.process.poll() is None:
             return True
         if self.process.returncode == RESTART_EXIT_CODE:
-            # A worker that stopped to load another model version alone: not a crash.
-            _say(f"{self.name} restarts to load another version of its model")
-            self.start(env)
-            return True
+            # A worker that stopped to load another model version alone: not a crash,
+            # unless it keeps doing so (then it backs off as a crashing child does).
+            self.reloads.append(now)
+            while self.reloads and now - self.reloads[0] > CRASH_WINDOW_S:
+                self.reloads.popleft()
+            if len(self.reloads) <= RELOAD_LIMIT:
+                _say(f"{self.name} restarts to load another version of its model")
+                self.start(env)
+                return True
         self.crashes.append(now)
         while self.crashes and now - self.crashes[0] > CRASH_WINDOW_S:
             self.crashes.popleft()
@@ -180,7 +190,15 @@ def up(settings: Settings) -> int:
             children.append(
                 Child(
                     name,
-                    [*python, "worker", "--model", model, *device, *_port_arg(ports, name)],
+                    [
+                        *python,
+                        "worker",
+                        "--model",
+                        model,
+                        *device,
+                        *instance_of(name),
+                        *_port_arg(ports, name),
+                    ],
                     # Each worker sees its own GPU (or MIG slice) only.
                     own_env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {},
                 )
@@ -275,12 +293,18 @@ def worker_plan(
     for model in served_models(settings, repository):
         config = repository.models.get(model)
         device, count = (config.device, config.count) if config else ("auto", 1)
-        copies = [f"-{i + 1}" if count > 1 else "" for i in range(count)]
+        copies = [f"#{i + 1}" if count > 1 else "" for i in range(count)]
         if device in ("auto", "gpu") and gpus:
             plan += [(f"worker-{model}-gpu{gpu}{c}", model, gpu) for gpu in gpus for c in copies]
         else:
             plan += [(f"worker-{model}{c}", model, None) for c in copies]
     return plan
+
+
+def instance_of(child: str) -> list[str]:
+    """``--instance N`` for the N-th of several workers of a model on one device (``...#N``)."""
+    _, mark, number = child.rpartition("#")
+    return ["--instance", number] if mark else []
 
 
 def _gpus(setting: str, visible: Callable[[], list[str]]) -> list[str]:

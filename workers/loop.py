@@ -36,7 +36,7 @@ from workers.observe import LoopMetrics
 from workers.presence import BatchEvents
 from workers.recorder import Claimed, Outcome, Recorder
 from workers.scheduling import Policy, estimate_of
-from workers.versions import VersionManager
+from workers.versions import Loaded, VersionManager
 
 log = logging.getLogger(__name__)
 
@@ -257,62 +257,81 @@ class BatchLoop:
         return self.recorder.model_version
 
     def _follow_version(self) -> None:
-        """Switch to a version the manager has loaded; settle jobs pinned to one not served.
-
-        The batch on the device (launched ahead) is landed first with the
-        runtime that launched it, so every batch runs, and is recorded as
-        run, by one version. Jobs claimed from now on record the new one.
-        """
-        if self.versions is None:
-            return
-        loaded = self.versions.poll()
-        if self.versions.restart_for is not None and not self.restart_requested:
-            if self.versions.take_restart_turn():
+        """Switch to a version the manager has loaded; settle jobs pinned to one not served."""
+        if self.versions is not None:
+            loaded = self.versions.poll()
+            if loaded is not None:
+                self._switch(loaded)
+            elif (
+                self.versions.restart_for is not None
+                and not self.restart_requested
+                and self.versions.take_restart_turn()
+            ):
                 log.info(
                     "restarting to load another version alone",
                     extra={"model": self.model, "version": self.versions.restart_for},
                 )
                 self.restart_requested = True
                 self.request_stop()  # drains: the batch on the device is recorded first
-            return
-        if loaded is not None:
-            self._land()
-            previous = self.runtime
-            self.runtime = loaded.runtime
-            self.recorder.model_version = loaded.version
-            self._ahead = self._launch_ahead and loaded.runtime.asynchronous
-            old = self.versions.switched(loaded)
-            del previous  # its batches are all landed: nothing holds it now
-            self.versions.unloaded(old)
         self._settle_unserved_pins()
 
+    def _switch(self, loaded: Loaded) -> None:
+        """New batches run on ``loaded`` from now on.
+
+        The batch on the device (launched ahead) is landed first with the
+        runtime that launched it, so every batch runs, and is recorded as
+        run, by one version. Jobs claimed from now on record the new one,
+        and the scheduler prices batches with what the new runtime measured.
+        """
+        assert self.versions is not None
+        self._land()
+        self.runtime = loaded.runtime
+        self.recorder.model_version = loaded.version
+        self._ahead = self._launch_ahead and loaded.runtime.asynchronous
+        if loaded.prepared is not None:
+            self.state, self.policy = loaded.prepared
+        old = self.versions.switched(loaded)
+        # Its batches are all landed: nothing holds the old runtime once this returns.
+        self.versions.unloaded(old)
+
     def _settle_unserved_pins(self) -> None:
-        """Fail jobs pinned to a version this worker neither serves nor is going to."""
+        """Fail jobs pinned to a version this worker neither serves nor is going to serve."""
         now = time.monotonic()
-        if self.versions is None or now - self._pins_checked < PIN_CHECK_S:
+        if now - self._pins_checked < PIN_CHECK_S:
             return  # a pass over everything pending: not every step
         self._pins_checked = now
-        wanted = self.versions.wanted
-        # A job pinned to the version being loaded waits for it, unless its load failed.
-        servable = {self.version} | ({wanted} if not self.versions.failed(wanted) else set())
-        unserved = [
-            key for key, e in self.pending.items()
-            if e.message.version is not None and e.message.version not in servable
-        ]  # fmt: skip
+        if not any(self._unserved_pin(e) for e in self.pending.values()):
+            return
+        if self.versions is not None:
+            # Read the activation afresh first: the API may have seen it before this worker.
+            loaded = self.versions.poll(now=True)
+            if loaded is not None:
+                self._switch(loaded)
+        unserved = [key for key, e in self.pending.items() if self._unserved_pin(e)]
         if not unserved:
             return
         entries = [self.pending.pop(key) for key in unserved]
+        active = self.versions.wanted if self.versions is not None else self.version
         outcomes = [
             Outcome(
                 e.message.job_id,
                 "failed",
                 error=f"version {e.message.version} of {self.model} is not served now "
-                f"(the active version is {wanted}; serving {self.version})",
+                f"(the active version is {active}; serving {self.version})",
             )
             for e in entries
         ]
         written = self._record(outcomes, _utc(self.clock()), None, None, entries)
         self._acknowledge(entries, written)
+
+    def _unserved_pin(self, entry: Entry) -> bool:
+        """A job pinned to a version other than the one served, and not the one being loaded."""
+        pin = entry.message.version
+        if pin is None or pin == self.version:
+            return False
+        manager = self.versions
+        # A job pinned to the version being loaded waits for it, unless its load failed.
+        return manager is None or pin != manager.wanted or manager.failed(pin)
 
     def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
         backoff_s = RETRY_MIN_S
@@ -373,9 +392,7 @@ class BatchLoop:
                 last_served=self._served.get(e.message.tenant or "", -1),
             )
             for key, e in self.pending.items()
-            if self.versions is None
-            or e.message.version is None
-            or e.message.version == self.version
+            if e.message.version is None or e.message.version == self.version
         ]
 
     def _mark_served(self, entries: list[Entry]) -> None:

@@ -16,6 +16,7 @@ from backends.base import DeviceLost
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
 from core.db import make_engine, make_sessionmaker
+from core.repository import ModelConfig
 from core.settings import Settings
 from core.versions import active_version
 from core.webhooks import DeliveryKicker
@@ -28,7 +29,7 @@ from workers.loop import BatchLoop
 from workers.presence import CeleryPresence
 from workers.recorder import Recorder
 from workers.scheduling import build_state, make_policy
-from workers.versions import RESTART_EXIT_CODE, Loaded, VersionManager
+from workers.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -36,63 +37,87 @@ DEVICE_LOST_EXIT_CODE = 75
 log = logging.getLogger(__name__)
 
 
-def default_consumer_name(model: str, device: str) -> str:
+def default_consumer_name(model: str, device: str, instance: int | None = None) -> str:
     # Stable across restarts, so a restarted worker gets back the entries it
     # had read but not acknowledged. Workers that each see one GPU (or MIG
     # slice) through CUDA_VISIBLE_DEVICES all call it cuda:0: the slice tells
     # them apart.
     name = f"{socket.gethostname()}:{model}:{device}"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return f"{name}@{visible}" if visible and device.startswith("cuda") else name
+    if visible and device.startswith("cuda"):
+        name = f"{name}@{visible}"
+    # Several workers of one model on one device ([instances] count) each have their own.
+    return f"{name}#{instance}" if instance is not None else name
 
 
 def build_loop(
-    settings: Settings, model: str, device: str | None = None, name: str | None = None
+    settings: Settings,
+    model: str,
+    device: str | None = None,
+    name: str | None = None,
+    instance: int | None = None,
 ) -> BatchLoop:
+    """A worker's loop for ``model``, its active version loaded.
+
+    ``instance``: which of several workers of the model on one device this is
+    (its consumer name must differ from theirs).
+    """
     redis_url = settings.redis_url
     if not redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
-    config = repository_for(settings).models.get(model)
+    base = settings
+    config = repository_for(base).models.get(model)
     if config is None:
-        raise SystemExit(
-            f"the model repository ({settings.model_repository_path}) has no {model!r}"
-        )
-    settings = settings.for_model(model, config.settings)
+        raise SystemExit(f"the model repository ({base.model_repository_path}) has no {model!r}")
+    settings = base.for_model(model, config.settings)
     configure_allocator(settings.cuda_alloc_conf)  # before torch first touches CUDA
     engine = make_engine(settings.sqlalchemy_url)
     sessions = make_sessionmaker(engine)
+
+    def prepare(fresh: ModelConfig, version: int) -> Loaded:
+        """``version`` loaded, and its scheduler state built from its own calibration."""
+        own = base.for_model(model, fresh.settings)
+        runtime = load_runtime(fresh, own, version, device=device)
+        state = build_state(own, runtime)
+        policy = make_policy(own.scheduler, state, own.fixed_max_delay_ms / 1000.0)
+        return Loaded(version, runtime, (state, policy))
+
     # The version new jobs run on: an operator's activation, else model.toml's.
     with sessions() as session:
         version = active_version(session, config)
+    unloadable: dict[int, tuple[str, str]] = {}
     try:
-        runtime = load_runtime(config, settings, version, device=device)
+        first = prepare(config, version)
     except Exception as exc:
         if version == config.active_version:
             raise
-        # The activated version cannot load even alone: serve model.toml's meanwhile.
+        # The activated version does not load even alone: serve model.toml's, and
+        # do not try it again until its files or the activation change.
+        why = f"does not load even alone: {(str(exc) or type(exc).__name__).splitlines()[0]}"
         log.error(
             "the active version failed to load; serving model.toml's",
-            extra={"model": model, "version": version, "error": str(exc).splitlines()[0][:500],
+            extra={"model": model, "version": version, "error": why[:500],
                    "serving": config.active_version},
         )  # fmt: skip
-        version = config.active_version
-        runtime = load_runtime(config, settings, version, device=device)
-    state = build_state(settings, runtime)
+        unloadable[version] = (signature(config, version), why[:500])
+        first = prepare(config, config.active_version)
+    runtime = first.runtime
+    state, policy = first.prepared
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     consumer = StreamConsumer(
         client,
         settings.key_prefix,
         model,
-        name or default_consumer_name(model, runtime.device),
+        name or default_consumer_name(model, runtime.device, instance),
     )
     loop = BatchLoop(
         runtime=runtime,
         consumer=consumer,
-        recorder=Recorder(sessions, version),
+        recorder=Recorder(sessions, first.version),
         client=client,
         prefix=settings.key_prefix,
         state=state,
-        policy=make_policy(settings.scheduler, state, settings.fixed_max_delay_ms / 1000.0),
+        policy=policy,
         prefetch=settings.prefetch,
         max_attempts=settings.max_attempts,
         visibility_timeout_s=settings.visibility_timeout_s,
@@ -105,16 +130,26 @@ def build_loop(
     if settings.model_poll_s > 0:
         loop.versions = VersionManager(
             model,
-            Loaded(version, runtime),
-            lambda: repository_for(settings).models.get(model),
-            lambda fresh, version: load_runtime(fresh, settings, version, device),
+            first,
+            lambda: _read_model(base, model),
+            prepare,
             sessions,
             client,
             settings.key_prefix,
             consumer.consumer,
             poll_s=settings.model_poll_s,
+            failed=unloadable,
         )
     return loop
+
+
+def _read_model(settings: Settings, model: str) -> ModelConfig | None:
+    """The model as the repository has it now; None (keep serving) if it cannot be read."""
+    try:
+        return repository_for(settings).models.get(model)
+    except Exception:  # a repository being edited: the next poll reads it again
+        log.warning("the model repository could not be read", extra={"model": model})
+        return None
 
 
 def run_worker(
@@ -123,6 +158,7 @@ def run_worker(
     device: str | None = None,
     name: str | None = None,
     metrics_port: int | None = None,
+    instance: int | None = None,
 ) -> int:
     # The port answers while the model loads (/readyz 503 until the loop reads its streams).
     loops: list[BatchLoop] = []
@@ -131,7 +167,7 @@ def run_worker(
             settings.metrics_host, metrics_port,
             lambda: bool(loops) and loops[0].ready.is_set(), settings.metrics_bearer,
         )  # fmt: skip
-    loop = build_loop(settings, model, device, name)
+    loop = build_loop(settings, model, device, name, instance)
     loops.append(loop)
     if metrics_port:
         register_gpu_metrics(model, loop.runtime.device)

@@ -19,8 +19,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from sqlalchemy.exc import SQLAlchemyError
@@ -41,20 +42,30 @@ RESTART_TURN_S = 600
 
 @dataclass(frozen=True)
 class Loaded:
-    """A version loaded and warmed up, ready to take batches."""
+    """A version loaded and warmed up, ready to take batches.
+
+    ``prepared``: what the loop needs besides the runtime to run it (its
+    scheduler state and policy, built from the runtime's own calibration),
+    or None to keep the loop's.
+    """
 
     version: int
     runtime: Runtime
+    prepared: Any = None
 
 
 # Reads the model's config as the repository has it now (None: gone or broken).
 ReadConfig = Callable[[], ModelConfig | None]
 # Builds, loads and warms up ``version`` of the model.
-LoadVersion = Callable[[ModelConfig, int], Runtime]
+LoadVersion = Callable[[ModelConfig, int], Loaded]
 
 
 class VersionManager:
-    """Decides when the worker loads another version; the loop switches to it."""
+    """Decides when the worker loads another version; the loop switches to it.
+
+    ``failed``: versions this worker must not try again as they are (one that
+    did not load even alone, at the start of this process), with the reason.
+    """
 
     def __init__(
         self,
@@ -68,6 +79,7 @@ class VersionManager:
         consumer: str,
         poll_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        failed: dict[int, tuple[str, str]] | None = None,
     ) -> None:
         self.model = model
         self.serving = serving
@@ -80,11 +92,10 @@ class VersionManager:
         self.poll_s = poll_s
         self.clock = clock
         self._next_poll = 0.0
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"load-{model}")
-        self._loading: tuple[int, Future[Runtime]] | None = None
+        self._loading: tuple[int, str, Future[Loaded]] | None = None
         # A version that failed, with what it failed on: not tried again until that changes.
-        self._failed: dict[int, str] = {}
-        self._signature = ""
+        self._failed: dict[int, str] = {v: sig for v, (sig, _why) in (failed or {}).items()}
+        self._failed_why = {v: why for v, (_sig, why) in (failed or {}).items()}
         self._lock = threading.Lock()
         # The version the worker should serve, as of the last poll.
         self.wanted = serving.version
@@ -94,34 +105,49 @@ class VersionManager:
 
     def start(self) -> None:
         self._report(self.serving.version, "ready")
+        for version, why in self._failed_why.items():
+            self._report(version, "failed", why)
         # Serving again after a restart: the next worker may take its turn.
         with contextlib.suppress(redis.RedisError):
             key = restart_key(self.prefix, self.model)
             if self.client.get(key) == self.consumer:
                 self.client.delete(key)
 
-    def poll(self) -> Loaded | None:
-        """A version loaded and ready to switch to, when there is one; never blocks on a load."""
+    def poll(self, now: bool = False) -> Loaded | None:
+        """A version loaded and ready to switch to, when there is one; never blocks on a load.
+
+        Reads the repository and the activation every ``poll_s`` (``now``: at
+        once), also while a load runs: a load that is no longer wanted when it
+        ends is dropped, and another version wanted meanwhile is loaded next.
+        """
         with self._lock:
-            if self._loading is not None:
-                return self._loaded()
-            now = self.clock()
-            if now < self._next_poll:
-                return None
-            self._next_poll = now + self.poll_s
+            loaded = self._loaded() if self._loading is not None else None
+            moment = self.clock()
+            if not now and moment < self._next_poll:
+                return loaded
+            self._next_poll = moment + self.poll_s
             config = self.read_config()
             if config is None:
-                return None
+                return loaded
             try:
                 with self.sessions() as session:
-                    wanted = active_version(session, config)
+                    self.wanted = active_version(session, config)
             except SQLAlchemyError:
-                return None  # the database is away: keep serving what is loaded
-            self.wanted = wanted
-            if wanted == self.serving.version:
-                return None
-            signature = _signature(config, wanted)
-            if self._failed.get(wanted) == signature:
+                return loaded  # the database is away: keep serving what is loaded
+            if loaded is not None and loaded.version != self.wanted:
+                loaded = None  # activated, then rolled back before it was ready
+            if self.restart_for is not None and self.restart_for != self.wanted:
+                self.restart_for = None  # another version is wanted now
+            wanted = self.wanted
+            if (
+                loaded is not None
+                or wanted == self.serving.version
+                or self._loading is not None
+                or self.restart_for is not None
+            ):
+                return loaded
+            stamp = signature(config, wanted)
+            if self._failed.get(wanted) == stamp:
                 return None
             self._failed.pop(wanted, None)
             log.info(
@@ -129,18 +155,17 @@ class VersionManager:
                 extra={"model": self.model, "version": wanted, "serving": self.serving.version},
             )
             self._report(wanted, "loading")
-            self._loading = (wanted, self._loader.submit(self.load, config, wanted))
-            self._signature = signature
+            self._loading = (wanted, stamp, _in_background(self.load, config, wanted))
             return None
 
     def _loaded(self) -> Loaded | None:
         assert self._loading is not None
-        version, future = self._loading
+        version, stamp, future = self._loading
         if not future.done():
             return None
         self._loading = None
         try:
-            runtime = future.result()
+            loaded = future.result()
         except Exception as exc:
             reason = (str(exc) or type(exc).__name__).splitlines()[0][:500]
             if out_of_memory(exc):
@@ -153,7 +178,7 @@ class VersionManager:
                     f"load it ({reason})",
                 )
                 return None
-            self._failed[version] = self._signature
+            self._failed[version] = stamp
             self._report(version, "failed", reason)
             log.error(
                 "version failed to load; the one serving goes on",
@@ -161,7 +186,7 @@ class VersionManager:
                        "serving": self.serving.version},
             )  # fmt: skip
             return None
-        return Loaded(version, runtime)
+        return loaded
 
     def take_restart_turn(self) -> bool:
         """Whether this worker may restart now: one worker of the model at a time."""
@@ -192,13 +217,28 @@ class VersionManager:
         self._report(old.version, None)
 
     def stop(self) -> None:
-        self._loader.shutdown(wait=False, cancel_futures=True)
         self._report(self.serving.version, None)
 
     def _report(self, version: int, state: str | None, reason: str | None = None) -> None:
         # Advisory (what GET /v1/models shows): the worker goes on without it.
         with contextlib.suppress(redis.RedisError):
             report(self.client, self.prefix, self.model, self.consumer, version, state, reason)
+
+
+def _in_background(load: LoadVersion, config: ModelConfig, version: int) -> Future[Loaded]:
+    """Run a load on a daemon thread: a load that hangs never keeps the process from exiting."""
+    future: Future[Loaded] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(load(config, version))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"load-{config.name}-{version}", daemon=True).start()
+    return future
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -211,10 +251,11 @@ def restart_key(prefix: str, model: str) -> str:
     return f"{prefix}:{{{model}}}:restarting"
 
 
-def _signature(config: ModelConfig, version: int) -> str:
+def signature(config: ModelConfig, version: int) -> str:
     """What a version's load depends on: its model.toml and its folder, as of now."""
-    folder = config.versions[version].files
-    stamps = [config.config_file.stat().st_mtime_ns]
-    with contextlib.suppress(OSError):
+    stamps: list[int] = []
+    with contextlib.suppress(OSError, KeyError):
+        stamps.append(config.config_file.stat().st_mtime_ns)
+        folder = config.versions[version].files
         stamps += sorted(entry.stat().st_mtime_ns for entry in os.scandir(folder))
     return f"{version}:{stamps}"

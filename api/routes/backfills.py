@@ -52,7 +52,13 @@ async def create_backfill(
     The body is read as it arrives. A line that cannot be taken refuses the
     whole file, with its line number, and nothing of it is kept.
     """
-    spec, _version = resolve_model(catalog, model)
+    spec, version = resolve_model(catalog, model)
+    if version is not None:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"model: a backfill runs on the model's active version; name it without @{version}",
+        )
     if callback_url is not None:
         problem = text_problem(callback_url)
         if problem:

@@ -179,6 +179,8 @@ def test_the_catalog_shows_versions_and_refuses_unknown_ones(
         ({"model": "scaler@9", "input": 1}, "version: scaler has no version 9 (versions: 1, 2)"),
         ({"model": "scaler", "version": 9, "input": 1}, "version: scaler has no version 9"),
         ({"model": "scaler@x", "input": 1}, "model: 'scaler@x' must be 'name' or 'name@N'"),
+        ({"model": "scaler@²", "input": 1}, "model: 'scaler@²' must be 'name' or 'name@N'"),
+        ({"model": "scaler@02", "input": 1}, "model: 'scaler@02' must be 'name' or 'name@N'"),
         ({"model": "scaler@2", "version": 1, "input": 1}, "version: 1 differs from"),
         ({"model": "scaler@1", "input": 1}, "version: scaler@1 takes no jobs; its active"),
         ({"model": "scaler", "input": "three"}, "input: must be a number, got string"),
@@ -201,3 +203,45 @@ def test_an_invalid_repository_stops_the_api_and_a_broken_version_the_worker(
         build_loop(settings, "affine")
     # A model that is not served does not stop the others.
     create_app(settings.model_copy(update={"models": "text-stats,scaler"}))
+
+
+def test_a_backfill_runs_on_the_active_version_and_says_so(
+    own_client: TestClient, auth: dict[str, str]
+) -> None:
+    body = b'{"custom_id": "a", "input": 1}\n'
+    headers = auth | {"Content-Type": "application/x-ndjson"}
+    refused = own_client.post("/v1/backfills?model=scaler@2", content=body, headers=headers)
+    assert refused.status_code == 422
+    assert "a backfill runs on the model's active version" in refused.text
+    accepted = own_client.post("/v1/backfills?model=scaler", content=body, headers=headers)
+    assert accepted.status_code == 202, accepted.text
+
+
+def test_each_version_imports_its_own_helpers(tmp_path: Path) -> None:
+    from backends import get_backend
+    from backends.base import RuntimeOptions
+    from core.repository import load_repository
+
+    model = tmp_path / "models" / "helped"
+    for version in (1, 2):
+        folder = model / str(version)
+        folder.mkdir(parents=True)
+        (folder / "helpers.py").write_text(f"FACTOR = {version * 10}\n")
+        (folder / "model.py").write_text(
+            "import helpers\n\n\nclass M:\n"
+            "    def __init__(self, files, parameters, device):\n        pass\n\n"
+            "    def predict(self, inputs):\n"
+            "        return [x * helpers.FACTOR for x in inputs]\n"
+        )
+    (model / "model.toml").write_text(
+        'backend = "python"\n[input]\nkind = "json"\n[cost]\nfunction = "constant"\n'
+        '[parameters]\nclass = "model:M"\n'
+    )
+    config = load_repository(tmp_path / "models", environ={})["helped"]
+    backend = get_backend("python")
+    outputs = []
+    for version in (1, 2):
+        runtime = backend.runtime(config, config.version(version), RuntimeOptions(device="cpu"))
+        runtime.load()
+        outputs.append(runtime.run([1, 2]))
+    assert outputs == [[10, 20], [20, 40]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from backends.base import HostRuntime, Runtime
+from backends.base import HostRuntime
 from core.repository import ModelConfig
 from core.settings import Settings
 from core.streams import workers_key
@@ -80,11 +80,11 @@ def test_the_manager_loads_the_active_version_once_and_does_not_retry_a_failure(
     model = echo(tmp_path)
     loads: list[int] = []
 
-    def load(config: ModelConfig, version: int) -> Runtime:
+    def load(config: ModelConfig, version: int) -> Loaded:
         loads.append(version)
         if (config.versions[version].files / "BROKEN").exists():
             raise ValueError("cannot load: BROKEN\nsecond line not shown")
-        return Stub(version)
+        return Loaded(version, Stub(version))
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.zadd(workers_key(key_prefix, "echo"), {"w": time.time()})
@@ -167,3 +167,115 @@ def test_a_job_pinned_to_a_version_no_longer_active_fails_and_says_why(
         refused = client.post("/v1/jobs", json={"model": "echo@1", "input": 1}, headers=auth)
         assert refused.status_code == 422
         assert "echo@1 takes no jobs; its active version is 2" in refused.text
+
+
+def test_a_rollback_while_waiting_to_restart_cancels_the_restart(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    from backends.base import OutOfMemory
+
+    model = echo(tmp_path)
+    loads: list[int] = []
+
+    def no_room(_config: ModelConfig, version: int) -> Loaded:
+        loads.append(version)
+        raise OutOfMemory("CUDA out of memory")
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    manager = VersionManager(
+        "echo", Loaded(1, Stub(1)), lambda: echo_again(tmp_path), no_room, sessions, client,
+        key_prefix, "w", poll_s=0.0,
+    )  # fmt: skip
+    with sessions() as session:
+        activate(session, model, 2)
+    assert manager.poll() is None
+    until(lambda: manager.poll() is None and manager.restart_for == 2)
+    for _ in range(5):  # waiting for its turn: no load is tried again meanwhile
+        assert manager.poll() is None
+    assert loads == [2]
+    with sessions() as session:
+        activate(session, model, 1)  # rolled back to the version it serves
+    assert manager.poll() is None and manager.restart_for is None
+    assert loads == [2]
+
+
+def test_a_version_that_does_not_load_even_alone_is_not_tried_again(
+    settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from tests.integration.conftest import RunningLoop
+    from workers.main import build_loop
+
+    model = echo(tmp_path)
+    (tmp_path / "models" / "echo" / "2" / "echo.py").write_text(
+        "class Echo:\n    def __init__(self, files, parameters, device):\n"
+        "        raise MemoryError('CUDA out of memory (even alone)')\n"
+    )
+    with sessions() as session:
+        activate(session, model, 2)
+    live = settings.model_copy(
+        update={"model_repository": tmp_path / "models", "models": "echo",
+                "model_parameters": {}, "model_poll_s": 0.05}
+    )  # fmt: skip
+    # The process a restart makes: version 2 fails alone, so it serves model.toml's 1.
+    loop = build_loop(live, "echo", name="echo-w")
+    assert loop.version == 1 and loop.versions is not None and loop.versions.failed(2)
+    with RunningLoop(loop):
+        time.sleep(0.5)  # ten polls
+        assert not loop.restart_requested and loop.versions.restart_for is None
+        states = version_states(loop.client, live.key_prefix, "echo")
+        assert states[2].state == "failed"
+        assert "does not load even alone: CUDA out of memory (even alone)" in (
+            states[2].reason or ""
+        )
+
+
+def test_the_api_reads_versions_once_when_workers_do_not_follow_them(
+    settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from backends.catalog import LiveVersions, build_catalog
+
+    model = echo(tmp_path)
+    fixed = settings.model_copy(
+        update={"model_repository": tmp_path / "models", "models": "echo",
+                "model_parameters": {}, "model_poll_s": 0}
+    )  # fmt: skip
+    spec = build_catalog(fixed)["echo"]
+    live = LiveVersions(fixed, sessions, fixed.model_poll_s)
+    assert live.of(spec) == ((1, 2), 1)
+    with sessions() as session:
+        activate(session, model, 2)
+    assert live.of(spec) == ((1, 2), 1)  # read once: the workers will not switch either
+    following = LiveVersions(fixed, sessions, 0.01)
+    assert following.of(spec) == ((1, 2), 2)
+
+
+def test_a_job_pinned_to_a_version_just_activated_waits_for_it(
+    settings: Settings, sessions: sessionmaker[Session], auth: dict[str, str], tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from tests.integration.conftest import RunningLoop
+    from tests.integration.test_worker import submit, wait_terminal
+    from workers.main import build_loop
+
+    model = echo(tmp_path)
+    base = settings.model_copy(
+        update={"model_repository": tmp_path / "models", "models": "echo",
+                "model_parameters": {}}
+    )  # fmt: skip
+    api = base.model_copy(update={"model_poll_s": 0.01})
+    # A worker that would not look for an activation for a minute by itself.
+    worker = base.model_copy(update={"model_poll_s": 60.0})
+    with TestClient(create_app(api)) as client, RunningLoop(build_loop(worker, "echo", name="w")):
+        with sessions() as session:
+            activate(session, model, 2)
+        time.sleep(0.05)  # the API has seen it; the worker has not
+        pinned = submit(client, auth, model="echo@2", input=5)
+        rows = wait_terminal(sessions, [pinned], timeout=30)
+    assert (rows[pinned].status, rows[pinned].model_version) == ("succeeded", 2), rows[pinned].error
+    assert rows[pinned].output == {"v": 2, "x": 5}

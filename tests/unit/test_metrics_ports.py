@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from core.settings import Settings
@@ -76,3 +79,36 @@ def test_workers_on_different_slices_have_different_consumer_names(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-b")
     assert default_consumer_name("minilm", "cuda:0") != first
     assert default_consumer_name("minilm", "cpu").endswith(":minilm:cpu")
+
+
+def test_several_workers_of_a_model_on_one_device_have_names_of_their_own(
+    tmp_path: Path,
+) -> None:
+    from core.repository import load_repository
+    from ferry.up import instance_of
+    from tests.models import REPOSITORY
+    from workers.main import default_consumer_name
+
+    shutil.copytree(REPOSITORY / "sim", tmp_path / "sim")
+    toml = (tmp_path / "sim" / "model.toml").read_text()
+    two_sims = toml.replace('device = "none"', 'device = "none"\ncount = 2')
+    (tmp_path / "sim" / "model.toml").write_text(two_sims)
+    (tmp_path / "minilm").mkdir()
+    shutil.copytree(REPOSITORY / "minilm", tmp_path / "minilm", dirs_exist_ok=True)
+    minilm = (tmp_path / "minilm" / "model.toml").read_text()
+    (tmp_path / "minilm" / "model.toml").write_text(minilm + "\n[instances]\ncount = 2\n")
+    settings = Settings(models="minilm,sim", model_repository=tmp_path)
+    repository = load_repository(tmp_path, environ={})
+    plan = worker_plan(settings, lambda: ["0", "1"], repository)
+    assert plan == [
+        ("worker-minilm-gpu0#1", "minilm", "0"), ("worker-minilm-gpu0#2", "minilm", "0"),
+        ("worker-minilm-gpu1#1", "minilm", "1"), ("worker-minilm-gpu1#2", "minilm", "1"),
+        ("worker-sim#1", "sim", None), ("worker-sim#2", "sim", None),
+    ]  # fmt: skip
+    assert [instance_of(name) for name, _m, _g in plan][-2:] == [
+        ["--instance", "1"], ["--instance", "2"],
+    ]  # fmt: skip
+    assert instance_of("worker-sim") == []
+    # Two copies never share a consumer name (each would re-read the other's batch).
+    names = {default_consumer_name("sim", "sim", n) for n in (1, 2)}
+    assert len(names) == 2 and default_consumer_name("sim", "sim") not in names

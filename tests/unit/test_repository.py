@@ -277,7 +277,15 @@ def test_python_models_name_a_class_that_exists(tmp_path: Path) -> None:
         problem = only(model_problems(read(repo(tmp_path))["p"]))
         assert message in problem.message, problem
     write(repo(tmp_path), "p", toml.replace("{target}", "model:Model"))
+    (repo(tmp_path) / "p" / "1" / "model.py").write_text("class Modle: ...\n")
+    problem = only(model_problems(read(repo(tmp_path))["p"]))
+    assert (problem.file, problem.message) == (
+        "models/p/1/model.py", "defines no class 'Model' (parameters.class names it)",
+    )  # fmt: skip
     (repo(tmp_path) / "p" / "1" / "model.py").write_text("class Model: ...\n")
+    assert model_problems(read(repo(tmp_path))["p"]) == []
+    # The file is read, never run: code at its top level does not run in the API.
+    (repo(tmp_path) / "p" / "1" / "model.py").write_text("raise SystemExit(9)\nclass Model: ...\n")
     assert model_problems(read(repo(tmp_path))["p"]) == []
 
 
@@ -296,3 +304,75 @@ def test_ferry_models_check_exits_non_zero_and_names_the_field(
     out = capsys.readouterr().out
     assert "error: " in out and "models/bad/model.toml: cost.function: 'pixels' prices image" in out
     get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("version_toml", "message"),
+    [
+        ('package = ""', "must be a module name, got ''"),
+        ('package = ".x"', "must be a module name, got '.x'"),
+        ("package = 3", "must be a module name, got 3"),
+        ('package = "no_such_package_xyz"', "cannot be imported"),
+        ('package = "json"', None),  # a plain package: its own folder
+    ],
+)
+def test_a_version_toml_package_is_checked_not_trusted(
+    tmp_path: Path, version_toml: str, message: str | None
+) -> None:
+    write(repo(tmp_path), "m", SIM_LIKE)
+    (repo(tmp_path) / "m" / "1" / "version.toml").write_text(version_toml + "\n")
+    repository = read(repo(tmp_path))
+    if message is None:
+        assert not repository.problems
+        assert (repository["m"].version().files / "decoder.py").is_file()
+        return
+    problem = only(repository.problems)
+    assert (problem.file, problem.field) == ("models/m/1/version.toml", "package")
+    assert message in problem.message
+
+
+def test_odd_folders_and_overrides_are_problems_not_crashes(tmp_path: Path) -> None:
+    write(repo(tmp_path), "m", SIM_LIKE, versions=("1", "²"))
+    repository = read(repo(tmp_path), overrides={"nosuch": {"x": 1}})
+    assert sorted(repository["m"].versions) == [1]  # '²' is no version number
+    problem = only(repository.problems)
+    assert problem.file == "models/nosuch" and "FERRY_MODEL_PARAMETERS" in problem.message
+
+
+def test_a_tokens_cost_needs_the_tokenizer_file_in_every_version(tmp_path: Path) -> None:
+    toml = """
+    name = "{name}"
+    backend = "python"
+    [input]
+    kind = "text"
+    tokenizer = "tokenizer.json"
+    [cost]
+    function = "tokens"
+    [parameters]
+    class = "model:M"
+    """
+    write(repo(tmp_path), "t", toml)
+    (repo(tmp_path) / "t" / "1" / "model.py").write_text("class M: ...\n")
+    problem = only(model_problems(read(repo(tmp_path))["t"]))
+    assert problem.file == "models/t/1" and "tokenizer.json is missing" in problem.message
+
+
+def test_a_broken_sentence_transformers_folder_is_a_problem(tmp_path: Path) -> None:
+    toml = """
+    name = "{name}"
+    backend = "sentence-transformers"
+    [input]
+    kind = "text"
+    [cost]
+    function = "constant"
+    """
+    write(repo(tmp_path), "st", toml)
+    files = repo(tmp_path) / "st" / "1"
+    (files / "modules.json").write_text(
+        '[{"type": "sentence_transformers.models.Transformer", "path": ""},'
+        ' {"type": "sentence_transformers.models.Pooling", "path": "p"}]'
+    )
+    (files / "p").mkdir()
+    (files / "p" / "config.json").write_text("[1, 2]")
+    problem = only(model_problems(read(repo(tmp_path))["st"]))
+    assert "config.json must be a JSON object" in problem.message

@@ -20,7 +20,7 @@ import core.metrics
 from core.metrics import token_matches
 from core.settings import Settings
 from ferry.local_redis import free_port
-from ferry.up import CRASH_LIMIT, Child, _banner, flower_password
+from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
 from workers.gpu_stats import register_gpu_metrics
 from workers.health import serve
 from workers.versions import RESTART_EXIT_CODE
@@ -185,18 +185,20 @@ def test_a_crash_loop_stops_the_stack_only_for_a_critical_child(critical: bool) 
 
 
 def test_a_worker_restarting_for_another_version_is_started_again_at_once() -> None:
-    # Exit code 76: the worker drained to load a model version alone. Never a crash.
+    # Exit code 76: the worker drained to load a model version alone. Not a crash,
+    # unless it keeps asking: past RELOAD_LIMIT in a minute it backs off like one.
     child = Child("worker-m", [sys.executable, "-c", f"raise SystemExit({RESTART_EXIT_CODE})"])
     env = dict(os.environ)
     child.start(env)
-    first = child.process
-    for _ in range(CRASH_LIMIT + 2):
+    for _ in range(RELOAD_LIMIT):
         assert child.process is not None
         child.process.wait()
         assert child.check(0.0, env)  # the same instant: no backoff
-        assert child.restart_at is None and child.process is not None
-    assert child.process is not None and child.process is not first and not child.crashes
+        assert child.restart_at is None and not child.crashes
+    assert child.process is not None
     child.process.wait()
+    assert child.check(0.0, env)
+    assert child.restart_at is not None and len(child.crashes) == 1  # backing off now
 
 
 def test_with_a_token_metrics_ask_for_it_and_health_stays_open() -> None:
