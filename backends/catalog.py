@@ -35,8 +35,12 @@ def repository_for(settings: Settings) -> Repository:
 
 
 def served_models(settings: Settings, repository: Repository) -> list[str]:
-    """The models this deployment serves: FERRY_MODELS, or every model of the repository."""
-    return settings.model_names or sorted(repository.models)
+    """The models this deployment runs workers for: FERRY_MODELS (empty: none).
+
+    ``repository`` is not read: the list is the operator's, and a model it
+    names that the repository lacks is a problem ``check`` reports.
+    """
+    return settings.model_names
 
 
 def check(repository: Repository, served: Collection[str] | None = None) -> list[Problem]:
@@ -103,17 +107,26 @@ def model_problems(model: ModelConfig, versions: Collection[int] | None = None) 
 
 
 def build_catalog(settings: Settings, repository: Repository | None = None) -> dict[str, ModelSpec]:
-    """A spec for each model served; raises core.repository.RepositoryError on an error."""
+    """A spec for each model of the repository that can be served.
+
+    The API takes jobs for all of them, with or without a worker running
+    (they wait in the queue for one). A model with a problem is left out;
+    one that FERRY_MODELS lists makes this raise
+    core.repository.RepositoryError, as any problem of the repository itself does.
+    """
     from core.repository import RepositoryError
 
     repository = repository or repository_for(settings)
     served = served_models(settings, repository)
-    errors = [p for p in check(repository, served) if not p.warning]
+    problems = check(repository, served)
+    errors = [p for p in problems if not p.warning]
     if errors:
         raise RepositoryError(errors)
     catalog = {}
-    for name in served:
+    for name in sorted(repository.models):
         model = repository[name]
+        if name not in served and model_problems(model):
+            continue  # its problems were warnings: it takes no jobs
         backend = get_backend(model.backend)
         as_checked = replace(model, input=backend.input_config(model))
         catalog[name] = ModelSpec(

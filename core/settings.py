@@ -57,8 +57,9 @@ class Settings(BaseSettings):
     # its version folders (docs/model-repository.md). Unset: ./models when
     # there is one, else the repository that ships with Ferry.
     model_repository: Path | None = None
-    # Models that `ferry up` starts workers for and the API takes jobs for,
-    # comma-separated; empty: every model of the repository.
+    # Models `ferry up` starts workers for, comma-separated (empty: none); a
+    # problem with one of them stops Ferry. The API takes jobs for every
+    # model of the repository that has no problem.
     models: str = "minilm,sim"
     # Per model, values that replace those of its model.toml's [input] and
     # [parameters], e.g. '{"sim": {"latency_base_ms": 5}}'. A single value may
@@ -370,7 +371,7 @@ class Settings(BaseSettings):
 
     @property
     def model_names(self) -> list[str]:
-        """The models listed in FERRY_MODELS (empty: every model of the repository)."""
+        """The models listed in FERRY_MODELS: those `ferry up` starts workers for."""
         return [name.strip() for name in self.models.split(",") if name.strip()]
 
     @property

@@ -193,7 +193,7 @@ def test_the_catalog_shows_versions_and_refuses_unknown_ones(
 
 
 def test_an_invalid_repository_stops_the_api_and_a_broken_version_the_worker(
-    own: tuple[Settings, torch.nn.Module], tmp_path: Path
+    own: tuple[Settings, torch.nn.Module], tmp_path: Path, auth: dict[str, str]
 ) -> None:
     settings, _module = own
     (tmp_path / "models" / "affine" / "1" / "model.pt").unlink()
@@ -201,8 +201,14 @@ def test_an_invalid_repository_stops_the_api_and_a_broken_version_the_worker(
         create_app(settings)
     with pytest.raises(RepositoryError, match=r"model\.pt is missing"):
         build_loop(settings, "affine")
-    # A model that is not served does not stop the others.
-    create_app(settings.model_copy(update={"models": "text-stats,scaler"}))
+    # A model that is not served does not stop the others; it takes no jobs, they do.
+    others = create_app(settings.model_copy(update={"models": "text-stats,scaler"}))
+    with TestClient(others) as client:
+        models = {m["name"] for m in client.get("/v1/models", headers=auth).json()["data"]}
+        assert models == {"text-stats", "scaler"}
+        refused = client.post("/v1/jobs", json={"model": "affine", "input": [1, 2, 3]},
+                              headers=auth)  # fmt: skip
+        assert refused.status_code == 422 and "unknown model 'affine'" in refused.text
 
 
 def test_a_backfill_runs_on_the_active_version_and_says_so(
