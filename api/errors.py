@@ -1,4 +1,4 @@
-"""The error format of DESIGN.md §9: ``{"error": {"type", "message"}}``."""
+"""The error format of docs/architecture.md §10: ``{"error": {"type", "message"}}``."""
 
 from __future__ import annotations
 

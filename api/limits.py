@@ -5,7 +5,7 @@ looked up, so guessing keys cannot keep the database busy).
 The ``limits`` library's sliding-window counter: two Redis keys per limit and
 key, no per-request history. A request over a limit is a 429 that names the
 limit and carries ``Retry-After``. While Redis is unreachable requests are not
-limited (jobs are still accepted without Redis, DESIGN.md §4); the log says so.
+limited (jobs are still accepted without Redis, docs/architecture.md §4); the log says so.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ def submit_job(
                 503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
             ) from exc
         # The row is committed, so the job is accepted: the reconciler gives it
-        # its stream entry once Redis is back (DESIGN.md §4).
+        # its stream entry once Redis is back (docs/architecture.md §4).
         log.warning(
             "enqueue failed; the reconciler will enqueue the job",
             extra={"job_id": job.id, "error_type": type(exc).__name__},

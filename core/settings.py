@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     # (0: never; a worker then serves the version it started with).
     model_poll_s: float = Field(1.0, ge=0)
 
-    # Batching (DESIGN.md §5). Every knob in this block can be set per model
+    # Batching (docs/architecture.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.
     # ferry: Ferry's scheduler. fixed: max size + max delay, first come first
     # served (what Triton and Ray Serve do). none: one job at a time.
@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     # the interactive jobs alone would.
     bulk_ride_factor: float = Field(1.25, ge=1)
     fixed_max_delay_ms: float = Field(5.0, ge=0)  # the `fixed` scheduler's delay
-    # The scheduler's factors (DESIGN.md §5); the defaults are what bench/ measured.
+    # The scheduler's factors (docs/architecture.md §5); the defaults are what bench/ measured.
     batch_window_start_factor: float = Field(1.5, gt=0)  # first window: x batch latency
     batch_window_shrink: float = Field(0.8, gt=0, le=1)
     batch_window_grow: float = Field(1.2, ge=1)
@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     prefetch: int = Field(128, ge=1)
     max_attempts: int = Field(3, ge=1)
 
-    # Recovery (DESIGN.md §4). An entry read but not acknowledged for this long
+    # Recovery (docs/architecture.md §4). An entry read but not acknowledged for this long
     # is taken over by another worker of the model: keep it well above the
     # longest batch.
     visibility_timeout_s: float = Field(120.0, gt=0)
@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     # this is how many slow receivers can be waited on at once.
     celery_concurrency: int = Field(8, ge=1, le=256)
 
-    # Webhooks (DESIGN.md §4, §9). Seconds before each attempt, from the
+    # Webhooks (docs/architecture.md §4, §10). Seconds before each attempt, from the
     # previous failure: the Standard Webhooks schedule (JSON list in the env).
     webhook_retry_schedule_s: list[float] = Field(
         default_factory=lambda: [
@@ -204,7 +204,7 @@ class Settings(BaseSettings):
     # After a rotation, the previous signing secret also signs for this long.
     webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0)
 
-    # Backfills (DESIGN.md §9).
+    # Backfills (README, "Backfills").
     backfill_max_lines: int = Field(1_000_000, ge=1)
     backfill_max_bytes: int = Field(2**30, ge=1024)
     # Per model: the feeder keeps the bulk lane's live entries between half of

@@ -42,7 +42,7 @@ def start_redis(data_dir: Path, port: int | None = None) -> tuple[subprocess.Pop
     redis_dir = (data_dir / "redis").resolve()
     redis_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    # Durability as DESIGN.md requires: AOF, fsync every second, never evict.
+    # Durability as docs/architecture.md §4 requires: AOF, fsync every second, never evict.
     args = [
         find_redis_server(),
         "--bind", "127.0.0.1",

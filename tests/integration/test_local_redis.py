@@ -20,7 +20,7 @@ def test_without_redis_on_path_the_bundled_server_is_used(
     process, url = start_redis(tmp_path)
     try:
         client = redis.Redis.from_url(url, decode_responses=True)
-        # Durable as DESIGN.md requires: AOF, fsync every second, never evict.
+        # Durable as docs/architecture.md §4 requires: AOF, fsync every second, never evict.
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}

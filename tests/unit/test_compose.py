@@ -1,4 +1,4 @@
-"""The container set-up: docker-compose.yml and the Dockerfile say what DESIGN.md promises.
+"""The container set-up: docker-compose.yml and the Dockerfile keep architecture.md's promises.
 
 These read the files as data (PyYAML), so they run without Docker. The last
 test asks ``docker-compose config`` itself when it is installed.

@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md §1), checked on the source itself."""
+"""Dependencies point one way (docs/architecture.md §1), checked on the source itself."""
 
 from __future__ import annotations
 

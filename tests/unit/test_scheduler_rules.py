@@ -1,4 +1,4 @@
-"""Each rule of Ferry's scheduler (DESIGN.md §5), as tables of cases on the pure policy."""
+"""Each rule of the scheduler (docs/architecture.md §5), as tables of cases on the pure policy."""
 
 from __future__ import annotations
 
