@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     # How often workers and the API look for a new version or an activation
     # (0: never; a worker then serves the version it started with).
     model_poll_s: float = Field(1.0, ge=0)
+    # A version that has not loaded (and warmed up) within this long is given
+    # up as failed, so that a load that hangs cannot block the next activation.
+    model_load_timeout_s: float = Field(900.0, gt=0)
 
     # Batching (docs/architecture.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.

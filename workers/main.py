@@ -139,6 +139,7 @@ def build_loop(
             consumer.consumer,
             poll_s=settings.model_poll_s,
             failed=unloadable,
+            load_timeout_s=settings.model_load_timeout_s,
         )
     return loop
 

@@ -80,6 +80,7 @@ class VersionManager:
         poll_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         failed: dict[int, tuple[str, str]] | None = None,
+        load_timeout_s: float = 900.0,
     ) -> None:
         self.model = model
         self.serving = serving
@@ -91,6 +92,8 @@ class VersionManager:
         self.consumer = consumer
         self.poll_s = poll_s
         self.clock = clock
+        self.load_timeout_s = load_timeout_s
+        self._load_started = 0.0
         self._next_poll = 0.0
         self._loading: tuple[int, str, Future[Loaded]] | None = None
         # A version that failed, with what it failed on: not tried again until that changes.
@@ -155,6 +158,7 @@ class VersionManager:
                 extra={"model": self.model, "version": wanted, "serving": self.serving.version},
             )
             self._report(wanted, "loading")
+            self._load_started = moment
             self._loading = (wanted, stamp, _in_background(self.load, config, wanted))
             return None
 
@@ -162,6 +166,18 @@ class VersionManager:
         assert self._loading is not None
         version, stamp, future = self._loading
         if not future.done():
+            if self.clock() - self._load_started > self.load_timeout_s:
+                # A load that hangs (a user's __init__ that never returns) must not
+                # block later activations: it is given up; its thread is a daemon.
+                self._loading = None
+                self._failed[version] = stamp
+                reason = f"did not load within {self.load_timeout_s:g} s"
+                self._report(version, "failed", reason)
+                log.error(
+                    "version load timed out; the one serving goes on",
+                    extra={"model": self.model, "version": version,
+                           "serving": self.serving.version},
+                )  # fmt: skip
             return None
         self._loading = None
         try:
@@ -257,5 +273,11 @@ def signature(config: ModelConfig, version: int) -> str:
     with contextlib.suppress(OSError, KeyError):
         stamps.append(config.config_file.stat().st_mtime_ns)
         folder = config.versions[version].files
-        stamps += sorted(entry.stat().st_mtime_ns for entry in os.scandir(folder))
+        # Not what loading writes itself (Python's bytecode cache): that would
+        # make every failed python model look changed, and be tried again forever.
+        stamps += sorted(
+            entry.stat().st_mtime_ns
+            for entry in os.scandir(folder)
+            if entry.name != "__pycache__" and not entry.name.startswith(".")
+        )
     return f"{version}:{stamps}"

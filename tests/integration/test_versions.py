@@ -279,3 +279,62 @@ def test_a_job_pinned_to_a_version_just_activated_waits_for_it(
         rows = wait_terminal(sessions, [pinned], timeout=30)
     assert (rows[pinned].status, rows[pinned].model_version) == ("succeeded", 2), rows[pinned].error
     assert rows[pinned].output == {"v": 2, "x": 5}
+
+
+def test_a_load_that_hangs_is_given_up_and_does_not_block_the_next(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    model = echo(tmp_path)
+    release = threading.Event()
+    hang = [True]
+
+    def load(_config: ModelConfig, version: int) -> Loaded:
+        if hang[0]:
+            release.wait(30)  # a user's __init__ that never returns, as far as Ferry knows
+        return Loaded(version, Stub(version))
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.zadd(workers_key(key_prefix, "echo"), {"w": time.time()})
+    manager = VersionManager(
+        "echo", Loaded(1, Stub(1)), lambda: echo_again(tmp_path), load, sessions, client,
+        key_prefix, "w", poll_s=0.0, load_timeout_s=0.2,
+    )  # fmt: skip
+    try:
+        with sessions() as session:
+            activate(session, model, 2)
+        assert manager.poll() is None
+        until(lambda: manager.poll() is None and manager.failed(2))
+        state = version_states(client, key_prefix, "echo")[2]
+        assert (state.state, state.reason) == ("failed", "did not load within 0.2 s")
+        # The version's files change (a fixed build): it is tried again, and loads.
+        hang[0] = False
+        (tmp_path / "models" / "echo" / "2" / "FIXED").write_text("x")
+        loaded = until(manager.poll)
+        assert isinstance(loaded, Loaded) and loaded.version == 2
+    finally:
+        release.set()
+
+
+def test_a_failed_python_version_is_not_retried_because_its_bytecode_was_written(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    from workers.versions import signature
+
+    model = echo(tmp_path)
+    before = signature(model, 2)
+    cache = tmp_path / "models" / "echo" / "2" / "__pycache__"
+    cache.mkdir()
+    (cache / "echo.cpython-311.pyc").write_bytes(b"x")  # what importing the module leaves
+    assert signature(model, 2) == before
+    (tmp_path / "models" / "echo" / "2" / "echo.py").write_text("class Echo: ...\n")
+    assert signature(model, 2) != before  # a change of its own files is one
