@@ -58,15 +58,7 @@ def read_repository(
     known_settings: Iterable[str] = (),
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Repository:
-    """Read every model under ``root``; problems are collected, not raised.
-
-    ``environ`` (default ``os.environ``) overrides [input] and [parameters]
-    values: ``FERRY_<MODEL>_<KEY>`` (``FERRY_SIM_LATENCY_BASE_MS``), parsed as
-    the type the file gives. ``overrides`` (FERRY_MODEL_PARAMETERS), per
-    model, then replaces values by key, typed already. ``known_settings``:
-    the names [batching] and [memory] may use (their values are checked by
-    the settings themselves).
-    """
+    """core.repository.load_repository's reading (its arguments are documented there)."""
     environ = os.environ if environ is None else environ
     problems: list[Problem] = []
     models: dict[str, ModelConfig] = {}
