@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
+from core.repository import ModelConfig, ModelVersion, Problem
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class RuntimeOptions:
 class Backend(Protocol):
     """One way of running a model: sentence-transformers, onnx, python, ...
 
+    A backend may also define ``input_config(model) -> InputConfig``, the
+    [input] the API checks jobs against when it is not the model's own (sim
+    drops the members a model does not enable); backends.catalog uses it.
+
     ``input_kinds``: the [input] kinds it can take. ``uses_device``: False
     for a backend that needs no GPU whatever the machine has (``sim``), so
     ``ferry up`` starts one worker for it, not one per GPU.
@@ -47,10 +51,6 @@ class Backend(Protocol):
 
     def check(self, model: ModelConfig, version: ModelVersion) -> list[Problem]:
         """Problems with this version's files or the model's [parameters]; imports no torch."""
-        ...
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        """The [input] the API checks jobs against (most backends: the model's own)."""
         ...
 
     def runtime(

@@ -25,22 +25,17 @@ from core.repository import ModelConfig, Problem, Repository, load_repository
 from core.settings import PER_MODEL, Settings, knob_problem
 
 
-def repository_for(settings: Settings) -> Repository:
-    """The repository FERRY_MODEL_REPOSITORY names, FERRY_MODEL_PARAMETERS applied."""
+def repository_for(settings: Settings, only: str | None = None) -> Repository:
+    """The repository FERRY_MODEL_REPOSITORY names, FERRY_MODEL_PARAMETERS applied.
+
+    ``only``: read that model's folder alone (a worker's poll needs no other).
+    """
     return load_repository(
         settings.model_repository_path,
         overrides=settings.model_parameters,
         known_settings=PER_MODEL,
+        only=only,
     )
-
-
-def served_models(settings: Settings, repository: Repository) -> list[str]:
-    """The models this deployment runs workers for: FERRY_MODELS (empty: none).
-
-    ``repository`` is not read: the list is the operator's, and a model it
-    names that the repository lacks is a problem ``check`` reports.
-    """
-    return settings.model_names
 
 
 def check(repository: Repository, served: Collection[str] | None = None) -> list[Problem]:
@@ -117,18 +112,20 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
     from core.repository import RepositoryError
 
     repository = repository or repository_for(settings)
-    served = served_models(settings, repository)
+    served = settings.model_names
     problems = check(repository, served)
     errors = [p for p in problems if not p.warning]
     if errors:
         raise RepositoryError(errors)
+    warnings = [p for p in problems if p.warning]
     catalog = {}
     for name in sorted(repository.models):
         model = repository[name]
-        if name not in served and model_problems(model):
-            continue  # its problems were warnings: it takes no jobs
+        if any(model.concerns(p) for p in warnings):
+            continue  # not served, and with a problem: it takes no jobs
         backend = get_backend(model.backend)
-        as_checked = replace(model, input=backend.input_config(model))
+        refine = getattr(backend, "input_config", None)
+        as_checked = replace(model, input=refine(model)) if refine else model
         catalog[name] = ModelSpec(
             name=name,
             description=model.description,

@@ -29,7 +29,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, file_problems, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, calibrate_text, staged
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
+from core.repository import ModelConfig, ModelVersion, Problem
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {"top_k": int}
 DEFAULT_TOP_K = 5
@@ -197,9 +197,6 @@ class HFClassifierBackend:
                 )
             )
         return problems
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        return model.input
 
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions

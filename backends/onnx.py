@@ -60,7 +60,7 @@ from backends.base import (
     file_problems,
     parameter_problems,
 )
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem, TensorSpec
+from core.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,6 @@ class OnnxBackend:
             )
             return problems
         return problems + _graph_problems(model, version, path)
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        return model.input
 
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from backends.base import HostRuntime, RuntimeOptions
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
+from core.repository import ModelConfig, ModelVersion, Problem
 
 
 class PythonModel(Protocol):
@@ -76,9 +76,6 @@ class PythonBackend:
                 )
             )
         return problems
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        return model.input
 
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions

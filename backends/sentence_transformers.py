@@ -123,9 +123,6 @@ class SentenceTransformersBackend:
             for name in missing
         ]
 
-    def input_config(self, model: ModelConfig) -> Any:
-        return model.input
-
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions
     ) -> SentenceTransformerRuntime:

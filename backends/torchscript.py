@@ -46,7 +46,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, staged
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem, TensorSpec
+from core.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {"file": str, "outputs": list}
 # Activations per input value, a deliberate over-estimate (about what
@@ -225,9 +225,6 @@ class TorchModuleBackend:
                     for key, message in signature_problems(model.input.tensors, inputs)
                 ]
         return problems
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        return model.input
 
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions

@@ -28,7 +28,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
+from core.repository import ModelConfig, ModelVersion, Problem
 
 # Activations per input pixel, a deliberate over-estimate (about 100 MB per
 # 224 x 224 image in fp32) used where peak memory cannot be measured.
@@ -83,9 +83,6 @@ class TorchvisionBackend:
                 )
             )
         return problems
-
-    def input_config(self, model: ModelConfig) -> InputConfig:
-        return model.input
 
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions

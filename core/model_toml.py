@@ -57,6 +57,7 @@ def read_repository(
     environ: Mapping[str, str] | None = None,
     known_settings: Iterable[str] = (),
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    only: str | None = None,
 ) -> Repository:
     """core.repository.load_repository's reading (its arguments are documented there)."""
     environ = os.environ if environ is None else environ
@@ -67,6 +68,8 @@ def read_repository(
         problems.append(Problem(str(root), "", "is not a folder (FERRY_MODEL_REPOSITORY)"))
         return Repository(root, models, tuple(problems))
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if only is not None and folder.name != only:
+            continue
         if folder.name == "__pycache__":
             continue
         config_file = folder / "model.toml"
@@ -84,7 +87,8 @@ def read_repository(
         problems += reader.problems
         if model is not None:
             models[model.name] = model
-    for name in sorted(set(overrides or {}) - {p.name for p in root.iterdir() if p.is_dir()}):
+    unknown = set(overrides or {}) - {p.name for p in root.iterdir() if p.is_dir()}
+    for name in sorted(unknown if only is None else set()):
         problems.append(
             Problem(
                 relative(root, root / name),

@@ -122,6 +122,11 @@ class ModelConfig:
         """``path`` (default: model.toml) as problems name it: from the repository's folder."""
         return relative(self.folder.parent, path or self.config_file)
 
+    def concerns(self, problem: Problem) -> bool:
+        """Whether ``problem`` is about one of this model's files."""
+        label = self.where(self.folder)
+        return problem.file == label or problem.file.startswith(label + "/")
+
     def version(self, number: int | None = None) -> ModelVersion:
         """``number``'s version (None: the active one); KeyError when there is none."""
         return self.versions[self.active_version if number is None else number]
@@ -170,8 +175,9 @@ def load_repository(
     environ: Mapping[str, str] | None = None,
     known_settings: Iterable[str] = (),
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    only: str | None = None,
 ) -> Repository:
-    """Read every model under ``root``; problems are collected, not raised.
+    """Read every model under ``root`` (or the one named ``only``); problems are collected.
 
     ``environ`` (default ``os.environ``) overrides [input] and [parameters]
     values: ``FERRY_<MODEL>_<KEY>`` (``FERRY_SIM_LATENCY_BASE_MS``), parsed as
@@ -182,7 +188,7 @@ def load_repository(
     """
     from core.model_toml import read_repository
 
-    return read_repository(root, environ, known_settings, overrides)
+    return read_repository(root, environ, known_settings, overrides, only)
 
 
 def relative(root: Path, path: Path) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from backends.catalog import check, model_problems, repository_for, served_models
+from backends.catalog import check, model_problems, repository_for
 from core.repository import Problem
 from core.settings import get_settings
 
@@ -24,16 +24,14 @@ def _check(args: argparse.Namespace) -> int:
     repository = repository_for(settings)
     # A folder named on the command line is checked whole unless FERRY_MODELS says otherwise.
     whole = args.all or (args.path is not None and "models" not in settings.model_fields_set)
-    served = None if whole else served_models(settings, repository)
+    served = None if whole else settings.model_names
     problems = check(repository, served)
     report(problems)
     errors = [p for p in problems if not p.warning]
     for model in repository.models.values():
         if served is not None and model.name not in served:
             continue
-        label = model.where(model.folder)
-        mine = any(p.file == label or p.file.startswith(label + "/") for p in errors)
-        mark = "problems" if mine else "ok"
+        mark = "problems" if any(model.concerns(p) for p in errors) else "ok"
         versions = ", ".join(
             f"{n}{' (active)' if n == model.active_version else ''}" for n in sorted(model.versions)
         )
@@ -53,7 +51,7 @@ def report(problems: list[Problem]) -> None:
 def _list(args: argparse.Namespace) -> int:
     settings = get_settings()
     repository = repository_for(settings)
-    served = set(served_models(settings, repository))
+    served = set(settings.model_names)
     active = {name: model.active_version for name, model in repository.models.items()}
     try:  # an operator's activations, where the database can be reached
         from core.versions import active_version

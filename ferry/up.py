@@ -24,7 +24,7 @@ from types import FrameType
 
 import httpx
 
-from backends.catalog import check, repository_for, served_models
+from backends.catalog import check, repository_for
 from core import migrate
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key, verify_token
@@ -146,7 +146,7 @@ def flower_password(settings: Settings, data_dir: Path) -> str:
 def up(settings: Settings) -> int:
     # A repository Ferry cannot serve stops it here, before anything starts.
     repository = repository_for(settings)
-    problems = check(repository, served_models(settings, repository))
+    problems = check(repository, settings.model_names)
     for problem in problems:
         _say(f"{'warning' if problem.warning else 'error'}: {problem}")
     if any(not p.warning for p in problems):
@@ -290,7 +290,7 @@ def worker_plan(
     repository = repository or repository_for(settings)
     gpus = _gpus(settings.gpus, visible or visible_gpus)
     plan: list[tuple[str, str, str | None]] = []
-    for model in served_models(settings, repository):
+    for model in settings.model_names:
         config = repository.models.get(model)
         device, count = (config.device, config.count) if config else ("auto", 1)
         copies = [f"#{i + 1}" if count > 1 else "" for i in range(count)]
@@ -339,7 +339,7 @@ def _port_arg(ports: dict[str, int], name: str) -> list[str]:
 def _banner(
     settings: Settings, base: str, redis_url: str, token: str, flower_password: str | None
 ) -> None:
-    served = served_models(settings, repository_for(settings))
+    served = settings.model_names
     # minilm's job when it is served; another model's input is described by GET /v1/models.
     example = (
         json.dumps({"model": "minilm", "input": "hello"})

@@ -66,7 +66,7 @@ def build_loop(
     if not redis_url:
         raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
     base = settings
-    config = repository_for(base).models.get(model)
+    config = repository_for(base, only=model).models.get(model)
     if config is None:
         raise SystemExit(f"the model repository ({base.model_repository_path}) has no {model!r}")
     settings = base.for_model(model, config.settings)
@@ -147,7 +147,7 @@ def build_loop(
 def _read_model(settings: Settings, model: str) -> ModelConfig | None:
     """The model as the repository has it now; None (keep serving) if it cannot be read."""
     try:
-        return repository_for(settings).models.get(model)
+        return repository_for(settings, only=model).models.get(model)
     except Exception:  # a repository being edited: the next poll reads it again
         log.warning("the model repository could not be read", extra={"model": model})
         return None
