@@ -12,6 +12,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
+from api.groups import GroupStage
+from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.middleware import (
     BodyLimitMiddleware,
@@ -19,10 +21,12 @@ from api.middleware import (
     RequestIdMiddleware,
     SecurityHeadersMiddleware,
 )
+from api.reads import GroupRead, JobReader
 from api.routes import admin, backfills, jobs, system, webhooks
 from api.services import callback_checker
+from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
-from core.db import make_engine, make_sessionmaker
+from core.db import make_engine, make_sessionmaker, read_only
 from core.settings import Settings
 from core.streams import done_channel
 from core.urlguard import Resolver, UrlPolicy, system_resolver
@@ -43,6 +47,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         app.state.settings = settings
         app.state.engine = engine
         app.state.sessions = make_sessionmaker(engine)
+        app.state.reads = make_sessionmaker(read_only(engine))
+        app.state.keys = KeyCache(settings.key_cache_s)
         app.state.catalog = catalog
         app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
         app.state.redis = redis.Redis.from_url(
@@ -57,6 +63,31 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             redis_url, settings.key_prefix, settings.rate_limit, settings.auth_failure_limit
         )
         hub.start()
+        app.state.limits.start()
+        writer = GroupWriter(
+            app.state.sessions,
+            app.state.redis,
+            settings.key_prefix,
+            max_outstanding=settings.max_outstanding_jobs,
+            requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
+        )
+        group_commit: GroupCommit = GroupStage(
+            "group-commit",
+            writer.write,
+            max_items=settings.submit_group_max,
+            wait_s=settings.submit_group_wait_ms / 1000.0,
+            # SQLite writes one transaction at a time; PostgreSQL overlaps two groups.
+            workers=1 if engine.dialect.name == "sqlite" else 2,
+        )
+        # Reads do not wait for company: a group is what queued during the last read.
+        group_read: GroupRead = GroupStage(
+            "group-read", JobReader(engine).read, max_items=settings.submit_group_max, wait_s=0,
+            workers=2,
+        )  # fmt: skip
+        app.state.group_read = group_read
+        group_read.start()
+        app.state.group_commit = group_commit
+        group_commit.start()
         kicker = DeliveryKicker(redis_url, settings.key_prefix)
         app.state.kick = kicker
         app.state.check_callback = callback_checker(
@@ -65,6 +96,9 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         try:
             yield
         finally:
+            await group_commit.stop()
+            await group_read.stop()
+            await app.state.limits.stop()
             kicker.close()
             await hub.stop()
             app.state.redis.close()

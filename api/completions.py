@@ -27,9 +27,10 @@ class CompletionHub:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.client.aclose()
+            # Bounded: a stop must not hang on a subscription's cleanup.
+            await asyncio.wait({self._task}, timeout=2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.aclose(), timeout=2.0)
 
     @contextlib.contextmanager
     def watch(self, job_id: str) -> Iterator[asyncio.Event]:
@@ -44,18 +45,27 @@ class CompletionHub:
                 if not waiters:
                     del self._waiters[job_id]
 
+    def wake_all(self) -> None:
+        """Every waiter reads its job again (completions may have been missed)."""
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+
     def notify(self, job_ids: str) -> None:
         for job_id in job_ids.split(","):
             for event in self._waiters.get(job_id, ()):
                 event.set()
 
     async def _listen(self) -> None:
-        # Waiters also re-read the database every second, so a lost message or
-        # a Redis outage only slows a long-poll down; it never loses a result.
+        # A completion published while the subscription was down is lost, so on
+        # every (re)subscription each waiter reads its job once; and each reads
+        # it once more at the end of its wait. A lost message or a Redis outage
+        # only slows a long-poll down; it never loses a result.
         while True:
             try:
                 async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.channel)
+                    self.wake_all()
                     async for message in pubsub.listen():
                         data = message.get("data")
                         if isinstance(data, bytes):

@@ -1,4 +1,8 @@
-"""Typed dependencies: settings, database session, Redis, the calling key."""
+"""Typed dependencies: settings, database session, Redis, the calling key.
+
+Every dependency that does no blocking I/O is ``async def``: FastAPI runs a
+plain ``def`` dependency in the thread pool, a hop per dependency per request.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,22 @@ from typing import Annotated
 
 import redis
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.completions import CompletionHub
 from api.errors import ApiError
+from api.keycache import KeyCache
 from api.limits import RequestLimits
+from api.reads import GroupRead
+from api.submissions import GroupCommit
 from core.catalog import ModelSpec
 from core.db import ApiKey
 from core.keys import verify_token
 from core.settings import Settings
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
@@ -29,17 +37,27 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_redis(request: Request) -> redis.Redis:
+async def get_redis(request: Request) -> redis.Redis:
     client: redis.Redis = request.app.state.redis
     return client
 
 
-def get_catalog(request: Request) -> dict[str, ModelSpec]:
+async def get_catalog(request: Request) -> dict[str, ModelSpec]:
     catalog: dict[str, ModelSpec] = request.app.state.catalog
     return catalog
 
 
-def get_hub(request: Request) -> CompletionHub:
+async def get_group_commit(request: Request) -> GroupCommit:
+    commit: GroupCommit = request.app.state.group_commit
+    return commit
+
+
+async def get_group_read(request: Request) -> GroupRead:
+    reads: GroupRead = request.app.state.group_read
+    return reads
+
+
+async def get_hub(request: Request) -> CompletionHub:
     hub: CompletionHub = request.app.state.hub
     return hub
 
@@ -49,14 +67,16 @@ SessionDep = Annotated[Session, Depends(get_session)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]
 HubDep = Annotated[CompletionHub, Depends(get_hub)]
+GroupCommitDep = Annotated[GroupCommit, Depends(get_group_commit)]
+GroupReadDep = Annotated[GroupRead, Depends(get_group_read)]
 
 
-def get_kick(request: Request) -> Callable[[Sequence[str]], None]:
+async def get_kick(request: Request) -> Callable[[Sequence[str]], None]:
     kick: Callable[[Sequence[str]], None] = request.app.state.kick
     return kick
 
 
-def get_check_callback(request: Request) -> Callable[[str], None]:
+async def get_check_callback(request: Request) -> Callable[[str], None]:
     check: Callable[[str], None] = request.app.state.check_callback
     return check
 
@@ -65,8 +85,8 @@ KickDep = Annotated[Callable[[Sequence[str]], None], Depends(get_kick)]
 CheckCallbackDep = Annotated[Callable[[str], None], Depends(get_check_callback)]
 
 
-def current_key(request: Request) -> ApiKey:
-    """The calling key, checked in a short session of its own.
+async def current_key(request: Request) -> ApiKey:
+    """The calling key: from this process's cache, else checked in a short session of its own.
 
     Not the request's session: a long-poll must not hold a pooled connection
     for its whole wait.
@@ -77,20 +97,30 @@ def current_key(request: Request) -> ApiKey:
         raise _unauthorized("missing Authorization header (expected: Bearer <api key>)")
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("Authorization header must be: Bearer <api key>")
+    token = token.strip()
     limits: RequestLimits = request.app.state.limits
-    # Guessing keys costs a database lookup each: an address that keeps failing
-    # is refused before the lookup.
-    address = request.client.host if request.client else "unknown"
-    limits.refuse_if_failing(address)
-    sessions: sessionmaker[Session] = request.app.state.sessions
-    with sessions() as session:
-        key = verify_token(session, token.strip())
+    cache: KeyCache = request.app.state.keys
+    key = cache.get(token)
+    if key is None:
+        # Guessing keys costs a database lookup each: an address that keeps
+        # failing is refused before the lookup.
+        address = request.client.host if request.client else "unknown"
+        await limits.refuse_if_failing(address)
+        key = await run_in_threadpool(_lookup, request.app.state.reads, token)
         if key is None:
-            limits.failed(address)
+            await limits.failed(address)
             raise _unauthorized("invalid or revoked API key")
-        session.expunge(key)
-    limits.check(key.id)
+        cache.put(token, key)
+    await limits.check(key.id)
     return key
+
+
+def _lookup(sessions: sessionmaker[Session], token: str) -> ApiKey | None:
+    with sessions() as session:
+        key = verify_token(session, token)
+        if key is not None:
+            session.expunge(key)
+        return key
 
 
 def _unauthorized(message: str) -> ApiError:
@@ -100,7 +130,7 @@ def _unauthorized(message: str) -> ApiError:
 KeyDep = Annotated[ApiKey, Depends(current_key)]
 
 
-def admin_key(key: KeyDep) -> ApiKey:
+async def admin_key(key: KeyDep) -> ApiKey:
     """The calling key, which must have the admin scope (403 otherwise)."""
     if key.scope != "admin":
         raise ApiError(403, "forbidden", "this endpoint needs an API key with the admin scope")

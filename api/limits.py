@@ -1,22 +1,37 @@
-"""Rate limits, counted in Redis so they hold across API processes: requests per
-key, and failed authentications per client address (checked before any key is
-looked up, so guessing keys cannot keep the database busy).
+"""Rate limits that hold across API processes: requests per key, and failed
+authentications per client address (checked before any key is looked up, so
+guessing keys cannot keep the database busy).
 
-The ``limits`` library's sliding-window counter: two Redis keys per limit and
-key, no per-request history. A request over a limit is a 429 that names the
-limit and carries ``Retry-After``. While Redis is unreachable requests are not
-limited (jobs are still accepted without Redis, docs/architecture.md §4); the log says so.
+Both are sliding-window counters: a window's count, plus the previous
+window's weighted by how much of it the sliding window still covers; no
+per-request history. A request over a limit is a 429 that names the limit
+and carries ``Retry-After``.
+
+Requests per key are counted in the process (:class:`SharedBudget`): a
+request costs no round trip. Each process adds its counts to the key's
+shared count in Redis every ``SYNC_S`` and reads back everyone's, and the
+first request of a key in a window reads the shared count before it is
+decided; so all processes together admit at most what the limit allows
+plus what the others admitted within one sync. While Redis is unreachable
+each process still holds every key to the limit on its own count; the log
+says so. Failed authentications are rare and go to Redis each time (the
+``limits`` library).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 
+import redis
+import redis.asyncio as aioredis
 from limits import RateLimitItem, parse_many
-from limits.storage import RedisStorage
-from limits.strategies import SlidingWindowCounterRateLimiter
+from limits.aio.storage import RedisStorage
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
 from limits.util import WindowStats
 
 from api.errors import ApiError
@@ -27,16 +42,160 @@ SKIP_AFTER_FAILURE_S = 5.0
 SUSPECTS_MAX = 10_000
 
 
+SYNC_S = 0.1
+
+
+@dataclass
+class _Count:
+    """One key's count under one limit, in the window ``window`` (its number since the epoch)."""
+
+    window: int
+    shared: int = 0  # every process's count in the window, as of the last sync
+    previous: int = 0  # every process's count in the window before
+    pending: int = 0  # this process's requests not added to the shared count yet
+
+
+class SharedBudget:
+    """Requests per key under ``items``, counted here and shared through Redis."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str, items: list[RateLimitItem]) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.items = items
+        self._counts: dict[tuple[str, int], _Count] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._warned = False
+        self._skip_until = 0.0
+
+    def start(self) -> None:
+        if self.items:
+            self._task = asyncio.create_task(self._sync_forever(), name="rate-limit-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            with contextlib.suppress(Exception):
+                # What was counted since the last sync; a stop never waits long on Redis.
+                await asyncio.wait_for(self._sync(), timeout=1.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.aclose(), timeout=1.0)
+
+    async def check(self, key_id: str) -> None:
+        """Count one request of this key; a 429 if it is over any limit (nothing counted)."""
+        now = time.time()
+        counts = []
+        for n, item in enumerate(self.items):
+            period = item.get_expiry()
+            window = int(now // period)
+            count = self._counts.get((key_id, n))
+            if count is None or count.window != window:
+                count = await self._start_window(key_id, n, item, window, count)
+            weight = 1.0 - (now % period) / period
+            if count.previous * weight + count.shared + count.pending + 1 > item.amount:
+                retry_s = max(1, math.ceil(period - now % period))  # the window turns over
+                raise ApiError(
+                    429,
+                    "rate_limited",
+                    f"request rate limit {item} exceeded for this key; retry in {retry_s} s",
+                    {"Retry-After": str(retry_s)},
+                )
+            counts.append(count)
+        for count in counts:
+            count.pending += 1
+
+    async def _start_window(
+        self, key_id: str, n: int, item: RateLimitItem, window: int, was: _Count | None
+    ) -> _Count:
+        count = _Count(window)
+        if was is not None and was.window == window - 1:
+            count.previous = was.shared + was.pending
+        self._counts[(key_id, n)] = count
+        if (was is not None and was.pending) or time.monotonic() < self._skip_until:
+            # Pending counts go to the previous window's key at the next sync;
+            # and a Redis that just failed is not waited on at every window.
+            return count
+        try:
+            shared, previous = await self.client.mget(
+                self._key(key_id, n, window), self._key(key_id, n, window - 1)
+            )
+            count.shared = int(shared or 0)
+            count.previous = max(count.previous, int(previous or 0))
+        except redis.RedisError as exc:
+            self._unshared(exc)
+        return count
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_S)
+            try:
+                await self._sync()
+            except redis.RedisError as exc:
+                self._unshared(exc)
+
+    async def _sync(self) -> None:
+        """Add this process's pending counts to the shared ones; read back everyone's
+        (for every key this process has seen in the current window)."""
+        current = {n: int(time.time() // item.get_expiry()) for n, item in enumerate(self.items)}
+        for k in [k for k, c in self._counts.items() if c.window < current[k[1]] - 1]:
+            if not self._counts[k].pending:
+                del self._counts[k]  # not seen for two windows: nothing to keep
+        synced = [
+            (k, c, c.pending)
+            for k, c in self._counts.items()
+            if c.pending or c.window == current[k[1]]
+        ]
+        if not synced:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for (key_id, n), count, pending in synced:
+            key = self._key(key_id, n, count.window)
+            if pending:
+                pipe.incrby(key, pending)
+                pipe.expire(key, 2 * self.items[n].get_expiry() + 1)
+            else:
+                pipe.get(key)
+        results = iter(await pipe.execute())
+        for _k, count, pending in synced:
+            count.shared = int(next(results) or 0)
+            if pending:
+                count.pending -= pending
+                next(results)  # EXPIRE's answer
+        if self._warned:
+            self._warned = False
+            log.info("rate limits shared across API processes again")
+
+    def _unshared(self, exc: Exception) -> None:
+        self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "rate limits counted in this process only until Redis answers",
+                extra={"error_type": type(exc).__name__},
+            )
+
+    def _key(self, key_id: str, n: int, window: int) -> str:
+        item = self.items[n]
+        return f"{self.prefix}:limits:requests:{key_id}:{item.amount}/{item.get_expiry()}:{window}"
+
+
 class RequestLimits:
     """Requests per key, and failed authentications per client address."""
 
     def __init__(self, redis_url: str, prefix: str, spec: str, failures: str = "") -> None:
         self.items: list[RateLimitItem] = parse_many(spec) if spec else []
+        # Short timeouts: a hung Redis must cost a sync little.
+        self.budget = SharedBudget(
+            aioredis.Redis.from_url(redis_url, socket_timeout=0.25, socket_connect_timeout=0.25),
+            prefix,
+            self.items,
+        )
         self.failure_items: list[RateLimitItem] = parse_many(failures) if failures else []
         # Short timeouts: a hung Redis must cost a request little, and only once.
         self.storage = RedisStorage(
-            redis_url, key_prefix=f"{prefix}:limits", socket_timeout=0.25,
-            socket_connect_timeout=0.25,
+            f"async+{redis_url}", implementation="redispy", key_prefix=f"{prefix}:limits",
+            socket_timeout=0.25, socket_connect_timeout=0.25,
         )  # fmt: skip
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._skip_until = 0.0
@@ -44,23 +203,26 @@ class RequestLimits:
         # before authenticating, so a healthy request costs no extra round trip.
         self._suspects: dict[str, float] = {}
 
-    def check(self, key_id: str) -> None:
-        """Count one request of this key; a 429 if it is over any limit."""
-        for item in self.items:
-            stats = self._over(item, True, "requests", key_id)
-            if stats is not None:
-                raise _refusal(f"request rate limit {item} exceeded for this key", stats)
+    def start(self) -> None:
+        self.budget.start()
 
-    def refuse_if_failing(self, address: str) -> None:
+    async def stop(self) -> None:
+        await self.budget.stop()
+
+    async def check(self, key_id: str) -> None:
+        """Count one request of this key; a 429 if it is over any limit."""
+        await self.budget.check(key_id)
+
+    async def refuse_if_failing(self, address: str) -> None:
         """A 429, before any key is looked up, for an address over its failed-auth limit."""
         if self._suspects.get(address, 0.0) < time.monotonic():
             return
         for item in self.failure_items:
-            stats = self._over(item, False, "auth-failures", address)
+            stats = await self._over(item, False, "auth-failures", address)
             if stats is not None:
                 raise _refusal(f"too many failed authentications ({item}) from this address", stats)
 
-    def failed(self, address: str) -> None:
+    async def failed(self, address: str) -> None:
         """Count one failed authentication from this address."""
         now = time.monotonic()
         if len(self._suspects) > SUSPECTS_MAX:
@@ -68,19 +230,21 @@ class RequestLimits:
         if self.failure_items:
             self._suspects[address] = now + max(i.get_expiry() for i in self.failure_items)
         for item in self.failure_items:
-            self._over(item, True, "auth-failures", address)
+            await self._over(item, True, "auth-failures", address)
 
-    def _over(self, item: RateLimitItem, count: bool, *identifiers: str) -> WindowStats | None:
+    async def _over(
+        self, item: RateLimitItem, count: bool, *identifiers: str
+    ) -> WindowStats | None:
         """The window's stats if ``identifiers`` are over ``item`` (counting a hit if asked)."""
         if time.monotonic() < self._skip_until:
             return None
         try:
-            allowed = (
+            allowed = await (
                 self.limiter.hit(item, *identifiers)
                 if count
                 else self.limiter.test(item, *identifiers)
             )
-            return None if allowed else self.limiter.get_window_stats(item, *identifiers)
+            return None if allowed else await self.limiter.get_window_stats(item, *identifiers)
         except Exception as exc:  # redis errors, wrapped or not: do not limit blind
             # Not limited for a while, rather than every request paying the timeout.
             self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S

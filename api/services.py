@@ -6,29 +6,22 @@ import base64
 import datetime as dt
 import logging
 import re
-import time
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
-import redis
-from sqlalchemy import and_, delete, func, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from api.schemas import (
     AttemptResource,
     DeliveryResource,
-    JobCreate,
     JobResource,
     WebhookSecret,
-    metadata_problem,
 )
 from backends.catalog import LiveVersions
-from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, nesting_problem
+from core.catalog import ModelSpec
 from core.db import (
     TERMINAL_STATUSES,
     ApiKey,
@@ -38,11 +31,8 @@ from core.db import (
     WebhookDelivery,
     utcnow,
 )
-from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
 from core.keys import new_webhook_secret, rotate_webhook_secret
-from core.queues import live_workers, model_stats, tenant_depths
 from core.resources import job_resource
-from core.streams import JobMessage, Scripts
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.webhooks import add_job_deliveries
@@ -53,43 +43,6 @@ Owned = TypeVar("Owned", Job, Backfill)
 Kick = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Submitted:
-    job: Job
-    replayed: bool
-    estimated_wait_ms: float | None
-
-
-QUOTA_RETRY_AFTER_S = 5
-
-
-def check_job_quota(session: Session, key: ApiKey, limit: int | None) -> None:
-    """A 429 while the key has ``limit`` jobs queued or running (counting stops there).
-
-    Two submissions racing past the last free slot may both be accepted: the
-    quota keeps a tenant from flooding the queue, it is not an exact count.
-    """
-    if limit is None:
-        return
-    outstanding = session.scalar(
-        select(func.count()).select_from(
-            select(Job.id)
-            .where(Job.api_key_id == key.id, Job.status.in_(("queued", "running")))
-            .where(Job.backfill_id.is_(None))
-            .limit(limit)
-            .subquery()
-        )
-    )
-    if (outstanding or 0) >= limit:
-        raise ApiError(
-            429,
-            "quota_exceeded",
-            f"jobs outstanding: this key has {limit} jobs queued or running, its limit "
-            "(FERRY_MAX_OUTSTANDING_JOBS); submit more as they finish",
-            {"Retry-After": str(QUOTA_RETRY_AFTER_S)},
-        )
 
 
 def resolve_model(
@@ -136,182 +89,6 @@ def resolve_model(
             f"version: {name}@{version} takes no jobs; its active version is {active}",
         )
     return spec, version
-
-
-def submit_job(
-    session: Session,
-    client: redis.Redis,
-    prefix: str,
-    catalog: dict[str, ModelSpec],
-    key: ApiKey,
-    body: JobCreate,
-    idempotency_key: str | None,
-    request_id: str | None,
-    requeue_within_s: float = 90.0,
-    check_callback: Callable[[str], None] | None = None,
-    max_outstanding: int | None = None,
-    max_metadata_bytes: int = 16_384,
-    max_json_depth: int = MAX_JSON_DEPTH,
-    live: LiveVersions | None = None,
-) -> Submitted:
-    """Validate, commit, enqueue.
-
-    If the enqueue fails (Redis down) the committed job is still accepted: the
-    reconciler enqueues it within ``requeue_within_s`` once Redis is back. A job
-    whose deadline is sooner than that could only expire, so it is taken back
-    and refused with 503 instead.
-    """
-    spec, requested_version = resolve_model(catalog, body.model, body.version, live)
-    for field, value in (("input", body.input), ("metadata", body.metadata)):
-        problem = nesting_problem(value, max_json_depth)
-        if problem:
-            raise ApiError(422, "invalid_request", f"{field}: must not contain {problem}")
-    problem = metadata_problem(body.metadata, max_metadata_bytes)
-    if problem:
-        raise ApiError(422, "invalid_request", f"metadata: {problem}")
-    try:
-        validated = spec.validate(body.input)
-    except InputError as exc:
-        raise ApiError(422, "invalid_request", f"{exc.field}: {exc.message}") from exc
-
-    if body.idempotency_key and idempotency_key and body.idempotency_key != idempotency_key:
-        raise ApiError(
-            422, "invalid_request", "idempotency_key: differs from the Idempotency-Key header"
-        )
-    idem = body.idempotency_key or idempotency_key
-    if idem:
-        existing = _by_idempotency_key(session, key.id, idem)
-        if existing is not None:
-            return _replay(existing, body, validated.input)
-    # A replay above is answered whatever the quota; only new work counts against it.
-    check_job_quota(session, key, max_outstanding)
-    if body.callback_url and check_callback is not None:
-        check_callback(body.callback_url)
-
-    estimate_ms = _estimate_wait_ms(
-        client, prefix, spec.name, body.priority, validated.cost, key.id
-    )
-    if body.deadline_ms is not None and estimate_ms is not None and estimate_ms > body.deadline_ms:
-        # Refuse now rather than accept a job that would only expire in the queue.
-        raise ApiError(
-            429,
-            "deadline_unattainable",
-            f"deadline_ms: {body.deadline_ms} ms cannot be met; with the queue ahead "
-            f"this job would finish in about {estimate_ms:.0f} ms",
-            estimated_wait_ms=estimate_ms,
-        )
-
-    now = utcnow()
-    job = Job(
-        id=str(uuid.uuid4()),
-        api_key_id=key.id,
-        model=spec.name,
-        requested_version=requested_version,
-        priority=body.priority,
-        status="queued",
-        input=validated.input,
-        cost=validated.cost,
-        attempts=0,
-        created_at=now,
-        deadline_at=now + dt.timedelta(milliseconds=body.deadline_ms) if body.deadline_ms else None,
-        callback_url=body.callback_url,
-        idempotency_key=idem,
-        metadata_=body.metadata,
-        request_id=request_id,
-    )
-    session.add(job)
-    try:
-        session.commit()  # durable before anything is queued or answered
-    except IntegrityError:
-        session.rollback()
-        existing = _by_idempotency_key(session, key.id, idem) if idem else None
-        if existing is None:
-            raise
-        return _replay(existing, body, validated.input)
-
-    message = JobMessage(
-        job_id=job.id,
-        lane=job.priority,
-        cost=job.cost,
-        enqueued_at_ms=_ms(now),
-        deadline_at_ms=_ms(job.deadline_at) if job.deadline_at else None,
-        request_id=request_id,
-        tenant=key.id,
-        version=job.requested_version,
-    )
-    try:
-        Scripts(client).enqueue(client, prefix, job.model, message)
-    except redis.RedisError as exc:
-        if body.deadline_ms is not None and body.deadline_ms < requeue_within_s * 1000:
-            log.warning(
-                "enqueue failed; job with a short deadline refused",
-                extra={"job_id": job.id, "error_type": type(exc).__name__},
-            )
-            session.execute(delete(Job).where(Job.id == job.id, Job.status == "queued"))
-            session.commit()
-            raise ApiError(
-                503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
-            ) from exc
-        # The row is committed, so the job is accepted: the reconciler gives it
-        # its stream entry once Redis is back (docs/architecture.md §4).
-        log.warning(
-            "enqueue failed; the reconciler will enqueue the job",
-            extra={"job_id": job.id, "error_type": type(exc).__name__},
-        )
-        return Submitted(job, False, None)
-    return Submitted(job, False, estimate_ms)
-
-
-def _by_idempotency_key(session: Session, key_id: str, idem: str) -> Job | None:
-    return session.scalars(
-        select(Job).where(Job.api_key_id == key_id, Job.idempotency_key == idem)
-    ).one_or_none()
-
-
-def _replay(existing: Job, body: JobCreate, validated_input: object) -> Submitted:
-    if existing.model != body.model or existing.input != validated_input:
-        raise ApiError(409, "conflict", "idempotency_key: already used for a different request")
-    return Submitted(existing, True, None)
-
-
-def _estimate_wait_ms(
-    client: redis.Redis, prefix: str, model: str, lane: str, cost: int, tenant: str
-) -> float | None:
-    """From what the model's workers learned and the queue ahead (None: nothing learned yet)."""
-    try:
-        estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
-        if estimate is None:  # no worker has published: spare the depth reads
-            return None
-        depths = _recent_depths(client, prefix, model)
-        workers = live_workers(client, prefix, model)
-    except redis.RedisError:
-        return None
-    return round(
-        estimate_wait_s(estimate, jobs_ahead(depths, lane, tenant), cost, workers) * 1000.0, 1
-    )
-
-
-# The queue's shape is read once per DEPTHS_TTL_S per API process and model,
-# not at every submission: with many tenants it is a command per stream.
-DEPTHS_TTL_S = 0.25
-_depths: weakref.WeakKeyDictionary[
-    redis.Redis, dict[tuple[str, str], tuple[float, dict[str, dict[str, int]]]]
-] = weakref.WeakKeyDictionary()
-
-
-def _recent_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, dict[str, int]]:
-    now = time.monotonic()
-    cache = _depths.setdefault(client, {})
-    cached = cache.get((prefix, model))
-    if cached is not None and now - cached[0] < DEPTHS_TTL_S:
-        return cached[1]
-    depths = tenant_depths(client, prefix, model)
-    cache[(prefix, model)] = (now, depths)
-    return depths
-
-
-def _ms(value: dt.datetime) -> int:
-    return int(value.timestamp() * 1000)
 
 
 def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], None]:

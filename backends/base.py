@@ -22,7 +22,8 @@ class RuntimeOptions:
     ``device``: resolved (``cpu``, ``cuda:0``). ``warmup_batch``: the largest
     batch the scheduler may send, warmed up at start-up. ``budget_bytes``:
     the memory budget when set (else the device's share, or the model's
-    declared estimate on the CPU).
+    declared estimate on the CPU). ``cpu_threads``: how many threads a model
+    on the CPU computes with.
     """
 
     device: str
@@ -31,6 +32,7 @@ class RuntimeOptions:
     warmup_batch: int = 1
     memory_fraction: float = 0.9
     reclaim_bytes: int = 2**30
+    cpu_threads: int = 0  # on the CPU: the model's threads (0: the library's default)
 
 
 class Backend(Protocol):

@@ -8,6 +8,7 @@ parameters, its input kind), each naming the file and the field.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Collection
@@ -191,6 +192,13 @@ class LiveVersions:
             return self._repository.models.get(name) if self._repository else None
 
 
+def cpu_threads(setting: int, cores: int | None = None) -> int:
+    """FERRY_CPU_THREADS, resolved: 0 means half the host's cores, at least one."""
+    if setting:
+        return setting
+    return max(1, (cores or os.cpu_count() or 2) // 2)
+
+
 def load_runtime(
     model: ModelConfig,
     settings: Settings,
@@ -218,6 +226,7 @@ def load_runtime(
         warmup_batch=settings.batch_max_size,
         memory_fraction=settings.gpu_memory_fraction,
         reclaim_bytes=settings.gpu_reclaim_bytes,
+        cpu_threads=cpu_threads(settings.cpu_threads),
     )
     runtime = backend.runtime(model, model.version(number), options)
     runtime.load()

@@ -478,7 +478,10 @@ class OnnxRuntime(HostRuntime):
         self.tensors = tensors
         self.cost_per_input = cost_per_input
         self.providers = list(providers) if providers else None
-        self.intra_op_threads = intra_op_threads
+        # The model's own setting, else FERRY_CPU_THREADS on the CPU.
+        self.intra_op_threads = intra_op_threads or (
+            0 if options.device.startswith("cuda") else options.cpu_threads
+        )
         self.output = output
         self._session: Any = None
         self._tokenizer: Any = None

@@ -148,6 +148,7 @@ class TorchRuntime:
         self.warmup_batch = options.warmup_batch
         self.memory_fraction = options.memory_fraction
         self.reclaim_bytes = options.reclaim_bytes
+        self.cpu_threads = options.cpu_threads
         self._model: Any = None
         self._weights_bytes = 0
         # On a CUDA device only: the model's own stream and its memory share.
@@ -160,10 +161,14 @@ class TorchRuntime:
         """On a CUDA device: the process's memory share and the model's stream.
 
         Called before the weights are loaded: they already count against the share.
+        On the CPU: the threads the model computes with (FERRY_CPU_THREADS).
         """
-        if not self.device.startswith("cuda"):
-            return
         import torch
+
+        if not self.device.startswith("cuda"):
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
+            return
 
         self._memory = DeviceMemory(
             self.device, self.name, self.memory_fraction, self.reclaim_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,20 +312,14 @@ def discard(
             session.execute(delete(Job).where(Job.id.in_(ids)))
 
 
-def count_outcomes(session: Session, job_ids: Sequence[str]) -> None:
-    """In the caller's transaction: add these newly terminal jobs to their backfills' counts."""
-    if not job_ids:
-        return
-    rows = session.execute(
-        select(Job.backfill_id, Job.status, func.count())
-        .where(Job.id.in_(job_ids), Job.backfill_id.is_not(None))
-        .group_by(Job.backfill_id, Job.status)
-    ).all()
-    for backfill_id, status, count in rows:
+def count_outcomes(session: Session, outcomes: Mapping[tuple[str, str], int]) -> None:
+    """In the caller's transaction: add newly terminal jobs to their backfills' counts
+    (``outcomes``: how many jobs of each backfill reached each terminal status)."""
+    table: Table = Backfill.__table__  # type: ignore[assignment]
+    for (backfill_id, status), count in sorted(outcomes.items()):
         column = COUNTER.get(status)
         if column is None:
             continue
-        table: Table = Backfill.__table__  # type: ignore[assignment]
         session.execute(
             update(table).where(table.c.id == backfill_id).values({column: table.c[column] + count})
         )

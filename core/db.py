@@ -123,7 +123,7 @@ class Job(Base):
         UniqueConstraint("backfill_id", "custom_id", name="uq_jobs_backfill_custom_id"),
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
         Index("ix_jobs_status_finished", "status", "finished_at"),
-        # The outstanding-jobs quota counts through this (backfill items are not counted).
+        # The outstanding counter (key_usage) is rebuilt through this (backfill items not counted).
         Index(
             "ix_jobs_key_outstanding",
             "api_key_id",
@@ -132,6 +132,20 @@ class Job(Base):
             sqlite_where=text("backfill_id IS NULL"),
         ),
     )
+
+
+class KeyUsage(Base):
+    """A key's jobs queued or running (backfill items not counted), for its quota.
+
+    Moved in the same transaction as the rows it counts: up when jobs are
+    inserted, down at their terminal write (``core.usage``), so the quota
+    costs no count per submission however long the key's history.
+    """
+
+    __tablename__ = "key_usage"
+
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), primary_key=True)
+    outstanding: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ModelActivation(Base):
@@ -244,10 +258,23 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+# Connections kept open: as many as the API's threads use at once (Starlette's
+# thread pool, 40, and the group commit's writers), so that none is opened and
+# closed per request under load, which costs more than the query (SQLite sets
+# its pragmas on each). A pool opens them only as they are needed.
+POOL_SIZE = 48
+POOL_OVERFLOW = 16
+
+
 def make_engine(url: str) -> Engine:
     """An engine tuned for Ferry's many short transactions from several processes."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 30, "check_same_thread": False},
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -264,9 +291,22 @@ def make_engine(url: str) -> Engine:
     # A database host that stops answering must not hold a worker or a request
     # for the kernel's TCP timeout (minutes): give up on a connection in 5 s.
     connect_args = {"connect_timeout": 5} if url.startswith("postgresql") else {}
+    # No ping before each checkout (a round trip per transaction): a connection
+    # found dead when used fails that one transaction with a disconnect error,
+    # and SQLAlchemy then drops every pooled connection, so the next ones are
+    # new. psycopg prepares a statement the fifth time a connection runs it.
     return create_engine(
-        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args
+        url,
+        pool_size=POOL_SIZE,
+        max_overflow=POOL_OVERFLOW,
+        pool_recycle=1800,
+        connect_args=connect_args,
     )
+
+
+def read_only(engine: Engine) -> Engine:
+    """The engine's pool without transactions: each read is one statement, no BEGIN/ROLLBACK."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:

@@ -151,8 +151,20 @@ class Settings(BaseSettings):
     # requests in flight.
     api_shutdown_delay_s: float = Field(2.0, ge=0)
     docs_enabled: bool = True
-    # Requests each API key may make, counted in Redis across API processes
-    # ("limits" notation, ';'-separated: "20/second;1000/minute"). Empty: none.
+    # API processes sharing the port (SO_REUSEPORT): each runs its own event
+    # loop, so more of them use more cores.
+    api_processes: int = Field(1, ge=1, le=64)
+    # Submissions that arrive together are written together: one transaction
+    # and one Redis round trip for up to this many jobs, gathered for at most
+    # this long after the first (docs/architecture.md §4).
+    submit_group_max: int = Field(256, ge=1, le=4096)
+    submit_group_wait_ms: float = Field(1.0, ge=0, le=100)
+    # An API process keeps each key it has checked for this long: a revoked
+    # key is refused by every process within it. 0: looked up every request.
+    key_cache_s: float = Field(5.0, ge=0, le=300)
+    # Requests each API key may make, counted in each API process and shared
+    # through Redis ("limits" notation, ';'-separated: "20/second;1000/minute").
+    # Empty: none.
     rate_limit: str = "1000/second"
     # Failed authentications (a token that is not a live key) per client address;
     # past it the address is refused before any key is looked up. Empty: none.
@@ -226,6 +238,11 @@ class Settings(BaseSettings):
 
     # Workers.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Threads a model running on the CPU may use (PyTorch's intra-op threads,
+    # and ONNX Runtime's where the model's parameters set none). 0: half the
+    # host's cores (at least one), leaving the rest to the API, Redis and the
+    # database beside it; bench/README.md measures the choice.
+    cpu_threads: int = Field(0, ge=0, le=1024)
     # The GPUs `ferry up` starts a worker on, one per entry for each model that
     # runs on a device (minilm; not sim, whose model.toml says device = "none"):
     # auto (every GPU NVML sees; none without a driver), none (one worker on

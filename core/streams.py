@@ -170,6 +170,20 @@ class JobMessage:
     tenant: str | None = None  # the API key whose job it is
     version: int | None = None  # the model version the job asked for (None: the active one)
 
+    @classmethod
+    def of_job(cls, job: Any) -> JobMessage:
+        """The entry of a job's row (a Job, or a row with its columns under their names)."""
+        return cls(
+            job_id=job.id,
+            lane=job.priority,
+            cost=job.cost,
+            enqueued_at_ms=int(job.created_at.timestamp() * 1000),
+            deadline_at_ms=int(job.deadline_at.timestamp() * 1000) if job.deadline_at else None,
+            request_id=job.request_id,
+            tenant=job.api_key_id,
+            version=job.requested_version,
+        )
+
     def encode(self) -> dict[str, str]:
         fields = {
             "v": str(PROTOCOL_VERSION),

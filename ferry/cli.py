@@ -19,23 +19,17 @@ def _cmd_up(_args: argparse.Namespace) -> int:
 
 
 def _cmd_api(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from api.app import create_app
-    from ferry.serve import DrainingServer
-
     settings = get_settings()
     configure_logging(settings.log_level, "api")
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=args.host or settings.api_host,
-        port=args.port or settings.api_port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=int(settings.max_wait_s) + 5,
-    )
-    DrainingServer(config, app, settings.api_shutdown_delay_s).run()
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    if settings.api_processes > 1 and not args.reuse_port:
+        from ferry.serve import run_api_processes
+
+        return run_api_processes(settings, host, port)
+    from ferry.serve import serve_api
+
+    serve_api(settings, host, port, reuse_port=args.reuse_port)
     return 0
 
 
@@ -170,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="run the HTTP API")
     api.add_argument("--host")
     api.add_argument("--port", type=int)
+    api.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share the port with other API processes (SO_REUSEPORT); one process",
+    )
     api.set_defaults(fn=_cmd_api)
 
     worker = sub.add_parser("worker", help="run a GPU worker for one model")

@@ -9,6 +9,7 @@ is restarted with backoff; one that dies five times in a minute stops the stack.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -407,5 +408,9 @@ def _wait_or_kill(process: subprocess.Popen[bytes], drain_s: float = MIN_DRAIN_S
     try:
         return process.wait(timeout=drain_s)
     except subprocess.TimeoutExpired:
+        # The whole process group: a child with processes of its own (the API's
+        # several processes) leaves none behind.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.kill()
         return process.wait()

@@ -8,6 +8,9 @@ and have no entry in any of their model's lanes get a new one. The grace
 covers the API between its commit and its XADD, so a slow entry is never
 doubled; and a job enqueued twice would still run once, because the worker's
 claim and terminal writes are conditional.
+
+Each run also checks every key's outstanding-jobs counter against the rows
+(``core.usage.rebuild``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.db import Job
 from core.queues import model_streams
 from core.streams import JobMessage, Scripts
+from core.usage import rebuild
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +60,7 @@ def reconcile(
         for start in range(0, len(missing), PAGE):
             pipe = client.pipeline(transaction=False)
             for row in missing[start : start + PAGE]:
-                message = JobMessage(
-                    job_id=row.id,
-                    lane=row.priority,
-                    cost=row.cost,
-                    enqueued_at_ms=_ms(row.created_at),
-                    deadline_at_ms=_ms(row.deadline_at) if row.deadline_at else None,
-                    request_id=row.request_id,
-                    tenant=row.api_key_id,
-                    version=row.requested_version,
-                )
+                message = JobMessage.of_job(row)
                 scripts.enqueue(pipe, prefix, model, message)
             pipe.execute()
         if missing:
@@ -74,6 +69,11 @@ def reconcile(
                 extra={"model": model, "count": len(missing)},
             )
         total += len(missing)
+    with sessions() as session:
+        # The outstanding-jobs counters move with the rows; this only repairs
+        # what was changed by hand (a row edited or deleted in the database).
+        rebuild(session)
+        session.commit()
     return total
 
 
@@ -120,7 +120,3 @@ def _job_ids_in_streams(client: redis.Redis, prefix: str, model: str) -> set[str
             last = page[-1][0]
             start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
     return ids
-
-
-def _ms(value: dt.datetime) -> int:
-    return int(value.timestamp() * 1000)

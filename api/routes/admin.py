@@ -155,9 +155,11 @@ def keys(_admin: AdminDep, session: SessionDep) -> KeyList:
 @router.post(
     "/keys/{key_id}/revoke", response_model=KeyInfo, responses=error_responses(401, 403, 404)
 )
-def revoke(key_id: str, _admin: AdminDep, session: SessionDep) -> KeyInfo:
-    """Revoke a key now: its next request is a 401."""
+def revoke(key_id: str, request: Request, _admin: AdminDep, session: SessionDep) -> KeyInfo:
+    """Revoke a key now: its next request to this API process is a 401, and to every other
+    process within FERRY_KEY_CACHE_S (how long a process keeps a key it has checked)."""
     key = revoke_key(session, key_id)
     if key is None:
         raise ApiError(404, "not_found", f"no API key {key_id!r}")
+    request.app.state.keys.forget(key_id)
     return _info(key)

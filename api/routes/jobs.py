@@ -7,13 +7,13 @@ import contextlib
 import logging
 from typing import Annotated
 
+import redis
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from api import services
 from api.deps import (
-    CatalogDep,
-    CheckCallbackDep,
+    GroupReadDep,
     HubDep,
     KeyDep,
     KickDep,
@@ -22,6 +22,7 @@ from api.deps import (
     SettingsDep,
 )
 from api.errors import ApiError
+from api.reads import JobRead, is_terminal
 from api.schemas import (
     DeliveryList,
     DeliveryResource,
@@ -31,14 +32,18 @@ from api.schemas import (
     JobStatus,
     error_responses,
 )
+from api.submissions import GroupCommit, prepare
 from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
+from core.settings import Settings
+from core.streams import done_channel
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
-# A waiting request re-reads the row this often even without a wake-up.
-RECHECK_S = 1.0
+# A waiting request looks at the API's drain flag this often (it reads the
+# job's row only when a completion wakes it, and once at the end).
+DRAIN_CHECK_S = 1.0
 
 
 @router.post(
@@ -47,37 +52,35 @@ RECHECK_S = 1.0
     response_model=JobResource,
     responses=error_responses(400, 409, 413, 415, 429),
 )
-def create_job(
+async def create_job(
     body: JobCreate,
     request: Request,
-    response: Response,
     key: KeyDep,
-    session: SessionDep,
-    client: RedisDep,
-    catalog: CatalogDep,
-    settings: SettingsDep,
-    check_callback: CheckCallbackDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-) -> JobResource:
-    submitted = services.submit_job(
-        session,
-        client,
-        settings.key_prefix,
-        catalog,
+) -> Response:
+    # The process's parts straight from the app's state, not as dependencies:
+    # each dependency costs every submission its resolution.
+    state = request.app.state
+    settings: Settings = state.settings
+    submission = prepare(
+        state.catalog,
         key,
         body,
         idempotency_key,
         request.state.request_id,
-        requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
-        check_callback=check_callback,
-        max_outstanding=settings.max_outstanding_jobs,
         max_metadata_bytes=settings.max_metadata_bytes,
         max_json_depth=settings.max_json_depth,
-        live=request.app.state.versions,
+        live=state.versions,
+        resolve=services.resolve_model,
     )
-    response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
+    if body.callback_url:
+        # The URL's host is resolved (DNS may block): the request's one thread hop.
+        await run_in_threadpool(state.check_callback, body.callback_url)
+    commit: GroupCommit = state.group_commit
+    submitted = await commit.submit(submission)
+    headers = {"Location": f"/v1/jobs/{submitted.job.id}"}
     if submitted.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
+        headers["Idempotent-Replayed"] = "true"
     else:
         JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
         log.info(
@@ -85,7 +88,15 @@ def create_job(
             extra={"job_id": submitted.job.id, "request_id": request.state.request_id,
                    "model": submitted.job.model, "lane": submitted.job.priority},
         )  # fmt: skip
-    return services.to_resource(submitted.job, submitted.estimated_wait_ms)
+    resource = services.to_resource(submitted.job, submitted.estimated_wait_ms)
+    return _json(resource, 202, headers)
+
+
+def _json(
+    resource: JobResource, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """The resource as the response, serialized once (FastAPI would validate it again)."""
+    return Response(resource.model_dump_json(), status, headers, "application/json")
 
 
 @router.get("/{job_id}", response_model=JobResource, responses=error_responses(404))
@@ -94,45 +105,62 @@ async def read_job(
     request: Request,
     key: KeyDep,
     hub: HubDep,
+    reads: GroupReadDep,
     settings: SettingsDep,
     wait: Annotated[float, Query(ge=0, description="Seconds to wait for a terminal state.")] = 0,
-) -> JobResource:
+) -> Response:
     if wait > settings.max_wait_s:
         raise ApiError(422, "invalid_request", f"wait: at most {settings.max_wait_s:g} seconds")
-    sessions = request.app.state.sessions
-
-    def load() -> services.Job:
-        with sessions() as session:
-            return services.get_job(session, key, job_id)
-
-    def render(job: services.Job) -> JobResource:
-        with sessions() as session:
-            return services.to_resource(
-                job, None, services.deliveries_of(session, [job]).get(job.id)
-            )
-
-    job = await run_in_threadpool(load)
-    if wait <= 0 or services.is_terminal(job):
-        return await run_in_threadpool(render, job)
+    if not services.is_uuid(job_id):
+        raise ApiError(404, "not_found", f"no job {job_id!r}")
+    wanted = JobRead(key.id, job_id)
+    if wait <= 0:
+        return _json(await reads.submit(wanted))
     loop = asyncio.get_running_loop()
     until = loop.time() + wait
+    # Watched before the first read, so a completion right after it still wakes us.
     with hub.watch(job_id) as woken:
-        while not services.is_terminal(job):
+        found = await reads.submit(wanted)
+        while not is_terminal(found):
             remaining = until - loop.time()
             if remaining <= 0 or getattr(request.app.state, "draining", False):
                 break  # timed out, or the API is stopping: answer with the state now
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), timeout=min(remaining, RECHECK_S))
+            try:
+                # The row is read again only when woken (the woken of one
+                # completion message share one read); the timeout only
+                # notices a drain.
+                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
+            except TimeoutError:
+                continue
             woken.clear()
-            job = await run_in_threadpool(load)
-    return await run_in_threadpool(render, job)
+            found = await reads.submit(wanted)
+        if not is_terminal(found):
+            # One read at the wait's end covers a notification that never came.
+            found = await reads.submit(wanted)
+    return _json(found)
 
 
 @router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))
-def cancel_job(job_id: str, key: KeyDep, session: SessionDep, kick: KickDep) -> JobResource:
-    job = services.cancel_job(session, key, job_id, kick)
-    JOBS_FINISHED.labels(job.model, job.priority, "cancelled").inc()
-    return services.render_job(session, job)
+async def cancel_job(
+    job_id: str,
+    request: Request,
+    key: KeyDep,
+    kick: KickDep,
+    client: RedisDep,
+    settings: SettingsDep,
+) -> JobResource:
+    sessions = request.app.state.sessions
+
+    def cancel() -> JobResource:
+        with sessions() as session:
+            job = services.cancel_job(session, key, job_id, kick)
+            JOBS_FINISHED.labels(job.model, job.priority, "cancelled").inc()
+            # Long-polls of the job, in every API process, wake as for a worker's result.
+            with contextlib.suppress(redis.RedisError):
+                client.publish(done_channel(settings.key_prefix), job.id)
+            return services.render_job(session, job)
+
+    return await run_in_threadpool(cancel)
 
 
 @router.get("", response_model=JobList)

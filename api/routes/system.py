@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
 from sqlalchemy import text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
@@ -83,12 +90,21 @@ def metrics(
         raise ApiError(
             401, "unauthorized", "metrics token required", {"WWW-Authenticate": "Bearer"}
         )
-    body = generate_latest(REGISTRY)
+    body = generate_latest(_registry())
     try:
         body += queue_metrics(client, settings.key_prefix, catalog)
     except redis.RedisError as exc:
         log.warning("queue metrics unavailable", extra={"error_type": type(exc).__name__})
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _registry() -> CollectorRegistry:
+    """This process's metrics; with several API processes, all of theirs (summed)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return REGISTRY
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
 
 
 @router.get("/healthz", tags=["health"])

@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.app import create_app
 from core.keys import create_key, rotate_key
+from core.settings import Settings
 
 ADMIN_PATHS = [("GET", "/v1/admin/queues"), ("GET", "/v1/admin/keys"),
                ("POST", "/v1/admin/keys/0123456789abcdef/revoke")]  # fmt: skip
@@ -62,9 +66,17 @@ def test_an_admin_sees_every_tenants_queue_and_key(
         assert secret not in listed.text
 
 
+@pytest.fixture
+def uncached(settings: Settings) -> Iterator[TestClient]:
+    """The API looking keys up at every request (FERRY_KEY_CACHE_S=0)."""
+    with TestClient(create_app(settings.model_copy(update={"key_cache_s": 0}))) as test_client:
+        yield test_client
+
+
 def test_revocation_and_rotation_take_effect_at_the_next_request(
-    client: TestClient, sessions: sessionmaker[Session]
+    uncached: TestClient, sessions: sessionmaker[Session]
 ) -> None:
+    client = uncached
     with sessions() as session:
         admin = create_key(session, "ops", "admin").token
         team = create_key(session, "team-a")
@@ -118,3 +130,17 @@ def test_the_keys_command_creates_lists_rotates_and_revokes(tmp_path: Path) -> N
     assert _ferry(env, "revoke", "nonexistent").returncode == 1
     bad = _ferry(env, "create", "--name", "x", "--scope", "root")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_a_key_revoked_through_the_api_is_refused_at_once_by_that_process(
+    client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as session:
+        admin = create_key(session, "ops", "admin").token
+        team = create_key(session, "team-a")
+    # Checked once, so kept in the process's key cache (FERRY_KEY_CACHE_S, 5 s).
+    assert client.get("/v1/jobs", headers=_bearer(team.token)).status_code == 200
+    assert (
+        client.post(f"/v1/admin/keys/{team.id}/revoke", headers=_bearer(admin)).status_code == 200
+    )
+    assert client.get("/v1/jobs", headers=_bearer(team.token)).status_code == 401

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from backends.catalog import cpu_threads
 from bench.corpus import load_texts
 from tests.models import runtime as shipped_runtime
 from tests.vectors import cosine
@@ -48,3 +49,19 @@ def test_the_three_stages_give_what_run_gives(
     assert launched.device_s > 0 and launched.peak_memory_bytes is None
     outputs = runtime.collect(launched) + runtime.collect(runtime.launch(second))
     assert min(cosine(a, b) for a, b in zip(outputs, reference, strict=True)) >= 0.99999
+
+
+def test_a_model_on_the_cpu_computes_with_the_threads_it_is_given() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        shipped_runtime("minilm", cpu_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_threads_default_to_half_the_cores() -> None:
+    assert [cpu_threads(0, cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    assert cpu_threads(3, 16) == 3  # a setting is taken as it is

@@ -3,6 +3,7 @@ Retry-After naming the limit; other keys are untouched; accepted jobs still comp
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from api.errors import ApiError
 from api.limits import RequestLimits
 from core.keys import create_key
 from core.settings import Settings
@@ -67,12 +69,23 @@ def test_a_bad_rate_limit_setting_is_refused() -> None:
         Settings(rate_limit="lots")
 
 
-def test_an_unreachable_redis_leaves_requests_unlimited_and_fast() -> None:
-    limits = RequestLimits("redis://127.0.0.1:1/0", "nowhere", "1/second")
-    started = time.monotonic()
-    for _ in range(50):
-        limits.check("some-key")  # never a 429: not limited blind
-    assert time.monotonic() - started < 2.0  # one failed try, then skipped for a while
+def test_an_unreachable_redis_costs_no_wait_and_the_process_still_counts() -> None:
+    async def check_50() -> tuple[float, int]:
+        limits = RequestLimits("redis://127.0.0.1:1/0", "nowhere", "1/second")
+        started = time.monotonic()
+        refused = 0
+        for _ in range(50):
+            try:
+                await limits.check("some-key")
+            except ApiError as exc:
+                assert exc.status == 429
+                refused += 1
+        return time.monotonic() - started, refused
+
+    elapsed_s, refused = asyncio.run(check_50())
+    assert elapsed_s < 2.0  # one failed try, then Redis is left alone for a while
+    # Not shared, but not blind either: this process's own count is over the limit.
+    assert refused in (48, 49)  # 1 per second (the second may turn over once)
 
 
 def test_an_address_that_keeps_failing_to_authenticate_is_refused_before_any_lookup(
@@ -93,3 +106,21 @@ def test_an_address_that_keeps_failing_to_authenticate_is_refused_before_any_loo
         assert api.get("/v1/jobs", headers=good).status_code == 429
         time.sleep(retry_s)
         assert api.get("/v1/jobs", headers=good).status_code == 200
+
+
+def test_api_processes_share_each_keys_budget_through_redis(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    configured = settings.model_copy(update={"rate_limit": "10/minute"})
+    with sessions() as session:
+        headers = {"Authorization": f"Bearer {create_key(session, 'shared').token}"}
+    # Two apps, as two API processes would be: their own counts, one Redis.
+    with TestClient(create_app(configured)) as one, TestClient(create_app(configured)) as two:
+        assert [one.get("/v1/jobs", headers=headers).status_code for _ in range(6)] == [200] * 6
+        time.sleep(0.5)  # one's counts reach Redis at its next sync
+        statuses = [two.get("/v1/jobs", headers=headers).status_code for _ in range(6)]
+        assert statuses == [200] * 4 + [429] * 2
+        refused = two.get("/v1/jobs", headers=headers)
+        assert "10 per 1 minute" in refused.json()["error"]["message"]
+        time.sleep(0.5)
+        assert one.get("/v1/jobs", headers=headers).status_code == 429  # and the other way

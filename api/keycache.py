@@ -1,0 +1,54 @@
+"""Keys an API process has checked lately, so most requests cost no key lookup."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from core.db import ApiKey
+
+MAX_KEYS = 10_000
+
+
+class KeyCache:
+    """Valid keys by their token, each kept ``ttl_s`` from its lookup.
+
+    A key revoked meanwhile is refused by this process once its entry
+    expires, so revocation takes effect everywhere within ``ttl_s``
+    (``FERRY_KEY_CACHE_S``). Tokens are held as SHA-256 digests, never as
+    given, and failed lookups are not kept (they count as failures instead).
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._keys: dict[bytes, tuple[float, ApiKey]] = {}
+
+    def get(self, token: str) -> ApiKey | None:
+        if self.ttl_s <= 0:
+            return None
+        digest = _digest(token)
+        found = self._keys.get(digest)
+        if found is None:
+            return None
+        if found[0] <= time.monotonic():
+            del self._keys[digest]
+            return None
+        return found[1]
+
+    def forget(self, key_id: str) -> None:
+        """Drop a key revoked through this process: its next request here is looked up."""
+        self._keys = {d: kept for d, kept in self._keys.items() if kept[1].id != key_id}
+
+    def put(self, token: str, key: ApiKey) -> None:
+        if self.ttl_s <= 0:
+            return
+        now = time.monotonic()
+        if len(self._keys) >= MAX_KEYS:
+            self._keys = {d: kept for d, kept in self._keys.items() if kept[0] > now}
+            if len(self._keys) >= MAX_KEYS:
+                self._keys.clear()  # many live keys at once: start again rather than grow
+        self._keys[_digest(token)] = (now + self.ttl_s, key)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()

@@ -1,0 +1,83 @@
+"""Reads of jobs by id, in groups: one query (and one thread hop) for every read that
+arrives together, long-polls woken by one completion message included."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Engine, bindparam, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from api.errors import ApiError
+from api.groups import GroupStage
+from api.schemas import JobResource
+from core.db import TERMINAL_STATUSES, Job, WebhookDelivery, read_only
+from core.resources import job_resource
+
+log = logging.getLogger(__name__)
+
+# Every column under its attribute's name, so that a row reads like a Job.
+_JOB = select(*(prop.columns[0].label(prop.key) for prop in Job.__mapper__.column_attrs)).where(
+    Job.__table__.c.id.in_(bindparam("ids", expanding=True))
+)
+_DELIVERIES = select(WebhookDelivery.__table__).where(
+    WebhookDelivery.__table__.c.job_id.in_(bindparam("ids", expanding=True))
+)
+
+
+@dataclass(frozen=True)
+class JobRead:
+    key_id: str  # the caller: another key's job reads as missing
+    job_id: str
+
+
+# The process's group read: a job asked for in, its resource out.
+GroupRead = GroupStage[JobRead, JobResource]
+
+
+class JobReader:
+    """Reads a group of jobs with Core statements on autocommit connections (no ORM session,
+    no BEGIN/ROLLBACK): the job rows in one query, their webhook deliveries in another."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = read_only(engine)
+
+    def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
+        ids = sorted({read.job_id for read in group})
+        try:
+            with self.engine.connect() as connection:
+                rows = {row.id: row for row in connection.execute(_JOB, {"ids": ids})}
+                called = [
+                    row.id
+                    for row in rows.values()
+                    if row.callback_url and row.status in TERMINAL_STATUSES
+                ]
+                deliveries: dict[str, Any] = {}
+                if called:
+                    for found in connection.execute(_DELIVERIES, {"ids": called}):
+                        deliveries[found.job_id] = found
+        except SQLAlchemyError as exc:
+            log.warning("job reads failed", extra={"error_type": type(exc).__name__})
+            unavailable = ApiError(
+                503, "unavailable", "the database is unavailable; retry shortly",
+                {"Retry-After": "2"},
+            )  # fmt: skip
+            return [unavailable] * len(group)
+        out: list[JobResource | Exception] = []
+        for read in group:
+            row: Any = rows.get(read.job_id)
+            if row is None or row.api_key_id != read.key_id:
+                out.append(ApiError(404, "not_found", f"no job {read.job_id!r}"))
+            else:
+                # The rows carry every column under its attribute's name: read as a Job.
+                job = cast(Job, row)
+                delivery = cast(WebhookDelivery | None, deliveries.get(row.id))
+                out.append(JobResource.model_validate(job_resource(job, delivery)))
+        return out
+
+
+def is_terminal(resource: JobResource) -> bool:
+    return resource.status in TERMINAL_STATUSES

@@ -1,0 +1,439 @@
+"""Submissions, written in groups: one transaction and one Redis round trip for many jobs.
+
+A request is validated on its own (:func:`prepare`), then waits in the
+process's group commit (``api.groups.GroupStage``) for the submissions that
+arrive with it. Each group is written by :class:`GroupWriter` in one thread
+hop: the idempotency
+keys looked up in one query, the keys' outstanding-jobs counters moved
+(``core.usage``), one multi-row INSERT and one COMMIT; then the group's stream
+entries go to Redis in one pipeline, and only then is each request answered.
+A 202 still means the job is committed (docs/architecture.md §4).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from sqlalchemy import Table, delete, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.errors import ApiError
+from api.groups import GroupStage
+from api.schemas import JobCreate, metadata_problem
+from backends.catalog import LiveVersions
+from core.catalog import InputError, ModelSpec, nesting_problem
+from core.db import ApiKey, Job, utcnow
+from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
+from core.queues import live_workers, model_stats, tenant_depths
+from core.streams import JobMessage, Scripts
+from core.usage import release, release_jobs, reserve
+
+log = logging.getLogger(__name__)
+
+QUOTA_RETRY_AFTER_S = 5
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A request checked on its own, ready to be written with its group."""
+
+    key: ApiKey
+    spec: ModelSpec
+    requested_version: int | None
+    body: JobCreate
+    input: Any
+    cost: int
+    idempotency_key: str | None
+    request_id: str | None
+    received_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job: Job
+    replayed: bool
+    estimated_wait_ms: float | None
+
+
+Outcome = Submitted | ApiError
+# The process's group commit: a submission in, the job committed and enqueued out.
+GroupCommit = GroupStage[Submission, Submitted]
+
+
+def prepare(
+    catalog: dict[str, ModelSpec],
+    key: ApiKey,
+    body: JobCreate,
+    idempotency_key: str | None,
+    request_id: str | None,
+    *,
+    max_metadata_bytes: int,
+    max_json_depth: int,
+    live: LiveVersions | None,
+    resolve: Callable[..., tuple[ModelSpec, int | None]],
+) -> Submission:
+    """Everything about one submission that needs neither the database nor Redis."""
+    spec, requested_version = resolve(catalog, body.model, body.version, live)
+    for field, value in (("input", body.input), ("metadata", body.metadata)):
+        problem = nesting_problem(value, max_json_depth)
+        if problem:
+            raise ApiError(422, "invalid_request", f"{field}: must not contain {problem}")
+    problem = metadata_problem(body.metadata, max_metadata_bytes)
+    if problem:
+        raise ApiError(422, "invalid_request", f"metadata: {problem}")
+    try:
+        validated = spec.validate(body.input)
+    except InputError as exc:
+        raise ApiError(422, "invalid_request", f"{exc.field}: {exc.message}") from exc
+    if body.idempotency_key and idempotency_key and body.idempotency_key != idempotency_key:
+        raise ApiError(
+            422, "invalid_request", "idempotency_key: differs from the Idempotency-Key header"
+        )
+    return Submission(
+        key=key,
+        spec=spec,
+        requested_version=requested_version,
+        body=body,
+        input=validated.input,
+        cost=validated.cost,
+        idempotency_key=body.idempotency_key or idempotency_key,
+        request_id=request_id,
+        received_at=utcnow(),
+    )
+
+
+# What a model's queue looks like is read at most once per VIEW_TTL_S per API
+# process and model, not at every submission.
+VIEW_TTL_S = 0.25
+
+
+@dataclass(frozen=True)
+class QueueView:
+    estimate: ModelEstimate | None  # None: no worker has published yet
+    depths: dict[str, dict[str, int]]
+    workers: int
+
+    def wait_ms(self, lane: str, tenant: str, cost: int) -> float | None:
+        if self.estimate is None:
+            return None
+        ahead = jobs_ahead(self.depths, lane, tenant)
+        return round(estimate_wait_s(self.estimate, ahead, cost, self.workers) * 1000.0, 1)
+
+    def add(self, lane: str, tenant: str) -> None:
+        """Count a job this process is queueing, until the view is read again: a burst's
+        later jobs see its earlier ones ahead of them."""
+        if self.estimate is not None:
+            by_tenant = self.depths.setdefault(lane, {})
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+
+
+class QueueViews:
+    """Each model's learned numbers, queue depths and live workers, as of VIEW_TTL_S ago at
+    most, plus the jobs this process has queued since."""
+
+    def __init__(self, client: redis.Redis, prefix: str, ttl_s: float = VIEW_TTL_S) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._views: dict[str, tuple[float, QueueView | None]] = {}
+
+    def get(self, model: str) -> QueueView | None:
+        """None while Redis cannot be read (no estimate then, like before any worker)."""
+        now = time.monotonic()
+        cached = self._views.get(model)
+        if cached is not None and now - cached[0] < self.ttl_s:
+            return cached[1]
+        view: QueueView | None
+        try:
+            estimate = ModelEstimate.from_hash(model_stats(self.client, self.prefix, model))
+            if estimate is None:  # no worker has published: spare the depth reads
+                view = QueueView(None, {}, 0)
+            else:
+                view = QueueView(
+                    estimate,
+                    tenant_depths(self.client, self.prefix, model),
+                    live_workers(self.client, self.prefix, model),
+                )
+        except redis.RedisError:
+            view = None
+        self._views[model] = (now, view)
+        return view
+
+
+class GroupWriter:
+    """Writes a group of submissions: one transaction, one Redis pipeline (a thread's work)."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        client: redis.Redis,
+        prefix: str,
+        *,
+        max_outstanding: int | None,
+        requeue_within_s: float,
+        views: QueueViews | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.client = client
+        self.prefix = prefix
+        self.max_outstanding = max_outstanding
+        self.requeue_within_s = requeue_within_s
+        self.views = views or QueueViews(client, prefix)
+        self.scripts = Scripts(client)
+
+    def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
+        outcomes: list[Outcome | None] = [None] * len(group)
+        estimates: dict[int, float | None] = {}
+        for i, item in enumerate(group):
+            view = self.views.get(item.spec.name)
+            estimate = view.wait_ms(item.body.priority, item.key.id, item.cost) if view else None
+            deadline = item.body.deadline_ms
+            if deadline is not None and estimate is not None and estimate > deadline:
+                # Refuse now rather than accept a job that would only expire in the queue.
+                outcomes[i] = ApiError(
+                    429,
+                    "deadline_unattainable",
+                    f"deadline_ms: {deadline} ms cannot be met; with the queue ahead "
+                    f"this job would finish in about {estimate:.0f} ms",
+                    estimated_wait_ms=estimate,
+                )
+            elif view is not None:
+                view.add(item.body.priority, item.key.id)
+            estimates[i] = estimate
+        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        try:
+            jobs = self._commit(group, todo, outcomes)
+        except (IntegrityError, DataError):
+            # One request's row broke the group's statement: write each alone,
+            # so only that request fails.
+            jobs = {}
+            for i in todo:
+                try:
+                    jobs.update(self._commit(group, [i], outcomes))
+                except SQLAlchemyError as exc:
+                    outcomes[i] = _database_error(exc)
+        except SQLAlchemyError as exc:
+            for i in todo:
+                outcomes[i] = _database_error(exc)
+            return [_done(outcome) for outcome in outcomes]
+        self._enqueue(group, jobs, outcomes, estimates)
+        return [_done(outcome) for outcome in outcomes]
+
+    def _commit(
+        self, group: Sequence[Submission], todo: list[int], outcomes: list[Outcome | None]
+    ) -> dict[int, Job]:
+        """Insert the new jobs of ``todo`` in one transaction; replays and refusals go to
+        ``outcomes``. Returns the committed jobs by their index in the group."""
+        with self.sessions() as session:
+            existing = self._existing(
+                session, {_idem(group[i]) for i in todo if group[i].idempotency_key}
+            )
+            fresh: list[int] = []
+            first: dict[tuple[str, str], int] = {}
+            repeats: list[tuple[int, int]] = []  # (index, index of the first with its key)
+            for i in todo:
+                idem = _idem(group[i]) if group[i].idempotency_key else None
+                if idem is None:
+                    fresh.append(i)
+                elif idem in existing:
+                    outcomes[i] = _replay(existing[idem], group[i])
+                elif idem in first:
+                    repeats.append((i, first[idem]))
+                else:
+                    first[idem] = i
+                    fresh.append(i)
+            wanted: dict[str, int] = {}
+            for i in fresh:
+                wanted[group[i].key.id] = wanted.get(group[i].key.id, 0) + 1
+            room = reserve(session, wanted, self.max_outstanding)
+            jobs: dict[int, Job] = {}
+            for i in fresh:
+                key_id = group[i].key.id
+                if room[key_id] > 0:
+                    room[key_id] -= 1
+                    jobs[i] = _new_job(group[i])
+                else:
+                    outcomes[i] = _quota_error(self.max_outstanding)
+            inserted = self._insert(session, list(jobs.values()))
+            raced: dict[str, int] = {}
+            for i, job in list(jobs.items()):
+                if job.id not in inserted:
+                    # Another process committed the same idempotency key meanwhile.
+                    del jobs[i]
+                    raced[job.api_key_id] = raced.get(job.api_key_id, 0) + 1
+                    found = self._existing(session, {_idem(group[i])})
+                    outcomes[i] = _replay(found[_idem(group[i])], group[i])
+            release(session, raced)  # reserved, but replays after all
+            session.commit()  # durable before anything is queued or answered
+        for i, earlier in repeats:
+            answered = jobs.get(earlier)
+            was = outcomes[earlier]
+            if answered is None and isinstance(was, Submitted):
+                answered = was.job
+            outcomes[i] = _replay(answered, group[i]) if answered is not None else was
+        return jobs
+
+    def _existing(
+        self, session: Session, idems: set[tuple[str, str]]
+    ) -> dict[tuple[str, str], Job]:
+        if not idems:
+            return {}
+        rows = session.scalars(
+            select(Job).where(tuple_(Job.api_key_id, Job.idempotency_key).in_(sorted(idems)))
+        )
+        return {(row.api_key_id, row.idempotency_key or ""): row for row in rows}
+
+    def _insert(self, session: Session, jobs: list[Job]) -> set[str]:
+        """The jobs' rows, sent as multi-row INSERTs (SQLAlchemy's "insertmanyvalues": one
+        statement, compiled once, for up to a thousand rows); the ids of the rows written.
+        An idempotency key another process committed meanwhile makes its row a no-op."""
+        if not jobs:
+            return set()
+        statement = _INSERTS[session.get_bind().dialect.name]
+        return set(session.connection().scalars(statement, [_row(job) for job in jobs]))
+
+    def _enqueue(
+        self,
+        group: Sequence[Submission],
+        jobs: dict[int, Job],
+        outcomes: list[Outcome | None],
+        estimates: dict[int, float | None],
+    ) -> None:
+        if not jobs:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for job in jobs.values():
+                self.scripts.enqueue(pipe, self.prefix, job.model, JobMessage.of_job(job))
+            pipe.execute()
+        except redis.RedisError as exc:
+            self._not_enqueued(group, jobs, outcomes, exc)
+            return
+        for i, job in jobs.items():
+            outcomes[i] = Submitted(job, False, estimates.get(i))
+
+    def _not_enqueued(
+        self,
+        group: Sequence[Submission],
+        jobs: dict[int, Job],
+        outcomes: list[Outcome | None],
+        exc: redis.RedisError,
+    ) -> None:
+        """Redis is down: the committed jobs stay accepted (the reconciler enqueues them
+        within ``requeue_within_s``), except those whose deadline is sooner: they are
+        taken back and refused with 503."""
+        short = [
+            i
+            for i in jobs
+            if group[i].body.deadline_ms is not None
+            and group[i].body.deadline_ms < self.requeue_within_s * 1000  # type: ignore[operator]
+        ]
+        log.warning(
+            "enqueue failed; the reconciler will enqueue the jobs",
+            extra={"jobs": len(jobs) - len(short), "refused": len(short),
+                   "error_type": type(exc).__name__},
+        )  # fmt: skip
+        for i, job in jobs.items():
+            outcomes[i] = Submitted(job, False, None)
+        if not short:
+            return
+        refused = ApiError(
+            503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
+        )
+        try:
+            with self.sessions() as session:
+                ids = [jobs[i].id for i in short]
+                release_jobs(session, ids)
+                session.execute(delete(Job).where(Job.id.in_(ids), Job.status == "queued"))
+                session.commit()
+        except SQLAlchemyError:
+            # Still in the database: accepted after all, the reconciler enqueues them.
+            log.warning("short-deadline jobs could not be taken back; kept", exc_info=True)
+            return
+        for i in short:
+            outcomes[i] = refused
+
+
+def _new_job(item: Submission) -> Job:
+    deadline_ms = item.body.deadline_ms
+    return Job(
+        id=str(uuid.uuid4()),
+        api_key_id=item.key.id,
+        model=item.spec.name,
+        requested_version=item.requested_version,
+        priority=item.body.priority,
+        status="queued",
+        input=item.input,
+        cost=item.cost,
+        attempts=0,
+        created_at=item.received_at,
+        deadline_at=item.received_at + dt.timedelta(milliseconds=deadline_ms)
+        if deadline_ms
+        else None,
+        callback_url=item.body.callback_url,
+        idempotency_key=item.idempotency_key,
+        metadata_=item.body.metadata,
+        request_id=item.request_id,
+    )
+
+
+_JOBS: Table = Job.__table__  # type: ignore[assignment]
+_INSERTS = {
+    name: insert(_JOBS)
+    .on_conflict_do_nothing(index_elements=[_JOBS.c.api_key_id, _JOBS.c.idempotency_key])
+    .returning(_JOBS.c.id)
+    for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
+}
+
+# Each mapped attribute and the column it is stored in ("metadata_" -> "metadata").
+_COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
+
+
+def _row(job: Job) -> dict[str, Any]:
+    return {column: getattr(job, attr) for attr, column in _COLUMNS.items()}
+
+
+def _idem(item: Submission) -> tuple[str, str]:
+    return (item.key.id, item.idempotency_key or "")
+
+
+def _replay(existing: Job, item: Submission) -> Outcome:
+    if existing.model != item.spec.name or existing.input != item.input:
+        return ApiError(409, "conflict", "idempotency_key: already used for a different request")
+    return Submitted(existing, True, None)
+
+
+def _quota_error(limit: int | None) -> ApiError:
+    return ApiError(
+        429,
+        "quota_exceeded",
+        f"jobs outstanding: this key has {limit} jobs queued or running, its limit "
+        "(FERRY_MAX_OUTSTANDING_JOBS); submit more as they finish",
+        {"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+    )
+
+
+def _database_error(exc: SQLAlchemyError) -> ApiError:
+    log.warning("group commit failed", extra={"error_type": type(exc).__name__})
+    if isinstance(exc, DataError):
+        return ApiError(
+            422, "invalid_request", "a value in the request cannot be stored (check for NUL "
+            "characters and non-finite numbers)",
+        )  # fmt: skip
+    return ApiError(
+        503, "unavailable", "the database is unavailable; retry shortly", {"Retry-After": "2"}
+    )
+
+
+def _done(outcome: Outcome | None) -> Outcome:
+    assert outcome is not None, "every submission of a group gets an outcome"
+    return outcome
