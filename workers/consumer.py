@@ -276,11 +276,13 @@ class StreamConsumer:
         )
         return {_text(item["message_id"]) for item in reply}
 
-    def ack(self, entries: list[Entry]) -> None:
+    def ack(self, entries: list[Entry], publish: tuple[str, str] | None = None) -> None:
+        """Acknowledge (and delete) the entries; ``publish``: a (channel, message) sent after
+        them in the same round trip."""
         by_stream: dict[str, list[str]] = {}
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry.entry_id)
-        if not by_stream:
+        if not by_stream and publish is None:
             return
         # Acknowledged entries are deleted at once, so the streams hold only
         # live work and cannot grow without bound.
@@ -288,6 +290,8 @@ class StreamConsumer:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+        if publish is not None:
+            pipe.publish(*publish)
         pipe.execute()
 
     def dead_letter(self, entries: list[Entry]) -> None:

@@ -41,6 +41,9 @@ from workers.versions import Loaded, VersionManager
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+# What the worker learned is published at most this often: the API reads it at
+# most every 250 ms (api.submissions.VIEW_TTL_S), so a write per batch is waste.
+PUBLISH_S = 0.25
 MAX_BLOCK_MS = 1000
 # How often jobs pinned to a version no longer served are looked for.
 PIN_CHECK_S = 0.5
@@ -150,6 +153,7 @@ class BatchLoop:
         self._batches = 0
         self.stats = LoopStats()
         self._last_beat = 0.0
+        self._published_at = 0.0
 
     @property
     def model(self) -> str:
@@ -860,10 +864,10 @@ class BatchLoop:
     def _acknowledge(
         self, entries: list[Entry], written: list[str], batch_id: str | None = None
     ) -> None:
-        self.consumer.ack(entries)
+        # The long-polls of the finished jobs are woken in the same round trip.
+        done = (done_channel(self.prefix), ",".join(written)) if written else None
+        self.consumer.ack(entries, publish=done)
         self._running.difference_update(_key(entry) for entry in entries)
-        if written:
-            self.client.publish(done_channel(self.prefix), ",".join(written))
         by_job = {e.message.job_id: e.message for e in entries}
         for job_id in written:
             message = by_job.get(job_id)
@@ -892,6 +896,8 @@ class BatchLoop:
     def _learn(self, seen: BatchObservation, eff: float) -> None:
         self.state.observe_batch(seen)
         self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
+        if time.monotonic() - self._published_at < PUBLISH_S:
+            return
         try:
             self._publish()
         except redis.RedisError as exc:
@@ -918,6 +924,7 @@ class BatchLoop:
                 "efficiency": f"{stats.efficiency:.4f}",
             }
         self.client.hset(stats_key(self.prefix, self.model), mapping=mapping)  # type: ignore[arg-type]
+        self._published_at = time.monotonic()
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -80,11 +80,11 @@ def test_a_recording_that_fails_leaves_its_jobs_to_run_again(
     ack = loop.consumer.ack
     failures: list[int] = []
 
-    def flaky_ack(entries: Any) -> None:
+    def flaky_ack(entries: Any, publish: Any = None) -> None:
         if not failures:
             failures.append(len(entries))
             raise redis.ConnectionError("Redis went away mid-acknowledgement")
-        ack(entries)
+        ack(entries, publish)
 
     loop.consumer.ack = flaky_ack  # type: ignore[method-assign]
     ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(20)]

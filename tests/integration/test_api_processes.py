@@ -1,0 +1,84 @@
+"""FERRY_API_PROCESSES: `ferry api` runs several processes on one port, sums their
+metrics, and stops them all cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from core.db import make_engine, make_sessionmaker
+from core.keys import create_key
+from ferry.local_redis import free_port
+
+
+def _children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in found]
+
+
+def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
+    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    engine = make_engine(database_url)
+    with make_sessionmaker(engine)() as session:
+        token = create_key(session, "processes").token
+    engine.dispose()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env.update(
+        FERRY_REDIS_URL=redis_url, FERRY_DATABASE_URL=database_url, FERRY_KEY_PREFIX=key_prefix,
+        FERRY_DATA_DIR=str(tmp_path), FERRY_API_PROCESSES="2", FERRY_API_SHUTDOWN_DELAY_S="0.5",
+        FERRY_LOG_LEVEL="WARNING",
+    )  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ferry", "api", "--port", str(port)], env=env, cwd=tmp_path
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        until = time.monotonic() + 90
+        while len(_children(process.pid)) < 2 or not _ready(base):
+            assert process.poll() is None and time.monotonic() < until, "the API did not start"
+            time.sleep(0.2)
+        servers = _children(process.pid)
+        assert len(servers) == 2
+
+        def submit(_: int) -> int:
+            # A connection of its own each: the kernel spreads them over both processes.
+            with httpx.Client(base_url=base, timeout=30) as client:
+                return client.post(
+                    "/v1/jobs",
+                    json={"model": "sim", "input": {"cost": 1}},
+                    headers={"Authorization": f"Bearer {token}"},
+                ).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(submit, range(40))) == [202] * 40
+        # Whichever process answers /metrics, it counts every process's jobs.
+        for _ in range(4):
+            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            counted = re.search(
+                r'ferry_jobs_accepted_total\{lane="normal",model="sim"\} (\S+)', metrics
+            )
+            assert counted is not None and float(counted.group(1)) == 40.0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
