@@ -52,5 +52,19 @@ test: $(STAMP) lint typecheck audit-soft
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
+# The API's per-job path against a bare FastAPI endpoint (bench/api.py): about
+# 7 minutes on 2 cores; writes bench/results/api.json. Needs wrk (installed with apt).
+.PHONY: bench-api
+bench-api: $(STAMP)
+	@command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m bench.api $(BENCH_ARGS)
+
+# minilm end to end: 64 closed-loop clients (wrk) against the raw model ceiling
+# (bench/clients.py): about 8 minutes on 2 cores; writes bench/results/clients.json.
+.PHONY: bench-clients
+bench-clients: $(STAMP)
+	@command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m bench.clients $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
