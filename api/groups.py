@@ -50,6 +50,7 @@ class GroupStage(Generic[In, Out]):
         self._queue: asyncio.Queue[tuple[In, asyncio.Future[Out]]] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
 
     def start(self) -> None:
         self._tasks = [
@@ -57,6 +58,7 @@ class GroupStage(Generic[In, Out]):
         ]
 
     async def stop(self) -> None:
+        self._stopped = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -65,14 +67,14 @@ class GroupStage(Generic[In, Out]):
         while not self._queue.empty():
             _, future = self._queue.get_nowait()
             if not future.done():
-                future.set_exception(
-                    ApiError(503, "unavailable", "the API is stopping; retry", {"Retry-After": "1"})
-                )
+                future.set_exception(_stopping())
         # A group being worked on finishes in its thread (a commit is not cut
         # short); the event loop does not wait for it.
         self._executor.shutdown(wait=False)
 
     async def submit(self, item: In) -> Out:
+        if self._stopped:
+            raise _stopping()
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((item, future))
         return await future
@@ -81,21 +83,35 @@ class GroupStage(Generic[In, Out]):
         loop = asyncio.get_running_loop()
         while True:
             group = [await self._queue.get()]
-            if self.wait_s > 0 and self._queue.qsize() < self.max_items - 1:
-                await asyncio.sleep(self.wait_s)
-            while len(group) < self.max_items and not self._queue.empty():
-                group.append(self._queue.get_nowait())
-            items = [item for item, _ in group]
-            results: Sequence[Out | Exception]
             try:
-                results = await loop.run_in_executor(self._executor, self._work, items)
-            except Exception as exc:  # a bug, not an outage: each request gets a 500
-                log.exception("group failed", extra={"stage": self.name})
-                results = [exc] * len(group)
-            for (_, future), result in zip(group, results, strict=True):
-                if future.done():
-                    continue  # the client went away (a submission is written all the same)
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                if self.wait_s > 0 and self._queue.qsize() < self.max_items - 1:
+                    await asyncio.sleep(self.wait_s)
+                while len(group) < self.max_items and not self._queue.empty():
+                    group.append(self._queue.get_nowait())
+                items = [item for item, _ in group]
+                results: Sequence[Out | Exception]
+                try:
+                    results = await loop.run_in_executor(self._executor, self._work, items)
+                    if len(results) != len(group):
+                        raise RuntimeError(f"{len(results)} results for a group of {len(group)}")
+                except Exception as exc:  # a bug, not an outage: each request gets a 500
+                    log.exception("group failed", extra={"stage": self.name})
+                    results = [exc] * len(group)
+                for (_, future), result in zip(group, results, strict=True):
+                    if future.done():
+                        continue  # the client went away (a submission is written all the same)
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+            except asyncio.CancelledError:
+                # Stopping: the group in hand is answered (its work, if begun,
+                # finishes in its thread, but nobody waits for it here).
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(_stopping())
+                raise
+
+
+def _stopping() -> ApiError:
+    return ApiError(503, "unavailable", "the API is stopping; retry", {"Retry-After": "1"})

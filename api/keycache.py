@@ -22,6 +22,7 @@ class KeyCache:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._keys: dict[bytes, tuple[float, ApiKey]] = {}
+        self._forgotten: dict[str, float] = {}  # key id -> until when it is not kept
 
     def get(self, token: str) -> ApiKey | None:
         if self.ttl_s <= 0:
@@ -36,13 +37,19 @@ class KeyCache:
         return found[1]
 
     def forget(self, key_id: str) -> None:
-        """Drop a key revoked through this process: its next request here is looked up."""
+        """Drop a key revoked through this process: its next request here is looked up,
+        and a lookup that began before the revocation does not put it back."""
         self._keys = {d: kept for d, kept in self._keys.items() if kept[1].id != key_id}
+        self._forgotten[key_id] = time.monotonic() + self.ttl_s
 
     def put(self, token: str, key: ApiKey) -> None:
         if self.ttl_s <= 0:
             return
         now = time.monotonic()
+        if self._forgotten:
+            self._forgotten = {k: until for k, until in self._forgotten.items() if until > now}
+            if key.id in self._forgotten:
+                return
         if len(self._keys) >= MAX_KEYS:
             self._keys = {d: kept for d, kept in self._keys.items() if kept[0] > now}
             if len(self._keys) >= MAX_KEYS:

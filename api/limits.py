@@ -66,6 +66,8 @@ class SharedBudget:
         self._task: asyncio.Task[None] | None = None
         self._warned = False
         self._skip_until = 0.0
+        # Counts of windows that ended before their pending requests were synced.
+        self._retiring: list[tuple[tuple[str, int], _Count]] = []
 
     def start(self) -> None:
         if self.items:
@@ -112,10 +114,10 @@ class SharedBudget:
         if was is not None and was.window == window - 1:
             count.previous = was.shared + was.pending
         self._counts[(key_id, n)] = count
-        if (was is not None and was.pending) or time.monotonic() < self._skip_until:
-            # Pending counts go to the previous window's key at the next sync;
-            # and a Redis that just failed is not waited on at every window.
-            return count
+        if was is not None and was.pending:
+            self._retiring.append(((key_id, n), was))  # the next sync adds them to their window
+        if time.monotonic() < self._skip_until:
+            return count  # a Redis that just failed is not waited on at every window
         try:
             shared, previous = await self.client.mget(
                 self._key(key_id, n, window), self._key(key_id, n, window - 1)
@@ -141,7 +143,8 @@ class SharedBudget:
         for k in [k for k, c in self._counts.items() if c.window < current[k[1]] - 1]:
             if not self._counts[k].pending:
                 del self._counts[k]  # not seen for two windows: nothing to keep
-        synced = [
+        retiring, self._retiring = self._retiring, []
+        synced = [(k, c, c.pending) for k, c in retiring] + [
             (k, c, c.pending)
             for k, c in self._counts.items()
             if c.pending or c.window == current[k[1]]
@@ -156,7 +159,12 @@ class SharedBudget:
                 pipe.expire(key, 2 * self.items[n].get_expiry() + 1)
             else:
                 pipe.get(key)
-        results = iter(await pipe.execute())
+        try:
+            results = iter(await pipe.execute())
+        except BaseException:
+            # Tried again at the next sync; a long outage keeps the latest only.
+            self._retiring = (retiring + self._retiring)[-SUSPECTS_MAX:]
+            raise
         for _k, count, pending in synced:
             count.shared = int(next(results) or 0)
             if pending:

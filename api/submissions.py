@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -145,6 +146,8 @@ class QueueViews:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._views: dict[str, tuple[float, QueueView | None]] = {}
+        # The group commit's writers share the views (two threads on PostgreSQL).
+        self.lock = threading.Lock()
 
     def get(self, model: str) -> QueueView | None:
         """None while Redis cannot be read (no estimate then, like before any worker)."""
@@ -193,32 +196,16 @@ class GroupWriter:
     def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
         outcomes: list[Outcome | None] = [None] * len(group)
         estimates: dict[int, float | None] = {}
-        for i, item in enumerate(group):
-            view = self.views.get(item.spec.name)
-            estimate = view.wait_ms(item.body.priority, item.key.id, item.cost) if view else None
-            deadline = item.body.deadline_ms
-            if deadline is not None and estimate is not None and estimate > deadline:
-                # Refuse now rather than accept a job that would only expire in the queue.
-                outcomes[i] = ApiError(
-                    429,
-                    "deadline_unattainable",
-                    f"deadline_ms: {deadline} ms cannot be met; with the queue ahead "
-                    f"this job would finish in about {estimate:.0f} ms",
-                    estimated_wait_ms=estimate,
-                )
-            elif view is not None:
-                view.add(item.body.priority, item.key.id)
-            estimates[i] = estimate
-        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        todo = list(range(len(group)))
         try:
-            jobs = self._commit(group, todo, outcomes)
+            jobs = self._commit(group, todo, outcomes, estimates)
         except (IntegrityError, DataError):
             # One request's row broke the group's statement: write each alone,
             # so only that request fails.
             jobs = {}
             for i in todo:
                 try:
-                    jobs.update(self._commit(group, [i], outcomes))
+                    jobs.update(self._commit(group, [i], outcomes, estimates))
                 except SQLAlchemyError as exc:
                     outcomes[i] = _database_error(exc)
         except SQLAlchemyError as exc:
@@ -228,11 +215,38 @@ class GroupWriter:
         self._enqueue(group, jobs, outcomes, estimates)
         return [_done(outcome) for outcome in outcomes]
 
+    def _refusal(
+        self, item: Submission, i: int, estimates: dict[int, float | None]
+    ) -> ApiError | None:
+        """A 429 for a new job whose deadline the queue ahead makes impossible."""
+        view = self.views.get(item.spec.name)
+        with self.views.lock:
+            estimate = view.wait_ms(item.body.priority, item.key.id, item.cost) if view else None
+        estimates[i] = estimate
+        deadline = item.body.deadline_ms
+        if deadline is None or estimate is None or estimate <= deadline:
+            return None
+        # Refuse now rather than accept a job that would only expire in the queue.
+        return ApiError(
+            429,
+            "deadline_unattainable",
+            f"deadline_ms: {deadline} ms cannot be met; with the queue ahead "
+            f"this job would finish in about {estimate:.0f} ms",
+            estimated_wait_ms=estimate,
+        )
+
     def _commit(
-        self, group: Sequence[Submission], todo: list[int], outcomes: list[Outcome | None]
+        self,
+        group: Sequence[Submission],
+        todo: list[int],
+        outcomes: list[Outcome | None],
+        estimates: dict[int, float | None],
     ) -> dict[int, Job]:
         """Insert the new jobs of ``todo`` in one transaction; replays and refusals go to
-        ``outcomes``. Returns the committed jobs by their index in the group."""
+        ``outcomes``. Returns the committed jobs by their index in the group.
+
+        A replay is answered whatever the queue and the quota now: only new
+        jobs are held to their deadline and counted."""
         with self.sessions() as session:
             existing = self._existing(
                 session, {_idem(group[i]) for i in todo if group[i].idempotency_key}
@@ -251,6 +265,11 @@ class GroupWriter:
                 else:
                     first[idem] = i
                     fresh.append(i)
+            for i in list(fresh):
+                refused = self._refusal(group[i], i, estimates)
+                if refused is not None:
+                    outcomes[i] = refused
+                    fresh.remove(i)
             wanted: dict[str, int] = {}
             for i in fresh:
                 wanted[group[i].key.id] = wanted.get(group[i].key.id, 0) + 1
@@ -261,6 +280,10 @@ class GroupWriter:
                 if room[key_id] > 0:
                     room[key_id] -= 1
                     jobs[i] = _new_job(group[i])
+                    view = self.views.get(group[i].spec.name)
+                    if view is not None:
+                        with self.views.lock:
+                            view.add(group[i].body.priority, key_id)
                 else:
                     outcomes[i] = _quota_error(self.max_outstanding)
             inserted = self._insert(session, list(jobs.values()))
@@ -270,8 +293,15 @@ class GroupWriter:
                     # Another process committed the same idempotency key meanwhile.
                     del jobs[i]
                     raced[job.api_key_id] = raced.get(job.api_key_id, 0) + 1
-                    found = self._existing(session, {_idem(group[i])})
-                    outcomes[i] = _replay(found[_idem(group[i])], group[i])
+                    found = self._existing(session, {_idem(group[i])}).get(_idem(group[i]))
+                    outcomes[i] = (
+                        _replay(found, group[i])
+                        if found is not None
+                        else ApiError(
+                            503, "unavailable", "the job with this idempotency_key is being "
+                            "taken back; retry shortly", {"Retry-After": "2"},
+                        )
+                    )  # fmt: skip
             release(session, raced)  # reserved, but replays after all
             session.commit()  # durable before anything is queued or answered
         for i, earlier in repeats:
@@ -352,15 +382,27 @@ class GroupWriter:
         try:
             with self.sessions() as session:
                 ids = [jobs[i].id for i in short]
+                # Uncounted first (the rows must still be there to be counted),
+                # then only the rows no worker has taken meanwhile are deleted.
                 release_jobs(session, ids)
-                session.execute(delete(Job).where(Job.id.in_(ids), Job.status == "queued"))
+                deleted = set(
+                    session.scalars(
+                        delete(Job).where(Job.id.in_(ids), Job.status == "queued").returning(Job.id)
+                    )
+                )
+                if deleted != set(ids):
+                    session.rollback()  # a worker has one already: keep them all, accepted
+                    return
                 session.commit()
         except SQLAlchemyError:
             # Still in the database: accepted after all, the reconciler enqueues them.
             log.warning("short-deadline jobs could not be taken back; kept", exc_info=True)
             return
-        for i in short:
-            outcomes[i] = refused
+        for i, outcome in enumerate(outcomes):
+            # The requests answered with a taken-back job (a repeat of its key in
+            # this group included) are refused with it.
+            if isinstance(outcome, Submitted) and outcome.job.id in deleted:
+                outcomes[i] = refused
 
 
 def _new_job(item: Submission) -> Job:
@@ -394,8 +436,16 @@ _INSERTS = {
     for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }
 
-# Each mapped attribute and the column it is stored in ("metadata_" -> "metadata").
+# The attributes a new job is inserted with, and the column each is stored in
+# ("metadata_" -> "metadata"). The others (output, timings, the batch, a
+# backfill's) are left out, so they are SQL NULL, as the ORM left them.
+_INSERTED = (
+    "id", "api_key_id", "model", "requested_version", "priority", "status", "input", "cost",
+    "attempts", "created_at", "deadline_at", "callback_url", "idempotency_key", "metadata_",
+    "request_id",
+)  # fmt: skip
 _COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
+_COLUMNS = {attr: _COLUMNS[attr] for attr in _INSERTED}
 
 
 def _row(job: Job) -> dict[str, Any]:

@@ -258,12 +258,14 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
-# Connections kept open: as many as the API's threads use at once (Starlette's
-# thread pool, 40, and the group commit's writers), so that none is opened and
-# closed per request under load, which costs more than the query (SQLite sets
-# its pragmas on each). A pool opens them only as they are needed.
-POOL_SIZE = 48
-POOL_OVERFLOW = 16
+# Connections kept open: as many as an API process uses at once under load
+# (the group stages' few threads, key lookups, the other routes' threads), so
+# that none is opened and closed per request, which costs more than the query
+# (SQLite sets its pragmas on each); the overflow is for bursts of the rest,
+# and keeps a few API processes and workers under PostgreSQL's default
+# max_connections (100). A pool opens connections only as they are needed.
+POOL_SIZE = 20
+POOL_OVERFLOW = 20
 
 
 def make_engine(url: str) -> Engine:

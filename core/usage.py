@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -65,11 +65,17 @@ def release_jobs(session: Session, job_ids: Sequence[str]) -> None:
 def rebuild(session: Session) -> int:
     """Set every key's counter to its count of outstanding jobs; how many were wrong.
 
-    The first statement locks every counter row (and, on SQLite, the
-    database), so the count that follows, a statement of its own, sees every
-    transaction that moved a counter before it and none moves one during it.
+    The first statement locks the counters against every writer (on
+    PostgreSQL the table in EXCLUSIVE mode, which readers pass and which
+    takes no row locks in an order of its own, so it cannot deadlock with a
+    group's or a worker's sorted row locks; on SQLite the database), so the
+    count that follows, a statement of its own, sees every transaction that
+    moved a counter before it, and none moves one (or adds a key) during it.
     """
-    session.execute(update(KeyUsage).values(outstanding=KeyUsage.outstanding))
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("LOCK TABLE key_usage IN EXCLUSIVE MODE"))
+    else:
+        session.execute(update(KeyUsage).values(outstanding=KeyUsage.outstanding))
     counts = dict(
         session.execute(
             select(Job.api_key_id, func.count())

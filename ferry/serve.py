@@ -15,6 +15,7 @@ second signal stops at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -100,9 +101,7 @@ def run_api_processes(settings: Settings, host: str, port: int) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="ferry-api-metrics-")
     env = os.environ | {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     args = [sys.executable, "-m", "ferry", "api", "--host", host, "--port", str(port)]
-    children = [
-        subprocess.Popen([*args, "--reuse-port"], env=env) for _ in range(settings.api_processes)
-    ]
+    children: list[subprocess.Popen[bytes]] = []
     stopping = threading.Event()
 
     def _pass_on(signum: int, _frame: FrameType | None) -> None:
@@ -111,9 +110,20 @@ def run_api_processes(settings: Settings, host: str, port: int) -> int:
             if child.poll() is None:
                 child.send_signal(signum)
 
+    # Before the children exist, so that none misses a stop; they run in
+    # sessions of their own, so a terminal's Ctrl-C reaches them once, from here.
     signal.signal(signal.SIGTERM, _pass_on)
     signal.signal(signal.SIGINT, _pass_on)
     try:
+        for _ in range(settings.api_processes):
+            children.append(
+                subprocess.Popen(
+                    [*args, "--reuse-port"],
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_stop_with_parent,
+                )
+            )
         while any(child.poll() is None for child in children):
             if not stopping.is_set() and any(child.poll() is not None for child in children):
                 # One process died on its own: stop the others, so that whoever
@@ -122,5 +132,21 @@ def run_api_processes(settings: Settings, host: str, port: int) -> int:
                 _pass_on(signal.SIGTERM, None)
             time.sleep(0.2)
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    return max(abs(child.returncode or 0) for child in children)
+    stopped = (0, -signal.SIGTERM, -signal.SIGINT)
+    return 0 if all(child.returncode in stopped for child in children) else 1
+
+
+def _stop_with_parent() -> None:
+    """In an API process, before it runs: SIGTERM when `ferry api` itself dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's stop signals are all there is
+
+
+PR_SET_PDEATHSIG = 1

@@ -17,6 +17,7 @@ feeder dies in between, the reconciler gives those queued jobs their entries
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -32,7 +33,7 @@ from core.backfills import discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
 from core.metrics import JOBS_FINISHED
 from core.queues import tenant_depths
-from core.streams import JobMessage, Scripts
+from core.streams import JobMessage, Scripts, done_channel
 from core.webhooks import add_backfill_delivery
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,9 @@ class Feeder:
                     .values(cancelled=Backfill.cancelled + count)
                 )
             JOBS_FINISHED.labels(backfill.model, "bulk", "cancelled").inc(count)
+            # Long-polls of the cancelled items wake as they do for a worker's result.
+            with contextlib.suppress(redis.RedisError):
+                self.client.publish(done_channel(self.prefix), ",".join(r.id for r in rows))
 
     def _maybe_finish(self, backfill_id: str) -> None:
         now = self.clock()

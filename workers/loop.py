@@ -154,6 +154,7 @@ class BatchLoop:
         self.stats = LoopStats()
         self._last_beat = 0.0
         self._published_at = 0.0
+        self._unpublished = False
 
     @property
     def model(self) -> str:
@@ -897,6 +898,7 @@ class BatchLoop:
         self.state.observe_batch(seen)
         self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
         if time.monotonic() - self._published_at < PUBLISH_S:
+            self._unpublished = True  # the heartbeat publishes it once PUBLISH_S has passed
             return
         try:
             self._publish()
@@ -925,9 +927,14 @@ class BatchLoop:
             }
         self.client.hset(stats_key(self.prefix, self.model), mapping=mapping)  # type: ignore[arg-type]
         self._published_at = time.monotonic()
+        self._unpublished = False
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
+        if self._unpublished and now - self._published_at >= PUBLISH_S:
+            # The last batches of a burst, learned while publishing was held back.
+            with contextlib.suppress(redis.RedisError):
+                self._publish()
         if now - self._last_beat < HEARTBEAT_S:
             return
         self._last_beat = now

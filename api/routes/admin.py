@@ -6,6 +6,7 @@ import datetime as dt
 import logging
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
@@ -155,11 +156,19 @@ def keys(_admin: AdminDep, session: SessionDep) -> KeyList:
 @router.post(
     "/keys/{key_id}/revoke", response_model=KeyInfo, responses=error_responses(401, 403, 404)
 )
-def revoke(key_id: str, request: Request, _admin: AdminDep, session: SessionDep) -> KeyInfo:
+async def revoke(key_id: str, request: Request, _admin: AdminDep) -> KeyInfo:
     """Revoke a key now: its next request to this API process is a 401, and to every other
     process within FERRY_KEY_CACHE_S (how long a process keeps a key it has checked)."""
-    key = revoke_key(session, key_id)
-    if key is None:
+    sessions = request.app.state.sessions
+
+    def revoked() -> KeyInfo | None:
+        with sessions() as session:
+            key = revoke_key(session, key_id)
+            return None if key is None else _info(key)
+
+    info = await run_in_threadpool(revoked)
+    if info is None:
         raise ApiError(404, "not_found", f"no API key {key_id!r}")
+    # On the event loop, where the cache is used: no thread changes it meanwhile.
     request.app.state.keys.forget(key_id)
-    return _info(key)
+    return info

@@ -124,3 +124,26 @@ def test_api_processes_share_each_keys_budget_through_redis(
         assert "10 per 1 minute" in refused.json()["error"]["message"]
         time.sleep(0.5)
         assert one.get("/v1/jobs", headers=headers).status_code == 429  # and the other way
+
+
+def test_counts_made_just_before_a_window_turns_over_still_reach_redis(
+    redis_url: str, key_prefix: str
+) -> None:
+    async def run() -> tuple[int, int]:
+        limits = RequestLimits(redis_url, key_prefix, "100/second")
+        budget = limits.budget
+        await asyncio.sleep(1.0 - time.time() % 1.0 + 0.05)  # early in a window
+        window = int(time.time())
+        for _ in range(5):
+            await limits.check("key")
+        await asyncio.sleep(1.0 - time.time() % 1.0 + 0.05)  # the next window, unsynced
+        await limits.check("key")
+        await budget._sync()
+        counted = [
+            int(await budget.client.get(budget._key("key", 0, w)) or 0)
+            for w in (window, window + 1)
+        ]
+        await limits.stop()
+        return counted[0], counted[1]
+
+    assert asyncio.run(run()) == (5, 1)

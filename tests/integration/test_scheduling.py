@@ -102,6 +102,27 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_with_429(
     assert ok.status_code == 202, ok.text
 
 
+def test_a_replay_is_answered_even_when_its_deadline_could_no_longer_be_met(
+    slow_client: TestClient,
+    auth: dict[str, str],
+    slow_settings: Settings,
+) -> None:
+    one = submitter(slow_client, auth, cost=5)
+    publish_then_stop(slow_settings, one)
+    body = {"model": "sim", "input": {"cost": 5}, "deadline_ms": 1_000, "idempotency_key": "k"}
+    first = slow_client.post("/v1/jobs", json=body, headers=auth)
+    assert first.status_code == 202, first.text
+    for _ in range(80):  # the queue grows past what the deadline allows
+        one()
+    fresh = slow_client.post("/v1/jobs", json={**body, "idempotency_key": "other"}, headers=auth)
+    assert fresh.status_code == 429 and "deadline_ms" in fresh.text
+    # The retry of the accepted job is its replay, not a refusal.
+    replay = slow_client.post("/v1/jobs", json=body, headers=auth)
+    assert replay.status_code == 202, replay.text
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.json()["id"] == first.json()["id"]
+
+
 def test_jobs_that_can_no_longer_finish_in_time_expire_without_running(
     settings: Settings, auth: dict[str, str], sessions: sessionmaker[Session]
 ) -> None:
