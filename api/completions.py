@@ -20,11 +20,13 @@ class CompletionHub:
         self.channel = channel
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="completion-hub")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             # Bounded: a stop must not hang on a subscription's cleanup.
@@ -61,7 +63,7 @@ class CompletionHub:
         # every (re)subscription each waiter reads its job once; and each reads
         # it once more at the end of its wait. A lost message or a Redis outage
         # only slows a long-poll down; it never loses a result.
-        while True:
+        while not self._stopping:
             try:
                 async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.channel)

@@ -64,6 +64,7 @@ class SharedBudget:
         self.items = items
         self._counts: dict[tuple[str, int], _Count] = {}
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._warned = False
         self._skip_until = 0.0
         # Counts of windows that ended before their pending requests were synced.
@@ -74,10 +75,12 @@ class SharedBudget:
             self._task = asyncio.create_task(self._sync_forever(), name="rate-limit-sync")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Bounded: redis-py may turn the cancellation of a command into a
+            # connection error, which the loop would take for an outage.
+            await asyncio.wait({self._task}, timeout=2.0)
             with contextlib.suppress(Exception):
                 # What was counted since the last sync; a stop never waits long on Redis.
                 await asyncio.wait_for(self._sync(), timeout=1.0)
@@ -129,7 +132,7 @@ class SharedBudget:
         return count
 
     async def _sync_forever(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(SYNC_S)
             try:
                 await self._sync()
