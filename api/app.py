@@ -47,7 +47,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         app.state.settings = settings
         app.state.engine = engine
         app.state.sessions = make_sessionmaker(engine)
-        app.state.reads = make_sessionmaker(read_only(engine))
+        reads = read_only(engine)  # one pool with the engine; reads without transactions
+        app.state.reads = make_sessionmaker(reads)
         app.state.keys = KeyCache(settings.key_cache_s)
         app.state.catalog = catalog
         app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
@@ -81,7 +82,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         )
         # Reads do not wait for company: a group is what queued during the last read.
         group_read: GroupRead = GroupStage(
-            "group-read", JobReader(engine).read, max_items=settings.submit_group_max, wait_s=0,
+            "group-read", JobReader(reads).read, max_items=settings.submit_group_max, wait_s=0,
             workers=2,
         )  # fmt: skip
         app.state.group_read = group_read

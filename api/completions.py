@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 
+from api.background import close_client, stop_task
+
 log = logging.getLogger(__name__)
 
 
@@ -27,12 +29,8 @@ class CompletionHub:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            # Bounded: a stop must not hang on a subscription's cleanup.
-            await asyncio.wait({self._task}, timeout=2.0)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.aclose(), timeout=2.0)
+        await stop_task(self._task)
+        await close_client(self.client)
 
     @contextlib.contextmanager
     def watch(self, job_id: str) -> Iterator[asyncio.Event]:

@@ -19,7 +19,6 @@ from api.errors import ApiError
 from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.reads import GroupRead
-from api.submissions import GroupCommit
 from core.catalog import ModelSpec
 from core.db import ApiKey
 from core.keys import verify_token
@@ -47,11 +46,6 @@ async def get_catalog(request: Request) -> dict[str, ModelSpec]:
     return catalog
 
 
-async def get_group_commit(request: Request) -> GroupCommit:
-    commit: GroupCommit = request.app.state.group_commit
-    return commit
-
-
 async def get_group_read(request: Request) -> GroupRead:
     reads: GroupRead = request.app.state.group_read
     return reads
@@ -67,7 +61,6 @@ SessionDep = Annotated[Session, Depends(get_session)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]
 HubDep = Annotated[CompletionHub, Depends(get_hub)]
-GroupCommitDep = Annotated[GroupCommit, Depends(get_group_commit)]
 GroupReadDep = Annotated[GroupRead, Depends(get_group_read)]
 
 

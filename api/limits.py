@@ -34,6 +34,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 from limits.util import WindowStats
 
+from api.background import close_client, stop_task
 from api.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,11 @@ class SharedBudget:
     async def stop(self) -> None:
         self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            # Bounded: redis-py may turn the cancellation of a command into a
-            # connection error, which the loop would take for an outage.
-            await asyncio.wait({self._task}, timeout=2.0)
+            await stop_task(self._task)
             with contextlib.suppress(Exception):
                 # What was counted since the last sync; a stop never waits long on Redis.
                 await asyncio.wait_for(self._sync(), timeout=1.0)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.aclose(), timeout=1.0)
+        await close_client(self.client, 1.0)
 
     async def check(self, key_id: str) -> None:
         """Count one request of this key; a 429 if it is over any limit (nothing counted)."""

@@ -14,7 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from api.errors import ApiError
 from api.groups import GroupStage
 from api.schemas import JobResource
-from core.db import TERMINAL_STATUSES, Job, WebhookDelivery, read_only
+from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
 from core.resources import job_resource
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,12 @@ GroupRead = GroupStage[JobRead, JobResource]
 
 
 class JobReader:
-    """Reads a group of jobs with Core statements on autocommit connections (no ORM session,
-    no BEGIN/ROLLBACK): the job rows in one query, their webhook deliveries in another."""
+    """Reads a group of jobs with Core statements on ``engine``'s connections (the API's
+    read-only one: no ORM session, no BEGIN/ROLLBACK): the job rows in one query, their
+    webhook deliveries in another."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = read_only(engine)
+        self.engine = engine
 
     def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
         ids = sorted({read.job_id for read in group})

@@ -275,10 +275,6 @@ def is_uuid(value: str) -> bool:
         return False
 
 
-def is_terminal(job: Job) -> bool:
-    return job.status in TERMINAL_STATUSES
-
-
 def to_resource(
     job: Job, estimated_wait_ms: float | None = None, delivery: WebhookDelivery | None = None
 ) -> JobResource:

@@ -79,6 +79,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from bench.stack import FerryUp
+
 SCENARIOS = ("bare", "submit", "get", "longpoll")
 LABELS = {"bare": "bare", "submit": "submit", "get": "get", "longpoll": "submit+long-poll"}
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
@@ -177,6 +179,14 @@ def descendants(table: dict[int, Proc], root: int) -> list[int]:
     return [pid for pid in found if pid in table]
 
 
+def shown(cmdline: list[str]) -> str:
+    """A process's command as the results file keeps it: the program by its name only
+    (``python -m ferry api``), so no path of the machine it ran on is recorded."""
+    if not cmdline:
+        return ""
+    return shlex.join([Path(cmdline[0]).name.rstrip("0123456789."), *cmdline[1:]])[:200]
+
+
 def ferry_role(cmdline: list[str]) -> str:
     """What a child of ``ferry up`` is, from its command line."""
     if cmdline and Path(cmdline[0]).name.startswith("redis-server"):
@@ -217,7 +227,7 @@ class Watched:
         seen: dict[tuple[int, int], tuple[str, int, str]] = {}
         for pid, role in roles.items():
             proc = table[pid]
-            seen[(pid, proc.start)] = (role, proc.ticks, shlex.join(proc.cmdline)[:200])
+            seen[(pid, proc.start)] = (role, proc.ticks, shown(proc.cmdline))
         for proc in table.values():
             if proc.comm != "postgres" or (proc.pid, proc.start) in seen:
                 continue
@@ -550,8 +560,6 @@ def _measure_stack(
     root: Path,
     settings: dict[str, str],
 ) -> StackResult:
-    from bench.stack import FerryUp
-
     stack = FerryUp(root, **settings)
     try:
         stack.start(timeout_s=180)
@@ -573,7 +581,7 @@ def _measure_stack(
             api_processes_asked=api_processes,
             api_processes=len(serving),
             api_processes_note=note,
-            api_commands=[shlex.join(p.cmdline)[:200] for p in serving],
+            api_commands=[shown(p.cmdline) for p in serving],
             working_tree=working_tree()[:12],
         )
         label = f"{database}, {len(serving)} API process{'es' if len(serving) > 1 else ''}"
@@ -615,13 +623,18 @@ def _measure_stack(
                 print(f"  round {round_} {LABELS[scenario]:17} {_line(measured)}", flush=True)
         return result
     finally:
-        watched.up_pid = None
-        members: dict[int, int] = {}
-        if stack.process is not None:
-            table = processes()
-            members = {pid: table[pid].start for pid in descendants(table, stack.process.pid)}
-        stack.stop(stack.process, 120)
-        kill_leftovers(members)
+        stop_stack(stack, watched)
+
+
+def stop_stack(stack: FerryUp, watched: Watched) -> None:
+    """Stop ``ferry up``, then SIGKILL whatever of its process tree outlived it."""
+    watched.up_pid = None
+    members: dict[int, int] = {}
+    if stack.process is not None:
+        table = processes()
+        members = {pid: table[pid].start for pid in descendants(table, stack.process.pid)}
+    stack.stop(stack.process, 120)
+    kill_leftovers(members)
 
 
 def add_summaries(result: StackResult) -> None:

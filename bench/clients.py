@@ -81,14 +81,13 @@ from bench.api import (
     Run,
     Watched,
     _no_nan,
-    descendants,
     finished_job,
-    kill_leftovers,
     processes,
     provenance,
     run_wrk,
     spread,
     stack_roles,
+    stop_stack,
     wait_drained,
     working_tree,
 )
@@ -382,13 +381,7 @@ def run_stack(
             if result.rounds:
                 result.summary = summarise(result.rounds)
         finally:
-            watched.up_pid = None
-            members: dict[int, int] = {}
-            if stack.process is not None:
-                table = processes()
-                members = {p: table[p].start for p in descendants(table, stack.process.pid)}
-            stack.stop(stack.process, 120)
-            kill_leftovers(members)
+            stop_stack(stack, watched)
     return result
 
 
