@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck audit audit-soft unit clean
+.PHONY: run test lint typecheck audit audit-soft docs unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Ferry needs Python 3.11 or newer")'
@@ -46,7 +46,12 @@ audit-soft: $(STAMP)
 		echo "pip-audit: no known vulnerabilities; $$unchecked dependencies could not be checked (run make audit where PyPI's advisory data can be reached)"; \
 	else echo "pip-audit: no known vulnerabilities"; fi
 
-test: $(STAMP) lint typecheck audit-soft
+# The documentation site (mkdocs.yml): any warning fails it, a broken link or
+# anchor, or a page left out of the nav.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
+
+test: $(STAMP) lint typecheck audit-soft docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
@@ -67,4 +72,4 @@ bench-clients: $(STAMP)
 	$(BIN)/python -m bench.clients $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

