@@ -63,7 +63,6 @@ import json
 import os
 import platform
 import resource
-import secrets
 import shlex
 import shutil
 import signal
@@ -79,7 +78,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 SCENARIOS = ("bare", "submit", "get", "longpoll")
 LABELS = {"bare": "bare", "submit": "submit", "get": "get", "longpoll": "submit+long-poll"}
@@ -369,28 +368,6 @@ def run_wrk(
 # --- The stacks -----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def postgres_database(admin_url: str) -> Iterator[tuple[str, str]]:
-    """A scratch database ``ferry_bench_<hex>``: (its URL, its name); dropped afterwards."""
-    import sqlalchemy
-    from sqlalchemy.engine import make_url
-
-    admin = sqlalchemy.create_engine(
-        admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
-    )
-    name = f"ferry_bench_{secrets.token_hex(4)}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
-        try:
-            yield make_url(admin_url).set(database=name).render_as_string(False), name
-        finally:
-            with admin.connect() as conn:
-                conn.execute(sqlalchemy.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        admin.dispose()
-
-
 def api_processes_supported() -> bool:
     from core.settings import Settings
 
@@ -544,9 +521,13 @@ def run_stack(
         }  # fmt: skip
         watched.database = None
         if database == "postgresql":
-            url, name = scope.enter_context(postgres_database(admin_url))
+            from sqlalchemy.engine import make_url
+
+            from harness.services import postgres_database
+
+            url = scope.enter_context(postgres_database(admin_url))
             settings["FERRY_DATABASE_URL"] = url
-            watched.database = name
+            watched.database = make_url(url).database
         root = Path(scope.enter_context(tempfile.TemporaryDirectory(prefix="ferry-bench-api-")))
         return _measure_stack(database, api_processes, options, bare_url, watched, root, settings)
 

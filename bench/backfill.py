@@ -56,7 +56,7 @@ from typing import Any
 
 import httpx
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 # The lane mix of bench/simulate.py (5 % urgent, 15 % vip, 80 % normal).
 LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.8))

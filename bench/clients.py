@@ -321,7 +321,7 @@ def run_stack(
     ceiling: float,
     extra: dict[str, str],
 ) -> StackResult:
-    from bench.stack import FerryUp
+    from harness.stack import FerryUp
 
     settings = ferry_settings(threads, extra)
     result = StackResult(cpu_threads=threads, settings=settings)

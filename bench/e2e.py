@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from bench.corpus import load_corpus
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 MODES = ("none", "fixed", "ferry")
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from bench.e2e import _quantile, _ts, wait_done
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 MODEL = "sim"
 COST = 25  # per job: a batch of one takes 61 ms, a full batch of 32 takes 92 ms

@@ -48,8 +48,8 @@ import httpx
 
 from bench.corpus import load_corpus
 from bench.e2e import _quantile, _ts, wait_done
-from bench.stack import FerryUp, compute_seconds
 from ferry.local_redis import free_port
+from harness.stack import FerryUp, compute_seconds
 
 DECODE_THREADS = min(16, os.cpu_count() or 4)
 

@@ -40,9 +40,9 @@ from typing import Any
 import sqlalchemy
 
 from bench.fairness import _cpus, submit_many
-from bench.stack import FerryUp, compute_seconds
 from ferry.local_redis import free_port
-from tests.conftest import postgres_database
+from harness.services import postgres_database
+from harness.stack import FerryUp, compute_seconds
 
 SIM = {
     "FERRY_SIM_LATENCY_BASE_MS": "5",

@@ -27,7 +27,7 @@ from sqlalchemy import insert
 from core import migrate
 from core.db import Job, make_engine, make_sessionmaker, utcnow
 from core.keys import create_key
-from tests.conftest import postgres_database
+from harness.services import postgres_database
 from workers.recorder import Outcome, Recorder
 
 OUTPUTS: dict[str, Any] = {"small": {"cost": 1}, "embedding": [0.123456789] * 384}

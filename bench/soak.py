@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.7), ("bulk", 0.1))
 

@@ -2,63 +2,69 @@
 
 A service that cannot be reached on a fresh machine is started (redis-server)
 or its tests skip with the reason; under CI=true nothing may skip for a
-missing service.
+missing service. Finding and starting services is ``harness``'s; this file
+only turns its ``ServiceMissing`` into the skip or the failure.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import redis
-from sqlalchemy import create_engine, delete, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import delete
 
 from core import migrate
 from core.db import Base, make_engine
-from ferry.local_redis import find_redis_server, free_port, start_redis
+
+# The harness asserts on the tests' behalf: its failures read as a test's own do.
+pytest.register_assert_rewrite("harness")
+
+from harness.services import ServiceMissing, postgres_database, reachable_redis, started_redis  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
-POSTGRES_ADMIN_URL = os.environ.get(
-    "FERRY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
 
 
-def missing_service(reason: str) -> None:
+def missing_service(reason: str) -> NoReturn:
     if IN_CI:
         pytest.fail(f"{reason} (CI=true: services must be there)")
     pytest.skip(reason)
 
 
+def _missing_service_skips() -> Generator[None, object, object]:
+    try:
+        return (yield)
+    except ServiceMissing as exc:
+        missing_service(str(exc))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    """A service the harness finds missing in a fixture skips the test (fails it under CI)."""
+    return (yield from _missing_service_skips())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """Likewise in the test's body (a stack built there needs its own database)."""
+    return (yield from _missing_service_skips())
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """FERRY_TEST_REDIS_URL, else the local Redis on 6379, else one we start."""
-    url = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
-    try:
-        client.ping()
+    url = reachable_redis()
+    if url is not None:
         yield url
         return
-    except redis.RedisError:
-        pass
-    finally:
-        client.close()
-    try:
-        find_redis_server()
-    except SystemExit as exc:
-        missing_service(str(exc))
-    process, started_url = start_redis(tmp_path_factory.mktemp("redis"), free_port())
-    try:
+    with started_redis(tmp_path_factory.mktemp("redis")) as started_url:
         yield started_url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -80,27 +86,6 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
-
-
-@contextlib.contextmanager
-def postgres_database() -> Iterator[str]:
-    """A PostgreSQL database of its own (``ferry_test_<hex>``), dropped afterwards."""
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:
-        admin.dispose()
-        missing_service(f"PostgreSQL unreachable at {make_url(POSTGRES_ADMIN_URL).host}: {exc}")
-    name = f"ferry_test_{secrets.token_hex(4)}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

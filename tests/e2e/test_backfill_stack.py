@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
 

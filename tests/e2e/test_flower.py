@@ -27,7 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 from tests.dashboard import families_used, family
 
 pytestmark = pytest.mark.e2e

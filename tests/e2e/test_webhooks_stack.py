@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stack import FerryUp
+from harness.stack import FerryUp
 from tests.webhook_receiver import Answer, Receiver, loopback_only
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,8 @@ import pytest
 from sqlalchemy import func, select
 
 from core.db import Backfill, Job
-from tests.faults.conftest import MODEL, Stack, wait_for
+from harness.faults import MODEL, Stack
+from harness.processes import wait_for
 from tests.faults.test_kill import fresh_batch_of
 
 pytestmark = pytest.mark.faults

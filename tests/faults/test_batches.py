@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.faults.conftest import MODEL, Figures, Stack, sim_jobs
+from harness.accounting import Figures
+from harness.faults import MODEL, Stack, sim_jobs
 
 pytestmark = pytest.mark.faults
 

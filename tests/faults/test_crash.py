@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.faults.conftest import MODEL, Accounting, Figures, Proc, Stack, sim_jobs
+from harness.accounting import Accounting, Figures
+from harness.faults import MODEL, Stack, sim_jobs
+from harness.processes import Proc
 
 pytestmark = pytest.mark.faults
 

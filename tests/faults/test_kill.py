@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from core.streams import GROUP
-from tests.faults.conftest import MODEL, Figures, Stack, sim_jobs, wait_for
+from harness.accounting import Figures
+from harness.faults import MODEL, Stack, sim_jobs
+from harness.processes import wait_for
 from tests.streams import all_stream_names
 
 pytestmark = pytest.mark.faults

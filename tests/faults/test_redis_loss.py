@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.faults.conftest import Figures, Stack, sim_jobs, wait_for
+from harness.accounting import Figures
+from harness.faults import Stack, sim_jobs
+from harness.processes import wait_for
 
 pytestmark = pytest.mark.faults
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.faults.conftest import MODEL, Stack, wait_for
+from harness.faults import MODEL, Stack
+from harness.processes import wait_for
 from tests.webhook_receiver import Answer, Receiver, loopback_only
 from workers.webhooks import LEASE_MARGIN_S
 

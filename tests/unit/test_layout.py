@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"api", "core", "workers", "scheduler", "ferry", "migrations", "tests", "bench", "backends"}
+OURS = {
+    "api", "core", "workers", "scheduler", "ferry", "migrations", "tests", "bench", "backends",
+    "harness",
+}  # fmt: skip
 ALLOWED = {
     "backends": {"core"},
     "scheduler": set(),
@@ -17,6 +20,8 @@ ALLOWED = {
     "workers": {"core", "scheduler", "backends"},
     "migrations": {"core"},
 }
+# What ships: none of it starts test stacks, so none of it imports the harness.
+PRODUCTION = ("api", "backends", "core", "ferry", "migrations", "scheduler", "workers")
 # The batching policy is a pure function: no clock, no sleeping, no I/O, no torch.
 SCHEDULER_FORBIDDEN = {"time", "datetime", "redis", "torch", "asyncio", "sqlalchemy", "random"}
 
@@ -50,3 +55,21 @@ def test_the_api_never_imports_torch() -> None:
     for package in ("api", "core"):
         for path in (ROOT / package).rglob("*.py"):
             assert "torch" not in imports_of(path), path
+
+
+@pytest.mark.parametrize("package", PRODUCTION)
+def test_nothing_that_ships_imports_the_harness_or_the_tests(package: str) -> None:
+    for path in (ROOT / package).rglob("*.py"):
+        found = imports_of(path) & {"harness", "tests", "bench"}
+        assert not found, f"{path.relative_to(ROOT)} imports {found}"
+
+
+def test_benchmarks_share_the_harness_and_import_no_test_module() -> None:
+    for path in (ROOT / "bench").rglob("*.py"):
+        assert "tests" not in imports_of(path), path.relative_to(ROOT)
+
+
+def test_the_harness_runs_without_pytest_and_imports_neither_tests_nor_benchmarks() -> None:
+    for path in (ROOT / "harness").rglob("*.py"):
+        found = imports_of(path) & {"pytest", "tests", "bench"}
+        assert not found, f"{path.relative_to(ROOT)} imports {found}"

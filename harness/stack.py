@@ -1,4 +1,4 @@
-"""`ferry up` as the benchmarks run it: a fresh stack in a directory of its own."""
+"""`ferry up` as tests and benchmarks run it: a fresh stack in a directory of its own."""
 
 from __future__ import annotations
 

@@ -1,0 +1,17 @@
+"""What tests and benchmarks start Ferry, Redis, PostgreSQL and proxies with.
+
+Plain Python, without pytest: the benchmarks run without it. A service that is
+neither reachable nor startable raises ``services.ServiceMissing``; the test
+suite turns that into a skip, or a failure under CI=true.
+
+- ``services``: a Redis found or started, a fresh PostgreSQL database.
+- ``stack``: ``ferry up`` in a directory of its own (``FerryUp``).
+- ``processes``: ``python -m ferry ...`` processes, logged, supervised, killed.
+- ``proxy``: a TCP proxy that can cut a service off and restore it.
+- ``listener``: who the workers announced as recorded, and how many times.
+- ``submitting``: bursts of submissions that retry as a careful client would.
+- ``accounting``: what a scenario submitted, completed, lost and duplicated.
+- ``faults``: the fault suite's stack of separate processes around them all.
+"""
+
+POLL_S = 0.05  # seconds between two looks at something the harness waits for

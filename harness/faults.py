@@ -1,0 +1,294 @@
+"""The fault suite's stack: a real Ferry of separate processes, to be broken on purpose.
+
+A stack has a redis-server of its own (own port, own data directory, so it can
+be killed and wiped), a PostgreSQL database the caller made for it, optionally
+a TCP proxy in front of that database (so the database can be cut off), the API
+as its own process and whichever workers and Celery processes the scenario
+needs, started with ``python -m ferry`` exactly as an operator would.
+``close()`` kills every process it started, then Redis and the proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from sqlalchemy import Engine, func, select
+from sqlalchemy.engine import make_url
+
+from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
+from core.keys import create_key
+from core.queues import lane_depths
+from core.streams import dead_letter_key, done_channel, workers_key
+from ferry.local_redis import free_port, start_redis
+from harness import POLL_S
+from harness.accounting import Accounting, Figures, tally
+from harness.listener import DoneListener
+from harness.processes import Proc, Processes
+from harness.proxy import TcpProxy
+from harness.submitting import Submission, Submitter
+
+MODEL = "sim"
+START_TIMEOUT_S = 60.0
+
+
+class Stack(Processes):
+    """A Ferry stack of real processes around one Redis and one PostgreSQL database."""
+
+    def __init__(
+        self, tmp: Path, database_url: str, env: dict[str, str], proxy_db: bool = False
+    ) -> None:
+        # Everything close() releases, before anything is started.
+        super().__init__(tmp)
+        self.prefix = f"ferryfault-{secrets.token_hex(3)}"
+        self.database_url = database_url  # direct: what the harness checks with
+        self.proxy: TcpProxy | None = None
+        self.redis_process: subprocess.Popen[bytes] | None = None
+        self.listener = DoneListener(done_channel(self.prefix))
+        self.engine: Engine = make_engine(database_url)
+        try:
+            self._start(env, proxy_db)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, env: dict[str, str], proxy_db: bool) -> None:
+        app_database_url = self.database_url
+        if proxy_db:
+            url = make_url(self.database_url)
+            self.proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+            app_database_url = url.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
+                hide_password=False
+            )
+        self.redis_port = free_port()
+        self.redis_dir = self.tmp / "redis-data"
+        self.start_redis()
+        self.redis = redis.Redis.from_url(
+            self.redis_url, decode_responses=True, socket_connect_timeout=1, socket_timeout=5
+        )
+        self.api_port = free_port()
+        self.base = f"http://127.0.0.1:{self.api_port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        self.env.update(
+            FERRY_REDIS_URL=self.redis_url,
+            FERRY_DATABASE_URL=app_database_url,
+            FERRY_KEY_PREFIX=self.prefix,
+            FERRY_DATA_DIR=str(self.tmp / "data"),
+            FERRY_API_PORT=str(self.api_port),
+            FERRY_MODELS=MODEL,
+            FERRY_LOG_LEVEL="INFO",
+            PYTHONUNBUFFERED="1",
+        )
+        self.env.update(env)
+        self.max_attempts = int(self.env.get("FERRY_MAX_ATTEMPTS", "3"))
+        with make_sessionmaker(self.engine)() as session:
+            self.token = create_key(session, "faults").token
+        self.submitter = Submitter(self.base, self.token, self._stop)
+        self.supervise()
+        self.listener.start(self.redis_url)
+
+    # -- Redis ------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        process, url = start_redis(self.redis_dir, self.redis_port)
+        self.redis_process, self.redis_url = process, url
+
+    def kill_redis(self, wipe: bool) -> None:
+        """kill -9 the redis-server; with ``wipe``, its data directory goes too."""
+        assert self.redis_process is not None
+        self.redis_process.kill()
+        self.redis_process.wait(timeout=10)
+        if self.redis_process.stderr:
+            self.redis_process.stderr.close()
+        self.redis_process = None
+        if wipe:
+            shutil.rmtree(self.redis_dir)
+
+    # -- Ferry's processes ------------------------------------------------
+
+    def start_api(self) -> Proc:
+        proc = self.spawn("api", ["api"])
+        until = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                    return proc
+            assert proc.alive(), f"the API exited at start:\n{self.tail(proc)}"
+            assert time.monotonic() < until, f"the API was not ready:\n{self.tail(proc)}"
+            time.sleep(0.1)
+
+    def start_worker(self, name: str, supervised: bool = False, wait: bool = True) -> Proc:
+        proc = self.spawn(name, ["worker", "--model", MODEL, "--name", name], supervised)
+        if wait:
+            self.wait_worker(proc)
+        return proc
+
+    def wait_worker(self, proc: Proc) -> None:
+        """Until the worker's heartbeat is in Redis (it has joined the group and reads)."""
+        until = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                if self.redis.zscore(workers_key(self.prefix, MODEL), proc.name) is not None:
+                    return
+            assert proc.supervised or proc.alive(), f"{proc.name} exited:\n{self.tail(proc)}"
+            assert time.monotonic() < until, f"{proc.name} never beat:\n{self.tail(proc)}"
+            time.sleep(POLL_S)
+
+    # -- the API ------------------------------------------------------------
+
+    def submit(
+        self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
+    ) -> Submission:
+        return self.submitter.submit(bodies, threads, retry_s)
+
+    def submit_in_background(
+        self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
+    ) -> tuple[Submission, Future[None]]:
+        return self.submitter.submit_in_background(bodies, threads, retry_s)
+
+    # -- the database ---------------------------------------------------------
+
+    def statuses(self, ids: list[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                for job_id, status in conn.execute(
+                    select(Job.id, Job.status).where(Job.id.in_(chunk))
+                ):
+                    found[job_id] = status
+        return found
+
+    def terminal_count(self) -> int:
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).select_from(Job).where(Job.status.in_(TERMINAL_STATUSES))
+                ).scalar_one()
+            )
+
+    def rows(self, ids: list[str]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                for row in conn.execute(
+                    select(
+                        Job.id, Job.status, Job.attempts, Job.error, Job.output,
+                        Job.batch_size, Job.started_at, Job.finished_at,
+                    ).where(Job.id.in_(chunk))
+                ):  # fmt: skip
+                    found[row.id] = row
+        return found
+
+    def wait_terminal(self, ids: list[str], timeout: float) -> bool:
+        """Until every id is terminal (True), or the deadline (False)."""
+        until = time.monotonic() + timeout
+        waiting = list(ids)
+        while waiting:
+            with contextlib.suppress(Exception):
+                found = self.statuses(waiting)
+                waiting = [i for i in waiting if found.get(i) not in TERMINAL_STATUSES]
+            if not waiting:
+                return True
+            if time.monotonic() > until:
+                return False
+            time.sleep(0.25)
+        return True
+
+    def stream_entries(self) -> int:
+        """Entries still in the model's lane streams (acknowledged ones are deleted)."""
+        return sum(lane_depths(self.redis, self.prefix, MODEL).values())
+
+    def dead_letters(self) -> list[dict[str, str]]:
+        entries: Any = self.redis.xrange(dead_letter_key(self.prefix, MODEL))
+        return [dict(fields) for _id, fields in entries]
+
+    def wait_quiet(self, timeout: float = 10.0) -> int:
+        """Until the lane streams are empty; returns what is left at the deadline."""
+        until = time.monotonic() + timeout
+        while True:
+            left = -1
+            with contextlib.suppress(redis.RedisError):
+                left = self.stream_entries()
+                if left == 0:
+                    return 0
+            if time.monotonic() > until:
+                return left
+            time.sleep(0.1)
+
+    # -- accounting -----------------------------------------------------------
+
+    def account(
+        self,
+        scenario: str,
+        submission: Submission,
+        started: float,
+        timeout: float,
+        record: Callable[[Figures], None],
+    ) -> Accounting:
+        """Wait for every accepted job to end, then count: completed, lost, duplicated."""
+        accepted = submission.accepted
+        self.wait_terminal(accepted, timeout)
+        seconds = time.monotonic() - started
+        left = self.wait_quiet()
+        time.sleep(0.5)  # a publication racing the last commit
+        published = self.listener.snapshot()
+        rows = self.rows(accepted)
+        figures = tally(
+            scenario, submission, rows, published, seconds, self.max_attempts,
+            stream_entries_left=left,
+            # Rows no 202 answered for (a request that failed after its commit
+            # and was not retried): work nobody knows was accepted.
+            orphan_rows=self.row_count() - len(rows),
+            restarts={p.name: p.exits for p in self.procs.values() if p.exits},
+        )  # fmt: skip
+        record(figures)
+        return Accounting(figures, rows, published)
+
+    def row_count(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(Job)).scalar_one())
+
+    def assert_nothing_lost(self, accounting: Accounting) -> None:
+        f = accounting.figures
+        context = f"{json.dumps(asdict(f), default=str, indent=1)}\n{self.diagnostics()}"
+        assert not f.details["rejected"], context
+        assert f.submitted > 0, context
+        assert f.lost == 0, context
+        assert f.duplicated == 0, context
+        assert f.details["bad_attempts"] == 0, context
+        assert f.details["orphan_rows"] == 0, context
+
+    # -- teardown ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill every process this stack started, then Redis, the proxy and the listener."""
+        self.stop_processes()
+        self.listener.stop()
+        if hasattr(self, "redis"):
+            self.redis.close()
+        if self.redis_process is not None:
+            self.redis_process.kill()
+            self.redis_process.wait(timeout=10)
+            if self.redis_process.stderr:
+                self.redis_process.stderr.close()
+        if self.proxy is not None:
+            self.proxy.close()
+        self.engine.dispose()
+
+
+def sim_jobs(count: int, costs: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict[str, Any]]:
+    return [{"model": MODEL, "input": {"cost": costs[i % len(costs)]}} for i in range(count)]

@@ -1,0 +1,94 @@
+"""Redis and PostgreSQL for tests and benchmarks: found where they run, started, or made fresh.
+
+FERRY_TEST_REDIS_URL and FERRY_TEST_POSTGRES_URL name other servers than the
+local defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from core import migrate
+from ferry.local_redis import find_redis_server, free_port, start_redis
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "FERRY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+class ServiceMissing(Exception):
+    """A service is neither reachable nor startable; the message says which, and why."""
+
+
+def reachable_redis() -> str | None:
+    """FERRY_TEST_REDIS_URL (else the Redis on 6379) if it answers within a second."""
+    url = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return url
+
+
+def redis_server() -> str:
+    """The redis-server program to start Redis with."""
+    try:
+        return find_redis_server()
+    except SystemExit as exc:  # what the `ferry up` command exits with
+        raise ServiceMissing(str(exc)) from None
+
+
+@contextlib.contextmanager
+def started_redis(data_dir: Path) -> Iterator[str]:
+    """A redis-server of its own on a free port, stopped afterwards; yields its URL."""
+    redis_server()
+    process, url = start_redis(data_dir, free_port())
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def postgres_database(admin_url: str = POSTGRES_ADMIN_URL) -> Iterator[str]:
+    """A PostgreSQL database of its own (``ferry_test_<hex>``), dropped afterwards."""
+    admin = create_engine(
+        admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
+    )
+    try:
+        with admin.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        admin.dispose()
+        raise ServiceMissing(
+            f"PostgreSQL unreachable at {make_url(admin_url).host}: {exc}"
+        ) from exc
+    name = f"ferry_test_{secrets.token_hex(4)}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@contextlib.contextmanager
+def migrated_postgres_database() -> Iterator[str]:
+    """A PostgreSQL database of its own, migrated to head, dropped afterwards."""
+    with postgres_database() as url:
+        migrate.upgrade(url)
+        yield url
