@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.catalog import text_problem
+from scheduler.vocabulary import Lane
 
-Priority = Literal["urgent", "vip", "normal", "bulk"]
 JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]
 BackfillStatus = Literal[
     "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"
@@ -67,7 +67,7 @@ class JobCreate(BaseModel):
         description="The model's version to run (default: its active version).",
     )
     input: Any = Field(description="The model's input; see GET /v1/models for its schema.")
-    priority: Priority = "normal"
+    priority: Lane = Lane.NORMAL
     deadline_ms: int | None = Field(
         default=None, gt=0, le=MAX_DEADLINE_MS, description="Relative to receipt."
     )
@@ -177,7 +177,7 @@ class JobResource(BaseModel):
         description="The version the job asked for (null: the model's active version)."
     )
     status: JobStatus
-    priority: Priority
+    priority: Lane
     created_at: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None

@@ -28,7 +28,7 @@ from core import migrate
 from core.db import Job, make_engine, make_sessionmaker, utcnow
 from core.keys import create_key
 from harness.services import postgres_database
-from workers.recorder import Outcome, Recorder
+from workers.gpu.recorder import Outcome, Recorder
 
 OUTPUTS: dict[str, Any] = {"small": {"cost": 1}, "embedding": [0.123456789] * 384}
 
@@ -71,7 +71,9 @@ def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], float]:
                         Outcome(i, "succeeded", output=output, inference_ms=3.0) for i in ids
                     ]
                     batched = write == "batched"
-                    with mock.patch("workers.recorder._batched_writes", lambda _d, b=batched: b):
+                    with mock.patch(
+                        "workers.gpu.recorder._batched_writes", lambda _d, b=batched: b
+                    ):
                         started = time.perf_counter()
                         written = recorder.finish(outcomes, utcnow(), "bench", size)
                         elapsed = time.perf_counter() - started

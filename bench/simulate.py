@@ -1,24 +1,25 @@
 """A discrete-event simulation of one model's GPU worker(s), to compare batching policies.
 
-The simulator drives the very :func:`scheduler.policy.decide` that the workers
-run, through :class:`scheduler.learning.SchedulerState`, on a virtual clock,
-and the peers' batching (:mod:`scheduler.baselines`) on the same traces:
+The simulator drives the very :class:`scheduler.Batcher` that the workers
+run (Ferry's policy, and the peers' batching of :mod:`scheduler.baselines`),
+on a virtual clock and the same traces:
 
 * **Arrivals** come from a trace (uniform, Poisson or bursty), each job with a
   lane, a deadline and a cost drawn from real text (:mod:`bench.corpus`).
 * **Streams**: Ferry's worker reads the lanes urgent lane first, as
-  ``workers.consumer`` does; the peers read one first-come-first-served queue.
+  ``workers.gpu.consumer`` does; the peers read one first-come-first-served queue.
   A worker holds at most ``prefetch`` entries locally; the rest wait in the
   streams.
 * **The worker** is single-threaded: it decides only when it is not running a
   batch. It steps when it becomes free (a batch ended), when it is blocked on an
   empty read and an entry arrives, and when the wait the policy asked for runs
-  out. In the order of ``workers/loop.py``: a batch that ends is reported
-  (``observe_batch``); a step reads what fits into its local set, reporting
-  every entry it reads (``observe_arrival``), then decides and applies the
-  decision (expire, or run after ``batch_started``, or wait). Entries that
-  arrive while a batch runs are seen when it ends. Several workers
-  (``servers``) share the streams; the default is one.
+  out. As ``workers/gpu/loop.py`` does: a batch that ends is reported
+  (``Batcher.finished``); a step reads what fits into the batcher
+  (``Batcher.add``), then asks it (``Batcher.schedule``) and applies the
+  decision (``Batcher.expired``, ``Batcher.started``, or wait). Entries that
+  arrive while a batch runs are seen when it ends (the worker's preparation
+  of the next batch while one computes is not simulated). Several workers
+  (``servers``) share the streams, each with its own batcher; the default is one.
 * **The GPU** is a padded model: a batch of ``n`` inputs whose longest is
   ``c_max`` tokens takes ``fixed + per_token x n x c_max`` seconds, times a
   little noise.
@@ -42,18 +43,17 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from bench import svgplot
-from scheduler.baselines import decide_fixed, decide_single
+from scheduler import LANES, Batcher, PendingItem, PolicyKind
 from scheduler.learning import BatchObservation, SchedulerState, Tuning
-from scheduler.policy import BatchDecision, PendingItem, decide
+from scheduler.vocabulary import batch_work
 
-LANES = ("urgent", "vip", "normal", "bulk")
 DEFAULT_MIX: dict[str, float] = {"urgent": 0.05, "vip": 0.15, "normal": 0.80, "bulk": 0.0}
 # Accepted -> finished. Bulk (backfills) has none.
 DEFAULT_DEADLINES: dict[str, float | None] = {
@@ -84,7 +84,7 @@ class GpuModel:
     jitter: float = 0.03  # relative standard deviation of one batch's time
 
     def work(self, costs: Sequence[int]) -> float:
-        return float(len(costs) * max(costs)) if self.padded else float(sum(costs))
+        return batch_work(costs, self.padded)
 
     def expected_s(self, work: float) -> float:
         return self.fixed_s + self.per_token_s * work
@@ -193,79 +193,60 @@ def make_trace(
 # --- policies -----------------------------------------------------------------
 
 
-class Policy(Protocol):
+@dataclass
+class Policy:
+    """A batching policy as a worker runs it: the worker's own :class:`~scheduler.Batcher`.
+
+    ``lanes``: the worker reads the lanes urgent first (else one
+    first-come-first-served queue). ``build`` makes a fresh batcher, one per
+    simulated worker; ``batcher`` is the first worker's (its learned state
+    can be inspected after a run).
+    """
+
     name: str
-    lanes: bool  # reads the lanes urgent first (else one FIFO queue)
+    lanes: bool
+    build: Callable[[], Batcher[int]]
+    batcher: Batcher[int] = field(init=False)
 
-    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision: ...
-    def on_arrival(self, cost: int, lane: str, now: float) -> None: ...
-    def on_start(self) -> None: ...
-    def on_end(self, seen: BatchObservation) -> None: ...
+    def __post_init__(self) -> None:
+        self.batcher = self.build()
 
-
-class _Stateless:
-    lanes = False
-
-    def on_arrival(self, cost: int, lane: str, now: float) -> None:
-        pass
-
-    def on_start(self) -> None:
-        pass
-
-    def on_end(self, seen: BatchObservation) -> None:
-        pass
+    @property
+    def state(self) -> SchedulerState:
+        return self.batcher.state
 
 
-class SinglePolicy(_Stateless):
+def single_policy() -> Policy:
     """No batching: the oldest job runs alone, at once."""
-
-    name = "none"
-
-    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
-        return decide_single(pending, now)
+    return Policy("none", False, lambda: Batcher(SchedulerState.create(Tuning()), PolicyKind.NONE))
 
 
-class FixedPolicy(_Stateless):
+def fixed_policy(max_size: int = 32, max_delay_s: float = 0.005) -> Policy:
     """Triton / Ray Serve / TorchServe: FCFS, at most ``max_size``, at most ``max_delay_s``."""
-
-    name = "fixed"
-
-    def __init__(self, max_size: int = 32, max_delay_s: float = 0.005) -> None:
-        self.max_size = max_size
-        self.max_delay_s = max_delay_s
-
-    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
-        return decide_fixed(pending, self.max_size, self.max_delay_s, now)
+    tuning = Tuning(batch_max_size=max_size)
+    return Policy(
+        "fixed",
+        False,
+        lambda: Batcher(SchedulerState.create(tuning), PolicyKind.FIXED, max_delay_s),
+    )
 
 
-class FerryPolicy:
-    """Ferry's :func:`decide`, with the profile a :class:`SchedulerState` learns."""
-
-    lanes = True
-
-    def __init__(self, tuning: Tuning, name: str = "ferry") -> None:
-        self.name = name
-        self.state = SchedulerState.create(tuning)
-
-    def decide(self, pending: Iterable[PendingItem], now: float) -> BatchDecision:
-        return decide(pending, self.state.profile(now), now)
-
-    def on_arrival(self, cost: int, lane: str, now: float) -> None:
-        self.state.observe_arrival(cost, lane, now)
-
-    def on_start(self) -> None:
-        self.state.batch_started()
-
-    def on_end(self, seen: BatchObservation) -> None:
-        self.state.observe_batch(seen)
+def ferry_policy(tuning: Tuning, name: str = "ferry") -> Policy:
+    """Ferry's policy, with the profile its batcher learns."""
+    return Policy(name, True, lambda: Batcher(SchedulerState.create(tuning), PolicyKind.FERRY))
 
 
 # Ferry's settings in the simulation: bigger batches than the peers are allowed,
 # because the cost cap (padded tokens) keeps long inputs from making them slow;
 # everything else is Tuning's defaults (the urgent guard and budget included).
-FERRY_TUNING = Tuning(max_batch_size=256, max_batch_cost=8192, padded=True)
+# The window bound is the one these figures were measured with (the shipped
+# default, FERRY_BATCH_WINDOW_MAX_MS, is 20 ms).
+FERRY_TUNING = Tuning(
+    batch_max_size=256, batch_max_cost=8192, padded=True, batch_window_max_ms=50.0,
+    bulk_ride_factor=math.inf,
+)  # fmt: skip
 # Ferry told to keep batches at least this efficient once more is pending than
-# one batch holds (Tuning.min_efficiency): efficiency bought with capacity and
+# one batch holds (Tuning.batch_min_efficiency): efficiency bought with capacity and
 # latency. The report shows the trade-off.
 EFFICIENCY_FLOORS = (0.8, 0.85, 0.9, 0.93, 0.95)
 FIXED_MAX_SIZE = 32
@@ -282,15 +263,15 @@ class PolicySpec:
 
     @property
     def prefetch(self) -> int:
-        return max(PREFETCH, self.tuning.max_batch_size if self.tuning else FIXED_MAX_SIZE)
+        return max(PREFETCH, self.tuning.batch_max_size if self.tuning else FIXED_MAX_SIZE)
 
     def build(self) -> Policy:
         if self.tuning is not None:
-            return FerryPolicy(self.tuning, self.name)
+            return ferry_policy(self.tuning, self.name)
         if self.name == "none":
-            return SinglePolicy()
+            return single_policy()
         if self.name == "fixed":
-            return FixedPolicy(FIXED_MAX_SIZE, FIXED_MAX_DELAY_S)
+            return fixed_policy(FIXED_MAX_SIZE, FIXED_MAX_DELAY_S)
         raise ValueError(f"unknown policy {self.name!r}")
 
 
@@ -330,8 +311,8 @@ class RunResult:
 @dataclass
 class _Worker:
     index: int
-    pending: dict[int, PendingItem] = field(default_factory=dict)
-    running: tuple[PendingItem, ...] = ()
+    batcher: Batcher[int]
+    running: tuple[int, ...] = ()  # the jobs of the batch on its GPU
     started_s: float = 0.0
     wake_token: int = 0  # the timer that counts; older timers are stale
 
@@ -364,7 +345,7 @@ def simulate(
     clock: list[float] = []
     streams: dict[str, deque[int]] = {lane: deque() for lane in LANES}
     fifo: deque[int] = deque()
-    workers = [_Worker(i) for i in range(servers)]
+    workers = [_Worker(i, policy.batcher if i == 0 else policy.build()) for i in range(servers)]
     events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, worker/job, token)
     seq = 0
 
@@ -379,37 +360,32 @@ def simulate(
     decisions = 0
 
     def read(w: _Worker, now: float) -> None:
-        room = prefetch - len(w.pending)
+        room = prefetch - len(w.batcher)
         queues = [streams[lane] for lane in LANES] if policy.lanes else [fifo]
         for queue in queues:
             while room > 0 and queue:
                 job = jobs[queue.popleft()]
-                w.pending[job.index] = PendingItem(
+                item = PendingItem(
                     key=str(job.index),
                     lane=job.lane,
                     cost=job.cost,
                     arrival_s=job.arrival_s,
                     deadline_s=job.deadline_s,
                 )
-                policy.on_arrival(job.cost, job.lane, now)
+                w.batcher.add(item, job.index, now)
                 room -= 1
 
     def step(w: _Worker, now: float) -> None:
         nonlocal decisions
         decisions += 1
-        decision = policy.decide(list(w.pending.values()), now)
-        for item in decision.expire:
-            index = int(item.key)
-            del w.pending[index]
+        decision = w.batcher.schedule(now)
+        for index in w.batcher.expired(decision):
             outcome[index] = EXPIRED
             finish[index] = now
         if decision.run:
-            for item in decision.run:
-                del w.pending[int(item.key)]
-            costs = [item.cost for item in decision.run]
-            policy.on_start()
-            w.running = decision.run
+            w.running = tuple(w.batcher.started(decision))
             w.started_s = now
+            costs = [item.cost for item in decision.run]
             end = now + model.batch_s(costs, rng)
             batches.append(
                 BatchRecord(
@@ -445,14 +421,14 @@ def simulate(
             w = workers[who]
             ran, w.running = w.running, ()
             job_latency = []
-            for item in ran:
-                index = int(item.key)
+            for index in ran:
+                ended = jobs[index]
                 finish[index] = now
-                late = item.deadline_s is not None and now > item.deadline_s
+                late = ended.deadline_s is not None and now > ended.deadline_s
                 outcome[index] = LATE if late else ON_TIME
-                job_latency.append(now - item.arrival_s)
-            costs = [item.cost for item in ran]
-            policy.on_end(
+                job_latency.append(now - ended.arrival_s)
+            costs = [jobs[index].cost for index in ran]
+            w.batcher.finished(
                 BatchObservation(
                     size=len(ran),
                     cost=sum(costs),
@@ -460,6 +436,7 @@ def simulate(
                     latency_s=now - w.started_s,
                     ended_s=now,
                     job_latency_s=job_latency,
+                    lanes=[jobs[index].lane for index in ran],
                 )
             )
             read(w, now)  # what arrived during the batch is seen now
@@ -960,7 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors = EFFICIENCY_FLOORS[2:4] if args.quick else EFFICIENCY_FLOORS
     floor_specs = {
         f"ferry, min_efficiency {floor:g}": PolicySpec(
-            "ferry", replace(FERRY_TUNING, min_efficiency=floor)
+            "ferry", replace(FERRY_TUNING, batch_min_efficiency=floor)
         )
         for floor in floors
     }

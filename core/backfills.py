@@ -4,7 +4,7 @@ The upload is read line by line (:class:`Ingest`): each line is checked
 against the model's catalog entry and stored as a job in status ``waiting``,
 in chunks, each chunk its own transaction (so a long upload never holds the
 database's write lock). A waiting job is in no stream; the feeder
-(``workers/feeder.py``) queues waiting jobs into the model's ``bulk`` lane a
+(``workers/tasks/feeder.py``) queues waiting jobs into the model's ``bulk`` lane a
 chunk at a time, and from there they follow the path of every job. The
 backfill's counters are updated in the transaction of each terminal write
 (:func:`count_outcomes`), so they are exact.
@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.db import BACKFILL_DONE, TERMINAL_STATUSES, WAITING, ApiKey, Backfill, Job, utcnow
 from core.resources import iso
+from scheduler.vocabulary import Lane
 
 MAX_CUSTOM_ID_CHARS = 255
 # Terminal job status -> the backfill counter it adds to.
@@ -185,7 +186,7 @@ class Ingest:
                 "id": str(uuid.uuid4()),
                 "api_key_id": self.key_id,
                 "model": self.spec.name,
-                "priority": "bulk",
+                "priority": Lane.BULK,
                 "status": WAITING,
                 "input": item.input,
                 "cost": item.cost,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from core.settings import LANES
+from scheduler.vocabulary import LANES
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Any
 
 import redis
 
-from core.settings import LANES
 from core.streams import GROUP, stats_key, stream_key, tenants_key, workers_key
+from scheduler.vocabulary import LANES
 
 DEPTH_SCAN_LIMIT = 10_000
 HEARTBEAT_TTL_S = 10.0  # a worker that has not beaten for this long is not live
@@ -72,7 +72,7 @@ def lane_states(client: redis.Redis, prefix: str, model: str) -> dict[str, LaneS
     pipe = client.pipeline(transaction=False)
     for _lane, key in keys:
         pipe.xinfo_groups(key)
-    states = {lane: LaneState(0, 0) for lane in LANES}
+    states: dict[str, LaneState] = {lane: LaneState(0, 0) for lane in LANES}
     for (lane, key), groups in zip(keys, pipe.execute(raise_on_error=False), strict=True):
         if isinstance(groups, redis.ResponseError):
             continue  # emptied and deleted meanwhile

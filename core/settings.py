@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-LANES = ("urgent", "vip", "normal", "bulk")
+from scheduler.vocabulary import PolicyKind
+
 # The Standard Webhooks retry schedule: the delay before each attempt, from the
 # previous failure (the first is immediate); ten attempts over about 3 days.
 WEBHOOK_SCHEDULE_S = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
 
     # Batching (docs/architecture.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.
-    scheduler: Literal["ferry", "fixed", "none"] = "ferry"
+    scheduler: PolicyKind = PolicyKind.FERRY
     """The batching policy: `ferry` (Ferry's scheduler), `fixed` (max size + max delay, first
     come first served: what Triton and Ray Serve do), `none` (one job at a time)."""
     batch_max_size: int = Field(32, ge=1, le=4096)

@@ -13,6 +13,7 @@ per group. After changing a setting, regenerate the page:
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 import types
@@ -143,6 +144,8 @@ def _type_name(annotation: Any) -> str:
         return " or ".join(_type_name(arg) for arg in get_args(annotation) if arg is not type(None))
     if origin is Literal:
         return "one of " + ", ".join(f"`{value}`" for value in get_args(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(f"`{member.value}`" for member in annotation)
     if origin is list:
         (item,) = get_args(annotation)
         return f"list of {_type_name(item)}s"

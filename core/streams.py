@@ -7,7 +7,7 @@ Each lane of a model is a set of streams: one per tenant (API key) with work
 in it, listed in the lane's *tenants* sorted set, plus the lane's shared
 stream, which holds entries without a tenant. Workers
 read a lane's tenants in turn, so one tenant's backlog never stands in front
-of another tenant's jobs (see ``workers.consumer``).
+of another tenant's jobs (see ``workers.gpu.consumer``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from core.settings import LANES
+from scheduler.vocabulary import LANES
 
 PROTOCOL_VERSION = 1
 GROUP = "workers"

@@ -3,7 +3,7 @@
 When a job reaches a terminal state and has a ``callback_url``, the same
 transaction that writes the outcome adds a :class:`~core.db.WebhookDelivery`
 row (an outbox): a crash right after the commit cannot lose the event. The
-Celery worker sends it (``workers/webhooks.py``); the schedule of its retries
+Celery worker sends it (``workers/tasks/webhooks.py``); the schedule of its retries
 is stored on the row and walked by Celery beat.
 """
 

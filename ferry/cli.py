@@ -34,7 +34,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from workers.main import run_worker
+    from workers.gpu.main import run_worker
 
     settings = get_settings()
     configure_logging(settings.log_level, f"worker-{args.model}")
@@ -44,7 +44,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_celery(args: argparse.Namespace) -> int:
-    from workers.celery_app import create_celery
+    from workers.tasks.app import create_celery
 
     settings = get_settings()
     configure_logging(settings.log_level, f"celery-{args.role}")
@@ -79,7 +79,7 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
 
     from celery.signals import worker_ready, worker_shutting_down
 
-    from workers.health import serve
+    from core.health import serve
 
     ready = threading.Event()
 
@@ -95,7 +95,7 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
 
 
 def _cmd_flower(_args: argparse.Namespace) -> int:
-    from workers.celery_app import create_celery
+    from workers.tasks.app import create_celery
 
     settings = get_settings()
     configure_logging(settings.log_level, "flower")

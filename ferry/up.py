@@ -32,7 +32,7 @@ from core.keys import create_key, verify_token
 from core.repository import Repository
 from core.settings import Settings
 from ferry.local_redis import start_redis
-from workers.versions import RESTART_EXIT_CODE
+from workers.gpu.versions import RESTART_EXIT_CODE
 
 MIN_DRAIN_S = 30.0
 READY_TIMEOUT_S = 120.0

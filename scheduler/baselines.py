@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler.policy import BatchDecision, PendingItem
+from scheduler.vocabulary import Trigger
 
 
 def decide_fixed(
@@ -20,10 +21,10 @@ def decide_fixed(
     if not live:
         return BatchDecision()
     if len(live) >= max_size:
-        return BatchDecision(run=tuple(live[:max_size]), trigger="size")
+        return BatchDecision(run=tuple(live[:max_size]), trigger=Trigger.SIZE)
     waited = now - live[0].arrival_s
     if waited >= max_delay_s:
-        return BatchDecision(run=tuple(live), trigger="time")
+        return BatchDecision(run=tuple(live), trigger=Trigger.TIME)
     return BatchDecision(wait_s=max_delay_s - waited)
 
 
@@ -33,4 +34,4 @@ def decide_single(pending: Iterable[PendingItem], now: float) -> BatchDecision:
     oldest = min(pending, key=lambda item: item.arrival_s, default=None)
     if oldest is None:
         return BatchDecision()
-    return BatchDecision(run=(oldest,), trigger="single")
+    return BatchDecision(run=(oldest,), trigger=Trigger.SINGLE)

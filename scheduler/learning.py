@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.policy import INF, LinearFit, Profile
+from scheduler.vocabulary import Lane
 
 CEILING_RELAX_AFTER = 100  # clean batches before a lowered memory ceiling rises again
 CEILING_RELAX_STEP = 1.02  # by this factor, up to the threshold
@@ -20,27 +21,35 @@ CEILING_RELAX_STEP = 1.02  # by this factor, up to the threshold
 
 @dataclass(frozen=True)
 class Tuning:
-    """Every knob of the scheduler for one model (settings fill it, per model)."""
+    """Every knob of the scheduler for one model.
 
-    max_batch_size: int = 32
-    max_batch_cost: float = INF  # work units (padded tokens for a padded model)
+    Each knob has the name, the unit and the default of the setting that
+    fills it (``FERRY_BATCH_MAX_SIZE`` is ``batch_max_size`` here; a test
+    holds the two together), so a knob is one name from the environment to
+    the policy. ``padded`` and ``memory_budget_bytes`` come from the model's
+    runtime (the latter: the setting if given, else what the device has).
+    """
+
+    batch_max_size: int = 32
+    # Work units (padded tokens for a padded model); None: no cap.
+    batch_max_cost: float | None = None
     padded: bool = False
     memory_budget_bytes: float = INF
     memory_threshold: float = 0.8  # a batch may be predicted to peak at this share of the budget
-    window_min_s: float = 0.0
-    window_max_s: float = 0.050
-    window_start_factor: float = 1.5  # the first window: this x the average batch latency
-    window_shrink: float = 0.8
-    window_grow: float = 1.2
-    latency_high: float = 1.2  # shrink above this x target
-    latency_low: float = 0.8  # grow below this x target
-    latency_target_s: float | None = None  # None: 3 x the average batch latency
-    history_weight: float = 0.7  # target batch cost = 0.7 x history + 0.3 x demand
+    batch_window_min_ms: float = 0.0
+    batch_window_max_ms: float = 20.0
+    batch_window_start_factor: float = 1.5  # the first window: this x the average batch latency
+    batch_window_shrink: float = 0.8
+    batch_window_grow: float = 1.2
+    latency_high_factor: float = 1.2  # shrink above this x target
+    latency_low_factor: float = 0.8  # grow below this x target
+    latency_target_ms: float | None = None  # None: 3 x the average batch latency
+    batch_cost_history_weight: float = 0.7  # target batch cost = 0.7 x history + 0.3 x demand
     bulk_share: float = 0.05  # share of each batch kept for a backlogged bulk lane
     # Bulk items may stretch a batch carrying interactive ones to this x its latency.
-    bulk_ride_factor: float = math.inf
-    idle_queue: int = 1
-    forget: float = 0.97  # weight kept by older observations at each new batch
+    bulk_ride_factor: float = 1.25
+    idle_queue_max: int = 1
+    learning_forget: float = 0.97  # weight kept by older observations at each new batch
     oom_backoff: float = 0.9  # the memory ceiling drops to this x the failed prediction
     # While urgent jobs are about (one arrived within urgent_memory_s), no batch
     # may be predicted to take longer than urgent_guard x a lone item's latency,
@@ -51,27 +60,41 @@ class Tuning:
     urgent_guard: float = 1.5
     urgent_budget: float = 2.5
     urgent_memory_s: float = 1.0
-    min_efficiency: float = 0.92  # padded: least non-padding share once a batch cannot take all
+    # Padded: the least non-padding share once a batch cannot take all.
+    batch_min_efficiency: float = 0.92
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
-        if not 0 <= self.window_min_s <= self.window_max_s:
+        if self.batch_max_size < 1:
+            raise ValueError("batch_max_size must be at least 1")
+        if self.batch_max_cost is not None and not self.batch_max_cost > 0:
+            raise ValueError("batch_max_cost must be positive")
+        if not 0 <= self.batch_window_min_ms <= self.batch_window_max_ms:
             raise ValueError("window bounds must satisfy 0 <= min <= max")
         if not 0 < self.memory_threshold <= 1:
             raise ValueError("memory_threshold must be in (0, 1]")
         if not 0 <= self.bulk_share < 1:
             raise ValueError("bulk_share must be in [0, 1)")
-        if not 0 <= self.history_weight < 1:
-            raise ValueError("history_weight must be in [0, 1)")
-        if not 0 < self.forget <= 1 or not 0 < self.oom_backoff < 1:
-            raise ValueError("forget must be in (0, 1] and oom_backoff in (0, 1)")
+        if not 0 <= self.batch_cost_history_weight < 1:
+            raise ValueError("batch_cost_history_weight must be in [0, 1)")
+        if not 0 < self.learning_forget <= 1 or not 0 < self.oom_backoff < 1:
+            raise ValueError("learning_forget must be in (0, 1] and oom_backoff in (0, 1)")
         if not (self.urgent_guard >= 1 and self.urgent_budget >= 1):
             raise ValueError("urgent_guard and urgent_budget must be at least 1")
         if not self.urgent_memory_s >= 0:
             raise ValueError("urgent_memory_s must not be negative")
-        if not 0 <= self.min_efficiency <= 1:
-            raise ValueError("min_efficiency must be in [0, 1]")
+        if not 0 <= self.batch_min_efficiency <= 1:
+            raise ValueError("batch_min_efficiency must be in [0, 1]")
+
+    @property
+    def cost_cap(self) -> float:
+        """``batch_max_cost`` as a bound (INF when unset)."""
+        return INF if self.batch_max_cost is None else float(self.batch_max_cost)
+
+
+# The knobs a setting of the same name fills (the others come from the runtime).
+KNOBS = tuple(
+    name for name in Tuning.__dataclass_fields__ if name not in ("padded", "memory_budget_bytes")
+)
 
 
 class OnlineFit:
@@ -178,8 +201,8 @@ class SchedulerState:
     ) -> SchedulerState:
         return cls(
             tuning=tuning,
-            latency=OnlineFit(latency_prior, tuning.forget, prior_span),
-            memory=OnlineFit(memory_prior, tuning.forget, prior_span),
+            latency=OnlineFit(latency_prior, tuning.learning_forget, prior_span),
+            memory=OnlineFit(memory_prior, tuning.learning_forget, prior_span),
         )
 
     # --- observations ----------------------------------------------------------
@@ -193,7 +216,7 @@ class SchedulerState:
         """
         self.arrived_cost += cost
         self.mean_cost = cost if self.mean_cost is None else 0.99 * self.mean_cost + 0.01 * cost
-        if lane == "urgent":
+        if lane == Lane.URGENT:
             seen = now if now is not None else self.last_batch_end_s
             if seen is not None:
                 self.last_urgent_s = seen
@@ -210,7 +233,8 @@ class SchedulerState:
             demand = float(max(self.arrived_cost, 1))
             history = demand if math.isinf(self.target_cost) else self.target_cost
             self.target_cost = min(
-                t.max_batch_cost, t.history_weight * history + (1 - t.history_weight) * demand
+                t.cost_cap,
+                t.batch_cost_history_weight * history + (1 - t.batch_cost_history_weight) * demand,
             )
         self.arrived_cost = 0
 
@@ -218,7 +242,7 @@ class SchedulerState:
         t = self.tuning
         self.batches += 1
         self.last_batch_end_s = seen.ended_s
-        self.batches_since_bulk = 0 if "bulk" in seen.lanes else self.batches_since_bulk + 1
+        self.batches_since_bulk = 0 if Lane.BULK in seen.lanes else self.batches_since_bulk + 1
         if seen.split:
             return
         self.latency.observe(seen.work, seen.latency_s)
@@ -231,15 +255,16 @@ class SchedulerState:
             else 0.8 * self.avg_batch_s + 0.2 * seen.latency_s
         )
         if self.window_s is None:
-            self.window_s = t.window_start_factor * self.avg_batch_s
+            self.window_s = t.batch_window_start_factor * self.avg_batch_s
         elif seen.job_latency_s:
             observed = sum(seen.job_latency_s) / len(seen.job_latency_s)
             target = self.latency_target_s
-            if observed > t.latency_high * target:
-                self.window_s *= t.window_shrink
-            elif observed < t.latency_low * target:
-                self.window_s *= t.window_grow
-        self.window_s = min(t.window_max_s, max(t.window_min_s, self.window_s))
+            if observed > t.latency_high_factor * target:
+                self.window_s *= t.batch_window_shrink
+            elif observed < t.latency_low_factor * target:
+                self.window_s *= t.batch_window_grow
+        low_s, high_s = t.batch_window_min_ms / 1e3, t.batch_window_max_ms / 1e3
+        self.window_s = min(high_s, max(low_s, self.window_s))
 
     def observe_oom(self, work: float) -> None:
         """A batch of this much work ran out of memory: never predict that much again."""
@@ -247,7 +272,7 @@ class SchedulerState:
         predicted = self.memory.fit()(work) if self.memory.known else INF
         if math.isinf(predicted) or predicted <= 0:
             # Nothing to scale: cap the work itself through a flat prediction.
-            self.memory = OnlineFit(LinearFit(0.0, 1.0), self.tuning.forget)
+            self.memory = OnlineFit(LinearFit(0.0, 1.0), self.tuning.learning_forget)
             predicted = work
         self.memory_ceiling = min(self.memory_ceiling, predicted * self.tuning.oom_backoff)
         self.clean_batches = 0
@@ -271,28 +296,28 @@ class SchedulerState:
 
     @property
     def latency_target_s(self) -> float:
-        if self.tuning.latency_target_s is not None:
-            return self.tuning.latency_target_s
+        if self.tuning.latency_target_ms is not None:
+            return self.tuning.latency_target_ms / 1e3
         return 3.0 * (self.avg_batch_s or 0.0)
 
     def profile(self, now: float) -> Profile:
         t = self.tuning
-        window = self.window_s if self.window_s is not None else t.window_min_s
+        window = self.window_s if self.window_s is not None else t.batch_window_min_ms / 1e3
         idle = self.last_batch_end_s is None or now - self.last_batch_end_s >= max(window, 1e-3)
         return Profile(
-            max_batch_size=t.max_batch_size,
+            max_batch_size=t.batch_max_size,
             window_s=window,
-            max_batch_cost=t.max_batch_cost,
+            max_batch_cost=t.cost_cap,
             target_cost=self.target_cost,
             padded=t.padded,
             latency=self.latency.fit(),
             memory=self.memory.fit(),
             memory_limit=self.memory_ceiling,
             # Reserved only while bulk items are pending; otherwise unused.
-            bulk_slots=math.ceil(t.bulk_share * t.max_batch_size),
+            bulk_slots=math.ceil(t.bulk_share * t.batch_max_size),
             idle=idle,
-            idle_queue=t.idle_queue,
-            min_efficiency=t.min_efficiency,
+            idle_queue=t.idle_queue_max,
+            min_efficiency=t.batch_min_efficiency,
             bulk_turn=t.bulk_share > 0 and self.batches_since_bulk >= math.ceil(1 / t.bulk_share),
             bulk_ride_factor=t.bulk_ride_factor,
             **self._urgent_bounds(now),

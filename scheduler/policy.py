@@ -18,7 +18,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-LANE_ORDER = {"urgent": 0, "vip": 1, "normal": 2, "bulk": 3}
+from scheduler.vocabulary import RANK, Lane, Trigger, work_of
+
 INF = float("inf")
 # The efficiency floor is dropped while clearing everything pending would
 # take more than this share of the tightest non-urgent deadline's slack:
@@ -32,7 +33,7 @@ class PendingItem:
     """One job waiting in a worker."""
 
     key: str  # the caller's handle (the stream entry id)
-    lane: str  # urgent | vip | normal | bulk
+    lane: str  # a Lane
     cost: int
     arrival_s: float  # when the job was accepted
     deadline_s: float | None = None  # when it must have finished, if ever
@@ -128,17 +129,17 @@ class Profile:
         """The work cap: the cost, memory or latency limit, whichever is lowest."""
         return self.work_limit()[0]
 
-    def work_limit(self) -> tuple[float, str]:
+    def work_limit(self) -> tuple[float, Trigger]:
         """The work cap of a batch and the name of the limit that sets it."""
         limits = [
-            (self.max_batch_cost, "cost"),
-            (self.memory.inverse(self.memory_limit), "memory"),
-            (self.latency.inverse(self.max_batch_s), "latency"),
+            (self.max_batch_cost, Trigger.COST),
+            (self.memory.inverse(self.memory_limit), Trigger.MEMORY),
+            (self.latency.inverse(self.max_batch_s), Trigger.LATENCY),
         ]
         return min(limits, key=lambda limit: limit[0])
 
     def work(self, count: int, total_cost: float, max_cost: float) -> float:
-        return count * max_cost if self.padded else total_cost
+        return work_of(count, total_cost, max_cost, self.padded)
 
 
 @dataclass(frozen=True)
@@ -150,22 +151,21 @@ class BatchDecision:
     them without running. ``wait_s``: when nothing runs, how long until the
     policy should be asked again even if nothing new arrives (``None``: nothing
     pending, wait for work). ``trigger``: why the batch was dispatched
-    (``urgent``, ``size``, ``cost``, ``memory``, ``latency``, ``deadline``,
-    ``time``, ``idle``).
+    (a :class:`~scheduler.vocabulary.Trigger`).
     ``predicted_s``: the predicted latency of the batch.
     """
 
     run: tuple[PendingItem, ...] = ()
     expire: tuple[PendingItem, ...] = ()
     wait_s: float | None = None
-    trigger: str | None = None
+    trigger: Trigger | None = None
     predicted_s: float = 0.0
 
 
 def order_key(item: PendingItem) -> tuple[int, float, float]:
     """Lane first, then earliest deadline, then arrival."""
     deadline = item.deadline_s if item.deadline_s is not None else INF
-    return (LANE_ORDER[item.lane], deadline, item.arrival_s)
+    return (RANK[item.lane], deadline, item.arrival_s)
 
 
 def fair_order(items: list[PendingItem]) -> list[PendingItem]:
@@ -187,9 +187,7 @@ def fair_order(items: list[PendingItem]) -> list[PendingItem]:
         turns[id(item)] = seen.get(group, 0)
         seen[group] = turns[id(item)] + 1
     # Stable: ties keep order_key's order (deadline, then arrival).
-    return sorted(
-        items, key=lambda item: (LANE_ORDER[item.lane], turns[id(item)], item.last_served)
-    )
+    return sorted(items, key=lambda item: (RANK[item.lane], turns[id(item)], item.last_served))
 
 
 def efficiency(costs: Sequence[int]) -> float:
@@ -228,18 +226,18 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
         default=INF,
     )
 
-    trigger: str | None
-    if any(item.lane == "urgent" for item in batch):
-        trigger = "urgent"
+    trigger: Trigger | None
+    if any(item.lane == Lane.URGENT for item in batch):
+        trigger = Trigger.URGENT
     elif limit is not None:
         trigger = limit
     elif sum(item.cost for item in live) >= profile.target_cost:
-        trigger = "cost"
+        trigger = Trigger.COST
     elif slack_s <= max(0.0, window_s - waited_s):
         # Waiting out the window would leave no slack for the earliest deadline.
-        trigger = "deadline"
+        trigger = Trigger.DEADLINE
     elif waited_s >= window_s - 1e-9:  # a wait of under a nanosecond is no wait
-        trigger = "idle" if window_s < profile.window_s else "time"
+        trigger = Trigger.IDLE if window_s < profile.window_s else Trigger.TIME
     else:
         trigger = None
 
@@ -252,8 +250,8 @@ def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> Batc
 
 
 def _bulk_riders(
-    batch: list[PendingItem], limit: str | None, profile: Profile
-) -> tuple[list[PendingItem], str | None]:
+    batch: list[PendingItem], limit: Trigger | None, profile: Profile
+) -> tuple[list[PendingItem], Trigger | None]:
     """Drop the bulk items past the ride limit from a batch that carries interactive ones.
 
     The reserved slots stay (so a backfill always moves); the others may only
@@ -262,7 +260,7 @@ def _bulk_riders(
     """
     if not math.isfinite(profile.bulk_ride_factor):
         return batch, limit
-    interactive = [item for item in batch if item.lane != "bulk"]
+    interactive = [item for item in batch if item.lane != Lane.BULK]
     if not interactive or len(interactive) == len(batch):
         return batch, limit
 
@@ -274,10 +272,11 @@ def _bulk_riders(
     kept = list(interactive)
     riders = 0
     for item in batch:
-        if item.lane != "bulk":
+        if item.lane != Lane.BULK:
             continue
         if riders >= profile.bulk_slots and seconds([*kept, item]) > allowed_s:
-            return [i for i in batch if i.lane != "bulk" or any(i is k for k in kept)], "latency"
+            cut = [i for i in batch if i.lane != Lane.BULK or any(i is k for k in kept)]
+            return cut, Trigger.LATENCY
         kept.append(item)
         riders += 1
     return batch, limit
@@ -289,7 +288,7 @@ def _alone_finishes_at(item: PendingItem, profile: Profile, now: float) -> float
 
 def _select(
     live: list[PendingItem], profile: Profile, now: float
-) -> tuple[list[PendingItem], str | None]:
+) -> tuple[list[PendingItem], Trigger | None]:
     """The batch to run next, and the limit that closed it (``None``: it has room).
 
     Without padding, lanes are taken in order: a lane that fits whole is taken
@@ -300,16 +299,16 @@ def _select(
     """
     lanes: dict[int, list[PendingItem]] = {}
     for item in live:
-        lanes.setdefault(LANE_ORDER[item.lane], []).append(item)
-    bulk = lanes.get(LANE_ORDER["bulk"], [])
+        lanes.setdefault(RANK[item.lane], []).append(item)
+    bulk = lanes.get(Lane.BULK.rank, [])
     reserved = min(profile.bulk_slots, len(bulk), profile.max_batch_size - 1)
     limits = _Limits(*profile.work_limit(), *profile.work_limit())
-    urgent = lanes.get(LANE_ORDER["urgent"])
+    urgent = lanes.get(Lane.URGENT.rank)
     if urgent and math.isfinite(profile.urgent_latency_s):
         left_s = profile.urgent_latency_s - (now - min(item.arrival_s for item in urgent))
         ride = profile.latency.inverse(left_s) if left_s > 0 else 0.0
         if ride < limits.ride_work:
-            limits = _Limits(limits.work, limits.name, ride, "latency")
+            limits = _Limits(limits.work, limits.name, ride, Trigger.LATENCY)
     batch: list[PendingItem] = []
     if profile.bulk_turn and bulk and not urgent:
         first = bulk[0]
@@ -317,17 +316,17 @@ def _select(
         if profile.padded:
             return _select_padded(live, profile, now, reserved, limits, bulk_turn=True)
         batch.append(first)
-        lanes[LANE_ORDER["bulk"]] = bulk = bulk[1:]
+        lanes[Lane.BULK.rank] = bulk = bulk[1:]
         reserved = min(reserved, len(bulk))
     if profile.padded:
         return _select_padded(live, profile, now, reserved, limits)
 
-    limit: str | None = None
+    limit: Trigger | None = None
     for rank in sorted(lanes):
         items = lanes[rank]
-        is_bulk = rank == LANE_ORDER["bulk"]
+        is_bulk = rank == Lane.BULK.rank
         room = profile.max_batch_size - len(batch) - (0 if is_bulk else reserved)
-        max_work, work_name = limits.of(rank == LANE_ORDER["urgent"])
+        max_work, work_name = limits.of(rank == Lane.URGENT.rank)
         chosen, lane_limit = _best_group(batch, items, room, profile, max_work, work_name)
         batch += chosen
         if lane_limit is not None and limit is None:
@@ -342,7 +341,7 @@ def _select(
                 batch += chosen
             break
     if len(batch) >= profile.max_batch_size:
-        limit = "size"
+        limit = Trigger.SIZE
     return batch, limit
 
 
@@ -351,11 +350,11 @@ class _Limits:
     """The work cap of the urgent items, and that of the items riding along with them."""
 
     work: float
-    name: str
+    name: Trigger
     ride_work: float
-    ride_name: str
+    ride_name: Trigger
 
-    def of(self, urgent: bool) -> tuple[float, str]:
+    def of(self, urgent: bool) -> tuple[float, Trigger]:
         return (self.work, self.name) if urgent else (self.ride_work, self.ride_name)
 
 
@@ -366,7 +365,7 @@ def _select_padded(
     reserved: int,
     limits: _Limits,
     bulk_turn: bool = False,
-) -> tuple[list[PendingItem], str | None]:
+) -> tuple[list[PendingItem], Trigger | None]:
     """A padded model's batch: the first item in order and the pending items of similar cost.
 
     Every input is padded to the batch's longest, so the batch is a cost band
@@ -385,7 +384,7 @@ def _select_padded(
     the urgent one, so that an odd cost in a lower lane is never starved.
     """
     head = live[0]
-    if head.lane != "urgent" and not bulk_turn:
+    if head.lane != Lane.URGENT and not bulk_turn:
         # An item that has used up half its time to the deadline leads, earliest
         # deadline first: an odd-cost item of a lower lane may match no band
         # while higher lanes always have work pending.
@@ -393,7 +392,7 @@ def _select_padded(
         if due:
             head = min(due, key=lambda item: (item.deadline_s, item.arrival_s))
             live = [head] + [item for item in live if item is not head]
-    if head.lane == "bulk":
+    if head.lane == Lane.BULK:
         reserved = 0  # nothing but bulk is pending
     room = profile.max_batch_size - reserved
 
@@ -404,9 +403,9 @@ def _select_padded(
 
     # The head runs now; so does every urgent item that fits beside it.
     forced = [head]
-    if head.lane == "urgent":
+    if head.lane == Lane.URGENT:
         for item in live[1:]:
-            if item.lane != "urgent":
+            if item.lane != Lane.URGENT:
                 break
             top = max(item.cost, max(f.cost for f in forced))
             if len(forced) + 1 > fits(top, limits.work):
@@ -418,7 +417,7 @@ def _select_padded(
     forced_cost = sum(item.cost for item in forced)
     counts: dict[int, int] = {floor: 0}
     for item in live:
-        if id(item) not in forced_keys and (item.lane != "bulk" or not reserved):
+        if id(item) not in forced_keys and (item.lane != Lane.BULK or not reserved):
             counts[item.cost] = counts.get(item.cost, 0) + 1
     values = sorted(counts)
     at = values.index(floor)
@@ -455,13 +454,13 @@ def _select_padded(
     _, low, top = best
     cap = max(len(forced), fits(top, max_work))
     batch = list(forced)
-    limit: str | None = None
+    limit: Trigger | None = None
     for item in live[1:]:
         if id(item) in forced_keys:
             continue
-        if low <= item.cost <= top and (item.lane != "bulk" or not reserved):
+        if low <= item.cost <= top and (item.lane != Lane.BULK or not reserved):
             if len(batch) >= cap:
-                limit = "size" if cap >= room else work_name
+                limit = Trigger.SIZE if cap >= room else work_name
                 break
             batch.append(item)
     if limit is None:
@@ -469,25 +468,25 @@ def _select_padded(
         # otherwise the rest was left out by choice and the batch has room.
         taken = {id(item) for item in batch}
         following = next((item for item in live if id(item) not in taken), None)
-        if following is not None and not (following.lane == "bulk" and reserved):
+        if following is not None and not (following.lane == Lane.BULK and reserved):
             top_with = max(following.cost, max(item.cost for item in batch))
             if len(batch) + 1 > room:
-                limit = "size"
+                limit = Trigger.SIZE
             elif (len(batch) + 1) * top_with > max_work:
                 limit = work_name
     if reserved:
-        bulk = [item for item in live if item.lane == "bulk" and id(item) not in forced_keys]
+        bulk = [item for item in live if item.lane == Lane.BULK and id(item) not in forced_keys]
         chosen, _ = _best_group(batch, bulk, reserved, profile, max_work, work_name)
         batch += chosen
     if len(batch) >= profile.max_batch_size:
-        limit = "size"
+        limit = Trigger.SIZE
     return batch, limit
 
 
 def _pressed(live: list[PendingItem], profile: Profile, now: float, max_work: float) -> bool:
     """Whether the pending items would take too long to clear for their deadlines."""
     slack = min(
-        (i.deadline_s - now for i in live if i.deadline_s is not None and i.lane != "urgent"),
+        (i.deadline_s - now for i in live if i.deadline_s is not None and i.lane != Lane.URGENT),
         default=INF,
     )
     if math.isinf(slack):
@@ -514,8 +513,8 @@ def _best_group(
     room: int,
     profile: Profile,
     max_work: float,
-    work_name: str,
-) -> tuple[list[PendingItem], str | None]:
+    work_name: Trigger,
+) -> tuple[list[PendingItem], Trigger | None]:
     """Items of one lane to add to ``batch``: a run of similar costs, best throughput first.
 
     With nothing in the batch yet, the lane's first item (in order) must be in
@@ -524,14 +523,14 @@ def _best_group(
     from growing (``size``, or ``work_name`` for ``max_work``), if one did.
     """
     if room <= 0 or not items:
-        return [], ("size" if items else None)
+        return [], (Trigger.SIZE if items else None)
     base_n = len(batch)
     base_cost = sum(item.cost for item in batch)
     base_max = max((item.cost for item in batch), default=0)
 
-    def limited(count: int, total: float, top: float) -> str | None:
+    def limited(count: int, total: float, top: float) -> Trigger | None:
         if count > room:
-            return "size"
+            return Trigger.SIZE
         if base_n + count == 1:
             return None  # one item always runs, even when predicted over the limit
         if profile.work(base_n + count, base_cost + total, max(base_max, top)) > max_work:

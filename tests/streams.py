@@ -7,8 +7,8 @@ from typing import Any
 import redis
 
 from core.queues import lane_tenants
-from core.settings import LANES
 from core.streams import GROUP, JobMessage, is_wake, stream_key
+from scheduler.vocabulary import LANES
 
 
 def lane_stream_names(client: redis.Redis, prefix: str, model: str, lane: str) -> list[str]:

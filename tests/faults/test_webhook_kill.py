@@ -17,7 +17,7 @@ import pytest
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from tests.webhook_receiver import Answer, Receiver, loopback_only
-from workers.webhooks import LEASE_MARGIN_S
+from workers.tasks.webhooks import LEASE_MARGIN_S
 
 pytestmark = pytest.mark.faults
 

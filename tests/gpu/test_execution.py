@@ -21,7 +21,7 @@ from backends.torchvision import TorchvisionRuntime as ResNet50Runtime
 from bench.corpus import load_texts
 from tests.models import runtime as shipped_runtime
 from tests.vectors import cosine
-from workers.execute import run_isolating
+from workers.gpu.execute import run_isolating
 
 DEVICE = "cuda:0"
 

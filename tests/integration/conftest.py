@@ -14,8 +14,8 @@ from api.app import create_app
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
-from workers.loop import BatchLoop
-from workers.main import build_loop
+from workers.gpu.loop import BatchLoop
+from workers.gpu.main import build_loop
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from core.db import Backfill, Job, WebhookDelivery
 from core.queues import lane_depths
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
-from workers.feeder import Feeder
+from workers.tasks.feeder import Feeder
 
 
 def ndjson(count: int, start: int = 0, **extra: Any) -> bytes:
@@ -341,7 +341,7 @@ def test_the_end_of_a_backfill_is_pushed_to_its_callback(
 ) -> None:
     from api.app import create_app
     from tests.webhook_receiver import Receiver, loopback_only
-    from workers.webhooks import DeliveryConfig, attempt_delivery
+    from workers.tasks.webhooks import DeliveryConfig, attempt_delivery
 
     allowed = settings.model_copy(
         update={"webhook_allow_http": True, "webhook_allowed_networks": ["127.0.0.1/32"]}

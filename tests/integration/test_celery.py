@@ -17,7 +17,7 @@ from core.db import Backfill, Job, WebhookDelivery, utcnow
 from core.keys import create_key
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
-from workers.celery_app import FEED_TASK, PURGE_TASK, create_celery, purge_results
+from workers.tasks.app import FEED_TASK, PURGE_TASK, create_celery, purge_results
 
 
 def add_job(session: Session, key_id: str, status: str, finished_ago_s: float | None) -> str:

@@ -14,7 +14,7 @@ import redis
 
 from core.settings import Settings
 from core.streams import JobMessage, Scripts
-from workers.consumer import PRECISE_BELOW_MS, StreamConsumer
+from workers.gpu.consumer import PRECISE_BELOW_MS, StreamConsumer
 
 
 class Spy(redis.Redis):

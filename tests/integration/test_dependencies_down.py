@@ -15,7 +15,7 @@ from core.settings import Settings
 from ferry.local_redis import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import wait_terminal
-from workers.reconcile import reconcile
+from workers.tasks.reconcile import reconcile
 
 
 def test_submit_with_redis_down_is_accepted_and_enqueued_when_redis_is_back(

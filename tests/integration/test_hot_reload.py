@@ -31,7 +31,7 @@ from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import wait_terminal
 from tests.models import minilm_files
 from tests.vectors import cosine
-from workers.main import build_loop
+from workers.gpu.main import build_loop
 
 ECHO = """
 name = "echo"

@@ -41,7 +41,7 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
 ) -> None:
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime) and loop._ahead
+    assert isinstance(runtime, SimRuntime) and loop.device.ahead
     lock = threading.Lock()
     prepared: list[float] = []  # when each batch was prepared
     on_device: list[tuple[float, float]] = []  # each batch's time on the device
@@ -176,7 +176,7 @@ def test_a_stopping_worker_records_the_batch_on_the_device(
     rows = wait_terminal(sessions, ids, timeout=1)
     assert {row.status for row in rows.values()} == {"succeeded"}
     assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
-    assert loop._in_flight is None
+    assert loop.device.in_flight is None
 
 
 def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
@@ -186,7 +186,7 @@ def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
     slow_settings: Settings,
 ) -> None:
     loop = build_sim_loop(slow_settings.model_copy(update={"pipeline_prepare": False}))
-    assert not loop._ahead
+    assert not loop.device.ahead
     runtime = loop.runtime
     assert isinstance(runtime, SimRuntime)
     busy: list[bool] = []  # whether the device was computing when a batch was prepared

@@ -25,7 +25,7 @@ from core.repository import RepositoryError
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
-from workers.main import build_loop
+from workers.gpu.main import build_loop
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 

@@ -18,13 +18,13 @@ from celery.events.state import State
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
+from core.broker import celery_for_events
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
-from workers.celery_app import celery_for_events
-from workers.control import ControlResponder
-from workers.loop import BatchLoop
-from workers.main import worker_conf, worker_facts
-from workers.presence import QUEUE_MAX, CeleryPresence, node_name
+from workers.gpu.control import ControlResponder
+from workers.gpu.loop import BatchLoop
+from workers.gpu.main import worker_conf, worker_facts
+from workers.gpu.presence import QUEUE_MAX, CeleryPresence, node_name
 
 
 class Watcher:
@@ -68,7 +68,7 @@ def _worker(app: Celery, settings: Settings) -> tuple[BatchLoop, CeleryPresence]
     consumer = f"test-{secrets.token_hex(4)}"
     loop = build_sim_loop(settings, consumer)
     presence = CeleryPresence(app, "sim", consumer, heartbeat_s=0.5)
-    loop.events = presence
+    loop.observers.add(presence)
     return loop, presence
 
 
@@ -177,8 +177,8 @@ def test_a_broker_that_is_down_or_hung_never_holds_up_the_worker(
     started = time.monotonic()
     # More than the queue holds: the rest is dropped, never waited for.
     for number in range(QUEUE_MAX):
-        presence.batch_started(f"b{number}", 1, 1, ["normal"], 0.01)
-        presence.batch_finished(f"b{number}", 0.01, 1, 0)
+        presence.task_started(f"b{number}", 1, 1, ["normal"], 0.01)
+        presence.task_finished(f"b{number}", 0.01, 1, 0)
     assert time.monotonic() - started < 2.0
     stopping = time.monotonic()
     presence.stop(timeout_s=3)

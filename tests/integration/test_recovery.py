@@ -16,10 +16,10 @@ from core.streams import GROUP, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.streams import forget_model, lane_pending, model_messages
-from workers.celery_app import RECONCILE_TASK, create_celery, reconcile_streams
-from workers.consumer import StreamConsumer
-from workers.reconcile import reconcile
-from workers.recorder import Outcome
+from workers.gpu.consumer import StreamConsumer
+from workers.gpu.recorder import Outcome
+from workers.tasks.app import RECONCILE_TASK, create_celery, reconcile_streams
+from workers.tasks.reconcile import reconcile
 
 
 def later(seconds: float) -> dt.datetime:
@@ -140,7 +140,7 @@ def test_a_result_the_database_refuses_fails_that_job_alone(
         Outcome(ids[1], "succeeded", output={"bad": float("nan")}),
         Outcome(ids[2], "succeeded", output={"ok": 2}),
     ]
-    written = loop._record(outcomes, now, "batch-1", 3, [])
+    written = loop.recording.record(outcomes, now, "batch-1", 3, [])
     assert sorted(written) == sorted(ids)  # every job got exactly one outcome
     with sessions() as session:
         rows = {j.id: j for j in session.query(Job).filter(Job.id.in_(ids))}

@@ -19,8 +19,8 @@ from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import runtime as shipped_runtime
-from workers.execute import run_isolating
-from workers.main import build_loop
+from workers.gpu.execute import run_isolating
+from workers.gpu.main import build_loop
 
 
 def encoded(colour: tuple[int, int, int], size: tuple[int, int], fmt: str = "PNG") -> str:

@@ -18,8 +18,8 @@ from core.streams import JobMessage, Scripts, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters
-from workers import consumer as consumer_module
-from workers.consumer import StreamConsumer
+from workers.gpu import consumer as consumer_module
+from workers.gpu.consumer import StreamConsumer
 
 MODEL = "sim"
 

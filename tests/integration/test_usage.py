@@ -15,7 +15,7 @@ from core.db import Job, KeyUsage
 from core.settings import Settings
 from core.usage import rebuild, reserve
 from tests.integration.conftest import RunningLoop
-from workers.reconcile import reconcile
+from workers.tasks.reconcile import reconcile
 
 
 def _outstanding(sessions: sessionmaker[Session]) -> dict[str, int]:

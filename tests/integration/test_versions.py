@@ -14,7 +14,7 @@ from core.settings import Settings
 from core.streams import workers_key
 from core.versions import activate, active_version, report, version_states
 from tests.integration.test_hot_reload import echo_repository
-from workers.versions import Loaded, VersionManager
+from workers.gpu.versions import Loaded, VersionManager
 
 
 class Stub(HostRuntime):
@@ -143,7 +143,7 @@ def test_a_job_pinned_to_a_version_no_longer_active_fails_and_says_why(
     from api.app import create_app
     from tests.integration.conftest import RunningLoop
     from tests.integration.test_worker import submit, wait_terminal
-    from workers.main import build_loop
+    from workers.gpu.main import build_loop
 
     model = echo(tmp_path)
     live = settings.model_copy(
@@ -207,7 +207,7 @@ def test_a_version_that_does_not_load_even_alone_is_not_tried_again(
     settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
     from tests.integration.conftest import RunningLoop
-    from workers.main import build_loop
+    from workers.gpu.main import build_loop
 
     model = echo(tmp_path)
     (tmp_path / "models" / "echo" / "2" / "echo.py").write_text(
@@ -261,7 +261,7 @@ def test_a_job_pinned_to_a_version_just_activated_waits_for_it(
     from api.app import create_app
     from tests.integration.conftest import RunningLoop
     from tests.integration.test_worker import submit, wait_terminal
-    from workers.main import build_loop
+    from workers.gpu.main import build_loop
 
     model = echo(tmp_path)
     base = settings.model_copy(
@@ -328,7 +328,7 @@ def test_a_failed_python_version_is_not_retried_because_its_bytecode_was_written
     key_prefix: str,
     tmp_path: Path,
 ) -> None:
-    from workers.versions import signature
+    from workers.gpu.versions import signature
 
     model = echo(tmp_path)
     before = signature(model, 2)

@@ -36,7 +36,7 @@ from tests.webhook_receiver import (
     loopback_only,
     make_tls,
 )
-from workers.webhooks import (
+from workers.tasks.webhooks import (
     AttemptTimeout,
     DeliveryConfig,
     _claim,

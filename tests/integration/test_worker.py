@@ -19,7 +19,7 @@ from core.settings import Settings
 from core.streams import JobMessage, dead_letter_key, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.streams import lane_pending, lane_stream_names
-from workers.recorder import Outcome, Recorder
+from workers.gpu.recorder import Outcome, Recorder
 
 
 def submit(client: TestClient, auth: dict[str, str], **body: Any) -> str:
@@ -144,7 +144,7 @@ def test_urgent_lane_is_served_before_bulk(
     loop = build_sim_loop(settings)
     loop.consumer.ensure_groups()
     loop.prefetch = 4  # room for only a few entries: the urgent one must be among them
-    loop._fill(None)
+    loop.intake.fill(None)
     assert urgent in {e.message.job_id for e in loop.pending.values()}
     stop = threading.Event()
     thread = threading.Thread(target=loop.run, args=(stop,))
@@ -167,7 +167,7 @@ def test_a_restarted_worker_gets_back_what_it_had_read(
     ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
     crashed = build_sim_loop(settings, name="same-name")
     crashed.consumer.ensure_groups()
-    crashed._fill(None)  # read (now pending in Redis), then "crash" before running
+    crashed.intake.fill(None)  # read (now pending in Redis), then "crash" before running
     assert len(crashed.pending) == 3
     restarted = RunningLoop(build_sim_loop(settings, name="same-name"))
     with restarted:
@@ -218,7 +218,7 @@ def test_a_batch_is_written_in_one_statement_as_one_per_job_would_write_it(
             assert row is not None
             row.status = "cancelled"
         if not batched:  # one statement per job (an older SQLite, without RETURNING)
-            monkeypatch.setattr("workers.recorder._batched_writes", lambda dialect: False)
+            monkeypatch.setattr("workers.gpu.recorder._batched_writes", lambda dialect: False)
         outcomes = [
             Outcome(job_id, "succeeded", output=output, inference_ms=1.5)
             for job_id, output in zip(ids, outputs, strict=False)
@@ -262,7 +262,7 @@ def test_malformed_entries_go_to_the_dead_letter_stream(
     redis_client.xadd(stream, {"v": "99", "job": "x"})
     good = JobMessage(str(uuid.uuid4()), "normal", 1, int(time.time() * 1000))
     redis_client.xadd(stream, good.encode())  # type: ignore[arg-type]
-    loop._fill(None)
+    loop.intake.fill(None)
     assert [e.message.job_id for e in loop.pending.values()] == [good.job_id]
     dead: Any = redis_client.xrange(dead_letter_key(settings.key_prefix, "sim"))
     assert len(dead) == 1 and "version" in dead[0][1]["reason"]

@@ -25,7 +25,7 @@ from tests.dashboard import (
     families_used,
     family,
 )
-from workers.gpu_stats import GpuCollector
+from workers.gpu.gpu_stats import GpuCollector
 
 DURATION = re.compile(r"^\d+(ms|s|m|h|d)$")
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from backends.base import OutOfMemory
-from workers.execute import ItemResult, run_isolating
+from workers.gpu.execute import ItemResult, run_isolating
 
 
 class PoisonError(RuntimeError):

@@ -26,15 +26,20 @@ PRODUCTION = ("api", "backends", "core", "ferry", "migrations", "scheduler", "wo
 SCHEDULER_FORBIDDEN = {"time", "datetime", "redis", "torch", "asyncio", "sqlalchemy", "random"}
 
 
+# The shared words (lanes, triggers, a batch's work): at the bottom, importable by all.
+VOCABULARY = "scheduler.vocabulary"
+
+
 def imports_of(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports (the vocabulary module counts as none)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
+    modules: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            modules |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+            modules.add(node.module)
+    return {module.split(".")[0] for module in modules if module != VOCABULARY}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -73,3 +78,29 @@ def test_the_harness_runs_without_pytest_and_imports_neither_tests_nor_benchmark
     for path in (ROOT / "harness").rglob("*.py"):
         found = imports_of(path) & {"pytest", "tests", "bench"}
         assert not found, f"{path.relative_to(ROOT)} imports {found}"
+
+
+def test_the_gpu_worker_and_the_celery_tasks_do_not_import_each_other() -> None:
+    for package, other in (("gpu", "tasks"), ("tasks", "gpu")):
+        for path in (ROOT / "workers" / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            modules = {
+                node.module
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module
+            } | {
+                alias.name
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Import)
+                for alias in node.names
+            }
+            crossing = {m for m in modules if m.startswith(f"workers.{other}")}
+            assert not crossing, f"{path.relative_to(ROOT)} imports {crossing}"
+
+
+def test_the_vocabulary_imports_nothing_of_ours() -> None:
+    path = ROOT / "scheduler" / "vocabulary.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m.split(".")[0] for m in modules} & OURS, modules

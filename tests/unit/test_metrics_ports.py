@@ -72,7 +72,7 @@ def test_a_bad_gpu_list_is_refused() -> None:
 def test_workers_on_different_slices_have_different_consumer_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers.main import default_consumer_name
+    from workers.gpu.main import default_consumer_name
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-a")
     first = default_consumer_name("minilm", "cuda:0")
@@ -87,7 +87,7 @@ def test_several_workers_of_a_model_on_one_device_have_names_of_their_own(
     from core.repository import load_repository
     from ferry.up import instance_of
     from tests.models import REPOSITORY
-    from workers.main import default_consumer_name
+    from workers.gpu.main import default_consumer_name
 
     shutil.copytree(REPOSITORY / "sim", tmp_path / "sim")
     toml = (tmp_path / "sim" / "model.toml").read_text()

@@ -267,7 +267,7 @@ def observation(latency_s: float, job_latency_s: float, ended_s: float = 0.0) ->
 
 
 def test_the_window_starts_at_one_and_a_half_batch_latencies() -> None:
-    state = SchedulerState.create(Tuning(window_max_s=1.0))
+    state = SchedulerState.create(Tuning(batch_window_max_ms=1000))
     state.observe_batch(observation(0.020, 0.030))
     assert state.window_s == pytest.approx(0.030)
 
@@ -277,7 +277,7 @@ def test_the_window_starts_at_one_and_a_half_batch_latencies() -> None:
     [(0.200, 0.8), (0.121, 0.8), (0.119, 1.0), (0.081, 1.0), (0.079, 1.2), (0.010, 1.2)],
 )
 def test_the_window_adapts_to_the_latency_target(job_latency_s: float, factor: float) -> None:
-    state = SchedulerState.create(Tuning(window_max_s=1.0, latency_target_s=0.100))
+    state = SchedulerState.create(Tuning(batch_window_max_ms=1000, latency_target_ms=100))
     state.observe_batch(observation(0.020, 0.100))
     before = state.window_s
     assert before is not None
@@ -287,7 +287,7 @@ def test_the_window_adapts_to_the_latency_target(job_latency_s: float, factor: f
 
 @pytest.mark.parametrize(("job_latency_s", "bound"), [(10.0, 0.004), (0.0001, 0.040)])
 def test_the_window_is_clamped(job_latency_s: float, bound: float) -> None:
-    tuning = Tuning(window_min_s=0.004, window_max_s=0.040, latency_target_s=0.1)
+    tuning = Tuning(batch_window_min_ms=4, batch_window_max_ms=40, latency_target_ms=100)
     state = SchedulerState.create(tuning)
     for _ in range(50):
         state.observe_batch(observation(0.010, job_latency_s))
@@ -295,7 +295,7 @@ def test_the_window_is_clamped(job_latency_s: float, bound: float) -> None:
 
 
 def test_the_window_is_zero_when_idle_and_the_queue_is_short() -> None:
-    state = SchedulerState.create(Tuning(window_min_s=0.010, window_max_s=0.050))
+    state = SchedulerState.create(Tuning(batch_window_min_ms=10, batch_window_max_ms=50))
     state.observe_batch(observation(0.020, 0.02, ended_s=100.0))
     assert not state.profile(100.001).idle  # just finished a batch: busy
     assert state.profile(101.0).idle  # nothing for a second
@@ -304,7 +304,7 @@ def test_the_window_is_zero_when_idle_and_the_queue_is_short() -> None:
 
 
 def test_target_cost_is_smoothed_seventy_thirty() -> None:
-    state = SchedulerState.create(Tuning(max_batch_cost=10_000))
+    state = SchedulerState.create(Tuning(batch_max_cost=10_000))
     state.batch_started()
     state.observe_batch(observation(0.01, 0.01))
     for cost in (100, 100):
@@ -320,7 +320,7 @@ def test_target_cost_is_smoothed_seventy_thirty() -> None:
 
 def test_target_cost_converges_to_the_load_fixed_point() -> None:
     # lambda = 1000 cost/s, latency = 10 ms + 0.5 ms/cost: B = 10 / (1 - 0.5) = 20.
-    state = SchedulerState.create(Tuning(max_batch_cost=10_000))
+    state = SchedulerState.create(Tuning(batch_max_cost=10_000))
     target = 0.0
     for _ in range(200):
         state.batch_started()
@@ -360,7 +360,7 @@ def test_measured_peaks_replace_the_declared_estimate() -> None:
 
 def test_tuning_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="window"):
-        Tuning(window_min_s=0.5, window_max_s=0.1)
+        Tuning(batch_window_min_ms=500, batch_window_max_ms=100)
     with pytest.raises(ValueError, match="memory_threshold"):
         Tuning(memory_threshold=0.0)
     with pytest.raises(ValueError, match="bulk_share"):
@@ -395,11 +395,18 @@ def test_profile_rejects_nonsense() -> None:
     assert Profile(max_batch_size=4, window_s=0.0).max_work == INF
 
 
+@pytest.mark.parametrize("ride", [math.inf, 1.25])
 @pytest.mark.parametrize("padded", [False, True])
-def test_bulk_never_starves_whatever_limit_closes_the_batches(padded: bool) -> None:
+def test_bulk_never_starves_whatever_limit_closes_the_batches(padded: bool, ride: float) -> None:
     # Normal work always fills the cost cap; one old, long bulk job waits.
     state = SchedulerState.create(
-        Tuning(max_batch_size=32, max_batch_cost=100, padded=padded, bulk_share=0.25),
+        Tuning(
+            batch_max_size=32,
+            batch_max_cost=100,
+            padded=padded,
+            bulk_share=0.25,
+            bulk_ride_factor=ride,
+        ),
         latency_prior=LinearFit(0.001, 1e-5),
     )
     bulk = item("bulk", "bulk", cost=50, arrival_s=0.0)

@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 
 from core.settings import Settings
+from scheduler import policy_for
+from scheduler.learning import KNOBS as KNOBS_OF_TUNING
 from scheduler.learning import Tuning
-from workers.scheduling import make_policy, tuning_for
+from workers.gpu.scheduling import tuning_for
 
 
 class Declared:
@@ -28,6 +30,7 @@ KNOBS = {
     "latency_target_ms": 80.0,
     "memory_threshold": 0.7,
     "bulk_share": 0.1,
+    "bulk_ride_factor": 1.5,
     "batch_window_start_factor": 2.0,
     "batch_window_shrink": 0.7,
     "batch_window_grow": 1.3,
@@ -53,18 +56,34 @@ def test_every_tuning_field_comes_from_a_per_model_setting() -> None:
             continue  # the runtime's own
         assert getattr(tuning, field.name) != getattr(defaults, field.name), field.name
     assert tuning.padded and tuning.memory_budget_bytes == 2.0**30
-    assert tuning.window_max_s == pytest.approx(0.030)
-    assert tuning.latency_target_s == pytest.approx(0.080)
-    assert tuning.min_efficiency == 0.85
+    assert tuning.batch_window_max_ms == pytest.approx(30.0)
+    assert tuning.latency_target_ms == pytest.approx(80.0)
+    assert tuning.batch_min_efficiency == 0.85
 
 
 def test_other_models_keep_the_shared_settings() -> None:
     settings = Settings(model_settings={"minilm": KNOBS}).for_model("sim")
-    assert tuning_for(settings, Declared()).max_batch_size == 32  # type: ignore[arg-type]
+    assert tuning_for(settings, Declared()).batch_max_size == 32  # type: ignore[arg-type]
 
 
 def test_an_unknown_policy_is_refused() -> None:
     from scheduler.learning import SchedulerState
 
     with pytest.raises(ValueError, match="unknown scheduler"):
-        make_policy("fifo", SchedulerState.create(Tuning()), 0.005)
+        policy_for("fifo", SchedulerState.create(Tuning()), 0.005)
+
+
+def test_each_knob_has_the_name_and_the_default_of_its_setting() -> None:
+    """One name per knob, from FERRY_<NAME> to the policy, and one default."""
+    settings = Settings()
+    for name in KNOBS_OF_TUNING:
+        assert name in Settings.model_fields, name
+        default = getattr(settings, name)
+        assert getattr(Tuning(), name) == default, name
+    assert set(KNOBS) == set(KNOBS_OF_TUNING), "every knob is tested above"
+
+
+def test_every_knob_can_be_set_per_model() -> None:
+    from core.settings import PER_MODEL
+
+    assert set(KNOBS_OF_TUNING) <= PER_MODEL

@@ -12,7 +12,7 @@ from core.db import ApiKey
 from core.keys import new_webhook_secret, signing_secrets
 from core.settings import WEBHOOK_SCHEDULE_S
 from core.webhooks import next_delay_s, parse_retry_after
-from workers.webhooks import USER_AGENT, signed_headers
+from workers.tasks.webhooks import USER_AGENT, signed_headers
 
 SCHEDULE = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)
 NOW = dt.datetime(2025, 3, 4, 12, 0, 0, tzinfo=dt.UTC)

@@ -17,13 +17,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import core.metrics
+from core.health import serve
 from core.metrics import token_matches
 from core.settings import Settings
 from ferry.local_redis import free_port
 from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
-from workers.gpu_stats import register_gpu_metrics
-from workers.health import serve
-from workers.versions import RESTART_EXIT_CODE
+from workers.gpu.gpu_stats import register_gpu_metrics
+from workers.gpu.versions import RESTART_EXIT_CODE
 
 
 @pytest.fixture

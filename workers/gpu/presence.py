@@ -23,12 +23,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import celery
 from celery import Celery
 
 from core.metrics import EVENTS_DROPPED
+from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +37,6 @@ HEARTBEAT_S = 2.0
 QUEUE_MAX = 10_000
 RECONNECT_S = 2.0
 SOFTWARE = {"sw_ident": "ferry-worker", "sw_ver": celery.__version__, "sw_sys": os.uname().sysname}
-
-
-class BatchEvents(Protocol):
-    """What the batch loop reports about its batches (see :class:`CeleryPresence`)."""
-
-    def batch_started(
-        self, batch_id: str, size: int, cost: int, lanes: Sequence[str], predicted_s: float
-    ) -> None: ...
-
-    def batch_finished(
-        self, batch_id: str, runtime_s: float, size: int, failed: int, error: str | None = None
-    ) -> None: ...
 
 
 def node_name(model: str, consumer: str) -> str:
@@ -59,8 +48,8 @@ def task_name(model: str) -> str:
     return f"ferry.batch.{model}"
 
 
-class CeleryPresence:
-    """Sends one GPU worker's Celery events: its heartbeat and its batches."""
+class CeleryPresence(BatchObserver):
+    """Sends one GPU worker's Celery events: its heartbeat and its batches (an observer of them)."""
 
     def __init__(
         self,
@@ -82,15 +71,25 @@ class CeleryPresence:
         self._connection: Any = None
         self._broken_until = 0.0
         self._stopping = threading.Event()
-        # Read by the remote-control thread (workers.control); each is replaced whole.
+        # Read by the remote-control thread (workers.gpu.control); each is replaced whole.
         self.processed = 0
         self.current: dict[str, Any] | None = None
         # Batches start on the loop's thread and finish on its recording thread.
         self._counts = threading.Lock()
 
-    # The batch loop's side: never blocks.
+    # The batch loop's side (observer hooks): never blocks.
 
-    def batch_started(
+    def batch_started(self, batch: BatchStarted) -> None:
+        lanes = [job.lane for job in batch.jobs]
+        self.task_started(batch.batch_id, len(lanes), sum(batch.costs), lanes, batch.predicted_s)
+
+    def batch_finished(self, batch: BatchFinished) -> None:
+        self.task_finished(batch.batch_id, batch.runtime_s, len(batch.jobs), batch.failed)
+
+    def batch_failed(self, batch_id: str, runtime_s: float, size: int, error: str) -> None:
+        self.task_finished(batch_id, runtime_s, size, size, error=error)
+
+    def task_started(
         self, batch_id: str, size: int, cost: int, lanes: Sequence[str], predicted_s: float
     ) -> None:
         now = self.clock()
@@ -121,7 +120,7 @@ class CeleryPresence:
         )
         self._put("task-started", uuid=batch_id, timestamp=now)
 
-    def batch_finished(
+    def task_finished(
         self, batch_id: str, runtime_s: float, size: int, failed: int, error: str | None = None
     ) -> None:
         """``failed``: jobs of the batch that failed; ``error``: why the batch itself broke off."""

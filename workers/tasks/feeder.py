@@ -35,6 +35,7 @@ from core.metrics import JOBS_FINISHED
 from core.queues import tenant_depths
 from core.streams import JobMessage, Scripts, done_channel
 from core.webhooks import add_backfill_delivery
+from scheduler.vocabulary import Lane
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Feeder:
         return bool(active), fed
 
     def _live(self, model: str) -> int:
-        return sum(tenant_depths(self.client, self.prefix, model)["bulk"].values())
+        return sum(tenant_depths(self.client, self.prefix, model)[Lane.BULK].values())
 
     def _last_line(self, backfill: Backfill) -> int:
         with self.sessions() as session:
@@ -188,7 +189,7 @@ class Feeder:
         for row in rows:
             message = JobMessage(
                 job_id=row.id,
-                lane="bulk",
+                lane=Lane.BULK,
                 cost=row.cost,
                 enqueued_at_ms=enqueued_at_ms,
                 deadline_at_ms=None,
@@ -232,7 +233,7 @@ class Feeder:
                     .where(Backfill.id == backfill.id)
                     .values(cancelled=Backfill.cancelled + count)
                 )
-            JOBS_FINISHED.labels(backfill.model, "bulk", "cancelled").inc(count)
+            JOBS_FINISHED.labels(backfill.model, Lane.BULK, "cancelled").inc(count)
             # Long-polls of the cancelled items wake as they do for a worker's result.
             with contextlib.suppress(redis.RedisError):
                 self.client.publish(done_channel(self.prefix), ",".join(r.id for r in rows))

@@ -44,9 +44,9 @@ RESTART_TURN_S = 600
 class Loaded:
     """A version loaded and warmed up, ready to take batches.
 
-    ``prepared``: what the loop needs besides the runtime to run it (its
-    scheduler state and policy, built from the runtime's own calibration),
-    or None to keep the loop's.
+    ``prepared``: what the loop needs besides the runtime to run it (a
+    :class:`~scheduler.Batcher` whose state is learned from the runtime's own
+    calibration), or None to keep the loop's.
     """
 
     version: int

@@ -15,21 +15,22 @@ import redis
 from backends.base import DeviceLost
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
+from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
+from core.health import serve
 from core.repository import ModelConfig
 from core.settings import Settings
 from core.versions import active_version
 from core.webhooks import DeliveryKicker
-from workers.celery_app import celery_for_events
-from workers.consumer import StreamConsumer
-from workers.control import ControlResponder
-from workers.gpu_stats import register_gpu_metrics
-from workers.health import serve
-from workers.loop import BatchLoop
-from workers.presence import CeleryPresence
-from workers.recorder import Recorder
-from workers.scheduling import build_state, make_policy
-from workers.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
+from workers.gpu.consumer import StreamConsumer
+from workers.gpu.control import ControlResponder
+from workers.gpu.events import KickDeliveries
+from workers.gpu.gpu_stats import register_gpu_metrics
+from workers.gpu.loop import BatchLoop, LoopConfig
+from workers.gpu.presence import CeleryPresence
+from workers.gpu.recorder import Recorder
+from workers.gpu.scheduling import build_batcher
+from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -78,9 +79,7 @@ def build_loop(
         """``version`` loaded, and its scheduler state built from its own calibration."""
         own = base.for_model(model, fresh.settings)
         runtime = load_runtime(fresh, own, version, device=device)
-        state = build_state(own, runtime)
-        policy = make_policy(own.scheduler, state, own.fixed_max_delay_ms / 1000.0)
-        return Loaded(version, runtime, (state, policy))
+        return Loaded(version, runtime, build_batcher(own, runtime))
 
     # The version new jobs run on: an operator's activation, else model.toml's.
     with sessions() as session:
@@ -102,7 +101,6 @@ def build_loop(
         unloadable[version] = (signature(config, version), why[:500])
         first = prepare(config, config.active_version)
     runtime = first.runtime
-    state, policy = first.prepared
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     consumer = StreamConsumer(
         client,
@@ -114,17 +112,11 @@ def build_loop(
         runtime=runtime,
         consumer=consumer,
         recorder=Recorder(sessions, first.version),
+        batcher=first.prepared,
         client=client,
         prefix=settings.key_prefix,
-        state=state,
-        policy=policy,
-        prefetch=settings.prefetch,
-        max_attempts=settings.max_attempts,
-        visibility_timeout_s=settings.visibility_timeout_s,
-        drain_s=settings.worker_drain_s,
-        pipeline=settings.pipeline,
-        launch_ahead=settings.pipeline_prepare,
-        kick=DeliveryKicker(redis_url, settings.key_prefix),
+        config=LoopConfig.of(settings),
+        observers=[KickDeliveries(DeliveryKicker(redis_url, settings.key_prefix))],
     )
     loop.model_settings = dict(config.settings)
     if settings.model_poll_s > 0:
@@ -176,7 +168,7 @@ def run_worker(
     if settings.worker_events:
         app = celery_for_events(settings)
         presence = CeleryPresence(app, model, loop.consumer.consumer)
-        loop.events = presence
+        loop.observers.add(presence)
         presence.start()
         control = ControlResponder(
             app, presence, settings.key_prefix, lambda: worker_facts(loop),
@@ -222,7 +214,7 @@ def worker_facts(loop: BatchLoop) -> dict[str, Any]:
         # Not "consumer": Celery uses that key for its own consumer stats, which Flower reads.
         "stream_consumer": loop.consumer.consumer,
         "ready": loop.ready.is_set(),
-        "pending_entries": len(loop.pending),
+        "pending_entries": len(loop.batcher),
         "batches": stats.batches,
         "jobs": stats.jobs,
         "avg_batch_ms": round(stats.avg_batch_ms, 2),

@@ -1,9 +1,9 @@
-"""The GPU worker's metrics: a hook beside the batch loop, never inside its decisions."""
+"""The GPU worker's metrics: an observer of its batches, never inside their decisions."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from core.metrics import (
     BATCH_COST,
@@ -21,65 +21,61 @@ from core.metrics import (
     MEMORY,
 )
 from core.streams import JobMessage
+from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted, JobDone
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-class LoopMetrics:
+class Metrics(BatchObserver):
+    """The Prometheus side of a worker's batches."""
+
     def __init__(self, model: str, device: str = "cpu") -> None:
         self.model = model
         self.device = device
 
-    def started(self, messages: Iterable[JobMessage], now_s: float) -> None:
-        for message in messages:
-            JOB_QUEUE_WAIT.labels(self.model, message.lane).observe(
-                max(now_s - message.enqueued_at_ms / 1000.0, 0.0)
+    def batch_started(self, batch: BatchStarted) -> None:
+        for job in batch.jobs:
+            JOB_QUEUE_WAIT.labels(self.model, job.lane).observe(
+                max(batch.at_s - job.enqueued_at_ms / 1000.0, 0.0)
             )
 
-    def finished(self, done: Iterable[tuple[JobMessage, str]], now_s: float) -> None:
-        for message, status in done:
-            JOBS_FINISHED.labels(self.model, message.lane, status).inc()
-            JOB_LATENCY.labels(self.model, message.lane).observe(
-                max(now_s - message.enqueued_at_ms / 1000.0, 0.0)
+    def jobs_finished(self, done: Sequence[JobDone], batch_id: str | None, at_s: float) -> None:
+        for finished in done:
+            job = finished.job
+            JOBS_FINISHED.labels(self.model, job.lane, finished.status).inc()
+            JOB_LATENCY.labels(self.model, job.lane).observe(
+                max(at_s - job.enqueued_at_ms / 1000.0, 0.0)
             )
 
-    def batch(
-        self,
-        costs: Sequence[int],
-        latency_s: float,
-        predicted_s: float,
-        efficiency: float,
-        window_s: float | None,
-        peak_memory_bytes: float | None,
-    ) -> None:
+    def batch_finished(self, batch: BatchFinished) -> None:
+        costs = batch.costs
         if costs:
             BATCH_SIZE.labels(self.model).observe(len(costs))
             BATCH_COST.labels(self.model).observe(sum(costs))
-            BATCH_EFFICIENCY.labels(self.model).observe(efficiency)
-            BATCH_LATENCY.labels(self.model).observe(latency_s)
-            BATCH_PREDICTED.labels(self.model).observe(predicted_s)
-        if window_s is not None:
-            BATCH_WINDOW.labels(self.model).set(window_s)
+            BATCH_EFFICIENCY.labels(self.model).observe(batch.efficiency)
+            BATCH_LATENCY.labels(self.model).observe(batch.batch_s)
+            BATCH_PREDICTED.labels(self.model).observe(batch.predicted_s)
+        if batch.window_s is not None:
+            BATCH_WINDOW.labels(self.model).set(batch.window_s)
         # On a GPU the runtime measures its batch's peak; on the CPU, the process's.
-        MEMORY.labels(self.model, "peak").set(
-            peak_memory_bytes if peak_memory_bytes is not None else _peak_resident_bytes()
-        )
+        peak = batch.peak_memory_bytes
+        MEMORY.labels(self.model, "peak").set(peak if peak is not None else _peak_resident_bytes())
         MEMORY.labels(self.model, "in_use").set(
             _cuda_allocated_bytes(self.device)
             if self.device.startswith("cuda")
             else _resident_bytes()
         )
 
-    def computed(self, seconds: float) -> None:
-        COMPUTE_SECONDS.labels(self.model).inc(seconds)
+    def batch_computed(self, device_s: float) -> None:
+        COMPUTE_SECONDS.labels(self.model).inc(device_s)
 
-    def reclaimed(self, count: int) -> None:
+    def entries_reclaimed(self, count: int) -> None:
         if count:
             ENTRIES_RECLAIMED.labels(self.model).inc(count)
 
-    def dead_lettered(self, messages: Iterable[JobMessage]) -> None:
-        for message in messages:
-            JOBS_DEAD_LETTERED.labels(self.model, message.lane).inc()
+    def jobs_dead_lettered(self, jobs: Sequence[JobMessage]) -> None:
+        for job in jobs:
+            JOBS_DEAD_LETTERED.labels(self.model, job.lane).inc()
 
 
 def _peak_resident_bytes() -> float:

@@ -21,9 +21,9 @@ from typing import Any
 
 from celery import Celery
 
-from core.settings import LANES
 from core.streams import stream_key
-from workers.presence import CeleryPresence, task_name
+from scheduler.vocabulary import LANES
+from workers.gpu.presence import CeleryPresence, task_name
 
 log = logging.getLogger(__name__)
 

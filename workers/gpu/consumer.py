@@ -9,7 +9,6 @@ from typing import Any, cast
 
 import redis
 
-from core.settings import LANES
 from core.streams import (
     GROUP,
     JobMessage,
@@ -22,6 +21,7 @@ from core.streams import (
     tenants_key,
     wake_key,
 )
+from scheduler.vocabulary import LANES
 
 log = logging.getLogger(__name__)
 

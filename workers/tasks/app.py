@@ -16,6 +16,7 @@ from celery import Celery
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.broker import celery_on_broker
 from core.db import (
     BACKFILL_DONE,
     DELIVERY_DONE,
@@ -30,9 +31,9 @@ from core.db import (
 from core.metrics import WEBHOOK_ATTEMPTS
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
-from workers.feeder import Feeder
-from workers.reconcile import reconcile
-from workers.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
+from workers.tasks.feeder import Feeder
+from workers.tasks.reconcile import reconcile
+from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
 
 log = logging.getLogger(__name__)
 
@@ -115,34 +116,8 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
     return count
 
 
-def _on_broker(settings: Settings) -> Celery:
-    """A Celery app on Ferry's broker: what the Celery worker, Flower and GPU workers share."""
-    if not settings.redis_url:
-        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
-    app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"], event_serializer="json")
-    return app
-
-
-def celery_for_events(settings: Settings) -> Celery:
-    """An app for a GPU worker's events and remote-control answers (Flower).
-
-    Short timeouts and no connection retries: a broker that is down or hung
-    costs the sender thread two seconds, never an unbounded wait.
-    """
-    app = _on_broker(settings)
-    app.conf.update(
-        broker_connection_timeout=2.0,
-        broker_connection_retry=False,
-        broker_transport_options={
-            "max_retries": 0, "socket_timeout": 2.0, "socket_connect_timeout": 2.0,
-        },
-    )  # fmt: skip
-    return app
-
-
 def create_celery(settings: Settings) -> Celery:
-    app = _on_broker(settings)
+    app = celery_on_broker(settings)
     app.set_current()
     app.conf.update(
         worker_send_task_events=True,
@@ -209,7 +184,7 @@ def create_celery(settings: Settings) -> Celery:
         )
 
     # Made once per process (neither connects before it is used).
-    redis_url = str(settings.redis_url)  # checked by _on_broker
+    redis_url = str(settings.redis_url)  # checked by celery_on_broker
     feed_client = redis.Redis.from_url(redis_url, decode_responses=True)
     kick = DeliveryKicker(redis_url, settings.key_prefix)
 

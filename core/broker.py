@@ -1,0 +1,37 @@
+"""Celery apps on Ferry's broker (its Redis): the Celery worker's, Flower's and the GPU workers'.
+
+The GPU worker is not a Celery worker but speaks Celery's event protocol (for
+Flower); it builds its app here rather than importing the Celery side's tasks.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from core.settings import Settings
+
+
+def celery_on_broker(settings: Settings) -> Celery:
+    """A Celery app on Ferry's broker: what the Celery worker, Flower and GPU workers share."""
+    if not settings.redis_url:
+        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
+    app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(task_serializer="json", accept_content=["json"], event_serializer="json")
+    return app
+
+
+def celery_for_events(settings: Settings) -> Celery:
+    """An app for a GPU worker's events and remote-control answers (Flower).
+
+    Short timeouts and no connection retries: a broker that is down or hung
+    costs the sender thread two seconds, never an unbounded wait.
+    """
+    app = celery_on_broker(settings)
+    app.conf.update(
+        broker_connection_timeout=2.0,
+        broker_connection_retry=False,
+        broker_transport_options={
+            "max_retries": 0, "socket_timeout": 2.0, "socket_connect_timeout": 2.0,
+        },
+    )  # fmt: skip
+    return app

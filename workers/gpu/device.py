@@ -1,0 +1,217 @@
+"""The device pipeline: a claimed batch prepared, launched, and collected.
+
+On a device that computes asynchronously (CUDA; the sim model), batch N + 1
+is prepared (tokenised, decoded, staged) and launched while batch N
+computes: :meth:`DevicePipeline.launch` lands the batch before it once the
+new one is prepared. A batch that raises while it is prepared, launched or
+computed is run again input by input (:func:`~workers.gpu.execute.run_isolating`),
+so only the inputs at fault fail. What the pipeline lands goes to
+``on_landed``, which learns from it and hands it over to be recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backends.base import Launched, Runtime
+from scheduler import BatchDecision, Batcher
+from scheduler.policy import efficiency
+from workers.gpu.consumer import Entry
+from workers.gpu.events import BatchObserver
+from workers.gpu.execute import ItemResult, check_outputs, run_isolating
+from workers.gpu.recorder import Claimed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A claimed batch on its way through the device, until it is handed over to be recorded."""
+
+    batch_id: str
+    entries: list[Entry]
+    claimed: list[Claimed]
+    costs: list[int]
+    written: list[str]  # jobs of its entries settled without running (late, out of attempts)
+    decision: BatchDecision
+    started: float  # perf_counter when it was claimed
+    ahead: bool = False  # prepared while the batch before computed
+    began: float = 0.0  # perf_counter when its preparation began
+    launched: Launched | None = None
+    failed: Exception | None = None  # what preparing, launching or the device raised
+    ends_s: float = 0.0  # when the scheduler expects it done (the loop's clock)
+
+    def wait(self) -> None:
+        """Until the device is done with it; what the device raised is kept for landing."""
+        if self.launched is not None and self.failed is None:
+            try:
+                self.launched.wait()
+            except Exception as exc:
+                self.failed = exc
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A batch run and not yet recorded.
+
+    ``batch_s``: its latency as the scheduler plans it (what it kept the next
+    batch waiting); ``device_s``: the device's busy time; ``ooms``: how many
+    times it ran out of memory (it was split).
+    """
+
+    results: list[ItemResult]
+    batch_s: float
+    device_s: float
+    efficiency: float
+    peak_memory_bytes: float | None
+    ooms: int = 0
+
+    @property
+    def split(self) -> bool:
+        """Split around an out-of-memory or a failing input: not what its work costs."""
+        return self.ooms > 0 or any(not r.ok for r in self.results)
+
+
+class DevicePipeline:
+    """Runs claimed batches on ``runtime``; with ``launch_ahead``, one computes while the next
+    is prepared."""
+
+    def __init__(
+        self,
+        model: str,
+        runtime: Runtime,
+        batcher: Batcher[Entry],
+        observer: BatchObserver,
+        on_landed: Callable[[InFlight, Computed], None],
+        *,
+        launch_ahead: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.batcher = batcher
+        self.observer = observer
+        self.on_landed = on_landed
+        self.launch_ahead = launch_ahead
+        self.clock = clock
+        self.runtime = runtime
+        self.in_flight: InFlight | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime) -> None:
+        """Batches launched from now on run on ``runtime`` (land the one in flight first)."""
+        self._runtime = runtime
+        self.ahead = self.launch_ahead and runtime.asynchronous
+
+    def launch(self, flight: InFlight) -> None:
+        """Prepare this batch while the one before computes; launch it once that one is done.
+
+        Preparing or launching may raise (an image that does not decode, the
+        device out of memory): the batch is then run input by input when it
+        is landed, so only the inputs at fault fail. A worker that dies while
+        a batch computes has claimed the next one too: those jobs count it as
+        an attempt and run alone next time, like the batch's own.
+        """
+        inputs = [job.input for job in flight.claimed]
+        prepared = None
+        flight.began = time.perf_counter()
+        try:
+            prepared = self.runtime.prepare(inputs)
+        except Exception as exc:
+            flight.failed = exc
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None:
+            previous.wait()
+            if previous.failed is not None:
+                # It runs again input by input (or halved) with nothing else on
+                # the device, so that what it teaches (a lower memory ceiling)
+                # and the peaks measured belong to it alone.
+                self._land_batch(previous)
+                previous = None
+        if prepared is not None:
+            try:
+                flight.launched = self.runtime.launch(prepared)
+            except Exception as exc:
+                flight.failed = exc
+        flight.ends_s = self.clock() + flight.decision.predicted_s
+        self.in_flight = flight
+        if previous is not None:
+            self._land_batch(previous)  # while this one computes
+        if flight.failed is not None:
+            self.land()  # the same, at once: the device is idle
+
+    def land(self) -> None:
+        """Wait for the batch on the device, if there is one, and hand it on."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            flight.wait()
+            self._land_batch(flight)
+
+    def _land_batch(self, flight: InFlight) -> None:
+        try:
+            computed = self._collect(flight)
+        except BaseException as exc:
+            self.observer.batch_failed(
+                flight.batch_id, time.perf_counter() - flight.started, len(flight.claimed),
+                f"{type(exc).__name__} while running or recording it "
+                "(jobs not acknowledged run again)",
+            )  # fmt: skip
+            raise
+        self.on_landed(flight, computed)
+
+    def _collect(self, flight: InFlight) -> Computed:
+        """A launched batch's outputs; one that raised is run again, isolating the culprits."""
+        inputs = [job.input for job in flight.claimed]
+        launched, failed = flight.launched, flight.failed
+        if launched is not None and failed is None:
+            try:
+                outputs = check_outputs(self.runtime.collect(launched), inputs)
+            except Exception as exc:
+                failed = exc
+            else:
+                # Launched ahead, its preparation overlapped the batch before:
+                # its latency is the device's. Otherwise it is the whole run.
+                batch_s = launched.device_s if flight.ahead else time.perf_counter() - flight.began
+                results = [
+                    ItemResult(ok=True, output=output, inference_ms=batch_s * 1000.0)
+                    for output in outputs
+                ]
+                return Computed(
+                    results, batch_s, launched.device_s, efficiency(flight.costs),
+                    launched.peak_memory_bytes,
+                )  # fmt: skip
+        return self.compute(flight, failed=failed)
+
+    def compute(self, flight: InFlight, failed: Exception | None = None) -> Computed:
+        """Run the claimed jobs now, one call at a time, isolating the inputs at fault.
+
+        ``failed``: what the whole batch raised when it was launched ahead.
+        """
+        ooms = 0
+        costs = flight.costs
+
+        def out_of_memory(start: int, end: int) -> None:
+            nonlocal ooms
+            ooms += 1
+            self.batcher.out_of_memory(costs[start:end])
+            log.warning(
+                "out of memory; memory ceiling lowered",
+                extra={"model": self.model, "batch_id": flight.batch_id, "size": end - start,
+                       "memory_ceiling_bytes": round(self.batcher.state.memory_ceiling)},
+            )  # fmt: skip
+
+        began = time.perf_counter()
+        results = run_isolating(
+            self.runtime.run, [c.input for c in flight.claimed], on_oom=out_of_memory,
+            failed=failed,
+        )  # fmt: skip
+        batch_s = time.perf_counter() - began
+        return Computed(
+            results, batch_s, batch_s, efficiency(costs), self.runtime.peak_memory_bytes, ooms
+        )

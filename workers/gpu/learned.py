@@ -1,0 +1,121 @@
+"""What a worker has learned, published for the API, and its heartbeat.
+
+After its batches a worker publishes its model's fitted latency, usual batch
+and window (:class:`~core.estimates.ModelEstimate`, plus running averages)
+into the model's stats hash, which ``/v1/models`` and the API's wait
+estimates read; and it beats in the model's workers set, so the API knows
+how many workers share the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from core.queues import HEARTBEAT_TTL_S
+from core.streams import stats_key, workers_key
+from scheduler.learning import BatchObservation, SchedulerState
+from workers.gpu.scheduling import estimate_of
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+# What the worker learned is published at most this often: the API reads it at
+# most every 250 ms (api.submissions.VIEW_TTL_S), so a write per batch is waste.
+PUBLISH_S = 0.25
+
+
+@dataclass
+class LoopStats:
+    """Running averages of recent batches (what /v1/models and the API's estimates show)."""
+
+    batches: int = 0
+    jobs: int = 0
+    avg_batch_ms: float = 0.0
+    avg_batch_size: float = 0.0
+    mean_cost: float = 0.0  # per item
+    pad_ratio: float = 1.0  # work / sum of costs
+    efficiency: float = 1.0
+
+    def add(self, size: int, cost: int, work: float, batch_ms: float, eff: float) -> None:
+        self.batches += 1
+        self.jobs += size
+        alpha = 1.0 if self.batches == 1 else 0.2
+        self.avg_batch_ms += alpha * (batch_ms - self.avg_batch_ms)
+        self.avg_batch_size += alpha * (size - self.avg_batch_size)
+        self.mean_cost += alpha * (cost / size - self.mean_cost)
+        self.pad_ratio += alpha * (work / max(cost, 1) - self.pad_ratio)
+        self.efficiency += alpha * (eff - self.efficiency)
+
+
+class Publisher:
+    """Publishes what ``state`` has learned (at most every PUBLISH_S) and the heartbeat."""
+
+    def __init__(self, client: redis.Redis, prefix: str, model: str, consumer: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.model = model
+        self.consumer = consumer
+        self.stats = LoopStats()
+        self._published_at = 0.0
+        self._unpublished = False
+        self._last_beat = 0.0
+
+    def learned(self, state: SchedulerState, seen: BatchObservation, eff: float) -> None:
+        """A batch was learned from (``state`` already holds it)."""
+        self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
+        if time.monotonic() - self._published_at < PUBLISH_S:
+            self._unpublished = True  # the heartbeat publishes it once PUBLISH_S has passed
+            return
+        try:
+            self.publish(state)
+        except redis.RedisError as exc:
+            # Advisory (estimates for the API): the batch is recorded all the same,
+            # and the next batch publishes again.
+            log.warning(
+                "learned figures not published",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+
+    def publish(self, state: SchedulerState) -> None:
+        """What this worker has learned, for /v1/models and the API's wait estimates."""
+        stats = self.stats
+        estimate = estimate_of(
+            state, stats.mean_cost, stats.pad_ratio if state.tuning.padded else 1.0
+        )
+        mapping = estimate.to_hash()
+        if stats.batches:
+            mapping |= {
+                "avg_batch_ms": f"{stats.avg_batch_ms:.3f}",
+                "avg_batch_size": f"{stats.avg_batch_size:.3f}",
+                "efficiency": f"{stats.efficiency:.4f}",
+            }
+        self.client.hset(stats_key(self.prefix, self.model), mapping=mapping)  # type: ignore[arg-type]
+        self._published_at = time.monotonic()
+        self._unpublished = False
+
+    def beat(self, state: SchedulerState) -> None:
+        """Publish what a burst's last batches taught, and say this worker is alive."""
+        now = time.monotonic()
+        if self._unpublished and now - self._published_at >= PUBLISH_S:
+            with contextlib.suppress(redis.RedisError):
+                self.publish(state)
+        if now - self._last_beat < HEARTBEAT_S:
+            return
+        self._last_beat = now
+        key = workers_key(self.prefix, self.model)
+        wall = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(key, {self.consumer: wall})
+        # Workers that died without saying so: forget them after a while.
+        pipe.zremrangebyscore(key, "-inf", wall - 30 * HEARTBEAT_TTL_S)
+        pipe.execute()
+
+    def leave(self) -> None:
+        """This worker stops: the API no longer counts it."""
+        with contextlib.suppress(redis.RedisError):
+            self.client.zrem(workers_key(self.prefix, self.model), self.consumer)

@@ -1,0 +1,510 @@
+"""The batch loop of one GPU worker: a coordinator of a few named parts.
+
+Each turn it reads (:class:`~workers.gpu.intake.Intake`), asks the scheduler
+(:class:`~scheduler.Batcher`) what to do, and applies the decision: expired
+jobs are recorded, a batch is claimed and sent through the device
+(:class:`~workers.gpu.device.DevicePipeline`), and what the device lands is
+learned from and recorded (:class:`~workers.gpu.recording.Recording`).
+Metrics, logs, Flower and webhooks observe the batches
+(:mod:`workers.gpu.events`). The loop never decides itself; an entry is
+acknowledged only after its job's outcome is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from sqlalchemy.exc import SQLAlchemyError
+
+from backends.base import DeviceLost, Runtime
+from core.settings import Settings
+from scheduler import BatchDecision, Batcher
+from scheduler.learning import BatchObservation, SchedulerState
+from workers.gpu.consumer import Entry, StreamConsumer
+from workers.gpu.device import Computed, DevicePipeline, InFlight
+from workers.gpu.events import BatchFinished, BatchLog, BatchObserver, BatchStarted, Observers
+from workers.gpu.intake import Intake, entry_key
+from workers.gpu.learned import LoopStats, Publisher
+from workers.gpu.observe import Metrics
+from workers.gpu.recorder import Outcome, Recorder
+from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, Drain, Recording, utc_at
+from workers.gpu.versions import Loaded, VersionManager
+
+log = logging.getLogger(__name__)
+
+MAX_BLOCK_MS = 1000
+# How often jobs pinned to a version no longer served are looked for.
+PIN_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """How a worker runs its batches (the settings of the same names)."""
+
+    prefetch: int = 128
+    max_attempts: int = 3
+    visibility_timeout_s: float = 120.0
+    worker_drain_s: float = 30.0
+    pipeline: bool = False  # record batch N while batch N + 1 runs
+    pipeline_prepare: bool = False  # prepare batch N + 1 while batch N computes
+
+    @classmethod
+    def of(cls, settings: Settings) -> LoopConfig:
+        return cls(
+            prefetch=settings.prefetch,
+            max_attempts=settings.max_attempts,
+            visibility_timeout_s=settings.visibility_timeout_s,
+            worker_drain_s=settings.worker_drain_s,
+            pipeline=settings.pipeline,
+            pipeline_prepare=settings.pipeline_prepare,
+        )
+
+
+class BatchLoop:
+    """One worker: ``runtime`` runs the batches ``batcher`` decides on what ``consumer`` reads."""
+
+    def __init__(
+        self,
+        *,
+        runtime: Runtime,
+        consumer: StreamConsumer,
+        recorder: Recorder,
+        batcher: Batcher[Entry],
+        client: redis.Redis,
+        prefix: str,
+        config: LoopConfig = LoopConfig(),
+        observers: list[BatchObserver] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.consumer = consumer
+        self.recorder = recorder
+        self.batcher = batcher
+        self.client = client
+        self.config = config
+        self.clock = clock
+        model = consumer.model
+        # Metrics and the log always watch; Flower and webhooks when the process adds them.
+        self.observers = Observers(Metrics(model, runtime.device), BatchLog(model))
+        for observer in observers or ():
+            self.observers.add(observer)
+        self.drain = Drain(config.worker_drain_s)
+        self.intake = Intake(
+            consumer, batcher, self.observers, prefetch=config.prefetch,
+            visibility_timeout_s=config.visibility_timeout_s, clock=clock,
+        )  # fmt: skip
+        self.device = DevicePipeline(
+            model, runtime, batcher, self.observers, self._landed,
+            launch_ahead=config.pipeline_prepare, clock=clock,
+        )  # fmt: skip
+        self.recording = Recording(
+            model, recorder, self.intake, self.observers, self.drain, prefix=prefix,
+            max_attempts=config.max_attempts, pipeline=config.pipeline, clock=clock,
+        )  # fmt: skip
+        self.publisher = Publisher(client, prefix, model, consumer.consumer)
+        # The model's own settings from its model.toml (what Flower's conf shows).
+        self.model_settings: dict[str, Any] = {}
+        # Hot reload: when set, the loop switches to the versions it loads.
+        self.versions: VersionManager | None = None
+        # The loop stopped so that its process restarts with another version.
+        self.restart_requested = False
+        self._pins_checked = 0.0
+        # Set once the worker reads its streams; cleared when it stops (the /readyz of its port).
+        self.ready = threading.Event()
+
+    @property
+    def model(self) -> str:
+        return self.consumer.model
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.device.runtime
+
+    @property
+    def state(self) -> SchedulerState:
+        return self.batcher.state
+
+    @property
+    def stats(self) -> LoopStats:
+        return self.publisher.stats
+
+    @property
+    def prefetch(self) -> int:
+        """The most entries held at once."""
+        return self.intake.prefetch
+
+    @prefetch.setter
+    def prefetch(self, value: int) -> None:
+        self.intake.prefetch = value
+
+    @property
+    def pending(self) -> dict[str, Entry]:
+        """The entries held and not yet in a batch, by key (a copy: on the loop's thread only)."""
+        return self.batcher.pending()
+
+    @property
+    def version(self) -> int | None:
+        """The version of the model this worker runs new batches on."""
+        return self.recorder.model_version
+
+    # --- running ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self.drain.stop = stop
+        self._retrying(stop, self.consumer.ensure_groups)
+        self._retrying(stop, lambda: self.publisher.publish(self.state))
+        if self.versions is not None:
+            self.versions.start()
+        self.ready.set()
+        log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
+        wait_ms: int | None = MAX_BLOCK_MS
+        backoff_s = RETRY_MIN_S
+        try:
+            while not stop.is_set():
+                try:
+                    wait_ms = self.step(wait_ms)
+                    backoff_s = RETRY_MIN_S
+                    if not stop.is_set():
+                        self.ready.set()
+                except (redis.RedisError, SQLAlchemyError) as exc:
+                    self.ready.clear()  # it can run nothing until Redis and the database are back
+                    # Whatever was read but not recorded is still pending in Redis:
+                    # forget the local copy and read it again once things are back.
+                    log.warning(
+                        "dependency error; retrying",
+                        extra={"model": self.model, "error_type": type(exc).__name__,
+                               "retry_in_s": backoff_s},
+                    )  # fmt: skip
+                    self._settle_recording()
+                    self.intake.reread()
+                    stop.wait(backoff_s)
+                    if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                        # Redis lost its data (restarted empty, failed over): make the
+                        # groups again; the reconciler re-enqueues what was lost.
+                        with contextlib.suppress(redis.RedisError):
+                            self.consumer.ensure_groups()
+                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+                    wait_ms = MAX_BLOCK_MS
+        finally:
+            lost = None
+            try:
+                self._settle_recording()  # the last batch's results are written before it stops
+            except DeviceLost as exc:
+                lost = exc
+            self.recording.close()
+            if self.versions is not None:
+                self.versions.stop()
+            self.ready.clear()
+            # Entries read but not run stay unacknowledged; this consumer name gets
+            # them back at its next start.
+            self.publisher.leave()
+            log.info(
+                "worker stopped", extra={"model": self.model, "left_pending": len(self.batcher)}
+            )
+            if lost is not None:
+                raise lost
+
+    def step(self, wait_ms: int | None) -> int | None:
+        """One turn: read, decide, apply. Returns how long the next read may block."""
+        if self.recording.done_recording():
+            self.recording.wait()  # a recording that failed is heard of now, even when idle
+        self.publisher.beat(self.state)
+        self.intake.upkeep()
+        self._follow_version()
+        # While a batch computes, read only what is there already: it is landed next.
+        self.intake.fill(wait_ms if self.device.in_flight is None else None)
+        decision = self._decide()
+        self.apply(decision)
+        if decision.run:
+            return None  # more may be ready: look again without blocking
+        if decision.wait_s is not None:
+            return min(MAX_BLOCK_MS, int(decision.wait_s * 1000)) or None
+        return MAX_BLOCK_MS
+
+    def _decide(self) -> BatchDecision:
+        """The scheduler's decision; while a batch computes, whether to prepare the next.
+
+        A batch is prepared ahead only when the scheduler would send it as
+        soon as the device is free for a reason that more waiting cannot
+        change; otherwise the batch on the device is landed first and the
+        decision taken again, with what arrived meanwhile.
+        """
+        flight = self.device.in_flight
+        if flight is not None:
+            ahead = self.batcher.schedule(
+                self.clock(), busy_until=flight.ends_s, runnable=self._runnable
+            )
+            if ahead.run:
+                return ahead
+            self.device.land()
+        return self.batcher.schedule(self.clock(), runnable=self._runnable)
+
+    def _runnable(self, entry: Entry) -> bool:
+        """A job pinned to another version waits (or is failed by the pin check)."""
+        pin = entry.message.version
+        return pin is None or pin == self.version
+
+    def apply(self, decision: BatchDecision) -> None:
+        if decision.expire:
+            self.recording.expire(self.batcher.expired(decision))
+        if decision.run:
+            batch = self.batcher.started(decision)
+            self.intake.started(batch)
+            self._run_batch(batch, decision)
+
+    def _run_batch(self, entries: list[Entry], decision: BatchDecision) -> None:
+        started = (
+            self.recorder.started_before([e.message.job_id for e in entries])
+            if len(entries) > 1
+            else set()
+        )
+        if not started:
+            self._run_group(entries, decision, ahead=self.device.ahead)
+            return
+        self.device.land()  # a suspect runs with nothing else on the device
+        # A job started before and never finished may be what killed a worker:
+        # each such job runs alone, so it cannot take its batch mates down (and
+        # use up their attempts) with it.
+        fresh = [e for e in entries if e.message.job_id not in started]
+        groups = ([fresh] if fresh else []) + [[e] for e in entries if e.message.job_id in started]
+        for number, group in enumerate(groups):
+            if number and self.drain.stop.is_set():
+                # Stopping: what has not run stays unacknowledged, for the next worker.
+                return
+            # A suspect may kill the process: what ran before it is recorded first.
+            self.recording.wait()
+            self.consumer.touch([e for g in groups[number:] for e in g])
+            self._run_group(group, decision)
+
+    def _run_group(
+        self, entries: list[Entry], decision: BatchDecision, ahead: bool = False
+    ) -> None:
+        batch_id = str(uuid.uuid4())
+        by_job = {e.message.job_id: e for e in entries}
+        claimed, written = self.recording.claim(entries)
+        costs = [by_job[job.job_id].message.cost for job in claimed]
+        started = time.perf_counter()
+        flight = InFlight(batch_id, entries, claimed, costs, written, decision, started, ahead)
+        if not claimed:
+            # Nothing to run (cancelled, finished, late): its entries are acknowledged.
+            self.device.land()
+            self.recording.hand_over(self._finisher(flight, Computed([], 0.0, 0.0, 1.0, None)))
+            return
+        jobs = [by_job[job.job_id].message for job in claimed]
+        self.observers.batch_started(
+            BatchStarted(batch_id, self.model, jobs, costs, decision.predicted_s, self.clock())
+        )
+        self.device.launch(flight)
+        if not ahead:
+            self.device.land()  # prepared, launched and collected one after the other
+
+    # --- what the device lands -------------------------------------------------
+
+    def _landed(self, flight: InFlight, computed: Computed) -> None:
+        """Learn from a batch the device is done with, and hand it over to be recorded."""
+        self.observers.batch_computed(computed.device_s)
+        if flight.claimed:
+            at_s = self.clock()
+            enqueued = {e.message.job_id: e.message for e in flight.entries}
+            seen = BatchObservation(
+                size=len(flight.claimed),
+                cost=sum(flight.costs),
+                work=self.batcher.work(flight.costs),
+                latency_s=computed.batch_s,
+                ended_s=at_s,
+                job_latency_s=[
+                    at_s - enqueued[job.job_id].enqueued_at_ms / 1000.0 for job in flight.claimed
+                ],
+                peak_memory_bytes=computed.peak_memory_bytes,
+                lanes=[enqueued[job.job_id].lane for job in flight.claimed],
+                split=computed.split,
+            )
+            self.batcher.finished(seen)
+            self.publisher.learned(self.state, seen, computed.efficiency)
+        self.recording.hand_over(self._finisher(flight, computed))
+
+    def _finisher(self, flight: InFlight, computed: Computed) -> Callable[[], None]:
+        return functools.partial(self._finish, flight, computed, self.state.window_s)
+
+    def _finish(self, flight: InFlight, computed: Computed, window_s: float | None) -> None:
+        """Record the outcomes, acknowledge, and tell the observers."""
+        results = computed.results
+        failed = sum(1 for r in results if not r.ok)
+        try:
+            outcomes = [
+                Outcome(
+                    job.job_id,
+                    "succeeded" if result.ok else "failed",
+                    output=result.output,
+                    error=result.error,
+                    inference_ms=result.inference_ms,
+                )
+                for job, result in zip(flight.claimed, results, strict=True)
+            ]
+            written = flight.written + self.recording.record(
+                outcomes, utc_at(self.clock()), flight.batch_id, len(flight.claimed) or None,
+                flight.entries,
+            )  # fmt: skip
+            self.recording.acknowledge(flight.entries, written, flight.batch_id)
+        except BaseException as exc:
+            if flight.claimed:
+                self.observers.batch_failed(
+                    flight.batch_id, time.perf_counter() - flight.started, len(flight.claimed),
+                    f"{type(exc).__name__} while running or recording it "
+                    "(jobs not acknowledged run again)",
+                )  # fmt: skip
+            raise
+        if not flight.claimed:
+            return
+        by_job = {e.message.job_id: e.message for e in flight.entries}
+        self.observers.batch_finished(
+            BatchFinished(
+                batch_id=flight.batch_id,
+                model=self.model,
+                jobs=[by_job[job.job_id] for job in flight.claimed],
+                lanes=[e.message.lane for e in flight.entries],
+                costs=flight.costs,
+                trigger=flight.decision.trigger,
+                predicted_s=flight.decision.predicted_s,
+                batch_s=computed.batch_s,
+                efficiency=computed.efficiency,
+                window_s=window_s,
+                peak_memory_bytes=computed.peak_memory_bytes,
+                failed=failed,
+                runtime_s=time.perf_counter() - flight.started,
+            )
+        )
+
+    def _settle_recording(self) -> None:
+        """Land the batch on the device and wait for the one being recorded.
+
+        A failure leaves the batch's entries unacknowledged: its jobs run again.
+        A lost device is raised once what was computed before it is recorded.
+        """
+        lost = None
+        for settle in (self.device.land, self.recording.wait):
+            try:
+                settle()
+            except DeviceLost as exc:
+                lost = exc
+            except (redis.RedisError, SQLAlchemyError) as exc:
+                log.warning(
+                    "a batch's results were not recorded; its jobs run again",
+                    extra={"model": self.model, "error_type": type(exc).__name__},
+                )
+            except Exception:
+                log.exception(
+                    "recording a batch failed; its jobs run again", extra={"model": self.model}
+                )
+        if lost is not None:
+            raise lost
+
+    # --- versions --------------------------------------------------------------
+
+    def _follow_version(self) -> None:
+        """Switch to a version the manager has loaded; settle jobs pinned to one not served."""
+        if self.versions is not None:
+            loaded = self.versions.poll()
+            if loaded is not None:
+                self._switch(loaded)
+            elif (
+                self.versions.restart_for is not None
+                and not self.restart_requested
+                and self.versions.take_restart_turn()
+            ):
+                log.info(
+                    "restarting to load another version alone",
+                    extra={"model": self.model, "version": self.versions.restart_for},
+                )
+                self.restart_requested = True
+                self.request_stop()  # drains: the batch on the device is recorded first
+        self._settle_unserved_pins()
+
+    def _switch(self, loaded: Loaded) -> None:
+        """New batches run on ``loaded`` from now on.
+
+        The batch on the device (launched ahead) is landed first with the
+        runtime that launched it, so every batch runs, and is recorded as
+        run, by one version. Jobs claimed from now on record the new one,
+        and the scheduler prices batches with what the new runtime measured.
+        """
+        assert self.versions is not None
+        self.device.land()
+        self.device.runtime = loaded.runtime
+        self.recorder.model_version = loaded.version
+        if loaded.prepared is not None:
+            self.batcher.learn_from(loaded.prepared)
+        old = self.versions.switched(loaded)
+        # Its batches are all landed: nothing holds the old runtime once this returns.
+        self.versions.unloaded(old)
+
+    def _settle_unserved_pins(self) -> None:
+        """Fail jobs pinned to a version this worker neither serves nor is going to serve."""
+        now = time.monotonic()
+        if now - self._pins_checked < PIN_CHECK_S:
+            return  # a pass over everything pending: not every step
+        self._pins_checked = now
+        pending = self.batcher.pending()
+        if not any(self._unserved_pin(e) for e in pending.values()):
+            return
+        if self.versions is not None:
+            # Read the activation afresh first: the API may have seen it before this worker.
+            loaded = self.versions.poll(now=True)
+            if loaded is not None:
+                self._switch(loaded)
+        entries = self.batcher.remove(
+            [key for key, e in self.batcher.pending().items() if self._unserved_pin(e)]
+        )
+        if not entries:
+            return
+        active = self.versions.wanted if self.versions is not None else self.version
+        outcomes = [
+            Outcome(
+                e.message.job_id,
+                "failed",
+                error=f"version {e.message.version} of {self.model} is not served now "
+                f"(the active version is {active}; serving {self.version})",
+            )
+            for e in entries
+        ]
+        written = self.recording.record(outcomes, utc_at(self.clock()), None, None, entries)
+        self.recording.acknowledge(entries, written)
+
+    def _unserved_pin(self, entry: Entry) -> bool:
+        """A job pinned to a version other than the one served, and not the one being loaded."""
+        pin = entry.message.version
+        if pin is None or pin == self.version:
+            return False
+        manager = self.versions
+        # A job pinned to the version being loaded waits for it, unless its load failed.
+        return manager is None or pin != manager.wanted or manager.failed(pin)
+
+    # --- stopping --------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop after the current batch (a signal handler calls this)."""
+        self.ready.clear()  # draining: /readyz says so at once
+        self.drain.request()
+
+    def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
+        backoff_s = RETRY_MIN_S
+        while not stop.is_set():
+            try:
+                action()
+                return
+            except redis.RedisError as exc:
+                log.warning("redis unavailable; retrying",
+                            extra={"error_type": type(exc).__name__})  # fmt: skip
+                stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+
+
+__all__ = ["BatchLoop", "LoopConfig", "entry_key"]

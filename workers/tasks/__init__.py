@@ -1,0 +1,1 @@
+"""The Celery side: webhook deliveries, backfill feeding, maintenance (purge, reconciler)."""
