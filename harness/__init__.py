@@ -6,6 +6,7 @@ suite turns that into a skip, or a failure under CI=true.
 
 - ``services``: a Redis found or started, a fresh PostgreSQL database.
 - ``stack``: ``ferry up`` in a directory of its own (``FerryUp``).
+- ``served``: the API app in uvicorn on a free port, in a thread (``Served``).
 - ``processes``: ``python -m ferry ...`` processes, logged, supervised, killed.
 - ``proxy``: a TCP proxy that can cut a service off and restore it.
 - ``listener``: who the workers announced as recorded, and how many times.

@@ -14,7 +14,6 @@ from fastapi.concurrency import run_in_threadpool
 from api import services
 from api.deps import (
     GroupReadDep,
-    HubDep,
     KeyDep,
     KickDep,
     RedisDep,
@@ -46,22 +45,35 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(4
 DRAIN_CHECK_S = 1.0
 
 
+WAIT_QUERY = Query(
+    ge=0,
+    description="Seconds to wait for a terminal state (at most FERRY_MAX_WAIT_S).",
+)
+
+
 @router.post(
     "",
     status_code=202,
     response_model=JobResource,
-    responses=error_responses(400, 409, 413, 415, 429),
+    responses={
+        200: {"model": JobResource, "description": "Finished within `wait` seconds."},
+        **error_responses(400, 409, 413, 415, 429),
+    },
 )
 async def create_job(
     body: JobCreate,
     request: Request,
     key: KeyDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    wait: Annotated[float, WAIT_QUERY] = 0,
 ) -> Response:
+    """Submit a job: 202 once it is durable; with ``wait``, 200 with the finished job
+    if it ends within that many seconds (else the same 202: it runs all the same)."""
     # The process's parts straight from the app's state, not as dependencies:
     # each dependency costs every submission its resolution.
     state = request.app.state
     settings: Settings = state.settings
+    _check_wait(wait, settings)
     submission = prepare(
         state.catalog,
         key,
@@ -89,7 +101,55 @@ async def create_job(
                    "model": submitted.job.model, "lane": submitted.job.priority},
         )  # fmt: skip
     resource = services.to_resource(submitted.job, submitted.estimated_wait_ms)
+    if wait > 0:
+        # (A replay of a job that has ended is answered with its outcome at once.)
+        found = (
+            resource
+            if is_terminal(resource)
+            else await _until_terminal(request, JobRead(key.id, resource.id), wait)
+        )
+        if is_terminal(found):
+            return _json(found, 200, headers)
     return _json(resource, 202, headers)
+
+
+def _check_wait(wait: float, settings: Settings) -> None:
+    if wait > settings.max_wait_s:
+        # The bound travels with the error, so a client can ask again within it.
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"wait: at most {settings.max_wait_s:g} seconds",
+            max_wait_s=settings.max_wait_s,
+        )
+
+
+async def _until_terminal(request: Request, wanted: JobRead, wait: float) -> JobResource:
+    """The job once it is terminal, or as it is after ``wait`` seconds (or when draining)."""
+    state = request.app.state
+    hub, reads = state.hub, state.group_read
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait
+    # Watched before the first read, so a completion right after it still wakes us.
+    with hub.watch(wanted.job_id) as woken:
+        found = await reads.submit(wanted)
+        while not is_terminal(found):
+            remaining = until - loop.time()
+            if remaining <= 0 or getattr(state, "draining", False):
+                break  # timed out, or the API is stopping: answer with the state now
+            try:
+                # The row is read again only when woken (the woken of one
+                # completion message share one read); the timeout only
+                # notices a drain.
+                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
+            except TimeoutError:
+                continue
+            woken.clear()
+            found = await reads.submit(wanted)
+        if not is_terminal(found):
+            # One read at the wait's end covers a notification that never came.
+            found = await reads.submit(wanted)
+    return found
 
 
 def _json(
@@ -104,40 +164,17 @@ async def read_job(
     job_id: str,
     request: Request,
     key: KeyDep,
-    hub: HubDep,
     reads: GroupReadDep,
     settings: SettingsDep,
-    wait: Annotated[float, Query(ge=0, description="Seconds to wait for a terminal state.")] = 0,
+    wait: Annotated[float, WAIT_QUERY] = 0,
 ) -> Response:
-    if wait > settings.max_wait_s:
-        raise ApiError(422, "invalid_request", f"wait: at most {settings.max_wait_s:g} seconds")
+    _check_wait(wait, settings)
     if not services.is_uuid(job_id):
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     wanted = JobRead(key.id, job_id)
     if wait <= 0:
         return _json(await reads.submit(wanted))
-    loop = asyncio.get_running_loop()
-    until = loop.time() + wait
-    # Watched before the first read, so a completion right after it still wakes us.
-    with hub.watch(job_id) as woken:
-        found = await reads.submit(wanted)
-        while not is_terminal(found):
-            remaining = until - loop.time()
-            if remaining <= 0 or getattr(request.app.state, "draining", False):
-                break  # timed out, or the API is stopping: answer with the state now
-            try:
-                # The row is read again only when woken (the woken of one
-                # completion message share one read); the timeout only
-                # notices a drain.
-                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
-            except TimeoutError:
-                continue
-            woken.clear()
-            found = await reads.submit(wanted)
-        if not is_terminal(found):
-            # One read at the wait's end covers a notification that never came.
-            found = await reads.submit(wanted)
-    return _json(found)
+    return _json(await _until_terminal(request, wanted, wait))
 
 
 @router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))

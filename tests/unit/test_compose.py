@@ -280,7 +280,7 @@ def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
     assert re.search(r"HF_HUB_OFFLINE=1\b", text)
     assert 'ENTRYPOINT ["ferry"]' in lines
     torch_at = text.index('"$TORCH_SPEC"')
-    project_at = text.index("pip install -c constraints.txt -e .")
+    project_at = text.index("pip install -c constraints.txt -e clients/python -e .")
     assert torch_at < project_at, "torch must be installed before the project"
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users, "the image must not run as root"

@@ -1,0 +1,64 @@
+"""The API in uvicorn on a free port, in a thread of the test's own process.
+
+For tests that drive the API with real HTTP clients (many connections, the
+SDK, the ``openai`` package) without a ``ferry up`` of its own: the app is the
+real one, on the real Redis and database the settings name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy import event
+
+from api.app import create_app
+from core.settings import Settings
+from ferry.local_redis import free_port
+
+
+class Served:
+    """The app in uvicorn on a free port, in a thread; its engine's statements counted."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, port=self.port, log_config=None, access_log=False, timeout_graceful_shutdown=10
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.statements: list[str] = []
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        until = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < until, "uvicorn did not start"
+            time.sleep(0.02)
+
+        @event.listens_for(self.app.state.engine, "before_cursor_execute")
+        def _count(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+            self.statements.append(statement)
+
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+    def count(self, prefix: str) -> int:
+        return sum(1 for s in self.statements if s.lstrip().upper().startswith(prefix))
+
+
+@contextmanager
+def served(settings: Settings, **changes: Any) -> Iterator[Served]:
+    with Served(create_app(settings.model_copy(update=changes))) as running:
+        yield running
