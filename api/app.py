@@ -21,8 +21,9 @@ from api.middleware import (
     RequestIdMiddleware,
     SecurityHeadersMiddleware,
 )
+from api.openai_errors import OpenAIErrorMiddleware
 from api.reads import GroupRead, JobReader
-from api.routes import admin, backfills, jobs, system, webhooks
+from api.routes import admin, backfills, jobs, openai, system, webhooks
 from api.services import callback_checker
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
@@ -120,6 +121,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(webhooks.router)
     app.include_router(system.router)
     app.include_router(admin.router)
+    app.include_router(openai.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -138,6 +140,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
+    # Inside the request id (the rewritten error keeps it), outside everything that errs.
+    app.add_middleware(OpenAIErrorMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware)

@@ -3,6 +3,7 @@ arrives together, long-polls woken by one completion message included."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,3 +83,38 @@ class JobReader:
 
 def is_terminal(resource: JobResource) -> bool:
     return resource.status in TERMINAL_STATUSES
+
+
+# A waiting request looks at the API's drain flag this often (it reads the
+# job's row only when a completion wakes it, and once at the end).
+DRAIN_CHECK_S = 1.0
+
+
+async def until_terminal(state: Any, wanted: JobRead, wait: float) -> JobResource:
+    """The job once it is terminal, or as it is after ``wait`` seconds (or when draining).
+
+    ``state``: the app's state (its completion hub and its group read).
+    """
+    hub, reads = state.hub, state.group_read
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait
+    # Watched before the first read, so a completion right after it still wakes us.
+    with hub.watch(wanted.job_id) as woken:
+        found = await reads.submit(wanted)
+        while not is_terminal(found):
+            remaining = until - loop.time()
+            if remaining <= 0 or getattr(state, "draining", False):
+                break  # timed out, or the API is stopping: answer with the state now
+            try:
+                # The row is read again only when woken (the woken of one
+                # completion message share one read); the timeout only
+                # notices a drain.
+                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
+            except TimeoutError:
+                continue
+            woken.clear()
+            found = await reads.submit(wanted)
+        if not is_terminal(found):
+            # One read at the wait's end covers a notification that never came.
+            found = await reads.submit(wanted)
+    return found

@@ -135,6 +135,7 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
             versions=tuple(sorted(model.versions)),
             max_batch_size=settings.for_model(name, model.settings).batch_max_size,
             input=input_spec(as_checked),
+            embeddings=model.embeddings,
         )
     return catalog
 

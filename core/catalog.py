@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.inputs import InputError, Validated
+from core.repository import EmbeddingsConfig
 
 __all__ = ["InputError", "ModelSpec", "Validated", "nesting_problem", "text_problem"]
 
@@ -26,6 +27,7 @@ class ModelSpec:
     versions: tuple[int, ...]
     max_batch_size: int
     input: Any  # a core.inputs spec: validate(value) -> Validated, input_schema
+    embeddings: EmbeddingsConfig | None = None  # served on POST /v1/embeddings
 
     @property
     def input_schema(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from core.repository import (
     CostConfig,
+    EmbeddingsConfig,
     InputConfig,
     ModelConfig,
     ModelVersion,
@@ -39,7 +40,7 @@ TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 # names in core.settings, checked there.
 TOP_LEVEL = {
     "name", "backend", "description", "active_version", "precision", "input", "cost",
-    "batching", "memory", "instances", "parameters",
+    "batching", "memory", "instances", "parameters", "embeddings",
 }  # fmt: skip
 INPUT_KEYS = {
     "text": {"kind", "max_chars", "max_tokens", "overlength", "tokenizer"},
@@ -49,6 +50,7 @@ INPUT_KEYS = {
 }
 COST_KEYS = {"function", "field", "max", "value"}
 INSTANCE_KEYS = {"device", "count"}
+EMBEDDINGS_KEYS = {"dimensions", "truncatable"}
 MEMORY_KEYS = {"memory_budget_bytes", "memory_threshold", "gpu_memory_fraction"}
 
 
@@ -150,6 +152,7 @@ class _Reader:
         cost = self.cost(self.table(data, "cost", required=True), input_config)
         settings = self.settings(data)
         device, count = self.instances(self.table(data, "instances"))
+        embeddings = self.embeddings(data, input_config)
         parameters = self.overridden(name, "parameters", dict(self.table(data, "parameters")))
         declared = set(parameters) | set(self.table(data, "input"))
         for key in sorted(set(self.overrides) - declared):
@@ -191,6 +194,7 @@ class _Reader:
             device=device,
             count=count,
             parameters=parameters,
+            embeddings=embeddings,
         )
 
     # Plain fields.
@@ -395,6 +399,27 @@ class _Reader:
         if isinstance(data.get("precision"), str):
             settings["precision"] = data["precision"]
         return settings
+
+    def embeddings(
+        self, data: Mapping[str, Any], input_config: InputConfig | None
+    ) -> EmbeddingsConfig | None:
+        if "embeddings" not in data:
+            return None
+        table = self.table(data, "embeddings")
+        for key in sorted(set(table) - EMBEDDINGS_KEYS):
+            self.problem(
+                f"embeddings.{key}", "is not a field of [embeddings] (dimensions, truncatable)"
+            )
+        if input_config is not None and input_config.kind != "text":
+            self.problem("embeddings", f"needs a text [input]; this model's is {input_config.kind}")
+        if "dimensions" not in table:
+            self.problem("embeddings.dimensions", "is required: the length of every vector")
+        dimensions = self.integer(table, "dimensions", "embeddings", 1)
+        truncatable = table.get("truncatable", False)
+        if not isinstance(truncatable, bool):
+            self.problem("embeddings.truncatable", f"must be true or false, got {truncatable!r}")
+            truncatable = False
+        return EmbeddingsConfig(dimensions, truncatable)
 
     def instances(self, data: dict[str, Any]) -> tuple[str, int]:
         for key in sorted(set(data) - INSTANCE_KEYS):

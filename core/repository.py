@@ -57,6 +57,19 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class EmbeddingsConfig:
+    """``[embeddings]``: the model's outputs are vectors, served on ``POST /v1/embeddings``.
+
+    ``dimensions``: the length of every vector. ``truncatable``: a client may ask
+    for fewer (OpenAI's ``dimensions``): the first N, L2-normalised again, as
+    for models trained to keep their meaning in their leading dimensions.
+    """
+
+    dimensions: int
+    truncatable: bool = False
+
+
+@dataclass(frozen=True)
 class InputConfig:
     """``[input]``: what one job's input is, and the limits it is checked against."""
 
@@ -113,6 +126,7 @@ class ModelConfig:
     device: str = "auto"  # auto | gpu | cpu | none
     count: int = 1  # workers per GPU, or in all without GPUs
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    embeddings: EmbeddingsConfig | None = None
 
     @property
     def config_file(self) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Annotated
@@ -21,7 +20,7 @@ from api.deps import (
     SettingsDep,
 )
 from api.errors import ApiError
-from api.reads import JobRead, is_terminal
+from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import (
     DeliveryList,
     DeliveryResource,
@@ -39,10 +38,6 @@ from core.streams import done_channel
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
-
-# A waiting request looks at the API's drain flag this often (it reads the
-# job's row only when a completion wakes it, and once at the end).
-DRAIN_CHECK_S = 1.0
 
 
 WAIT_QUERY = Query(
@@ -106,7 +101,7 @@ async def create_job(
         found = (
             resource
             if is_terminal(resource)
-            else await _until_terminal(request, JobRead(key.id, resource.id), wait)
+            else await until_terminal(request.app.state, JobRead(key.id, resource.id), wait)
         )
         if is_terminal(found):
             return _json(found, 200, headers)
@@ -122,34 +117,6 @@ def _check_wait(wait: float, settings: Settings) -> None:
             f"wait: at most {settings.max_wait_s:g} seconds",
             max_wait_s=settings.max_wait_s,
         )
-
-
-async def _until_terminal(request: Request, wanted: JobRead, wait: float) -> JobResource:
-    """The job once it is terminal, or as it is after ``wait`` seconds (or when draining)."""
-    state = request.app.state
-    hub, reads = state.hub, state.group_read
-    loop = asyncio.get_running_loop()
-    until = loop.time() + wait
-    # Watched before the first read, so a completion right after it still wakes us.
-    with hub.watch(wanted.job_id) as woken:
-        found = await reads.submit(wanted)
-        while not is_terminal(found):
-            remaining = until - loop.time()
-            if remaining <= 0 or getattr(state, "draining", False):
-                break  # timed out, or the API is stopping: answer with the state now
-            try:
-                # The row is read again only when woken (the woken of one
-                # completion message share one read); the timeout only
-                # notices a drain.
-                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
-            except TimeoutError:
-                continue
-            woken.clear()
-            found = await reads.submit(wanted)
-        if not is_terminal(found):
-            # One read at the wait's end covers a notification that never came.
-            found = await reads.submit(wanted)
-    return found
 
 
 def _json(
@@ -174,7 +141,7 @@ async def read_job(
     wanted = JobRead(key.id, job_id)
     if wait <= 0:
         return _json(await reads.submit(wanted))
-    return _json(await _until_terminal(request, wanted, wait))
+    return _json(await until_terminal(request.app.state, wanted, wait))
 
 
 @router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))

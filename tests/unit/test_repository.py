@@ -173,6 +173,22 @@ def test_environment_and_explicit_overrides_take_the_files_types(tmp_path: Path)
             "one of fp32, fp16, bf16",
         ),
         (lambda t: t + "\n[cost]\n", "", "is not valid TOML"),
+        (
+            lambda t: t + "\n[embeddings]\ndimensions = 8\n",
+            "embeddings",
+            "needs a text [input]; this model's is json",
+        ),
+        (lambda t: t + "\n[embeddings]\n", "embeddings.dimensions", "is required"),
+        (
+            lambda t: t + "\n[embeddings]\ndimensions = 0\n",
+            "embeddings.dimensions",
+            "must be at least 1",
+        ),
+        (
+            lambda t: t + "\n[embeddings]\ndimensions = 8\nsize = 3\n",
+            "embeddings.size",
+            "is not a field of [embeddings]",
+        ),
     ],
 )
 def test_each_problem_names_the_file_and_field(

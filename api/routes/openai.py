@@ -1,0 +1,218 @@
+"""OpenAI-compatible routes: ``POST /v1/embeddings``.
+
+An application written for OpenAI's embeddings API moves onto Ferry by
+changing its ``base_url``: the request and the answer have OpenAI's shapes
+(errors too: ``api.openai_errors``) and the API key is the bearer token.
+Underneath, each input is a Ferry job like any other: durable, priced in its
+model's tokens, in a lane (``X-Ferry-Priority``, default ``normal``), and
+batched with all other traffic; a request's inputs are committed together
+(one group write) and spread over the batches the scheduler chooses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import services
+from api.deps import KeyDep
+from api.errors import ApiError
+from api.reads import JobRead, is_terminal, until_terminal
+from api.schemas import JobCreate, JobResource
+from api.submissions import GroupCommit, Submission, prepare
+from core.metrics import JOBS_ACCEPTED
+from core.settings import Settings
+from scheduler.vocabulary import Lane
+
+router = APIRouter(tags=["openai"])
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI's embeddings request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | list[str] = Field(description="A text, or a list of texts.")
+    model: str = Field(min_length=1, max_length=64)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = Field(default=None, max_length=256)
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    param: str | None = Field(description="The request field at fault, if one is.")
+    code: str | None = Field(description="Ferry's error type (model_not_found, timeout, ...).")
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": OpenAIError, "description": meaning}
+    for status, meaning in {
+        400: "Invalid request; param names the field.",
+        401: "Missing or wrong API key.",
+        404: "No such model (model_not_found).",
+        413: "Request body too large.",
+        415: "The body is not sent as application/json.",
+        429: "Over the key's rate or outstanding jobs (see Retry-After).",
+        500: "An input's job failed.",
+        503: "Redis or the database is unavailable (see Retry-After).",
+        504: "An input's job was still running when the wait ran out; it completes all the same.",
+    }.items()
+}
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=OPENAI_ERRORS)
+async def create_embeddings(
+    body: EmbeddingsRequest,
+    request: Request,
+    key: KeyDep,
+    x_ferry_priority: Annotated[Lane, Header(description="The lane of the inputs' jobs.")] = (
+        Lane.NORMAL
+    ),
+) -> EmbeddingsResponse:
+    state = request.app.state
+    settings: Settings = state.settings
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:
+        raise ApiError(422, "invalid_request", "input: must hold at least one text")
+    if len(texts) > settings.embeddings_max_inputs:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"input: {len(texts)} texts; at most {settings.embeddings_max_inputs} in one request",
+        )
+    try:
+        spec, _ = services.resolve_model(state.catalog, body.model, None, state.versions)
+    except ApiError as exc:
+        if exc.message.startswith("model: unknown model"):
+            raise ApiError(404, "model_not_found", exc.message) from exc
+        raise
+    embeddings = spec.embeddings
+    if embeddings is None:
+        raise ApiError(422, "invalid_request", f"model: {spec.name!r} does not produce embeddings")
+    dimensions = body.dimensions or embeddings.dimensions
+    if dimensions > embeddings.dimensions or (
+        dimensions < embeddings.dimensions and not embeddings.truncatable
+    ):
+        allowed = (
+            f"at most {embeddings.dimensions}"
+            if embeddings.truncatable
+            else f"only {embeddings.dimensions}"
+        )
+        raise ApiError(
+            422, "invalid_request", f"dimensions: {spec.name!r} gives vectors of {allowed}"
+        )
+    submissions = [_submission(state, key, body, text, index, x_ferry_priority, request)
+                   for index, text in enumerate(texts)]  # fmt: skip
+    commit: GroupCommit = state.group_commit
+    submitted = await asyncio.gather(*(commit.submit(s) for s in submissions))
+    for done in submitted:
+        JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
+    finished = await asyncio.gather(
+        *(
+            until_terminal(state, JobRead(key.id, done.job.id), settings.max_wait_s)
+            for done in submitted
+        )
+    )
+    data = [
+        Embedding(index=index, embedding=_encoded(_vector(job, index, dimensions), body))
+        for index, job in enumerate(finished)
+    ]
+    tokens = sum(s.cost for s in submissions)
+    return EmbeddingsResponse(
+        data=data, model=spec.name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens)
+    )
+
+
+def _submission(
+    state: Any,
+    key: Any,
+    body: EmbeddingsRequest,
+    text: str,
+    index: int,
+    lane: Lane,
+    request: Request,
+) -> Submission:
+    job = JobCreate(
+        model=body.model,
+        input=text,
+        priority=lane,
+        metadata={"openai": "embeddings", **({"user": body.user} if body.user else {})},
+    )
+    settings: Settings = state.settings
+    try:
+        return prepare(
+            state.catalog,
+            key,
+            job,
+            None,
+            request.state.request_id,
+            max_metadata_bytes=settings.max_metadata_bytes,
+            max_json_depth=settings.max_json_depth,
+            live=state.versions,
+            resolve=services.resolve_model,
+        )
+    except ApiError as exc:
+        # The input's own check names "input"; OpenAI's clients want which one.
+        if exc.message.startswith("input: ") and isinstance(body.input, list):
+            raise ApiError(
+                exc.status, exc.type, f"input[{index}]: {exc.message.removeprefix('input: ')}"
+            ) from exc
+        raise
+
+
+def _vector(job: JobResource, index: int, dimensions: int) -> list[float]:
+    """The job's embedding, cut to ``dimensions`` (and normalised again if it was cut)."""
+    if not is_terminal(job):
+        raise ApiError(
+            504,
+            "timeout",
+            f"input[{index}] is still {job.status} (job {job.id}); it runs all the same, "
+            "but this request waited as long as it may",
+        )
+    if job.status != "succeeded":
+        raise ApiError(500, "job_failed", f"input[{index}]: {job.status}: {job.error or ''}")
+    vector = job.output
+    if not isinstance(vector, list) or not all(isinstance(x, (int, float)) for x in vector):
+        raise ApiError(500, "bad_output", f"input[{index}]: the model's output is not a vector")
+    if dimensions < len(vector):
+        vector = vector[:dimensions]
+        norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+        vector = [x / norm for x in vector]
+    return [float(x) for x in vector]
+
+
+def _encoded(vector: list[float], body: EmbeddingsRequest) -> list[float] | str:
+    """``base64``: the little-endian float32 bytes, as OpenAI sends them."""
+    if body.encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
