@@ -42,6 +42,7 @@ import httpx
 
 from bench.corpus import load_corpus
 from harness.stack import FerryUp
+from scheduler.vocabulary import batch_work
 
 MODES = ("none", "fixed", "ferry")
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
@@ -173,7 +174,7 @@ def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
     for row in rows:
         if row[5]:
             batches.setdefault(row[5], []).append(int(row[4]))
-    padded = sum(len(c) * max(c) for c in batches.values())
+    padded = sum(batch_work(c, padded=True) for c in batches.values())
     return Phase(
         jobs=len(rows),
         seconds=round(seconds, 3),

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler.vocabulary import RANK, Lane, Trigger, work_of
+from scheduler.vocabulary import RANK, Lane, Trigger, batch_work, work_of
 
 INF = float("inf")
 # The efficiency floor is dropped while clearing everything pending would
@@ -194,7 +194,7 @@ def efficiency(costs: Sequence[int]) -> float:
     """Useful work over computed work when every input is padded to the longest."""
     if not costs:
         return 1.0
-    return sum(costs) / (len(costs) * max(costs))
+    return sum(costs) / batch_work(costs, padded=True)
 
 
 def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> BatchDecision:
