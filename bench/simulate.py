@@ -17,8 +17,11 @@ on a virtual clock and the same traces:
   (``Batcher.finished``); a step reads what fits into the batcher
   (``Batcher.add``), then asks it (``Batcher.schedule``) and applies the
   decision (``Batcher.expired``, ``Batcher.started``, or wait). Entries that
-  arrive while a batch runs are seen when it ends (the worker's preparation
-  of the next batch while one computes is not simulated). Several workers
+  arrive while a batch runs are seen when it ends. With ``prepare_ahead``
+  the worker also asks, right after a batch starts, for the next one with the
+  device busy until it ends (``Batcher.schedule(now, busy_until=...)``), as a
+  worker on an asynchronous device does; the published runs leave it off (the
+  simulated GPU charges nothing for preparing a batch). Several workers
   (``servers``) share the streams, each with its own batcher; the default is one.
 * **The GPU** is a padded model: a batch of ``n`` inputs whose longest is
   ``c_max`` tokens takes ``fixed + per_token x n x c_max`` seconds, times a
@@ -50,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import svgplot
-from scheduler import LANES, Batcher, PendingItem, PolicyKind
+from scheduler import LANES, BatchDecision, Batcher, PendingItem, PolicyKind
 from scheduler.learning import BatchObservation, SchedulerState, Tuning
 from scheduler.vocabulary import batch_work
 
@@ -296,6 +299,7 @@ class BatchRecord:
     trigger: str
     lanes: tuple[str, ...]
     keys: tuple[str, ...]  # the jobs, in the order the policy gave them
+    decided_s: float = math.nan  # when the policy chose it (before start_s if prepared ahead)
 
 
 @dataclass
@@ -314,6 +318,11 @@ class _Worker:
     batcher: Batcher[int]
     running: tuple[int, ...] = ()  # the jobs of the batch on its GPU
     started_s: float = 0.0
+    ends_s: float = 0.0  # when the batch on its GPU ends
+    # Prepared while the batch on the GPU computes; it starts the moment that one ends.
+    ahead: BatchDecision | None = None
+    ahead_jobs: tuple[int, ...] = ()
+    ahead_at: float = 0.0  # when it was decided
     wake_token: int = 0  # the timer that counts; older timers are stale
 
     @property
@@ -333,8 +342,17 @@ def simulate(
     servers: int = 1,
     seed: int = 0,
     trace_clock: bool = False,
+    prepare_ahead: bool = False,
 ) -> RunResult:
-    """Run every job to an outcome (finished on time, late, or expired)."""
+    """Run every job to an outcome (finished on time, late, or expired).
+
+    ``prepare_ahead``: as a worker on a device that computes asynchronously
+    does, right after a batch starts the worker reads what is there and asks
+    its batcher for the next batch with the device busy until that one ends;
+    a batch that could not grow by waiting is prepared then and starts the
+    moment the device is free (otherwise the worker waits for the batch to
+    end and decides then, as without it).
+    """
     if prefetch < 1 or servers < 1:
         raise ValueError("prefetch and servers must be at least 1")
     rng = random.Random(f"gpu-{seed}")
@@ -383,27 +401,43 @@ def simulate(
             outcome[index] = EXPIRED
             finish[index] = now
         if decision.run:
-            w.running = tuple(w.batcher.started(decision))
-            w.started_s = now
-            costs = [item.cost for item in decision.run]
-            end = now + model.batch_s(costs, rng)
-            batches.append(
-                BatchRecord(
-                    worker=w.index,
-                    start_s=now,
-                    end_s=end,
-                    size=len(costs),
-                    cost=sum(costs),
-                    max_cost=max(costs),
-                    trigger=decision.trigger or "",
-                    lanes=tuple(sorted({item.lane for item in decision.run})),
-                    keys=tuple(item.key for item in decision.run),
-                )
-            )
-            push(end, _END, w.index)
+            launch(w, decision, tuple(w.batcher.started(decision)), now)
         elif decision.wait_s is not None:
             w.wake_token += 1
             push(now + max(decision.wait_s, MIN_WAKE_S), _WAKE, w.index, w.wake_token)
+
+    def launch(
+        w: _Worker,
+        decision: BatchDecision,
+        jobs_of: tuple[int, ...],
+        now: float,
+        decided_s: float | None = None,
+    ) -> None:
+        w.running = jobs_of
+        w.started_s = now
+        costs = [item.cost for item in decision.run]
+        w.ends_s = end = now + model.batch_s(costs, rng)
+        batches.append(
+            BatchRecord(
+                worker=w.index,
+                start_s=now,
+                end_s=end,
+                size=len(costs),
+                cost=sum(costs),
+                max_cost=max(costs),
+                trigger=decision.trigger or "",
+                lanes=tuple(sorted({item.lane for item in decision.run})),
+                keys=tuple(item.key for item in decision.run),
+                decided_s=now if decided_s is None else decided_s,
+            )
+        )
+        push(end, _END, w.index)
+        if prepare_ahead:
+            read(w, now)
+            ahead = w.batcher.schedule(now, busy_until=end)
+            if ahead.run:
+                w.ahead, w.ahead_jobs = ahead, tuple(w.batcher.started(ahead))
+                w.ahead_at = now
 
     while events:
         now, kind, _, who, token = heapq.heappop(events)
@@ -439,6 +473,11 @@ def simulate(
                     lanes=[jobs[index].lane for index in ran],
                 )
             )
+            if w.ahead is not None:
+                # Prepared while this one computed: on the device at once.
+                ahead, w.ahead = w.ahead, None
+                launch(w, ahead, w.ahead_jobs, now, decided_s=w.ahead_at)
+                continue
             read(w, now)  # what arrived during the batch is seen now
             step(w, now)
         else:  # _WAKE

@@ -68,6 +68,29 @@ def test_the_virtual_clock_never_goes_backwards_and_batches_never_overlap(
         assert before.start_s < before.end_s
 
 
+def test_a_batch_prepared_ahead_starts_the_moment_the_device_is_free() -> None:
+    jobs = trace(rate=20_000.0, n=3000)
+    plain = sim.simulate(jobs, ferry(), MODEL, prefetch=64)
+    ahead = sim.simulate(jobs, ferry(), MODEL, prefetch=64, prepare_ahead=True)
+    for result in (plain, ahead):
+        assert sim.PENDING not in result.outcome
+        ran = sorted(int(key) for b in result.batches for key in b.keys)
+        expired = [i for i, o in enumerate(result.outcome) if o == sim.EXPIRED]
+        assert sorted(ran + expired) == list(range(len(jobs)))  # none twice, none lost
+        for before, after in itertools.pairwise(result.batches):
+            assert before.end_s <= after.start_s  # still one batch at a time
+
+    # Without it every batch is decided when it starts; with it, under
+    # overload, most are decided while the one before computes, from the jobs
+    # that had arrived by then, and only for a reason waiting cannot change.
+    assert all(b.decided_s == b.start_s for b in plain.batches)
+    early = [b for b in ahead.batches if b.decided_s < b.start_s]
+    assert len(early) >= len(ahead.batches) // 2
+    for batch in early:
+        assert all(jobs[int(key)].arrival_s <= batch.decided_s for key in batch.keys)
+        assert batch.trigger not in ("time", "idle")
+
+
 def test_two_servers_share_the_streams_and_each_runs_one_batch_at_a_time() -> None:
     jobs = trace(rate=800.0, n=1500)
     one = sim.simulate(jobs, sim.single_policy(), MODEL, servers=1)
