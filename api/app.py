@@ -136,13 +136,19 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "X-Request-ID"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "Idempotency-Key",
+                "X-Request-ID",
+                "X-Ferry-Priority",
+            ],
             expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
-    # Inside the request id (the rewritten error keeps it), outside everything that errs.
-    app.add_middleware(OpenAIErrorMiddleware)
     app.add_middleware(RequestIdMiddleware)
+    # Outside the request id: its last-resort 500 is rewritten too, and keeps the id.
+    app.add_middleware(OpenAIErrorMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware)
     return app
