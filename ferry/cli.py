@@ -1,58 +1,138 @@
-"""The ``ferry`` command: the composition root that wires every part together."""
+"""The ``ferry`` command: the composition root that wires every part together.
+
+Typer builds the command line (help, shell completion); each command imports
+what it runs only when it runs, so ``ferry api`` never loads torch and
+``ferry --help`` or ``ferry jobs`` load no model, database or Celery code.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
-from core.logs import configure_logging
-from core.settings import get_settings
-from ferry import backfill_cli, keys_cli, models_cli
+import typer
+
+from ferry import backfill_cli, jobs_cli, keys_cli, models_cli
+from ferry.console import on_terminal, one_of
+
+app = typer.Typer(
+    help="Ferry: queue-driven asynchronous inference jobs.",
+    no_args_is_help=True,
+    # The servers' tracebacks go to logs: in Python's own form, and never with locals.
+    pretty_exceptions_enable=False,
+)
+app.add_typer(keys_cli.app, name="keys")
+app.add_typer(backfill_cli.app, name="backfill")
+app.add_typer(models_cli.app, name="models")
+app.add_typer(jobs_cli.app, name="jobs")
+db_app = typer.Typer(help="database migrations", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+MetricsPortOption = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        help="serve /metrics, /healthz and /readyz on this port",
+        show_default=False,
+    ),
+]
 
 
-def _cmd_up(_args: argparse.Namespace) -> int:
+@app.command("up", help="run the whole stack in the foreground")
+def _up() -> int:
+    from core.settings import get_settings
     from ferry.up import up
 
     return up(get_settings())
 
 
-def _cmd_api(args: argparse.Namespace) -> int:
+@app.command("api", help="run the HTTP API")
+def _api(
+    host: Annotated[str | None, typer.Option("--host", show_default=False)] = None,
+    port: Annotated[int | None, typer.Option("--port", show_default=False)] = None,
+    reuse_port: Annotated[
+        bool,
+        typer.Option(
+            "--reuse-port",
+            help="share the port with other API processes (SO_REUSEPORT); one process",
+        ),
+    ] = False,
+) -> int:
+    from core.logs import configure_logging
+    from core.settings import get_settings
+
     settings = get_settings()
     configure_logging(settings.log_level, "api")
-    host = args.host or settings.api_host
-    port = args.port or settings.api_port
-    if settings.api_processes > 1 and not args.reuse_port:
+    host = host or settings.api_host
+    port = port or settings.api_port
+    if settings.api_processes > 1 and not reuse_port:
         from ferry.serve import run_api_processes
 
         return run_api_processes(settings, host, port)
     from ferry.serve import serve_api
 
-    serve_api(settings, host, port, reuse_port=args.reuse_port)
+    serve_api(settings, host, port, reuse_port=reuse_port)
     return 0
 
 
-def _cmd_worker(args: argparse.Namespace) -> int:
+@app.command("worker", help="run a GPU worker for one model")
+def _worker(
+    model: Annotated[str, typer.Option("--model", show_default=False)],
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)"),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="consumer name (default: host:model:device)")
+    ] = None,
+    instance: Annotated[
+        int | None,
+        typer.Option("--instance", help="which of several workers of the model on this device"),
+    ] = None,
+    metrics_port: MetricsPortOption = None,
+) -> int:
+    from core.logs import configure_logging
+    from core.settings import get_settings
     from workers.gpu.main import run_worker
 
     settings = get_settings()
-    configure_logging(settings.log_level, f"worker-{args.model}")
-    return run_worker(
-        settings, args.model, args.device, args.name, args.metrics_port, args.instance
-    )
+    configure_logging(settings.log_level, f"worker-{model}")
+    return run_worker(settings, model, device, name, metrics_port, instance)
 
 
-def _cmd_celery(args: argparse.Namespace) -> int:
+@app.command("celery", help="run the Celery worker or beat")
+def _celery(
+    role: Annotated[
+        str,
+        typer.Argument(
+            metavar="ROLE",
+            help="worker or beat",
+            callback=one_of("worker", "beat"),
+            autocompletion=lambda: ["worker", "beat"],
+            show_default=False,
+        ),
+    ],
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            help="worker: serve /metrics, /healthz and /readyz on this port",
+            show_default=False,
+        ),
+    ] = None,
+) -> int:
+    from core.logs import configure_logging
+    from core.settings import get_settings
     from workers.tasks.app import create_celery
 
     settings = get_settings()
-    configure_logging(settings.log_level, f"celery-{args.role}")
-    app = create_celery(settings)
-    if args.role == "worker":
-        if args.metrics_port:
-            _serve_celery_health(settings.metrics_host, args.metrics_port, settings.metrics_bearer)
-        app.worker_main(
+    configure_logging(settings.log_level, f"celery-{role}")
+    celery_app = create_celery(settings)
+    if role == "worker":
+        if metrics_port:
+            _serve_celery_health(settings.metrics_host, metrics_port, settings.metrics_bearer)
+        celery_app.worker_main(
             [
                 "worker",
                 "--loglevel",
@@ -69,7 +149,7 @@ def _cmd_celery(args: argparse.Namespace) -> int:
     else:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         schedule = settings.data_dir / "celerybeat-schedule"
-        app.start(["beat", "--loglevel", settings.log_level, "--schedule", str(schedule)])
+        celery_app.start(["beat", "--loglevel", settings.log_level, "--schedule", str(schedule)])
     return 0
 
 
@@ -94,19 +174,22 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
     serve(host, port, ready.is_set, token)
 
 
-def _cmd_flower(_args: argparse.Namespace) -> int:
+@app.command("flower", help="run Flower (every worker and batch) with basic auth")
+def _flower() -> int:
+    from core.logs import configure_logging
+    from core.settings import get_settings
     from workers.tasks.app import create_celery
 
     settings = get_settings()
     configure_logging(settings.log_level, "flower")
     if settings.flower_password is None:
         raise SystemExit("FERRY_FLOWER_PASSWORD is not set (`ferry up` makes one)")
-    app = create_celery(settings)
+    celery_app = create_celery(settings)
     # Through Flower's environment, not its command line (which `ps` shows).
     password = settings.flower_password.get_secret_value()
     os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     guard_flower_metrics(settings.metrics_bearer)
-    app.start(
+    celery_app.start(
         [
             "flower",
             f"--address={settings.flower_host}",
@@ -144,73 +227,41 @@ def guard_flower_metrics(token: str | None) -> None:
     Metrics.get = get
 
 
-def _cmd_db(args: argparse.Namespace) -> int:
+@db_app.command("upgrade", help="migrate to the newest revision")
+def db_upgrade(revision: Annotated[str, typer.Option("--revision")] = "head") -> int:
     from core import migrate
+    from core.settings import get_settings
 
     settings = get_settings()
     if settings.database_url is None:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    migrate.upgrade(settings.sqlalchemy_url, args.revision)
-    print(f"database at revision {args.revision}")
+    migrate.upgrade(settings.sqlalchemy_url, revision)
+    print(f"database at revision {revision}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    sub.add_parser("up", help="run the whole stack in the foreground").set_defaults(fn=_cmd_up)
-
-    api = sub.add_parser("api", help="run the HTTP API")
-    api.add_argument("--host")
-    api.add_argument("--port", type=int)
-    api.add_argument(
-        "--reuse-port",
-        action="store_true",
-        help="share the port with other API processes (SO_REUSEPORT); one process",
-    )
-    api.set_defaults(fn=_cmd_api)
-
-    worker = sub.add_parser("worker", help="run a GPU worker for one model")
-    worker.add_argument("--model", required=True)
-    worker.add_argument("--device", help="cpu, cuda or cuda:N (default: FERRY_DEVICE)")
-    worker.add_argument("--name", help="consumer name (default: host:model:device)")
-    worker.add_argument(
-        "--instance", type=int, help="which of several workers of the model on this device"
-    )
-    worker.add_argument(
-        "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port"
-    )
-    worker.set_defaults(fn=_cmd_worker)
-
-    celery = sub.add_parser("celery", help="run the Celery worker or beat")
-    celery.add_argument("role", choices=["worker", "beat"])
-    celery.add_argument(
-        "--metrics-port", type=int, help="worker: serve /metrics, /healthz and /readyz on this port"
-    )
-    celery.set_defaults(fn=_cmd_celery)
-
-    flower = sub.add_parser("flower", help="run Flower (every worker and batch) with basic auth")
-    flower.set_defaults(fn=_cmd_flower)
-
-    db = sub.add_parser("db", help="database migrations")
-    db_sub = db.add_subparsers(dest="db_command", required=True)
-    upgrade = db_sub.add_parser("upgrade", help="migrate to the newest revision")
-    upgrade.add_argument("--revision", default="head")
-    upgrade.set_defaults(fn=_cmd_db)
-
-    keys_cli.add_parser(sub)
-    backfill_cli.add_parser(sub)
-    models_cli.add_parser(sub)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status (2 for a usage error, as Typer's own)."""
+    # Typer carries its own Click: this is what its usage errors are.
+    from typer._click.exceptions import ClickException
+
     from core.repository import RepositoryError
 
-    args = build_parser().parse_args(argv)
+    # Help and usage errors in plain text off a terminal (scripts, logs), Rich on one.
+    app.rich_markup_mode = "rich" if on_terminal() else None
     try:
-        return int(args.fn(args))
+        return int(app(args=argv, prog_name="ferry", standalone_mode=False) or 0)
+    except ClickException as exc:
+        if on_terminal(sys.stderr) and app.rich_markup_mode is not None:
+            from typer.rich_utils import rich_format_error
+
+            rich_format_error(exc)
+        else:
+            exc.show()
+        return exc.exit_code
+    except typer.Abort:
+        print("Aborted!", file=sys.stderr)
+        return 1
     except RepositoryError as exc:
         # A repository that cannot be served: say every reason, then stop.
         for problem in exc.problems:

@@ -6,14 +6,16 @@ only a salted hash. ``list`` never prints a secret.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated
 
-from sqlalchemy.orm import Session
+import typer
 
-from core.keys import SCOPES, create_key, list_keys, revoke_key, rotate_key
-from core.settings import get_settings
+from ferry.console import IdArgument, Row, one_of, show_table
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 
 @contextlib.contextmanager
@@ -21,6 +23,7 @@ def database_session() -> Iterator[Session]:
     """A session on the configured database, migrated to the newest revision first."""
     from core import migrate
     from core.db import make_engine, make_sessionmaker
+    from core.settings import get_settings
 
     settings = get_settings()
     if settings.database_url is None:
@@ -34,42 +37,96 @@ def database_session() -> Iterator[Session]:
         engine.dispose()
 
 
-def _create(args: argparse.Namespace) -> int:
+app = typer.Typer(help="API keys", no_args_is_help=True)
+
+
+def _scopes() -> list[str]:
+    # core.keys (and SQLAlchemy's ORM) only when a key is made: `ferry jobs` starts faster.
+    from core.keys import SCOPES
+
+    return list(SCOPES)
+
+
+def _scope(value: str) -> str | None:
+    return one_of(*_scopes())(value)
+
+
+@app.command("create", help="create a key and print it (once)")
+def create(
+    name: Annotated[str, typer.Option("--name", show_default=False)],
+    scope: Annotated[
+        str,
+        typer.Option(
+            "--scope",
+            metavar="SCOPE",
+            callback=_scope,
+            autocompletion=_scopes,
+            help="client (default): its own jobs; admin: also the operator endpoints",
+            show_default=False,
+        ),
+    ] = "client",
+) -> int:
+    from core.keys import create_key
+
     with database_session() as session:
-        key = create_key(session, args.name, args.scope)
+        key = create_key(session, name, scope)
     # The token stays on the last line, for scripts (`... | tail -n 1`).
     print(f"webhook signing secret (also at GET /v1/webhook-secret): {key.webhook_secret}")
-    print(f"created {args.scope} API key {key.id} ({key.name}); it is shown once:")
+    print(f"created {scope} API key {key.id} ({key.name}); it is shown once:")
     print(key.token)
     return 0
 
 
-def _list(_args: argparse.Namespace) -> int:
+def _plain_keys(columns: Sequence[str], rows: Sequence[Row]) -> list[str]:
+    """The columns this command has always printed (scripts split them on spaces)."""
+    widths = (16, 6, 20, 20)
+    return [
+        "  ".join(f"{value:{width}}" for value, width in zip(row, widths, strict=False))
+        + f"  {row[-1]}"
+        for row in [columns, *rows]
+    ]
+
+
+@app.command("list", help="every key, without secrets")
+def list_() -> int:
+    from core.keys import list_keys
+
     with database_session() as session:
-        rows = list_keys(session)
-        print(f"{'id':16}  {'scope':6}  {'created':20}  {'revoked':20}  name")
-        for key in rows:
-            revoked = key.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if key.revoked_at else "-"
-            created = key.created_at.strftime("%Y-%m-%d %H:%M:%S")
-            print(f"{key.id:16}  {key.scope:6}  {created:20}  {revoked:20}  {key.name}")
+        rows = [
+            (
+                key.id,
+                key.scope,
+                key.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                key.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if key.revoked_at else "-",
+                key.name,
+            )
+            for key in list_keys(session)
+        ]
+    show_table(("id", "scope", "created", "revoked", "name"), rows, plain=_plain_keys)
     return 0
 
 
-def _revoke(args: argparse.Namespace) -> int:
+@app.command("revoke", help="refuse a key's token from now on")
+def revoke(id: IdArgument) -> int:
+    from core.keys import revoke_key
+
     with database_session() as session:
-        key = revoke_key(session, args.id)
+        key = revoke_key(session, id)
     if key is None:
-        print(f"no API key {args.id!r}")
+        print(f"no API key {id!r}")
         return 1
     print(f"revoked API key {key.id} ({key.name}): its token is refused from now on")
     return 0
 
 
-def _rotate(args: argparse.Namespace) -> int:
+@app.command("rotate", help="a new token for a key; the old one stops")
+def rotate(id: IdArgument) -> int:
+    from core.keys import rotate_key
+
     with database_session() as session:
-        key = rotate_key(session, args.id)
+        key = rotate_key(session, id)
     if key is None:
-        print(f"no live API key {args.id!r}")
+        print(f"no live API key {id!r}")
         return 1
     print(f"new token for API key {key.id} ({key.name}); the old one is refused from now on.")
     # Whoever held the old token could read the signing secret too.
@@ -78,22 +135,3 @@ def _rotate(args: argparse.Namespace) -> int:
     print("It is shown once:")
     print(key.token)
     return 0
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    keys = sub.add_parser("keys", help="API keys")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    create = keys_sub.add_parser("create", help="create a key and print it (once)")
-    create.add_argument("--name", required=True)
-    create.add_argument(
-        "--scope", choices=SCOPES, default="client",
-        help="client (default): its own jobs; admin: also the operator endpoints",
-    )  # fmt: skip
-    create.set_defaults(fn=_create)
-    keys_sub.add_parser("list", help="every key, without secrets").set_defaults(fn=_list)
-    revoke = keys_sub.add_parser("revoke", help="refuse a key's token from now on")
-    revoke.add_argument("id")
-    revoke.set_defaults(fn=_revoke)
-    rotate = keys_sub.add_parser("rotate", help="a new token for a key; the old one stops")
-    rotate.add_argument("id")
-    rotate.set_defaults(fn=_rotate)

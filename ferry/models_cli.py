@@ -1,4 +1,8 @@
-"""``ferry models``: what the model repository holds, and whether Ferry can serve it.
+"""``ferry models``: the models the API serves, and the model repository behind them.
+
+``ferry models`` (or ``list``) asks the running API what it serves: each
+model's active version, backend, live workers and queued jobs. The other
+commands read the repository itself.
 
 ``check`` reads every model.toml and asks each model's backend about its
 files and parameters, without loading a model: each problem names the file
@@ -9,21 +13,67 @@ missing from a model that is not served).
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
-from backends.catalog import check, model_problems, repository_for
-from core.repository import Problem
-from core.settings import get_settings
+import typer
+
+from ferry.console import Row, print_json, show_table
+from ferry.remote import ApiOption, JsonOption, KeyOption, connect, given, remember, reported
+
+if TYPE_CHECKING:
+    from core.repository import Problem
+
+app = typer.Typer(help="the models the API serves, and the model repository")
 
 
-def _check(args: argparse.Namespace) -> int:
+@app.callback(invoke_without_command=True)
+def _models(
+    ctx: typer.Context, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None
+) -> int:
+    remember(ctx, api, key, as_json)
+    if ctx.invoked_subcommand is None:
+        return list_served(ctx)
+    return 0
+
+
+@app.command("list", help="the models the API serves: version, backend, workers, queued jobs")
+def list_served(
+    ctx: typer.Context, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None
+) -> int:
+    with reported(), connect(ctx, api, key) as client:
+        models = client.models()
+    if as_json or given(ctx).as_json:
+        for model in models:
+            print_json(model.model_dump(mode="json"))
+        return 0
+    rows = [(m.name, m.version, m.backend, m.workers, sum(m.queue_depth.values())) for m in models]
+    show_table(("name", "version", "backend", "workers", "queue"), rows)
+    return 0
+
+
+@app.command(
+    "check", help="check a repository (default FERRY_MODEL_REPOSITORY) without loading models"
+)
+def check_repository(
+    path: Annotated[
+        str | None, typer.Argument(metavar="PATH", help="a repository folder", show_default=False)
+    ] = None,
+    all_: Annotated[
+        bool, typer.Option("--all", help="errors for every model, not only those served")
+    ] = False,
+) -> int:
+    # The repository's modules only for the commands that read it: `ferry models` starts faster.
+    from backends.catalog import check, repository_for
+    from core.settings import get_settings
+
     settings = get_settings()
-    if args.path is not None:
-        settings = settings.model_copy(update={"model_repository": Path(args.path)})
+    if path is not None:
+        settings = settings.model_copy(update={"model_repository": Path(path)})
     repository = repository_for(settings)
     # A folder named on the command line is checked whole unless FERRY_MODELS says otherwise.
-    whole = args.all or (args.path is not None and "models" not in settings.model_fields_set)
+    whole = all_ or (path is not None and "models" not in settings.model_fields_set)
     served = None if whole else settings.model_names
     problems = check(repository, served)
     report(problems)
@@ -48,7 +98,19 @@ def report(problems: list[Problem]) -> None:
         print(f"{'warning' if problem.warning else 'error'}: {problem}")
 
 
-def _list(args: argparse.Namespace) -> int:
+def _plain_repository(columns: Sequence[str], rows: Sequence[Row]) -> list[str]:
+    """The columns this command has always printed."""
+    return [
+        f"{name:20} {backend:22} {kind:7} {active:>6}  {versions:10} {served}"
+        for name, backend, kind, active, versions, served in [columns, *rows]
+    ]
+
+
+@app.command("repository", help="the repository's models, versions and active versions")
+def repository_models() -> int:
+    from backends.catalog import repository_for
+    from core.settings import get_settings
+
     settings = get_settings()
     repository = repository_for(settings)
     served = set(settings.model_names)
@@ -61,63 +123,55 @@ def _list(args: argparse.Namespace) -> int:
             active = {n: active_version(session, m) for n, m in repository.models.items()}
     except Exception as exc:
         print(f"(activations not read: {str(exc).splitlines()[0][:200]})")
-    print(f"{'model':20} {'backend':22} {'input':7} {'active':>6}  {'versions':10} served")
-    for model in repository.models.values():
-        versions = ",".join(map(str, sorted(model.versions)))
-        print(
-            f"{model.name:20} {model.backend:22} {model.input.kind:7} {active[model.name]:>6}  "
-            f"{versions:10} {'yes' if model.name in served else 'no'}"
+    rows = [
+        (
+            model.name,
+            model.backend,
+            model.input.kind,
+            active[model.name],
+            ",".join(map(str, sorted(model.versions))),
+            "yes" if model.name in served else "no",
         )
+        for model in repository.models.values()
+    ]
+    columns = ("model", "backend", "input", "active", "versions", "served")
+    show_table(columns, rows, plain=_plain_repository)
     return 0
 
 
-def _activate(args: argparse.Namespace) -> int:
+@app.command(
+    "activate", help="make a version the active one (a rollback too): workers switch to it"
+)
+def activate_version(
+    name: Annotated[str, typer.Argument(metavar="NAME", show_default=False)],
+    version: Annotated[int, typer.Argument(metavar="VERSION", show_default=False)],
+) -> int:
+    from backends.catalog import model_problems, repository_for
+    from core.settings import get_settings
     from core.versions import ActivationError, activate, active_version
     from ferry.keys_cli import database_session
 
     settings = get_settings()
     repository = repository_for(settings)
-    model = repository.models.get(args.name)
+    model = repository.models.get(name)
     if model is None:
-        print(f"error: the repository ({repository.root}) has no model {args.name!r}")
+        print(f"error: the repository ({repository.root}) has no model {name!r}")
         return 1
-    problems = model_problems(model, [args.version]) if args.version in model.versions else []
+    problems = model_problems(model, [version]) if version in model.versions else []
     if problems:
         report(problems)
-        print(f"{args.name}@{args.version} is not activated: its files have problems")
+        print(f"{name}@{version} is not activated: its files have problems")
         return 1
     with database_session() as session:
         previous = active_version(session, model)
         try:
-            activate(session, model, args.version)
+            activate(session, model, version)
         except ActivationError as exc:
             print(f"error: {exc}")
             return 1
     print(
-        f"{args.name}: version {args.version} is active (was {previous}); workers load it, "
+        f"{name}: version {version} is active (was {previous}); workers load it, "
         f"switch new batches to it and drop the old one within FERRY_MODEL_POLL_S "
         f"({settings.model_poll_s:g} s) plus its load time"
     )
     return 0
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    models = sub.add_parser("models", help="the model repository: list and check it")
-    models_sub = models.add_subparsers(dest="models_command", required=True)
-    checker = models_sub.add_parser(
-        "check", help="check a repository (default FERRY_MODEL_REPOSITORY) without loading models"
-    )
-    checker.add_argument("path", nargs="?", help="a repository folder")
-    checker.add_argument(
-        "--all", action="store_true", help="errors for every model, not only those served"
-    )
-    checker.set_defaults(fn=_check)
-    models_sub.add_parser("list", help="the repository's models and versions").set_defaults(
-        fn=_list
-    )
-    activator = models_sub.add_parser(
-        "activate", help="make a version the active one (a rollback too): workers switch to it"
-    )
-    activator.add_argument("name")
-    activator.add_argument("version", type=int)
-    activator.set_defaults(fn=_activate)
