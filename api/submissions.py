@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.errors import ApiError
 from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
+from api.services import resolve_model
 from backends.catalog import LiveVersions
 from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
@@ -109,6 +110,25 @@ def prepare(
         idempotency_key=body.idempotency_key or idempotency_key,
         request_id=request_id,
         received_at=utcnow(),
+    )
+
+
+def prepare_request(
+    request: Any, key: ApiKey, body: JobCreate, idempotency_key: str | None
+) -> Submission:
+    """:func:`prepare` with the app's catalog, live versions and limits, as every route needs."""
+    state = request.app.state
+    settings = state.settings
+    return prepare(
+        state.catalog,
+        key,
+        body,
+        idempotency_key,
+        request.state.request_id,
+        max_metadata_bytes=settings.max_metadata_bytes,
+        max_json_depth=settings.max_json_depth,
+        live=state.versions,
+        resolve=resolve_model,
     )
 
 

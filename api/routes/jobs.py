@@ -30,7 +30,7 @@ from api.schemas import (
     JobStatus,
     error_responses,
 )
-from api.submissions import GroupCommit, prepare
+from api.submissions import GroupCommit, prepare_request
 from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
 from core.settings import Settings
 from core.streams import done_channel
@@ -69,17 +69,7 @@ async def create_job(
     state = request.app.state
     settings: Settings = state.settings
     _check_wait(wait, settings)
-    submission = prepare(
-        state.catalog,
-        key,
-        body,
-        idempotency_key,
-        request.state.request_id,
-        max_metadata_bytes=settings.max_metadata_bytes,
-        max_json_depth=settings.max_json_depth,
-        live=state.versions,
-        resolve=services.resolve_model,
-    )
+    submission = prepare_request(request, key, body, idempotency_key)
     if body.callback_url:
         # The URL's host is resolved (DNS may block): the request's one thread hop.
         await run_in_threadpool(state.check_callback, body.callback_url)

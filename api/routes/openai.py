@@ -25,7 +25,8 @@ from api.deps import KeyDep
 from api.errors import ApiError
 from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobCreate, JobResource
-from api.submissions import GroupCommit, Submission, prepare
+from api.submissions import GroupCommit, Submission, prepare_request
+from core.db import ApiKey
 from core.metrics import JOBS_ACCEPTED
 from core.settings import Settings
 from scheduler.vocabulary import Lane
@@ -131,8 +132,10 @@ async def create_embeddings(
         raise ApiError(
             422, "invalid_request", f"dimensions: {spec.name!r} gives vectors of {allowed}"
         )
-    submissions = [_submission(state, key, body, text, index, x_ferry_priority, request)
-                   for index, text in enumerate(texts)]  # fmt: skip
+    submissions = [
+        _submission(request, key, body, text, index, x_ferry_priority)
+        for index, text in enumerate(texts)
+    ]
     commit: GroupCommit = state.group_commit
     submitted = await asyncio.gather(*(commit.submit(s) for s in submissions))
     for done in submitted:
@@ -154,13 +157,7 @@ async def create_embeddings(
 
 
 def _submission(
-    state: Any,
-    key: Any,
-    body: EmbeddingsRequest,
-    text: str,
-    index: int,
-    lane: Lane,
-    request: Request,
+    request: Request, key: ApiKey, body: EmbeddingsRequest, text: str, index: int, lane: Lane
 ) -> Submission:
     job = JobCreate(
         model=body.model,
@@ -168,19 +165,8 @@ def _submission(
         priority=lane,
         metadata={"openai": "embeddings", **({"user": body.user} if body.user else {})},
     )
-    settings: Settings = state.settings
     try:
-        return prepare(
-            state.catalog,
-            key,
-            job,
-            None,
-            request.state.request_id,
-            max_metadata_bytes=settings.max_metadata_bytes,
-            max_json_depth=settings.max_json_depth,
-            live=state.versions,
-            resolve=services.resolve_model,
-        )
+        return prepare_request(request, key, job, None)
     except ApiError as exc:
         # The input's own check names "input"; OpenAI's clients want which one.
         if exc.message.startswith("input: ") and isinstance(body.input, list):
