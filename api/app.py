@@ -23,7 +23,7 @@ from api.middleware import (
 )
 from api.openai_errors import OpenAIErrorMiddleware
 from api.reads import GroupRead, JobReader
-from api.routes import admin, backfills, jobs, openai, system, webhooks
+from api.routes import admin, backfills, jobs, openai, openai_batches, system, webhooks
 from api.services import callback_checker
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
@@ -122,11 +122,16 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(system.router)
     app.include_router(admin.router)
     app.include_router(openai.router)
+    app.include_router(openai_batches.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
-        streamed={"/v1/backfills": settings.backfill_max_bytes},
+        # A batch input file comes in a multipart body: room for its part headers.
+        streamed={
+            "/v1/backfills": settings.backfill_max_bytes,
+            "/v1/files": settings.backfill_max_bytes + 64 * 1024,
+        },
     )
     if settings.cors_origins:
         # Off unless configured: browsers on other origins get no access at all.

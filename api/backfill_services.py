@@ -36,7 +36,7 @@ async def upload(
     a time. Any refusal deletes what was stored of it.
     """
     room = await run_in_threadpool(
-        _backfill_room, sessions, key, settings.max_outstanding_backfill_lines
+        backfill_room, sessions, key, settings.max_outstanding_backfill_lines
     )
     backfill_id = await run_in_threadpool(
         backfills.start, sessions, key.id, spec.name, callback_url
@@ -76,11 +76,11 @@ async def upload(
     except backfills.QuotaExceeded as exc:
         # Uploads that finished meanwhile took the room this one counted on.
         await run_in_threadpool(ingest.abort)
-        raise _quota_error(settings.max_outstanding_backfill_lines, exc.room) from None
+        raise quota_error(settings.max_outstanding_backfill_lines, exc.room) from None
     except backfills.LineError as exc:
         await run_in_threadpool(ingest.abort)
         if exc.status == 413 and max_lines < settings.backfill_max_lines and ingest.over_lines:
-            raise _quota_error(settings.max_outstanding_backfill_lines, room) from None
+            raise quota_error(settings.max_outstanding_backfill_lines, room) from None
         kind = "payload_too_large" if exc.status == 413 else "invalid_request"
         raise ApiError(exc.status, kind, str(exc), line=exc.line) from None
     except BaseException:
@@ -89,16 +89,16 @@ async def upload(
     return backfill_id
 
 
-def _backfill_room(sessions: sessionmaker[Session], key: ApiKey, limit: int) -> int:
+def backfill_room(sessions: sessionmaker[Session], key: ApiKey, limit: int) -> int:
     """Lines this key may still upload: its limit less the lines of its unfinished backfills."""
     with sessions() as session:
         room = limit - backfills.outstanding_lines(session, key.id)
     if room <= 0:
-        raise _quota_error(limit, 0)
+        raise quota_error(limit, 0)
     return room
 
 
-def _quota_error(limit: int, room: int) -> ApiError:
+def quota_error(limit: int, room: int) -> ApiError:
     return ApiError(
         429,
         "quota_exceeded",

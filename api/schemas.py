@@ -14,7 +14,15 @@ from scheduler.vocabulary import Lane
 
 JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]
 BackfillStatus = Literal[
-    "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "cancelling",
+    "cancelled",
+    "expiring",
+    "expired",
 ]
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
@@ -223,6 +231,9 @@ class BackfillResource(BaseModel):
     finalizing_at: dt.datetime | None
     finished_at: dt.datetime | None
     cancelling_at: dt.datetime | None
+    expires_at: dt.datetime | None = Field(
+        None, description="Lines not run by then are expired (an OpenAI batch's window)."
+    )
     eta_s: float | None = Field(
         description="Seconds left at the rate seen so far (before any result: from the "
         "model's learned throughput)."

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,16 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
-from core.db import BACKFILL_DONE, TERMINAL_STATUSES, WAITING, ApiKey, Backfill, Job, utcnow
+from core.db import (
+    BACKFILL_ACTIVE,
+    BACKFILL_DONE,
+    TERMINAL_STATUSES,
+    WAITING,
+    ApiKey,
+    Backfill,
+    Job,
+    utcnow,
+)
 from core.resources import iso
 from scheduler.vocabulary import Lane
 
@@ -40,13 +49,19 @@ DELETE_CHUNK = 10_000
 
 
 class LineError(ValueError):
-    """A line of an upload that cannot be taken; ``line`` counts from 1."""
+    """A line of an upload that cannot be taken; ``line`` counts from 1.
 
-    def __init__(self, line: int, message: str, status: int = 422) -> None:
+    ``code`` names the kind of fault (OpenAI's batch errors carry it).
+    """
+
+    def __init__(
+        self, line: int, message: str, status: int = 422, code: str = "invalid_request"
+    ) -> None:
         super().__init__(f"line {line}: {message}")
         self.line = line
         self.message = message
         self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -55,47 +70,85 @@ class Item:
     custom_id: str
     input: Any
     cost: int
+    # Kept as the job's metadata (an OpenAI batch line's options, for its output).
+    metadata: dict[str, Any] | None = None
+
+
+# How an upload's lines become items: (raw line, line number) -> item, None for a blank line.
+LineParser = Callable[[bytes, int], Item | None]
 
 
 def parse_line(
     raw: bytes, line: int, spec: ModelSpec, max_depth: int = MAX_JSON_DEPTH
 ) -> Item | None:
     """One NDJSON line as an item; None for a blank line. Raises :class:`LineError`."""
+    value = decode_line(raw, line, '{"custom_id": ..., "input": ...}')
+    if value is None:
+        return None
+    unknown = sorted(set(value) - {"custom_id", "input"})
+    if unknown:
+        raise LineError(line, f"unknown field(s): {', '.join(unknown)}")
+    if "input" not in value:
+        custom_id(value, line)  # a missing custom_id is named first
+        raise LineError(line, "input: missing")
+    return checked_item(value, line, value["input"], spec, max_depth)
+
+
+def decode_line(raw: bytes, line: int, shape: str) -> dict[str, Any] | None:
+    """A line's JSON object; None for a blank line. ``shape`` describes the object wanted."""
     if not raw.strip():
         return None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise LineError(line, "not UTF-8") from None
+        raise LineError(line, "not UTF-8", code="invalid_json_line") from None
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except ValueError as exc:
-        raise LineError(line, f"not valid JSON ({exc})") from None
+        raise LineError(line, f"not valid JSON ({exc})", code="invalid_json_line") from None
     except RecursionError:
-        raise LineError(line, "not valid JSON (nested too deeply)") from None
+        raise LineError(
+            line, "not valid JSON (nested too deeply)", code="invalid_json_line"
+        ) from None
     if not isinstance(value, dict):
-        raise LineError(line, 'must be a JSON object {"custom_id": ..., "input": ...}')
-    unknown = sorted(set(value) - {"custom_id", "input"})
-    if unknown:
-        raise LineError(line, f"unknown field(s): {', '.join(unknown)}")
-    custom_id = value.get("custom_id")
-    if custom_id is None:
+        raise LineError(line, f"must be a JSON object {shape}", code="invalid_json_line")
+    return value
+
+
+def custom_id(value: Mapping[str, Any], line: int) -> str:
+    """The line's custom_id, checked."""
+    found = value.get("custom_id")
+    if found is None:
         raise LineError(line, "custom_id: missing")
-    if not isinstance(custom_id, str) or not custom_id:
+    if not isinstance(found, str) or not found:
         raise LineError(line, "custom_id: must be a non-empty string")
-    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+    if len(found) > MAX_CUSTOM_ID_CHARS:
         raise LineError(line, f"custom_id: at most {MAX_CUSTOM_ID_CHARS} characters")
-    if "input" not in value:
-        raise LineError(line, "input: missing")
-    for field in ("custom_id", "input"):
-        problem = text_problem(value[field], max_depth=max_depth)
+    return found
+
+
+def checked_item(
+    value: Mapping[str, Any],
+    line: int,
+    model_input: Any,
+    spec: ModelSpec,
+    max_depth: int = MAX_JSON_DEPTH,
+    metadata: dict[str, Any] | None = None,
+    input_field: str = "input",
+) -> Item:
+    """The item of a line whose custom_id is ``value``'s and whose input is ``model_input``,
+    checked against the model (errors name the input ``input_field``)."""
+    identifier = custom_id(value, line)
+    for field, part in (("custom_id", identifier), (input_field, model_input)):
+        problem = text_problem(part, max_depth=max_depth)
         if problem:
             raise LineError(line, f"{field}: must not contain {problem}")
     try:
-        checked = spec.validate(value["input"])
+        checked = spec.validate(model_input)
     except InputError as exc:
-        raise LineError(line, f"{exc.field}: {exc.message}") from None
-    return Item(line, custom_id, checked.input, checked.cost)
+        field = exc.field.replace("input", input_field, 1)
+        raise LineError(line, f"{field}: {exc.message}") from None
+    return Item(line, identifier, checked.input, checked.cost, metadata)
 
 
 def _no_constant(name: str) -> Any:
@@ -103,7 +156,11 @@ def _no_constant(name: str) -> Any:
 
 
 def start(
-    sessions: sessionmaker[Session], key_id: str, model: str, callback_url: str | None
+    sessions: sessionmaker[Session],
+    key_id: str,
+    model: str,
+    callback_url: str | None,
+    expires_at: dt.datetime | None = None,
 ) -> str:
     """A new backfill, validating until its upload is whole; returns its id."""
     now = utcnow()
@@ -123,6 +180,7 @@ def start(
                 cancelled=0,
                 fed_through=0,
                 input_bytes=0,
+                expires_at=expires_at,
                 created_at=now,
                 updated_at=now,
             )
@@ -141,9 +199,10 @@ class Ingest:
         spec: ModelSpec,
         max_lines: int,
         max_depth: int = MAX_JSON_DEPTH,
+        parse: LineParser | None = None,
     ) -> None:
         self.sessions = sessions
-        self.max_depth = max_depth
+        self.parse: LineParser = parse or (lambda raw, line: parse_line(raw, line, spec, max_depth))
         self.backfill_id = backfill_id
         self.key_id = key_id
         self.spec = spec
@@ -160,18 +219,22 @@ class Ingest:
         for raw in lines:
             self.line += 1
             self.bytes += len(raw) + 1
-            item = parse_line(raw, self.line, self.spec, self.max_depth)
+            item = self.parse(raw, self.line)
             if item is None:
                 continue
             if self.items + len(items) >= self.max_lines:
                 self.over_lines = True
                 raise LineError(
-                    self.line, f"the file has more than {self.max_lines} lines", status=413
+                    self.line,
+                    f"the file has more than {self.max_lines} lines",
+                    status=413,
+                    code="too_many_tasks",
                 )
             if item.custom_id in seen:
                 raise LineError(
                     self.line,
                     f"custom_id: {item.custom_id!r} is a duplicate of line {seen[item.custom_id]}",
+                    code="duplicate_custom_id",
                 )
             seen[item.custom_id] = self.line
             items.append(item)
@@ -195,6 +258,7 @@ class Ingest:
                 "backfill_id": self.backfill_id,
                 "line_no": item.line,
                 "custom_id": item.custom_id,
+                "metadata_": item.metadata,
             }
             for item in items
         ]
@@ -227,6 +291,7 @@ class Ingest:
                         item.line,
                         f"custom_id: {item.custom_id!r} is a duplicate of line "
                         f"{earlier[item.custom_id]}",
+                        code="duplicate_custom_id",
                     ) from None
             raise
 
@@ -239,7 +304,9 @@ class Ingest:
         one after the other.
         """
         if self.items == 0:
-            raise LineError(max(self.line, 1), "the file has no lines (expected NDJSON)")
+            raise LineError(
+                max(self.line, 1), "the file has no lines (expected NDJSON)", code="empty_file"
+            )
         now = utcnow()
         with self.sessions.begin() as session:
             if max_outstanding is not None:
@@ -338,7 +405,7 @@ def request_counts(backfill: Backfill) -> dict[str, int]:
 
 def eta_s(backfill: Backfill, now: dt.datetime, fallback_rate: float | None) -> float | None:
     """Seconds left at the rate seen so far (or ``fallback_rate`` per second before any)."""
-    if backfill.status not in ("in_progress", "cancelling", "finalizing"):
+    if backfill.status not in (*BACKFILL_ACTIVE, "finalizing"):
         return None
     left = backfill.total - backfill.done
     if left <= 0:
@@ -366,31 +433,42 @@ def backfill_resource(backfill: Backfill, eta: float | None = None) -> dict[str,
         "finalizing_at": iso(backfill.finalizing_at),
         "finished_at": iso(backfill.finished_at),
         "cancelling_at": iso(backfill.cancelling_at),
+        "expires_at": iso(backfill.expires_at),
         "eta_s": eta,
     }
 
 
-def result_lines(
-    sessions: sessionmaker[Session], backfill_id: str, page: int = 1000
-) -> Iterator[bytes]:
-    """The finished items as NDJSON, in input order (a running backfill gives what is done)."""
+def terminal_rows(
+    sessions: sessionmaker[Session],
+    backfill_id: str,
+    columns: Sequence[Any],
+    page: int = 1000,
+) -> Iterator[list[Any]]:
+    """The backfill's finished items (``columns`` of each, with ``status``), in input order,
+    a page at a time; a running backfill gives what is done so far."""
     after = 0
     while True:
         with sessions() as session:
             rows = session.execute(
-                select(
-                    Job.line_no, Job.custom_id, Job.status, Job.output, Job.error, Job.model_version
-                )
+                select(Job.line_no, Job.status, *columns)
                 .where(Job.backfill_id == backfill_id, Job.line_no > after)
                 .order_by(Job.line_no)
                 .limit(page)
             ).all()
         if not rows:
             return
+        finished = [row for row in rows if row.status in TERMINAL_STATUSES]
+        if finished:
+            yield finished
+        after = rows[-1].line_no
+
+
+def result_lines(sessions: sessionmaker[Session], backfill_id: str) -> Iterator[bytes]:
+    """The finished items as NDJSON, in input order (a running backfill gives what is done)."""
+    columns = (Job.custom_id, Job.output, Job.error, Job.model_version)
+    for rows in terminal_rows(sessions, backfill_id, columns):
         chunk = []
         for row in rows:
-            if row.status not in TERMINAL_STATUSES:
-                continue
             record: dict[str, Any] = {"custom_id": row.custom_id, "status": row.status}
             if row.model_version is not None:
                 record["model_version"] = row.model_version
@@ -399,6 +477,4 @@ def result_lines(
             else:
                 record["error"] = row.error
             chunk.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
-        if chunk:
-            yield ("\n".join(chunk) + "\n").encode()
-        after = rows[-1].line_no
+        yield ("\n".join(chunk) + "\n").encode()

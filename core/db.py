@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     TypeDecorator,
@@ -30,8 +31,9 @@ TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
 # A backfill's item is a job that waits (status "waiting", in no stream) until
 # the feeder queues it in its model's bulk lane.
 WAITING = "waiting"
-BACKFILL_ACTIVE = ("in_progress", "cancelling")
-BACKFILL_DONE = ("completed", "failed", "cancelled")
+# "expiring": its completion window ended; what has not run is being expired.
+BACKFILL_ACTIVE = ("in_progress", "cancelling", "expiring")
+BACKFILL_DONE = ("completed", "failed", "cancelled", "expired")
 
 
 def utcnow() -> dt.datetime:
@@ -82,6 +84,9 @@ class ApiKey(Base):
     previous_webhook_secret_until: Mapped[dt.datetime | None] = mapped_column(
         UTCDateTime(), nullable=True
     )
+    # The lane of this key's OpenAI-compatible embeddings when the request names
+    # none (OpenAI's request has no field for it); None: normal.
+    embeddings_lane: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class Job(Base):
@@ -171,7 +176,7 @@ class Backfill(Base):
     api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
     model: Mapped[str] = mapped_column(String(64))
     # validating -> in_progress -> finalizing -> completed | failed;
-    # in_progress -> cancelling -> cancelled
+    # in_progress -> cancelling -> cancelled; in_progress -> expiring -> expired
     status: Mapped[str] = mapped_column(String(16), default="validating")
     callback_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     total: Mapped[int] = mapped_column(Integer, default=0)
@@ -189,6 +194,9 @@ class Backfill(Base):
     finalizing_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancelling_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # When given (an OpenAI batch's completion window), lines that have not run
+    # by then are expired and the backfill ends as "expired".
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # Touched by every stored chunk of the upload: a "validating" backfill
     # left untouched for long was cut off (the API stopped) and is swept.
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -201,6 +209,72 @@ class Backfill(Base):
     @property
     def done(self) -> int:
         return self.completed + self.failed + self.expired + self.cancelled
+
+
+class StoredFile(Base):
+    """A file of the OpenAI-compatible Files API.
+
+    An uploaded batch input keeps its bytes in ``file_parts``. A batch's output
+    and error files keep none: their lines are rendered from the backfill's
+    jobs when read (``core.openai_batches``), so results are stored once.
+    """
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    # batch (an upload) or batch_output (a batch's output or error file).
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    # An output file's size is known once rendered: None until then.
+    bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # For batch_output: the batch it belongs to, and which of its files (output, error).
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "role", name="uq_files_batch_role"),
+        Index("ix_files_key_created", "api_key_id", "created_at"),
+    )
+
+
+class FilePart(Base):
+    """A piece of an uploaded file, in order: no row holds more than one part of it."""
+
+    __tablename__ = "file_parts"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id"), primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class OpenAIBatch(Base):
+    """A batch of the OpenAI-compatible Batch API: a backfill with OpenAI's bookkeeping.
+
+    The backfill runs the lines (bulk lane, resumable, exact counts); this row
+    keeps what OpenAI's batch object has besides. A batch whose file was
+    refused before any line was stored has no backfill and holds the errors.
+    """
+
+    __tablename__ = "openai_batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    backfill_id: Mapped[str | None] = mapped_column(String(36), nullable=True, unique=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    metadata_: Mapped[Any | None] = mapped_column("metadata", JSON, nullable=True)
+    # OpenAI's errors.data: [{"code", "message", "param", "line"}] when the file was refused.
+    errors: Mapped[Any | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    failed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    __table_args__ = (Index("ix_openai_batches_key_created", "api_key_id", "created_at"),)
 
 
 DELIVERY_OPEN = ("pending", "retrying", "delivering")

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import ApiKey, utcnow
+from scheduler.vocabulary import Lane
 
 PREFIX = "fy"
 SCOPES = ("client", "admin")
@@ -34,9 +35,14 @@ def _hash(salt: str, secret: str) -> str:
     return hmac.new(bytes.fromhex(salt), secret.encode(), hashlib.sha256).hexdigest()
 
 
-def create_key(session: Session, name: str, scope: str = "client") -> NewKey:
+def create_key(
+    session: Session, name: str, scope: str = "client", embeddings_lane: str | None = None
+) -> NewKey:
+    """A new key. ``embeddings_lane``: the lane of its OpenAI-compatible embeddings when a
+    request names none (default: normal)."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}")
+    _check_lane(embeddings_lane)
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
@@ -49,12 +55,30 @@ def create_key(session: Session, name: str, scope: str = "client") -> NewKey:
             secret_hash=_hash(salt, secret),
             webhook_secret=webhook_secret,
             scope=scope,
+            embeddings_lane=embeddings_lane,
         )
     )
     session.commit()
     return NewKey(
         id=key_id, name=name, token=f"{PREFIX}_{key_id}_{secret}", webhook_secret=webhook_secret
     )
+
+
+def _check_lane(lane: str | None) -> None:
+    if lane is not None and lane not in {str(value) for value in Lane}:
+        raise ValueError(f"lane must be one of {', '.join(str(value) for value in Lane)}")
+
+
+def set_embeddings_lane(session: Session, key_id: str, lane: str | None) -> ApiKey | None:
+    """The lane of the key's embeddings when a request names none (None: normal).
+    None if there is no such key."""
+    _check_lane(lane)
+    row = session.get(ApiKey, key_id, with_for_update=True)
+    if row is None:
+        return None
+    row.embeddings_lane = lane
+    session.commit()
+    return row
 
 
 def list_keys(session: Session) -> list[ApiKey]:

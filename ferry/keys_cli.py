@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ferry.console import IdArgument, Row, one_of, show_table
+from scheduler.vocabulary import Lane
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -51,6 +52,9 @@ def _scope(value: str) -> str | None:
     return one_of(*_scopes())(value)
 
 
+LANES = [str(lane) for lane in Lane]
+
+
 @app.command("create", help="create a key and print it (once)")
 def create(
     name: Annotated[str, typer.Option("--name", show_default=False)],
@@ -65,11 +69,23 @@ def create(
             show_default=False,
         ),
     ] = "client",
+    embeddings_lane: Annotated[
+        str | None,
+        typer.Option(
+            "--embeddings-lane",
+            metavar="LANE",
+            callback=one_of(*LANES),
+            autocompletion=lambda: LANES,
+            help="the lane of its POST /v1/embeddings inputs when a request names none "
+            "(X-Ferry-Priority); default normal",
+            show_default=False,
+        ),
+    ] = None,
 ) -> int:
     from core.keys import create_key
 
     with database_session() as session:
-        key = create_key(session, name, scope)
+        key = create_key(session, name, scope, embeddings_lane)
     # The token stays on the last line, for scripts (`... | tail -n 1`).
     print(f"webhook signing secret (also at GET /v1/webhook-secret): {key.webhook_secret}")
     print(f"created {scope} API key {key.id} ({key.name}); it is shown once:")
@@ -116,6 +132,34 @@ def revoke(id: IdArgument) -> int:
         print(f"no API key {id!r}")
         return 1
     print(f"revoked API key {key.id} ({key.name}): its token is refused from now on")
+    return 0
+
+
+@app.command("embeddings-lane", help="the lane of a key's embeddings when a request names none")
+def embeddings_lane(
+    id: IdArgument,
+    lane: Annotated[
+        str,
+        typer.Argument(
+            metavar="LANE",
+            callback=one_of(*LANES, "default"),
+            autocompletion=lambda: [*LANES, "default"],
+            help="a lane, or default (normal)",
+            show_default=False,
+        ),
+    ],
+) -> int:
+    from core.keys import set_embeddings_lane
+
+    with database_session() as session:
+        key = set_embeddings_lane(session, id, None if lane == "default" else lane)
+    if key is None:
+        print(f"no API key {id!r}")
+        return 1
+    print(
+        f"API key {key.id} ({key.name}): embeddings in the {key.embeddings_lane or 'normal'} "
+        "lane unless a request names one (the API sees it within its key cache's lifetime)"
+    )
     return 0
 
 

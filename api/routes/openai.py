@@ -4,17 +4,15 @@ An application written for OpenAI's embeddings API moves onto Ferry by
 changing its ``base_url``: the request and the answer have OpenAI's shapes
 (errors too: ``api.openai_errors``) and the API key is the bearer token.
 Underneath, each input is a Ferry job like any other: durable, priced in its
-model's tokens, in a lane (``X-Ferry-Priority``, default ``normal``), and
-batched with all other traffic; a request's inputs are committed together
-(one group write) and spread over the batches the scheduler chooses.
+model's tokens, in a lane (``X-Ferry-Priority``, else the key's embeddings
+lane, else ``normal``), and batched with all other traffic; a request's
+inputs are committed together (one group write) and spread over the batches
+the scheduler chooses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import math
-import struct
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request
@@ -27,6 +25,7 @@ from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobCreate, JobResource
 from api.submissions import GroupCommit, Submission, prepare_request
 from core.db import ApiKey
+from core.embeddings import as_vector, cut, dimensions_problem, encoded
 from core.metrics import JOBS_ACCEPTED
 from core.settings import Settings
 from scheduler.vocabulary import Lane
@@ -96,9 +95,13 @@ async def create_embeddings(
     body: EmbeddingsRequest,
     request: Request,
     key: KeyDep,
-    x_ferry_priority: Annotated[Lane, Header(description="The lane of the inputs' jobs.")] = (
-        Lane.NORMAL
-    ),
+    x_ferry_priority: Annotated[
+        Lane | None,
+        Header(
+            description="The lane of the inputs' jobs (default: the key's embeddings lane, "
+            "else normal)."
+        ),
+    ] = None,
 ) -> EmbeddingsResponse:
     state = request.app.state
     settings: Settings = state.settings
@@ -121,20 +124,12 @@ async def create_embeddings(
     if embeddings is None:
         raise ApiError(422, "invalid_request", f"model: {spec.name!r} does not produce embeddings")
     dimensions = body.dimensions or embeddings.dimensions
-    if dimensions > embeddings.dimensions or (
-        dimensions < embeddings.dimensions and not embeddings.truncatable
-    ):
-        allowed = (
-            f"at most {embeddings.dimensions}"
-            if embeddings.truncatable
-            else f"only {embeddings.dimensions}"
-        )
-        raise ApiError(
-            422, "invalid_request", f"dimensions: {spec.name!r} gives vectors of {allowed}"
-        )
+    problem = dimensions_problem(embeddings, spec.name, dimensions)
+    if problem:
+        raise ApiError(422, "invalid_request", f"dimensions: {problem}")
+    lane = x_ferry_priority or Lane(key.embeddings_lane or Lane.NORMAL)
     submissions = [
-        _submission(request, key, body, text, index, x_ferry_priority)
-        for index, text in enumerate(texts)
+        _submission(request, key, body, text, index, lane) for index, text in enumerate(texts)
     ]
     commit: GroupCommit = state.group_commit
     submitted = await asyncio.gather(*(commit.submit(s) for s in submissions))
@@ -147,7 +142,10 @@ async def create_embeddings(
         )
     )
     data = [
-        Embedding(index=index, embedding=_encoded(_vector(job, index, dimensions), body))
+        Embedding(
+            index=index,
+            embedding=encoded(_vector(job, index, dimensions), body.encoding_format),
+        )
         for index, job in enumerate(finished)
     ]
     tokens = sum(s.cost for s in submissions)
@@ -187,18 +185,7 @@ def _vector(job: JobResource, index: int, dimensions: int) -> list[float]:
         )
     if job.status != "succeeded":
         raise ApiError(500, "job_failed", f"input[{index}]: {job.status}: {job.error or ''}")
-    vector = job.output
-    if not isinstance(vector, list) or not all(isinstance(x, (int, float)) for x in vector):
+    vector = as_vector(job.output)
+    if vector is None:
         raise ApiError(500, "bad_output", f"input[{index}]: the model's output is not a vector")
-    if dimensions < len(vector):
-        vector = vector[:dimensions]
-        norm = math.sqrt(sum(x * x for x in vector)) or 1.0
-        vector = [x / norm for x in vector]
-    return [float(x) for x in vector]
-
-
-def _encoded(vector: list[float], body: EmbeddingsRequest) -> list[float] | str:
-    """``base64``: the little-endian float32 bytes, as OpenAI sends them."""
-    if body.encoding_format == "float":
-        return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return cut(vector, dimensions)

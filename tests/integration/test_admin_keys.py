@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.db import ApiKey, make_engine, make_sessionmaker
 from core.keys import create_key, rotate_key
 from core.settings import Settings
 
@@ -130,6 +131,34 @@ def test_the_keys_command_creates_lists_rotates_and_revokes(tmp_path: Path) -> N
     assert _ferry(env, "revoke", "nonexistent").returncode == 1
     bad = _ferry(env, "create", "--name", "x", "--scope", "root")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_the_keys_command_sets_a_keys_embeddings_lane(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env["FERRY_DATA_DIR"] = str(tmp_path)
+    made = _ferry(env, "create", "--name", "batch", "--embeddings-lane", "bulk")
+    assert made.returncode == 0, made.stderr
+    key_id = made.stdout.strip().splitlines()[-1].split("_")[1]
+    engine = make_engine(Settings(data_dir=tmp_path).sqlalchemy_url)
+
+    def lane() -> str | None:
+        with make_sessionmaker(engine)() as session:
+            key = session.get(ApiKey, key_id)
+            assert key is not None
+            return key.embeddings_lane
+
+    try:
+        assert lane() == "bulk"
+        changed = _ferry(env, "embeddings-lane", key_id, "vip")
+        assert changed.returncode == 0 and "vip lane" in changed.stdout
+        assert lane() == "vip"
+        assert _ferry(env, "embeddings-lane", key_id, "default").returncode == 0
+        assert lane() is None
+        assert _ferry(env, "embeddings-lane", "nonexistent", "vip").returncode == 1
+        bad = _ferry(env, "embeddings-lane", key_id, "fast")
+        assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    finally:
+        engine.dispose()
 
 
 def test_a_key_revoked_through_the_api_is_refused_at_once_by_that_process(

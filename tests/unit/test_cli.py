@@ -13,7 +13,7 @@ from ferry.cli import main
 
 COMMANDS = ("up", "api", "worker", "celery", "flower", "keys", "backfill", "models", "jobs", "db")
 SUBCOMMANDS = {
-    "keys": ("create", "list", "revoke", "rotate"),
+    "keys": ("create", "list", "revoke", "rotate", "embeddings-lane"),
     "backfill": ("submit", "status", "results", "cancel"),
     "models": ("list", "check", "repository", "activate"),
     "jobs": ("submit", "get", "wait", "cancel", "list"),

@@ -29,7 +29,7 @@ import redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.backfills import discard
+from core.backfills import count_outcomes, discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
 from core.metrics import JOBS_FINISHED
 from core.queues import tenant_depths
@@ -39,6 +39,12 @@ from scheduler.vocabulary import Lane
 
 log = logging.getLogger(__name__)
 
+# An ending backfill's status -> the status of its lines that never ran, and its own at the end.
+ENDING = {"cancelling": "cancelled", "expiring": "expired"}
+SETTLED_BECAUSE = {
+    "cancelled": "the backfill was cancelled",
+    "expired": "the backfill's completion window ended before this line ran",
+}
 LOCK_S = 15.0  # renewed every loop; a dead feeder's lock is free this soon
 SWEEP_EVERY_S = 30.0
 CANCEL_CHUNK = 5000
@@ -114,8 +120,10 @@ class Feeder:
         fed = 0
         by_model: dict[str, list[Backfill]] = defaultdict(list)
         for backfill in active:
-            if backfill.status == "cancelling":
-                self._cancel_waiting(backfill)
+            if backfill.status == "in_progress" and self._window_ended(backfill):
+                self._start_expiring(backfill)
+            if backfill.status in ENDING:
+                self._settle_waiting(backfill, ENDING[backfill.status])
             elif backfill.fed_through < self._last_line(backfill):
                 by_model[backfill.model].append(backfill)
         for model, backfills in by_model.items():
@@ -134,7 +142,7 @@ class Feeder:
             # just got there is finished on the next pass, without a
             # transaction per pass for each one still running. A cancelling one
             # was just settled above: look now.
-            if backfill.status == "cancelling" or backfill.done >= backfill.total:
+            if backfill.status in ENDING or backfill.done >= backfill.total:
                 self._maybe_finish(backfill.id)
         return bool(active), fed
 
@@ -200,12 +208,29 @@ class Feeder:
         pipe.execute()
         return len(rows)
 
-    def _cancel_waiting(self, backfill: Backfill) -> None:
-        """A cancelling backfill: its jobs not yet running become cancelled, a chunk at a time.
+    def _window_ended(self, backfill: Backfill) -> bool:
+        return backfill.expires_at is not None and self.clock() >= backfill.expires_at
+
+    def _start_expiring(self, backfill: Backfill) -> None:
+        """The backfill's window ended: what has not started will be expired."""
+        with self.sessions.begin() as session:
+            moved = session.execute(
+                update(Backfill)
+                .where(Backfill.id == backfill.id, Backfill.status == "in_progress")
+                .values(status="expiring", updated_at=self.clock())
+            )
+        if moved.rowcount:  # type: ignore[attr-defined]
+            backfill.status = "expiring"
+            log.info("backfill window ended; expiring", extra={"backfill_id": backfill.id})
+
+    def _settle_waiting(self, backfill: Backfill, status: str) -> None:
+        """An ending backfill: its jobs not yet running become ``status`` (cancelled or
+        expired), a chunk at a time.
 
         Walks the lines in order, so each chunk reads only lines not yet seen.
         """
         now = self.clock()
+        why = SETTLED_BECAUSE[status]
         after = 0
         while True:
             with self.sessions.begin() as session:
@@ -225,15 +250,11 @@ class Feeder:
                 result = session.execute(
                     update(Job)
                     .where(Job.id.in_([r.id for r in rows]), Job.status.in_((WAITING, "queued")))
-                    .values(status="cancelled", finished_at=now, error="the backfill was cancelled")
+                    .values(status=status, finished_at=now, error=why)
                 )
                 count = int(result.rowcount)  # type: ignore[attr-defined]
-                session.execute(
-                    update(Backfill)
-                    .where(Backfill.id == backfill.id)
-                    .values(cancelled=Backfill.cancelled + count)
-                )
-            JOBS_FINISHED.labels(backfill.model, Lane.BULK, "cancelled").inc(count)
+                count_outcomes(session, {(backfill.id, status): count})
+            JOBS_FINISHED.labels(backfill.model, Lane.BULK, status).inc(count)
             # Long-polls of the cancelled items wake as they do for a worker's result.
             with contextlib.suppress(redis.RedisError):
                 self.client.publish(done_channel(self.prefix), ",".join(r.id for r in rows))
@@ -247,8 +268,8 @@ class Feeder:
                 return
             if backfill.done < backfill.total:
                 return
-            if backfill.status == "cancelling":
-                backfill.status = "cancelled"
+            if backfill.status in ENDING:
+                backfill.status = ENDING[backfill.status]
             else:
                 # Every result is recorded; nothing is left to assemble (results
                 # are read from the jobs), so finalizing is a moment long.

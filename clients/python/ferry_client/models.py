@@ -63,7 +63,7 @@ class Backfill(Resource):
 
     @property
     def done(self) -> bool:
-        return self.status in ("completed", "failed", "cancelled")
+        return self.status in ("completed", "failed", "cancelled", "expired")
 
 
 class Model(Resource):
