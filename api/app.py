@@ -28,6 +28,7 @@ from api.services import callback_checker
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker, read_only
+from core.metrics import Scalers
 from core.settings import Settings
 from core.streams import done_channel
 from core.urlguard import Resolver, UrlPolicy, system_resolver
@@ -51,6 +52,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         reads = read_only(engine)  # one pool with the engine; reads without transactions
         app.state.reads = make_sessionmaker(reads)
         app.state.keys = KeyCache(settings.key_cache_s)
+        app.state.scalers = Scalers(settings)
         app.state.catalog = catalog
         app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
         app.state.redis = redis.Redis.from_url(

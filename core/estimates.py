@@ -30,6 +30,19 @@ class ModelEstimate:
     def latency_s(self, work: float) -> float:
         return self.latency_a_s + self.latency_b_s * work
 
+    def full_batch(self, item_cost: float) -> int:
+        """The items of ``item_cost`` in a full batch (by size, and by cost where capped)."""
+        per_batch = self.max_batch_size
+        if math.isfinite(self.max_batch_cost):
+            per_batch = max(1, min(per_batch, int(self.max_batch_cost // _work(self, item_cost))))
+        return per_batch
+
+    def jobs_per_second(self) -> float:
+        """One worker's capacity: full batches of the usual job, back to back."""
+        item_cost = self.mean_cost if self.mean_cost >= 1 else 1.0
+        per_batch = self.full_batch(item_cost)
+        return per_batch / max(self.latency_s(_work(self, per_batch * item_cost)), 1e-6)
+
     def to_hash(self) -> dict[str, str]:
         return {f.name: repr(float(getattr(self, f.name))) for f in fields(self)}
 
@@ -59,9 +72,7 @@ def estimate_wait_s(est: ModelEstimate, ahead_items: int, cost: int, workers: in
     the job waits at most one window and runs in a batch with what is left.
     """
     item_cost = est.mean_cost if est.mean_cost >= 1 else float(max(cost, 1))
-    per_batch = est.max_batch_size
-    if math.isfinite(est.max_batch_cost):
-        per_batch = max(1, min(per_batch, int(est.max_batch_cost // _work(est, item_cost))))
+    per_batch = est.full_batch(item_cost)
     queue_s = (ahead_items / per_batch) * est.latency_s(_work(est, per_batch * item_cost))
     own_items = min(ahead_items + 1, per_batch)
     own_work = _work(est, (own_items - 1) * item_cost + max(cost, 1))

@@ -11,12 +11,16 @@ Names follow Prometheus conventions: ``ferry_`` prefix, units in the name,
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Iterable
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from core.queues import lane_states
+from core.autoscale import DesiredWorkers
+from core.estimates import ModelEstimate
+from core.queues import arrivals, lane_states, live_workers, model_stats, nearest_deadline_ms
+from core.settings import Settings
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -120,8 +124,46 @@ WEBHOOK_ATTEMPTS = Counter(
 )
 
 
-def queue_metrics(client: redis.Redis, prefix: str, models: Iterable[str]) -> bytes:
-    """Per model and lane, read from Redis now: depth, group lag, pending entries."""
+class Scalers:
+    """Each model's desired workers, as this process has seen them at each scrape.
+
+    Every API process reads the same counters from Redis, so each gives about
+    the same figure; an autoscaler can take any of them (or their maximum).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.by_model: dict[str, DesiredWorkers] = {}
+
+    def observe(
+        self, client: redis.Redis, prefix: str, model: str, backlog: int, now: float
+    ) -> tuple[int, DesiredWorkers, float | None]:
+        """(desired workers, the model's tracker, the learned jobs per second per worker)."""
+        scaler = self.by_model.get(model)
+        if scaler is None:
+            scaler = self.by_model[model] = DesiredWorkers(
+                self.settings.autoscale_target_utilisation,
+                self.settings.autoscale_window_s,
+                self.settings.autoscale_cooldown_s,
+            )
+        # Capacity, not the batches seen: at light load batches are small, and their
+        # rate would understate what a worker can do.
+        estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
+        per_worker = None if estimate is None else estimate.jobs_per_second()
+        horizon = self.settings.autoscale_drain_s
+        nearest = nearest_deadline_ms(client, prefix, model) if backlog else None
+        if nearest is not None:
+            # A deadline already passed still leaves a second: the backlog cannot go faster.
+            horizon = min(horizon, max(nearest / 1000.0 - now, 1.0))
+        desired = scaler.observe(now, arrivals(client, prefix, model), backlog, per_worker, horizon)
+        return desired, scaler, per_worker
+
+
+def queue_metrics(
+    client: redis.Redis, prefix: str, models: Iterable[str], scalers: Scalers | None = None
+) -> bytes:
+    """Per model and lane, read from Redis now: depth, group lag, pending entries; and with
+    ``scalers``, per model: live workers, arrivals, and the workers it wants."""
     registry = CollectorRegistry()
     depth = Gauge(
         "ferry_queue_depth", "Entries not yet acknowledged (queued or running).",
@@ -135,12 +177,46 @@ def queue_metrics(client: redis.Redis, prefix: str, models: Iterable[str]) -> by
         "ferry_queue_pending_entries", "Entries read by a worker and not acknowledged yet.",
         ["model", "lane"], registry=registry,
     )  # fmt: skip
+    scaling = None if scalers is None else _scaling_gauges(registry)
+    now = time.time()
     for model in models:
+        backlog = 0
         for lane, state in lane_states(client, prefix, model).items():
             depth.labels(model, lane).set(state.depth)
             pending.labels(model, lane).set(state.pending)
             lag.labels(model, lane).set(state.lag)
+            backlog += state.depth
+        if scalers is not None and scaling is not None:
+            desired, scaler, per_worker = scalers.observe(client, prefix, model, backlog, now)
+            scaling["desired"].labels(model).set(desired)
+            scaling["workers"].labels(model).set(live_workers(client, prefix, model, now))
+            scaling["arrivals"].labels(model).set(scaler.arrival_rate)
+            if per_worker is not None:
+                scaling["per_worker"].labels(model).set(per_worker)
     return generate_latest(registry)
+
+
+def _scaling_gauges(registry: CollectorRegistry) -> dict[str, Gauge]:
+    return {
+        "desired": Gauge(
+            "ferry_model_desired_workers",
+            "Workers the model wants: its arrivals at the target utilisation, plus its queue "
+            "drained before the nearest deadline in it; falls only after the cool-down.",
+            ["model"], registry=registry,
+        ),
+        "workers": Gauge(
+            "ferry_model_workers", "Live workers of the model (heartbeat within 10 s).",
+            ["model"], registry=registry,
+        ),
+        "arrivals": Gauge(
+            "ferry_model_arrival_rate", "Jobs enqueued per second for the model, over the "
+            "autoscale window.", ["model"], registry=registry,
+        ),
+        "per_worker": Gauge(
+            "ferry_model_worker_throughput", "Jobs per second one worker finishes (learned "
+            "from its batches).", ["model"], registry=registry,
+        ),
+    }  # fmt: skip
 
 
 def token_matches(expected: str | None, authorization: str | None) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from core.streams import GROUP, stats_key, stream_key, tenants_key, workers_key
+from core.streams import GROUP, seq_key, stats_key, stream_key, tenants_key, workers_key
 from scheduler.vocabulary import LANES
 
 DEPTH_SCAN_LIMIT = 10_000
@@ -99,6 +99,39 @@ def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
         lane: sum(by_tenant.values())
         for lane, by_tenant in tenant_depths(client, prefix, model).items()
     }
+
+
+def arrivals(client: redis.Redis, prefix: str, model: str) -> int:
+    """Jobs enqueued for the model since its counter began (its enqueue sequence)."""
+    return int(client.get(seq_key(prefix, model)) or 0)
+
+
+def nearest_deadline_ms(client: redis.Redis, prefix: str, model: str) -> int | None:
+    """The nearest deadline among the first entries of the model's streams (epoch ms).
+
+    A stream is read in order, so its first entry is the one waiting longest;
+    jobs of one lane are given similar deadlines, so the first entries hold
+    the nearest ones without reading whole streams.
+    """
+    keys = [
+        stream_key(prefix, model, lane, tenant or None)
+        for lane, by_tenant in tenant_depths(client, prefix, model).items()
+        for tenant, depth in by_tenant.items()
+        if depth
+    ]
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.xrange(key, count=1)
+    nearest = None
+    for entries in pipe.execute(raise_on_error=False):
+        if isinstance(entries, redis.ResponseError) or not entries:
+            continue
+        _entry_id, fields = entries[0]
+        deadline = fields.get(b"dl", fields.get("dl"))
+        if deadline is not None:
+            at = int(_text(deadline))
+            nearest = at if nearest is None else min(nearest, at)
+    return nearest
 
 
 def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None = None) -> int:

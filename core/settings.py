@@ -321,6 +321,17 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = None
     """When set, every `/metrics` (the API's, the workers', Flower's) asks for
     `Authorization: Bearer <token>`; `/healthz` and `/readyz` stay open."""
+    autoscale_target_utilisation: float = Field(0.7, gt=0, lt=1)
+    """`ferry_model_desired_workers`: the share of its workers' capacity a model's arrivals
+    may use (rho = lambda / (c * mu)); nearer 1: fewer workers, longer waits."""
+    autoscale_window_s: float = Field(30.0, gt=0)
+    """`ferry_model_desired_workers`: the span its arrival rate is measured over."""
+    autoscale_cooldown_s: float = Field(300.0, ge=0)
+    """`ferry_model_desired_workers` falls only after the lower figure has held this long
+    (it rises at once), so an autoscaler following it does not flap."""
+    autoscale_drain_s: float = Field(60.0, gt=0)
+    """`ferry_model_desired_workers`: the longest a model's queue may take to drain when no
+    deadline in it is nearer."""
 
     # Flower (`ferry up` starts it; `ferry flower` alone).
     flower_host: str = "127.0.0.1"

@@ -92,7 +92,7 @@ def metrics(
         )
     body = generate_latest(_registry())
     try:
-        body += queue_metrics(client, settings.key_prefix, catalog)
+        body += queue_metrics(client, settings.key_prefix, catalog, request.app.state.scalers)
     except redis.RedisError as exc:
         log.warning("queue metrics unavailable", extra={"error_type": type(exc).__name__})
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
