@@ -58,10 +58,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -78,6 +76,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from bench import results
+from bench.results import spread
 from harness.stack import FerryUp
 
 SCENARIOS = ("bare", "submit", "get", "longpoll")
@@ -472,17 +472,6 @@ class StackResult:
     error: str | None = None
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    clean = [v for v in values if v == v]  # not NaN
-    if not clean:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {
-        "median": round(statistics.median(clean), 3),
-        "min": round(min(clean), 3),
-        "max": round(max(clean), 3),
-    }
-
-
 def summarise(runs: list[Run]) -> Summary:
     return Summary(
         requests_per_s=spread([r.requests_per_s for r in runs]),
@@ -648,40 +637,12 @@ def add_summaries(result: StackResult) -> None:
 
 
 def provenance(bench: str, argv: list[str] | None) -> dict[str, Any]:
-    """What a results file says about its run: when, the command, the code, the machine."""
-    return {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "-m", f"bench.{bench}", *(argv or sys.argv[1:])]),
-        "via_make": f"make bench-{bench}" if os.environ.get("MAKELEVEL") else None,
-        "git": {
-            "commit": _command_output(["git", "rev-parse", "HEAD"]),
-            "uncommitted_changes": _command_output(["git", "status", "--porcelain"]).splitlines(),
-            "working_tree_changed_during_run": False,
-        },
-        "machine": machine(),
-    }
-
-
-def machine() -> dict[str, Any]:
-    cpu, memory = platform.processor() or platform.machine(), 0.0
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = int(line.split()[1]) / 2**20
-                break
-    return {
-        "cpu": cpu,
-        "arch": platform.machine(),
-        "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(memory, 1),
-        "load_average_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "wrk": _command_output(["wrk", "--version"]).splitlines()[0:1],
-    }
+    """bench.results' head, with the wrk that loaded the stacks and a place to say whether
+    the code changed while they ran."""
+    head = results.provenance(bench, argv)
+    head["git"]["working_tree_changed_during_run"] = False
+    head["machine"]["wrk"] = _command_output(["wrk", "--version"]).splitlines()[0:1]
+    return head
 
 
 def working_tree() -> str:
@@ -886,18 +847,19 @@ def main(argv: list[str] | None = None) -> int:
         wait_s=args.wait,
         drain_timeout_s=180.0,
     )
-    report: dict[str, Any] = {
-        **provenance("api", argv),
-        "settings": {
-            "wrk": f"wrk -t1 -c{args.connections} -d{args.duration}s --timeout 30s --latency",
-            **{k: v for k, v in asdict(options).items() if k != "drain_timeout_s"},
-            "ferry": {"FERRY_MODELS": "sim", "FERRY_FLOWER_PORT": "0", **LIMITS, **SIM},
-            # Whether core.settings has FERRY_API_PROCESSES (`ferry up` may still ignore it).
-            "api_processes_setting_known": api_processes_supported(),
-        },
+    head = provenance("api", argv)
+    settings = {
+        "wrk": f"wrk -t1 -c{args.connections} -d{args.duration}s --timeout 30s --latency",
+        **{k: v for k, v in asdict(options).items() if k != "drain_timeout_s"},
+        "databases": args.databases.split(","),
+        "api_processes": [int(n) for n in args.api_processes.split(",")],
+        "ferry": {"FERRY_MODELS": "sim", "FERRY_FLOWER_PORT": "0", **LIMITS, **SIM},
+        # Whether core.settings has FERRY_API_PROCESSES (`ferry up` may still ignore it).
+        "api_processes_setting_known": api_processes_supported(),
     }
+    report: dict[str, Any] = {}
     tree_at_start = working_tree()
-    results: list[StackResult] = []
+    stacks: list[StackResult] = []
     watched = Watched()
     with bare_server() as (bare_url, bare_pid):
         watched.bare_pid = bare_pid
@@ -916,35 +878,21 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{database}, {count} API processes: failed: {exc}", flush=True)
                     result = StackResult(database, count, 0, "", [], error=str(exc)[-2000:])
                 add_summaries(result)
-                results.append(result)
+                stacks.append(result)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
-    report["flags"] = flags(results)
+    report["flags"] = flags(stacks)
     if working_tree() != tree_at_start:
         # Others edited the code meanwhile: the stacks may not have run the same code.
-        report["git"]["working_tree_changed_during_run"] = True
-        trees = ", ".join(
-            f"{r.database}/{r.api_processes_asked}: {r.working_tree}" for r in results
-        )
+        head["git"]["working_tree_changed_during_run"] = True
+        trees = ", ".join(f"{r.database}/{r.api_processes_asked}: {r.working_tree}" for r in stacks)
         report["flags"].append(f"the working tree changed during the run (at each start: {trees})")
-    report["stacks"] = [asdict(r) for r in results]
-    print_tables(results)
+    report["stacks"] = [asdict(r) for r in stacks]
+    print_tables(stacks)
     for flag in report["flags"]:
         print(f"FLAG: {flag}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_no_nan(report), indent=2, allow_nan=False) + "\n")
+    results.write(args.out, report, settings=settings, head=head)
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)")
-    return 1 if any(r.error for r in results) else 0
-
-
-def _no_nan(value: Any) -> Any:
-    """NaN (a figure over no jobs) as null, which JSON has."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
+    return 1 if any(r.error for r in stacks) else 0
 
 
 if __name__ == "__main__":

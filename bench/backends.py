@@ -35,6 +35,7 @@ repeat's rate over eager's in the same repeat. Each backend's embeddings are
 compared with eager's (cosine >= 0.999 for every text).
 
     python -m bench.backends [--quick] [--repeats 3] [--texts 512] [--arrival-texts 128]
+                             [--backends onnx,torch.compile]
                              [--out bench/results/backends.json]
 
 ``--quick`` (64 and 32 texts) prints the table and writes nothing unless
@@ -44,13 +45,10 @@ compared with eager's (cosine >= 0.999 for every text).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import textwrap
 import time
@@ -59,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import results
 from bench.corpus import MAX_TOKENS, load_texts
 
 BATCH = 32
@@ -90,13 +89,7 @@ class BackendResult:
 
 @dataclass
 class Report:
-    commit: str
-    uncommitted_changes: bool
-    date: str
-    machine: dict[str, Any]
-    python: str
     versions: dict[str, str]
-    settings: dict[str, Any]
     load_average: dict[str, list[float]]
     backends: list[BackendResult]
 
@@ -187,7 +180,9 @@ def candidates(root: Path) -> list[tuple[str, str, Callable[[], Embed]]]:
     ]
 
 
-def measure(orders: dict[str, list[str]], repeats: int, root: Path) -> list[BackendResult]:
+def measure(
+    orders: dict[str, list[str]], repeats: int, root: Path, only: set[str] | None = None
+) -> list[BackendResult]:
     """Every backend over every order of texts, ``repeats`` times, interleaved."""
     batches = {
         order: [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
@@ -196,6 +191,8 @@ def measure(orders: dict[str, list[str]], repeats: int, root: Path) -> list[Back
     results: list[BackendResult] = []
     embeds: dict[str, Embed] = {}
     for name, how, load in candidates(root):
+        if only is not None and name not in only:
+            continue
         result = BackendResult(name, how)
         results.append(result)
         started = time.perf_counter()
@@ -292,37 +289,6 @@ def token_counts(texts: list[str]) -> dict[str, float]:
     }
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    memory = 0.0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = int(line.split()[1]) / 2**20
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "arch": platform.machine(),
-        "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(memory, 1),
-        "gpu": None,
-    }
-
-
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return done.stdout.strip()
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -343,8 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--arrival-texts", type=int, default=None, help="in arrival order; default 128 (quick: 32)"
     )
+    parser.add_argument(
+        "--backends", default=None, help="a comma-separated subset (eager always runs)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    head = results.provenance("backends", argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     sorted_count = args.texts or (64 if args.quick else 512)
@@ -360,33 +330,29 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="ferry-bench-backends-") as tmp:
         write_repository(Path(tmp), torch.get_num_threads())
-        results = measure(orders, args.repeats, Path(tmp))
+        only = {"eager", *args.backends.split(",")} if args.backends else None
+        measured = measure(orders, args.repeats, Path(tmp), only)
     report = Report(
-        commit=_git("rev-parse", "HEAD"),
-        uncommitted_changes=bool(_git("status", "--porcelain")),
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        machine=machine(),
-        python=platform.python_version(),
         versions=_versions(),
-        settings={
-            "batch_size": BATCH,
-            "repeats": args.repeats,
-            "max_tokens": MAX_TOKENS,
-            "orders": {order: token_counts(texts) for order, texts in orders.items()},
-            "torch_threads": torch.get_num_threads(),
-            "device": "cpu",
-            "agreement": f"cosine >= {AGREEMENT} with eager for every text",
-        },
         load_average={"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
-        backends=results,
+        backends=measured,
     )
+    settings = {
+        "batch_size": BATCH,
+        "repeats": args.repeats,
+        "max_tokens": MAX_TOKENS,
+        "orders": {order: token_counts(texts) for order, texts in orders.items()},
+        "torch_threads": torch.get_num_threads(),
+        "device": "cpu",
+        "agreement": f"cosine >= {AGREEMENT} with eager for every text",
+    }
     if out is not None:
-        out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        results.write(out, asdict(report), settings=settings, head=head)
     print(
         f"\n{'backend':22} {'order':8} {'median/s':>9} {'spread':>7} {'x eager':>8} "
         f"{'min cos':>10}  agrees"
     )
-    for result in results:
+    for result in measured:
         if result.error:
             print(f"{result.backend:22} failed: {result.error}")
             continue

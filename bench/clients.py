@@ -74,13 +74,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from bench import results
 from bench.api import (
     CLOCK_TICK_MS,
     LIMITS,
     STACK_ROLES,
     Run,
     Watched,
-    _no_nan,
     finished_job,
     processes,
     provenance,
@@ -668,24 +668,24 @@ def _run(
 
     quiet = wait_quiet(args.quiet_below, args.quiet_timeout) if args.quiet_below else None
     started = time.monotonic()
+    head = provenance("clients", argv)
+    settings = {
+        "clients": options.clients,
+        "wrk": f"wrk -t1 -c{options.clients} -d{options.duration_s}s --timeout 30s "
+        "--latency -s bench/wrk/clients.lua",
+        "rounds": options.rounds,
+        "duration_s": options.duration_s,
+        "warmup_s": options.warmup_s,
+        "wait_s": options.wait_s,
+        "threads": threads,
+        "raw_batch_sizes": sizes,
+        "ferry": {str(t): ferry_settings(t, extra) for t in threads},
+        # Whether core.settings knows FERRY_CPU_THREADS (else the stacks ignore it).
+        "cpu_threads_setting_known": "cpu_threads" in Settings.model_fields,
+    }
     report: dict[str, Any] = {
-        **provenance("clients", argv),
         "quiet_wait": quiet,
         "load_average": {"at_start": load_average()},
-        "settings": {
-            "clients": options.clients,
-            "wrk": f"wrk -t1 -c{options.clients} -d{options.duration_s}s --timeout 30s "
-            "--latency -s bench/wrk/clients.lua",
-            "rounds": options.rounds,
-            "duration_s": options.duration_s,
-            "warmup_s": options.warmup_s,
-            "wait_s": options.wait_s,
-            "threads": threads,
-            "raw_batch_sizes": sizes,
-            "ferry": {str(t): ferry_settings(t, extra) for t in threads},
-            # Whether core.settings knows FERRY_CPU_THREADS (else the stacks ignore it).
-            "cpu_threads_setting_known": "cpu_threads" in Settings.model_fields,
-        },
     }
     tree_at_start = working_tree()
     corpus = load_corpus()
@@ -703,31 +703,31 @@ def _run(
     raw = measure_raw(model, texts, costs, threads, sizes)
     print(f"ceiling {raw.ceiling:.1f} texts/s ({raw.ceiling_threads} thread(s), batch "
           f"{raw.ceiling_batch})", flush=True)  # fmt: skip
-    results: list[StackResult] = []
+    stacks: list[StackResult] = []
     with tempfile.TemporaryDirectory(prefix="ferry-bench-clients-bodies-") as tmp:
         bodies = Path(tmp) / "bodies.jsonl"
         write_bodies(bodies, texts)
         for count in threads:
-            results.append(run_stack(count, options, bodies, len(texts), raw.ceiling, extra))
+            stacks.append(run_stack(count, options, bodies, len(texts), raw.ceiling, extra))
     raw_again(model, raw, texts, costs)
     report["load_average"]["at_end"] = load_average()
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     report["raw"] = asdict(raw)
-    report["stacks"] = [asdict(r) for r in results]
-    best = best_threads(results)
+    report["stacks"] = [asdict(r) for r in stacks]
+    best = best_threads(stacks)
     report["best_cpu_threads"] = best
     report["ratios"] = {
-        str(r.cpu_threads): r.summary.get("ratio") for r in results if r.summary
+        str(r.cpu_threads): r.summary.get("ratio") for r in stacks if r.summary
     }  # fmt: skip
-    report["flags"] = flags(results, quiet)
+    report["flags"] = flags(stacks, quiet)
     if working_tree() != tree_at_start:
         # Others edited the code meanwhile: the stacks may not have run the same code.
-        report["git"]["working_tree_changed_during_run"] = True
-        trees = ", ".join(f"threads {r.cpu_threads}: {r.working_tree}" for r in results)
+        head["git"]["working_tree_changed_during_run"] = True
+        trees = ", ".join(f"threads {r.cpu_threads}: {r.working_tree}" for r in stacks)
         report["flags"].append(f"the working tree changed during the run (at each start: {trees})")
-    print_tables(raw, results, options)
+    print_tables(raw, stacks, options)
     if best is not None:
-        chosen = next(r for r in results if r.cpu_threads == best)
+        chosen = next(r for r in stacks if r.cpu_threads == best)
         print(f"best for Ferry: FERRY_CPU_THREADS={best}, "
               f"{100 * chosen.summary['ratio']['median']:.1f} % of the ceiling "
               "(median of the rounds)")  # fmt: skip
@@ -735,10 +735,9 @@ def _run(
           f"at end {report['load_average']['at_end']}")  # fmt: skip
     for flag in report["flags"]:
         print(f"FLAG: {flag}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_no_nan(report), indent=2, allow_nan=False) + "\n")
+    results.write(args.out, report, settings=settings, head=head)
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)")
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for r in stacks) else 0
 
 
 if __name__ == "__main__":

@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import datetime as dt
 import io
 import json
 import os
-import platform
 import random
 import sqlite3
 import subprocess
@@ -46,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from bench import results
 from bench.corpus import load_corpus
 from bench.e2e import _quantile, _ts, wait_done
 from ferry.local_redis import free_port
@@ -71,8 +70,6 @@ class ModelResult:
 
 @dataclass
 class Report:
-    date: str
-    machine: str
     device: str
     precision: str
     models: list[ModelResult]
@@ -264,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="minilm,resnet50")
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu.json"))
     args = parser.parse_args(argv)
+    head = results.provenance("gpu", argv)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -273,29 +271,33 @@ def main(argv: list[str] | None = None) -> int:
     jobs = 200 if args.quick else args.jobs
     seconds = 5.0 if args.quick else args.seconds
     os.environ["FERRY_DEVICE"] = device
-    results: list[ModelResult] = []
+    measured: list[ModelResult] = []
     report = Report(
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         device=torch.cuda.get_device_name(0) if cuda else "cpu",
         precision=precision,
-        models=results,
+        models=measured,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "quick": args.quick,
+        "jobs": jobs,
+        "seconds": seconds,
+        "models": args.models.split(","),
+        "raw_batch_sizes": list(sizes),
+    }
 
     def save() -> None:  # after every phase: a run cut short keeps what it measured
-        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        results.write(args.out, asdict(report), settings=settings, head=head)
 
     for model in args.models.split(","):
         result = ModelResult(model)
-        results.append(result)
+        measured.append(result)
         items = 64 if args.quick else (4096 if model == "minilm" else 2048)
         result.raw_by_batch = raw(model, device, precision, sizes, items)
         result.raw_best = max(result.raw_by_batch.values())
         save()
         stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result, save)
         save()
-    for r in results:
+    for r in measured:
         print(f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
               f"({r.stack_share_of_raw:.0%} of raw, GPU idle {r.stack_device_idle:.1%}; "
               f"plain worker {r.plain_jobs_per_s}/s, idle {r.plain_device_idle:.1%}); "

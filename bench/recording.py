@@ -7,6 +7,7 @@ the batched write and the per-job write, side by side in one run, for small
 outputs and for 384-float embeddings (what minilm returns).
 
     python -m bench.recording [--size 256] [--batches 20] [--postgres]
+                              [--out bench/results/recording.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from unittest import mock
 
 from sqlalchemy import insert
 
+from bench import results
 from core import migrate
 from core.db import Job, make_engine, make_sessionmaker, utcnow
 from core.keys import create_key
@@ -43,8 +45,8 @@ def database(kind: str) -> Iterator[str]:
         yield f"sqlite:///{Path(tmp) / 'ferry.db'}"
 
 
-def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], float]:
-    """Median ms per batch, by (output kind, write)."""
+def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], list[float]]:
+    """Ms per batch, batch by batch, by (output kind, write)."""
     migrate.upgrade(url)
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
@@ -81,7 +83,7 @@ def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], float]:
                     times.setdefault((kind, write), []).append(elapsed * 1000.0)
     finally:
         engine.dispose()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,14 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--postgres", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/recording.json"))
     args = parser.parse_args(argv)
+    head = results.provenance("recording", argv)
     print(f"{'database':11} {'outputs':10} {'per job':>9} {'batched':>9} {'ratio':>6}")
+    rows = []
     for kind in ("sqlite", "postgresql") if args.postgres else ("sqlite",):
         with database(kind) as url:
-            medians = measure(url, args.size, args.batches)
+            times = measure(url, args.size, args.batches)
         for output in OUTPUTS:
-            one, each = medians[(output, "batched")], medians[(output, "per job")]
-            print(f"{kind:11} {output:10} {each:>7.1f}ms {one:>7.1f}ms {each / one:>5.2f}x")
+            one, each = times[(output, "batched")], times[(output, "per job")]
+            # Batch by batch: the two writes of a pair ran one after the other.
+            ratios = [e / o for e, o in zip(each, one, strict=True)]
+            rows.append(
+                {
+                    "database": kind,
+                    "outputs": output,
+                    "per_job_ms": results.spread(each),
+                    "batched_ms": results.spread(one),
+                    "ratio": results.spread(ratios),
+                }
+            )
+            print(
+                f"{kind:11} {output:10} {statistics.median(each):>7.1f}ms "
+                f"{statistics.median(one):>7.1f}ms {statistics.median(ratios):>5.2f}x"
+            )
+    settings = {"size": args.size, "batches": args.batches}
+    results.write(args.out, {"rows": rows}, settings=settings, head=head)
+    print(f"wrote {args.out}")
     return 0
 
 
