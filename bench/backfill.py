@@ -1,7 +1,8 @@
 """Backfills beside live traffic: what a backfill that saturates the model costs interactive jobs.
 
-One run, one fresh stack (``ferry up`` with only the sim model: its own Redis,
-SQLite, API, worker, Celery worker and beat). The sim model sleeps
+Each run (``--repeats``, three by default) on a fresh stack (``ferry up`` with
+only the sim model: its own Redis, SQLite, API, worker, Celery worker and
+beat). The sim model sleeps
 ``base + per_cost x sum(cost)`` per batch, so it does not compete for the CPU
 and its raw throughput is known from the formula. In order:
 
@@ -31,17 +32,15 @@ At the end the backfill is cancelled, its results are read back
 (``GET /v1/backfills/{id}/results``: one line per settled item), and the stack
 stops, also on error. Everything talks to 127.0.0.1 only; every wait is bounded.
 
-    python -m bench.backfill [--rate 20] [--window 20] [--alone 15] [--lines 30000]
+    python -m bench.backfill [--rate 20] [--window 20] [--alone 15] [--lines 30000] [--repeats 3]
                              [--set FERRY_NAME=VALUE ...] [--out bench/results/backfill.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -56,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from bench import results
 from harness.stack import FerryUp
 
 # The lane mix of bench/simulate.py (5 % urgent, 15 % vip, 80 % normal).
@@ -127,8 +127,8 @@ class BackfillWindow:
 
 @dataclass
 class Report:
-    date: str
-    machine: dict[str, Any]
+    """One run, on a fresh stack."""
+
     settings: dict[str, str]
     rate_per_s: float
     window_s: float
@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alone", type=float, default=15.0, help="seconds of backfill alone")
     parser.add_argument("--lines", type=int, default=30_000, help="backfill lines")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs, each on a fresh stack")
     parser.add_argument(
         "--set", action="append", default=[], metavar="FERRY_NAME=VALUE",
         help="another stack setting (repeatable); recorded in the report",
@@ -421,19 +422,36 @@ def main(argv: list[str] | None = None) -> int:
     if not 1000 <= args.lines <= 200_000:
         parser.error("--lines between 1000 and 200000")
 
+    head = results.provenance("backfill", argv)
+    runs = results.repeated(args.repeats, lambda: run(args), print_summary)
+    settings = {
+        "rate_per_s": args.rate,
+        "window_s": args.window,
+        "alone_s": args.alone,
+        "lines": args.lines,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "stack": runs[0].settings,
+    }
+    summary = {
+        name: results.spread([getattr(r, name) for r in runs])
+        for name in ("p99_idle_ms", "p99_busy_ms", "alone_share_of_raw", "busy_share_of_raw")
+    }
+    summary["target_met_full_batch"] = all(r.target_met_full_batch for r in runs)
+    summary["target_met"] = all(r.target_met for r in runs)
+    figures = {"runs": [asdict(r) for r in runs], "summary": summary}
+    results.write(args.out, figures, settings=settings, head=head)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> Report:
     began = time.monotonic()
     rng = random.Random(args.seed)
     arrivals = poisson(args.rate, args.window, rng)
     with tempfile.TemporaryDirectory(prefix="ferry-bench-backfill-") as tmp:
         bench = Bench(Path(tmp), args)
         report = Report(
-            date=dt.date.today().isoformat(),
-            machine={
-                "platform": platform.platform(),
-                "machine": platform.machine(),
-                "cpu_count": os.cpu_count(),
-                "python": platform.python_version(),
-            },
             settings=bench.settings,
             rate_per_s=args.rate,
             window_s=args.window,
@@ -481,12 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     report.load_average["end"] = _loadavg()
     judge(report)
     report.wall_s = round(time.monotonic() - began, 1)
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
-    print_summary(report)
-    print(f"wrote {args.out}")
-    return 0
+    return report
 
 
 def finish_backfill(bench: Bench, backfill_id: str, timeout_s: float) -> dict[str, Any]:

@@ -17,7 +17,10 @@ and measures two things:
 Beside them, in the same run, the raw ceiling: the model alone in this
 process, inputs sorted by length, at its best batch size.
 
-    python -m bench.e2e [--jobs 1200] [--concurrency 16] [--out bench/results/e2e.json]
+    python -m bench.e2e [--jobs 1200] [--concurrency 16] [--rounds 3] [--out bench/results/e2e.json]
+
+Each round measures the raw ceiling, then every policy; the ratios are taken
+round by round, and the results give their median and range.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import sqlite3
 import statistics
 import subprocess
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import results
 from bench.corpus import load_corpus
 from harness.stack import FerryUp
 from scheduler.vocabulary import batch_work
@@ -70,15 +73,25 @@ class ModeResult:
 
 
 @dataclass
-class Report:
-    date: str
-    machine: str
-    jobs: int
-    concurrency: int
-    mean_cost: float
+class Round:
+    """One repeat: the raw ceiling, then every policy, on the machine as it was then."""
+
+    round: int
     raw_by_batch: dict[int, float] = field(default_factory=dict)
     raw_ceiling: float = 0.0
     modes: list[ModeResult] = field(default_factory=list)
+    # Per policy, this round's drain and live rates against none's and against the ceiling.
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    jobs: int
+    concurrency: int
+    mean_cost: float
+    rounds: list[Round] = field(default_factory=list)
+    # Per policy and ratio: the median of the rounds and their range.
+    summary: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
@@ -208,42 +221,75 @@ def run_mode(mode: str, texts: list[str], concurrency: int, timeout_s: float) ->
             stack.stop_all()
 
 
+def ratios(round_: Round) -> dict[str, dict[str, float]]:
+    none = next((m for m in round_.modes if m.mode == "none"), None)
+    found = {}
+    for m in round_.modes:
+        found[m.mode] = {
+            "drain_share_of_raw": round(m.drain.jobs_per_s / round_.raw_ceiling, 3),
+            "live_share_of_raw": round(m.live.jobs_per_s / round_.raw_ceiling, 3),
+        }
+        if none is not None:
+            found[m.mode]["drain_vs_none"] = round(m.drain.jobs_per_s / none.drain.jobs_per_s, 3)
+            found[m.mode]["live_vs_none"] = round(m.live.jobs_per_s / none.live.jobs_per_s, 3)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=3, help="repeats of the whole")
+    parser.add_argument("--raw-sizes", default="1,8,16,32,64", help="the raw model's batch sizes")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
     args = parser.parse_args(argv)
+    head = results.provenance("e2e", argv)
 
     corpus = load_corpus()
     texts = corpus.texts[: args.jobs]
     costs = corpus.costs[: args.jobs]
     report = Report(
-        date=dt.date.today().isoformat(),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, {_accelerator()}",
         jobs=len(texts),
         concurrency=args.concurrency,
         mean_cost=round(statistics.fmean(costs), 1),
     )
     print(f"{len(texts)} texts, mean {report.mean_cost} tokens", flush=True)
-    report.raw_by_batch = {
-        k: round(v, 1) for k, v in raw_ceiling(texts, (1, 8, 16, 32, 64)).items()
+    sizes = tuple(int(n) for n in args.raw_sizes.split(","))
+    for number in range(1, args.rounds + 1):
+        round_ = Round(number)
+        round_.raw_by_batch = {k: round(v, 1) for k, v in raw_ceiling(texts, sizes).items()}
+        round_.raw_ceiling = max(round_.raw_by_batch.values())
+        for mode in args.modes.split(","):
+            round_.modes.append(run_mode(mode, texts, args.concurrency, args.timeout))
+        round_.ratios = ratios(round_)
+        report.rounds.append(round_)
+        print_table(round_)
+    report.summary = {
+        mode: {
+            name: results.spread([r.ratios[mode][name] for r in report.rounds])
+            for name in report.rounds[0].ratios[mode]
+        }
+        for mode in report.rounds[0].ratios
     }
-    report.raw_ceiling = max(report.raw_by_batch.values())
-    for mode in args.modes.split(","):
-        report.modes.append(run_mode(mode, texts, args.concurrency, args.timeout))
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    settings = {
+        "jobs": args.jobs,
+        "concurrency": args.concurrency,
+        "modes": args.modes.split(","),
+        "rounds": args.rounds,
+        "raw_batch_sizes": list(sizes),
+        "device": os.environ.get("FERRY_DEVICE", "auto"),
+        "ferry": {"FERRY_PREFETCH": "256"},
+    }
+    results.write(args.out, asdict(report), settings=settings, head=head)
     print(f"wrote {args.out}")
     return 0
 
 
-def print_table(report: Report) -> None:
+def print_table(report: Round) -> None:
     none = next((m for m in report.modes if m.mode == "none"), None)
-    print(f"\nraw model ceiling: {report.raw_ceiling:.1f} texts/s (sorted, best batch size)")
+    print(f"\nround {report.round}: raw model ceiling {report.raw_ceiling:.1f} texts/s (sorted)")
     print(
         f"{'mode':<6} {'drain/s':>8} {'% raw':>6} {'x none':>7} {'live/s':>7} {'% raw':>6} "
         f"{'x none':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} {'eff':>5}"
@@ -260,14 +306,6 @@ def print_table(report: Report) -> None:
         cells.append(f"{m.live.p50_ms:>8.0f} {m.live.p99_ms:>8.0f}")
         cells.append(f"{m.drain.mean_batch_size:>6.1f} {m.drain.efficiency:>5.2f}")
         print(" ".join(cells))
-
-
-def _accelerator() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return "no GPU"
 
 
 def _ts(value: str) -> float:

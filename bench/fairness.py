@@ -21,7 +21,7 @@ own. Ferry's promise is at most one: the batch the worker had just formed
 when the job arrived (a batch already running then is not counted, and the
 job runs in the next one).
 
-    python -m bench.fairness [--seconds 20] [--rate 10] [--flood 8000]
+    python -m bench.fairness [--seconds 20] [--rate 10] [--flood 8000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import datetime as dt
 import json
-import platform
 import sqlite3
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import results
 from bench.e2e import _quantile, _ts, wait_done
 from harness.stack import FerryUp
 
@@ -66,14 +65,9 @@ class PhaseResult:
 
 
 @dataclass
-class Report:
-    date: str
-    machine: str
-    python: str
-    seconds: float
-    rate_per_s: float
-    flood_jobs: int
-    sim: dict[str, object]
+class Run:
+    """One repeat of the three phases, on a fresh stack."""
+
     phases: list[PhaseResult]
     p99_rise_ms: float  # flood with its own key, over alone
     one_batch_ms: float  # the P99 batch during that flood
@@ -170,7 +164,7 @@ def create_key(stack: FerryUp, name: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def run(seconds: float, rate: float, flood_jobs: int) -> Report:
+def run(seconds: float, rate: float, flood_jobs: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="ferry-bench-fairness-") as tmp:
         # No worker from ferry up: the benchmark starts and stops its own.
         stack = FerryUp(
@@ -203,14 +197,7 @@ def run(seconds: float, rate: float, flood_jobs: int) -> Report:
             stack.stop(worker, 60)
             stack.stop(stack.process, 60)
     alone, own, shared = results
-    return Report(
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()}, {_cpus()} CPUs, no GPU (sim model)",
-        python=platform.python_version(),
-        seconds=seconds,
-        rate_per_s=rate,
-        flood_jobs=flood_jobs,
-        sim={"cost": COST, **SIM},
+    return Run(
         phases=results,
         p99_rise_ms=round(own.p99_ms - alone.p99_ms, 1),
         one_batch_ms=own.batch_p99_ms or 0.0,
@@ -232,21 +219,37 @@ def _wait_ready(stack: FerryUp, timeout_s: float = 120.0) -> None:
     raise RuntimeError("the sim worker did not come up")
 
 
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rate", type=float, default=10.0, help="steady jobs per second")
     parser.add_argument("--flood", type=int, default=8000, help="jobs the flooder queues")
+    parser.add_argument("--repeats", type=int, default=3, help="runs, each on a fresh stack")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fairness.json"))
     args = parser.parse_args(argv)
-    report = run(args.seconds, args.rate, args.flood)
-    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    head = results.provenance("fairness", argv)
+    runs = results.repeated(
+        args.repeats, lambda: run(args.seconds, args.rate, args.flood), print_run
+    )
+    settings = {
+        "seconds": args.seconds,
+        "rate_per_s": args.rate,
+        "flood_jobs": args.flood,
+        "repeats": args.repeats,
+        "sim": {"cost": COST, **SIM},
+    }
+    summary = {
+        "p99_rise_ms": results.spread([r.p99_rise_ms for r in runs]),
+        "batches_ahead_max": max(r.phases[1].batches_ahead_max for r in runs),
+        "within_one_batch": all(r.within_one_batch for r in runs),
+    }
+    figures = {"runs": [asdict(r) for r in runs], "summary": summary}
+    results.write(args.out, figures, settings=settings, head=head)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_run(report: Run) -> None:
     print(
         f"{'phase':18} {'jobs':>5} {'P50 ms':>7} {'P99 ms':>7} {'max ms':>7} "
         f"{'ahead P99':>9} {'ahead max':>9} {'batch P99':>9}"
@@ -263,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         f"(one batch: {report.one_batch_ms:.0f} ms); behind a shared queue: "
         f"P99 {report.shared_key_p99_ms:.0f} ms"
     )
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

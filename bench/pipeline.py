@@ -20,7 +20,8 @@ CPU 0.1 ms per input (a tokeniser's work), done as busy work.
 * **device idle**: 1 - (the device's busy time, from the worker's
   ``ferry_worker_compute_seconds_total``) / that same span.
 
-    python -m bench.pipeline [--jobs 6000] [--postgres] [--out bench/results/pipeline.json]
+    python -m bench.pipeline [--jobs 6000] [--postgres] [--rounds 3]
+                             [--out bench/results/pipeline.json]
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -39,7 +38,8 @@ from typing import Any
 
 import sqlalchemy
 
-from bench.fairness import _cpus, submit_many
+from bench import results
+from bench.fairness import submit_many
 from ferry.local_redis import free_port
 from harness.services import postgres_database
 from harness.stack import FerryUp, compute_seconds
@@ -49,6 +49,7 @@ SIM = {
     "FERRY_SIM_LATENCY_PER_COST_MS": "0.1",
     "FERRY_SIM_PREPARE_MS_PER_ITEM": "0.1",
 }
+COST = 4  # per job: a full batch of 32 computes in 5 + 0.1 x 4 x 32 = 17.8 ms
 # Mode: (FERRY_PIPELINE, FERRY_PIPELINE_PREPARE).
 MODES = {"plain": (False, False), "record": (True, False), "three-stage": (True, True)}
 
@@ -57,6 +58,7 @@ MODES = {"plain": (False, False), "record": (True, False), "three-stage": (True,
 class ModeResult:
     mode: str
     database: str
+    round: int
     jobs: int
     seconds: float
     jobs_per_s: float
@@ -65,16 +67,7 @@ class ModeResult:
     mean_batch_size: float
 
 
-@dataclass
-class Report:
-    date: str
-    machine: str
-    python: str
-    sim: dict[str, str]
-    modes: list[ModeResult]
-
-
-def drain(mode: str, jobs: int, database_url: str | None) -> ModeResult:
+def drain(mode: str, jobs: int, database_url: str | None, round_: int) -> ModeResult:
     pipeline, prepare = MODES[mode]
     with tempfile.TemporaryDirectory(prefix="ferry-bench-pipeline-") as tmp:
         root = Path(tmp)
@@ -90,7 +83,7 @@ def drain(mode: str, jobs: int, database_url: str | None) -> ModeResult:
         engine = sqlalchemy.create_engine(url)
         try:
             stack.start()
-            submit_many(stack.base, stack.token, jobs, cost=4)
+            submit_many(stack.base, stack.token, jobs, cost=COST)
             port = free_port()
             worker = stack.spawn(
                 [sys.executable, "-m", "ferry", "worker", "--model", "sim",
@@ -125,6 +118,7 @@ def drain(mode: str, jobs: int, database_url: str | None) -> ModeResult:
     return ModeResult(
         mode=mode,
         database="postgresql" if database_url else "sqlite",
+        round=round_,
         jobs=jobs,
         seconds=round(seconds, 3),
         jobs_per_s=round(jobs / seconds, 1),
@@ -139,6 +133,16 @@ def _aware(value: Any) -> dt.datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
+def against_plain(modes: list[ModeResult], database: str) -> dict[str, dict[str, float]]:
+    """Each mode's jobs/s over the plain worker's of the same round: median and range."""
+    plain = {m.round: m.jobs_per_s for m in modes if m.database == database and m.mode == "plain"}
+    ratios: dict[str, list[float]] = {}
+    for m in modes:
+        if m.database == database and m.round in plain:
+            ratios.setdefault(f"{m.mode}_vs_plain", []).append(m.jobs_per_s / plain[m.round])
+    return {name: results.spread(values) for name, values in ratios.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=6000)
@@ -146,28 +150,34 @@ def main(argv: list[str] | None = None) -> int:
         "--postgres", action="store_true",
         help="also run on a scratch database of the PostgreSQL at 127.0.0.1:5432",
     )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="repeats of every run")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args(argv)
+    head = results.provenance("pipeline", argv)
+    databases = ("sqlite", "postgresql") if args.postgres else ("sqlite",)
     modes: list[ModeResult] = []
-    for database in ("sqlite", "postgresql") if args.postgres else ("sqlite",):
-        for name in MODES:
-            with contextlib.ExitStack() as scope:
-                url = scope.enter_context(postgres_database()) if database != "sqlite" else None
-                modes.append(drain(name, args.jobs, url))
-            print(f"  {asdict(modes[-1])}", flush=True)
-    report = Report(
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()}, {_cpus()} CPUs, no GPU (sim model)",
-        python=platform.python_version(),
-        sim=SIM,
-        modes=modes,
+    # Round by round, each mode in turn: a slow spell of the machine weighs on all alike.
+    for number in range(1, args.rounds + 1):
+        for database in databases:
+            for name in args.modes.split(","):
+                with contextlib.ExitStack() as scope:
+                    url = scope.enter_context(postgres_database()) if database != "sqlite" else None
+                    modes.append(drain(name, args.jobs, url, number))
+                print(f"  {asdict(modes[-1])}", flush=True)
+    summary = {database: against_plain(modes, database) for database in databases}
+    settings = {"jobs": args.jobs, "cost": COST, "rounds": args.rounds, "sim": SIM}
+    results.write(
+        args.out, {"modes": [asdict(m) for m in modes], "summary": summary},
+        settings=settings, head=head,
+    )  # fmt: skip
+    print(
+        f"{'database':11} {'mode':12} {'round':>5} {'jobs/s':>8} {'device idle':>12} {'batch':>6}"
     )
-    args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
-    print(f"{'database':11} {'mode':12} {'jobs/s':>8} {'device idle':>12} {'batch':>6}")
     for result in modes:
         print(
-            f"{result.database:11} {result.mode:12} {result.jobs_per_s:>8.1f} "
-            f"{result.device_idle:>12.1%} {result.mean_batch_size:>6.1f}"
+            f"{result.database:11} {result.mode:12} {result.round:>5} {result.jobs_per_s:>8.1f} "
+            f"{result.device_idle:>6.1%} {result.mean_batch_size:>6.1f}"
         )
     print(f"wrote {args.out}")
     return 0
