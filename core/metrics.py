@@ -86,6 +86,13 @@ BATCH_PREDICTED = Histogram(
     ["model"],
     buckets=LATENCY_BUCKETS_S,
 )
+BATCH_STAGE = Histogram(
+    "ferry_batch_stage_seconds",
+    "Time a batch spends in each stage: prepare (tokenise, decode, stage on the device), "
+    "compute, record (the result write) and acknowledge (Redis).",
+    ["model", "stage"],
+    buckets=LATENCY_BUCKETS_S,
+)
 COMPUTE_SECONDS = Counter(
     "ferry_worker_compute_seconds_total",
     "Time a GPU worker spent running batches on its model (1 - its rate: the device's idle share).",

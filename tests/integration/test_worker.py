@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job, utcnow
@@ -290,3 +291,36 @@ def test_a_job_that_keeps_killing_its_worker_is_dead_lettered(
     dead: Any = redis_client.xrange(dead_letter_key(settings.key_prefix, "sim"))
     assert [fields["job"] for _, fields in dead] == [job_id]
     assert pending_count(redis_client, settings) == 0
+
+
+def test_each_stage_of_a_batch_is_timed(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    sim_worker: Callable[..., RunningLoop],
+) -> None:
+    stages = ("prepare", "compute", "record", "acknowledge")
+
+    def counts() -> dict[str, float]:
+        return {
+            stage: REGISTRY.get_sample_value(
+                "ferry_batch_stage_seconds_count", {"model": "sim", "stage": stage}
+            )
+            or 0.0
+            for stage in stages
+        }
+
+    before = counts()
+    ids = [submit(client, auth, model="sim", input={"cost": 5}) for _ in range(12)]
+    with sim_worker():
+        rows = wait_terminal(sessions, ids)
+    batches = len({row.batch_id for row in rows.values()})
+    after = counts()
+    # The sim model prepares apart from computing: every batch goes through all four.
+    assert {stage: after[stage] - before[stage] for stage in stages} == dict.fromkeys(
+        stages, float(batches)
+    )
+    computed = REGISTRY.get_sample_value(
+        "ferry_batch_stage_seconds_sum", {"model": "sim", "stage": "compute"}
+    )
+    assert computed is not None and computed > 0

@@ -125,6 +125,8 @@ class DevicePipeline:
             prepared = self.runtime.prepare(inputs)
         except Exception as exc:
             flight.failed = exc
+        else:
+            self.observer.stage_timed("prepare", time.perf_counter() - flight.began)
         previous, self.in_flight = self.in_flight, None
         if previous is not None:
             previous.wait()

@@ -68,6 +68,9 @@ class BatchObserver:
     def batch_computed(self, device_s: float) -> None:
         """The device was busy ``device_s`` for a batch."""
 
+    def stage_timed(self, stage: str, seconds: float) -> None:
+        """A batch spent ``seconds`` preparing, recording or acknowledging."""
+
     def batch_finished(self, batch: BatchFinished) -> None:
         """Recorded and acknowledged."""
 
@@ -111,6 +114,9 @@ class Observers(BatchObserver):
 
     def batch_computed(self, device_s: float) -> None:
         self._each("batch_computed", lambda o: o.batch_computed(device_s))
+
+    def stage_timed(self, stage: str, seconds: float) -> None:
+        self._each("stage_timed", lambda o: o.stage_timed(stage, seconds))
 
     def batch_finished(self, batch: BatchFinished) -> None:
         self._each("batch_finished", lambda o: o.batch_finished(batch))

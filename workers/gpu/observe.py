@@ -11,6 +11,7 @@ from core.metrics import (
     BATCH_LATENCY,
     BATCH_PREDICTED,
     BATCH_SIZE,
+    BATCH_STAGE,
     BATCH_WINDOW,
     COMPUTE_SECONDS,
     ENTRIES_RECLAIMED,
@@ -68,6 +69,10 @@ class Metrics(BatchObserver):
 
     def batch_computed(self, device_s: float) -> None:
         COMPUTE_SECONDS.labels(self.model).inc(device_s)
+        BATCH_STAGE.labels(self.model, "compute").observe(device_s)
+
+    def stage_timed(self, stage: str, seconds: float) -> None:
+        BATCH_STAGE.labels(self.model, stage).observe(seconds)
 
     def entries_reclaimed(self, count: int) -> None:
         if count:

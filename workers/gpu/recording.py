@@ -142,7 +142,10 @@ class Recording:
         entries: list[Entry],
     ) -> list[str]:
         """Write the outcomes; remember what was written, for the observers."""
+        began = time.perf_counter()
         written = self._write(outcomes, now, batch_id, batch_size, entries)
+        if outcomes:
+            self.observer.stage_timed("record", time.perf_counter() - began)
         done = set(written)
         for outcome in outcomes:
             if outcome.job_id in done:
@@ -216,7 +219,9 @@ class Recording:
         """Acknowledge entries whose outcomes are committed; then tell the observers."""
         # The long-polls of the finished jobs are woken in the same round trip.
         done = (done_channel(self.prefix), ",".join(written)) if written else None
+        began = time.perf_counter()
         self.intake.acknowledge(entries, publish=done)
+        self.observer.stage_timed("acknowledge", time.perf_counter() - began)
         by_job = {e.message.job_id: e.message for e in entries}
         finished = [
             JobDone(by_job[job_id], self._written_status.pop(job_id, "succeeded"))
