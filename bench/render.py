@@ -1,0 +1,1167 @@
+# The documents' typography (×, –, −, ≥) is what this module writes.
+# ruff: noqa: RUF001, RUF002, RUF003
+"""The benchmark figures of the documents, rendered from the results files.
+
+A document marks each rendered region::
+
+    <!-- bench:table NAME -->
+    ...what RENDERERS[NAME] makes of bench/results/*.json...
+    <!-- /bench:table -->
+
+``python -m bench.render`` rewrites every region of README.md, bench/README.md
+and docs/benchmarks.md; ``--check`` only says which differ (a unit test runs
+it). ``--results DIR`` renders from another folder, ``--print`` writes the
+regions to stdout instead of the documents (how the smoke run proves its
+results still render).
+
+A figure measured more than once is the median of the runs with their range,
+``1.32× (1.30–1.35)``; a target is met only when every run meets it, so a
+range that crosses it reads "not met".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.results import RESULTS, mixed_commits
+
+ROOT = RESULTS.parent.parent
+DOCUMENTS = ("README.md", "bench/README.md", "docs/benchmarks.md")
+REGION = re.compile(
+    r"(<!-- bench:table (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:table -->)", re.S
+)
+# The results files of one regenerated set; see MANIFEST.json and same_commit_problems.
+MANIFEST = RESULTS / "MANIFEST.json"
+
+Doc = dict[str, Any]
+DEFAULT_SIMULATE = "python -m bench.simulate"
+
+
+class Results:
+    """The results files of a folder, read once each, by name (``api`` is api.json)."""
+
+    def __init__(self, folder: Path, smoke: bool = False) -> None:
+        self.folder = folder
+        self.smoke = smoke  # a smoke run's files are read only to prove they still render
+        self.read: dict[str, Doc] = {}
+
+    def __getitem__(self, name: str) -> Doc:
+        if name not in self.read:
+            doc = json.loads((self.folder / f"{name}.json").read_text())
+            if doc.get("smoke") and not self.smoke:
+                raise ValueError(f"{name}.json is a smoke run's: its figures mean nothing")
+            self.read[name] = doc
+        return self.read[name]
+
+
+# --- figures ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure over the runs that measured it."""
+
+    runs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Figure:
+        return cls(tuple(values))
+
+    @classmethod
+    def summary(cls, spread: Mapping[str, float]) -> Figure:
+        """From a results file's {median, min, max} (rounds it already summarised)."""
+        if spread["min"] == spread["max"]:
+            return cls((spread["median"],))
+        return cls((spread["min"], spread["median"], spread["max"]))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def low(self) -> float:
+        return min(self.runs)
+
+    @property
+    def high(self) -> float:
+        return max(self.runs)
+
+    def text(self, fmt: Fmt, bold: bool = False) -> str:
+        """The median (bold if asked), then the runs' range where there were several."""
+        shown = f"**{fmt(self.median)}**" if bold else fmt(self.median)
+        if len(self.runs) < 2:
+            return shown
+        return f"{shown} ({fmt.bare(self.low)}–{fmt.bare(self.high)})"
+
+    def meets(self, target: float, at_least: bool) -> bool:
+        """Every run meets the target: a range that crosses it does not."""
+        return self.low >= target if at_least else self.high <= target
+
+
+@dataclass(frozen=True)
+class Fmt:
+    """How a figure is written: ``1,586``, ``41.6 %``, ``1.87×``; bare, without the unit."""
+
+    digits: int = 0
+    suffix: str = ""
+    scale: float = 1.0
+
+    def bare(self, value: float) -> str:
+        return f"{self.scale * value:,.{self.digits}f}"
+
+    def __call__(self, value: float) -> str:
+        return self.bare(value) + self.suffix
+
+
+def number(digits: int = 0, suffix: str = "") -> Fmt:
+    return Fmt(digits, suffix)
+
+
+def percent(digits: int = 0) -> Fmt:
+    return Fmt(digits, " %", 100.0)
+
+
+def times(digits: int = 2) -> Fmt:
+    return Fmt(digits, "×")
+
+
+def batches(count: int) -> str:
+    return {0: "no batch", 1: "one batch"}.get(count, f"{count:,} batches")
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**not met**"
+
+
+def runs_of(doc: Doc, key: str = "runs") -> list[Doc]:
+    """A repeated benchmark's runs; a file of one run (written before repeats) is its own."""
+    found = doc.get(key)
+    return list(found) if isinstance(found, list) else [doc]
+
+
+def day(doc: Doc) -> str:
+    return str(doc["date"])[:10]
+
+
+def machine_text(doc: Doc) -> str:
+    """The machine as a results file recorded it (older files recorded less)."""
+    found = doc.get("machine")
+    if isinstance(found, str):
+        return found
+    if not isinstance(found, dict):
+        return "machine not recorded"
+    cores = found.get("cores") or found.get("cpu_count")
+    parts = [found.get("cpu") or found.get("machine") or found.get("arch"), f"{cores} cores"]
+    if found.get("memory_gib"):
+        parts.append(f"{found['memory_gib']} GiB")
+    parts.append(found["gpu"] if found.get("gpu") else "no GPU")
+    return ", ".join(str(p) for p in parts if p)
+
+
+def commit_text(doc: Doc) -> str:
+    git = doc.get("git")
+    commit = git.get("commit") if isinstance(git, dict) else doc.get("commit")
+    return f"commit {commit[:7]}" if commit else "commit not recorded"
+
+
+def table(header: Sequence[str], align: str, rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table; ``align`` has one letter a column, l or r."""
+    marks = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+# --- the scheduler simulation (scheduler.json) -------------------------------------------
+
+
+def scheduler_seeds(doc: Doc) -> list[Doc]:
+    """Seed by seed, the capacities and the targets; a file of one seed has them at the top."""
+    if "seeds" in doc:
+        return list(doc["seeds"])
+    capacity = {n: doc["policies"][n]["capacity_per_s"] for n in ("fixed", "ferry")}
+    return [{"seed": doc["seed"], "capacity_per_s": capacity, "targets": doc["targets"]}]
+
+
+def scheduler_targets(doc: Doc) -> dict[str, Figure]:
+    seeds = scheduler_seeds(doc)
+
+    def over(get: Callable[[Doc], float]) -> Figure:
+        return Figure.of(get(s) for s in seeds)
+
+    return {
+        "capacity_ratio": over(lambda s: s["targets"]["capacity_vs_fixed"]["value"]),
+        "ferry_capacity": over(lambda s: s["capacity_per_s"]["ferry"]),
+        "fixed_capacity": over(lambda s: s["capacity_per_s"]["fixed"]),
+        "efficiency": over(lambda s: s["targets"]["efficiency_at_80"]["value"]),
+        "efficiency_cost": over(lambda s: s["targets"]["efficiency_at_80"]["cost_weighted"]),
+        "efficiency_95": over(lambda s: s["targets"]["efficiency_at_80"]["at_95"]),
+        "urgent_ratio": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["value"]),
+        "urgent_10": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["p99_10_ms"]),
+        "urgent_80": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["p99_80_ms"]),
+        "misses": over(lambda s: s["targets"]["deadline_misses_le_90"]["value"]),
+    }
+
+
+def _run_at(doc: Doc, policy: str, trace: str, load: float) -> Doc:
+    from bench.simulate import _run_at as run_at
+
+    return run_at(doc["policies"][policy], trace, load)
+
+
+def render_scheduler_capacity(results: Results) -> list[str]:
+    doc = results["scheduler"]
+    seeds = len(scheduler_seeds(doc))
+    command = doc.get("command", DEFAULT_SIMULATE)
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; model `{doc['model']['name']}`, "
+        f"seed {doc['seed']}"
+        + (
+            f" (the targets over seeds {doc['seed']} to {doc['seed'] + seeds - 1})"
+            if seeds > 1
+            else ""
+        )
+        + f", {doc['seconds']:.0f} s, `{command}`.",
+        "",
+        "Sustainable throughput (Poisson):",
+        "",
+    ]
+    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    rows = []
+    for name, policy in doc["policies"].items():
+        ratio = f"{policy['capacity_per_s'] / fixed:.2f}×"
+        rows.append(
+            [name, f"{policy['capacity_per_s']:,.0f}", f"**{ratio}**" if name == "ferry" else ratio]
+        )
+    return lines + table(["policy", "capacity (jobs/s)", "vs fixed"], "lrr", rows)
+
+
+def render_scheduler_runs(results: Results) -> list[str]:
+    from bench.simulate import RUN_HEADER, _row
+
+    doc = results["scheduler"]
+    lines = list(RUN_HEADER)
+    for name, policy in doc["policies"].items():
+        for run in policy["runs"]:
+            label = f"{run['load']:.0%}" + ("" if run["trace"] == "poisson" else f" {run['trace']}")
+            lines.append(_row(name, label, run))
+    return lines
+
+
+def render_scheduler_common(results: Results) -> list[str]:
+    from bench.simulate import RUN_HEADER, _row
+
+    doc = results["scheduler"]
+    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    lines = [
+        f"At a common rate, {doc['common_rate']:,.0f} jobs/s "
+        f"({doc['common_rate'] / fixed:.0%} of the fixed baseline's capacity):".replace("%", " %"),
+        "",
+        RUN_HEADER[0].replace("| load |", "| load of own capacity |"),
+        RUN_HEADER[1],
+    ]
+    for name, policy in doc["policies"].items():
+        lines.append(_row(name, f"{policy['common']['load']:.0%}", policy["common"]))
+    return lines
+
+
+def render_scheduler_targets(results: Results) -> list[str]:
+    doc = results["scheduler"]
+    t = scheduler_targets(doc)
+    by_run = doc["targets"]["deadline_misses_le_90"]["by_run"]
+    steady = max(v for k, v in by_run.items() if not k.startswith("bursty"))
+    bursty = max(v for k, v in by_run.items() if k.startswith("bursty"))
+    at_90 = _run_at(doc, "ferry", "poisson", 0.9)["efficiency_mean"]
+    seeds = len(scheduler_seeds(doc))
+    pct = percent(2)
+
+    def yes(met: bool) -> str:
+        return "yes" if met else "**no**"
+
+    rows = [
+        [
+            "Ferry capacity ≥ 1.3 × fixed batching",
+            f"{t['capacity_ratio'].text(times())} ({t['ferry_capacity'].median:,.0f} vs "
+            f"{t['fixed_capacity'].median:,.0f} jobs/s)",
+            yes(t["capacity_ratio"].meets(1.3, at_least=True)),
+        ],
+        [
+            "Ferry batch efficiency ≥ 0.9 (at 80 % load)",
+            f"{t['efficiency'].text(number(3))} (cost-weighted {t['efficiency_cost'].median:.2f};"
+            f" {at_90:.2f} at 90 % and {t['efficiency_95'].median:.2f} at 95 %)".replace(
+                f"{at_90:.2f} at 90 % and {at_90:.2f} at 95 %", f"{at_90:.2f} at 90 % and 95 %"
+            ),
+            yes(t["efficiency"].meets(0.9, at_least=True)),
+        ],
+        [
+            "Ferry urgent p99 at 80 % ≤ 1.2 × at 10 %",
+            f"{t['urgent_80'].median:.1f} / {t['urgent_10'].median:.1f} ms = "
+            f"{t['urgent_ratio'].text(number(2))}",
+            yes(t["urgent_ratio"].meets(1.2, at_least=False)),
+        ],
+        [
+            "Deadline misses ≤ 1 % at ≤ 90 % load",
+            f"{pct(steady)} on Poisson and uniform traces; {pct(bursty)} on the bursty trace"
+            " at 90 %" + (f"; at most {pct(t['misses'].high)} over the seeds" if seeds > 1 else ""),
+            yes(t["misses"].meets(0.01, at_least=False)),
+        ],
+    ]
+    return table(["target", "value", "met"], "lrl", rows)
+
+
+def render_scheduler_floors(results: Results) -> list[str]:
+    from bench.simulate import SHORT_HEADER, _short_row
+
+    doc = results["scheduler"]
+    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    return list(SHORT_HEADER) + [
+        _short_row(name, report, fixed) for name, report in doc["efficiency_floors"].items()
+    ]
+
+
+def render_scheduler_sensitivity(results: Results) -> list[str]:
+    from bench.simulate import SHORT_HEADER, _short_row
+
+    policies = results["scheduler"]["sensitivity"]["policies"]
+    fixed = policies["fixed"]["capacity_per_s"]
+    return list(SHORT_HEADER) + [
+        _short_row(name, report, fixed) for name, report in policies.items()
+    ]
+
+
+# --- end to end (e2e.json) -------------------------------------------------------------
+
+
+def e2e_ratios(round_: Doc) -> dict[str, dict[str, float]]:
+    """A round's ratios (files written before rounds did not keep them)."""
+    if "ratios" in round_:
+        return dict(round_["ratios"])
+    from bench.e2e import ModeResult, Phase, Round, ratios
+
+    modes = [
+        ModeResult(m["mode"], m["submit_per_s"], Phase(**m["drain"]), Phase(**m["live"]))
+        for m in round_["modes"]
+    ]
+    return ratios(Round(1, round_["raw_by_batch"], round_["raw_ceiling"], modes))
+
+
+def e2e_figures(doc: Doc) -> dict[str, dict[str, Figure]]:
+    rounds = runs_of(doc, "rounds")
+    per_round = [e2e_ratios(r) for r in rounds]
+    figures: dict[str, dict[str, Figure]] = {}
+    for mode in per_round[0]:
+        found = {k: Figure.of(r[mode][k] for r in per_round) for k in per_round[0][mode]}
+        for phase in ("drain", "live"):
+            found[f"{phase}_jobs_per_s"] = Figure.of(
+                next(m for m in r["modes"] if m["mode"] == mode)[phase]["jobs_per_s"]
+                for r in rounds
+            )
+        figures[mode] = found
+    figures["raw"] = {
+        "ceiling": Figure.of(r["raw_ceiling"] for r in rounds),
+        "gain": Figure.of(r["raw_ceiling"] / r["raw_by_batch"]["1"] for r in rounds),
+    }
+    return figures
+
+
+def render_e2e(results: Results) -> list[str]:
+    doc = results["e2e"]
+    rounds = runs_of(doc, "rounds")
+    first = rounds[0]
+    raw = first["raw_by_batch"]
+    best = max(raw, key=lambda k: raw[k])
+    shown = [
+        f"**{raw[k]:.0f} at {k}** (the ceiling)" if k == best else f"{raw[k]:.0f} at {k}"
+        for k in raw
+    ]
+    shown[0] = shown[0].replace(" at ", " texts/s at batch ", 1)
+    over = f"; median of {len(rounds)} rounds (min–max)" if len(rounds) > 1 else ""
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, {doc['jobs']:,} paragraphs, "
+        f"mean {doc['mean_cost']} tokens{over}. Raw model"
+        + (" (first round)" if len(rounds) > 1 else "")
+        + ": "
+        + ", ".join(shown)
+        + ".",
+        "",
+    ]
+    figures = e2e_figures(doc)
+    labels = {"fixed": "fixed (32, 5 ms)"}
+    rows = []
+    for m in first["modes"]:
+        mode, f = m["mode"], figures[m["mode"]]
+        bold = mode == "ferry"
+        rows.append(
+            [
+                labels.get(mode, mode),
+                f["drain_jobs_per_s"].text(number(1), bold),
+                f["drain_share_of_raw"].text(percent(), bold),
+                f["drain_vs_none"].text(times(), bold),
+                f["live_jobs_per_s"].text(number(1)),
+                f["live_share_of_raw"].text(percent()),
+                f["live_vs_none"].text(times()),
+                f"{m['drain']['mean_batch_size']:.1f}",
+                f"{m['drain']['efficiency']:.2f}",
+            ]
+        )
+    header = ["policy", "drain jobs/s", "% of raw", "× none", "live jobs/s", "% of raw", "× none"]
+    return lines + table([*header, "batch size", "efficiency"], "lrrrrrrrr", rows)
+
+
+def render_e2e_targets(results: Results) -> list[str]:
+    figures = e2e_figures(results["e2e"])
+    ferry, raw = figures["ferry"], figures["raw"]
+    rows = [
+        [
+            "drain ≥ 85 % of the raw ceiling",
+            ferry["drain_share_of_raw"].text(percent()),
+            verdict(ferry["drain_share_of_raw"].meets(0.85, at_least=True)),
+        ],
+        [
+            "drain ≥ 3 × batching off (`none`)",
+            ferry["drain_vs_none"].text(times()),
+            verdict(ferry["drain_vs_none"].meets(3.0, at_least=True)),
+        ],
+        ["the model's own gain from batching (ceiling / batch 1)", raw["gain"].text(times()), ""],
+    ]
+    return table(["target (ferry)", "value", ""], "lrl", rows)
+
+
+# --- the per-job path (api.json) ---------------------------------------------------------
+
+
+def _stack_label(stack: Doc) -> str:
+    database = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}[stack["database"]]
+    count = stack["api_processes"]
+    return f"{database}, {count} API process" + ("es" if count > 1 else "")
+
+
+def render_api(results: Results) -> list[str]:
+    doc = results["api"]
+    stacks = [s for s in doc["stacks"] if not s.get("error")]
+    rounds = doc["settings"]["rounds"]
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of {rounds} rounds "
+        "(min–max):",
+        "",
+    ]
+
+    def cells(get: Callable[[Doc], Mapping[str, float]], fmt: Fmt) -> list[str]:
+        return [Figure.summary(get(s["summary"])).text(fmt) for s in stacks]
+
+    rows = [
+        ["bare endpoint, requests/s", *cells(lambda s: s["bare"]["requests_per_s"], number())],
+        [
+            "bare endpoint, CPU per request, ms",
+            *cells(lambda s: s["bare"]["cpu_ms_per_job"]["bare"], number(2)),
+        ],
+        ["submit, requests/s", *cells(lambda s: s["submit"]["requests_per_s"], number())],
+        ["get, requests/s", *cells(lambda s: s["get"]["requests_per_s"], number())],
+        ["submit + long-poll, jobs/s", *cells(lambda s: s["longpoll"]["jobs_per_s"], number())],
+        [
+            "API CPU per submission, ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["api"], number(2)),
+        ],
+        ["API CPU per GET, ms", *cells(lambda s: s["get"]["cpu_ms_per_job"]["api"], number(2))],
+        [
+            "API CPU per submitted and long-polled job, ms",
+            *cells(lambda s: s["longpoll"]["cpu_ms_per_job"]["api"], number(2)),
+        ],
+        [
+            "worker CPU per sim job (submit run), ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["worker"], number(2)),
+        ],
+        [
+            "database CPU per submission, ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["postgres_all"], number(2)),
+        ],
+    ]
+    return lines + table(["", *map(_stack_label, stacks)], "l" + "r" * len(stacks), rows)
+
+
+def render_api_targets(results: Results) -> list[str]:
+    doc = results["api"]
+    rows = []
+    for stack in doc["stacks"]:
+        if stack.get("error") or stack["api_processes"] != 1:
+            continue
+        ratios = stack["ratios"]
+        for key, what, target, at_least, fmt in (
+            ("submit_per_bare", "submit, × the bare endpoint", 0.5, True, times()),
+            ("longpoll_jobs_per_bare", "submit + long-poll, × bare", 0.3, True, times()),
+            ("api_cpu_ms_per_submission", "API CPU per submission", 1.5, False, number(2, " ms")),
+        ):
+            figure = Figure.summary(ratios[key])
+            rows.append(
+                [
+                    f"{what} ({_stack_label(stack)})",
+                    figure.text(fmt),
+                    fmt(target),
+                    verdict(figure.meets(target, at_least)),
+                ]
+            )
+    return table(["target", "value", "target", ""], "lrrl", rows)
+
+
+# --- closed-loop clients (clients.json) -----------------------------------------------
+
+
+def render_clients_raw(results: Results) -> list[str]:
+    doc = results["clients"]
+    raw = doc["raw"]
+    sizes = list(next(iter(raw["by_threads"].values())))
+    rows = []
+    for threads, rates in raw["by_threads"].items():
+        row = [threads]
+        for size in sizes:
+            best = int(threads) == raw["ceiling_threads"] and int(size) == raw["ceiling_batch"]
+            row.append(f"**{rates[size]:.1f}** (the ceiling)" if best else f"{rates[size]:.1f}")
+        rows.append(row)
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{doc['load_average']['at_start'][0]:.1f} at the start, "
+        f"{doc['sample']['texts']:,} paragraphs of the corpus (mean "
+        f"{doc['sample']['tokens_mean']} tokens). Raw model, texts/s:",
+        "",
+        *table(["torch threads", *(f"batch {s}" for s in sizes)], "l" + "r" * len(sizes), rows),
+    ]
+    if raw.get("again") is not None:
+        lines += [
+            "",
+            f"(Timed again after the stacks, the ceiling's configuration gave {raw['again']:.1f}"
+            f", {abs(raw['drift']):.1%} {'less' if raw['drift'] < 0 else 'more'}: the machine "
+            "drifts by that much within a run.)".replace("%", " %", 1),
+        ]
+    return lines
+
+
+def render_clients(results: Results) -> list[str]:
+    doc = results["clients"]
+    rows = []
+    for stack in doc["stacks"]:
+        if stack.get("error"):
+            continue
+        s = stack["summary"]
+        best = stack["cpu_threads"] == doc.get("best_cpu_threads")
+
+        def ms(value: float) -> str:
+            return f"{value / 1000:.2f} s"
+
+        rows.append(
+            [
+                str(stack["cpu_threads"]),
+                Figure.summary(s["jobs_per_s"]).text(number(1), best),
+                Figure.summary(s["ratio"]).text(percent(1), best),
+                f"{ms(s['job_p50_ms']['median'])} / {ms(s['job_p99_ms']['median'])}",
+                f"{s['mean_batch_size']['median']:.1f}",
+                f"{s['cpu_ms_per_job']['api']['median']:.2f} ms",
+                f"{s['cpu_ms_per_job']['worker']['median']:.1f} ms",
+            ]
+        )
+    header = ["`FERRY_CPU_THREADS`", "jobs/s", "% of the ceiling", "job p50 / p99", "batch"]
+    return table([*header, "API CPU / job", "worker CPU / job"], "lrrrrrr", rows)
+
+
+def render_clients_target(results: Results) -> list[str]:
+    doc = results["clients"]
+    best = doc.get("best_cpu_threads")
+    ratio = doc["ratios"][str(best)]
+    figure = Figure.summary(ratio)
+    return [
+        f"Against the target (80 % of the raw ceiling, `FERRY_CPU_THREADS={best}`): "
+        f"{figure.text(percent(1))}, {verdict(figure.meets(0.8, at_least=True))}."
+    ]
+
+
+# --- soak (soak.json) --------------------------------------------------------------------
+
+
+SOAK_ORDER = ("api", "worker-sim", "celery-worker", "celery-beat", "redis-server")
+
+
+def render_soak(results: Results) -> list[str]:
+    doc = results["soak"]
+    settings = doc.get("settings", doc)
+    statuses = ", ".join(f"{n:,} {s}" for s, n in doc["statuses"].items())
+    twice = (
+        f"{doc['duplicated']:,} duplicated"
+        if "duplicated" in doc
+        else f"{doc.get('run_twice', 0):,} run twice, {doc.get('written_twice', 0):,} written twice"
+    )
+    refused = "no request refused" if not doc["refused"] else f"refused: {doc['refused']}"
+    samples = doc["memory"]
+    first, last = (samples[1] if len(samples) > 1 else samples[0]), samples[-1]
+    names = [n for n in SOAK_ORDER if n in last["rss_mib"]]
+    names += sorted(set(last["rss_mib"]) - set(names))
+    rows = [
+        [name, f"{first['rss_mib'].get(name, 0.0):.1f} → {last['rss_mib'][name]:.1f}"]
+        for name in names
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {settings['minutes']:g} minutes at "
+        f"{settings['rate_per_s']:g} jobs/s, the worker killed every "
+        f"{settings['kill_every_s']:g} s: {doc['accepted']:,} jobs accepted, "
+        f"{doc['worker_kills']} worker kills, {statuses}, **{doc['lost']:,} lost, {twice}**, "
+        f"{refused}. Resident memory, first sample after warm-up → last:",
+        "",
+        *table(["process", "RSS MiB"], "ll", rows),
+    ]
+
+
+# --- backfills (backfill.json) -------------------------------------------------------------
+
+
+def render_backfill_latency(results: Results) -> list[str]:
+    doc = results["backfill"]
+    runs = runs_of(doc)
+    first = runs[0]
+    over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
+    wall = Figure.of(r["wall_s"] for r in runs).text(number())
+    ride = first["settings"].get("FERRY_BULK_RIDE_FACTOR", "1.25")
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{first['load_average']['start'][0]:.1f} at the start, {wall} s of wall time a run, "
+        f"`FERRY_BULK_RIDE_FACTOR={ride}`"
+        + (" (the default)" if "FERRY_BULK_RIDE_FACTOR" not in first["settings"] else "")
+        + f"{over}. A full batch of the backfill's mean cost "
+        f"({first['backfill_mean_cost']:.2f}) takes {first['full_batch_ms']:.1f} ms: the raw "
+        f"model does {first['raw_lines_per_s']:.1f} lines/s at full batches. Interactive "
+        f"latency, ms (urgent has {first['idle']['lanes']['urgent']['jobs']} jobs and vip "
+        f"{first['idle']['lanes']['vip']['jobs']}, so their p99 is their maximum):",
+        "",
+    ]
+    rows = []
+    for lane in ("urgent", "vip", "normal", "all"):
+
+        def at(phase: str, key: str, lane: str = lane) -> Figure:
+            return Figure.of(
+                (r[phase]["overall"] if lane == "all" else r[phase]["lanes"][lane])[key]
+                for r in runs
+            )
+
+        bold = lane == "all"
+        rows.append(
+            [
+                "**all**" if bold else lane,
+                at("idle", "p50_ms").text(number(1)),
+                at("idle", "p99_ms").text(number(1), bold),
+                at("busy", "p50_ms").text(number(1)),
+                at("busy", "p99_ms").text(number(1), bold),
+            ]
+        )
+    lines += table(["lane", "idle p50", "idle p99", "busy p50", "busy p99"], "lrrrr", rows)
+
+    def overall(phase: str, key: str) -> str:
+        return Figure.of(r[phase]["overall"][key] for r in runs).text(number(1))
+
+    lines += [
+        "",
+        f"Interactive jobs ran in batches of {overall('idle', 'mean_batch_size')} jobs "
+        f"({overall('idle', 'mean_inference_ms')} ms) on average when idle, and "
+        f"{overall('busy', 'mean_batch_size')} jobs ({overall('busy', 'mean_inference_ms')} ms)"
+        " beside the backfill. The backfill:",
+        "",
+    ]
+    return lines
+
+
+def render_backfill_throughput(results: Results) -> list[str]:
+    runs = runs_of(results["backfill"])
+    first = runs[0]
+
+    def of(window: str, key: str, fmt: Fmt) -> str:
+        return Figure.of(r[window][key] if key else r[window] for r in runs).text(fmt)
+
+    size = first["settings"]["FERRY_BATCH_MAX_SIZE"]
+    rows = [
+        [
+            "raw model, full batches (formula)",
+            f"{first['raw_lines_per_s']:.1f}",
+            "100 %",
+            f"{size} × {first['full_batch_ms']:.1f} ms",
+        ]
+    ]
+    for window, share, what in (
+        ("backfill_alone", "alone_share_of_raw", "backfill alone"),
+        ("backfill_busy", "busy_share_of_raw", f"backfill beside {first['rate_per_s']:g} "
+         "interactive jobs/s"),
+    ):  # fmt: skip
+        rows.append(
+            [
+                what,
+                of(window, "lines_per_s", number(1)),
+                of(share, "", percent()),
+                f"{of(window, 'avg_batch_size', number(1))} × "
+                f"{of(window, 'avg_batch_ms', number(1))} ms",
+            ]
+        )
+    return table(["", "lines/s", "of raw", "batches"], "lrrl", rows)
+
+
+def render_backfill_target(results: Results) -> list[str]:
+    runs = runs_of(results["backfill"])
+
+    def of(key: str) -> Figure:
+        return Figure.of(r[key] for r in runs)
+
+    full = of("target_full_batch_ms")
+    mean = of("target_ms")
+    full_met = all(r["target_met_full_batch"] for r in runs)
+    mean_met = all(r["target_met"] for r in runs)
+    rows = [
+        ["`p99_idle_ms`", of("p99_idle_ms").text(number(1))],
+        ["`p99_busy_ms`", of("p99_busy_ms").text(number(1), bold=True)],
+        [
+            f"idle p99 + a full bulk batch ({runs[0]['full_batch_ms']:.1f} ms): the batch an"
+            " interactive job may find running",
+            f"{full.text(number(1))}: **{'met' if full_met else 'not met'}**",
+        ],
+        [
+            f"idle p99 + the mean batch of the busy window ({of('one_batch_ms').text(number(1))}"
+            " ms)",
+            f"{mean.text(number(1))}: {'met' if mean_met else 'not met'}",
+        ],
+    ]
+    return table(["figure", "ms"], "lr", rows)
+
+
+# --- fair share (fairness.json) ------------------------------------------------------------
+
+
+def render_fairness(results: Results) -> list[str]:
+    doc = results["fairness"]
+    runs = runs_of(doc)
+    over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
+    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, pipelined worker{over}:", ""]
+    rows = []
+    for index, phase in enumerate(runs[0]["phases"]):
+
+        def of(key: str, index: int = index) -> Figure:
+            return Figure.of(r["phases"][index][key] for r in runs)
+
+        own = phase["name"] == "flood, own key"
+        ahead_p99, ahead_max = of("batches_ahead_p99"), of("batches_ahead_max")
+        ahead = f"{ahead_p99.high:.0f} / {ahead_max.high:.0f}"
+        batch = (
+            of("batch_p99_ms").text(number())
+            if all(r["phases"][index]["batch_p99_ms"] is not None for r in runs)
+            else "-"
+        )
+        rows.append(
+            [
+                phase["name"],
+                f"{of('jobs').median:.0f}",
+                of("p50_ms").text(number()),
+                of("p99_ms").text(number(), own),
+                of("max_ms").text(number()),
+                f"**{ahead}**" if own else ahead,
+                batch,
+            ]
+        )
+    header = ["phase", "steady jobs", "p50 ms", "p99 ms", "max ms", "batches ahead, p99 / max"]
+    lines += table([*header, "batch p99 ms"], "lrrrrrr", rows)
+    if len(runs) > 1:
+        lines += ["", "(Batches ahead: the most of any run.)"]
+    return lines
+
+
+# --- backends (backends.json) ------------------------------------------------------------
+
+
+def render_backends(results: Results) -> list[str]:
+    doc = results["backends"]
+    versions = doc["versions"]
+    settings = doc["settings"]
+    shares = [
+        share
+        for backend in doc["backends"]
+        for order in backend["orders"].values()
+        for share in order["cpu_share"]
+    ]
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; PyTorch "
+        f"{versions['torch'].split('+')[0]} ({settings['torch_threads']} threads), ONNX Runtime "
+        f"{versions['onnxruntime']}, transformers {versions['transformers']}. The process had "
+        f"{100 * min(shares):.0f} to {100 * max(shares):.0f} % of the cores in every timed run. "
+        + "; ".join(
+            f"{order}: {o['texts']} texts, {o['mean_tokens']} tokens a text, "
+            f"{o['mean_padded_tokens']} once padded"
+            for order, o in settings["orders"].items()
+        )
+        + ".",
+        "",
+    ]
+    rows = []
+    for order in ("sorted", "arrival"):
+        ranked = [b for b in doc["backends"] if not b.get("error") and b["backend"] != "eager"]
+        best = max(ranked, key=lambda b: b["orders"][order]["ratio_to_eager"])["backend"]
+        for backend in doc["backends"]:
+            if backend.get("error"):
+                continue
+            measured = backend["orders"][order]
+            bold = backend["backend"] == best
+            runs = ", ".join(f"{r:.2f}" for r in measured["runs"])
+            ratio = (
+                "1.00×"
+                if backend["backend"] == "eager"
+                else Figure.of(measured["ratios_to_eager"]).text(times(), bold)
+            )
+            cosine = (
+                "—" if backend["backend"] == "eager" else f"{measured['min_cosine_to_eager']:.7f}"
+            )
+            rows.append(
+                [
+                    backend["backend"],
+                    order,
+                    f"**{measured['median']:.2f}**" if bold else f"{measured['median']:.2f}",
+                    runs,
+                    f"{measured['spread']:.1%}".replace("%", " %"),
+                    ratio,
+                    cosine,
+                ]
+            )
+    header = ["backend", "order", "median embeddings/s", "runs", "spread", "× eager"]
+    lines += table([*header, "min cosine to eager"], "llrlrrr", rows)
+    setup = ", ".join(
+        f"{b['backend']} {b['setup_s']:.1f} s"
+        for b in doc["backends"]
+        if not b.get("error") and b["backend"] != "onnx, default threads"
+    )
+    lines += [
+        "",
+        "(Spread: (max − min) / median; × eager: the median of the per-repeat ratios, and "
+        f"their range. Start-up, from load to warmed up: {setup}.)",
+    ]
+    return lines
+
+
+# --- the pipelined worker (pipeline.json) ------------------------------------------------------
+
+
+def pipeline_figures(doc: Doc) -> dict[tuple[str, str], dict[str, Figure]]:
+    """Per (database, mode): jobs/s, idle, batch, and jobs/s over the same round's plain."""
+    modes = doc["modes"]
+    plain = {
+        (m["database"], m.get("round", 1)): m["jobs_per_s"] for m in modes if m["mode"] == "plain"
+    }
+    found: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for m in modes:
+        values = found.setdefault((m["database"], m["mode"]), {})
+        values.setdefault("jobs_per_s", []).append(m["jobs_per_s"])
+        values.setdefault("device_idle", []).append(m["device_idle"])
+        values.setdefault("mean_batch_size", []).append(m["mean_batch_size"])
+        values.setdefault("ceiling", []).append(m["jobs_per_s"] / (m["jobs"] / m["compute_s"]))
+        values.setdefault("vs_plain", []).append(
+            m["jobs_per_s"] / plain[(m["database"], m.get("round", 1))]
+        )
+    return {key: {k: Figure.of(v) for k, v in values.items()} for key, values in found.items()}
+
+
+def render_pipeline(results: Results) -> list[str]:
+    doc = results["pipeline"]
+    figures = pipeline_figures(doc)
+    rounds = max(m.get("round", 1) for m in doc["modes"])
+    over = f"; median of {rounds} rounds (min–max)" if rounds > 1 else ""
+    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}{over}:", ""]
+    names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+    rows = []
+    for (database, mode), f in figures.items():
+        best = mode == "three-stage"
+        rows.append(
+            [
+                names[database],
+                mode,
+                f["jobs_per_s"].text(number()),
+                f["vs_plain"].text(times(), best),
+                f["ceiling"].text(percent()),
+                f["device_idle"].text(percent(1), best),
+                f"{f['mean_batch_size'].median:.1f}",
+            ]
+        )
+    header = ["database", "worker", "jobs/s", "× plain", "of the device's ceiling"]
+    return lines + table([*header, "device idle", "batch"], "llrrrrr", rows)
+
+
+# --- the result write (recording.json) -------------------------------------------------------
+
+
+def render_recording(results: Results) -> list[str]:
+    doc = results["recording"]
+    settings = doc["settings"]
+    names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+    outputs = {"small": "small", "embedding": "384 floats"}
+    rows = [
+        [
+            names[row["database"]],
+            outputs[row["outputs"]],
+            f"{row['per_job_ms']['median']:.1f} ms",
+            f"{row['batched_ms']['median']:.1f} ms",
+            Figure.summary(row["ratio"]).text(times()),
+        ]
+        for row in doc["rows"]
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{settings['batches']} batches of {settings['size']} (the ratio: batch by batch, "
+        "median and range):",
+        "",
+        *table(
+            ["database", "outputs", "one statement per job", "one per batch", "ratio"],
+            "llrrr",
+            rows,
+        ),
+    ]
+
+
+# --- the README's headline ------------------------------------------------------------------
+
+
+def render_headline(results: Results) -> list[str]:
+    """The README's bullets: each benchmark's headline figure against its target."""
+    return [
+        headline_scheduler(results["scheduler"]),
+        headline_e2e(results["e2e"]),
+        headline_backfill(results["backfill"]),
+        headline_fairness(results["fairness"]),
+        headline_pipeline(results["pipeline"]),
+        headline_api(results["api"]),
+        *headline_backends(results["backends"]),
+    ]
+
+
+def headline_scheduler(sim: Doc) -> str:
+    t = scheduler_targets(sim)
+    fixed, ferry = _run_at(sim, "fixed", "poisson", 0.8), _run_at(sim, "ferry", "poisson", 0.8)
+    capacity, efficiency, urgent = t["capacity_ratio"], t["efficiency"], t["urgent_ratio"]
+    deadline = sim["lanes"]["deadlines_s"]["normal"]
+    return (
+        "- **Scheduling.** In a discrete-event simulation that runs Ferry's real scheduler "
+        "against the batching Triton, Ray Serve and TorchServe do (32 jobs or 5 ms, first "
+        f"come first served) on {sim['corpus']['texts']:,} real English paragraphs, Ferry "
+        f"sustains {capacity.text(times(), True)} the throughput of fixed batching (target "
+        f"1.3×: {verdict(capacity.meets(1.3, True))}) with {efficiency.text(number(2), True)} "
+        f"batch efficiency (fixed: {fixed['efficiency_mean']:.2f}; target 0.9: "
+        f"{verdict(efficiency.meets(0.9, True))}), keeps the urgent lane's p99 within "
+        f"{urgent.text(times())} of its idle value at 80 % load ({t['urgent_80'].median:.1f} "
+        f"ms; target 1.2×: {verdict(urgent.meets(1.2, False))}), and misses at most "
+        f"{percent(2)(t['misses'].high)} of its deadlines up to 90 % load. The normal lane "
+        f"pays: its p99 at 80 % load is {ferry['lanes']['normal']['p99_ms']:.0f} ms (fixed: "
+        f"{fixed['lanes']['normal']['p99_ms']:.0f} ms), inside its {deadline:g} s deadline."
+    )
+
+
+def headline_e2e(doc: Doc) -> str:
+    ferry = e2e_figures(doc)["ferry"]
+    share, gain = ferry["drain_share_of_raw"], ferry["drain_vs_none"]
+    return (
+        f"- **End to end** (HTTP, Redis, SQLite, all-MiniLM-L6-v2 on {machine_text(doc)}), a "
+        f"Ferry worker drains a saturated queue at {share.text(percent(), True)} of the "
+        f"model's raw ceiling (target 85 %: {verdict(share.meets(0.85, True))}) and "
+        f"{gain.text(times())} batching off (target 3×: {verdict(gain.meets(3.0, True))})."
+    )
+
+
+def headline_backfill(doc: Doc) -> str:
+    runs = runs_of(doc)
+    busy = Figure.of(r["p99_busy_ms"] for r in runs)
+    alone = Figure.of(r["alone_share_of_raw"] for r in runs)
+    met = all(r["target_met_full_batch"] for r in runs)
+    return (
+        "- **Backfills beside live traffic.** On the same stack with the sim model, beside a "
+        f"backfill that saturates the model, {runs[0]['rate_per_s']:g} interactive jobs/s see "
+        f"a p99 of {busy.text(number(0, ' ms'), True)} (target: idle p99 plus one full batch, "
+        f"{verdict(met)}); the backfill alone runs at {alone.text(percent(), True)} of the "
+        "raw model."
+    )
+
+
+def headline_fairness(doc: Doc) -> str:
+    runs = runs_of(doc)
+    flood = runs[0].get("flood_jobs") or doc["settings"]["flood_jobs"]
+    own = max(r["phases"][1]["batches_ahead_max"] for r in runs)
+    shared = max(r["phases"][2]["batches_ahead_max"] for r in runs)
+    return (
+        f"- **Fair share.** A tenant that floods a lane with {flood:,} jobs holds back another "
+        f"tenant's job by **{batches(own)} at most** (behind a shared queue: up to "
+        f"{batches(shared)})."
+    )
+
+
+def headline_pipeline(doc: Doc) -> str:
+    figures = pipeline_figures(doc)
+    sqlite = figures[("sqlite", "three-stage")]
+    postgres = figures.get(("postgresql", "three-stage"))
+    on_postgres = f" ({postgres['vs_plain'].text(times())} on PostgreSQL)" if postgres else ""
+    plain_idle = figures[("sqlite", "plain")]["device_idle"]
+    return (
+        f"- **The worker's pipeline** drains a queue {sqlite['vs_plain'].text(times(), True)} "
+        f"faster on SQLite{on_postgres} than a worker that does each step in turn: a fast "
+        f"stand-in GPU idles {sqlite['device_idle'].text(percent(), True)} of the time instead "
+        f"of {plain_idle.text(percent())}."
+    )
+
+
+def headline_api(doc: Doc) -> str:
+    sqlite = [s for s in doc["stacks"] if s["database"] == "sqlite" and not s.get("error")]
+    one = next(s for s in sqlite if s["api_processes"] == 1)
+    two = next((s for s in sqlite if s["api_processes"] == 2), None)
+    submit, gets = one["summary"]["submit"], one["summary"]["get"]
+    ratio = Figure.summary(one["ratios"]["submit_per_bare"])
+    with_two = (
+        f" ({Figure.summary(two['summary']['get']['requests_per_s']).text(number())} with two"
+        " processes)"
+        if two
+        else ""
+    )
+    return (
+        f"- **The API**, one process under `wrk` with {doc['settings']['connections']} "
+        f"connections, takes {Figure.summary(submit['requests_per_s']).text(number(), True)} "
+        "submissions/s at "
+        f"{Figure.summary(submit['cpu_ms_per_job']['api']).text(number(2, ' ms'), True)} of "
+        f"API CPU each and answers {Figure.summary(gets['requests_per_s']).text(number(), True)}"
+        f" GETs/s{with_two}: {ratio.text(times())} a bare FastAPI endpoint (target 0.5×: "
+        f"{verdict(ratio.meets(0.5, True))})."
+    )
+
+
+def headline_backends(doc: Doc) -> list[str]:
+    found = {b["backend"]: b for b in doc["backends"] if not b.get("error")}
+    if "onnx" not in found or "torch.compile" not in found:
+        return []
+
+    def ratio(backend: str, order: str) -> str:
+        return Figure.of(found[backend]["orders"][order]["ratios_to_eager"]).text(times())
+
+    return [
+        "- **Backends.** all-MiniLM-L6-v2 alone on the CPU, embeddings/s against PyTorch "
+        f"eager: ONNX Runtime {ratio('onnx', 'sorted')} on length-sorted batches and "
+        f"{ratio('onnx', 'arrival')} on padded ones, torch.compile "
+        f"{ratio('torch.compile', 'sorted')} and {ratio('torch.compile', 'arrival')}."
+    ]
+
+
+RENDERERS: dict[str, Callable[[Results], list[str]]] = {
+    "headline": render_headline,
+    "scheduler-capacity": render_scheduler_capacity,
+    "scheduler-runs": render_scheduler_runs,
+    "scheduler-common": render_scheduler_common,
+    "scheduler-targets": render_scheduler_targets,
+    "scheduler-floors": render_scheduler_floors,
+    "scheduler-sensitivity": render_scheduler_sensitivity,
+    "e2e": render_e2e,
+    "e2e-targets": render_e2e_targets,
+    "api": render_api,
+    "api-targets": render_api_targets,
+    "clients-raw": render_clients_raw,
+    "clients": render_clients,
+    "clients-target": render_clients_target,
+    "soak": render_soak,
+    "backfill-latency": render_backfill_latency,
+    "backfill-throughput": render_backfill_throughput,
+    "backfill-target": render_backfill_target,
+    "fairness": render_fairness,
+    "backends": render_backends,
+    "pipeline": render_pipeline,
+    "recording": render_recording,
+}
+# The results files each region reads (what a document cites).
+SOURCES: dict[str, tuple[str, ...]] = {
+    "headline": ("scheduler", "e2e", "backfill", "fairness", "pipeline", "api", "backends"),
+    **{name: (name.split("-")[0],) for name in RENDERERS if name != "headline"},
+}
+
+
+# --- documents ------------------------------------------------------------------------------
+
+
+def render_text(text: str, results: Results) -> str:
+    """``text`` with every region rendered anew."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in RENDERERS:
+            raise KeyError(f"no renderer for the region {name!r}")
+        body = "\n".join(RENDERERS[name](results))
+        return f"{match[1]}{body}\n{match[4]}"
+
+    return REGION.sub(one, text)
+
+
+def regions(text: str) -> list[str]:
+    return [match["name"] for match in REGION.finditer(text)]
+
+
+def stale(root: Path, results: Results) -> list[str]:
+    """The documents whose regions differ from what their results render."""
+    found = []
+    for name in DOCUMENTS:
+        text = (root / name).read_text(encoding="utf-8")
+        if render_text(text, results) != text:
+            found.append(name)
+    return found
+
+
+def cited(root: Path) -> set[str]:
+    """The results files the documents' regions read."""
+    names: set[str] = set()
+    for document in DOCUMENTS:
+        for region in regions((root / document).read_text(encoding="utf-8")):
+            names.update(SOURCES[region])
+    return names
+
+
+def same_commit_enforced(manifest: Path = MANIFEST) -> bool:
+    return bool(json.loads(manifest.read_text()).get("same_commit"))
+
+
+def same_commit_problems(root: Path, results: Results) -> list[str]:
+    """The cited results files that are not one set measured at one commit."""
+    return mixed_commits({name: results[name] for name in sorted(cited(root))})
+
+
+def render_all(results: Results) -> str:
+    """Every region, whatever document holds it (a missing results file said so)."""
+    parts = []
+    for name, render in RENDERERS.items():
+        try:
+            body = "\n".join(render(results))
+        except FileNotFoundError as missing:
+            body = f"(no results file: {Path(missing.filename or '').name})"
+        parts.append(f"<!-- bench:table {name} -->\n{body}\n<!-- /bench:table -->\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only say what is out of date")
+    parser.add_argument("--print", action="store_true", help="every region to stdout")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder")
+    args = parser.parse_args(argv)
+    results = Results(args.results)
+    if args.print:
+        print(render_all(results))
+        return 0
+    out_of_date = stale(ROOT, results)
+    if args.check:
+        for name in out_of_date:
+            print(
+                f"{name}: its benchmark figures differ from bench/results (python -m bench.render)"
+            )
+        return 1 if out_of_date else 0
+    for name in out_of_date:
+        path = ROOT / name
+        path.write_text(render_text(path.read_text(encoding="utf-8"), results), encoding="utf-8")
+        print(f"rewrote {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
