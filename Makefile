@@ -71,5 +71,20 @@ bench-clients: $(STAMP)
 	@command -v wrk >/dev/null || apt-get install -y wrk
 	$(BIN)/python -m bench.clients $(BENCH_ARGS)
 
+# Every benchmark the README and bench/README.md cite, one after the other,
+# each rewriting its file in bench/results/, then the documents rendered from
+# them (python -m bench.render): hours on 2 cores (python -m bench list).
+.PHONY: bench
+bench: $(STAMP)
+	@command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m bench all $(BENCH_ARGS)
+
+# Each benchmark for seconds, into a temporary folder, never bench/results/:
+# proves they still run and render (make test runs it, tests/e2e/test_bench_smoke.py).
+.PHONY: bench-smoke
+bench-smoke: $(STAMP)
+	@command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m bench all --smoke --parallel 2 $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

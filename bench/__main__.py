@@ -1,0 +1,233 @@
+"""Every benchmark the documents cite, in one command.
+
+    python -m bench all            # the full set: writes bench/results/, then renders the docs
+    python -m bench all --smoke    # each for seconds, into a temporary folder: proves they run
+    python -m bench list           # the benchmarks, their commands and what they need
+
+Each benchmark runs as its own process (``python -m bench.NAME ...``), one
+after the other for the full set (they measure the machine; two at once
+would measure each other); a smoke run may run ``--parallel`` of them at
+once, since its figures mean nothing. A benchmark whose tool or device is
+missing (wrk, a CUDA device) is skipped and said so; the exit status is 1 if
+any benchmark failed, or was skipped where ``--strict`` asks for all of them.
+
+After a full run of every benchmark, the documents are rendered from the new
+files (``python -m bench.render``) and, if every file cites the same commit
+with no uncommitted change, ``bench/results/MANIFEST.json`` says so: from then
+on a unit test fails when a document cites a file of another commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.results import MAKE_ENV, RESULTS, SMOKE_ENV
+
+ROOT = RESULTS.parent.parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str  # the results file's stem
+    module: str
+    full: tuple[str, ...]  # the published run's arguments
+    smoke: tuple[str, ...]  # seconds, once
+    minutes: float  # the full run, about, on 2 cores
+    needs: tuple[str, ...] = ()  # "wrk", "cuda"
+
+
+BENCHES = (
+    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5),
+    Bench(
+        "e2e", "bench.e2e", (),
+        ("--jobs", "16", "--concurrency", "4", "--rounds", "1", "--raw-sizes", "1,8",
+         "--modes", "none,ferry"),
+        10,
+    ),
+    Bench(
+        "api", "bench.api", (),
+        ("--duration", "1", "--rounds", "1", "--warmup", "1", "--databases", "sqlite",
+         "--api-processes", "1"),
+        7, ("wrk",),
+    ),
+    Bench(
+        "clients", "bench.clients", (),
+        ("--duration", "2", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "64",
+         "--raw-sizes", "16"),
+        8, ("wrk",),
+    ),
+    Bench(
+        "backfill", "bench.backfill", (),
+        ("--window", "2", "--alone", "2", "--lines", "5000", "--repeats", "1"), 4,
+    ),
+    Bench(
+        "fairness", "bench.fairness", (),
+        ("--seconds", "2", "--flood", "100", "--repeats", "1"), 15,
+    ),
+    Bench(
+        "pipeline", "bench.pipeline", ("--postgres",),
+        ("--jobs", "200", "--rounds", "1", "--modes", "plain,three-stage"), 18,
+    ),
+    Bench("recording", "bench.recording", ("--postgres",), ("--size", "16", "--batches", "2"), 1),
+    # torch.compile's compile alone takes longer than the whole smoke should: left out there.
+    Bench(
+        "backends", "bench.backends", (),
+        ("--quick", "--repeats", "1", "--texts", "32", "--arrival-texts", "32",
+         "--backends", "onnx"),
+        4,
+    ),
+    Bench(
+        "soak", "bench.soak",
+        ("--minutes", "30", "--rate", "30", "--kill-every", "60", "--sample-every", "30"),
+        ("--minutes", "0.25", "--rate", "20", "--kill-every", "5", "--sample-every", "3"),
+        31,
+    ),
+    Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
+)  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    bench: Bench
+    status: str  # "ok", "failed", "skipped"
+    seconds: float = 0.0
+    why: str = ""
+
+
+def missing(bench: Bench) -> str | None:
+    """Why ``bench`` cannot run here, or None."""
+    for need in bench.needs:
+        if need == "wrk" and shutil.which("wrk") is None:
+            return "wrk is not on the PATH (apt-get install -y wrk)"
+        if need == "cuda" and not shutil.which("nvidia-smi"):
+            return "no CUDA device (nvidia-smi is not on the PATH)"
+    return None
+
+
+def command(bench: Bench, out: Path, smoke: bool) -> list[str]:
+    args = bench.smoke if smoke else bench.full
+    return [sys.executable, "-m", bench.module, *args, "--out", str(out / f"{bench.name}.json")]
+
+
+def run_one(bench: Bench, out: Path, smoke: bool) -> Outcome:
+    why = missing(bench)
+    if why:
+        return Outcome(bench, "skipped", why=why)
+    env = {**os.environ, SMOKE_ENV: "1" if smoke else "0"}
+    env.setdefault(MAKE_ENV, "make bench-smoke" if smoke else "make bench")
+    log = out / f"{bench.name}.log"
+    started = time.monotonic()
+    with log.open("w") as sink:
+        done = subprocess.run(
+            command(bench, out, smoke), cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            check=False,
+        )  # fmt: skip
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        return Outcome(bench, "failed", seconds, f"exit {done.returncode}:\n  " + "\n  ".join(tail))
+    return Outcome(bench, "ok", seconds)
+
+
+def run_all(chosen: list[Bench], out: Path, smoke: bool, parallel: int) -> list[Outcome]:
+    out.mkdir(parents=True, exist_ok=True)
+
+    def one(bench: Bench) -> Outcome:
+        outcome = run_one(bench, out, smoke)
+        detail = f" ({outcome.why})" if outcome.why and outcome.status == "skipped" else ""
+        print(f"{bench.name:10} {outcome.status:8} {outcome.seconds:6.0f} s{detail}", flush=True)
+        if outcome.status == "failed":
+            print(f"  {outcome.why}", flush=True)
+        return outcome
+
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        return list(pool.map(one, chosen))
+
+
+def mark_same_commit(folder: Path) -> bool:
+    """MANIFEST.json's same_commit, set when the cited files are one set at one commit
+    (never cleared here: a later partial run is what the unit test is there to catch)."""
+    from bench.render import Results, same_commit_problems
+
+    problems = same_commit_problems(ROOT, Results(folder))
+    for problem in problems:
+        print(f"not one set: {problem}")
+    if problems:
+        return False
+    manifest = folder / "MANIFEST.json"
+    state = json.loads(manifest.read_text()) if manifest.exists() else {}
+    state["same_commit"] = True
+    manifest.write_text(json.dumps(state, indent=2) + "\n")
+    print(f"{manifest.relative_to(ROOT)}: same_commit is on")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("all", "list"))
+    parser.add_argument("--smoke", action="store_true", help="each for seconds, once")
+    parser.add_argument("--only", default="", help="comma-separated names")
+    parser.add_argument("--skip", default="", help="comma-separated names")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="the results folder (default bench/results; a new temporary folder with --smoke)",
+    )  # fmt: skip
+    parser.add_argument("--parallel", type=int, default=1, help="benchmarks at once (--smoke)")
+    parser.add_argument(
+        "--strict", action="store_true", help="a benchmark skipped for a missing need fails too"
+    )
+    args = parser.parse_args(argv)
+    only = {n for n in args.only.split(",") if n}
+    skip = {n for n in args.skip.split(",") if n}
+    unknown = (only | skip) - {b.name for b in BENCHES}
+    if unknown:
+        parser.error(f"no benchmark named {', '.join(sorted(unknown))}")
+    chosen = [b for b in BENCHES if (not only or b.name in only) and b.name not in skip]
+    if args.what == "list":
+        for b in chosen:
+            needs = f"  (needs {', '.join(b.needs)})" if b.needs else ""
+            print(f"{b.name:10} ~{b.minutes:g} min  python -m {b.module} {' '.join(b.full)}{needs}")
+            print(f"{'':10} smoke    python -m {b.module} {' '.join(b.smoke)}")
+        return 0
+    if args.smoke:
+        out = args.out or Path(tempfile.mkdtemp(prefix="ferry-bench-smoke-"))
+        if out.resolve() == RESULTS:
+            parser.error("a smoke run never writes bench/results/ (its figures mean nothing)")
+    else:
+        out = args.out or RESULTS.relative_to(ROOT)
+        if args.parallel > 1:
+            parser.error("the full set runs one benchmark at a time (they measure the machine)")
+        total = sum(b.minutes for b in chosen if not missing(b))
+        print(f"about {total:.0f} minutes on 2 cores", flush=True)
+    print(f"results in {out}", flush=True)
+    started = time.monotonic()
+    outcomes = run_all(chosen, out, args.smoke, args.parallel)
+    print(f"{len(outcomes)} benchmarks in {time.monotonic() - started:.0f} s", flush=True)
+    failed = [o for o in outcomes if o.status == "failed"]
+    skipped = [o for o in outcomes if o.status == "skipped"]
+    from bench import render
+
+    if not args.smoke and not failed and (ROOT / out).resolve() == RESULTS:
+        render.main([])
+        if not only and not skip and not [o for o in skipped if o.bench.name != "gpu"]:
+            mark_same_commit(RESULTS)
+    if args.smoke and not failed:
+        # The smoke files must still render: the renderers read what the scripts write.
+        rendered = out / "rendered.md"
+        rendered.write_text(render.render_all(render.Results(out, smoke=True)))
+        print(f"rendered every table from them into {rendered}")
+    return 1 if failed or (args.strict and skipped) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Every benchmark still runs, and its results still render: `make bench-smoke` in `make test`.
+
+Each benchmark runs for seconds (``python -m bench all --smoke``) into a
+temporary folder, never bench/results/; its figures mean nothing. What this
+holds to: every script starts its stacks, measures, writes a results file
+with the commit, the date, the machine and the settings, and bench/render.py
+renders every table from those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import BENCHES
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.mark.timeout(900)
+def test_every_benchmark_runs_for_seconds_and_renders(tmp_path: Path) -> None:
+    if shutil.which("wrk") is None and not IN_CI:
+        pytest.skip("wrk is not on the PATH (apt-get install -y wrk): the API benchmarks need it")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "all", "--smoke", "--parallel", "2", "--out",
+         str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
+    )  # fmt: skip
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report
+    ran = [b for b in BENCHES if "cuda" not in b.needs or shutil.which("nvidia-smi")]
+    for bench in ran:
+        assert f"{bench.name:10} ok" in report, report
+        result = json.loads((tmp_path / f"{bench.name}.json").read_text())
+        assert result["smoke"] is True, bench.name
+        assert len(result["git"]["commit"]) == 40, bench.name
+        assert {"cpu", "cores", "memory_gib", "gpu"} <= set(result["machine"]), bench.name
+        assert result["settings"], bench.name
+    rendered = (tmp_path / "rendered.md").read_text()
+    assert "(no results file" not in rendered, rendered
