@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 import redis
 
+from bench import results
 from harness.stack import FerryUp
 
 LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.7), ("bulk", 0.1))
@@ -180,16 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             soak.sample(started)
         finally:
             soak.close()
-    report = {
-        "date": dt.date.today().isoformat(),
+    settings = {
         "minutes": args.minutes,
         "rate_per_s": args.rate,
         "kill_every_s": args.kill_every,
-        **result,
-        "memory": soak.samples,
+        "sample_every_s": args.sample_every,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = {**result, "memory": soak.samples}
+    results.write(args.out, report, settings=settings, head=results.provenance("soak", argv))
     print(json.dumps({k: v for k, v in report.items() if k != "memory"}, indent=2))
     first, last = soak.samples[1] if len(soak.samples) > 1 else soak.samples[0], soak.samples[-1]
     for name in sorted(last["rss_mib"]):
