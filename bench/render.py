@@ -430,9 +430,9 @@ def render_e2e_targets(results: Results) -> list[str]:
             ferry["drain_vs_none"].text(times()),
             verdict(ferry["drain_vs_none"].meets(3.0, at_least=True)),
         ],
-        ["the model's own gain from batching (ceiling / batch 1)", raw["gain"].text(times()), ""],
+        ["the model's own gain from batching (ceiling / batch 1)", raw["gain"].text(times()), "—"],
     ]
-    return table(["target (ferry)", "value", ""], "lrl", rows)
+    return table(["target (ferry)", "value", "met"], "lrl", rows)
 
 
 # --- the per-job path (api.json) ---------------------------------------------------------
@@ -508,7 +508,7 @@ def render_api_targets(results: Results) -> list[str]:
                     verdict(figure.meets(target, at_least)),
                 ]
             )
-    return table(["target", "value", "target", ""], "lrrl", rows)
+    return table(["figure", "value", "target", "met"], "lrrl", rows)
 
 
 # --- closed-loop clients (clients.json) -----------------------------------------------
