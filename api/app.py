@@ -20,6 +20,7 @@ from api.middleware import (
     MetricsMiddleware,
     RequestIdMiddleware,
     SecurityHeadersMiddleware,
+    TracingMiddleware,
 )
 from api.openai_errors import OpenAIErrorMiddleware
 from api.reads import GroupRead, JobReader
@@ -153,6 +154,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
+    # Inside the request id, which its span carries; around everything that makes jobs.
+    app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
     # Outside the request id: its last-resort 500 is rewritten too, and keeps the id.
     app.add_middleware(OpenAIErrorMiddleware)

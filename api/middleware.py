@@ -7,9 +7,11 @@ import re
 import time
 import uuid
 
+from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
+from core import tracing
 from core.metrics import HTTP_DURATION, HTTP_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,41 @@ class MetricsMiddleware:
             method = scope["method"]
             HTTP_REQUESTS.labels(method, template, str(status)).inc()
             HTTP_DURATION.labels(method, template).observe(time.perf_counter() - started)
+
+
+class TracingMiddleware:
+    """A server span per request (tracing on): it continues the client's ``traceparent``,
+    is named by route template, and is current while the route runs, so the jobs the
+    request makes carry it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not tracing.on():
+            await self.app(scope, receive, send)
+            return
+        supplied = dict(scope["headers"]).get(b"traceparent", b"").decode("latin-1") or None
+        method = scope["method"]
+        with tracing.span(method, parent=supplied, kind=SpanKind.SERVER) as span:
+            assert span is not None
+
+            async def send_status(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                await send(message)
+
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                route = getattr(scope.get("route"), "path", None)
+                span.update_name(f"{method} {route or 'unmatched'}")
+                span.set_attribute("http.request.method", method)
+                if route:
+                    span.set_attribute("http.route", route)
+                request_id = scope.get("state", {}).get("request_id")
+                if request_id:
+                    span.set_attribute("ferry.request_id", request_id)
 
 
 # Sent on every response. Responses carry job results and secrets, so nothing

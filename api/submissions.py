@@ -32,6 +32,7 @@ from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
 from backends.catalog import LiveVersions
+from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
@@ -57,6 +58,7 @@ class Submission:
     idempotency_key: str | None
     request_id: str | None
     received_at: dt.datetime
+    trace_context: str | None = None  # the request's traceparent, when tracing is on
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ def prepare(
     max_json_depth: int,
     live: LiveVersions | None,
     resolve: Callable[..., tuple[ModelSpec, int | None]],
+    trace_context: str | None = None,
 ) -> Submission:
     """Everything about one submission that needs neither the database nor Redis."""
     spec, requested_version = resolve(catalog, body.model, body.version, live)
@@ -110,6 +113,7 @@ def prepare(
         idempotency_key=body.idempotency_key or idempotency_key,
         request_id=request_id,
         received_at=utcnow(),
+        trace_context=trace_context,
     )
 
 
@@ -129,6 +133,7 @@ def prepare_request(
         max_json_depth=settings.max_json_depth,
         live=state.versions,
         resolve=resolve_model,
+        trace_context=tracing.traceparent(),
     )
 
 
@@ -445,6 +450,7 @@ def _new_job(item: Submission) -> Job:
         idempotency_key=item.idempotency_key,
         metadata_=item.body.metadata,
         request_id=item.request_id,
+        trace_context=item.trace_context,
     )
 
 
@@ -462,7 +468,7 @@ _INSERTS = {
 _INSERTED = (
     "id", "api_key_id", "model", "requested_version", "priority", "status", "input", "cost",
     "attempts", "created_at", "deadline_at", "callback_url", "idempotency_key", "metadata_",
-    "request_id",
+    "request_id", "trace_context",
 )  # fmt: skip
 _COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
 _COLUMNS = {attr: _COLUMNS[attr] for attr in _INSERTED}

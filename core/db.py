@@ -121,6 +121,9 @@ class Job(Base):
     backfill_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
     custom_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # The W3C traceparent of the request that made it (tracing on): the worker's
+    # spans and the webhook delivery's continue that trace.
+    trace_context: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_key_idempotency"),

@@ -169,6 +169,7 @@ class JobMessage:
     request_id: str | None = None
     tenant: str | None = None  # the API key whose job it is
     version: int | None = None  # the model version the job asked for (None: the active one)
+    trace_context: str | None = None  # the W3C traceparent of the request that made it
 
     @classmethod
     def of_job(cls, job: Any) -> JobMessage:
@@ -182,6 +183,7 @@ class JobMessage:
             request_id=job.request_id,
             tenant=job.api_key_id,
             version=job.requested_version,
+            trace_context=getattr(job, "trace_context", None),
         )
 
     def encode(self) -> dict[str, str]:
@@ -200,6 +202,8 @@ class JobMessage:
             fields["t"] = self.tenant
         if self.version is not None:
             fields["ver"] = str(self.version)
+        if self.trace_context:
+            fields["tp"] = self.trace_context
         return fields
 
     @classmethod
@@ -223,6 +227,7 @@ class JobMessage:
                 request_id=f.get("rid"),
                 tenant=f.get("t"),
                 version=int(f["ver"]) if "ver" in f else None,
+                trace_context=f.get("tp"),
             )
         except ProtocolError:
             raise

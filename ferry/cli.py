@@ -59,11 +59,13 @@ def _api(
         ),
     ] = False,
 ) -> int:
+    from core import tracing
     from core.logs import configure_logging
     from core.settings import get_settings
 
     settings = get_settings()
     configure_logging(settings.log_level, "api")
+    tracing.setup("api")
     host = host or settings.api_host
     port = port or settings.api_port
     if settings.api_processes > 1 and not reuse_port:
@@ -92,12 +94,14 @@ def _worker(
     ] = None,
     metrics_port: MetricsPortOption = None,
 ) -> int:
+    from core import tracing
     from core.logs import configure_logging
     from core.settings import get_settings
     from workers.gpu.main import run_worker
 
     settings = get_settings()
     configure_logging(settings.log_level, f"worker-{model}")
+    tracing.setup(f"worker-{model}")
     return run_worker(settings, model, device, name, metrics_port, instance)
 
 
@@ -122,12 +126,14 @@ def _celery(
         ),
     ] = None,
 ) -> int:
+    from core import tracing
     from core.logs import configure_logging
     from core.settings import get_settings
     from workers.tasks.app import create_celery
 
     settings = get_settings()
     configure_logging(settings.log_level, f"celery-{role}")
+    tracing.setup(f"celery-{role}")
     celery_app = create_celery(settings)
     if role == "worker":
         if metrics_port:

@@ -41,6 +41,7 @@ class Received:
     received_at: float
     status: int  # what the receiver answered
     host: str = ""  # the Host header
+    headers: dict[str, str] = field(default_factory=dict)  # every header, names lower-cased
 
 
 class Receiver:
@@ -120,6 +121,7 @@ class Receiver:
                             received_at=time.time(),
                             status=answer.status,
                             host=headers.get("host", ""),
+                            headers=headers,
                         )
                     )
                     if verified and 200 <= answer.status < 300 and webhook_id not in receiver.seen:

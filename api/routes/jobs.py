@@ -31,6 +31,7 @@ from api.schemas import (
     error_responses,
 )
 from api.submissions import GroupCommit, prepare_request
+from core import tracing
 from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
 from core.settings import Settings
 from core.streams import done_channel
@@ -74,7 +75,10 @@ async def create_job(
         # The URL's host is resolved (DNS may block): the request's one thread hop.
         await run_in_threadpool(state.check_callback, body.callback_url)
     commit: GroupCommit = state.group_commit
-    submitted = await commit.submit(submission)
+    with tracing.span("ferry.enqueue", attributes={"ferry.model": submission.spec.name}) as span:
+        submitted = await commit.submit(submission)
+        if span is not None:
+            span.set_attribute("ferry.job_id", submitted.job.id)
     headers = {"Location": f"/v1/jobs/{submitted.job.id}"}
     if submitted.replayed:
         headers["Idempotent-Replayed"] = "true"

@@ -126,7 +126,9 @@ class DevicePipeline:
         except Exception as exc:
             flight.failed = exc
         else:
-            self.observer.stage_timed("prepare", time.perf_counter() - flight.began)
+            self.observer.stage_timed(
+                "prepare", time.perf_counter() - flight.began, flight.batch_id
+            )
         previous, self.in_flight = self.in_flight, None
         if previous is not None:
             previous.wait()

@@ -68,8 +68,9 @@ class BatchObserver:
     def batch_computed(self, device_s: float) -> None:
         """The device was busy ``device_s`` for a batch."""
 
-    def stage_timed(self, stage: str, seconds: float) -> None:
-        """A batch spent ``seconds`` preparing, recording or acknowledging."""
+    def stage_timed(self, stage: str, seconds: float, batch_id: str | None) -> None:
+        """A batch spent ``seconds`` (just now) preparing, recording or acknowledging
+        (``batch_id`` None: outcomes settled without a batch)."""
 
     def batch_finished(self, batch: BatchFinished) -> None:
         """Recorded and acknowledged."""
@@ -115,8 +116,8 @@ class Observers(BatchObserver):
     def batch_computed(self, device_s: float) -> None:
         self._each("batch_computed", lambda o: o.batch_computed(device_s))
 
-    def stage_timed(self, stage: str, seconds: float) -> None:
-        self._each("stage_timed", lambda o: o.stage_timed(stage, seconds))
+    def stage_timed(self, stage: str, seconds: float, batch_id: str | None) -> None:
+        self._each("stage_timed", lambda o: o.stage_timed(stage, seconds, batch_id))
 
     def batch_finished(self, batch: BatchFinished) -> None:
         self._each("batch_finished", lambda o: o.batch_finished(batch))

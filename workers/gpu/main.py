@@ -15,6 +15,7 @@ import redis
 from backends.base import DeviceLost
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
+from core import tracing
 from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
 from core.health import serve
@@ -30,6 +31,7 @@ from workers.gpu.loop import BatchLoop, LoopConfig
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 from workers.gpu.scheduling import build_batcher
+from workers.gpu.tracing import Tracing
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
 
 # A worker whose device became unusable (ferry up starts it again).
@@ -116,7 +118,10 @@ def build_loop(
         client=client,
         prefix=settings.key_prefix,
         config=LoopConfig.of(settings),
-        observers=[KickDeliveries(DeliveryKicker(redis_url, settings.key_prefix))],
+        observers=[
+            KickDeliveries(DeliveryKicker(redis_url, settings.key_prefix)),
+            *([Tracing(model)] if tracing.on() else []),
+        ],
     )
     loop.model_settings = dict(config.settings)
     if settings.model_poll_s > 0:

@@ -71,7 +71,7 @@ class Metrics(BatchObserver):
         COMPUTE_SECONDS.labels(self.model).inc(device_s)
         BATCH_STAGE.labels(self.model, "compute").observe(device_s)
 
-    def stage_timed(self, stage: str, seconds: float) -> None:
+    def stage_timed(self, stage: str, seconds: float, batch_id: str | None) -> None:
         BATCH_STAGE.labels(self.model, stage).observe(seconds)
 
     def entries_reclaimed(self, count: int) -> None:

@@ -145,7 +145,7 @@ class Recording:
         began = time.perf_counter()
         written = self._write(outcomes, now, batch_id, batch_size, entries)
         if outcomes:
-            self.observer.stage_timed("record", time.perf_counter() - began)
+            self.observer.stage_timed("record", time.perf_counter() - began, batch_id)
         done = set(written)
         for outcome in outcomes:
             if outcome.job_id in done:
@@ -221,7 +221,7 @@ class Recording:
         done = (done_channel(self.prefix), ",".join(written)) if written else None
         began = time.perf_counter()
         self.intake.acknowledge(entries, publish=done)
-        self.observer.stage_timed("acknowledge", time.perf_counter() - began)
+        self.observer.stage_timed("acknowledge", time.perf_counter() - began, batch_id)
         by_job = {e.message.job_id: e.message for e in entries}
         finished = [
             JobDone(by_job[job_id], self._written_status.pop(job_id, "succeeded"))

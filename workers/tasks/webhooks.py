@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from core.db import ApiKey, WebhookAttempt, WebhookDelivery, utcnow
+from core import tracing
+from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.keys import signing_secrets
 from core.settings import Settings
 from core.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
@@ -173,6 +175,13 @@ class _Claimed:
     payload: str
     secrets: list[str]
     job_id: str | None
+    trace_context: str | None  # the job's request's traceparent (tracing on)
+
+
+def traced(headers: dict[str, str], span: Any) -> dict[str, str]:
+    """The headers with the delivery's traceparent (tracing on): a receiver may continue it."""
+    tracing.inject(headers, span)
+    return headers
 
 
 def _due(now: dt.datetime) -> Any:
@@ -233,6 +242,11 @@ def _claim(
         delivery = session.get(WebhookDelivery, delivery_id)
         assert delivery is not None
         key = session.get(ApiKey, delivery.api_key_id)
+        trace_context = None
+        if delivery.job_id is not None and tracing.on():
+            trace_context = session.scalar(
+                select(Job.trace_context).where(Job.id == delivery.job_id)
+            )
         return _Claimed(
             number=delivery.attempts,
             step=delivery.step,
@@ -240,6 +254,7 @@ def _claim(
             payload=delivery.payload,
             secrets=signing_secrets(key, now) if key is not None else [],
             job_id=delivery.job_id,
+            trace_context=trace_context,
         )
 
 
@@ -263,6 +278,12 @@ def attempt_delivery(
     retry_after_s: float | None = None
     final = False
     began = time.perf_counter()
+    span = tracing.start_span(
+        "ferry.webhook.deliver",
+        parent=claimed.trace_context,
+        kind=SpanKind.CLIENT,
+        attributes={"ferry.delivery_id": delivery_id, "ferry.attempt": claimed.number},
+    )
     try:
         if not claimed.secrets:
             raise UrlRefused("the API key has no signing secret")
@@ -270,7 +291,7 @@ def attempt_delivery(
         response = post(
             target,
             claimed.payload.encode(),
-            signed_headers(delivery_id, claimed.payload, claimed.secrets, clock()),
+            traced(signed_headers(delivery_id, claimed.payload, claimed.secrets, clock()), span),
             config.timeout_s,
             config.max_response_bytes,
             ssl_context or config.ssl_context,
@@ -298,6 +319,12 @@ def attempt_delivery(
         log.exception("webhook attempt failed unexpectedly", extra={"delivery_id": delivery_id})
         error = f"internal error ({type(exc).__name__})"
     duration_ms = round((time.perf_counter() - began) * 1000.0, 2)
+    if span is not None:
+        if status_code is not None:
+            span.set_attribute("http.response.status_code", status_code)
+        if error is not None:
+            span.set_status(StatusCode.ERROR, error)
+        span.end()
 
     ended_at = clock()
     delay_s = None
