@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -30,6 +28,7 @@ from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker, read_only
 from core.metrics import Scalers
+from core.redis_target import RedisTarget
 from core.settings import Settings
 from core.streams import done_channel
 from core.urlguard import Resolver, UrlPolicy, system_resolver
@@ -38,9 +37,7 @@ from core.webhooks import DeliveryKicker
 
 def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastAPI:
     """The API. ``resolve`` answers DNS for the callback URL check (tests pass their own)."""
-    if not settings.redis_url:
-        raise ValueError("FERRY_REDIS_URL is not set (`ferry up` sets it for the API)")
-    redis_url = settings.redis_url
+    target = RedisTarget.of(settings)
     # Before anything starts: a repository Ferry cannot serve stops the API with its problems.
     catalog = build_catalog(settings)
 
@@ -56,16 +53,16 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         app.state.scalers = Scalers(settings)
         app.state.catalog = catalog
         app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
-        app.state.redis = redis.Redis.from_url(
-            redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+        app.state.redis = target.client(
+            decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         hub = CompletionHub(
-            aioredis.Redis.from_url(redis_url, decode_responses=True),
+            target.async_client(decode_responses=True),
             done_channel(settings.key_prefix),
         )
         app.state.hub = hub
         app.state.limits = RequestLimits(
-            redis_url, settings.key_prefix, settings.rate_limit, settings.auth_failure_limit
+            target, settings.key_prefix, settings.rate_limit, settings.auth_failure_limit
         )
         hub.start()
         app.state.limits.start()
@@ -93,7 +90,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         group_read.start()
         app.state.group_commit = group_commit
         group_commit.start()
-        kicker = DeliveryKicker(redis_url, settings.key_prefix)
+        broker_url, transport = target.broker()
+        kicker = DeliveryKicker(broker_url, settings.key_prefix, transport)
         app.state.kick = kicker
         app.state.check_callback = callback_checker(
             UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks), resolve

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 from limits import RateLimitItem, parse_many
-from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
+from limits.storage import storage_from_string
 from limits.util import WindowStats
 
 from api.background import close_client, stop_task
 from api.errors import ApiError
+from core.redis_target import RedisTarget
 
 log = logging.getLogger(__name__)
 
@@ -191,19 +192,24 @@ class SharedBudget:
 class RequestLimits:
     """Requests per key, and failed authentications per client address."""
 
-    def __init__(self, redis_url: str, prefix: str, spec: str, failures: str = "") -> None:
+    def __init__(
+        self, target: RedisTarget | str, prefix: str, spec: str, failures: str = ""
+    ) -> None:
+        """``target``: Ferry's Redis (a URL alone, for a single Redis)."""
+        target = RedisTarget(target) if isinstance(target, str) else target
         self.items: list[RateLimitItem] = parse_many(spec) if spec else []
         # Short timeouts: a hung Redis must cost a sync little.
         self.budget = SharedBudget(
-            aioredis.Redis.from_url(redis_url, socket_timeout=0.25, socket_connect_timeout=0.25),
+            target.async_client(socket_timeout=0.25, socket_connect_timeout=0.25),
             prefix,
             self.items,
         )
         self.failure_items: list[RateLimitItem] = parse_many(failures) if failures else []
         # Short timeouts: a hung Redis must cost a request little, and only once.
-        self.storage = RedisStorage(
-            f"async+{redis_url}", implementation="redispy", key_prefix=f"{prefix}:limits",
-            socket_timeout=0.25, socket_connect_timeout=0.25,
+        uri, options = target.limits_uri()
+        self.storage = storage_from_string(
+            uri, implementation="redispy", key_prefix=f"{prefix}:limits",
+            socket_timeout=0.25, socket_connect_timeout=0.25, **options,
         )  # fmt: skip
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._skip_until = 0.0

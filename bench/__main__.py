@@ -92,6 +92,10 @@ BENCHES = (
         ("--minutes", "0.25", "--rate", "20", "--kill-every", "5", "--sample-every", "3"),
         31,
     ),
+    Bench(
+        "sentinel", "bench.sentinel", (),
+        ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2,
+    ),
     Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
 )  # fmt: skip
 

@@ -356,11 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         if result.error:
             print(f"{result.backend:22} failed: {result.error}")
             continue
-        for order, measured in result.orders.items():
+        for order, figures in result.orders.items():
             print(
-                f"{result.backend:22} {order:8} {measured.median:>9.2f} {measured.spread:>7.1%} "
-                f"{measured.ratio_to_eager:>7.2f}x {measured.min_cosine_to_eager:>10.7f}  "
-                f"{'yes' if measured.agrees else 'NO'}"
+                f"{result.backend:22} {order:8} {figures.median:>9.2f} {figures.spread:>7.1%} "
+                f"{figures.ratio_to_eager:>7.2f}x {figures.min_cosine_to_eager:>10.7f}  "
+                f"{'yes' if figures.agrees else 'NO'}"
             )
     if out is not None:
         print(f"wrote {out}")

@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "stack": runs[0].settings,
     }
-    summary = {
+    summary: dict[str, Any] = {
         name: results.spread([getattr(r, name) for r in runs])
         for name in ("p99_idle_ms", "p99_busy_ms", "alone_share_of_raw", "busy_share_of_raw")
     }

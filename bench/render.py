@@ -616,6 +616,50 @@ def render_soak(results: Results) -> list[str]:
     ]
 
 
+# --- Redis failover (sentinel.json) ---------------------------------------------------------
+
+
+def render_sentinel(results: Results) -> list[str]:
+    doc = results["sentinel"]
+    settings = doc["settings"]
+    runs = runs_of(doc)
+    recovered = doc["recovered_s"]
+    rows = [
+        [
+            str(number),
+            f"{run['recovered_s']:.1f}" if run["recovered_s"] is not None else "never",
+            f"{run['accepted']:,} of {run['sent']:,}",
+            f"{run['refused']:,}",
+            f"{run['requeued']:,}",
+            f"{run['lost']:,}",
+            f"{run['run_twice']:,}",
+        ]
+        for number, run in enumerate(runs, 1)
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['rate_per_s']:g} "
+        f"jobs/s for {settings['load_s']:g} s, the primary killed at "
+        f"{settings['kill_at_s']:g} s (the sentinels call it down after "
+        f"{settings['down_after_ms']:,} ms). Jobs flowed again **{recovered['median']:.1f} s** "
+        f"after the kill (median of {len(runs)}; {recovered['min']:.1f}–{recovered['max']:.1f}); "
+        f"**{doc['lost']:,} lost, {doc['run_twice']:,} run twice**.",
+        "",
+        *table(
+            [
+                "round",
+                "flowing again (s)",
+                "accepted",
+                "refused",
+                "enqueued again",
+                "lost",
+                "run twice",
+            ],
+            "rrrrrrr",
+            rows,
+        ),
+    ]
+
+
 # --- backfills (backfill.json) -------------------------------------------------------------
 
 
@@ -1071,6 +1115,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "backends": render_backends,
     "pipeline": render_pipeline,
     "recording": render_recording,
+    "sentinel": render_sentinel,
 }
 # The results files each region reads (what a document cites).
 SOURCES: dict[str, tuple[str, ...]] = {

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 from celery import Celery
 
+from core.redis_target import RedisTarget
 from core.settings import Settings
 
 
 def celery_on_broker(settings: Settings) -> Celery:
     """A Celery app on Ferry's broker: what the Celery worker, Flower and GPU workers share."""
-    if not settings.redis_url:
-        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for Celery)")
-    app = Celery("ferry", broker=settings.redis_url, set_as_current=False)
+    try:
+        url, transport = RedisTarget.of(settings).broker()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    app = Celery("ferry", broker=url, set_as_current=False)
     app.conf.update(task_serializer="json", accept_content=["json"], event_serializer="json")
+    if transport:
+        app.conf.broker_transport_options = transport
     return app
 
 
@@ -31,6 +36,7 @@ def celery_for_events(settings: Settings) -> Celery:
         broker_connection_timeout=2.0,
         broker_connection_retry=False,
         broker_transport_options={
+            **app.conf.broker_transport_options,
             "max_retries": 0, "socket_timeout": 2.0, "socket_connect_timeout": 2.0,
         },
     )  # fmt: skip

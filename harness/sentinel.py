@@ -1,0 +1,257 @@
+"""Redis with Sentinel, for tests and benchmarks: a primary, a replica and three sentinels,
+each a ``redis-server`` of its own on a free loopback port, stopped afterwards; and the
+failover under load that the test checks and the benchmark times."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import Job, make_engine, make_sessionmaker
+from core.settings import Settings
+from ferry.local_redis import free_port
+from harness.served import served
+from harness.services import redis_server
+from workers.gpu.loop import BatchLoop
+from workers.gpu.main import build_loop
+from workers.tasks.app import reconcile_streams
+
+DOWN_AFTER_MS = 1000
+FAILOVER_TIMEOUT_MS = 5000
+
+
+class SentinelRedis:
+    """``with SentinelRedis(tmp) as found:`` then ``found.sentinels`` for FERRY_REDIS_SENTINELS."""
+
+    def __init__(self, tmp: Path, service: str = "ferry") -> None:
+        self.tmp = tmp
+        self.service = service
+        self.program = redis_server()
+        self.ports = {"primary": free_port(), "replica": free_port()}
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def sentinels(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for port in self.sentinel_ports]
+
+    def _start(self, port: int, lines: list[str], sentinel: bool = False) -> None:
+        home = self.tmp / f"redis-{port}"
+        home.mkdir(parents=True, exist_ok=True)
+        conf = home / "redis.conf"
+        common = [f"port {port}", "bind 127.0.0.1", f'dir "{home}"', 'save ""',
+                  "appendonly no", "protected-mode no"]  # fmt: skip
+        conf.write_text("\n".join(common + lines) + "\n")
+        args = [self.program, str(conf), *(["--sentinel"] if sentinel else [])]
+        self.processes[port] = subprocess.Popen(
+            args, stdout=(home / "log").open("wb"), stderr=subprocess.STDOUT
+        )
+
+    def __enter__(self) -> SentinelRedis:
+        primary, replica = self.ports["primary"], self.ports["replica"]
+        self._start(primary, [])
+        self._start(replica, [f"replicaof 127.0.0.1 {primary}"])
+        for port in self.sentinel_ports:
+            self._start(
+                port,
+                [
+                    f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
+                    f"sentinel down-after-milliseconds {self.service} {DOWN_AFTER_MS}",
+                    f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
+                    f"sentinel parallel-syncs {self.service} 1",
+                ],
+                sentinel=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until the replica copies the primary and every sentinel knows both and the others."""
+        until = time.monotonic() + timeout_s
+        replica = redis.Redis(port=self.ports["replica"], socket_timeout=1)
+        while True:
+            try:
+                linked = replica.info("replication").get("master_link_status") == "up"
+                known = all(
+                    self._ask(port, "SENTINEL", "REPLICAS", self.service)
+                    and len(self._ask(port, "SENTINEL", "SENTINELS", self.service)) == 2
+                    for port in self.sentinel_ports
+                )
+                if linked and known:
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > until:
+                raise AssertionError("Redis with Sentinel did not come up")
+            time.sleep(0.2)
+
+    def _ask(self, port: int, *command: str) -> list[object]:
+        client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+        try:
+            return list(client.execute_command(*command) or [])
+        finally:
+            client.close()
+
+    def primary_port(self) -> int | None:
+        """The primary's port as the sentinels see it now (None: none answers)."""
+        for port in self.sentinel_ports:
+            try:
+                found = self._ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+            except redis.RedisError:
+                continue
+            if found:
+                return int(str(found[1]))
+        return None
+
+    def kill_primary(self) -> int:
+        """SIGKILL the primary (what it had not yet sent its replica is lost); its port."""
+        port = self.primary_port()
+        assert port is not None
+        self.processes[port].send_signal(signal.SIGKILL)
+        self.processes[port].wait(timeout=10)
+        return port
+
+    def wait_promoted(self, old: int, timeout_s: float = 30.0) -> int:
+        """Until the sentinels name another primary; its port."""
+        until = time.monotonic() + timeout_s
+        while (port := self.primary_port()) in (None, old):
+            if time.monotonic() > until:
+                raise AssertionError("no replica was promoted")
+            time.sleep(0.1)
+        assert port is not None
+        return port
+
+    def __exit__(self, *_exc: object) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@dataclass(frozen=True)
+class Failover:
+    """What a failover under load did to the jobs."""
+
+    sent: int
+    accepted: list[str]  # the accepted jobs' ids
+    refused: list[int]  # the status codes of the submissions refused
+    requeued: int  # jobs the reconciler enqueued again
+    killed: int  # the killed primary's port
+    promoted: int  # the port of the replica promoted in its place
+    recovered_s: float | None  # killed -> the first job accepted after it finished
+    jobs: dict[str, Job]  # the accepted jobs' rows at the end
+
+
+@contextmanager
+def running_worker(settings: Settings, model: str, name: str) -> Iterator[BatchLoop]:
+    """A worker's batch loop on a thread of this process, stopped afterwards."""
+    loop = build_loop(settings, model, name=name)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def failover_under_load(
+    sentinel: SentinelRedis,
+    settings: Settings,
+    token: str,
+    *,
+    load_s: float = 14.0,
+    kill_at_s: float = 4.0,
+    rate: float = 25.0,
+    settle_s: float = 60.0,
+) -> Failover:
+    """Submit sim jobs at ``rate`` for ``load_s`` through the API (uvicorn, this process)
+    to a sim worker, the reconciler running as beat runs it; SIGKILL the primary at
+    ``kill_at_s``; then wait up to ``settle_s`` for every accepted job to finish."""
+    engine = make_engine(settings.sqlalchemy_url)
+    sessions: sessionmaker[Session] = make_sessionmaker(engine)
+    accepted: list[tuple[float, str]] = []  # (wall clock, job id)
+    refused: list[int] = []
+    requeued: list[int] = []
+    stop = threading.Event()
+
+    def reconciler() -> None:
+        while not stop.wait(1.0):
+            try:
+                requeued.append(reconcile_streams(settings))
+            except Exception:
+                continue  # Redis is failing over: the next run does it
+
+    killed = killed_at = None
+    sent = 0
+    with served(settings) as api, running_worker(settings, "sim", "failover-worker"):
+        thread = threading.Thread(target=reconciler, daemon=True)
+        thread.start()
+        started = time.monotonic()
+        with httpx.Client(
+            base_url=api.base, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as client:
+            while (elapsed := time.monotonic() - started) < load_s:
+                if killed is None and elapsed >= kill_at_s:
+                    killed, killed_at = sentinel.kill_primary(), time.time()
+                if sent >= elapsed * rate:
+                    time.sleep(0.005)
+                    continue
+                sent += 1
+                answer = client.post("/v1/jobs", json={"model": "sim", "input": {"cost": 2}})
+                if answer.status_code == 202:
+                    accepted.append((time.time(), answer.json()["id"]))
+                else:
+                    refused.append(answer.status_code)
+        assert killed is not None and killed_at is not None
+        promoted = sentinel.wait_promoted(killed)
+        ids = [job_id for _, job_id in accepted]
+        until = time.monotonic() + settle_s
+        while time.monotonic() < until:
+            with sessions() as session:
+                done = session.scalar(
+                    select(func.count())
+                    .select_from(Job)
+                    .where(Job.id.in_(ids), Job.status == "succeeded")
+                )
+            if done == len(ids):
+                break
+            time.sleep(0.2)
+        stop.set()
+        thread.join(timeout=30)
+    with sessions() as session:
+        jobs = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))}
+        for job in jobs.values():
+            session.expunge(job)
+    engine.dispose()
+    finished_after = [
+        jobs[job_id].finished_at
+        for at, job_id in accepted
+        if at > killed_at and jobs[job_id].finished_at is not None
+    ]
+    recovered_s = (
+        min(moment.timestamp() for moment in finished_after if moment) - killed_at
+        if finished_after
+        else None
+    )
+    return Failover(sent, ids, refused, sum(requeued), killed, promoted, recovered_s, jobs)
