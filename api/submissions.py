@@ -367,8 +367,9 @@ class GroupWriter:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
-            for job in jobs.values():
-                self.scripts.enqueue(pipe, self.prefix, job.model, JobMessage.of_job(job))
+            self.scripts.enqueue_all(
+                pipe, self.prefix, ((job.model, JobMessage.of_job(job)) for job in jobs.values())
+            )
             pipe.execute()
         except redis.RedisError as exc:
             self._not_enqueued(group, jobs, outcomes, exc)

@@ -93,6 +93,10 @@ BENCHES = (
         31,
     ),
     Bench(
+        "capacity", "bench.capacity", (),
+        ("--jobs", "100", "--rounds", "1", "--clients", "4", "--enqueue-messages", "512"), 5,
+    ),
+    Bench(
         "sentinel", "bench.sentinel", (),
         ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2,
     ),

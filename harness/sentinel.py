@@ -8,8 +8,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +21,7 @@ from core.settings import Settings
 from ferry.local_redis import free_port
 from harness.served import served
 from harness.services import redis_server
-from workers.gpu.loop import BatchLoop
-from workers.gpu.main import build_loop
+from harness.worker import running_worker
 from workers.tasks.app import reconcile_streams
 
 DOWN_AFTER_MS = 1000
@@ -159,20 +156,6 @@ class Failover:
     promoted: int  # the port of the replica promoted in its place
     recovered_s: float | None  # killed -> the first job accepted after it finished
     jobs: dict[str, Job]  # the accepted jobs' rows at the end
-
-
-@contextmanager
-def running_worker(settings: Settings, model: str, name: str) -> Iterator[BatchLoop]:
-    """A worker's batch loop on a thread of this process, stopped afterwards."""
-    loop = build_loop(settings, model, name=name)
-    stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        stop.set()
-        thread.join(timeout=30)
 
 
 def failover_under_load(

@@ -167,3 +167,50 @@ def test_a_short_wait_returns_as_soon_as_a_job_is_enqueued(
     timer.join()
     assert [e.message.job_id for e in got] == ["early-0", "early-1"]
     assert time.monotonic() - began < 0.15
+
+
+def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """enqueue_all (a script call per tenant's stream) leaves Redis as enqueue, message by
+    message, does: the same entries in order, the same sequence, one wake-up per new tenant."""
+    now_ms = int(time.time() * 1000)
+    messages = [
+        JobMessage(f"{tenant}-{n}", lane, n + 1, now_ms, deadline_at_ms=now_ms + n, tenant=tenant)
+        for n in range(300)  # past ENQUEUE_MANY_MAX for the first tenant
+        for tenant, lane in (("a", "normal"), ("b", "vip"), (None, "normal"))
+        if tenant == "a" or n < 5
+    ]
+    prefix = settings.key_prefix
+    one_by_one, together = f"{prefix}-one", f"{prefix}-all"
+    scripts = Scripts(redis_client)
+    for message in messages:
+        scripts.enqueue(redis_client, one_by_one, MODEL, message)
+    pipe = redis_client.pipeline(transaction=False)
+    scripts.enqueue_all(pipe, together, ((MODEL, message) for message in messages))
+    pipe.execute()
+
+    def state(prefix: str) -> dict[str, Any]:
+        streams = {
+            (lane, tenant): [
+                {k: v for k, v in fields.items()}
+                for _id, fields in redis_client.xrange(stream_key(prefix, MODEL, lane, tenant))
+            ]
+            for lane, tenant in (("normal", "a"), ("vip", "b"), ("normal", None))
+        }
+        wakes = [
+            fields["wake"] for _id, fields in redis_client.xrange(f"{prefix}:{{{MODEL}}}:wake")
+        ]
+        return {
+            "streams": streams,
+            "tenants": lane_tenants(redis_client, prefix, MODEL),
+            "seq": redis_client.get(f"{prefix}:{{{MODEL}}}:seq"),
+            "wakes": sorted(wakes),
+        }
+
+    found, expected = state(together), state(one_by_one)
+    assert found == expected
+    assert len(found["streams"][("normal", "a")]) == 300 and found["seq"] == str(len(messages))
+    decoded = [JobMessage.decode(fields) for fields in found["streams"][("normal", "a")]]
+    assert decoded == [m for m in messages if m.tenant == "a"]
+    assert found["wakes"] == ["a", "b"]

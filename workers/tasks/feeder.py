@@ -194,17 +194,25 @@ class Feeder:
         enqueued_at_ms = int(now.timestamp() * 1000)
         scripts = Scripts(self.client)
         pipe = self.client.pipeline(transaction=False)
-        for row in rows:
-            message = JobMessage(
-                job_id=row.id,
-                lane=Lane.BULK,
-                cost=row.cost,
-                enqueued_at_ms=enqueued_at_ms,
-                deadline_at_ms=None,
-                request_id=None,
-                tenant=backfill.api_key_id,
-            )
-            scripts.enqueue(pipe, self.prefix, backfill.model, message)
+        scripts.enqueue_all(
+            pipe,
+            self.prefix,
+            (
+                (
+                    backfill.model,
+                    JobMessage(
+                        job_id=row.id,
+                        lane=Lane.BULK,
+                        cost=row.cost,
+                        enqueued_at_ms=enqueued_at_ms,
+                        deadline_at_ms=None,
+                        request_id=None,
+                        tenant=backfill.api_key_id,
+                    ),
+                )
+                for row in rows
+            ),
+        )
         pipe.execute()
         return len(rows)
 

@@ -59,9 +59,11 @@ def reconcile(
         scripts = Scripts(client)
         for start in range(0, len(missing), PAGE):
             pipe = client.pipeline(transaction=False)
-            for row in missing[start : start + PAGE]:
-                message = JobMessage.of_job(row)
-                scripts.enqueue(pipe, prefix, model, message)
+            scripts.enqueue_all(
+                pipe,
+                prefix,
+                ((model, JobMessage.of_job(row)) for row in missing[start : start + PAGE]),
+            )
             pipe.execute()
         if missing:
             log.warning(

@@ -1,0 +1,427 @@
+"""What one job costs each shared part, measured; and where a deployment meets its first wall.
+
+One process runs the API (uvicorn, on a thread) and a sim worker (the sim
+model sleeps instead of computing, so every CPU second the worker spends is
+Ferry's own work around the model) against a Redis of its own and a fresh
+PostgreSQL database. Three phases, one at a time, so that each part's cost
+is read off counters that only it moves:
+
+* **submit**: N jobs through ``POST /v1/jobs`` from C concurrent clients, no
+  worker running: the API's cost per submission;
+* **run**: the worker drains the N jobs in batches of up to B: the worker's
+  cost per job and per batch;
+* **poll**: one ``GET /v1/jobs/{id}?wait=`` long-poll per finished job;
+
+and the enqueue alone, straight to Redis at the group sizes a group commit
+reaches: a script call per job against one per tenant's stream, side by side.
+
+Per phase: Redis's commands (``INFO commandstats``), bytes in and out, and
+CPU (``INFO cpu``, less what it spends idle over as long); PostgreSQL's transactions and rows
+(``pg_stat_database``) and statements (SQLAlchemy's events in this process),
+and the CPU of every PostgreSQL process; this process's CPU less the
+clients' own threads (for the submit and poll phases: the API's; for the run
+phase: the worker's). From them, :func:`walls` works out at how many jobs per
+second each part saturates, one core each.
+
+    python -m bench.capacity [--jobs 3000] [--batch 32] [--clients 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from sqlalchemy import event, select, text
+from sqlalchemy.engine import Engine
+
+from bench import results
+from core.db import Job, make_engine, make_sessionmaker
+from core.keys import create_key
+from core.settings import Settings
+from core.streams import JobMessage, Scripts
+from harness.served import served
+from harness.services import migrated_postgres_database, started_redis
+from harness.worker import running_worker
+
+TICKS = os.sysconf("SC_CLK_TCK")
+# The enqueue alone, at the group sizes a group commit reaches (1 when idle, up to
+# FERRY_SUBMIT_GROUP_MAX under load), from this many API keys.
+ENQUEUE_GROUPS = (1, 16, 256)
+ENQUEUE_TENANTS = 8
+
+
+def _ticks(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def postgres_cpu_s(admin: Engine, database: str) -> dict[int, float]:
+    """CPU seconds of each PostgreSQL backend serving ``database`` now (by process id):
+    other databases' work on a shared server is left out."""
+    with admin.connect() as conn:
+        pids = conn.scalars(
+            text("SELECT pid FROM pg_stat_activity WHERE datname = :name"), {"name": database}
+        ).all()
+    return {int(pid): _ticks(f"/proc/{pid}/stat") for pid in pids}
+
+
+class Statements:
+    """SQL statements this process sends, counted by the SQLAlchemy event every engine fires."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, *_args: Any) -> None:
+        with self.lock:
+            self.count += 1
+
+    @contextmanager
+    def listening(self) -> Iterator[Statements]:
+        event.listen(Engine, "before_cursor_execute", self)
+        try:
+            yield self
+        finally:
+            event.remove(Engine, "before_cursor_execute", self)
+
+
+class Counters:
+    """Readings of every counter a phase moves."""
+
+    def __init__(self, client: redis.Redis, admin: Engine, database: str, sql: Statements) -> None:
+        self.client = client
+        self.admin = admin
+        self.database = database
+        self.sql = sql
+        self.backends: dict[int, float] = {}
+
+    def read(self) -> dict[str, float]:
+        """The counters now; PostgreSQL's backends' CPU kept apart, by process id."""
+        self.backends = postgres_cpu_s(self.admin, self.database)
+        info = self.client.info("all")
+        commands = {
+            name.removeprefix("cmdstat_"): float(stats["calls"])
+            for name, stats in info.items()
+            if name.startswith("cmdstat_")
+        }
+        with self.admin.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT xact_commit, tup_inserted, tup_updated, tup_deleted, tup_returned "
+                    "FROM pg_stat_database WHERE datname = :name"
+                ),
+                {"name": self.database},
+            ).one()
+        return {
+            "redis_commands": sum(commands.values()) - commands.get("info", 0.0),
+            "redis_in_bytes": float(info["total_net_input_bytes"]),
+            "redis_out_bytes": float(info["total_net_output_bytes"]),
+            "redis_cpu_s": float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
+            "db_transactions": float(row.xact_commit),
+            "db_rows_written": float(row.tup_inserted + row.tup_updated + row.tup_deleted),
+            "db_rows_read": float(row.tup_returned),
+            "db_statements": float(self.sql.count),
+            "process_cpu_s": time.process_time(),
+            **{f"redis:{name}": calls for name, calls in commands.items()},
+        }
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+
+
+def submit(base: str, token: str, jobs: int, clients: int) -> tuple[list[str], float]:
+    """``jobs`` submissions from ``clients`` concurrent connections; (ids, their CPU seconds)."""
+    ids: list[str] = []
+    cpu = 0.0
+
+    async def main() -> None:
+        nonlocal cpu
+        started = time.thread_time()
+        headers = {"Authorization": f"Bearer {token}"}
+        limits = httpx.Limits(max_connections=clients)
+        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as client:
+            queue = iter(range(jobs))
+
+            async def one_client() -> None:
+                for _ in queue:
+                    answer = await client.post(
+                        "/v1/jobs", json={"model": "sim", "input": {"cost": 8}}
+                    )
+                    answer.raise_for_status()
+                    ids.append(answer.json()["id"])
+
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+        cpu = time.thread_time() - started
+
+    asyncio.run(main())
+    return ids, cpu
+
+
+def poll(base: str, token: str, ids: list[str], clients: int) -> float:
+    """A long-poll of every (finished) job; the clients' CPU seconds."""
+    cpu = 0.0
+
+    async def main() -> None:
+        nonlocal cpu
+        started = time.thread_time()
+        headers = {"Authorization": f"Bearer {token}"}
+        limits = httpx.Limits(max_connections=clients)
+        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as client:
+            queue = iter(ids)
+
+            async def one_client() -> None:
+                for job_id in queue:
+                    answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
+                    assert answer.json()["status"] == "succeeded"
+
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+        cpu = time.thread_time() - started
+
+    asyncio.run(main())
+    return cpu
+
+
+def one_round(jobs: int, batch: int, clients: int, enqueue_messages: int) -> dict[str, Any]:
+    sql = Statements()
+    with (
+        tempfile.TemporaryDirectory(prefix="ferry-capacity-") as tmp,
+        started_redis(Path(tmp) / "redis") as redis_url,
+        migrated_postgres_database() as database_url,
+        sql.listening(),
+    ):
+        settings = Settings(
+            redis_url=redis_url,
+            database_url=database_url,
+            data_dir=Path(tmp),
+            key_prefix="capacity",
+            models="sim",
+            model_parameters={"sim": {"latency_base_ms": 2.0, "latency_per_cost_ms": 0.01}},
+            batch_max_size=batch,
+            # One process drives everything: the worker must not run before the run phase.
+            reconcile_interval_s=3600.0,
+        )
+        engine = make_engine(settings.sqlalchemy_url)
+        sessions = make_sessionmaker(engine)
+        with sessions() as session:
+            token = create_key(session, "capacity").token
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        database = engine.url.database or ""
+        admin = make_engine(engine.url.set(database="postgres").render_as_string(False))
+        counters = Counters(client, admin, database, sql)
+        phases: dict[str, dict[str, float]] = {}
+
+        def idle_rates(seconds: float = 3.0) -> dict[str, float]:
+            """What Redis and this process spend per second doing nothing (timers,
+            heartbeats, the API's background tasks): taken off each phase's figures."""
+            before = counters.read()
+            time.sleep(seconds)
+            found = delta(before, counters.read())
+            return {
+                "redis_cpu_s": found["redis_cpu_s"] / seconds,
+                "process_cpu_s": found["process_cpu_s"] / seconds,
+            }
+
+        def measured(name: str, work: Callable[[], float]) -> None:
+            idle = idle_rates()
+            client.config_resetstat()
+            before = counters.read()
+            backends = counters.backends
+            started = time.perf_counter()
+            own_cpu = work()  # the clients' CPU, not the part's
+            seconds = time.perf_counter() - started
+            time.sleep(1.5)  # PostgreSQL flushes its statistics at most once a second
+            found = delta(before, counters.read())
+            # A backend that started meanwhile counts from zero.
+            found["postgres_cpu_s"] = sum(
+                cpu - backends.get(pid, 0.0) for pid, cpu in counters.backends.items()
+            )
+            found["seconds"] = seconds
+            found["redis_cpu_s"] -= idle["redis_cpu_s"] * seconds
+            found["part_cpu_s"] = (
+                found.pop("process_cpu_s") - own_cpu - idle["process_cpu_s"] * seconds
+            )
+            found["idle_redis_cpu_per_s"] = idle["redis_cpu_s"]
+            phases[name] = found
+
+        with served(settings) as api:
+            ids: list[str] = []
+
+            def submitting() -> float:
+                found, cpu = submit(api.base, token, jobs, clients)
+                ids.extend(found)
+                return cpu
+
+            measured("submit", submitting)
+
+            def running() -> float:
+                with running_worker(settings, "sim", "capacity"):
+                    until = time.monotonic() + 300
+                    while time.monotonic() < until:
+                        with sessions() as session:
+                            left = session.scalar(
+                                select(Job.id).where(Job.status != "succeeded").limit(1)
+                            )
+                        if left is None:
+                            break
+                        time.sleep(0.1)
+                return 0.0
+
+            measured("run", running)
+            measured("poll", lambda: poll(api.base, token, ids, clients))
+        with sessions() as session:
+            batches = len(set(session.scalars(select(Job.batch_id))))
+        engine.dispose()
+        admin.dispose()
+        client.close()
+        enqueue = enqueue_costs(redis_url, ENQUEUE_GROUPS, ENQUEUE_TENANTS, enqueue_messages)
+    return {"jobs": len(ids), "batches": batches, "phases": phases, "enqueue": enqueue}
+
+
+def enqueue_costs(
+    redis_url: str, groups: tuple[int, ...], tenants: int, messages: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Redis's CPU and commands per job to enqueue ``messages`` jobs, in pipelines of one
+    group commit's size, from ``tenants`` API keys: a script call per job (``enqueue``)
+    against one per tenant's stream in the group (``enqueue_all``), side by side."""
+    client = redis.Redis.from_url(redis_url)
+    scripts = Scripts(client)
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for size in groups:
+        for mode in ("enqueue", "enqueue_all"):
+            prefix = f"enqueue-{mode}-{size}"
+            batch = [
+                JobMessage(f"job-{n}", "normal", 8, 0, tenant=f"key-{n % tenants}")
+                for n in range(messages)
+            ]
+            client.config_resetstat()
+            info = client.info("cpu")
+            before = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+            for start in range(0, messages, size):
+                pipe = client.pipeline(transaction=False)
+                group = batch[start : start + size]
+                if mode == "enqueue":
+                    for message in group:
+                        scripts.enqueue(pipe, prefix, "sim", message)
+                else:
+                    scripts.enqueue_all(pipe, prefix, (("sim", m) for m in group))
+                pipe.execute()
+            info = client.info("all")
+            cpu = float(info["used_cpu_sys"]) + float(info["used_cpu_user"]) - before
+            calls = sum(
+                stats["calls"]
+                for name, stats in info.items()
+                if name.startswith("cmdstat_")
+                and name not in ("cmdstat_info", "cmdstat_config|resetstat")
+            )
+            found.setdefault(str(size), {})[mode] = {
+                "redis_cpu_us": cpu / messages * 1e6,
+                "redis_commands": calls / messages,
+            }
+            client.flushdb()
+    client.close()
+    return found
+
+
+def per_job(run: dict[str, Any]) -> dict[str, float]:
+    """A round's costs per job (and per batch where a batch is the unit)."""
+    jobs, batches = run["jobs"], run["batches"]
+    submit_, run_, poll_ = (run["phases"][name] for name in ("submit", "run", "poll"))
+    both = {name: submit_[name] + run_[name] for name in submit_ if not name.startswith("redis:")}
+    return {
+        "redis_commands": both["redis_commands"] / jobs,
+        "redis_bytes": (both["redis_in_bytes"] + both["redis_out_bytes"]) / jobs,
+        "redis_cpu_us": both["redis_cpu_s"] / jobs * 1e6,
+        "db_transactions": both["db_transactions"] / jobs,
+        "db_rows_written": both["db_rows_written"] / jobs,
+        "db_statements_per_submission": submit_["db_statements"] / jobs,
+        "db_statements_per_batch": run_["db_statements"] / batches,
+        "postgres_cpu_us": both["postgres_cpu_s"] / jobs * 1e6,
+        "api_cpu_us_per_submission": submit_["part_cpu_s"] / jobs * 1e6,
+        "api_cpu_us_per_long_poll": poll_["part_cpu_s"] / jobs * 1e6,
+        "worker_cpu_us_per_job": run_["part_cpu_s"] / jobs * 1e6,
+        "jobs_per_batch": jobs / batches,
+    }
+
+
+def walls(costs: dict[str, float]) -> dict[str, float]:
+    """Jobs per second at which each part is saturated: one core each (Redis runs its
+    commands on one thread; PostgreSQL's cost is its CPU over all its processes)."""
+    return {
+        "redis": 1e6 / costs["redis_cpu_us"],
+        "postgres_one_core": 1e6 / costs["postgres_cpu_us"],
+        "api_process": 1e6 / costs["api_cpu_us_per_submission"],
+        "worker_overhead": 1e6 / costs["worker_cpu_us_per_job"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--enqueue-messages", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=results.RESULTS / "capacity.json")
+    args = parser.parse_args(argv)
+    head = results.provenance("capacity", argv)
+    runs = results.repeated(
+        args.rounds,
+        lambda: one_round(args.jobs, args.batch, args.clients, args.enqueue_messages),
+        lambda run: print({k: round(v, 2) for k, v in per_job(run).items()}, flush=True),
+    )
+    costs = [per_job(run) for run in runs]
+    figures = {name: results.spread([cost[name] for cost in costs]) for name in costs[0]}
+    saturation = [walls(cost) for cost in costs]
+    enqueue = {
+        size: {
+            mode: {
+                name: results.spread([run["enqueue"][size][mode][name] for run in runs])
+                for name in ("redis_cpu_us", "redis_commands")
+            }
+            for mode in ("enqueue", "enqueue_all")
+        }
+        for size in runs[0]["enqueue"]
+    }
+    results.write(
+        args.out,
+        {
+            "runs": runs,
+            "per_job": figures,
+            "enqueue": enqueue,
+            "walls_jobs_per_s": {
+                name: results.spread([found[name] for found in saturation])
+                for name in saturation[0]
+            },
+        },
+        settings={
+            "jobs": args.jobs,
+            "batch_max_size": args.batch,
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "database": "postgresql",
+            "enqueue_groups": list(ENQUEUE_GROUPS),
+            "enqueue_tenants": ENQUEUE_TENANTS,
+            "enqueue_messages": args.enqueue_messages,
+        },
+        head=head,
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""A GPU worker's batch loop on a thread of this process, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from core.settings import Settings
+from workers.gpu.loop import BatchLoop
+from workers.gpu.main import build_loop
+
+
+@contextmanager
+def running_worker(settings: Settings, model: str, name: str) -> Iterator[BatchLoop]:
+    """A worker's batch loop on a thread of this process, stopped afterwards."""
+    loop = build_loop(settings, model, name=name)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        stop.set()
+        thread.join(timeout=30)
