@@ -34,7 +34,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -144,56 +144,50 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
 
 
-def submit(base: str, token: str, jobs: int, clients: int) -> tuple[list[str], float]:
-    """``jobs`` submissions from ``clients`` concurrent connections; (ids, their CPU seconds)."""
-    ids: list[str] = []
-    cpu = 0.0
+Request = Callable[[httpx.AsyncClient, Any], Awaitable[None]]
+
+
+def concurrently(base: str, token: str, clients: int, items: Iterable[Any], call: Request) -> float:
+    """``call(client, item)`` for every item, from ``clients`` concurrent connections;
+    the CPU seconds the clients spent (this thread's)."""
 
     async def main() -> None:
-        nonlocal cpu
-        started = time.thread_time()
         headers = {"Authorization": f"Bearer {token}"}
         limits = httpx.Limits(max_connections=clients)
         async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as client:
-            queue = iter(range(jobs))
+            queue = iter(items)
 
             async def one_client() -> None:
-                for _ in queue:
-                    answer = await client.post(
-                        "/v1/jobs", json={"model": "sim", "input": {"cost": 8}}
-                    )
-                    answer.raise_for_status()
-                    ids.append(answer.json()["id"])
+                for item in queue:
+                    await call(client, item)
 
             await asyncio.gather(*(one_client() for _ in range(clients)))
-        cpu = time.thread_time() - started
 
+    started = time.thread_time()
     asyncio.run(main())
-    return ids, cpu
+    return time.thread_time() - started
+
+
+def submit(base: str, token: str, jobs: int, clients: int) -> tuple[list[str], float]:
+    """``jobs`` submissions; (their ids, the clients' CPU seconds)."""
+    ids: list[str] = []
+
+    async def one(client: httpx.AsyncClient, _item: Any) -> None:
+        answer = await client.post("/v1/jobs", json={"model": "sim", "input": {"cost": 8}})
+        answer.raise_for_status()
+        ids.append(answer.json()["id"])
+
+    return ids, concurrently(base, token, clients, range(jobs), one)
 
 
 def poll(base: str, token: str, ids: list[str], clients: int) -> float:
     """A long-poll of every (finished) job; the clients' CPU seconds."""
-    cpu = 0.0
 
-    async def main() -> None:
-        nonlocal cpu
-        started = time.thread_time()
-        headers = {"Authorization": f"Bearer {token}"}
-        limits = httpx.Limits(max_connections=clients)
-        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits) as client:
-            queue = iter(ids)
+    async def one(client: httpx.AsyncClient, job_id: Any) -> None:
+        answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
+        assert answer.json()["status"] == "succeeded"
 
-            async def one_client() -> None:
-                for job_id in queue:
-                    answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
-                    assert answer.json()["status"] == "succeeded"
-
-            await asyncio.gather(*(one_client() for _ in range(clients)))
-        cpu = time.thread_time() - started
-
-    asyncio.run(main())
-    return cpu
+    return concurrently(base, token, clients, ids, one)
 
 
 def one_round(jobs: int, batch: int, clients: int, enqueue_messages: int) -> dict[str, Any]:
