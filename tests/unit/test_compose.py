@@ -1,7 +1,8 @@
-"""The container set-up: docker-compose.yml and the Dockerfile keep architecture.md's promises.
+"""The container set-up: docker-compose.yml keeps architecture.md's promises.
 
-These read the files as data (PyYAML), so they run without Docker. The last
-test asks ``docker-compose config`` itself when it is installed.
+These read the file as data (PyYAML), so they run without Docker. The last
+tests ask ``docker-compose config`` itself when it is installed. The
+Dockerfile's own checks are in test_dockerfile.py.
 """
 
 from __future__ import annotations
@@ -163,12 +164,56 @@ def test_the_gpu_worker_reserves_an_nvidia_gpu(services: dict[str, dict[str, Any
     assert nvidia, devices
     assert "gpu" in nvidia[0]["capabilities"]
     assert nvidia[0].get("count") == "all" or int(nvidia[0]["count"]) >= 1
-    # A CUDA build of torch, in an image of its own (not the CPU one the rest use).
+    # The worker target with a CUDA build of torch, in an image of its own.
+    assert worker["build"]["target"] == "worker"
     assert "/whl/cu" in worker["build"]["args"]["TORCH_INDEX"]
     assert worker["image"] != services["api"]["image"]
     for name in FERRY_SERVICES - {"gpu-worker"}:
         assert "deploy" not in services[name], name
-        assert services[name]["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu"), name
+
+
+def test_every_other_ferry_service_runs_the_api_image_without_torch(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)", DOCKERFILE.read_text(), re.MULTILINE))
+    for name in FERRY_SERVICES:
+        target = services[name]["build"]["target"]
+        assert target in targets, (name, target)
+        if name != "gpu-worker":
+            # The sim worker too: its device is simulated, so it needs no torch.
+            assert target == "api", name
+            assert "args" not in services[name]["build"], "the api target takes no torch"
+
+
+def test_ferry_services_run_read_only_as_the_images_user(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name in FERRY_SERVICES:
+        service = services[name]
+        # The image's user (uid 10001); no service puts root back.
+        assert str(service.get("user", "10001")).split(":")[0] not in {"root", "0"}, name
+        assert service["read_only"] is True, name
+        # /tmp is the one writable path besides FERRY_DATA_DIR, memory, never executable.
+        (tmp,) = [str(mount) for mount in service["tmpfs"] if str(mount).startswith("/tmp:")]
+        assert {"rw", "noexec", "nosuid", "nodev"} <= set(tmp.split(":")[1].split(",")), name
+        assert service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+    assert services["api"]["environment"]["FERRY_DATA_DIR"] == "/data"
+    # Beat's schedule is the one file Ferry keeps there: it outlives the container.
+    assert "beat-data:/data" in services["celery-beat"]["volumes"]
+
+
+def test_services_without_a_port_to_ask_turn_the_images_check_off(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    # The api image's HEALTHCHECK asks the API; the one-off migration and beat
+    # have nothing to answer it.
+    for name in FERRY_SERVICES:
+        check = services[name].get("healthcheck")
+        if name in {"migrate", "celery-beat"}:
+            assert check == {"disable": True}, name
+        else:
+            assert check and "test" in check, name
 
 
 def test_the_api_and_workers_wait_for_the_migration(
@@ -268,23 +313,6 @@ def test_prometheus_and_grafana_use_the_repository_configuration(
     )
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     assert "prometheus" in depends_on(grafana)
-
-
-def test_the_dockerfile_builds_an_offline_non_root_ferry_image() -> None:
-    text = DOCKERFILE.read_text()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    instructions = [line for line in lines if not line.startswith("#")]
-    assert instructions[0].startswith("FROM python:3.11-slim")
-    assert "ARG TORCH_SPEC=torch==2.13.0" in lines
-    assert any(line.startswith("ARG TORCH_INDEX") for line in lines)
-    assert re.search(r"HF_HUB_OFFLINE=1\b", text)
-    assert 'ENTRYPOINT ["ferry"]' in lines
-    torch_at = text.index('"$TORCH_SPEC"')
-    project_at = text.index("pip install -c constraints.txt -e clients/python -e .")
-    assert torch_at < project_at, "torch must be installed before the project"
-    users = [line.split()[1] for line in lines if line.startswith("USER ")]
-    assert users, "the image must not run as root"
-    assert users[-1] not in {"root", "0"}
 
 
 def _compose_command() -> list[str]:
