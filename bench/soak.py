@@ -5,6 +5,9 @@ at a steady rate across the lanes, kills the sim worker with SIGKILL every
 ``--kill-every`` seconds (``ferry up`` restarts it; its unacknowledged entries
 are run again), samples the resident memory of every Ferry process, and at
 the end checks that every accepted job reached exactly one terminal state.
+The workers' execution record (``FERRY_EXECUTION_LOG_DIR``, appended before
+each result write) counts what was computed: a job computed again is allowed
+only where a killed worker had computed it and not yet written it.
 
     python -m bench.soak [--minutes 30] [--rate 40] [--kill-every 60]
 """
@@ -29,7 +32,9 @@ import httpx
 import redis
 
 from bench import results
+from harness.accounting import count_executions
 from harness.stack import FerryUp
+from workers.gpu.executions import read_executions
 
 LANES = (("urgent", 0.05), ("vip", 0.15), ("normal", 0.7), ("bulk", 0.1))
 
@@ -43,12 +48,13 @@ class Soak:
             FERRY_SIM_LATENCY_BASE_MS="20",
             FERRY_SIM_LATENCY_PER_COST_MS="0.2",
             FERRY_VISIBILITY_TIMEOUT_S="10",
+            FERRY_EXECUTION_LOG_DIR=str(root / "executions"),
         )
         self.root = root
         self.accepted: list[str] = []
         self.refused = collections.Counter[int]()
         self.done = collections.Counter[str]()
-        self.kills = 0
+        self.killed: set[int] = set()  # the workers' pids, for the execution record
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self._listen_until = 0.0
@@ -105,7 +111,7 @@ class Soak:
         for pid in self.stack.children():
             if b"worker\x00--model\x00sim" in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
-                self.kills += 1
+                self.killed.add(pid)
 
     def sample(self, started: float) -> None:
         rss: dict[str, float] = {}
@@ -130,14 +136,17 @@ class Soak:
         time.sleep(3)
         missing = [job for job in self.accepted if job not in statuses]
         counts = collections.Counter(statuses.values())
-        duplicated = sum(1 for job in self.accepted if self.done[job] > 1)
+        executions = count_executions(read_executions(self.root / "executions"), self.killed)
         return {
             "accepted": len(self.accepted),
             "refused": dict(self.refused),
             "statuses": dict(counts),
             "lost": len(missing) + open_jobs,
-            "duplicated": duplicated,
-            "worker_kills": self.kills,
+            "executions": sum(executions.per_job[job] for job in self.accepted),
+            "after_crash": sum(executions.after_crash[job] for job in self.accepted),
+            "run_twice": sum(executions.run_twice[job] for job in self.accepted),
+            "written_twice": sum(1 for job in self.accepted if self.done[job] > 1),
+            "worker_kills": len(self.killed),
         }
 
     def close(self) -> None:
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         before, after = first["rss_mib"].get(name, 0.0), last["rss_mib"][name]
         print(f"  {name:<14} RSS {before:7.1f} -> {after:7.1f} MiB")
     print(f"wrote {args.out}")
-    return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
+    clean = result["lost"] == result["run_twice"] == result["written_twice"] == 0
+    return 0 if clean else 1
 
 
 def _cmdline(pid: int) -> bytes:

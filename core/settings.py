@@ -180,6 +180,11 @@ class Settings(BaseSettings):
     worker_drain_s: float = Field(30.0, gt=0)
     """How long a stopping worker may take to finish and record its batch (and retry a result
     write)."""
+    execution_log_dir: Path | None = None
+    """For tests and soaks: each worker process appends every batch it computes (the jobs and
+    their attempts) to a file of its own in this directory before the outcomes are written,
+    so a job computed twice shows even where the second write was refused
+    (`workers/gpu/executions.py`). Unset: nothing is recorded."""
 
     # The API.
     max_body_bytes: int = Field(1_048_576, ge=1024)

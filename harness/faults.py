@@ -34,11 +34,12 @@ from core.queues import lane_depths
 from core.streams import dead_letter_key, done_channel, workers_key
 from ferry.local_redis import free_port, start_redis
 from harness import POLL_S
-from harness.accounting import Accounting, Figures, tally
+from harness.accounting import Accounting, Executions, Figures, count_executions, tally
 from harness.listener import DoneListener
 from harness.processes import Proc, Processes
 from harness.proxy import TcpProxy
 from harness.submitting import Submission, Submitter
+from workers.gpu.executions import read_executions
 
 MODEL = "sim"
 START_TIMEOUT_S = 60.0
@@ -74,6 +75,9 @@ class Stack(Processes):
             )
         self.redis_port = free_port()
         self.redis_dir = self.tmp / "redis-data"
+        # The workers' record of what they computed: files, so that it outlives
+        # Redis restarted empty, the database down and kill -9.
+        self.execution_dir = self.tmp / "executions"
         self.start_redis()
         self.redis = redis.Redis.from_url(
             self.redis_url, decode_responses=True, socket_connect_timeout=1, socket_timeout=5
@@ -88,6 +92,7 @@ class Stack(Processes):
             FERRY_DATA_DIR=str(self.tmp / "data"),
             FERRY_API_PORT=str(self.api_port),
             FERRY_MODELS=MODEL,
+            FERRY_EXECUTION_LOG_DIR=str(self.execution_dir),
             FERRY_LOG_LEVEL="INFO",
             PYTHONUNBUFFERED="1",
         )
@@ -231,6 +236,10 @@ class Stack(Processes):
 
     # -- accounting -----------------------------------------------------------
 
+    def executions(self) -> Executions:
+        """What the workers computed so far, from their execution record."""
+        return count_executions(read_executions(self.execution_dir), self.died())
+
     def account(
         self,
         scenario: str,
@@ -239,7 +248,7 @@ class Stack(Processes):
         timeout: float,
         record: Callable[[Figures], None],
     ) -> Accounting:
-        """Wait for every accepted job to end, then count: completed, lost, duplicated."""
+        """Wait for every accepted job to end, then count: completed, lost, run, written."""
         accepted = submission.accepted
         self.wait_terminal(accepted, timeout)
         seconds = time.monotonic() - started
@@ -247,8 +256,9 @@ class Stack(Processes):
         time.sleep(0.5)  # a publication racing the last commit
         published = self.listener.snapshot()
         rows = self.rows(accepted)
+        executions = self.executions()
         figures = tally(
-            scenario, submission, rows, published, seconds, self.max_attempts,
+            scenario, submission, rows, published, executions, seconds, self.max_attempts,
             stream_entries_left=left,
             # Rows no 202 answered for (a request that failed after its commit
             # and was not retried): work nobody knows was accepted.
@@ -256,21 +266,33 @@ class Stack(Processes):
             restarts={p.name: p.exits for p in self.procs.values() if p.exits},
         )  # fmt: skip
         record(figures)
-        return Accounting(figures, rows, published)
+        return Accounting(figures, rows, published, executions)
 
     def row_count(self) -> int:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(Job)).scalar_one())
 
     def assert_nothing_lost(self, accounting: Accounting) -> None:
+        """Nothing lost, no result written twice, no job computed twice but after a crash."""
         f = accounting.figures
-        context = f"{json.dumps(asdict(f), default=str, indent=1)}\n{self.diagnostics()}"
+        context = self._context(f)
         assert not f.details["rejected"], context
         assert f.submitted > 0, context
         assert f.lost == 0, context
-        assert f.duplicated == 0, context
+        assert f.written_twice == 0, context
+        assert f.run_twice == 0, context
+        assert not f.details["succeeded_unexecuted"], context
         assert f.details["bad_attempts"] == 0, context
         assert f.details["orphan_rows"] == 0, context
+
+    def assert_computed_once(self, accounting: Accounting) -> None:
+        """Without a crash: every accepted job was computed exactly once, by the record."""
+        f = accounting.figures
+        assert f.details["executions_per_job"] == {1: f.submitted}, self._context(f)
+        assert f.after_crash == 0, self._context(f)
+
+    def _context(self, figures: Figures) -> str:
+        return f"{json.dumps(asdict(figures), default=str, indent=1)}\n{self.diagnostics()}"
 
     # -- teardown ---------------------------------------------------------------
 

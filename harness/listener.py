@@ -1,7 +1,9 @@
 """Who was recorded, and how many times: the job ids workers announce on the done channel.
 
 Workers publish an id there only when their conditional terminal UPDATE won,
-so an id published twice is a job recorded twice.
+so an id published twice is a job recorded twice. A job computed twice whose
+second write was refused is published once: ``harness.accounting`` counts
+computations from the workers' execution record instead.
 """
 
 from __future__ import annotations

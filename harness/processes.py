@@ -112,6 +112,11 @@ class Processes:
             proc.exits.append(code)
             return code
 
+    def died(self) -> set[int]:
+        """The pids of the processes started here that ended with a status other than 0."""
+        with self._lock:
+            return {popen.pid for popen in self._all if popen.poll() not in (None, 0)}
+
     def tail(self, proc: Proc, chars: int = 3000) -> str:
         try:
             return proc.log.read_text(errors="replace")[-chars:]

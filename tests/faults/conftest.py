@@ -7,10 +7,12 @@ the Redis, the database and the proxy go too, and a failed test prints the
 processes' logs.
 
 Each scenario counts what it submitted (202s), what reached a terminal state,
-what was lost (accepted, never terminal) and what was duplicated (recorded
-twice; see ``harness.accounting``). The figures are printed as a table at the
-end of the run (``pytest tests/faults -q -s``) and written as JSON under the
-pytest temporary directory.
+what was lost (accepted, never terminal), how many times the workers computed
+each job by their own execution record (again after a crash, or twice with no
+crash to explain it), and which results were written twice (see
+``harness.accounting``). The figures are printed as a table at the end of the
+run (``pytest tests/faults -q -s``) and written as JSON under the pytest
+temporary directory.
 """
 
 from __future__ import annotations

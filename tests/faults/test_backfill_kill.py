@@ -98,7 +98,9 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
 
     with stack.engine.connect() as conn:
         rows = conn.execute(
-            select(Job.line_no, Job.status, Job.attempts).where(Job.backfill_id == backfill_id)
+            select(Job.id, Job.line_no, Job.status, Job.attempts).where(
+                Job.backfill_id == backfill_id
+            )
         ).all()
         jobs = conn.scalar(select(func.count()).select_from(Job))
     assert jobs == LINES  # one job per line, no more
@@ -108,6 +110,14 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     if victim == "gpu-worker":
         again = {r.attempts for r in rows if r.attempts == 2}
         assert again, details  # the killed batch was run again, once
+    # What the workers computed, by their own record: every line, and again only
+    # what a killed GPU worker had computed and not written.
+    stack.wait_quiet()
+    executions = stack.executions()
+    details["after_crash"] = sum(executions.after_crash.values())
+    assert not executions.run_twice, (details, sorted(executions.run_twice)[:20])
+    most = 2 if victim == "gpu-worker" else 1
+    assert {executions.per_job[r.id] for r in rows} <= set(range(1, most + 1)), details
 
     lines = client.get(f"/v1/backfills/{backfill_id}/results").text.splitlines()
     results = [json.loads(line) for line in lines]

@@ -27,6 +27,7 @@ def test_a_poison_input_fails_alone_and_the_rest_of_its_batch_succeeds(
     stack.start_worker("w1")
     accounting = stack.account("poison input", submission, started, 60, record)
     stack.assert_nothing_lost(accounting)
+    stack.assert_computed_once(accounting)
 
     rows = accounting.rows
     poison = rows[submission.ids[poison_at]]
@@ -60,6 +61,7 @@ def test_simulated_out_of_memory_splits_batches_and_fails_nobody(
     worker = stack.start_worker("w1")
     accounting = stack.account("out of memory", submission, started, 60, record)
     stack.assert_nothing_lost(accounting)
+    stack.assert_computed_once(accounting)
 
     rows = accounting.rows.values()
     assert {row.status for row in rows} == {"succeeded"}, accounting.figures.details

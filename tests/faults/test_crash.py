@@ -45,6 +45,8 @@ def assert_dead_lettered(
     assert crash.status == "failed", crash
     assert crash.error is not None and f"{MAX_ATTEMPTS} attempts" in crash.error, crash.error
     assert crash.attempts == MAX_ATTEMPTS, crash
+    # It kills its worker as it is launched: never once computed.
+    assert accounting.executions.per_job[crash_id] == 0, accounting.figures.details
     # One crash per attempt, and no other kind of exit.
     assert exits.count(CRASH_EXIT_CODE) == MAX_ATTEMPTS, exits
     assert set(exits) == {CRASH_EXIT_CODE}, exits
@@ -73,6 +75,9 @@ def test_a_job_that_crashes_its_worker_is_dead_lettered_and_the_workers_serve_on
     others = [r for job_id, r in accounting.rows.items() if job_id != crash_id]
     assert {r.status for r in others} == {"succeeded"}, accounting.figures.details
     assert all(r.attempts == 1 for r in others), accounting.figures.details
+    # Submitted once the crashing job was dead-lettered: each computed once.
+    per_job = accounting.executions.per_job
+    assert all(per_job[r.id] == 1 for r in others), accounting.figures.details
 
 
 def test_the_batch_mates_of_a_job_that_crashes_its_worker_succeed(

@@ -63,6 +63,8 @@ def test_a_database_outage_mid_run_loses_nothing_and_records_nothing_twice(
     details["connections_severed"] = proxy.severed
     details["reenqueued"] = stack.reenqueued(celery_worker)
     stack.assert_nothing_lost(accounting)
+    # A worker that waits for the database keeps its batch: nothing is computed twice.
+    stack.assert_computed_once(accounting)
     rows = accounting.rows.values()
     assert {r.status for r in rows} == {"succeeded"}, details
     assert all(worker.alive() and worker.starts == 1 for worker in workers)

@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 
 from core.streams import GROUP
-from harness.accounting import Figures
+from harness.accounting import RECORDING_DEPTH, Figures
 from harness.faults import MODEL, Stack, sim_jobs
-from harness.processes import wait_for
+from harness.processes import Proc, wait_for
 from tests.streams import all_stream_names
 
 pytestmark = pytest.mark.faults
 
 JOBS = 2500
 VISIBILITY_TIMEOUT_S = 3.0
+BATCH_MAX_SIZE = 32
 
 
 def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
@@ -46,30 +47,42 @@ def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
     ]
 
 
+def two_workers(
+    make_stack: Callable[..., Stack], visibility_timeout_s: float, base_ms: int = 100
+) -> tuple[Stack, Proc, Proc]:
+    """The API and workers w1 and w2, whose batches of up to 32 jobs take ``base_ms`` + 1 ms
+    per unit of cost."""
+    stack = make_stack(
+        FERRY_VISIBILITY_TIMEOUT_S=str(visibility_timeout_s),
+        FERRY_SIM_LATENCY_BASE_MS=str(base_ms),
+        FERRY_SIM_LATENCY_PER_COST_MS="1",
+        FERRY_BATCH_MAX_SIZE=str(BATCH_MAX_SIZE),
+    )
+    stack.start_api()
+    return stack, stack.start_worker("w1"), stack.start_worker("w2")
+
+
+def caught_mid_batch(stack: Stack, worker: Proc) -> list[str]:
+    """Waits until ``worker`` has just started a batch; returns the batch's jobs."""
+    caught: list[str] = []
+
+    def mid_batch() -> bool:
+        caught[:] = fresh_batch_of(stack, worker.name, max_age_s=0.03)
+        return bool(caught)
+
+    wait_for(f"{worker.name} to start a batch", mid_batch, 30, 0.005)
+    return caught
+
+
 def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
     make_stack: Callable[..., Stack], record: Callable[[Figures], None]
 ) -> None:
-    stack = make_stack(
-        FERRY_VISIBILITY_TIMEOUT_S=str(VISIBILITY_TIMEOUT_S),
-        # A batch of up to 32 jobs takes 100 ms + 1 ms per unit of cost.
-        FERRY_SIM_LATENCY_BASE_MS="100",
-        FERRY_SIM_LATENCY_PER_COST_MS="1",
-        FERRY_BATCH_MAX_SIZE="32",
-    )
-    stack.start_api()
-    victim = stack.start_worker("w1")
-    survivor = stack.start_worker("w2")
+    stack, victim, survivor = two_workers(make_stack, VISIBILITY_TIMEOUT_S)
     started = time.monotonic()
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
 
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
-    caught: list[str] = []
-
-    def victim_mid_batch() -> bool:
-        caught[:] = fresh_batch_of(stack, victim.name, max_age_s=0.03)
-        return bool(caught)
-
-    wait_for("w1 to start a batch", victim_mid_batch, 30, 0.005)
+    caught = caught_mid_batch(stack, victim)
     stack.kill(victim)  # not restarted: w2 must take its entries over
     killed_at = time.monotonic()
     submitted.result(timeout=120)
@@ -85,6 +98,11 @@ def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
     rerun = [job_id for job_id in caught if job_id in rows]
     assert rerun and all(rows[job_id].attempts == 2 for job_id in rerun), details
     assert all(r.attempts <= 2 for r in rows.values()), details
+    # Computed again (by the record, not the writes): at most what the victim had
+    # computed and not yet written when it died, its last batches.
+    per_job = accounting.executions.per_job
+    assert max(per_job[job_id] for job_id in rows) <= 2, details
+    assert accounting.figures.after_crash <= RECORDING_DEPTH * BATCH_MAX_SIZE, details
     reclaims = stack.count_logs(survivor, "reclaimed entries another worker left unacknowledged")
     details["reclaims"] = reclaims
     assert reclaims > 0, details

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -32,6 +33,7 @@ from scheduler.learning import BatchObservation, SchedulerState
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.device import Computed, DevicePipeline, InFlight
 from workers.gpu.events import BatchFinished, BatchLog, BatchObserver, BatchStarted, Observers
+from workers.gpu.executions import ExecutionLog
 from workers.gpu.intake import Intake, entry_key
 from workers.gpu.learned import LoopStats, Publisher
 from workers.gpu.observe import Metrics
@@ -56,6 +58,7 @@ class LoopConfig:
     worker_drain_s: float = 30.0
     pipeline: bool = False  # record batch N while batch N + 1 runs
     pipeline_prepare: bool = False  # prepare batch N + 1 while batch N computes
+    execution_log_dir: Path | None = None  # where computed batches are recorded (tests)
 
     @classmethod
     def of(cls, settings: Settings) -> LoopConfig:
@@ -66,6 +69,7 @@ class LoopConfig:
             worker_drain_s=settings.worker_drain_s,
             pipeline=settings.pipeline,
             pipeline_prepare=settings.pipeline_prepare,
+            execution_log_dir=settings.execution_log_dir,
         )
 
 
@@ -110,6 +114,11 @@ class BatchLoop:
             max_attempts=config.max_attempts, pipeline=config.pipeline, clock=clock,
         )  # fmt: skip
         self.publisher = Publisher(client, prefix, model, consumer.consumer)
+        self.executions = (
+            ExecutionLog(config.execution_log_dir, consumer.consumer)
+            if config.execution_log_dir is not None
+            else None
+        )
         # The model's own settings from its model.toml (what Flower's conf shows).
         self.model_settings: dict[str, Any] = {}
         # Hot reload: when set, the loop switches to the versions it loads.
@@ -200,6 +209,8 @@ class BatchLoop:
             except DeviceLost as exc:
                 lost = exc
             self.recording.close()
+            if self.executions is not None:
+                self.executions.close()
             if self.versions is not None:
                 self.versions.stop()
             self.ready.clear()
@@ -329,6 +340,11 @@ class BatchLoop:
             )
             self.batcher.finished(seen)
             self.publisher.learned(self.state, seen, computed.efficiency)
+            if self.executions is not None:
+                # Before the outcomes are written: the record must not depend on that write.
+                self.executions.append(
+                    flight.batch_id, [(job.job_id, job.attempts) for job in flight.claimed]
+                )
         self.recording.hand_over(self._finisher(flight, computed))
 
     def _finisher(self, flight: InFlight, computed: Computed) -> Callable[[], None]:
