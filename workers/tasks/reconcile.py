@@ -6,8 +6,10 @@ not seen it. Celery beat runs :func:`reconcile` every ``reconcile_interval_s``:
 jobs still ``queued`` or ``running`` that are older than ``reconcile_grace_s``
 and have no entry in any of their model's lanes get a new one. The grace
 covers the API between its commit and its XADD, so a slow entry is never
-doubled; and a job enqueued twice would still run once, because the worker's
-claim and terminal writes are conditional.
+doubled. A job enqueued twice is recorded once (the worker's terminal write is
+conditional) and never claimed once finished; but one that is running when its
+second entry is read can be computed a second time, which the fault suite's
+execution record counts (``tests/faults``, "computed twice").
 
 Each run also checks every key's outstanding-jobs counter against the rows
 (``core.usage.rebuild``).
