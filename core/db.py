@@ -368,8 +368,23 @@ def make_engine(url: str) -> Engine:
 
         return engine
     # A database host that stops answering must not hold a worker or a request
-    # for the kernel's TCP timeout (minutes): give up on a connection in 5 s.
-    connect_args = {"connect_timeout": 5} if url.startswith("postgresql") else {}
+    # for the kernel's TCP timeout (minutes): give up on a new connection in 5 s,
+    # and on one in use whose host went silent (a cut link, a host that died
+    # without closing it) once what was sent stays unacknowledged for 10 s, or
+    # the idle peer misses three keepalives. A slow but live server acknowledges
+    # and answers keepalives from its kernel: long statements are not cut.
+    connect_args: dict[str, Any] = (
+        {
+            "connect_timeout": 5,
+            "tcp_user_timeout": 10_000,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
+        if url.startswith("postgresql")
+        else {}
+    )
     # No ping before each checkout (a round trip per transaction): a connection
     # found dead when used fails that one transaction with a disconnect error,
     # and SQLAlchemy then drops every pooled connection, so the next ones are

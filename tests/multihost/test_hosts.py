@@ -1,0 +1,245 @@
+"""Ferry on many test hosts: Redis, PostgreSQL, two API hosts, two sim-worker hosts and a
+Celery host, each in a network namespace of its own on a bridge of its own (198.18.0.0/24,
+the benchmarking range); links cut and restored. Root only: skipped with the reason
+elsewhere, required under CI=true."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import Engine
+
+from core import migrate
+from core.db import Job, make_engine, make_sessionmaker
+from core.keys import create_key
+from core.queues import model_streams
+from core.streams import GROUP
+from harness.netns import Deployment, Host, Network, wait_until
+from workers.gpu.executions import read_executions
+
+pytestmark = pytest.mark.multihost
+
+Deploy = Callable[..., Deployment]
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Iterator[Deploy]:
+    with contextlib.ExitStack() as stack:
+
+        def start(**settings: str) -> Deployment:
+            net = stack.enter_context(Network(tmp_path))
+            hosts = Deployment(net, sys.executable, **settings)
+            hosts.start_redis()
+            hosts.start_postgres()
+            admin = create_engine(
+                hosts.database_url.replace("/ferry", "/postgres"), isolation_level="AUTOCOMMIT"
+            )
+
+            def answers() -> bool:
+                with admin.connect():
+                    return True
+
+            wait_until("PostgreSQL to answer", answers, 60)
+            with admin.connect() as conn:
+                conn.execute(text("CREATE DATABASE ferry"))
+            admin.dispose()
+            migrate.upgrade(hosts.database_url)
+            for api in hosts.apis:
+                hosts.start_api(api)
+            for worker in hosts.workers:
+                hosts.start_worker(worker)
+            hosts.start_celery()
+            for api in hosts.apis:
+                wait_until(
+                    f"{api.name} to be ready",
+                    lambda url=hosts.api_url(api): httpx.get(f"{url}/readyz", timeout=2).is_success,
+                    90,
+                )
+            return hosts
+
+        yield start
+
+
+def submit(hosts: Deployment, engine: Engine, api: Host, count: int, cost: int = 4) -> list[str]:
+    with make_sessionmaker(engine)() as session:
+        token = create_key(session, f"key-{api.name}").token
+    ids = []
+    with httpx.Client(
+        base_url=hosts.api_url(api), headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as client:
+        for _ in range(count):
+            answer = client.post("/v1/jobs", json={"model": "sim", "input": {"cost": cost}})
+            assert answer.status_code == 202, answer.text
+            ids.append(answer.json()["id"])
+    return ids
+
+
+def succeeded(engine: Engine, ids: list[str]) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count())
+                .select_from(Job)
+                .where(Job.id.in_(ids), Job.status == "succeeded")
+            ).scalar_one()
+        )
+
+
+def test_jobs_submitted_to_both_apis_complete_on_both_workers(deploy: Deploy) -> None:
+    hosts = deploy(FERRY_BATCH_MAX_SIZE="16")
+    engine = make_engine(hosts.database_url)
+    ids = [job for api in hosts.apis for job in submit(hosts, engine, api, 100)]
+    wait_until("every job to finish", lambda: succeeded(engine, ids) == len(ids), 90)
+    with engine.connect() as conn:
+        rows = conn.execute(select(Job.batch_id, Job.attempts).where(Job.id.in_(ids))).all()
+    engine.dispose()
+    assert all(attempts == 1 for _, attempts in rows)
+    # Both worker hosts took part (each logs its batches).
+    for worker in hosts.workers:
+        assert "batch done" in worker.log("worker", 200_000), worker.log("worker")
+
+
+def pending_of(client: redis.Redis, consumer: str) -> int:
+    """Entries the consumer holds unacknowledged, over the sim model's streams."""
+    held = 0
+    for stream in model_streams(client, "ferry", "sim"):
+        with contextlib.suppress(redis.ResponseError):
+            summary = client.xpending(stream, GROUP)
+            for found in summary.get("consumers") or []:
+                if found["name"] in (consumer, consumer.encode()):
+                    held += int(found["pending"])
+    return held
+
+
+def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
+    deploy: Deploy, tmp_path: Path
+) -> None:
+    records = tmp_path / "executions"
+    hosts = deploy(
+        FERRY_BATCH_MAX_SIZE="8",
+        FERRY_VISIBILITY_TIMEOUT_S="4",
+        FERRY_SIM_LATENCY_BASE_MS="1500",
+        FERRY_EXECUTION_LOG_DIR=str(records),
+    )
+    engine = make_engine(hosts.database_url)
+    client = redis.Redis.from_url(hosts.redis_url, decode_responses=True)
+    cut = hosts.workers[0]
+    ids = submit(hosts, engine, hosts.apis[0], 48, cost=1)
+    wait_until(f"{cut.name} to hold a batch", lambda: pending_of(client, cut.name) > 0, 30, 0.02)
+    cut.cut()  # mid-batch: it computes on, but reaches neither Redis nor PostgreSQL
+    cut_at = time.monotonic()
+    # The other host takes the cut one's entries over once they are older than the
+    # visibility timeout, and every job finishes while the link is still down.
+    wait_until("every job to finish", lambda: succeeded(engine, ids) == len(ids), 90)
+    taken_over_s = time.monotonic() - cut_at
+    cut.restore()
+    # The cut worker's result write is retried until the database answers again: it
+    # finds its jobs already written at a later attempt, and changes nothing.
+    time.sleep(8)
+    assert hosts.worker_processes[cut.name].poll() is None, cut.log("worker")
+    with engine.connect() as conn:
+        rows = {
+            job_id: (status, attempts)
+            for job_id, status, attempts in conn.execute(
+                select(Job.id, Job.status, Job.attempts).where(Job.id.in_(ids))
+            )
+        }
+    engine.dispose()
+    client.close()
+    assert {status for status, _ in rows.values()} == {"succeeded"}, "a job was lost"
+    stale = {
+        job_id
+        for execution in read_executions(records)
+        if execution.worker == cut.name
+        for job_id, attempt in execution.jobs
+        if attempt == 1 and rows[job_id][1] > 1
+    }
+    # The cut worker computed a batch whose jobs were then claimed again and written by
+    # the other host: the row holds the later attempt, the stale result was refused.
+    assert stale, "the cut worker computed nothing the other host took over"
+    taken = [job_id for job_id, (_, attempts) in rows.items() if attempts > 1]
+    assert set(taken) >= stale
+    assert taken_over_s < 60
+
+
+def test_an_api_host_cut_from_redis_keeps_accepting_and_its_jobs_run(deploy: Deploy) -> None:
+    hosts = deploy(FERRY_RECONCILE_INTERVAL_S="1", FERRY_RECONCILE_GRACE_S="2")
+    engine = make_engine(hosts.database_url)
+    api = hosts.apis[0]
+    api.block(hosts.redis.address)
+    # Every submission is committed to the database first: accepted while Redis is out
+    # of reach; the reconciler (on the Celery host, which reaches Redis) enqueues them.
+    ids = submit(hosts, engine, api, 20)
+    wait_until("the jobs to run", lambda: succeeded(engine, ids) == len(ids), 60)
+    api.unblock(hosts.redis.address)
+    with engine.connect() as conn:
+        attempts = conn.execute(select(Job.attempts).where(Job.id.in_(ids))).scalars().all()
+    engine.dispose()
+    assert sorted(attempts) == [1] * len(ids)
+    assert "enqueue failed; the reconciler will enqueue the jobs" in api.log("api", 200_000)
+    assert "re-enqueued jobs whose stream entry was lost" in hosts.celery.log("worker", 200_000)
+
+
+def test_the_postgresql_host_stopped_for_10_s_under_load_loses_nothing(deploy: Deploy) -> None:
+    hosts = deploy(FERRY_BATCH_MAX_SIZE="16")
+    engine = make_engine(hosts.database_url)
+    with make_sessionmaker(engine)() as session:
+        token = create_key(session, "load").token
+    accepted: list[str] = []
+    refused = 0
+    started = time.monotonic()
+    cut_at = None
+    with contextlib.ExitStack() as clients:
+        sessions = [
+            clients.enter_context(
+                httpx.Client(
+                    base_url=hosts.api_url(api),
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=30,
+                )
+            )
+            for api in hosts.apis
+        ]
+        number = 0
+        while (elapsed := time.monotonic() - started) < 18:
+            if cut_at is None and elapsed > 3:
+                hosts.postgres.cut()
+                cut_at = time.monotonic()
+            if cut_at is not None and time.monotonic() - cut_at > 10:
+                hosts.postgres.restore()
+            number += 1
+            key = f"job-{number}"
+            # A refused submission is retried with its idempotency key, as a client would.
+            for _ in range(20):
+                answer = sessions[number % 2].post(
+                    "/v1/jobs",
+                    json={"model": "sim", "input": {"cost": 2}},
+                    headers={"Idempotency-Key": key},
+                )
+                if answer.status_code == 202:
+                    accepted.append(answer.json()["id"])
+                    break
+                assert answer.status_code == 503, answer.text
+                refused += 1
+                time.sleep(0.5)
+            time.sleep(0.03)
+    hosts.postgres.restore()
+    wait_until(
+        "every accepted job to finish",
+        lambda: succeeded(engine, accepted) == len(set(accepted)),
+        90,
+    )
+    with engine.connect() as conn:
+        attempts = conn.execute(select(Job.attempts).where(Job.id.in_(accepted))).scalars().all()
+    engine.dispose()
+    assert refused > 0, "the outage turned no submission away"
+    assert len(set(accepted)) == len(accepted)  # each key accepted once
+    assert len(attempts) == len(accepted) and max(attempts) == 1
