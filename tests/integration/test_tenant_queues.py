@@ -190,17 +190,16 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
     scripts.enqueue_all(pipe, together, ((MODEL, message) for message in messages))
     pipe.execute()
 
+    def entries(key: str) -> list[dict[str, str]]:
+        found: Any = redis_client.xrange(key)
+        return [dict(fields) for _id, fields in found]
+
     def state(prefix: str) -> dict[str, Any]:
         streams = {
-            (lane, tenant): [
-                {k: v for k, v in fields.items()}
-                for _id, fields in redis_client.xrange(stream_key(prefix, MODEL, lane, tenant))
-            ]
+            (lane, tenant): entries(stream_key(prefix, MODEL, lane, tenant))
             for lane, tenant in (("normal", "a"), ("vip", "b"), ("normal", None))
         }
-        wakes = [
-            fields["wake"] for _id, fields in redis_client.xrange(f"{prefix}:{{{MODEL}}}:wake")
-        ]
+        wakes = [fields["wake"] for fields in entries(f"{prefix}:{{{MODEL}}}:wake")]
         return {
             "streams": streams,
             "tenants": lane_tenants(redis_client, prefix, MODEL),
