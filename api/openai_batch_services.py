@@ -138,21 +138,21 @@ def list_files(
         query = select(StoredFile).where(
             StoredFile.api_key_id == key.id,
             StoredFile.deleted_at.is_(None),
+            StoredFile.expires_at.is_(None) | (StoredFile.expires_at > utcnow()),
             # An upload still arriving has no size yet; an output file may not have one yet.
             (StoredFile.bytes.is_not(None)) | (StoredFile.purpose == "batch_output"),
         )
         if purpose is not None:
             query = query.where(StoredFile.purpose == purpose)
-        rows = _page(session, query, StoredFile, after, limit, ascending)
-    now = utcnow()
-    live = [row for row in rows if row.expires_at is None or row.expires_at > now]
-    return _list([file_object(sessions, row) for row in live[:limit]], len(rows) > limit)
+        rows = _page(session, query, StoredFile, key.id, after, limit, ascending)
+    return _list([file_object(sessions, row) for row in rows[:limit]], len(rows) > limit)
 
 
 def _page(
     session: Session,
     query: Any,
-    kind: Any,  # StoredFile or OpenAIBatch: both have id and created_at
+    kind: Any,  # StoredFile or OpenAIBatch: both have id, api_key_id and created_at
+    key_id: str,
     after: str | None,
     limit: int,
     ascending: bool,
@@ -161,7 +161,8 @@ def _page(
     one row more than ``limit``, to tell whether there are more."""
     if after is not None:
         cursor = session.get(kind, after)
-        if cursor is None:
+        # Another key's id is no cursor: it must not tell that it exists.
+        if cursor is None or cursor.api_key_id != key_id:
             raise ApiError(422, "invalid_request", f"after: no such id {after!r}")
         if ascending:
             query = query.where(
@@ -201,14 +202,18 @@ def file_content(sessions: sessionmaker[Session], stored: StoredFile) -> Iterato
         role = stored.role or OUTPUT
         yield from openai_batches.file_lines(sessions, batch.backfill_id, batch.model, role)
         return
-    part = 0
+    part = read = 0
     while True:
         with sessions() as session:
             data = session.scalar(
                 select(FilePart.data).where(FilePart.file_id == stored.id, FilePart.part == part)
             )
         if data is None:
+            if read != stored.bytes:
+                # Deleted while it was read: a part of it is not the file.
+                raise ApiError(409, "conflict", f"file {stored.id!r} was deleted while it was read")
             return
+        read += len(data)
         yield data
         part += 1
 
@@ -472,7 +477,7 @@ def list_batches(
 ) -> dict[str, Any]:
     with sessions() as session:
         query = select(OpenAIBatch).where(OpenAIBatch.api_key_id == key.id)
-        rows = _page(session, query, OpenAIBatch, after, limit, ascending=False)
+        rows = _page(session, query, OpenAIBatch, key.id, after, limit, ascending=False)
     return _list([batch_view(sessions, row) for row in rows[:limit]], len(rows) > limit)
 
 
@@ -482,6 +487,10 @@ def cancel_batch(sessions: sessionmaker[Session], key: ApiKey, batch_id: str) ->
         batch = get_batch(session, key, batch_id)
         if batch.backfill_id is None:
             raise ApiError(409, "conflict", f"batch {batch.id} failed; it cannot be cancelled")
+        backfill = session.get(Backfill, batch.backfill_id)
+        if backfill is not None and backfill.status == "expiring":
+            # Its window has ended: what has not run is being expired already.
+            return batch_view(sessions, batch)
         try:
             backfill_services.cancel(session, key, batch.backfill_id)
         except ApiError as exc:

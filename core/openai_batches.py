@@ -298,6 +298,12 @@ def batch_object(
     errors = None
     if batch.errors:
         errors = {"object": "list", "data": batch.errors}
+    elif backfill is not None and backfill.status == "failed" and backfill.error:
+        # Failed for a reason of its own (an upload cut off when the API stopped).
+        errors = {
+            "object": "list",
+            "data": [{"code": "failed", "message": backfill.error, "param": None, "line": None}],
+        }
     counts = {"total": 0, "completed": 0, "failed": 0}
     if backfill is not None:
         counts = {

@@ -182,6 +182,10 @@ FILE_BODY = {
 async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
     """Upload a batch input file (JSONL: one request per line); checked when a batch uses it."""
     settings: Settings = request.app.state.settings
+    if "content-length" not in request.headers:
+        # The size must be known before the upload is taken: the limit is checked on it
+        # before a byte is read (a chunked body could not be refused until spooled).
+        raise ApiError(411, "length_required", "file: send the upload with a Content-Length")
     try:
         form = await request.form(max_files=1, max_fields=8)
     except (AssertionError, ValueError) as exc:

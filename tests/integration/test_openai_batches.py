@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -28,6 +29,7 @@ from tests.integration.conftest import RunningLoop
 from tests.integration.test_backfills import RunningFeeder, make_feeder
 from tests.vectors import cosine
 from workers.gpu.main import build_loop
+from workers.tasks.app import purge_results
 
 TOPICS = ("cats", "trains", "rivers", "taxes")
 
@@ -406,3 +408,69 @@ def test_the_keys_embeddings_lane_unless_the_header_names_one(
     with sessions() as session:
         lanes = {str(job.input): job.priority for job in session.scalars(select(Job))}
     assert lanes == {"one": "vip", "two": "vip", "three": "urgent"}
+
+
+def test_the_purge_takes_finished_batches_with_their_files_and_keeps_running_ones(
+    client: openai.OpenAI,
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_client: redis.Redis,
+) -> None:
+    live_upload = upload(client, [request("a", "x")])
+    expiring = client.files.create(
+        file=("e.jsonl", io.BytesIO(jsonl([request("a", "x")]))),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    ).id
+    finished = client.batches.create(
+        input_file_id=upload(client, [request(f"r{n}", text(n)) for n in range(5)]),
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    client.batches.cancel(finished.id)
+    feeder = make_feeder(sessions, redis_client, settings)
+    feeder.step()
+    feeder.step()
+    error_file = client.batches.retrieve(finished.id).error_file_id
+    assert error_file is not None
+    running = client.batches.create(
+        input_file_id=live_upload, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    with sessions.begin() as session:
+        stored = session.get(OpenAIBatch, running.id)
+        assert stored is not None
+        # One line of the running batch finished long ago: kept while the batch runs.
+        job = session.scalars(select(Job).where(Job.backfill_id == stored.backfill_id)).one()
+        job.status, job.finished_at = "succeeded", utcnow()
+    purge_results(settings, now=utcnow() + dt.timedelta(seconds=settings.result_ttl_s + 60))
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve(finished.id)
+    for gone in (error_file, expiring):
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(gone)
+    assert client.batches.retrieve(running.id).status == "in_progress"
+    assert client.files.retrieve(live_upload).bytes > 0
+    with sessions() as session:
+        assert session.get(Job, job.id) is not None
+        assert (
+            session.scalar(
+                select(func.count()).select_from(FilePart).where(FilePart.file_id == expiring)
+            )
+            == 0
+        )
+
+
+def test_an_upload_of_unknown_size_is_refused_before_it_is_read(api: Served, token: str) -> None:
+    def body() -> Iterator[bytes]:  # sent chunked: no Content-Length
+        yield b'--x\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--x--\r\n'
+
+    answer = httpx.post(
+        f"{api.base}/v1/files",
+        content=body(),
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "multipart/form-data; boundary=x",
+        },
+    )
+    assert answer.status_code == 411, answer.text
+    assert answer.json()["error"]["param"] == "file"

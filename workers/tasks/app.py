@@ -21,7 +21,10 @@ from core.db import (
     DELIVERY_DONE,
     TERMINAL_STATUSES,
     Backfill,
+    FilePart,
     Job,
+    OpenAIBatch,
+    StoredFile,
     WebhookAttempt,
     WebhookDelivery,
     make_engine,
@@ -84,13 +87,21 @@ def reconcile_streams(settings: Settings) -> int:
 
 
 def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
-    """Delete terminal jobs that finished more than ``result_ttl_s`` ago."""
-    cutoff = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(seconds=settings.result_ttl_s)
+    """Delete terminal jobs that finished more than ``result_ttl_s`` ago (a backfill's only
+    once it has finished: its results are read whole), finished backfills, and the OpenAI
+    batches and files they leave behind; and uploads past their expiry or cut off."""
+    moment = now or dt.datetime.now(dt.UTC)
+    cutoff = moment - dt.timedelta(seconds=settings.result_ttl_s)
     engine = make_engine(settings.sqlalchemy_url)
     try:
         with make_sessionmaker(engine).begin() as session:
+            unfinished = select(Backfill.id).where(Backfill.status.not_in(BACKFILL_DONE))
             result = session.execute(
-                delete(Job).where(Job.status.in_(TERMINAL_STATUSES), Job.finished_at < cutoff)
+                delete(Job).where(
+                    Job.status.in_(TERMINAL_STATUSES),
+                    Job.finished_at < cutoff,
+                    Job.backfill_id.is_(None) | Job.backfill_id.not_in(unfinished),
+                )
             )
             count = int(result.rowcount)
             finished = (
@@ -109,10 +120,36 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
                     Backfill.status.in_(BACKFILL_DONE), Backfill.finished_at < cutoff
                 )
             )
+            purge_openai_files(session, moment, cutoff, settings.backfill_stale_upload_s)
     finally:
         engine.dispose()
     log.info("purged expired results", extra={"count": count})
     return count
+
+
+def purge_openai_files(
+    session: Session, now: dt.datetime, cutoff: dt.datetime, stale_upload_s: float
+) -> None:
+    """The OpenAI batches whose backfill is gone (or that failed before having one, long
+    ago), their output files, and uploads expired or cut off mid-way, with their parts."""
+    orphans = select(OpenAIBatch.id).where(
+        (OpenAIBatch.backfill_id.is_not(None) & OpenAIBatch.backfill_id.not_in(select(Backfill.id)))
+        | (OpenAIBatch.backfill_id.is_(None) & (OpenAIBatch.created_at < cutoff))
+    )
+    batch_ids = list(session.scalars(orphans))
+    stale = now - dt.timedelta(seconds=stale_upload_s)
+    files = select(StoredFile.id).where(
+        StoredFile.batch_id.in_(batch_ids)
+        | (StoredFile.expires_at.is_not(None) & (StoredFile.expires_at < now))
+        | ((StoredFile.purpose == "batch") & StoredFile.bytes.is_(None)
+           & (StoredFile.created_at < stale))
+    )  # fmt: skip
+    file_ids = list(session.scalars(files))
+    if file_ids:
+        session.execute(delete(FilePart).where(FilePart.file_id.in_(file_ids)))
+        session.execute(delete(StoredFile).where(StoredFile.id.in_(file_ids)))
+    if batch_ids:
+        session.execute(delete(OpenAIBatch).where(OpenAIBatch.id.in_(batch_ids)))
 
 
 def create_celery(settings: Settings) -> Celery:
