@@ -28,17 +28,20 @@ class Demand:
     backlog: int  # jobs queued or running now
     per_worker_rate: float | None  # jobs per second one worker finishes (None: not learned yet)
     horizon_s: float  # the time the backlog may take: the nearest deadline, at most the drain
+    # A backfill's lines waiting: they ask for one worker, not more (the feeder keeps the
+    # bulk lane as full as workers drain it, so its size says nothing about demand).
+    bulk_backlog: int = 0
 
 
 def workers_needed(demand: Demand, target_utilisation: float) -> float:
     """The workers (unrounded) that keep rho at the target and drain the backlog in time."""
-    busy = demand.arrival_rate > 0 or demand.backlog > 0
+    busy = demand.arrival_rate > 0 or demand.backlog > 0 or demand.bulk_backlog > 0
     if not demand.per_worker_rate or demand.per_worker_rate <= 0:
         # Nothing learned yet: one worker to learn from, if there is work.
         return 1.0 if busy else 0.0
     steady = demand.arrival_rate / (target_utilisation * demand.per_worker_rate)
     drain = demand.backlog / (demand.per_worker_rate * max(demand.horizon_s, 1e-3))
-    return steady + drain
+    return max(steady + drain, 1.0 if demand.bulk_backlog > 0 else 0.0)
 
 
 class DesiredWorkers:
@@ -78,11 +81,14 @@ class DesiredWorkers:
         backlog: int,
         per_worker_rate: float | None,
         horizon_s: float,
+        bulk_backlog: int = 0,
     ) -> int:
-        """The desired workers now: up at once, down after the cool-down."""
+        """The desired workers now: up at once, down after the cool-down. ``backlog``: the
+        live lanes' jobs queued or running; ``bulk_backlog``: the bulk lane's."""
         self.arrival_rate = self.rate(now, arrived_total)
         self.needed = workers_needed(
-            Demand(self.arrival_rate, backlog, per_worker_rate, horizon_s), self.target
+            Demand(self.arrival_rate, backlog, per_worker_rate, horizon_s, bulk_backlog),
+            self.target,
         )
         # A hair under a whole number is that number (floating point, not demand).
         need = math.ceil(self.needed - 1e-9)

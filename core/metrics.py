@@ -11,6 +11,7 @@ Names follow Prometheus conventions: ``ferry_`` prefix, units in the name,
 from __future__ import annotations
 
 import hmac
+import threading
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,7 @@ from core.autoscale import DesiredWorkers
 from core.estimates import ModelEstimate
 from core.queues import arrivals, lane_states, live_workers, model_stats, nearest_deadline_ms
 from core.settings import Settings
+from scheduler.vocabulary import Lane
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -141,9 +143,17 @@ class Scalers:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.by_model: dict[str, DesiredWorkers] = {}
+        # /metrics is answered on the thread pool: two scrapes at once share this state.
+        self.lock = threading.Lock()
 
     def observe(
-        self, client: redis.Redis, prefix: str, model: str, backlog: int, now: float
+        self,
+        client: redis.Redis,
+        prefix: str,
+        model: str,
+        backlog: int,
+        now: float,
+        bulk_backlog: int = 0,
     ) -> tuple[int, DesiredWorkers, float | None]:
         """(desired workers, the model's tracker, the learned jobs per second per worker)."""
         scaler = self.by_model.get(model)
@@ -162,7 +172,9 @@ class Scalers:
         if nearest is not None:
             # A deadline already passed still leaves a second: the backlog cannot go faster.
             horizon = min(horizon, max(nearest / 1000.0 - now, 1.0))
-        desired = scaler.observe(now, arrivals(client, prefix, model), backlog, per_worker, horizon)
+        arrived = arrivals(client, prefix, model)
+        with self.lock:
+            desired = scaler.observe(now, arrived, backlog, per_worker, horizon, bulk_backlog)
         return desired, scaler, per_worker
 
 
@@ -187,14 +199,17 @@ def queue_metrics(
     scaling = None if scalers is None else _scaling_gauges(registry)
     now = time.time()
     for model in models:
-        backlog = 0
+        backlog = bulk = 0
         for lane, state in lane_states(client, prefix, model).items():
             depth.labels(model, lane).set(state.depth)
             pending.labels(model, lane).set(state.pending)
             lag.labels(model, lane).set(state.lag)
-            backlog += state.depth
+            if lane == Lane.BULK:
+                bulk = state.depth
+            else:
+                backlog += state.depth
         if scalers is not None and scaling is not None:
-            desired, scaler, per_worker = scalers.observe(client, prefix, model, backlog, now)
+            desired, scaler, per_worker = scalers.observe(client, prefix, model, backlog, now, bulk)
             scaling["desired"].labels(model).set(desired)
             scaling["workers"].labels(model).set(live_workers(client, prefix, model, now))
             scaling["arrivals"].labels(model).set(scaler.arrival_rate)

@@ -8,8 +8,15 @@ from typing import Any
 
 import redis
 
-from core.streams import GROUP, seq_key, stats_key, stream_key, tenants_key, workers_key
-from scheduler.vocabulary import LANES
+from core.streams import (
+    GROUP,
+    arrivals_key,
+    stats_key,
+    stream_key,
+    tenants_key,
+    workers_key,
+)
+from scheduler.vocabulary import LANES, Lane
 
 DEPTH_SCAN_LIMIT = 10_000
 HEARTBEAT_TTL_S = 10.0  # a worker that has not beaten for this long is not live
@@ -102,8 +109,8 @@ def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
 
 
 def arrivals(client: redis.Redis, prefix: str, model: str) -> int:
-    """Jobs enqueued for the model since its counter began (its enqueue sequence)."""
-    return int(client.get(seq_key(prefix, model)) or 0)
+    """Jobs enqueued in the model's live lanes (not bulk) since its counter began."""
+    return int(client.get(arrivals_key(prefix, model)) or 0)
 
 
 def nearest_deadline_ms(client: redis.Redis, prefix: str, model: str) -> int | None:
@@ -117,7 +124,7 @@ def nearest_deadline_ms(client: redis.Redis, prefix: str, model: str) -> int | N
         stream_key(prefix, model, lane, tenant or None)
         for lane, by_tenant in tenant_depths(client, prefix, model).items()
         for tenant, depth in by_tenant.items()
-        if depth
+        if depth and lane != Lane.BULK  # a backfill's lines have no deadline
     ]
     pipe = client.pipeline(transaction=False)
     for key in keys:

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from scheduler.vocabulary import LANES
+from scheduler.vocabulary import LANES, Lane
 
 PROTOCOL_VERSION = 1
 GROUP = "workers"
@@ -52,6 +52,12 @@ def tenants_key(prefix: str, model: str, lane: str) -> str:
     drained.
     """
     return f"{prefix}:{{{model}}}:{lane}:tenants"
+
+
+def arrivals_key(prefix: str, model: str) -> str:
+    """Counter of the jobs enqueued in the model's live lanes (all but bulk): its arrival
+    rate. The bulk lane is fed as fast as workers drain it, so it is left out."""
+    return f"{prefix}:{{{model}}}:arrivals"
 
 
 def seq_key(prefix: str, model: str) -> str:
@@ -124,6 +130,8 @@ class Scripts:
         """Add the message to its tenant's stream in its lane (the shared one without a tenant)."""
         fields = message.encode()
         tenant = message.tenant
+        if message.lane != Lane.BULK:
+            target.incr(arrivals_key(prefix, model))
         if not tenant:
             target.incr(seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
@@ -148,8 +156,13 @@ class Scripts:
         """Add every ``(model, message)``, as :meth:`enqueue` would one by one: each
         tenant's messages in one script call (up to :data:`ENQUEUE_MANY_MAX`), in order."""
         streams: dict[tuple[str, str, str | None], list[JobMessage]] = {}
+        live: dict[str, int] = {}
         for model, message in items:
             streams.setdefault((model, message.lane, message.tenant or None), []).append(message)
+            if message.lane != Lane.BULK:
+                live[model] = live.get(model, 0) + 1
+        for model, count in live.items():
+            target.incrby(arrivals_key(prefix, model), count)
         for (model, lane, tenant), messages in streams.items():
             if not tenant:
                 target.incrby(seq_key(prefix, model), len(messages))

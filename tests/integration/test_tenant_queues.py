@@ -178,7 +178,7 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
     messages = [
         JobMessage(f"{tenant}-{n}", lane, n + 1, now_ms, deadline_at_ms=now_ms + n, tenant=tenant)
         for n in range(300)  # past ENQUEUE_MANY_MAX for the first tenant
-        for tenant, lane in (("a", "normal"), ("b", "vip"), (None, "normal"))
+        for tenant, lane in (("a", "normal"), ("b", "vip"), (None, "normal"), ("c", "bulk"))
         if tenant == "a" or n < 5
     ]
     prefix = settings.key_prefix
@@ -197,13 +197,14 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
     def state(prefix: str) -> dict[str, Any]:
         streams = {
             (lane, tenant): entries(stream_key(prefix, MODEL, lane, tenant))
-            for lane, tenant in (("normal", "a"), ("vip", "b"), ("normal", None))
+            for lane, tenant in (("normal", "a"), ("vip", "b"), ("normal", None), ("bulk", "c"))
         }
         wakes = [fields["wake"] for fields in entries(f"{prefix}:{{{MODEL}}}:wake")]
         return {
             "streams": streams,
             "tenants": lane_tenants(redis_client, prefix, MODEL),
             "seq": redis_client.get(f"{prefix}:{{{MODEL}}}:seq"),
+            "arrivals": redis_client.get(f"{prefix}:{{{MODEL}}}:arrivals"),
             "wakes": sorted(wakes),
         }
 
@@ -212,4 +213,6 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
     assert len(found["streams"][("normal", "a")]) == 300 and found["seq"] == str(len(messages))
     decoded = [JobMessage.decode(fields) for fields in found["streams"][("normal", "a")]]
     assert decoded == [m for m in messages if m.tenant == "a"]
-    assert found["wakes"] == ["a", "b"]
+    assert found["wakes"] == ["a", "b", "c"]
+    # The arrival rate's counter leaves the bulk lane out (the feeder fills it on demand).
+    assert found["arrivals"] == str(len([m for m in messages if m.lane != "bulk"]))

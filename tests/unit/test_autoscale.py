@@ -38,6 +38,22 @@ def test_workers_needed(
     assert workers_needed(Demand(arrival, backlog, mu, horizon), target) == pytest.approx(needed)
 
 
+@pytest.mark.parametrize(
+    ("arrival", "bulk", "mu", "needed"),
+    [
+        (0.0, 4096, 100.0, 1.0),  # a backfill alone: one worker, whatever its size
+        (0.0, 4096, None, 1.0),
+        (140.0, 4096, 100.0, 2.0),  # beside live traffic: what the live lanes need
+        (0.0, 0, 100.0, 0.0),
+    ],
+)
+def test_a_backfill_asks_for_one_worker_not_more(
+    arrival: float, bulk: int, mu: float | None, needed: float
+) -> None:
+    demand = Demand(arrival, 0, mu, 60.0, bulk_backlog=bulk)
+    assert workers_needed(demand, 0.7) == pytest.approx(needed)
+
+
 def test_the_arrival_rate_is_measured_over_the_window() -> None:
     scaler = DesiredWorkers(0.7, window_s=10.0, cooldown_s=0.0)
     assert scaler.rate(0.0, 100) == 0.0  # one sample: no rate yet
