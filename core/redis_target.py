@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -91,7 +91,9 @@ class RedisTarget:
         auth = self._auth()
         credentials = ""
         if "password" in auth:
-            credentials = f"{auth.get('username', '')}:{auth['password']}@"
+            # kombu splits the URLs on ';' and each at '@' and ':': quoted, they stay whole.
+            user = quote(auth.get("username", ""), safe="")
+            credentials = f"{user}:{quote(auth['password'], safe='')}@"
         url = ";".join(
             f"sentinel://{credentials}{host}:{port}/{auth.get('db', 0)}"
             for host, port in self.sentinels
@@ -107,6 +109,8 @@ class RedisTarget:
         # Counts read from a replica would lag: every read goes to the primary.
         return f"async+redis+sentinel://{hosts}/{self.service}", {
             "use_replicas": False,
+            # The sentinels' own connections: a silent sentinel must cost little.
+            "sentinel_kwargs": {"socket_timeout": 0.25, "socket_connect_timeout": 0.25},
             **self._auth(),
         }
 

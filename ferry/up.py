@@ -29,6 +29,7 @@ from backends.catalog import check, repository_for
 from core import migrate
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key, verify_token
+from core.redis_target import RedisTarget
 from core.repository import Repository
 from core.settings import Settings
 from ferry.local_redis import start_redis
@@ -165,10 +166,12 @@ def up(settings: Settings) -> int:
 
     redis_process: subprocess.Popen[bytes] | None = None
     redis_url = settings.redis_url
-    if redis_url is None:
+    if redis_url is None and not settings.redis_sentinels:
         redis_process, redis_url = start_redis(data_dir)
         _say(f"started redis-server at {redis_url} (data in {data_dir / 'redis'})")
-    env["FERRY_REDIS_URL"] = redis_url
+    if redis_url is not None:
+        env["FERRY_REDIS_URL"] = redis_url
+    redis_text = redis_url or RedisTarget.of(settings).describe()
 
     children: list[Child] = []
     stopping = False
@@ -233,7 +236,7 @@ def up(settings: Settings) -> int:
                 break
             if not announced:
                 if _ready(base):
-                    _banner(settings, base, redis_url, token, password)
+                    _banner(settings, base, redis_text, token, password)
                     announced = True
                 elif now > ready_deadline:
                     _say(f"the API did not become ready within {READY_TIMEOUT_S:g} s; stopping")
@@ -338,7 +341,7 @@ def _port_arg(ports: dict[str, int], name: str) -> list[str]:
 
 
 def _banner(
-    settings: Settings, base: str, redis_url: str, token: str, flower_password: str | None
+    settings: Settings, base: str, redis: str, token: str, flower_password: str | None
 ) -> None:
     served = settings.model_names
     # minilm's job when it is served; another model's input is described by GET /v1/models.
@@ -361,7 +364,7 @@ def _banner(
         "",
         "Ferry is up.",
         f"  API       {base}   (docs: {base}/docs)",
-        f"  Redis     {redis_url}",
+        f"  Redis     {redis}",
         f"  Database  {settings.sqlalchemy_url}",
         f"  Models    {', '.join(served)}",
         f"  API key   {token}",

@@ -44,7 +44,13 @@ def test_settings_and_clients_follow_the_sentinels() -> None:
     assert options == {"master_name": "cache"}
     uri, limits = target.limits_uri()
     assert uri == "async+redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/cache"
-    assert limits == {"use_replicas": False, "password": "s3cret", "db": 2}
+    assert limits["use_replicas"] is False and (limits["password"], limits["db"]) == ("s3cret", 2)
+    assert limits["sentinel_kwargs"]["socket_timeout"] == 0.25  # a silent sentinel costs little
+    # Credentials are quoted in kombu's URLs, which it splits at ';', '@' and ':'.
+    odd = RedisTarget.of(
+        Settings(redis_sentinels="h:1", redis_url="redis://:p%40ss%3Bw@x:6379/0")
+    ).broker()[0]
+    assert odd == "sentinel://:p%40ss%3Bw@h:1/0"
     assert "s3cret" not in target.describe()
     with pytest.raises(ValueError, match="FERRY_REDIS_URL"):
         RedisTarget.of(Settings())
