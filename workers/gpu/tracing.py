@@ -113,6 +113,16 @@ class Tracing(BatchObserver):
     def batch_finished(self, batch: BatchFinished) -> None:
         with self._lock:
             opened = self._batches.pop(batch.batch_id, None)
+            # Runs not ended by now had no outcome written (the conditional write
+            # refused a late result): they end here, saying so.
+            unwritten = [
+                run
+                for job_id, run in (opened.runs.items() if opened else ())
+                if self._runs.get(job_id) is run and self._runs.pop(job_id)
+            ]
+        for run in unwritten:
+            run.set_attribute("ferry.written", False)
+            run.end()
         if opened is None:
             return
         opened.span.set_attribute("ferry.efficiency", round(batch.efficiency, 4))
