@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from core.streams import GROUP
 from harness.accounting import RECORDING_DEPTH, Figures
@@ -32,9 +33,12 @@ def fresh_batch_of(stack: Stack, consumer: str, max_age_s: float) -> list[str]:
     probed_at = time.time()
     held: list[str] = []
     for stream in all_stream_names(stack.redis, stack.prefix, MODEL):
-        pending: Any = stack.redis.xpending_range(
-            stream, GROUP, min="-", max="+", count=1000, consumername=consumer
-        )
+        try:
+            pending: Any = stack.redis.xpending_range(
+                stream, GROUP, min="-", max="+", count=1000, consumername=consumer
+            )
+        except redis.ResponseError:
+            continue  # a tenant's stream emptied and removed since it was listed
         pipe = stack.redis.pipeline(transaction=False)
         for entry in pending:
             pipe.xrange(stream, min=entry["message_id"], max=entry["message_id"])
