@@ -71,12 +71,22 @@ bench-clients: $(STAMP)
 	@command -v wrk >/dev/null || apt-get install -y wrk
 	$(BIN)/python -m bench.clients $(BENCH_ARGS)
 
+# The same closed-loop clients against the raw model, Ray Serve's @serve.batch, a
+# Celery task per request and Ferry (submit and long-poll; one round trip), side by
+# side (bench/peers.py): about 12 minutes on 2 cores; writes bench/results/peers.json.
+# Installs the bench extra (ray[serve], pinned in bench/constraints.txt) first.
+.PHONY: bench-peers
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -c bench/constraints.txt -e '.[bench]'
+	$(BIN)/python -m bench.peers $(BENCH_ARGS)
+
 # Every benchmark the README and bench/README.md cite, one after the other,
 # each rewriting its file in bench/results/, then the documents rendered from
 # them (python -m bench.render): hours on 2 cores (python -m bench list).
 .PHONY: bench
 bench: $(STAMP)
 	@command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m pip install --quiet -c constraints.txt -c bench/constraints.txt -e '.[bench]'
 	$(BIN)/python -m bench all $(BENCH_ARGS)
 
 # Each benchmark for seconds, into a temporary folder, never bench/results/:

@@ -7,9 +7,10 @@
 Each benchmark runs as its own process (``python -m bench.NAME ...``), one
 after the other for the full set (they measure the machine; two at once
 would measure each other); a smoke run may run ``--parallel`` of them at
-once, since its figures mean nothing. A benchmark whose tool or device is
-missing (wrk, a CUDA device) is skipped and said so; the exit status is 1 if
-any benchmark failed, or was skipped where ``--strict`` asks for all of them.
+once, since its figures mean nothing. A benchmark whose tool, device or
+package is missing (wrk, a CUDA device, the bench extra's Ray) is skipped and
+said so; the exit status is 1 if any benchmark failed, or was skipped where
+``--strict`` asks for all of them.
 
 After a full run of every benchmark, the documents are rendered from the new
 files (``python -m bench.render``) and, if every file cites the same commit
@@ -20,6 +21,7 @@ on a unit test fails when a document cites a file of another commit.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -43,7 +45,7 @@ class Bench:
     full: tuple[str, ...]  # the published run's arguments
     smoke: tuple[str, ...]  # seconds, once
     minutes: float  # the full run, about, on 2 cores
-    needs: tuple[str, ...] = ()  # "wrk", "cuda"
+    needs: tuple[str, ...] = ()  # "wrk", "cuda", "ray"
 
 
 BENCHES = (
@@ -65,6 +67,12 @@ BENCHES = (
         ("--duration", "2", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "64",
          "--raw-sizes", "16"),
         8, ("wrk",),
+    ),
+    Bench(
+        "peers", "bench.peers", (),
+        ("--duration", "2", "--warmup", "1", "--repeats", "1", "--clients", "4", "--texts", "64",
+         "--raw-threads", "1", "--raw-sizes", "16"),
+        12, ("ray",),
     ),
     Bench(
         "backfill", "bench.backfill", (),
@@ -119,6 +127,8 @@ def missing(bench: Bench) -> str | None:
             return "wrk is not on the PATH (apt-get install -y wrk)"
         if need == "cuda" and not shutil.which("nvidia-smi"):
             return "no CUDA device (nvidia-smi is not on the PATH)"
+        if need == "ray" and importlib.util.find_spec("ray") is None:
+            return "ray is not installed (the bench extra: make bench-peers installs it)"
     return None
 
 

@@ -69,6 +69,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -91,6 +92,7 @@ from bench.api import (
     wait_drained,
     working_tree,
 )
+from harness.stack import FerryUp
 
 MODEL = "minilm"
 # The processes whose CPU per job is reported, as bench/api.py names them
@@ -313,6 +315,40 @@ def ferry_settings(threads: int, extra: dict[str, str]) -> dict[str, str]:
     }
 
 
+@dataclass
+class Started:
+    """A ``ferry up`` of this bench's, up with its model loaded."""
+
+    stack: FerryUp
+    watched: Watched
+    startup_s: float  # `ferry up` until the first job finished
+
+
+@contextlib.contextmanager
+def started_ferry(
+    settings: dict[str, str], first: dict[str, Any], prefix: str
+) -> Iterator[Started]:
+    """``ferry up`` with ``settings`` in a temporary folder, ``first`` submitted and finished
+    (the model's load), stopped afterwards with whatever of its tree outlived it; an
+    exception leaving it carries the stack's last output as a note."""
+    watched = Watched()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        stack = FerryUp(Path(tmp), **settings)
+        started = time.monotonic()
+        try:
+            stack.start(timeout_s=180)
+            assert stack.process is not None
+            watched.up_pid = stack.process.pid
+            finished_job(stack.base, stack.token, first)  # waits for the model's load
+            yield Started(stack, watched, round(time.monotonic() - started, 1))
+        except Exception as exc:
+            if stack.output:
+                exc.add_note("ferry up's last output:\n" + "".join(stack.output)[-3000:])
+            raise
+        finally:
+            stop_stack(stack, watched)
+
+
 def run_stack(
     threads: int,
     options: Options,
@@ -321,22 +357,15 @@ def run_stack(
     ceiling: float,
     extra: dict[str, str],
 ) -> StackResult:
-    from harness.stack import FerryUp
-
     settings = ferry_settings(threads, extra)
     result = StackResult(cpu_threads=threads, settings=settings)
-    watched = Watched()
-    with tempfile.TemporaryDirectory(prefix="ferry-bench-clients-") as tmp:
-        stack = FerryUp(Path(tmp), **settings)
-        started = time.monotonic()
-        try:
-            stack.start(timeout_s=180)
+    first = json.loads(bodies.read_text().splitlines()[0])
+    try:
+        with started_ferry(settings, first, "ferry-bench-clients-") as up:
+            stack, watched = up.stack, up.watched
             assert stack.process is not None
-            watched.up_pid = stack.process.pid
             result.working_tree = working_tree()[:12]
-            first = json.loads(bodies.read_text().splitlines()[0])
-            finished_job(stack.base, stack.token, first)  # waits for the model's load
-            result.startup_s = round(time.monotonic() - started, 1)
+            result.startup_s = up.startup_s
             print(f"FERRY_CPU_THREADS={threads}: up, first job done after "
                   f"{result.startup_s:.0f} s, {stack.base}", flush=True)  # fmt: skip
             database_url = stack.env["FERRY_DATABASE_URL"]
@@ -373,15 +402,11 @@ def run_stack(
                 result.rounds.append(measured)
                 print(f"  round {round_}: {_line(measured)}", flush=True)
             result.summary = summarise(result.rounds)
-        except Exception as exc:  # one stack failing leaves the other's figures
-            print(f"FERRY_CPU_THREADS={threads}: failed: {exc}", flush=True)
-            result.error = str(exc)[-3000:]
-            if stack.output:
-                result.error += "\nferry up's last output:\n" + "".join(stack.output)[-3000:]
-            if result.rounds:
-                result.summary = summarise(result.rounds)
-        finally:
-            stop_stack(stack, watched)
+    except Exception as exc:  # one stack failing leaves the other's figures
+        print(f"FERRY_CPU_THREADS={threads}: failed: {exc}", flush=True)
+        result.error = "\n".join([str(exc)[-3000:], *getattr(exc, "__notes__", [])])
+        if result.rounds:
+            result.summary = summarise(result.rounds)
     return result
 
 
