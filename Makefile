@@ -96,5 +96,13 @@ bench-smoke: $(STAMP)
 	@command -v wrk >/dev/null || apt-get install -y wrk
 	$(BIN)/python -m bench all --smoke --parallel 2 $(BENCH_ARGS)
 
+# Mutation testing (bench/mutation.py, mutmut): scheduler/ against its unit
+# tests, then the recorder's terminal write against the integration tests that
+# write outcomes (Redis, SQLite): 10 to 15 minutes on 2 cores, never part of
+# make test. Writes bench/results/mutation.json; MUTATION_ARGS="--target scheduler".
+.PHONY: mutation
+mutation: $(STAMP)
+	FERRY_BENCH_MAKE="make mutation" $(BIN)/python -m bench.mutation $(MUTATION_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site
