@@ -903,6 +903,44 @@ def render_capacity(results: Results) -> list[str]:
     ]
 
 
+# --- mutation testing (mutation.json) ---------------------------------------------------------
+
+
+def render_mutation(results: Results) -> list[str]:
+    doc = results["mutation"]
+    targets = doc["targets"]
+    seconds = "; ".join(f"{name} {target['seconds']:.0f} s" for name, target in targets.items())
+    rows = []
+    for name, target in targets.items():
+        files = target["files"]
+        for path, found in files.items():
+            label = f"`{path}`"
+            if name == "recorder":
+                label += " (`finish`, `_batched_writes`)"
+            rows.append((label, found))
+        if len(files) > 1:
+            rows.append((f"**{target['mutated'][0]}**", target["total"]))
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)} ({seconds}):",
+        "",
+        *table(
+            ["file", "mutants", "killed", "timeout", "survived", "score"],
+            "lrrrrr",
+            [
+                [
+                    label,
+                    f"{found['mutants']:,}",
+                    f"{found['killed']:,}",
+                    f"{found['timeout']:,}",
+                    f"{found['survived']:,}",
+                    f"{100 * found['score']:.1f} %",
+                ]
+                for label, found in rows
+            ],
+        ),
+    ]
+
+
 # --- backfills (backfill.json) -------------------------------------------------------------
 
 
@@ -1364,6 +1402,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "sentinel": render_sentinel,
     "capacity": render_capacity,
     "peers": render_peers,
+    "mutation": render_mutation,
 }
 # The results files each region reads (what a document cites).
 HEADLINE_SOURCES = (
