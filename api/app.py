@@ -90,8 +90,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         group_read.start()
         app.state.group_commit = group_commit
         group_commit.start()
-        broker_url, transport = target.broker()
-        kicker = DeliveryKicker(broker_url, settings.key_prefix, transport)
+        kicker = DeliveryKicker(target, settings.key_prefix)
         app.state.kick = kicker
         app.state.check_callback = callback_checker(
             UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks), resolve

@@ -20,7 +20,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from core.autoscale import DesiredWorkers
 from core.estimates import ModelEstimate
-from core.queues import arrivals, lane_states, live_workers, model_stats, nearest_deadline_ms
+from core.queues import (
+    arrivals,
+    lane_states,
+    live_workers,
+    model_stats,
+    nearest_deadline_ms,
+    tenant_depths,
+)
 from core.settings import Settings
 from scheduler.vocabulary import Lane
 
@@ -154,6 +161,7 @@ class Scalers:
         backlog: int,
         now: float,
         bulk_backlog: int = 0,
+        depths: dict[str, dict[str, int]] | None = None,
     ) -> tuple[int, DesiredWorkers, float | None]:
         """(desired workers, the model's tracker, the learned jobs per second per worker)."""
         scaler = self.by_model.get(model)
@@ -168,7 +176,7 @@ class Scalers:
         estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
         per_worker = None if estimate is None else estimate.jobs_per_second()
         horizon = self.settings.autoscale_drain_s
-        nearest = nearest_deadline_ms(client, prefix, model) if backlog else None
+        nearest = nearest_deadline_ms(client, prefix, model, depths) if backlog else None
         if nearest is not None:
             # A deadline already passed still leaves a second: the backlog cannot go faster.
             horizon = min(horizon, max(nearest / 1000.0 - now, 1.0))
@@ -200,7 +208,9 @@ def queue_metrics(
     now = time.time()
     for model in models:
         backlog = bulk = 0
-        for lane, state in lane_states(client, prefix, model).items():
+        # Read once a scrape: the lanes' states and the nearest deadline both list them.
+        depths = tenant_depths(client, prefix, model)
+        for lane, state in lane_states(client, prefix, model, depths).items():
             depth.labels(model, lane).set(state.depth)
             pending.labels(model, lane).set(state.pending)
             lag.labels(model, lane).set(state.lag)
@@ -209,7 +219,9 @@ def queue_metrics(
             else:
                 backlog += state.depth
         if scalers is not None and scaling is not None:
-            desired, scaler, per_worker = scalers.observe(client, prefix, model, backlog, now, bulk)
+            desired, scaler, per_worker = scalers.observe(
+                client, prefix, model, backlog, now, bulk, depths
+            )
             scaling["desired"].labels(model).set(desired)
             scaling["workers"].labels(model).set(live_workers(client, prefix, model, now))
             scaling["arrivals"].labels(model).set(scaler.arrival_rate)

@@ -68,11 +68,17 @@ def tenant_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, dic
     return depths
 
 
-def lane_states(client: redis.Redis, prefix: str, model: str) -> dict[str, LaneState]:
-    """Per lane, from the consumer groups: entries held by workers and entries not yet read."""
+def lane_states(
+    client: redis.Redis,
+    prefix: str,
+    model: str,
+    depths: dict[str, dict[str, int]] | None = None,
+) -> dict[str, LaneState]:
+    """Per lane, from the consumer groups: entries held by workers and entries not yet read
+    (``depths``: :func:`tenant_depths` if the caller has read them already)."""
     keys = [
         (lane, stream_key(prefix, model, lane, tenant or None))
-        for lane, by_tenant in tenant_depths(client, prefix, model).items()
+        for lane, by_tenant in (depths or tenant_depths(client, prefix, model)).items()
         for tenant, depth in by_tenant.items()
         if depth
     ]
@@ -113,7 +119,12 @@ def arrivals(client: redis.Redis, prefix: str, model: str) -> int:
     return int(client.get(arrivals_key(prefix, model)) or 0)
 
 
-def nearest_deadline_ms(client: redis.Redis, prefix: str, model: str) -> int | None:
+def nearest_deadline_ms(
+    client: redis.Redis,
+    prefix: str,
+    model: str,
+    depths: dict[str, dict[str, int]] | None = None,
+) -> int | None:
     """The nearest deadline among the first entries of the model's streams (epoch ms).
 
     A stream is read in order, so its first entry is the one waiting longest;
@@ -122,7 +133,7 @@ def nearest_deadline_ms(client: redis.Redis, prefix: str, model: str) -> int | N
     """
     keys = [
         stream_key(prefix, model, lane, tenant or None)
-        for lane, by_tenant in tenant_depths(client, prefix, model).items()
+        for lane, by_tenant in (depths or tenant_depths(client, prefix, model)).items()
         for tenant, depth in by_tenant.items()
         if depth and lane != Lane.BULK  # a backfill's lines have no deadline
     ]

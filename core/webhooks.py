@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from core.backfills import backfill_resource
 from core.db import TERMINAL_STATUSES, Backfill, Job, WebhookDelivery
+from core.redis_target import RedisTarget
 from core.resources import iso, job_resource
 
 log = logging.getLogger(__name__)
@@ -177,11 +178,9 @@ class DeliveryKicker:
     here is logged, never raised into the job path.
     """
 
-    def __init__(
-        self, broker_url: str, prefix: str, transport_options: dict[str, Any] | None = None
-    ) -> None:
-        self.broker_url = broker_url
-        self.transport_options = transport_options or {}
+    def __init__(self, redis: RedisTarget, prefix: str) -> None:
+        # Celery's broker is Ferry's Redis, reached as every other client reaches it.
+        self.broker_url, self.transport_options = redis.broker()
         self.queue = celery_queue(prefix)
         self._app: Celery | None = None
         self._lock = threading.Lock()  # called from the loop's and its recording thread

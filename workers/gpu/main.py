@@ -104,7 +104,6 @@ def build_loop(
         first = prepare(config, config.active_version)
     runtime = first.runtime
     client = target.client(decode_responses=True)
-    broker_url, transport = target.broker()
     consumer = StreamConsumer(
         client,
         settings.key_prefix,
@@ -120,7 +119,7 @@ def build_loop(
         prefix=settings.key_prefix,
         config=LoopConfig.of(settings),
         observers=[
-            KickDeliveries(DeliveryKicker(broker_url, settings.key_prefix, transport)),
+            KickDeliveries(DeliveryKicker(target, settings.key_prefix)),
             *([Tracing(model)] if tracing.on() else []),
         ],
     )

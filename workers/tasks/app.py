@@ -222,8 +222,7 @@ def create_celery(settings: Settings) -> Celery:
     # Made once per process (neither connects before it is used).
     target = RedisTarget.of(settings)  # checked by celery_on_broker
     feed_client = target.client(decode_responses=True)
-    broker_url, transport = target.broker()
-    kick = DeliveryKicker(broker_url, settings.key_prefix, transport)
+    kick = DeliveryKicker(target, settings.key_prefix)
 
     # One run at a time (a Redis lock inside); the others return at once.
     # One feeder per process, so its sweep of cut-off uploads keeps its pace
