@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 
 from api import openai_batch_services as services
 from api.deps import KeyDep
@@ -188,10 +189,11 @@ async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
         raise ApiError(411, "length_required", "file: send the upload with a Content-Length")
     try:
         form = await request.form(max_files=1, max_fields=8)
-    except (AssertionError, ValueError) as exc:
-        # Starlette's parser refuses a body that is not multipart (or has too many parts).
+    except HTTPException as exc:
+        # Starlette's parser refuses a malformed multipart body (or too many parts); the
+        # client is told which field, as for any other refusal.
         raise ApiError(
-            422, "invalid_request", f"file: a multipart/form-data upload ({exc})"
+            422, "invalid_request", f"file: a multipart/form-data upload ({exc.detail})"
         ) from None
     try:
         purpose = form.get("purpose")

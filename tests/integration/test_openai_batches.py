@@ -474,3 +474,13 @@ def test_an_upload_of_unknown_size_is_refused_before_it_is_read(api: Served, tok
     )
     assert answer.status_code == 411, answer.text
     assert answer.json()["error"]["param"] == "file"
+    garbled = httpx.post(
+        f"{api.base}/v1/files",
+        content=b"not multipart at all",
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "multipart/form-data; boundary=x",
+        },
+    )
+    assert garbled.status_code == 400, garbled.text
+    assert garbled.json()["error"]["param"] == "file"
