@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
 from core.settings import Settings
 from harness.sentinel import DOWN_AFTER_MS, SentinelRedis, failover_under_load
 from harness.services import migrated_postgres_database
@@ -43,13 +41,7 @@ def one_round(load_s: float, kill_at_s: float, rate: float) -> dict[str, Any]:
             batch_max_size=8,
             reconcile_grace_s=2.0,
         )
-        engine = make_engine(settings.sqlalchemy_url)
-        with make_sessionmaker(engine)() as session:
-            token = create_key(session, "bench").token
-        engine.dispose()
-        run = failover_under_load(
-            sentinel, settings, token, load_s=load_s, kill_at_s=kill_at_s, rate=rate
-        )
+        run = failover_under_load(sentinel, settings, load_s=load_s, kill_at_s=kill_at_s, rate=rate)
     statuses: dict[str, int] = {}
     for job in run.jobs.values():
         statuses[job.status] = statuses.get(job.status, 0) + 1

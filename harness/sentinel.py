@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job, make_engine, make_sessionmaker
+from core.keys import create_key
 from core.settings import Settings
 from ferry.local_redis import free_port
 from harness.served import served
@@ -161,7 +162,6 @@ class Failover:
 def failover_under_load(
     sentinel: SentinelRedis,
     settings: Settings,
-    token: str,
     *,
     load_s: float = 14.0,
     kill_at_s: float = 4.0,
@@ -173,6 +173,8 @@ def failover_under_load(
     ``kill_at_s``; then wait up to ``settle_s`` for every accepted job to finish."""
     engine = make_engine(settings.sqlalchemy_url)
     sessions: sessionmaker[Session] = make_sessionmaker(engine)
+    with sessions() as session:
+        token = create_key(session, "failover").token
     accepted: list[tuple[float, str]] = []  # (wall clock, job id)
     refused: list[int] = []
     requeued: list[int] = []

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 
 from core.broker import celery_on_broker
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
 from core.redis_target import RedisTarget
 from core.settings import Settings
 from harness.sentinel import SentinelRedis, failover_under_load
@@ -69,9 +67,7 @@ def test_a_killed_primary_is_followed_and_nothing_is_lost_or_run_twice(
         batch_max_size=8,
         reconcile_grace_s=2.0,
     )
-    with make_sessionmaker(make_engine(settings.sqlalchemy_url))() as session:
-        token = create_key(session, "load").token
-    run = failover_under_load(sentinel, settings, token)
+    run = failover_under_load(sentinel, settings)
     assert run.promoted != run.killed
     assert len(run.accepted) > 0.8 * run.sent, (len(run.accepted), run.sent, run.refused)
     statuses = {job.status for job in run.jobs.values()}
