@@ -97,7 +97,7 @@ class SharedBudget:
                 count = await self._start_window(key_id, n, item, window, count)
             weight = 1.0 - (now % period) / period
             if count.previous * weight + count.shared + count.pending + 1 > item.amount:
-                retry_s = max(1, math.ceil(period - now % period))  # the window turns over
+                retry_s = _retry_after(item, count, now)
                 raise ApiError(
                     429,
                     "rate_limited",
@@ -187,6 +187,23 @@ class SharedBudget:
     def _key(self, key_id: str, n: int, window: int) -> str:
         item = self.items[n]
         return f"{self.prefix}:limits:requests:{key_id}:{item.amount}/{item.get_expiry()}:{window}"
+
+
+def _retry_after(item: RateLimitItem, count: _Count, now: float) -> int:
+    """Whole seconds until this process would admit the key's next request under ``item``.
+
+    Not just until the window turns over: the sliding window still weighs the
+    window that ends, so a full window keeps refusing for a while after it."""
+    period = item.get_expiry()
+    into = now % period
+    current = count.shared + count.pending
+    if current + 1 <= item.amount:
+        # Room in this window once enough of the previous one has slid out.
+        wait = (1.0 - (item.amount - current - 1) / count.previous) * period - into
+    else:
+        # In the next window all of this one is the previous window, weighed down as it slides.
+        wait = period - into + period * max(0.0, 1.0 - (item.amount - 1) / current)
+    return max(1, math.ceil(wait - 1e-9))  # not a second more for a rounding error
 
 
 class RequestLimits:
