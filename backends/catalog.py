@@ -24,6 +24,7 @@ from core.catalog import ModelSpec
 from core.inputs import input_spec
 from core.repository import ModelConfig, Problem, Repository, load_repository
 from core.settings import PER_MODEL, Settings, knob_problem
+from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR
 
 
 def repository_for(settings: Settings, only: str | None = None) -> Repository:
@@ -133,7 +134,9 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
             backend=model.backend,
             active_version=model.active_version,
             versions=tuple(sorted(model.versions)),
-            max_batch_size=settings.for_model(name, model.settings).batch_max_size,
+            # Unset, the worker derives it: at most the ceiling.
+            max_batch_size=settings.for_model(name, model.settings).batch_max_size
+            or BATCH_SIZE_CEILING,
             input=input_spec(as_checked),
             embeddings=model.embeddings,
         )
@@ -223,8 +226,10 @@ def load_runtime(
         device="sim" if not backend.uses_device else resolve_device(device or settings.device),
         precision=settings.precision,
         budget_bytes=settings.memory_budget_bytes,
-        # The largest batch the scheduler may send: warmed up at start-up.
-        warmup_batch=settings.batch_max_size,
+        # The largest batch the scheduler may send, warmed up at start-up. A derived
+        # size is warmed up at the floor: most models keep it, and one that learns to
+        # send larger batches grows its pools under traffic.
+        warmup_batch=settings.batch_max_size or BATCH_SIZE_FLOOR,
         memory_fraction=settings.gpu_memory_fraction,
         reclaim_bytes=settings.gpu_reclaim_bytes,
         cpu_threads=cpu_threads(settings.cpu_threads),

@@ -334,6 +334,7 @@ def render_scheduler_floors(results: Results) -> list[str]:
 
 def render_scheduler_baselines(results: Results) -> list[str]:
     from bench.simulate import SHORT_HEADER, _short_row
+    from bench.simulate import _run_at as run_at
 
     doc = results["scheduler"]
     baselines = doc["baselines"]
@@ -343,10 +344,17 @@ def render_scheduler_baselines(results: Results) -> list[str]:
     best_capacity = fixed[best]["capacity_per_s"]
     shipped = baselines["ferry, shipped defaults"]["capacity_per_s"]
     tuned = baselines["ferry, tuned"]["capacity_per_s"]
+    # The size its worker derived; results from before it was derived had a fixed 32.
+    derived = run_at(baselines["ferry, shipped defaults"], "poisson", 0.8).get("max_batch_size")
+    size = (
+        "batches of up to 32"
+        if derived is None
+        else f"the batch size its worker derives from the model's latency, here {derived}"
+    )
     return [
         f"Fixed batching at its best over the grid is **{best}**: {best_capacity:,.0f} jobs/s, "
-        f"{best_capacity / default:.2f}× its 32 / 5 ms default. Ferry as it ships (batches of "
-        f"up to 32, no cost cap) sustains {shipped:,.0f} jobs/s, "
+        f"{best_capacity / default:.2f}× its 32 / 5 ms default. Ferry as it ships ({size}, "
+        f"no cost cap) sustains {shipped:,.0f} jobs/s, "
         f"**{shipped / best_capacity:.2f}×** the best fixed batching; tuned (batches of up to "
         f"256 capped at 8,192 padded tokens) {tuned:,.0f} jobs/s, "
         f'**{tuned / best_capacity:.2f}×**. "vs fixed" below is against the 32 / 5 ms default.',

@@ -93,8 +93,11 @@ class Settings(BaseSettings):
     scheduler: PolicyKind = PolicyKind.FERRY
     """The batching policy: `ferry` (Ferry's scheduler), `fixed` (max size + max delay, first
     come first served: what Triton and Ray Serve do), `none` (one job at a time)."""
-    batch_max_size: int = Field(32, ge=1, le=4096)
-    """The most jobs in one batch."""
+    batch_max_size: int | None = Field(None, ge=1, le=4096)
+    """The most jobs in one batch. Unset: derived per model from what its worker learns, between
+    32 and 256: as many of the usual jobs as make a batch worth its fixed cost (4 x the
+    intercept over the slope of the latency fit), within `FERRY_BATCH_MAX_COST` and the
+    memory budget (`docs/scheduler.md`). The `fixed` scheduler takes 32."""
     batch_max_cost: int | None = Field(None, ge=1)
     """The most work in one batch, in the units of the model's `[cost]` (padded tokens for
     minilm, the sum of costs for sim). Unset: no cost cap; only memory caps it."""

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 from scheduler.baselines import decide_fixed, decide_single
 from scheduler.learning import BatchObservation, SchedulerState
 from scheduler.policy import BatchDecision, PendingItem, decide
-from scheduler.vocabulary import PolicyKind, Trigger, batch_work
+from scheduler.vocabulary import BATCH_SIZE_FLOOR, PolicyKind, Trigger, batch_work
 
 T = TypeVar("T")
 
@@ -39,7 +39,8 @@ def policy_for(kind: PolicyKind | str, state: SchedulerState, fixed_max_delay_s:
     if kind is PolicyKind.FERRY:
         return lambda items, now: decide(items, state.profile(now), now)
     if kind is PolicyKind.FIXED:
-        size = state.tuning.batch_max_size
+        # The peers' batching knows nothing of the model: unset, their usual 32.
+        size = state.tuning.batch_max_size or BATCH_SIZE_FLOOR
         return lambda items, now: decide_fixed(items, size, fixed_max_delay_s, now)
     return decide_single
 

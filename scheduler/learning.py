@@ -13,10 +13,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.policy import INF, LinearFit, Profile
-from scheduler.vocabulary import Lane
+from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR, Lane
 
 CEILING_RELAX_AFTER = 100  # clean batches before a lowered memory ceiling rises again
 CEILING_RELAX_STEP = 1.02  # by this factor, up to the threshold
+
+# A batch is long enough once its fixed cost (the latency fit's intercept) is
+# at most 1 / BATCH_KNEE of its variable cost: 80 % of the throughput that no
+# batch size can beat; past it, a longer batch adds latency for little gain.
+BATCH_KNEE = 4.0
+
+
+def derived_batch_size(latency: LinearFit, work_cap: float, item_cost: float) -> int:
+    """The most jobs in a batch of a model whose ``batch_max_size`` is unset.
+
+    As many jobs of the usual ``item_cost`` as the work a batch is worth
+    doing: the work at which the model's fixed cost per batch is amortised
+    (``BATCH_KNEE`` x intercept / slope of its latency), and no more than
+    ``work_cap`` (the cost cap and what the memory budget admits), within
+    ``BATCH_SIZE_FLOOR`` and ``BATCH_SIZE_CEILING``. A model with a large fixed
+    cost per batch (a small model on a GPU) gets large batches; one whose
+    latency is all per-token work (the CPU) gains nothing from them and keeps
+    the floor, as does a model whose latency is not known yet.
+    """
+    if latency.slope > 0:
+        worth = BATCH_KNEE * latency.intercept / latency.slope
+    else:  # every batch costs the same: worth filling, if it costs anything
+        worth = INF if latency.intercept > 0 else 0.0
+    work = min(worth, work_cap)
+    if work <= 0 or math.isnan(work):
+        return BATCH_SIZE_FLOOR
+    count = work / max(item_cost, 1.0) * (1 + 1e-9)  # a fit's rounding never costs a job
+    return int(min(BATCH_SIZE_CEILING, max(BATCH_SIZE_FLOOR, count)))
 
 
 @dataclass(frozen=True)
@@ -28,9 +56,11 @@ class Tuning:
     holds the two together), so a knob is one name from the environment to
     the policy. ``padded`` and ``memory_budget_bytes`` come from the model's
     runtime (the latter: the setting if given, else what the device has).
+    ``batch_max_size`` None: derived from what is learned of the model
+    (:func:`derived_batch_size`, :attr:`SchedulerState.max_batch_size`).
     """
 
-    batch_max_size: int = 32
+    batch_max_size: int | None = None
     # Work units (padded tokens for a padded model); None: no cap.
     batch_max_cost: float | None = None
     padded: bool = False
@@ -64,7 +94,7 @@ class Tuning:
     batch_min_efficiency: float = 0.92
 
     def __post_init__(self) -> None:
-        if self.batch_max_size < 1:
+        if self.batch_max_size is not None and self.batch_max_size < 1:
             raise ValueError("batch_max_size must be at least 1")
         if self.batch_max_cost is not None and not self.batch_max_cost > 0:
             raise ValueError("batch_max_cost must be positive")
@@ -89,6 +119,11 @@ class Tuning:
     def cost_cap(self) -> float:
         """``batch_max_cost`` as a bound (INF when unset)."""
         return INF if self.batch_max_cost is None else float(self.batch_max_cost)
+
+    @property
+    def most_batch_items(self) -> int:
+        """The most jobs a batch may ever hold: a worker reads at least this many."""
+        return BATCH_SIZE_CEILING if self.batch_max_size is None else self.batch_max_size
 
 
 # The knobs a setting of the same name fills (the others come from the runtime).
@@ -295,6 +330,15 @@ class SchedulerState:
     # --- derived ---------------------------------------------------------------
 
     @property
+    def max_batch_size(self) -> int:
+        """``batch_max_size``, or when unset the size derived from what is learned."""
+        t = self.tuning
+        if t.batch_max_size is not None:
+            return t.batch_max_size
+        work_cap = min(t.cost_cap, self.memory.fit().inverse(self.memory_ceiling))
+        return derived_batch_size(self.latency.fit(), work_cap, self.mean_cost or 1.0)
+
+    @property
     def latency_target_s(self) -> float:
         if self.tuning.latency_target_ms is not None:
             return self.tuning.latency_target_ms / 1e3
@@ -304,8 +348,9 @@ class SchedulerState:
         t = self.tuning
         window = self.window_s if self.window_s is not None else t.batch_window_min_ms / 1e3
         idle = self.last_batch_end_s is None or now - self.last_batch_end_s >= max(window, 1e-3)
+        max_batch_size = self.max_batch_size
         return Profile(
-            max_batch_size=t.batch_max_size,
+            max_batch_size=max_batch_size,
             window_s=window,
             max_batch_cost=t.cost_cap,
             target_cost=self.target_cost,
@@ -314,7 +359,7 @@ class SchedulerState:
             memory=self.memory.fit(),
             memory_limit=self.memory_ceiling,
             # Reserved only while bulk items are pending; otherwise unused.
-            bulk_slots=math.ceil(t.bulk_share * t.batch_max_size),
+            bulk_slots=math.ceil(t.bulk_share * max_batch_size),
             idle=idle,
             idle_queue=t.idle_queue_max,
             min_efficiency=t.batch_min_efficiency,

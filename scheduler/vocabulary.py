@@ -11,6 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
+# The bounds of a model's batch size when FERRY_BATCH_MAX_SIZE is unset
+# (scheduler.learning.derived_batch_size). The floor is the count Ferry used to
+# ship and fixed batching's default. The ceiling bounds what a worker holds (at
+# least one full batch) and so the CPU time of a decision, which grows with
+# what is pending: about 0.6 ms over 256 jobs in CPython, inside a small
+# model's batch on a GPU, where the worker decides the next batch while one
+# computes.
+BATCH_SIZE_FLOOR = 32
+BATCH_SIZE_CEILING = 256
+
 
 class Lane(StrEnum):
     """A job's priority; a worker serves the lanes in this order."""

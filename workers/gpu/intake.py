@@ -51,7 +51,8 @@ class Intake:
         self.consumer = consumer
         self.batcher = batcher
         self.observer = observer
-        self.prefetch = max(prefetch, batcher.state.tuning.batch_max_size)
+        # At least one full batch, or a batch could never fill.
+        self.prefetch = max(prefetch, batcher.state.tuning.most_batch_items)
         self.visibility_timeout_s = visibility_timeout_s
         self.clock = clock
         # Entries taken into a batch and not yet acknowledged (on the device,

@@ -51,7 +51,7 @@ def estimate_of(state: SchedulerState, mean_cost: float, pad_ratio: float) -> Mo
         latency_a_s=fit.intercept,
         latency_b_s=fit.slope,
         padded=state.tuning.padded,
-        max_batch_size=state.tuning.batch_max_size,
+        max_batch_size=state.max_batch_size,
         # The standing caps (cost, memory), not the urgent guard's passing one.
         max_batch_cost=min(state.tuning.cost_cap, state.memory.fit().inverse(state.memory_ceiling)),
         mean_cost=mean_cost,
