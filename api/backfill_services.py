@@ -16,6 +16,7 @@ from core import backfills
 from core.catalog import ModelSpec
 from core.db import ApiKey, Backfill, utcnow
 from core.queues import live_workers, model_stats
+from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 
 # Lines handed to the database at a time (each chunk is one transaction).
@@ -156,7 +157,7 @@ def learned_rate(client: redis.Redis, prefix: str) -> Callable[[str], float | No
         try:
             stats = model_stats(client, prefix, model)
             workers = live_workers(client, prefix, model)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return None
         size, batch_ms = stats.get("avg_batch_size"), stats.get("avg_batch_ms")
         if not size or not batch_ms or not workers:

@@ -6,10 +6,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from api.background import close_client, stop_task
+from core.redis_target import is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,10 @@ class CompletionHub:
         # only slows a long-poll down; it never loses a result.
         while not self._stopping:
             try:
+                if is_cluster(self.client):
+                    # A Cluster client subscribes on the node its slot map names: learn it
+                    # first. (Any node will do: a PUBLISH reaches every node.)
+                    await cast(AsyncRedisCluster, self.client).initialize()
                 async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.channel)
                     self.wake_all()

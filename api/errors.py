@@ -10,6 +10,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisClusterException
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -149,7 +150,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, type_, message, headers)
 
     @app.exception_handler(redis.RedisError)
-    async def _redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+    @app.exception_handler(RedisClusterException)  # no node serves the slot
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
         return _unavailable(request, "the queue (Redis)", exc)
 
     @app.exception_handler(OperationalError)

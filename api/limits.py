@@ -27,7 +27,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import redis
 import redis.asyncio as aioredis
 from limits import RateLimitItem, parse_many
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
@@ -36,7 +35,7 @@ from limits.util import WindowStats
 
 from api.background import close_client, stop_task
 from api.errors import ApiError
-from core.redis_target import RedisTarget
+from core.redis_target import REDIS_ERRORS, RedisTarget
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ class SharedBudget:
             )
             count.shared = int(shared or 0)
             count.previous = max(count.previous, int(previous or 0))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._unshared(exc)
         return count
 
@@ -134,7 +133,7 @@ class SharedBudget:
             await asyncio.sleep(SYNC_S)
             try:
                 await self._sync()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self._unshared(exc)
 
     async def _sync(self) -> None:
@@ -186,7 +185,11 @@ class SharedBudget:
 
     def _key(self, key_id: str, n: int, window: int) -> str:
         item = self.items[n]
-        return f"{self.prefix}:limits:requests:{key_id}:{item.amount}/{item.get_expiry()}:{window}"
+        # The key id is the hash tag: a window and the one before it share a Cluster slot,
+        # so one MGET reads both.
+        return (
+            f"{self.prefix}:limits:requests:{{{key_id}}}:{item.amount}/{item.get_expiry()}:{window}"
+        )
 
 
 def _retry_after(item: RateLimitItem, count: _Count, now: float) -> int:

@@ -37,6 +37,7 @@ from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
 from core.queues import live_workers, model_stats, tenant_depths
+from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts
 from core.usage import release, release_jobs, reserve
 
@@ -191,7 +192,7 @@ class QueueViews:
                     tenant_depths(self.client, self.prefix, model),
                     live_workers(self.client, self.prefix, model),
                 )
-        except redis.RedisError:
+        except REDIS_ERRORS:
             view = None
         self._views[model] = (now, view)
         return view
@@ -371,7 +372,7 @@ class GroupWriter:
                 pipe, self.prefix, ((job.model, JobMessage.of_job(job)) for job in jobs.values())
             )
             pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._not_enqueued(group, jobs, outcomes, exc)
             return
         for i, job in jobs.items():
@@ -382,7 +383,7 @@ class GroupWriter:
         group: Sequence[Submission],
         jobs: dict[int, Job],
         outcomes: list[Outcome | None],
-        exc: redis.RedisError,
+        exc: Exception,
     ) -> None:
         """Redis is down: the committed jobs stay accepted (the reconciler enqueues them
         within ``requeue_within_s``), except those whose deadline is sooner: they are

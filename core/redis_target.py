@@ -1,25 +1,37 @@
-"""How every part reaches Ferry's Redis: one URL, or the primary that Sentinel names.
+"""How every part reaches Ferry's Redis: one URL, the primary that Sentinel names, or a
+Redis Cluster.
 
 With ``FERRY_REDIS_SENTINELS`` set, clients ask the sentinels for the primary
 of ``FERRY_REDIS_SENTINEL_SERVICE`` and ask again when a connection to it
 fails, so after a failover they follow the promoted replica by themselves.
+With ``FERRY_REDIS_CLUSTER`` set, ``FERRY_REDIS_URL`` names one node; clients
+learn the slots from it and follow MOVED and ASK replies as slots move.
 Each kind of client Ferry uses is made here, so none can miss the setting:
-redis-py (sync and asyncio), Celery's broker (kombu's ``sentinel://``), and
-the rate limiter's storage (``limits``' ``redis+sentinel``).
+redis-py (sync and asyncio), Celery's broker (kombu's ``sentinel://``, or
+``FERRY_CELERY_BROKER_URL``), and the rate limiter's storage (``limits``'
+``redis+sentinel`` and ``redis+cluster``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from core.settings import Settings
+
+# What a Redis that fails raises: redis-py's errors, and the Cluster client's own (not
+# one of them) when no node serves a key's slot or none can be reached.
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,8 @@ class RedisTarget:
     url: str | None
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str = "ferry"
+    cluster: bool = False
+    broker_url: str | None = None  # Celery's, when it is not this Redis
 
     @classmethod
     def of(cls, settings: Settings) -> RedisTarget:
@@ -38,7 +52,13 @@ class RedisTarget:
             (host, int(port))
             for host, _, port in (address.rpartition(":") for address in settings.redis_sentinels)
         )
-        return cls(settings.redis_url, sentinels, settings.redis_sentinel_service)
+        return cls(
+            settings.redis_url,
+            sentinels,
+            settings.redis_sentinel_service,
+            settings.redis_cluster,
+            settings.celery_broker_url,
+        )
 
     @property
     def uses_sentinel(self) -> bool:
@@ -61,6 +81,11 @@ class RedisTarget:
 
     def client(self, **options: Any) -> redis.Redis:
         """A redis-py client (``options``: decode_responses, timeouts, ...)."""
+        if self.cluster:
+            assert self.url is not None
+            # Not a redis.Redis, but it has every command Ferry sends (see ``is_cluster``
+            # for the few that differ).
+            return cast(redis.Redis, RedisCluster.from_url(self.url, **options))
         if not self.sentinels:
             assert self.url is not None
             return redis.Redis.from_url(self.url, **options)
@@ -73,6 +98,9 @@ class RedisTarget:
 
     def async_client(self, **options: Any) -> aioredis.Redis:
         """An asyncio redis-py client."""
+        if self.cluster:
+            assert self.url is not None
+            return cast(aioredis.Redis, AsyncRedisCluster.from_url(self.url, **options))
         if not self.sentinels:
             assert self.url is not None
             return aioredis.Redis.from_url(self.url, **options)
@@ -85,6 +113,12 @@ class RedisTarget:
 
     def broker(self) -> tuple[str, dict[str, Any]]:
         """Celery's broker URL and the transport options it needs."""
+        if self.broker_url:
+            return self.broker_url, {}
+        if self.cluster:
+            raise ValueError(
+                "FERRY_CELERY_BROKER_URL is not set: Celery cannot use a Redis Cluster"
+            )
         if not self.sentinels:
             assert self.url is not None
             return self.url, {}
@@ -102,6 +136,12 @@ class RedisTarget:
 
     def limits_uri(self) -> tuple[str, dict[str, Any]]:
         """The rate limiter's storage URI (asyncio) and the options it needs."""
+        if self.cluster:
+            assert self.url is not None
+            parts = urlsplit(self.url)
+            credentials = parts.netloc.rpartition("@")[0]
+            at = f"{credentials}@" if credentials else ""
+            return f"async+redis+cluster://{at}{parts.hostname}:{parts.port or 6379}", {}
         if not self.sentinels:
             assert self.url is not None
             return f"async+{self.url}", {}
@@ -120,4 +160,14 @@ class RedisTarget:
             hosts = ",".join(f"{host}:{port}" for host, port in self.sentinels)
             return f"sentinel {self.service} via {hosts}"
         parts = urlsplit(self.url or "")
-        return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
+        where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
+        return f"cluster via {where}" if self.cluster else where
+
+
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` (a client or a pipeline) talks to a Redis Cluster. There a pipeline
+    refuses EVALSHA and PUBLISH, and an asyncio client must learn the slots before it
+    subscribes."""
+    return isinstance(
+        client, RedisCluster | ClusterPipeline | AsyncRedisCluster | AsyncClusterPipeline
+    )

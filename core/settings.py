@@ -15,7 +15,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from scheduler.vocabulary import PolicyKind
@@ -62,6 +70,14 @@ class Settings(BaseSettings):
     promoted; `FERRY_REDIS_URL`, if set too, gives only the credentials and the database."""
     redis_sentinel_service: str = Field("ferry", pattern=r"^[A-Za-z0-9_.-]+$")
     """The name the sentinels monitor Ferry's Redis under."""
+    redis_cluster: bool = False
+    """`FERRY_REDIS_URL` names a node of a Redis Cluster: every part learns the others from it
+    and follows the slots as they move. Each model's keys share one slot (its hash tag), so
+    models spread over the shards. Needs `FERRY_CELERY_BROKER_URL` (Celery cannot use a
+    Cluster)."""
+    celery_broker_url: str | None = None
+    """Celery's broker (the Celery worker, beat, Flower, webhook kicks, worker events) when it
+    is not Ferry's Redis: any URL Celery takes (`redis://`, `amqp://`). Unset: Ferry's Redis."""
     database_url: str | None = None
     """SQLAlchemy URL of the database. Unset: SQLite at `FERRY_DATA_DIR/ferry.db`. PostgreSQL:
     `postgresql+psycopg://user:pass@host/db`."""
@@ -368,7 +384,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "redis_url", "database_url", "flower_password", "metrics_token", "model_repository",
-        mode="before",
+        "celery_broker_url", mode="before",
     )  # fmt: skip
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
@@ -402,6 +418,20 @@ class Settings(BaseSettings):
             if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}", address):
                 raise ValueError(f"{address!r} is not a sentinel's address (host:port)")
         return value
+
+    @model_validator(mode="after")
+    def _cluster(self) -> Settings:
+        if self.redis_cluster:
+            if self.redis_sentinels:
+                raise ValueError("FERRY_REDIS_CLUSTER and FERRY_REDIS_SENTINELS exclude each other")
+            if not self.redis_url:
+                raise ValueError("FERRY_REDIS_CLUSTER needs FERRY_REDIS_URL (any node's URL)")
+            if not self.celery_broker_url:
+                raise ValueError(
+                    "FERRY_REDIS_CLUSTER needs FERRY_CELERY_BROKER_URL: Celery cannot use a"
+                    " Redis Cluster"
+                )
+        return self
 
     @property
     def redis_configured(self) -> bool:

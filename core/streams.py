@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 
+from core.redis_target import is_cluster
 from scheduler.vocabulary import LANES, Lane
 
 PROTOCOL_VERSION = 1
@@ -120,6 +122,19 @@ class Scripts:
         self.enqueue_many_script = client.register_script(_ENQUEUE_MANY)
         self.prune_script = client.register_script(_PRUNE)
 
+    @staticmethod
+    def _run(
+        script: Script,
+        target: redis.Redis | redis.client.Pipeline,
+        keys: list[str],
+        args: list[str | int],
+    ) -> Any:
+        if is_cluster(target):
+            # A Cluster pipeline refuses EVALSHA, and a node a slot has just moved to may
+            # not have the script: EVAL sends it whole (Redis compiles it once per node).
+            return target.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        return script(keys=keys, args=args, client=target)
+
     def enqueue(
         self,
         target: redis.Redis | redis.client.Pipeline,
@@ -136,15 +151,16 @@ class Scripts:
             target.incr(seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
         flat = [item for pair in fields.items() for item in pair]
-        return self.enqueue_script(
-            keys=[
+        return self._run(
+            self.enqueue_script,
+            target,
+            [
                 stream_key(prefix, model, message.lane, tenant),
                 tenants_key(prefix, model, message.lane),
                 wake_key(prefix, model),
                 seq_key(prefix, model),
             ],
-            args=[tenant, *flat],
-            client=target,
+            [tenant, *flat],
         )
 
     def enqueue_all(
@@ -175,15 +191,16 @@ class Scripts:
                 for message in part:
                     flat = [item for pair in message.encode().items() for item in pair]
                     args += [len(flat), *flat]
-                self.enqueue_many_script(
-                    keys=[
+                self._run(
+                    self.enqueue_many_script,
+                    target,
+                    [
                         stream_key(prefix, model, lane, tenant),
                         tenants_key(prefix, model, lane),
                         wake_key(prefix, model),
                         seq_key(prefix, model),
                     ],
-                    args=args,
-                    client=target,
+                    args,
                 )
 
     def prune(
@@ -195,10 +212,11 @@ class Scripts:
         tenant: str,
     ) -> Any:
         """Unlist ``tenant`` from the lane if its stream is empty (1 if it was unlisted)."""
-        return self.prune_script(
-            keys=[stream_key(prefix, model, lane, tenant), tenants_key(prefix, model, lane)],
-            args=[tenant],
-            client=target,
+        return self._run(
+            self.prune_script,
+            target,
+            [stream_key(prefix, model, lane, tenant), tenants_key(prefix, model, lane)],
+            [tenant],
         )
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import redis
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job, make_engine, make_sessionmaker
@@ -21,9 +19,9 @@ from core.keys import create_key
 from core.settings import Settings
 from ferry.local_redis import free_port
 from harness.served import served
-from harness.services import redis_server
+from harness.services import redis_server, redis_with_conf, stop_all
+from harness.settling import reconciling, settled
 from harness.worker import running_worker
-from workers.tasks.app import reconcile_streams
 
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
@@ -45,16 +43,10 @@ class SentinelRedis:
         return [f"127.0.0.1:{port}" for port in self.sentinel_ports]
 
     def _start(self, port: int, lines: list[str], sentinel: bool = False) -> None:
-        home = self.tmp / f"redis-{port}"
-        home.mkdir(parents=True, exist_ok=True)
-        conf = home / "redis.conf"
-        common = [f"port {port}", "bind 127.0.0.1", f'dir "{home}"', 'save ""',
-                  "appendonly no", "protected-mode no"]  # fmt: skip
-        conf.write_text("\n".join(common + lines) + "\n")
-        args = [self.program, str(conf), *(["--sentinel"] if sentinel else [])]
-        self.processes[port] = subprocess.Popen(
-            args, stdout=(home / "log").open("wb"), stderr=subprocess.STDOUT
-        )
+        self.processes[port] = redis_with_conf(
+            self.program, self.tmp / f"redis-{port}", port, lines,
+            *(["--sentinel"] if sentinel else []),
+        )  # fmt: skip
 
     def __enter__(self) -> SentinelRedis:
         primary, replica = self.ports["primary"], self.ports["replica"]
@@ -135,14 +127,7 @@ class SentinelRedis:
         return port
 
     def __exit__(self, *_exc: object) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(self.processes.values())
 
 
 @dataclass(frozen=True)
@@ -177,21 +162,13 @@ def failover_under_load(
         token = create_key(session, "failover").token
     accepted: list[tuple[float, str]] = []  # (wall clock, job id)
     refused: list[int] = []
-    requeued: list[int] = []
-    stop = threading.Event()
-
-    def reconciler() -> None:
-        while not stop.wait(1.0):
-            try:
-                requeued.append(reconcile_streams(settings))
-            except Exception:
-                continue  # Redis is failing over: the next run does it
-
     killed = killed_at = None
     sent = 0
-    with served(settings) as api, running_worker(settings, "sim", "failover-worker"):
-        thread = threading.Thread(target=reconciler, daemon=True)
-        thread.start()
+    with (
+        served(settings) as api,
+        running_worker(settings, "sim", "failover-worker"),
+        reconciling(settings) as requeued,
+    ):
         started = time.monotonic()
         with httpx.Client(
             base_url=api.base, headers={"Authorization": f"Bearer {token}"}, timeout=30
@@ -211,23 +188,7 @@ def failover_under_load(
         assert killed is not None and killed_at is not None
         promoted = sentinel.wait_promoted(killed)
         ids = [job_id for _, job_id in accepted]
-        until = time.monotonic() + settle_s
-        while time.monotonic() < until:
-            with sessions() as session:
-                done = session.scalar(
-                    select(func.count())
-                    .select_from(Job)
-                    .where(Job.id.in_(ids), Job.status == "succeeded")
-                )
-            if done == len(ids):
-                break
-            time.sleep(0.2)
-        stop.set()
-        thread.join(timeout=30)
-    with sessions() as session:
-        jobs = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))}
-        for job in jobs.values():
-            session.expunge(job)
+        jobs = settled(sessions, ids, settle_s)
     engine.dispose()
     finished_after = [
         jobs[job_id].finished_at

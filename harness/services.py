@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import redis
@@ -47,6 +48,34 @@ def redis_server() -> str:
         return find_redis_server()
     except SystemExit as exc:  # what the `ferry up` command exits with
         raise ServiceMissing(str(exc)) from None
+
+
+def redis_with_conf(
+    program: str, home: Path, port: int, lines: list[str], *args: str
+) -> subprocess.Popen[bytes]:
+    """A redis-server on a loopback ``port``, its config ``lines`` beside the common ones (no
+    persistence, data and log in ``home``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    conf = home / "redis.conf"
+    common = [f"port {port}", "bind 127.0.0.1", f'dir "{home}"', 'save ""',
+              "appendonly no", "protected-mode no"]  # fmt: skip
+    conf.write_text("\n".join(common + lines) + "\n")
+    return subprocess.Popen(
+        [program, str(conf), *args], stdout=(home / "log").open("wb"), stderr=subprocess.STDOUT
+    )
+
+
+def stop_all(processes: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Terminate every process, then wait for each (killing one that lingers)."""
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ import contextlib
 import logging
 from typing import Annotated
 
-import redis
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
@@ -33,6 +32,7 @@ from api.schemas import (
 from api.submissions import GroupCommit, prepare_request
 from core import tracing
 from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
+from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 from core.streams import done_channel
 
@@ -154,7 +154,7 @@ async def cancel_job(
             job = services.cancel_job(session, key, job_id, kick)
             JOBS_FINISHED.labels(job.model, job.priority, "cancelled").inc()
             # Long-polls of the job, in every API process, wake as for a worker's result.
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(*REDIS_ERRORS):
                 client.publish(done_channel(settings.key_prefix), job.id)
             return services.render_job(session, job)
 

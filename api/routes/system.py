@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import (
@@ -22,6 +21,7 @@ from api.errors import ApiError
 from api.schemas import ModelInfo, ModelList, VersionInfo, error_responses
 from core.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, model_stats
+from core.redis_target import REDIS_ERRORS
 from core.versions import version_states
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def metrics(
     body = generate_latest(_registry())
     try:
         body += queue_metrics(client, settings.key_prefix, catalog, request.app.state.scalers)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         log.warning("queue metrics unavailable", extra={"error_type": type(exc).__name__})
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -120,7 +120,7 @@ def readyz(request: Request, client: RedisDep) -> JSONResponse:
     try:
         client.ping()
         checks["redis"] = "ok"
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         checks["redis"] = f"unreachable ({type(exc).__name__})"
     try:
         with request.app.state.sessions() as session:

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import redis
 
+from core.redis_target import is_cluster
 from core.streams import (
     GROUP,
     JobMessage,
@@ -57,6 +58,7 @@ class StreamConsumer:
         self.model = model
         self.consumer = consumer
         self.scripts = Scripts(client)
+        self._cluster = is_cluster(client)
         # Per lane: the shared stream, then one per tenant with work (refreshed at each read).
         self.lanes: dict[str, list[str]] = {
             lane: [stream_key(prefix, model, lane)] for lane in LANES
@@ -290,9 +292,12 @@ class StreamConsumer:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
-        if publish is not None:
+        if publish is not None and not self._cluster:
             pipe.publish(*publish)
         pipe.execute()
+        if publish is not None and self._cluster:
+            # A Cluster pipeline refuses PUBLISH; any node relays it to the whole cluster.
+            self.client.publish(*publish)
 
     def dead_letter(self, entries: list[Entry]) -> None:
         """Copy entries to the model's dead-letter stream (the caller acknowledges)."""

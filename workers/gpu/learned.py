@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import redis
 
 from core.queues import HEARTBEAT_TTL_S
+from core.redis_target import REDIS_ERRORS
 from core.streams import stats_key, workers_key
 from scheduler.learning import BatchObservation, SchedulerState
 from workers.gpu.scheduling import estimate_of
@@ -73,7 +74,7 @@ class Publisher:
             return
         try:
             self.publish(state)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             # Advisory (estimates for the API): the batch is recorded all the same,
             # and the next batch publishes again.
             log.warning(
@@ -102,7 +103,7 @@ class Publisher:
         """Publish what a burst's last batches taught, and say this worker is alive."""
         now = time.monotonic()
         if self._unpublished and now - self._published_at >= PUBLISH_S:
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(*REDIS_ERRORS):
                 self.publish(state)
         if now - self._last_beat < HEARTBEAT_S:
             return
@@ -117,5 +118,5 @@ class Publisher:
 
     def leave(self) -> None:
         """This worker stops: the API no longer counts it."""
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             self.client.zrem(workers_key(self.prefix, self.model), self.consumer)

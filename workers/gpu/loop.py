@@ -27,6 +27,7 @@ import redis
 from sqlalchemy.exc import SQLAlchemyError
 
 from backends.base import DeviceLost, Runtime
+from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 from scheduler import BatchDecision, Batcher
 from scheduler.learning import BatchObservation, SchedulerState
@@ -42,6 +43,9 @@ from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, Drain, Recording, ut
 from workers.gpu.versions import Loaded, VersionManager
 
 log = logging.getLogger(__name__)
+
+# Redis or the database failing: the loop waits and goes on; it never stops for them.
+OUTAGES: tuple[type[Exception], ...] = (*REDIS_ERRORS, SQLAlchemyError)
 
 MAX_BLOCK_MS = 1000
 # How often jobs pinned to a version no longer served are looked for.
@@ -183,7 +187,7 @@ class BatchLoop:
                     backoff_s = RETRY_MIN_S
                     if not stop.is_set():
                         self.ready.set()
-                except (redis.RedisError, SQLAlchemyError) as exc:
+                except OUTAGES as exc:
                     self.ready.clear()  # it can run nothing until Redis and the database are back
                     # Whatever was read but not recorded is still pending in Redis:
                     # forget the local copy and read it again once things are back.
@@ -198,7 +202,7 @@ class BatchLoop:
                     if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
                         # Redis lost its data (restarted empty, failed over): make the
                         # groups again; the reconciler re-enqueues what was lost.
-                        with contextlib.suppress(redis.RedisError):
+                        with contextlib.suppress(*REDIS_ERRORS):
                             self.consumer.ensure_groups()
                     backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                     wait_ms = MAX_BLOCK_MS
@@ -411,7 +415,7 @@ class BatchLoop:
                 settle()
             except DeviceLost as exc:
                 lost = exc
-            except (redis.RedisError, SQLAlchemyError) as exc:
+            except OUTAGES as exc:
                 log.warning(
                     "a batch's results were not recorded; its jobs run again",
                     extra={"model": self.model, "error_type": type(exc).__name__},
@@ -516,7 +520,7 @@ class BatchLoop:
             try:
                 action()
                 return
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("redis unavailable; retrying",
                             extra={"error_type": type(exc).__name__})  # fmt: skip
                 stop.wait(backoff_s)

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import redis
 from sqlalchemy.exc import InterfaceError, OperationalError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from core.redis_target import REDIS_ERRORS
 from core.streams import done_channel
 from workers.gpu.consumer import Entry
 from workers.gpu.events import BatchObserver, JobDone
@@ -210,7 +210,7 @@ class Recording:
                 )  # fmt: skip
                 self.drain.stop.wait(backoff_s if left_s is None else min(backoff_s, left_s))
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
-                with contextlib.suppress(redis.RedisError):
+                with contextlib.suppress(*REDIS_ERRORS):
                     self.intake.consumer.touch(entries)
 
     def acknowledge(

@@ -28,6 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import OutOfMemory, Runtime
+from core.redis_target import REDIS_ERRORS
 from core.repository import ModelConfig
 from core.versions import active_version, report
 
@@ -111,7 +112,7 @@ class VersionManager:
         for version, why in self._failed_why.items():
             self._report(version, "failed", why)
         # Serving again after a restart: the next worker may take its turn.
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             key = restart_key(self.prefix, self.model)
             if self.client.get(key) == self.consumer:
                 self.client.delete(key)
@@ -210,7 +211,7 @@ class VersionManager:
         try:
             taken = self.client.set(key, self.consumer, nx=True, ex=RESTART_TURN_S)
             return bool(taken) or self.client.get(key) == self.consumer
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return False
 
     def failed(self, version: int) -> bool:
@@ -237,7 +238,7 @@ class VersionManager:
 
     def _report(self, version: int, state: str | None, reason: str | None = None) -> None:
         # Advisory (what GET /v1/models shows): the worker goes on without it.
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             report(self.client, self.prefix, self.model, self.consumer, version, state, reason)
 
 

@@ -33,6 +33,7 @@ from core.backfills import count_outcomes, discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
 from core.metrics import JOBS_FINISHED
 from core.queues import tenant_depths
+from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts, done_channel
 from core.webhooks import add_backfill_delivery
 from scheduler.vocabulary import Lane
@@ -264,7 +265,7 @@ class Feeder:
                 count_outcomes(session, {(backfill.id, status): count})
             JOBS_FINISHED.labels(backfill.model, Lane.BULK, status).inc(count)
             # Long-polls of the cancelled items wake as they do for a worker's result.
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(*REDIS_ERRORS):
                 self.client.publish(done_channel(self.prefix), ",".join(r.id for r in rows))
 
     def _maybe_finish(self, backfill_id: str) -> None:
