@@ -815,6 +815,43 @@ def render_sentinel(results: Results) -> list[str]:
     ]
 
 
+# --- Redis Cluster (cluster.json) ------------------------------------------------------------
+
+
+def render_cluster(results: Results) -> list[str]:
+    doc = results["cluster"]
+    settings = doc["settings"]
+    runs = runs_of(doc)
+    names = {"one": "one Redis", "cluster": f"a cluster of {settings['primaries']} primaries"}
+    rows = [
+        [
+            names[name],
+            Figure.summary(doc[name]["cpu_us_per_job"]).text(number(1)),
+            Figure.summary(doc[name]["busiest_share"]).text(percent()),
+            Figure.summary(doc[name]["saturates_at"]).text(number(), bold=name == "cluster"),
+        ]
+        for name in ("one", "cluster")
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} jobs of "
+        f"{settings['models']} models from {settings['tenants']} keys, enqueued in groups of "
+        f"{settings['group']} and drained in batches of up to {settings['batch']}, on each "
+        f"target in turn, {len(runs)} rounds (median and range). The cluster carries "
+        f"**{Figure.summary(doc['ratio']).text(times())}** the jobs per second of one Redis.",
+        "",
+        *table(
+            [
+                "Redis",
+                "CPU per job (µs, all nodes)",
+                "busiest node's share",
+                "saturates at (jobs/s)",
+            ],
+            "lrrr",
+            rows,
+        ),
+    ]
+
+
 # --- the capacity model (capacity.json) ------------------------------------------------------
 
 CAPACITY_ROWS = (
@@ -1408,6 +1445,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "pipeline": render_pipeline,
     "recording": render_recording,
     "sentinel": render_sentinel,
+    "cluster": render_cluster,
     "capacity": render_capacity,
     "peers": render_peers,
     "mutation": render_mutation,

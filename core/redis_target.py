@@ -15,7 +15,7 @@ redis-py (sync and asyncio), Celery's broker (kombu's ``sentinel://``, or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 from urllib.parse import quote, unquote, urlsplit
 
 import redis
@@ -171,3 +171,8 @@ def is_cluster(client: object) -> bool:
     return isinstance(
         client, RedisCluster | ClusterPipeline | AsyncRedisCluster | AsyncClusterPipeline
     )
+
+
+def is_pipeline(client: object) -> TypeGuard[ClusterPipeline]:
+    """Whether ``client`` is a Redis Cluster pipeline (where a command may name its node)."""
+    return isinstance(client, ClusterPipeline)

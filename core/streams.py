@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from core.redis_target import is_cluster
+from core.redis_target import is_cluster, is_pipeline
 from scheduler.vocabulary import LANES, Lane
 
 PROTOCOL_VERSION = 1
@@ -132,7 +132,13 @@ class Scripts:
         if is_cluster(target):
             # A Cluster pipeline refuses EVALSHA, and a node a slot has just moved to may
             # not have the script: EVAL sends it whole (Redis compiles it once per node).
-            return target.execute_command("EVAL", script.script, len(keys), *keys, *args)
+            # In a pipeline the node is named, or redis-py would ask a node for the
+            # script's keys first (COMMAND GETKEYS, a round trip per call); a MOVED or ASK
+            # reply is still followed, the command sent again on its own.
+            named = (
+                {"target_nodes": target.get_node_from_key(keys[0])} if is_pipeline(target) else {}
+            )
+            return target.execute_command("EVAL", script.script, len(keys), *keys, *args, **named)
         return script(keys=keys, args=args, client=target)
 
     def enqueue(

@@ -312,13 +312,22 @@ class StreamConsumer:
 
     def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         # redis-py's stubs describe the reply loosely; its shape is fixed by Redis.
-        reply: Any = self.client.xreadgroup(
-            GROUP,
-            self.consumer,
-            cast(Any, streams),
-            count=count,
-            block=block_ms,
-        )
+        reply: Any
+        if self._cluster:
+            # A Cluster client would ask a node for an XREADGROUP's keys first (COMMAND
+            # GETKEYS, a round trip per read); all of a model's streams share its slot, so
+            # the node is named. A MOVED reply fails the read, updates the slot map, and
+            # the loop's next read goes to the new node.
+            block = ["BLOCK", block_ms] if block_ms is not None else []
+            reply = self.client.execute_command(
+                "XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block,
+                "STREAMS", *streams, *streams.values(),
+                target_nodes=cast(Any, self.client).get_node_from_key(next(iter(streams))),
+            )  # fmt: skip
+        else:
+            reply = self.client.xreadgroup(
+                GROUP, self.consumer, cast(Any, streams), count=count, block=block_ms
+            )
         entries: list[Entry] = []
         self._raw_counts = {}
         for stream, items in reply or []:
