@@ -2,12 +2,13 @@
 shards; jobs of three models complete; and a model's slot moved to another primary in the
 middle of a load loses nothing. Real redis-servers (three cluster primaries) on loopback
 ports, the API in uvicorn, a sim worker per model, the reconciler as beat runs it, a real
-PostgreSQL, Celery's broker on a Redis of its own."""
+PostgreSQL, Celery's broker on a Redis of its own; and `ferry up` with every part on it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from core.streams import stream_key
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis
+from harness.stack import FerryUp
 from harness.worker import running_worker
 from workers.tasks.feeder import Feeder
 
@@ -168,3 +170,69 @@ def test_every_part_of_the_job_path_works_on_the_cluster(
         "auth-failures" in key for key in kept
     ), kept
     engine.dispose()
+
+
+def test_ferry_up_on_a_cluster_runs_every_part(
+    cluster: ClusterRedis, broker: str, tmp_path: Path
+) -> None:
+    """`ferry up` with a cluster and Celery on a broker of its own: the API, a GPU worker per
+    model, the Celery worker and beat (a backfill is fed by their feeder), and Flower, which
+    finds every worker through Celery's broker."""
+    prefix = "up"
+    models = models_on_every_shard(cluster, prefix)
+    (tmp_path / "up").mkdir()
+    stack = FerryUp(
+        tmp_path / "up",
+        FERRY_REDIS_URL=cluster.url,
+        FERRY_REDIS_CLUSTER="true",
+        FERRY_CELERY_BROKER_URL=broker,
+        FERRY_KEY_PREFIX=prefix,
+        FERRY_MODEL_REPOSITORY=str(sim_repository(tmp_path / "models", models)),
+        FERRY_MODELS=",".join(models),
+    )
+    try:
+        stack.start()
+        with httpx.Client(
+            base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=40
+        ) as client:
+            for model in models:
+                answer = client.post(
+                    "/v1/jobs?wait=30", json={"model": model, "input": {"cost": 2}}
+                )
+                assert answer.status_code == 200 and answer.json()["status"] == "succeeded", (
+                    answer.text
+                )
+            lines = "".join(
+                json.dumps({"custom_id": f"row-{i}", "input": {"cost": 1}}) + "\n"
+                for i in range(50)
+            )
+            created = client.post(
+                "/v1/backfills", params={"model": models[2]}, content=lines,
+                headers={"Content-Type": "application/x-ndjson"},
+            )  # fmt: skip
+            assert created.status_code == 202, created.text
+            until = time.monotonic() + 90
+            while (found := client.get(f"/v1/backfills/{created.json()['id']}").json())[
+                "status"
+            ] != "completed":
+                assert time.monotonic() < until, found
+                time.sleep(0.5)
+        banner = "".join(stack.output)
+        flower = re.search(r"Flower\s+(\S+)\s+\(user (\S+), password (\S+)\)", banner)
+        assert flower, banner[-2000:]
+        url, user, password = flower.groups()
+        # The GPU workers as workers (their events and remote-control answers), the
+        # Celery worker through its tasks' events.
+        wanted = {f"ferry-{model}@" for model in models} | {"ferry-celery@"}
+        until = time.monotonic() + 60
+        while True:
+            seen = set(httpx.get(f"{url}/api/workers", auth=(user, password), timeout=10).json())
+            tasks = httpx.get(f"{url}/api/tasks", auth=(user, password), timeout=10).json()
+            seen |= {str(task.get("worker")) for task in tasks.values()}
+            missing = {w for w in wanted if not any(name.startswith(w) for name in seen)}
+            if not missing:
+                break
+            assert time.monotonic() < until, (missing, sorted(seen))
+            time.sleep(1.0)
+    finally:
+        FerryUp.stop(stack.process)
