@@ -20,6 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         models = models_on_every_shard(cluster, "bench")
         single = RedisTarget(single_url)
         sharded = RedisTarget(cluster.url, cluster=True, broker_url="unused://")
-        single_port = int(single_url.rsplit(":", 1)[1].split("/")[0])
+        single_port = urlsplit(single_url).port or 6379
         for number in range(args.rounds):
             found: dict[str, Any] = {}
             # Side by side: the two targets take turns, in a different order each round.

@@ -67,6 +67,7 @@ class ClusterRedis:
         self.program = redis_server()
         self.ports = [_port_with_bus() for _ in range(primaries)]
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._nodes: dict[int, redis.Redis] = {}
 
     @property
     def url(self) -> str:
@@ -74,7 +75,10 @@ class ClusterRedis:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def node(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+        """A client of the node on ``port`` alone (made once, closed with the cluster)."""
+        if port not in self._nodes:
+            self._nodes[port] = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+        return self._nodes[port]
 
     def _start(self, port: int) -> None:
         self.processes[port] = redis_with_conf(
@@ -117,8 +121,6 @@ class ClusterRedis:
 
     def _ready(self, port: int) -> bool:
         info = self.node(port).execute_command("CLUSTER INFO")
-        if isinstance(info, str):  # older redis-py: the raw text
-            info = dict(line.split(":", 1) for line in info.split() if ":" in line)
         return bool(
             info.get("cluster_state") == "ok"
             and int(info.get("cluster_known_nodes", 0)) == len(self.ports)
@@ -161,6 +163,8 @@ class ClusterRedis:
         return moved
 
     def __exit__(self, *_exc: object) -> None:
+        for client in self._nodes.values():
+            client.close()
         stop_all(self.processes.values())
 
 

@@ -14,6 +14,7 @@ from api.app import create_app
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
+from harness.services import migrated_postgres_database
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
 
@@ -97,3 +98,11 @@ def sim_worker(settings: Settings) -> Callable[..., RunningLoop]:
         return RunningLoop(build_sim_loop(settings, name))
 
     return start
+
+
+@pytest.fixture
+def postgres_database() -> Iterator[str]:
+    """A PostgreSQL database of the test's own, migrated, dropped afterwards (for tests
+    whose deployment is not the parametrized one)."""
+    with migrated_postgres_database() as url:
+        yield url

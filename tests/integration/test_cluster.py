@@ -10,7 +10,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -24,7 +24,7 @@ from core.settings import Settings
 from core.streams import stream_key
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository
 from harness.served import served
-from harness.services import migrated_postgres_database, started_redis
+from harness.services import started_redis
 from harness.stack import FerryUp
 from harness.worker import running_worker
 from workers.tasks.feeder import Feeder
@@ -37,15 +37,37 @@ def cluster(tmp_path: Path) -> Iterator[ClusterRedis]:
 
 
 @pytest.fixture
-def database() -> Iterator[str]:
-    with migrated_postgres_database() as url:
-        yield url
-
-
-@pytest.fixture
 def broker(tmp_path: Path) -> Iterator[str]:
     with started_redis(tmp_path / "broker") as url:
         yield url
+
+
+def jobs_and_a_backfill(
+    client: httpx.Client, models: list[str], lines: int, feed: Callable[[], object],
+    timeout_s: float,
+) -> None:  # fmt: skip
+    """A one-round-trip job of each model, then a backfill of ``lines`` of the last one
+    (``feed`` called while it runs), each expected to succeed whole."""
+    for model in models:
+        answer = client.post("/v1/jobs?wait=30", json={"model": model, "input": {"cost": 2}})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "succeeded"
+    body = "".join(
+        json.dumps({"custom_id": f"row-{i}", "input": {"cost": 1}}) + "\n" for i in range(lines)
+    )
+    created = client.post(
+        "/v1/backfills", params={"model": models[-1]}, content=body,
+        headers={"Content-Type": "application/x-ndjson"},
+    )  # fmt: skip
+    assert created.status_code == 202, created.text
+    until = time.monotonic() + timeout_s
+    while (found := client.get(f"/v1/backfills/{created.json()['id']}").json())[
+        "status"
+    ] != "completed":
+        assert time.monotonic() < until, found
+        feed()
+        time.sleep(0.1)
+    assert found["request_counts"]["completed"] == lines
 
 
 def test_cluster_settings_and_the_clients_they_make(cluster: ClusterRedis) -> None:
@@ -77,7 +99,9 @@ def test_cluster_settings_and_the_clients_they_make(cluster: ClusterRedis) -> No
 
 
 @pytest.fixture
-def on_cluster(cluster: ClusterRedis, database: str, broker: str, tmp_path: Path) -> Settings:
+def on_cluster(
+    cluster: ClusterRedis, postgres_database: str, broker: str, tmp_path: Path
+) -> Settings:
     """Settings for three sim models whose keys land one on each primary."""
     prefix = "cluster"
     models = models_on_every_shard(cluster, prefix)
@@ -85,7 +109,7 @@ def on_cluster(cluster: ClusterRedis, database: str, broker: str, tmp_path: Path
         redis_url=cluster.url,
         redis_cluster=True,
         celery_broker_url=broker,
-        database_url=database,
+        database_url=postgres_database,
         data_dir=tmp_path,
         key_prefix=prefix,
         model_repository=sim_repository(tmp_path / "models", models),
@@ -137,26 +161,8 @@ def test_every_part_of_the_job_path_works_on_the_cluster(
         for model in models:
             stack.enter_context(running_worker(settings, model, f"{model}-worker"))
         client = stack.enter_context(httpx.Client(base_url=api.base, headers=auth, timeout=30))
-        for model in models:  # the worker's PUBLISH wakes the API's subscription
-            answer = client.post("/v1/jobs?wait=20", json={"model": model, "input": {"cost": 3}})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["status"] == "succeeded"
-        lines = "".join(
-            json.dumps({"custom_id": f"row-{i}", "input": {"cost": 1}}) + "\n" for i in range(300)
-        )
-        created = client.post(
-            "/v1/backfills", params={"model": models[1]}, content=lines,
-            headers={"Content-Type": "application/x-ndjson"},
-        )  # fmt: skip
-        assert created.status_code == 202, created.text
-        until = time.monotonic() + 60
-        while (backfill := client.get(f"/v1/backfills/{created.json()['id']}").json())[
-            "status"
-        ] != "completed":
-            assert time.monotonic() < until, backfill
-            feeder.step()
-            time.sleep(0.05)
-        assert backfill["request_counts"]["completed"] == 300
+        # The worker's PUBLISH wakes the API's subscription; the feeder's scripts feed.
+        jobs_and_a_backfill(client, models, 300, feeder.step, timeout_s=60)
         assert client.get("/readyz").status_code == 200
         metrics = client.get("/metrics").text
         for model in models:
@@ -195,28 +201,8 @@ def test_ferry_up_on_a_cluster_runs_every_part(
         with httpx.Client(
             base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=40
         ) as client:
-            for model in models:
-                answer = client.post(
-                    "/v1/jobs?wait=30", json={"model": model, "input": {"cost": 2}}
-                )
-                assert answer.status_code == 200 and answer.json()["status"] == "succeeded", (
-                    answer.text
-                )
-            lines = "".join(
-                json.dumps({"custom_id": f"row-{i}", "input": {"cost": 1}}) + "\n"
-                for i in range(50)
-            )
-            created = client.post(
-                "/v1/backfills", params={"model": models[2]}, content=lines,
-                headers={"Content-Type": "application/x-ndjson"},
-            )  # fmt: skip
-            assert created.status_code == 202, created.text
-            until = time.monotonic() + 90
-            while (found := client.get(f"/v1/backfills/{created.json()['id']}").json())[
-                "status"
-            ] != "completed":
-                assert time.monotonic() < until, found
-                time.sleep(0.5)
+            # Fed by the Celery worker and beat.
+            jobs_and_a_backfill(client, models, 50, lambda: None, timeout_s=90)
         banner = "".join(stack.output)
         flower = re.search(r"Flower\s+(\S+)\s+\(user (\S+), password (\S+)\)", banner)
         assert flower, banner[-2000:]

@@ -13,19 +13,12 @@ from core.broker import celery_on_broker
 from core.redis_target import RedisTarget
 from core.settings import Settings
 from harness.sentinel import SentinelRedis, failover_under_load
-from harness.services import migrated_postgres_database
 
 
 @pytest.fixture
 def sentinel(tmp_path: Path) -> Iterator[SentinelRedis]:
     with SentinelRedis(tmp_path / "redis") as running:
         yield running
-
-
-@pytest.fixture
-def database() -> Iterator[str]:
-    with migrated_postgres_database() as url:
-        yield url
 
 
 def test_settings_and_clients_follow_the_sentinels() -> None:
@@ -55,11 +48,11 @@ def test_settings_and_clients_follow_the_sentinels() -> None:
 
 
 def test_a_killed_primary_is_followed_and_nothing_is_lost_or_run_twice(
-    sentinel: SentinelRedis, database: str, tmp_path: Path
+    sentinel: SentinelRedis, postgres_database: str, tmp_path: Path
 ) -> None:
     settings = Settings(
         redis_sentinels=sentinel.sentinels,
-        database_url=database,
+        database_url=postgres_database,
         data_dir=tmp_path,
         key_prefix="sentinel",
         models="sim",

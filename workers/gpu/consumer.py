@@ -316,8 +316,7 @@ class StreamConsumer:
         if self._cluster:
             # A Cluster client would ask a node for an XREADGROUP's keys first (COMMAND
             # GETKEYS, a round trip per read); all of a model's streams share its slot, so
-            # the node is named. A MOVED reply fails the read, updates the slot map, and
-            # the loop's next read goes to the new node.
+            # the node is named. A MOVED or ASK reply is still followed within the call.
             block = ["BLOCK", block_ms] if block_ms is not None else []
             reply = self.client.execute_command(
                 "XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block,
