@@ -7,8 +7,8 @@ JSON 6902, with or without a target), and configMapGenerator and
 secretGenerator without name hashes. Anything else in a kustomization, a
 patch directive or a JSON patch operation it does not implement raises
 KustomizeError: a manifest this builder cannot read is refused, never built
-differently from what `kubectl apply -k` would apply. Where kubectl is
-installed, tests/unit/test_kubernetes.py compares the two.
+differently from what `kubectl apply -k` would apply; tests/unit/test_kubernetes.py
+compares the two (kubectl comes with the dev dependencies).
 """
 
 from __future__ import annotations
