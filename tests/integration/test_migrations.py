@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 from alembic import command
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select, text
+from sqlalchemy.orm import Session
 
 from core import migrate
-from core.db import Base, make_engine
+from core.db import ApiKey, Base, make_engine
+from core.keys import create_key
+from tests.conftest import run_ferry
 
 
 def test_head_matches_the_models_and_downgrades_cleanly(database_url: str) -> None:
@@ -25,5 +32,39 @@ def test_head_matches_the_models_and_downgrades_cleanly(database_url: str) -> No
         migrate.upgrade(database_url)  # leave it as the session found it
     try:
         assert {"jobs", "api_keys"} <= set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_migrating_twice_changes_nothing(database_url: str, repo_root: Path) -> None:
+    """What the Kubernetes migration Job runs (`ferry db upgrade`) is safe to run again:
+    a database already at head keeps its schema, its revision and its rows."""
+    engine = make_engine(database_url)
+
+    def schema() -> dict[str, Any]:
+        inspector = inspect(engine)
+        return {
+            table: (
+                sorted(c["name"] for c in inspector.get_columns(table)),
+                sorted(str(i["name"]) for i in inspector.get_indexes(table)),
+            )
+            for table in inspector.get_table_names()
+        }
+
+    try:
+        with Session(engine) as session:
+            key_id = create_key(session, "kept").id
+            session.commit()
+        with engine.connect() as conn:
+            revision = conn.scalar(text("SELECT version_num FROM alembic_version"))
+        before = schema()
+        env = {**os.environ, "FERRY_DATABASE_URL": database_url}
+        for _ in range(2):
+            assert "database at revision head" in run_ferry(["db", "upgrade"], repo_root, env)
+        assert schema() == before
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT version_num FROM alembic_version")) == revision
+        with Session(engine) as session:
+            assert session.scalar(select(ApiKey.name).where(ApiKey.id == key_id)) == "kept"
     finally:
         engine.dispose()

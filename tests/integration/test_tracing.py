@@ -203,3 +203,43 @@ def test_a_jobs_trace_runs_from_its_request_to_its_webhook(
         for name in ("prepare", "record", "acknowledge")
     }
     assert {name: len(found) for name, found in stages.items()} == dict.fromkeys(stages, 1)
+
+
+def test_a_batch_links_to_the_trace_of_every_job_it_ran(
+    collector: Collector, settings: Settings, token: str
+) -> None:
+    """Jobs of several traces queued before the worker starts share its batches: each
+    batch links to every job it ran, and no other, and each job's run links back."""
+    contexts: dict[str, str] = {}  # job id -> its client's trace
+    with served(settings) as api:
+        headers = {"Authorization": f"Bearer {token}"}
+        for _ in range(6):
+            trace = secrets.token_hex(16)
+            answer = httpx.post(
+                f"{api.base}/v1/jobs",
+                json={"model": "sim", "input": {"cost": 1}},
+                headers={**headers, "traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"},
+            )
+            assert answer.status_code == 202, answer.text
+            contexts[answer.json()["id"]] = trace
+        with RunningLoop(build_sim_loop(settings, "traced-batch")):
+            for job_id in contexts:
+                done = httpx.get(f"{api.base}/v1/jobs/{job_id}?wait=10", headers=headers)
+                assert done.json()["status"] == "succeeded", done.text
+    tracing.shutdown()  # sends what is buffered
+
+    servers = {s.trace_id: s for s in collector.named("POST /v1/jobs")}
+    runs = {s.attributes["ferry.job_id"]: s for s in collector.named("ferry.run")}
+    assert set(runs) == set(contexts)
+    batches = {s.attributes["ferry.batch_id"]: s for s in collector.named("ferry.batch")}
+    ran: dict[str, set[tuple[str, str]]] = {}
+    for job_id, trace in contexts.items():
+        run = runs[job_id]
+        assert run.trace_id == trace and run.parent_id == servers[trace].span_id
+        batch = batches[run.attributes["ferry.batch_id"]]
+        assert run.links == [(batch.trace_id, batch.span_id)]
+        ran.setdefault(run.attributes["ferry.batch_id"], set()).add((trace, servers[trace].span_id))
+    for batch_id, jobs in ran.items():
+        assert set(batches[batch_id].links) == jobs
+    # Queued before the worker started, they cannot all have run alone.
+    assert max(len(jobs) for jobs in ran.values()) > 1, ran

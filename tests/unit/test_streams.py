@@ -215,6 +215,19 @@ def test_the_tenant_travels_in_the_message(convert: Callable[[dict[str, str]], F
 
 
 @pytest.mark.parametrize("convert", [as_str, as_bytes])
+def test_the_trace_context_travels_in_the_message(
+    convert: Callable[[dict[str, str]], Fields],
+) -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    message = JobMessage("j", "normal", 3, 10, trace_context=traceparent)
+    assert message.encode()["tp"] == traceparent
+    assert JobMessage.decode(convert(message.encode())) == message
+    # A job sent without tracing carries no field for it.
+    assert "tp" not in BARE.encode()
+    assert JobMessage.decode(convert(BARE.encode())).trace_context is None
+
+
+@pytest.mark.parametrize("convert", [as_str, as_bytes])
 def test_a_wake_marker_is_told_from_a_job(convert: Callable[[dict[str, str]], Fields]) -> None:
     assert is_wake(convert({"v": "1", "wake": "k1"}))
     assert not is_wake(convert(FULL.encode()))
