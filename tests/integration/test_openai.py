@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import math
+import shutil
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -135,3 +137,40 @@ def test_an_oversized_list_is_refused_whole(
     assert blank.value.param == "input[1]"
     with sessions() as session:
         assert session.scalars(select(Job)).all() == []  # nothing of either was kept
+
+
+def test_shorter_vectors_where_the_model_allows_them(
+    settings: Settings, token: str, tmp_path: Path, sessions: sessionmaker[Session]
+) -> None:
+    """A model whose model.toml says `truncatable` gives vectors of the length asked, cut
+    and normalised again as OpenAI's shortened embeddings are; `user` is kept with the job."""
+    root = tmp_path / "models"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "models" / "minilm", root / "minilm")
+    toml = root / "minilm" / "model.toml"
+    toml.write_text(toml.read_text() + "truncatable = true\n")
+    shorter = settings.model_copy(
+        update={"model_repository": root, "models": "minilm", "model_parameters": {}}
+    )
+    text = "A cat sits on the mat."
+    with (
+        served(shorter) as api,
+        RunningLoop(build_loop(shorter, "minilm", name="openai-dimensions")),
+        openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as client,
+    ):
+        whole = client.embeddings.create(model="minilm", input=text).data[0].embedding
+        cut = (
+            client.embeddings.create(model="minilm", input=text, dimensions=64, user="team-a")
+            .data[0]
+            .embedding
+        )
+        with pytest.raises(openai.BadRequestError) as longer:
+            client.embeddings.create(model="minilm", input=text, dimensions=385)
+    assert len(whole) == 384 and len(cut) == 64
+    assert norm(cut) == pytest.approx(1.0, abs=1e-4)
+    head = norm(whole[:64])
+    assert cut == pytest.approx([x / head for x in whole[:64]], abs=1e-5)
+    assert longer.value.param == "dimensions" and "at most 384" in longer.value.message
+    with sessions() as session:
+        kept = [job.metadata_ for job in session.scalars(select(Job)).all()]
+    assert {"openai": "embeddings", "user": "team-a"} in kept
+    assert {"openai": "embeddings"} in kept  # no user: none kept

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,39 @@ def test_errors_carry_the_apis_type(api: Served, ferry: Client) -> None:
     assert refused.value.type == "unauthorized"
 
 
+def test_a_rate_limited_submission_waits_out_retry_after_and_is_stored_once(
+    settings: Settings, token: str, sessions: sessionmaker[Session]
+) -> None:
+    sent: list[tuple[float, str | None]] = []
+    answered: list[tuple[float, int, str | None]] = []
+    with (
+        served(settings.model_copy(update={"rate_limit": "2/second"})) as api,
+        Client(api.base, token, retries=FAST, timeout_s=10) as ferry,
+    ):
+        hooks = ferry._http.event_hooks
+        hooks["request"].append(
+            lambda r: sent.append((time.monotonic(), r.headers.get("Idempotency-Key")))
+        )
+        hooks["response"].append(
+            lambda r: answered.append(
+                (time.monotonic(), r.status_code, r.headers.get("Retry-After"))
+            )
+        )
+        jobs = [ferry.submit("sim", {"cost": n}) for n in range(1, 6)]
+    refusals = [(at, after) for at, status, after in answered if status == 429]
+    assert refusals, answered  # five in a row at two a second: some were refused
+    for refused_at, after in refusals:
+        assert after is not None and float(after) >= 1
+        retried_at = min(at for at, _ in sent if at > refused_at)
+        assert retried_at - refused_at >= float(after) - 0.05
+    assert [status for _, status, _ in answered].count(202) == 5
+    with sessions() as session:
+        stored = session.scalars(select(Job).where(Job.idempotency_key.is_not(None))).all()
+    # Every retry repeated its submission's key: five keys, five rows, one job each.
+    assert sorted(job.id for job in stored) == sorted(job.id for job in jobs)
+    assert len({key for _, key in sent}) == 5
+
+
 def test_a_backfill_from_lines_and_its_results(
     ferry: Client,
     sim_worker: Callable[..., RunningLoop],
@@ -176,25 +210,40 @@ def test_a_submission_through_a_database_outage_is_retried_and_stored_once(
         sessions = make_sessionmaker(engine)
         with sessions() as session:
             token = create_key(session, "outage").token
-        statuses: list[int] = []
+        # What went over the wire: (when, the request's idempotency key) and (when, status).
+        sent: list[tuple[float, str | None]] = []
+        answered: list[tuple[float, int]] = []
         try:
             with (
                 served(settings) as api,
                 Client(api.base, token, retries=FAST, timeout_s=10) as ferry,
             ):
-                ferry._http.event_hooks["response"].append(lambda r: statuses.append(r.status_code))
+                hooks = ferry._http.event_hooks
+                hooks["request"].append(
+                    lambda r: sent.append((time.monotonic(), r.headers.get("Idempotency-Key")))
+                )
+                hooks["response"].append(
+                    lambda r: answered.append((time.monotonic(), r.status_code))
+                )
                 ferry.submit("sim", {"cost": 1})  # the pool is warm
+                sent.clear()
+                answered.clear()
                 proxy.cut()
                 healed = threading.Timer(1.5, proxy.restore)
                 healed.start()
-                job = ferry.submit("sim", {"cost": 2}, idempotency_key="through-the-outage")
+                job = ferry.submit("sim", {"cost": 2})  # the client makes the key
                 healed.join()
-            assert 503 in statuses, statuses  # the API said so, and the client tried again
+            statuses = [status for _, status in answered]
+            assert 503 in statuses and statuses[-1] == 202, statuses  # refused, then retried
+            keys = {key for _, key in sent}
+            assert len(sent) == len(answered) > 1 and len(keys) == 1 and None not in keys
+            # The API's 503 says Retry-After: 2; the client waited that long before retrying.
+            refused_at = next(at for at, status in answered if status == 503)
+            retried_at = min(at for at, _ in sent if at > refused_at)
+            assert retried_at - refused_at >= 1.9
             assert job.status == "queued"
             with sessions() as session:
-                rows = session.scalars(
-                    select(Job).where(Job.idempotency_key == "through-the-outage")
-                )
+                rows = session.scalars(select(Job).where(Job.idempotency_key.in_(keys)))
                 assert [row.id for row in rows] == [job.id]
         finally:
             proxy.close()
