@@ -650,7 +650,16 @@ def peers_batching(doc: Doc, name: str) -> str:
         f"{1000 * ray['batch_wait_timeout_s']:g} ms, one replica",
         "celery": "none: one text a task, "
         + counted(children, "worker process", "worker processes"),
-    }.get(name, "its scheduler: what waits, grouped by cost, up to 32 (the defaults)")
+    }.get(name, f"its scheduler: what waits, grouped by cost, {ferry_batch_limit(doc)}")
+
+
+def ferry_batch_limit(doc: Doc) -> str:
+    """Ferry's largest batch as the run set it: a FERRY_BATCH_MAX_SIZE it was given, else
+    the size each worker derives from its model's latency (the default)."""
+    size = doc["settings"]["ferry"]["settings"].get("FERRY_BATCH_MAX_SIZE")
+    if size is not None:
+        return f"up to {size}"
+    return "up to the size its worker derives from the model's latency (the default)"
 
 
 def render_peers(results: Results) -> list[str]:
