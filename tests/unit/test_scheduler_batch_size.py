@@ -30,6 +30,8 @@ GPU = LinearFit(0.002, 1e-6)
         (GPU, INF, 400.0, 32),  # 20 would fit: the floor
         (GPU, 4000.0, 50.0, 80),  # the cost cap or the memory binds first
         (GPU, INF, 0.0, 256),  # a cost below one counts as one
+        (GPU, 100.0, 1.0, 100),  # ... and a cost of one as itself
+        (GPU, 150.0, 1.5, 100),
         (LinearFit(0.0, 1e-6), INF, 10.0, 32),  # no fixed cost (a CPU): nothing to amortise
         (LinearFit(0.002, 0.0), INF, 10.0, 256),  # every batch costs the same: fill it
         (LinearFit(0.002, 0.0), 1000.0, 10.0, 100),
