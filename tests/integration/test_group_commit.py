@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ from core.keys import create_key, revoke_key
 from core.settings import Settings
 from core.streams import done_channel, stream_key
 from harness.served import Served, served
+from harness.services import started_redis
 
 
 def post_all(
@@ -272,8 +274,15 @@ def test_a_long_poll_reads_its_row_only_when_woken_and_wakes_within_milliseconds
 
 
 def test_a_long_poll_survives_a_redis_reconnect_and_a_completion_it_missed(
-    settings: Settings, sessions: sessionmaker[Session], token: str
+    settings: Settings, sessions: sessionmaker[Session], token: str, tmp_path: Path
 ) -> None:
+    # A Redis of its own: cutting every pub/sub client of a shared one would cut
+    # other tests' subscriptions too.
+    with started_redis(tmp_path / "redis") as url:
+        _survives_a_reconnect(settings.model_copy(update={"redis_url": url}), sessions, token)
+
+
+def _survives_a_reconnect(settings: Settings, sessions: sessionmaker[Session], token: str) -> None:
     client = redis.Redis.from_url(settings.redis_url or "", decode_responses=True)
     with served(settings) as api:
         poll = LongPoll(api, {"Authorization": f"Bearer {token}"})
