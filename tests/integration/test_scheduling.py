@@ -157,13 +157,21 @@ def test_an_out_of_memory_batch_is_split_and_nobody_fails(
     )
     loop = build_sim_loop(oom)
     ooms = []
-    with TestClient(create_app(oom)) as api, RunningLoop(loop):
-        for _wave in range(3):
-            ids = [submit(api, auth, model="sim", input={"cost": 40}) for _ in range(8)]
-            rows = wait_terminal(sessions, ids)
-            errors = {r.error for r in rows.values()}
-            assert {r.status for r in rows.values()} == {"succeeded"}, errors
-            ooms.append(loop.state.ooms)
+
+    def wave() -> list[str]:
+        return [submit(api, auth, model="sim", input={"cost": 40}) for _ in range(8)]
+
+    with TestClient(create_app(oom)) as api:
+        # The first wave is queued before the worker starts, so its first batch is
+        # the full one however slowly a loaded machine submits.
+        ids = wave()
+        with RunningLoop(loop):
+            for number in range(3):
+                ids = ids if number == 0 else wave()
+                rows = wait_terminal(sessions, ids)
+                errors = {r.error for r in rows.values()}
+                assert {r.status for r in rows.values()} == {"succeeded"}, errors
+                ooms.append(loop.state.ooms)
     # The first wave ran out of memory and split; each lowered the ceiling,
     # until the scheduler stopped building batches that do not fit.
     assert ooms[0] >= 1
