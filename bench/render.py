@@ -770,7 +770,7 @@ def render_soak(results: Results) -> list[str]:
         for name in names
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {settings['minutes']:g} minutes at "
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, {settings['minutes']:g} minutes at "
         f"{settings['rate_per_s']:g} jobs/s, the worker killed every "
         f"{settings['kill_every_s']:g} s: {doc['accepted']:,} jobs accepted, "
         f"{doc['worker_kills']} worker kills, {statuses}, **{doc['lost']:,} lost, {twice}**, "
