@@ -8,8 +8,14 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# make test's report (ignored by git): pytest's JUnit XML and durations, and the
+# wall time of each step before pytest (steps.tsv); make test-report prints it.
+REPORT := .ferry/test-report
+# Set by make test: where each step's wall time is appended (.ci/timed); empty, nothing is.
+STEPS ?=
+TIMED = .ci/timed "$(STEPS)"
 
-.PHONY: run test lint typecheck audit audit-soft docs unit clean
+.PHONY: run test test-report lint typecheck audit audit-soft docs unit clean
 
 $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Ferry needs Python 3.11 or newer")'
@@ -23,11 +29,11 @@ run: $(STAMP)
 	$(BIN)/ferry up
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(TIMED) ruff-check $(BIN)/ruff check .
+	$(TIMED) ruff-format $(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy
+	$(TIMED) mypy $(BIN)/mypy
 
 # Known vulnerabilities in the pinned dependencies, from PyPI's advisory data.
 AUDIT := $(BIN)/pip-audit -r constraints.txt --no-deps --disable-pip --progress-spinner off
@@ -39,7 +45,7 @@ audit: $(STAMP)
 # What make test runs: fails on a known vulnerability; where PyPI's advisory
 # data cannot be reached (offline, or a mirror without it), says so and goes on.
 audit-soft: $(STAMP)
-	@if ! $(AUDIT) > $(VENV)/audit.txt 2>&1; then \
+	@if ! $(TIMED) pip-audit $(AUDIT) > $(VENV)/audit.txt 2>&1; then \
 		if grep -qi "known vulnerabilit" $(VENV)/audit.txt; then cat $(VENV)/audit.txt; exit 1; fi; \
 		echo "pip-audit could not run: $$(tail -n 1 $(VENV)/audit.txt)"; \
 	elif unchecked=$$(grep -c "could not be audited" $(VENV)/audit.txt); then \
@@ -49,10 +55,20 @@ audit-soft: $(STAMP)
 # The documentation site (mkdocs.yml): any warning fails it, a broken link or
 # anchor, or a page left out of the nav.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
+	NO_MKDOCS_2_WARNING=1 $(TIMED) mkdocs $(BIN)/mkdocs build --strict --site-dir .site
 
-test: $(STAMP) lint typecheck audit-soft docs
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# The checks, then pytest; each step's wall time goes to $(REPORT)/steps.tsv.
+test:
+	@rm -rf $(REPORT) && mkdir -p $(REPORT)
+	@.ci/timed $(REPORT)/steps.tsv venv $(MAKE) --no-print-directory $(STAMP)
+	@.ci/timed $(REPORT)/steps.tsv checks $(MAKE) --no-print-directory STEPS=$(REPORT)/steps.tsv \
+		lint typecheck audit-soft docs
+	.ci/timed $(REPORT)/steps.tsv pytest $(BIN)/python -m pytest --durations=50 \
+		--junitxml=$(REPORT)/junit.xml $(PYTEST_ARGS)
+
+# The slowest files and tests of the last make test, and the time before pytest.
+test-report:
+	@$(PYTHON) -m tests.suite_report $(REPORT)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

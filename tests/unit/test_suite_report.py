@@ -1,0 +1,103 @@
+"""make test-report: the JUnit XML and steps.tsv read back into files, tests and steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.suite_report import (
+    Case,
+    Step,
+    before_pytest_s,
+    main,
+    outcomes,
+    parse_junit,
+    parse_steps,
+    render,
+    slowest_files,
+    slowest_tests,
+)
+
+# What pytest writes (xunit1: a file attribute per case), trimmed to a few cases.
+JUNIT_XUNIT1 = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites name="pytest tests"><testsuite name="pytest" errors="1" failures="1"
+ skipped="1" tests="5" time="40.5">
+<testcase classname="tests.unit.test_a" name="test_one" file="tests/unit/test_a.py"
+ line="3" time="1.250" />
+<testcase classname="tests.unit.test_a.TestGroup" name="test_two[sqlite]"
+ file="tests/unit/test_a.py" line="9" time="0.750" />
+<testcase classname="tests.faults.test_kill" name="test_kill" file="tests/faults/test_kill.py"
+ line="20" time="30.000"><failure message="assert 1 == 2">trace</failure></testcase>
+<testcase classname="tests.e2e.test_stack" name="test_up" file="tests/e2e/test_stack.py"
+ line="5" time="8.000"><skipped type="pytest.skip" message="no wrk">skip</skipped></testcase>
+<testcase classname="tests.e2e.test_stack" name="test_down" file="tests/e2e/test_stack.py"
+ line="50" time="0.500"><error message="fixture failed">trace</error></testcase>
+</testsuite></testsuites>
+"""
+
+# xunit2 has no file attribute: the file comes from the classname.
+JUNIT_XUNIT2 = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="2">
+<testcase classname="tests.integration.test_api_jobs.TestSubmit" name="test_x" time="2.5" />
+<testcase classname="tests.integration.test_api_jobs" name="test_y" time="" />
+</testsuite></testsuites>
+"""
+
+
+def test_parse_junit_reads_each_case_with_its_file_time_and_outcome() -> None:
+    cases = parse_junit(JUNIT_XUNIT1)
+    assert cases == [
+        Case("tests/unit/test_a.py", "test_one", 1.25, "passed"),
+        Case("tests/unit/test_a.py", "test_two[sqlite]", 0.75, "passed"),
+        Case("tests/faults/test_kill.py", "test_kill", 30.0, "failed"),
+        Case("tests/e2e/test_stack.py", "test_up", 8.0, "skipped"),
+        Case("tests/e2e/test_stack.py", "test_down", 0.5, "error"),
+    ]
+    assert outcomes(cases) == {"passed": 2, "failed": 1, "skipped": 1, "error": 1}
+
+
+def test_without_a_file_attribute_the_classname_less_its_class_is_the_file() -> None:
+    cases = parse_junit(JUNIT_XUNIT2)
+    assert [(case.file, case.time_s) for case in cases] == [
+        ("tests/integration/test_api_jobs.py", 2.5),
+        ("tests/integration/test_api_jobs.py", 0.0),
+    ]
+
+
+def test_files_are_ranked_by_their_tests_summed_time() -> None:
+    cases = parse_junit(JUNIT_XUNIT1)
+    assert slowest_files(cases) == [
+        ("tests/faults/test_kill.py", 30.0, 1),
+        ("tests/e2e/test_stack.py", 8.5, 2),
+        ("tests/unit/test_a.py", 2.0, 2),
+    ]
+    assert slowest_files(cases, count=1) == [("tests/faults/test_kill.py", 30.0, 1)]
+    assert [case.name for case in slowest_tests(cases, count=2)] == ["test_kill", "test_up"]
+
+
+def test_steps_before_pytest_are_the_venv_and_the_checks_together() -> None:
+    steps = parse_steps("venv\t1.50\t0\nmypy\t50.00\t0\n\nchecks\t80.25\t0\npytest\t900.00\t1\n")
+    assert steps[0] == Step("venv", 1.5, 0)
+    assert steps[-1] == Step("pytest", 900.0, 1)
+    # mypy runs inside the checks: counting it again would count it twice.
+    assert before_pytest_s(steps) == 81.75
+
+
+def test_render_names_the_counts_the_slowest_and_a_failed_step() -> None:
+    text = render(parse_junit(JUNIT_XUNIT1), parse_steps("venv\t2.0\t0\nchecks\t10.0\t2\n"))
+    assert "before pytest: 12.0 s" in text
+    assert "(exit 2)" in text
+    assert "tests: 5 (2 passed, 1 skipped, 1 failed, 1 error), 40.5 s in all" in text
+    assert text.index("tests/faults/test_kill.py") < text.index("tests/unit/test_a.py")
+
+
+def test_main_prints_the_report_and_fails_without_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path)]) == 1
+    (tmp_path / "junit.xml").write_text(JUNIT_XUNIT2)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tests: 2 (2 passed" in out
+    assert "before pytest" not in out  # no steps.tsv: nothing to say about it
