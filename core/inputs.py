@@ -1,9 +1,10 @@
 """Input kinds: how the API checks one job's input and prices it, without torch.
 
 A model's ``[input]`` and ``[cost]`` tables (core.repository) choose one of
-these. Each check raises :class:`InputError` naming the field, before
-anything is stored; the cost is what the scheduler budgets a batch in
-(tokens, pixels, a member of the input, or a constant).
+these (``generation``'s is in core.generation). Each check raises
+:class:`InputError` naming the field, before anything is stored; the cost is
+what the scheduler budgets a batch in (tokens, pixels, a member of the input,
+or a constant).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from core.repository import CostConfig, InputConfig, ModelConfig
 
@@ -57,6 +58,11 @@ class _Tokenizers:
             return tokenizer
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` of a tokenizer.json, loaded once per process."""
+    return _Tokenizers.get(path)
+
+
 def count_tokens(text: str, tokenizer: Path) -> int:
     """Token count with the special tokens the tokenizer adds, before any truncation."""
     return len(_Tokenizers.get(tokenizer).encode(text).ids)
@@ -65,6 +71,8 @@ def count_tokens(text: str, tokenizer: Path) -> int:
 @dataclass(frozen=True)
 class TextSpec:
     """A string; priced in tokens of the model's own tokenizer (or 1 per input)."""
+
+    kind: ClassVar[str] = "text"
 
     name: str
     max_chars: int
@@ -114,6 +122,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @dataclass(frozen=True)
 class ImageSpec:
     """An encoded image (base64 JPEG or PNG); its header is checked, never decoded, here."""
+
+    kind: ClassVar[str] = "image"
 
     image_size: int
     max_image_bytes: int
@@ -168,6 +178,8 @@ class ImageSpec:
 @dataclass(frozen=True)
 class JsonSpec:
     """A JSON value checked against the model's JSON Schema; priced by a member or a constant."""
+
+    kind: ClassVar[str] = "json"
 
     schema: Mapping[str, Any]
     cost: CostConfig
@@ -241,6 +253,8 @@ def _article(word: str) -> str:
 @dataclass(frozen=True)
 class TensorInputSpec:
     """Named tensors as nested JSON arrays, each of a declared per-item shape."""
+
+    kind: ClassVar[str] = "tensor"
 
     tensors: tuple[Any, ...]
     cost: CostConfig
@@ -335,6 +349,11 @@ def input_spec(model: ModelConfig) -> Any:
         return ImageSpec(config.image_size, config.max_image_bytes, config.max_pixels, model.cost)
     if config.kind == "json":
         return JsonSpec(config.schema or {}, model.cost)
+    if config.kind == "generation":
+        # Imported here: core.generation builds on this module's errors and tokenizers.
+        from core.generation import generation_spec
+
+        return generation_spec(model)
     return TensorInputSpec(config.tensors, model.cost)
 
 

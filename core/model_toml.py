@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from core.generation import version_problems
 from core.repository import (
     CostConfig,
     EmbeddingsConfig,
@@ -30,7 +31,7 @@ from core.repository import (
 
 MODULE_NAME = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-INPUT_KINDS = ("text", "image", "json", "tensor")
+INPUT_KINDS = ("text", "image", "json", "tensor", "generation")
 COST_FUNCTIONS = ("tokens", "pixels", "field", "constant")
 DEVICES = ("auto", "gpu", "cpu", "none")
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
@@ -47,7 +48,10 @@ INPUT_KEYS = {
     "image": {"kind", "image_size", "max_image_bytes", "max_pixels"},
     "json": {"kind", "schema"},
     "tensor": {"kind", "tensors"},
-}
+    "generation": {
+        "kind", "max_chars", "tokenizer", "context_tokens", "default_max_tokens", "chat_template",
+    },
+}  # fmt: skip
 COST_KEYS = {"function", "field", "max", "value"}
 INSTANCE_KEYS = {"device", "count"}
 EMBEDDINGS_KEYS = {"dimensions", "truncatable"}
@@ -162,6 +166,8 @@ class _Reader:
                 "[input] or [parameters]",
             )
         versions = self.versions(folder)
+        if input_config is not None and input_config.kind == "generation":
+            self.generation_files(input_config, versions)
         active = data.get("active_version")
         if active is None:
             active = max(versions) if versions else 0
@@ -286,6 +292,8 @@ class _Reader:
                 overlength=str(overlength),
                 tokenizer=tokenizer,
             )
+        if kind == "generation":
+            return self.generation(data)
         if kind == "image":
             config = InputConfig(
                 kind=kind,
@@ -346,6 +354,41 @@ class _Reader:
             return None
         return InputConfig(kind=kind, tensors=tuple(specs))
 
+    def generation(self, data: dict[str, Any]) -> InputConfig | None:
+        """A generation [input]; the version files it needs are checked by generation_files."""
+        tokenizer = data.get("tokenizer")
+        if not isinstance(tokenizer, str) or not tokenizer:
+            self.problem(
+                "input.tokenizer",
+                "must name the model's tokenizer.json: the prompt's tokens are counted with it",
+            )
+            return None
+        template = data.get("chat_template")
+        if template is not None and (not isinstance(template, str) or not template):
+            self.problem(
+                "input.chat_template",
+                f"must be a file name (a tokenizer_config.json or a .jinja file), got "
+                f"{_toml_type(template)}",
+            )
+            return None
+        context = data.get("context_tokens")
+        if context is not None:
+            context = self.integer(data, "context_tokens", "input", 2048, low=2)
+        return InputConfig(
+            kind="generation",
+            max_chars=self.integer(data, "max_chars", "input", 100_000),
+            tokenizer=tokenizer,
+            context_tokens=context,
+            default_max_tokens=self.integer(data, "default_max_tokens", "input", 256),
+            chat_template=template,
+        )
+
+    def generation_files(self, config: InputConfig, versions: Mapping[int, ModelVersion]) -> None:
+        """Each version's context length (unless model.toml gives one) and chat template."""
+        for number, version in sorted(versions.items()):
+            for field, message in version_problems(config, version.files):
+                self.problem(field, f"version {number}: {message}")
+
     def cost(self, data: dict[str, Any], input_config: InputConfig | None) -> CostConfig | None:
         if not data:
             return None
@@ -358,8 +401,15 @@ class _Reader:
             self.problem("cost.function", f"is {function!r}; one of {', '.join(COST_FUNCTIONS)}")
             return None
         kind = input_config.kind if input_config else None
+        if kind == "generation" and function != "tokens":
+            self.problem(
+                "cost.function",
+                f"is {function!r}; generation inputs are priced in 'tokens' (the prompt's "
+                "and max_tokens: the KV cache a job reserves)",
+            )
+            return None
         needs = {"tokens": "text", "pixels": "image", "field": "json"}.get(function)
-        if needs and kind and kind != needs:
+        if needs and kind and kind != needs and not (function == "tokens" and kind == "generation"):
             self.problem(
                 "cost.function", f"{function!r} prices {needs} inputs; this model takes {kind}"
             )

@@ -87,6 +87,10 @@ class InputConfig:
     schema: Mapping[str, Any] | None = None
     # tensor
     tensors: tuple[TensorSpec, ...] = ()
+    # generation (with max_chars and tokenizer): a prompt or chat messages, continued
+    context_tokens: int | None = None  # None: the version's config.json says
+    default_max_tokens: int = 256
+    chat_template: str | None = None  # None: tokenizer_config.json's, when it has one
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,370 @@
+"""The ``generation`` input kind: a prompt (or chat messages) and how to continue it.
+
+The API checks a job's input here before anything is stored, without torch:
+the members and their ranges, the chat template rendered into the prompt,
+the prompt's tokens counted with the model's tokenizer.json, and that the
+prompt and ``max_tokens`` fit in the model's context. What it stores, and
+what the worker gets, is the normalised input :meth:`GenerationSpec.validate`
+returns; its cost is the prompt's tokens plus ``max_tokens``, the KV cache the
+job reserves. :func:`prompt_token_ids` turns that input into token ids for
+both, so the count priced here is the count the worker runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from core.chat import (
+    TOKENIZER_CONFIG,
+    ChatTemplate,
+    ChatTemplateError,
+    TemplateRefused,
+    load_template,
+    template_source,
+)
+from core.inputs import InputError, Validated, json_type, load_tokenizer
+from core.repository import InputConfig, ModelConfig
+
+ROLES = ("system", "user", "assistant")
+MEMBERS = ("prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed")
+MESSAGE_MEMBERS = ("role", "content")
+MAX_STOPS = 4
+SEED_LIMIT = 2**63
+# config.json's names for the longest sequence a model takes (GPT-2's is n_positions).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def prompt_token_ids(value: Mapping[str, Any], tokenizer: Path) -> list[int]:
+    """The token ids of a validated input's prompt: what the API counts and the worker runs.
+
+    One rule, kept here only so that the two never disagree: a prompt given
+    as text gets the special tokens the tokenizer's post-processor adds
+    (Llama's BOS; none for GPT-2); a prompt rendered from ``messages`` gets
+    none added, because the chat template writes its own (transformers'
+    ``apply_chat_template`` encodes it the same way).
+    """
+    add_special_tokens = "messages" not in value
+    encoded = load_tokenizer(tokenizer).encode(
+        value["prompt"], add_special_tokens=add_special_tokens
+    )
+    return list(encoded.ids)
+
+
+def config_context_tokens(files: Path) -> int:
+    """The context length in a version's config.json; ValueError saying why it has none."""
+    path = files / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path.name} cannot be read ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path.name} is not valid JSON ({exc})") from None
+    for key in CONTEXT_KEYS:
+        found = config.get(key) if isinstance(config, dict) else None
+        if isinstance(found, int) and not isinstance(found, bool) and found >= 2:
+            return found
+    raise ValueError(f"{path.name} has no max_position_embeddings (or n_positions)")
+
+
+def chat_template_path(config: InputConfig, files: Path) -> Path | None:
+    """The file a version's chat template is in: the one named, else tokenizer_config.json's.
+
+    None: no file was named and tokenizer_config.json holds no template (or
+    is not there); the model then takes prompts only.
+    """
+    if config.chat_template is not None:
+        return files / config.chat_template
+    default = files / TOKENIZER_CONFIG
+    if not default.is_file():
+        return None
+    try:
+        return default if template_source(default) is not None else None
+    except ValueError:
+        return default  # a broken member is reported when the template is loaded
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A prompt or messages, sampling parameters, checked against one version's context."""
+
+    kind: ClassVar[str] = "generation"
+
+    name: str
+    max_chars: int
+    tokenizer: Path
+    context_tokens: int
+    default_max_tokens: int
+    chat: ChatTemplate | None
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        text = {"type": "string", "minLength": 1}
+        properties: dict[str, Any] = {
+            "prompt": {**text, "maxLength": self.max_chars, "description": "The text to continue."}
+        }
+        if self.chat is not None:
+            message = {
+                "type": "object",
+                "properties": {"role": {"enum": list(ROLES)}, "content": text},
+                "required": list(MESSAGE_MEMBERS),
+                "additionalProperties": False,
+            }
+            properties["messages"] = {
+                "type": "array",
+                "minItems": 1,
+                "items": message,
+                "description": "A conversation, rendered by the model's chat template.",
+            }
+        properties |= {
+            "max_tokens": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": self.context_tokens - 1,
+                "description": f"Tokens to generate at most (default {self.default_max_tokens}, "
+                "or what the context leaves).",
+            },
+            "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "default": 1},
+            "top_p": {
+                "type": ["number", "null"],
+                "exclusiveMinimum": 0,
+                "maximum": 1,
+                "default": 1,
+            },
+            "stop": {
+                "anyOf": [
+                    text,
+                    {"type": "array", "maxItems": MAX_STOPS, "items": text},
+                    {"type": "null"},
+                ]
+            },
+            "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": SEED_LIMIT - 1},
+        }
+        required = [["prompt"], ["messages"]] if self.chat is not None else [["prompt"]]
+        return {
+            "type": "object",
+            "properties": properties,
+            "oneOf": [{"required": r} for r in required],
+            "additionalProperties": False,
+            "description": f"A prompt and at most {self.context_tokens} tokens of context "
+            "(prompt and max_tokens together).",
+        }
+
+    def validate(self, value: Any) -> Validated:
+        if not isinstance(value, dict):
+            raise InputError(
+                "input", f"must be an object with prompt or messages, got {json_type(value)}"
+            )
+        for member in value:
+            if member not in MEMBERS:
+                raise InputError(
+                    str(member), f"is not a field of generation inputs ({', '.join(MEMBERS)})"
+                )
+        normalised: dict[str, Any] = self._prompt(value)
+        normalised |= _sampling(value)
+        where = "messages" if "messages" in normalised else "prompt"
+        prompt_tokens = len(prompt_token_ids(normalised, self.tokenizer))
+        context = self.context_tokens
+        if prompt_tokens > context:
+            raise InputError(
+                where,
+                f"the prompt has {prompt_tokens} tokens, longer than the context of {context}",
+            )
+        if prompt_tokens == context:
+            raise InputError(
+                where,
+                f"the prompt has {prompt_tokens} tokens, the whole context of {context}: "
+                "none is left to generate",
+            )
+        room = context - prompt_tokens
+        max_tokens = normalised.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room)
+        elif max_tokens > room:
+            raise InputError(
+                "max_tokens",
+                f"is {max_tokens}: the prompt's {prompt_tokens} tokens and {max_tokens} leave "
+                f"no room in the model's context of {context} tokens (at most {room} here)",
+            )
+        normalised |= {"max_tokens": max_tokens, "prompt_tokens": prompt_tokens}
+        return Validated(input=normalised, cost=prompt_tokens + max_tokens)
+
+    def _prompt(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        """``prompt``, or ``messages`` and the prompt the chat template renders of them."""
+        if "prompt" in value and "messages" in value:
+            raise InputError("messages", "cannot be given with prompt: give one of them")
+        if "messages" not in value:
+            if "prompt" not in value:
+                what = "prompt (a string) or messages" if self.chat else "prompt (a string)"
+                raise InputError("prompt", f"is missing: give {what}")
+            prompt = value["prompt"]
+            if not isinstance(prompt, str):
+                raise InputError("prompt", f"must be a string, got {json_type(prompt)}")
+            if not prompt:
+                raise InputError("prompt", "must not be empty")
+            if len(prompt) > self.max_chars:
+                raise InputError(
+                    "prompt", f"is {len(prompt)} characters; the limit is {self.max_chars}"
+                )
+            return {"prompt": prompt}
+        if self.chat is None:
+            raise InputError(
+                "messages", f"{self.name} has no chat template: give prompt (a string) instead"
+            )
+        messages = _messages(value["messages"])
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_chars:
+            raise InputError(
+                "messages",
+                f"hold {chars} characters of content together; the limit is {self.max_chars}",
+            )
+        try:
+            prompt = self.chat.render(messages, add_generation_prompt=True)
+        except TemplateRefused as exc:
+            raise InputError("messages", f"the chat template refuses them: {exc}") from None
+        return {"prompt": prompt, "messages": messages}
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise InputError("messages", f"must be an array of messages, got {json_type(value)}")
+    if not value:
+        raise InputError("messages", "must hold at least one message")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InputError(
+                where, f"must be an object with role and content, got {json_type(message)}"
+            )
+        for member in message:
+            if member not in MESSAGE_MEMBERS:
+                raise InputError(f"{where}.{member}", "is not a field of a message (role, content)")
+        role, content = message.get("role"), message.get("content")
+        if "role" not in message:
+            raise InputError(f"{where}.role", "is missing")
+        if role == "tool":
+            raise InputError(f"{where}.role", "is 'tool': tool messages are not taken")
+        if role not in ROLES:
+            shown = repr(role) if isinstance(role, str) else json_type(role)
+            raise InputError(f"{where}.role", f"is {shown}; one of {', '.join(ROLES)}")
+        if "content" not in message:
+            raise InputError(f"{where}.content", "is missing")
+        if not isinstance(content, str):
+            raise InputError(f"{where}.content", f"must be a string, got {json_type(content)}")
+        if not content:
+            raise InputError(f"{where}.content", "must not be empty")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _sampling(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling members, checked, with their defaults; null is the same as absent."""
+    max_tokens = value.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise InputError(
+            "max_tokens", f"must be an integer of at least 1, got {_shown(max_tokens)}"
+        )
+    temperature = _number(value, "temperature", 1.0)
+    if not 0 <= temperature <= 2:
+        raise InputError("temperature", f"must be between 0 and 2 (0: greedy), got {temperature}")
+    top_p = _number(value, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise InputError("top_p", f"must be above 0 and at most 1, got {top_p}")
+    seed = value.get("seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT
+    ):
+        raise InputError("seed", f"must be an integer from 0 to 2**63 - 1, got {_shown(seed)}")
+    return {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stop": _stop(value.get("stop")),
+        "seed": seed,
+    }
+
+
+def _number(value: Mapping[str, Any], member: str, default: float) -> float:
+    found = value.get(member)
+    if found is None:
+        return default
+    if isinstance(found, bool) or not isinstance(found, int | float) or not math.isfinite(found):
+        raise InputError(member, f"must be a number, got {_shown(found)}")
+    return float(found)
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if not value:
+            raise InputError("stop", "must not be an empty string")
+        return [value]
+    if not isinstance(value, list):
+        raise InputError("stop", f"must be a string or an array of strings, got {json_type(value)}")
+    if len(value) > MAX_STOPS:
+        raise InputError("stop", f"holds {len(value)} strings; at most {MAX_STOPS}")
+    for i, stop in enumerate(value):
+        if not isinstance(stop, str) or not stop:
+            raise InputError(f"stop[{i}]", f"must be a non-empty string, got {_shown(stop)}")
+    return list(value)
+
+
+def _shown(value: Any) -> str:
+    """A value in a message: a number as itself, anything else by its JSON type."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return json_type(value)
+
+
+def generation_spec(model: ModelConfig, number: int | None = None) -> GenerationSpec:
+    """``model``'s check for ``number``'s version (None: the active one).
+
+    Reads the version's config.json when model.toml gives no context_tokens,
+    and compiles its chat template (core.model_toml checked both already).
+    """
+    config = model.input
+    files = model.version(number).files
+    tokenizer = model.tokenizer_path(number)
+    if tokenizer is None:
+        raise ValueError(f"{model.name}: generation inputs need input.tokenizer")
+    template = chat_template_path(config, files)
+    return GenerationSpec(
+        name=model.name,
+        max_chars=config.max_chars,
+        tokenizer=tokenizer,
+        context_tokens=config.context_tokens or config_context_tokens(files),
+        default_max_tokens=config.default_max_tokens,
+        chat=load_template(template) if template is not None else None,
+    )
+
+
+def version_problems(config: InputConfig, files: Path) -> list[tuple[str, str]]:
+    """What in a version's files keeps a generation model from being checked: (field, why).
+
+    The context length when model.toml gives none, and the chat template:
+    the file named, or tokenizer_config.json's when it has one.
+    """
+    problems = []
+    if config.context_tokens is None:
+        try:
+            config_context_tokens(files)
+        except ValueError as exc:
+            problems.append(("input.context_tokens", f"is not set, and {exc}"))
+    template = chat_template_path(config, files)
+    if template is not None:
+        if not template.is_file():
+            problems.append(("input.chat_template", f"{template.name} is missing"))
+        else:
+            try:
+                load_template(template)
+            except ChatTemplateError as exc:
+                problems.append(("input.chat_template", f"{template.name} {exc}"))
+    return problems
