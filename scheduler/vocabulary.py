@@ -84,3 +84,12 @@ class PolicyKind(StrEnum):
     FERRY = "ferry"  # Ferry's policy (scheduler.policy.decide)
     FIXED = "fixed"  # first come first served, a maximum size and delay (Triton, Ray Serve)
     NONE = "none"  # one job at a time
+
+
+class FinishReason(StrEnum):
+    """Why a generated sequence ended (the generation scheduler and its runtime)."""
+
+    STOP = "stop"  # a stop token or stop string was sampled
+    LENGTH = "length"  # it generated its max_tokens
+    CANCELLED = "cancelled"  # the client asked
+    EXPIRED = "expired"  # its deadline could not be met before its first step
