@@ -4,6 +4,9 @@
 model's active version, backend, live workers and queued jobs. The other
 commands read the repository itself.
 
+``build-lm`` writes a small causal language model's folder (seeded random weights and a
+byte-level BPE tokenizer, ``ferry.lm_build``) for the generation path's tests and benchmarks.
+
 ``check`` reads every model.toml and asks each model's backend about its
 files and parameters, without loading a model: each problem names the file
 and the field. It exits 1 on an error (a model that FERRY_MODELS serves, or
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ferry.console import Row, print_json, show_table
+from ferry import lm_build
+from ferry.console import Row, one_of, print_json, show_table
 from ferry.remote import ApiOption, JsonOption, KeyOption, connect, given, remember, reported
 
 if TYPE_CHECKING:
@@ -173,5 +177,103 @@ def activate_version(
         f"{name}: version {version} is active (was {previous}); workers load it, "
         f"switch new batches to it and drop the old one within FERRY_MODEL_POLL_S "
         f"({settings.model_poll_s:g} s) plus its load time"
+    )
+    return 0
+
+
+def _dimension(flag: str, help_: str) -> Any:
+    return typer.Option(flag, min=1, show_default=False, help=help_)
+
+
+@app.command(
+    "build-lm", help="write a small causal LM folder: seeded random weights, a trained tokenizer"
+)
+def build_lm_folder(
+    dest: Annotated[Path, typer.Argument(metavar="DEST", show_default=False)],
+    arch: Annotated[
+        str,
+        typer.Option(
+            "--arch",
+            metavar="ARCH",
+            callback=one_of(*lm_build.ARCHES),
+            autocompletion=lambda: list(lm_build.ARCHES),
+            help="gpt2 or llama (grouped-query attention, rotary positions, a chat template)",
+            show_default=False,
+        ),
+    ],
+    seed: Annotated[int, typer.Option("--seed", help="the weights' seed")] = 0,
+    layers: Annotated[
+        int, _dimension("--layers", f"transformer blocks (default {lm_build.LAYERS})")
+    ] = lm_build.LAYERS,
+    hidden: Annotated[
+        int, _dimension("--hidden", f"hidden size (default {lm_build.HIDDEN})")
+    ] = lm_build.HIDDEN,
+    heads: Annotated[
+        int, _dimension("--heads", f"attention heads (default {lm_build.HEADS})")
+    ] = lm_build.HEADS,
+    kv_heads: Annotated[
+        int | None, _dimension("--kv-heads", "key/value heads (llama; default heads / 2)")
+    ] = None,
+    intermediate: Annotated[
+        int | None,
+        _dimension("--intermediate", "MLP size (default 4 x hidden, llama 8/3 x hidden)"),
+    ] = None,
+    vocab_size: Annotated[
+        int, _dimension("--vocab-size", f"tokens (default {lm_build.VOCAB_SIZE})")
+    ] = lm_build.VOCAB_SIZE,
+    context_tokens: Annotated[
+        int, _dimension("--context-tokens", f"positions (default {lm_build.CONTEXT_TOKENS})")
+    ] = lm_build.CONTEXT_TOKENS,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            callback=one_of(*lm_build.DTYPES),
+            autocompletion=lambda: list(lm_build.DTYPES),
+            help="the weights' type: float32 (default), bfloat16 or float16",
+            show_default=False,
+        ),
+    ] = "float32",
+    force: Annotated[bool, typer.Option("--force", help="replace a non-empty DEST")] = False,
+) -> int:
+    import time
+
+    from transformers.utils import logging as transformers_logging
+
+    from ferry.lm_build import build_lm, parameter_count
+
+    transformers_logging.disable_progress_bar()  # one line per file instead
+    started_s = time.perf_counter()
+    try:
+        folder = build_lm(
+            dest,
+            arch,
+            seed=seed,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+            vocab_size=vocab_size,
+            context_tokens=context_tokens,
+            dtype=dtype,
+            force=force,
+        )
+    except FileExistsError as exc:
+        print(f"error: {exc} (--force replaces it)")
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 1
+    elapsed_s = time.perf_counter() - started_s
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    for path in files:
+        print(f"{path.stat().st_size:>12,} bytes  {path}")
+    total_bytes = sum(p.stat().st_size for p in files)
+    print(
+        f"{folder}: a {arch}-shaped model with random weights, "
+        f"{parameter_count(folder):,} parameters, {total_bytes:,} bytes, "
+        f"built in {elapsed_s:.1f} s"
     )
     return 0

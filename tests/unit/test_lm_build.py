@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
 from ferry import lm_build
+from ferry.cli import main
 from ferry.lm_build import build_lm, corpus_text, parameter_count, train_tokenizer
 
 FILES = {
@@ -81,7 +82,7 @@ def test_llama_has_grouped_query_attention_and_its_special_tokens(
     built: dict[str, Path],
 ) -> None:
     config = json.loads((built["llama"] / "config.json").read_text())
-    assert config["num_attention_heads"] == 4 and config["num_key_value_heads"] == 1
+    assert config["num_attention_heads"] == 4 and config["num_key_value_heads"] == 2
     assert config["hidden_act"] == "silu" and config["tie_word_embeddings"] is False
     assert config["max_position_embeddings"] == 256
     tokenizer = AutoTokenizer.from_pretrained(built["llama"])
@@ -161,7 +162,7 @@ def test_the_readme_says_the_weights_are_random_and_how_to_rebuild(
     text = (built["llama"] / "README.md").read_text()
     assert "random" in text and "noise" in text and "real model" in text
     assert (
-        "ferry models build-lm DEST --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 1 "
+        "ferry models build-lm DEST --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
         "--intermediate 192 --vocab-size 1024 --context-tokens 256 --dtype float32 --seed 0"
     ) in text
 
@@ -199,4 +200,43 @@ def test_an_interrupted_build_leaves_no_folder(
     monkeypatch.setattr(lm_build, "save_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_small(tmp_path / "lm", "gpt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_refuses_a_non_empty_dest_and_replaces_it_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "lm"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    assert main(["models", "build-lm", str(dest), "--arch", "llama"]) == 1
+    assert "exists and is not empty (--force replaces it)" in capsys.readouterr().out
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
+
+    assert main(["models", "build-lm", str(dest), "--arch", "llama", "--seed", "3", "--force"]) == 0
+    out = capsys.readouterr().out
+    assert {p.name for p in dest.iterdir()} == FILES
+    assert [p.name for p in tmp_path.iterdir()] == ["lm"]  # nothing left beside it
+    for name in FILES:
+        assert f"{(dest / name).stat().st_size:,} bytes  {dest / name}" in out
+    assert f"{parameter_count(dest):,} parameters" in out
+    config = json.loads((dest / "config.json").read_text())  # the defaults
+    assert config["num_hidden_layers"] == lm_build.LAYERS
+    assert config["hidden_size"] == lm_build.HIDDEN
+    assert config["num_attention_heads"] == lm_build.HEADS
+    assert config["vocab_size"] == lm_build.VOCAB_SIZE
+    assert config["max_position_embeddings"] == lm_build.CONTEXT_TOKENS
+    assert "--seed 3" in (dest / "README.md").read_text()
+    AutoModelForCausalLM.from_pretrained(dest)
+
+
+def test_the_cli_refuses_a_shape_and_an_arch_it_cannot_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = str(tmp_path / "lm")
+    assert main(["models", "build-lm", dest, "--arch", "gpt2", "--hidden", "102"]) == 1
+    assert "error: hidden 102 is not a multiple of heads 4" in capsys.readouterr().out
+    assert main(["models", "build-lm", dest, "--arch", "bert"]) == 2
+    assert "invalid choice: 'bert' (choose from 'gpt2', 'llama')" in capsys.readouterr().err
+    assert main(["models", "build-lm", dest, "--arch", "gpt2", "--layers", "0"]) == 2
     assert list(tmp_path.iterdir()) == []
