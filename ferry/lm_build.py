@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 ARCHES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
 CORPUS = "lm_corpus.txt"
-# The words that are the same in every build stay out of the BPE vocabulary unless they repeat.
+# A pair of tokens seen once in the corpus is not merged: the vocabulary holds what repeats.
 MIN_PAIR_FREQUENCY = 2
 
 # The defaults: loaded in tens of milliseconds, a 256-token forward in a few on one CPU core.
