@@ -32,6 +32,8 @@ class Case:
     name: str
     time_s: float
     outcome: str  # passed, skipped, failed or error
+    # What the test recorded with pytest's record_property (the bench smoke's seconds).
+    properties: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ def parse_junit(text: str) -> list[Case]:
             name=case.get("name", ""),
             time_s=float(case.get("time", "0") or 0),
             outcome=_outcome(case),
+            properties=tuple(
+                (prop.get("name", ""), prop.get("value", ""))
+                for prop in case.iterfind("properties/property")
+            ),
         )
         for case in root.iter("testcase")
     ]
@@ -129,9 +135,10 @@ def render(cases: list[Case], steps: list[Step], count: int = 20) -> str:
     ranked = slowest_files(cases, count)
     lines.extend(f"  {total_s:8.1f} {tests:5d}  {file}" for file, total_s, tests in ranked)
     lines.append(f"slowest {count} tests (seconds):")
-    lines.extend(
-        f"  {case.time_s:8.1f}  {case.file}::{case.name}" for case in slowest_tests(cases, count)
-    )
+    for case in slowest_tests(cases, count):
+        lines.append(f"  {case.time_s:8.1f}  {case.file}::{case.name}")
+        if case.properties:
+            lines.append("            " + ", ".join(f"{k}={v}" for k, v in case.properties))
     return "\n".join(lines)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,13 +28,19 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 @pytest.mark.timeout(900)
-def test_every_benchmark_runs_for_seconds_and_renders(tmp_path: Path) -> None:
+def test_every_benchmark_runs_for_seconds_and_renders(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "all", "--smoke", "--parallel", "2", "--out",
          str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip
     report = done.stdout + done.stderr
+    # Each benchmark's seconds, as properties of this test in the JUnit XML report
+    # (make test-report): where the smoke run's time goes.
+    for name, seconds in re.findall(r"^(\w+) +(?:ok|failed) +(\d+) s", report, re.M):
+        record_property(f"bench_{name}_s", int(seconds))
     assert done.returncode == 0, report
     # The GPU benchmark and the peers (the bench extra's Ray, which make test never
     # installs) run only where what they need is there; so do the API benchmarks,
