@@ -106,6 +106,28 @@ class GenerationLimits:
         """Tokens of KV the whole pool holds."""
         return self.kv_blocks * self.block_size
 
+    def refusal(self, request: GenerationRequest) -> str | None:
+        """Why ``request`` could never run within these limits (None: it can).
+
+        Malformed (no prompt, or nothing to generate); its prompt and
+        max_tokens need more KV blocks than the whole pool; or, with whole
+        prompts only, its prompt is longer than a step's budget.
+        """
+        if request.prompt_tokens < 1 or request.max_tokens < 1:
+            return "prompt_tokens and max_tokens must be at least 1"
+        need = self.blocks_for(request.total_tokens)
+        if need > self.kv_blocks:
+            return (
+                f"prompt_tokens + max_tokens = {request.total_tokens} need {need} KV blocks "
+                f"of {self.block_size} tokens; the pool has {self.kv_blocks}"
+            )
+        if self.prefill_chunk_tokens == 0 and request.prompt_tokens > self.step_tokens:
+            return (
+                f"prompt_tokens = {request.prompt_tokens} exceeds step_tokens = "
+                f"{self.step_tokens}, and prompts are prefilled whole (prefill_chunk_tokens = 0)"
+            )
+        return None
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -214,3 +236,14 @@ class StepOutput:
     sampled: Mapping[str, int] = field(default_factory=dict)
     finished: Mapping[str, FinishReason] = field(default_factory=dict)
     step_s: float = 0.0
+
+    def check(self, plan: StepPlan) -> None:
+        """ValueError unless this answers ``plan``: a token or an ending for each sequence
+        that samples in it, and for no other."""
+        sampling = set(plan.sampling)
+        unexpected = (set(self.sampled) | set(self.finished)) - sampling
+        if unexpected:
+            raise ValueError(f"output for sequences that did not sample: {sorted(unexpected)}")
+        silent = sampling - set(self.sampled) - set(self.finished)
+        if silent:
+            raise ValueError(f"no token and no ending for {sorted(silent)}")

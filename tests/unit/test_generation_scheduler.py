@@ -1,0 +1,493 @@
+"""The step-level generation scheduler: each rule a row, then the guards, the fit, the estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from scheduler.generation import (
+    STEP_PRIOR,
+    Chunk,
+    FinishReason,
+    GenerationLimits,
+    GenerationRequest,
+    GenerationScheduler,
+    StepOutput,
+    StepPlan,
+)
+from scheduler.generation_state import BlockPool
+from scheduler.policy import LinearFit
+from scheduler.vocabulary import Lane
+
+U, V, N, B = Lane.URGENT, Lane.VIP, Lane.NORMAL, Lane.BULK
+STOP, LENGTH, CANCELLED = FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED
+# A step takes 10 ms plus 1 ms a token, before anything is measured.
+PRIOR = LinearFit(0.010, 0.001)
+
+
+def req(
+    id: str,
+    prompt: int = 4,
+    max_tokens: int = 4,
+    lane: Lane = N,
+    tenant: str = "",
+    deadline: float | None = None,
+    arrival: float = 0.0,
+) -> GenerationRequest:
+    return GenerationRequest(id, prompt, max_tokens, lane, tenant, deadline, arrival)
+
+
+def make(**limits: int) -> GenerationScheduler:
+    base = {
+        "kv_blocks": 64,
+        "block_size": 4,
+        "max_running": 8,
+        "step_tokens": 32,
+        "prefill_chunk_tokens": 8,
+    }
+    return GenerationScheduler(GenerationLimits(**(base | limits)), step_prior=PRIOR)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Before ``schedule(now)``: ``add`` then ``cancel``; the runtime then samples a token
+    for every sampling sequence and reports ``finish``."""
+
+    now: float = 0.0
+    add: tuple[GenerationRequest, ...] = ()
+    cancel: tuple[str, ...] = ()
+    finish: Mapping[str, FinishReason] = field(default_factory=dict)
+
+
+def run(scheduler: GenerationScheduler, steps: tuple[Step, ...]) -> StepPlan:
+    """Drive the steps; the last one's plan (its output reported too)."""
+    plan = StepPlan()
+    for step in steps:
+        for request in step.add:
+            scheduler.add(request)
+        for id in step.cancel:
+            assert scheduler.cancel(id), id
+        plan = scheduler.schedule(step.now)
+        output = StepOutput({id: 1 for id in plan.sampling}, dict(step.finish), PRIOR(plan.tokens))
+        scheduler.update_from_output(plan, output, step.now + 0.01)
+    return plan
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    limits: Mapping[str, int]
+    steps: tuple[Step, ...]
+    expect: Mapping[str, Any]  # StepPlan fields of the last plan
+
+
+CASES = [
+    Case(
+        "running decodes go first, then a new prompt's chunk takes what is left",
+        {"step_tokens": 10, "prefill_chunk_tokens": 8},
+        (Step(add=(req("a"), req("b"))), Step(add=(req("c", prompt=20),))),
+        {"decode": ("a", "b"), "prefill": (Chunk("c", 0, 8, False),), "admitted": ("c",)},
+    ),
+    Case(
+        "a long prompt goes on in chunks; a continuing prefill goes before a new admission",
+        {"step_tokens": 10, "prefill_chunk_tokens": 8},
+        (Step(add=(req("c", prompt=20),)), Step(add=(req("d"),))),
+        {"prefill": (Chunk("c", 8, 8, False), Chunk("d", 0, 2, False)), "admitted": ("d",)},
+    ),
+    Case(
+        "the last chunk reaches the end of the prompt and samples",
+        {"step_tokens": 10, "prefill_chunk_tokens": 8},
+        (Step(add=(req("c", prompt=20),)), Step(), Step()),
+        {"prefill": (Chunk("c", 16, 4, True),), "decode": ()},
+    ),
+    Case(
+        "whole prompts only: a prompt waits until the decodes leave it room in one step",
+        {"step_tokens": 10, "prefill_chunk_tokens": 0},
+        (Step(add=(req("a"), req("b"))), Step(add=(req("c", prompt=9),))),
+        {"decode": ("a", "b"), "prefill": (), "admitted": ()},
+    ),
+    Case(
+        "whole prompts only: one that fits the leftover runs whole",
+        {"step_tokens": 12, "prefill_chunk_tokens": 0},
+        (Step(add=(req("a"), req("b"))), Step(add=(req("c", prompt=9),))),
+        {"decode": ("a", "b"), "prefill": (Chunk("c", 0, 9, True),)},
+    ),
+    Case(
+        "every block a sequence can need is given at admission; one that does not fit waits",
+        {"kv_blocks": 4},
+        (Step(add=(req("a", prompt=4, max_tokens=8), req("b"))),),
+        {"admitted": ("a",), "blocks": {"a": (0, 1, 2)}},
+    ),
+    Case(
+        "nothing overtakes a request that does not fit, even one that would",
+        {"kv_blocks": 4},
+        (Step(add=(req("a", 4, 8), req("b", 4, 4, arrival=1), req("c", 1, 1, arrival=2))),),
+        {"admitted": ("a",)},
+    ),
+    Case(
+        "a finished sequence's blocks are free for the next step",
+        {"kv_blocks": 4},
+        (Step(add=(req("a", 4, 8), req("b")), finish={"a": STOP}), Step(now=1)),
+        {"admitted": ("b",), "blocks": {"b": (3, 0)}, "decode": ()},
+    ),
+    Case(
+        "max_running bounds the running batch",
+        {"max_running": 2},
+        (Step(add=(req("a"), req("b"), req("c"))),),
+        {"admitted": ("a", "b")},
+    ),
+    Case(
+        "a running sequence cancelled is released at the next schedule, making room there",
+        {"kv_blocks": 4},
+        (Step(add=(req("a", 4, 8), req("b"))), Step(now=1, cancel=("a",))),
+        {"released": ("a",), "ended": {"a": CANCELLED}, "admitted": ("b",), "decode": ()},
+    ),
+    Case(
+        "a waiting request cancelled is dropped at once: ended, not released (nothing holds it)",
+        {"kv_blocks": 4},
+        (Step(add=(req("a", 4, 8), req("b"))), Step(now=1, cancel=("b",))),
+        {"released": (), "ended": {"b": CANCELLED}, "admitted": (), "decode": ("a",)},
+    ),
+    Case(
+        "lanes in order: urgent, vip, normal, then bulk with what is left",
+        {"max_running": 3},
+        (Step(add=(req("b", lane=B), req("n", lane=N), req("v", lane=V), req("u", lane=U))),),
+        {"admitted": ("u", "v", "n")},
+    ),
+    Case(
+        "within a lane, tenants take turns: each one's first, then each one's second",
+        {"max_running": 3},
+        (
+            Step(
+                add=(
+                    req("a1", tenant="a"),
+                    req("a2", tenant="a", arrival=1),
+                    req("b1", tenant="b", arrival=2),
+                )
+            ),
+        ),
+        {"admitted": ("a1", "b1", "a2")},
+    ),
+    Case(
+        "the tenant admitted least recently goes first, whatever arrived earlier",
+        {"max_running": 1},
+        (
+            Step(
+                add=(req("b1", tenant="b"), req("a1", tenant="a", arrival=1)), finish={"b1": STOP}
+            ),
+            Step(now=1, add=(req("b2", tenant="b", arrival=0.5),)),
+        ),
+        {"admitted": ("a1",)},
+    ),
+    Case(
+        "within a tenant's turn the earliest deadline, then arrival, then id",
+        {"max_running": 3},
+        (
+            Step(
+                add=(
+                    req("y", arrival=1),
+                    req("x", arrival=1),
+                    req("late", deadline=90),
+                    req("soon", arrival=2, deadline=50),
+                )
+            ),
+        ),
+        {"admitted": ("soon", "late", "x")},
+    ),
+    Case(
+        "an urgent request preempts the lowest lane first to get blocks",
+        {"kv_blocks": 4},
+        (Step(add=(req("n", lane=N), req("b", lane=B))), Step(now=1, add=(req("u", lane=U),))),
+        {"preempted": ("b",), "admitted": ("u",), "blocks": {"u": (2, 3)}, "decode": ("n",)},
+    ),
+    Case(
+        "within the lowest lane, the most recently admitted is preempted first",
+        {"kv_blocks": 4},
+        (
+            Step(add=(req("b1", lane=B), req("b2", lane=B, arrival=1))),
+            Step(now=1, add=(req("u", lane=U),)),
+        ),
+        {"preempted": ("b2",), "admitted": ("u",), "decode": ("b1",)},
+    ),
+    Case(
+        "an urgent request preempts only as many as it needs, in order",
+        {"kv_blocks": 6},
+        (
+            Step(add=(req("v", lane=V), req("n", lane=N), req("b", lane=B))),
+            Step(now=1, add=(req("u", 4, 8, lane=U),)),
+        ),
+        {"preempted": ("b", "n"), "admitted": ("u",), "decode": ("v",)},
+    ),
+    Case(
+        "an urgent request preempts for a running slot too",
+        {"max_running": 2},
+        (Step(add=(req("n1"), req("n2", arrival=1))), Step(now=1, add=(req("u", lane=U),))),
+        {"preempted": ("n2",), "admitted": ("u",), "decode": ("n1",)},
+    ),
+    Case(
+        "no preemption when evicting every lower lane still would not make it fit",
+        {"kv_blocks": 4},
+        (
+            Step(add=(req("u1", lane=U), req("b", lane=B))),
+            Step(now=1, add=(req("u2", 4, 12, lane=U),)),
+        ),
+        {"preempted": (), "admitted": (), "decode": ("u1", "b")},
+    ),
+    Case(
+        "a non-urgent lane never preempts",
+        {"kv_blocks": 4},
+        (Step(add=(req("b1", lane=B), req("b2", lane=B))), Step(now=1, add=(req("v", lane=V),))),
+        {"preempted": (), "admitted": (), "decode": ("b1", "b2")},
+    ),
+    Case(
+        "a preempted sequence is resumed (not admitted) and prefills prompt + generated",
+        {"kv_blocks": 4},
+        (
+            Step(add=(req("n", 4, 8, lane=N),)),
+            Step(now=1, add=(req("u", lane=U),)),
+            Step(now=2, finish={"u": STOP}),
+            Step(now=3, add=(req("n2", lane=N, arrival=3),)),
+        ),
+        # It sampled one token before it was preempted: 4 + 1 known tokens.
+        {"resumed": ("n",), "admitted": (), "prefill": (Chunk("n", 0, 5, True),)},
+    ),
+    Case(
+        "a preempted sequence heads its lane: a fresh one of its lane does not overtake it",
+        {"kv_blocks": 5},
+        (
+            Step(add=(req("b1", 4, 4, lane=B),)),
+            Step(now=1, add=(req("u", 4, 12, lane=U), req("b2", 1, 3, lane=B))),
+        ),
+        {"preempted": ("b1",), "admitted": ("u",), "resumed": ()},
+    ),
+    Case(
+        "a waiting request whose deadline has passed expires",
+        {"max_running": 1},
+        (Step(add=(req("a"),)), Step(now=1, add=(req("late", deadline=0.5),))),
+        {"expired": ("late",), "decode": ("a",)},
+    ),
+    Case(
+        "one that cannot start before this step ends expires; one that can wait stays",
+        {"max_running": 1},
+        (
+            Step(add=(req("a"),)),
+            Step(now=1, add=(req("x", deadline=1.005), req("y", deadline=9))),
+        ),
+        {"expired": ("x",), "decode": ("a",), "admitted": ()},
+    ),
+    Case(
+        "a request admitted at its deadline's moment is not expired",
+        {},
+        (Step(now=1, add=(req("x", deadline=1.0),)),),
+        {"expired": (), "admitted": ("x",)},
+    ),
+    Case(
+        "a running sequence is never expired",
+        {},
+        (Step(add=(req("a", max_tokens=8, deadline=0.0),)), Step(now=5)),
+        {"expired": (), "decode": ("a",)},
+    ),
+    Case(
+        "a sequence at its max_tokens that the runtime did not finish is ended as length",
+        {},
+        (Step(add=(req("a", max_tokens=1), req("b", max_tokens=2))), Step(now=1)),
+        {"released": ("a",), "ended": {"a": LENGTH}, "decode": ("b",)},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_each_rule(case: Case) -> None:
+    scheduler = make(**case.limits)
+    plan = run(scheduler, case.steps)
+    got = {name: getattr(plan, name) for name in case.expect}
+    assert got == dict(case.expect)
+    assert plan.tokens <= scheduler.limits.step_tokens
+
+
+def request_fields(**fields: Any) -> GenerationRequest:
+    return req(**({"id": "r"} | fields))
+
+
+@pytest.mark.parametrize(
+    ("limits", "request_", "message"),
+    [
+        ({"kv_blocks": 4}, request_fields(prompt=10, max_tokens=7), "need 5 KV blocks"),
+        ({"kv_blocks": 4}, request_fields(prompt=10, max_tokens=6), None),
+        ({"prefill_chunk_tokens": 0}, request_fields(prompt=33), "prefilled whole"),
+        ({"prefill_chunk_tokens": 0}, request_fields(prompt=32), None),
+        ({"prefill_chunk_tokens": 8}, request_fields(prompt=200), None),
+        ({}, request_fields(prompt=0), "at least 1"),
+        ({}, request_fields(max_tokens=0), "at least 1"),
+    ],
+)
+def test_add_refuses_what_could_never_run(
+    limits: dict[str, int], request_: GenerationRequest, message: str | None
+) -> None:
+    scheduler = make(**limits)
+    if message is None:
+        scheduler.add(request_)
+        assert scheduler.waiting_count == 1
+    else:
+        with pytest.raises(ValueError, match=message):
+            scheduler.add(request_)
+        assert scheduler.waiting_count == 0
+
+
+def test_a_known_id_is_refused_waiting_or_running() -> None:
+    scheduler = make()
+    scheduler.add(req("a"))
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add(req("a"))
+    run(scheduler, (Step(),))
+    assert scheduler.state_of("a") == "running"
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add(req("a"))
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"kv_blocks": 0}, "kv_blocks"),
+        ({"max_running": 33, "step_tokens": 32}, "must not exceed step_tokens"),
+        ({"prefill_chunk_tokens": -1}, "negative"),
+    ],
+)
+def test_limits_refuse_what_cannot_work(limits: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(**limits)
+
+
+def test_cancel_says_whether_there_was_anything_to_cancel() -> None:
+    scheduler = make()
+    assert not scheduler.cancel("nobody")
+    scheduler.add(req("a"))
+    run(scheduler, (Step(),))
+    assert scheduler.cancel("a")
+    assert not scheduler.cancel("a")  # once is enough
+    plan = scheduler.schedule(1.0)
+    assert plan.released == ("a",) and plan.ended == {"a": CANCELLED}
+    assert scheduler.blocks_free == 64 and not scheduler.cancel("a")
+
+
+def test_a_sequence_cancelled_during_its_step_is_still_reported_then_released() -> None:
+    scheduler = make()
+    scheduler.add(req("a", max_tokens=8))
+    plan = scheduler.schedule(0.0)
+    assert scheduler.cancel("a")  # while the runtime executes the plan
+    scheduler.update_from_output(plan, StepOutput({"a": 5}, {}, 0.01), 0.01)
+    assert scheduler.state_of("a") == "running"
+    plan = scheduler.schedule(0.02)
+    assert plan.released == ("a",) and plan.decode == ()
+
+
+def test_a_preempted_sequence_cancelled_is_released_for_its_kept_tokens() -> None:
+    scheduler = make(kv_blocks=2)
+    run(scheduler, (Step(add=(req("b", lane=B),)), Step(now=1, add=(req("u", lane=U),))))
+    assert scheduler.state_of("b") == "waiting"
+    assert scheduler.cancel("b")
+    plan = scheduler.schedule(2.0)
+    assert plan.released == ("b",) and plan.ended == {"b": CANCELLED}
+
+
+def test_a_sequence_finished_by_the_runtime_leaves_at_once_and_is_not_ended_again() -> None:
+    scheduler = make()
+    plan = run(scheduler, (Step(add=(req("a", max_tokens=8),), finish={"a": STOP}),))
+    assert plan.admitted == ("a",)
+    assert scheduler.state_of("a") is None and scheduler.blocks_free == 64
+    later = scheduler.schedule(1.0)
+    assert later.empty and later.released == () and later.ended == {}
+
+
+def test_the_output_must_answer_the_plan() -> None:
+    scheduler = make()
+    scheduler.add(req("a"))
+    plan = scheduler.schedule(0.0)
+    with pytest.raises(ValueError, match="did not sample"):
+        scheduler.update_from_output(plan, StepOutput({"a": 1, "ghost": 2}, {}, 0.01), 0.01)
+    with pytest.raises(ValueError, match="no token and no ending"):
+        scheduler.update_from_output(plan, StepOutput({}, {}, 0.01), 0.01)
+    with pytest.raises(RuntimeError, match="not reported"):
+        scheduler.schedule(0.01)
+    scheduler.update_from_output(plan, StepOutput({"a": 1}, {}, 0.01), 0.01)
+    with pytest.raises(ValueError, match="once"):
+        scheduler.update_from_output(plan, StepOutput({"a": 1}, {}, 0.01), 0.01)
+
+
+def test_an_empty_plan_sleeps_until_something_is_added() -> None:
+    scheduler = make()
+    plan = scheduler.schedule(0.0)
+    assert plan.empty and plan.wait_s is None and plan.tokens == 0 and plan.predicted_s == 0
+
+
+def test_the_block_pool_hands_out_each_block_once() -> None:
+    pool = BlockPool(3)
+    assert pool.take("a", 2) == (0, 1) and pool.free == 1
+    with pytest.raises(ValueError, match="2 blocks asked, 1 free"):
+        pool.take("b", 2)
+    with pytest.raises(ValueError, match="held by a"):
+        pool.give_back("b", (0,))
+    pool.give_back("a", (1,))
+    assert pool.take("b", 2) == (2, 1)
+    assert pool.owners() == {"a": (0,), "b": (2, 1)} and pool.used == 3
+
+
+# --- the learned step time ---------------------------------------------------------
+
+
+def test_before_any_step_the_prior_predicts() -> None:
+    fit = GenerationScheduler(GenerationLimits(kv_blocks=8)).step_fit
+    assert fit.intercept == pytest.approx(STEP_PRIOR.intercept)
+    assert fit.slope == pytest.approx(STEP_PRIOR.slope)
+    assert make().predicted_step_s(100) == pytest.approx(0.010 + 0.1)
+
+
+def test_the_step_fit_learns_a_plus_b_tokens_and_recent_steps_weigh_more() -> None:
+    scheduler = make(max_running=16, step_tokens=64, prefill_chunk_tokens=64)
+
+    def measure(a: float, b: float, steps: int) -> None:
+        for n in range(steps):
+            scheduler.add(req(f"r{a}-{n}", prompt=1 + n % 40, max_tokens=1))
+            plan = scheduler.schedule(float(n))
+            output = StepOutput({id: 1 for id in plan.sampling}, {}, a + b * plan.tokens)
+            scheduler.update_from_output(plan, output, float(n))
+
+    measure(0.002, 0.0001, 200)
+    fit = scheduler.step_fit
+    assert fit.intercept == pytest.approx(0.002, rel=0.05)
+    assert fit.slope == pytest.approx(0.0001, rel=0.05)
+    measure(0.020, 0.0005, 200)  # the model got slower: the fit follows
+    assert scheduler.step_fit.slope == pytest.approx(0.0005, rel=0.05)
+
+
+# --- the wait estimate ---------------------------------------------------------------
+
+
+def test_an_idle_scheduler_estimates_the_prompts_chunks_then_one_step_a_token() -> None:
+    scheduler = make(prefill_chunk_tokens=8)
+    # 20 prompt tokens: chunks of 8, 8 and 4, then 9 decode steps of one token.
+    expected = 2 * PRIOR(8) + PRIOR(4) + 9 * PRIOR(1)
+    assert scheduler.estimate_wait_s(20, 10, N) == pytest.approx(expected)
+    assert scheduler.estimate_wait_s(20, 20, N) > scheduler.estimate_wait_s(20, 10, N)
+
+
+def test_the_estimate_counts_the_queue_ahead_of_the_lane() -> None:
+    scheduler = make(kv_blocks=16)
+    for n in range(6):
+        scheduler.add(req(f"n{n}", prompt=16, max_tokens=16, lane=N))
+    run(scheduler, (Step(),))  # two of them run, four wait
+    assert scheduler.running_count == 2 and scheduler.waiting_count == 4
+    urgent = scheduler.estimate_wait_s(16, 16, U)
+    vip = scheduler.estimate_wait_s(16, 16, V)
+    normal = scheduler.estimate_wait_s(16, 16, N)
+    idle = make(kv_blocks=16).estimate_wait_s(16, 16, N)
+    # Urgent preempts the normal lane (it only shares the steps with it); vip
+    # waits for blocks to free; normal waits behind the four queued as well.
+    assert idle < urgent < vip < normal
+    for n in range(4):
+        scheduler.add(req(f"b{n}", prompt=16, max_tokens=16, lane=B))
+    assert scheduler.estimate_wait_s(16, 16, N) == pytest.approx(normal)  # bulk is behind
+    assert scheduler.estimate_wait_s(16, 16, B) > normal
