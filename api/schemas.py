@@ -256,8 +256,35 @@ class VersionInfo(BaseModel):
     workers: int = Field(default=0, description="Live workers in that state.")
 
 
+class GenerationInfo(BaseModel):
+    context_tokens: int = Field(description="The prompt and max_tokens together, at most.")
+    default_max_tokens: int = Field(
+        description="max_tokens when a job gives none (capped to what the context leaves)."
+    )
+    chat: bool = Field(description="Takes messages (it has a chat template), not only prompt.")
+    execution: Literal["step", "generate"] | None = Field(
+        default=None,
+        description="How its workers run it: step for models whose architecture Ferry steps "
+        "natively, generate for others run through the library's generate(); null until a "
+        "worker says.",
+    )
+
+
 class ModelInfo(BaseModel):
+    """A model in OpenAI's shape (id, object, created, owned_by), and Ferry's own fields."""
+
+    id: str = Field(description="The model's name, as OpenAI's clients read it.")
+    object: Literal["model"] = "model"
+    created: int = Field(
+        description="Unix seconds: when its active version was activated, else when its "
+        "model.toml last changed."
+    )
+    owned_by: str = "ferry"
     name: str
+    kind: str = Field(description="Its input kind: text, image, json, tensor or generation.")
+    generation: GenerationInfo | None = Field(
+        default=None, description="For generation models: the context and what they take."
+    )
     backend: str
     version: int = Field(description="The active version: the one jobs run on by default.")
     versions: list[VersionInfo]
@@ -281,6 +308,7 @@ class ModelInfo(BaseModel):
 
 
 class ModelList(BaseModel):
+    object: Literal["list"] = "list"
     data: list[ModelInfo]
 
 

@@ -1,10 +1,12 @@
-"""/v1/models and the health endpoints."""
+"""/v1/models (OpenAI's list and model objects, with Ferry's own fields) and health."""
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
+import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import (
@@ -14,14 +16,20 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from sqlalchemy import text
+from sqlalchemy import select, text
 
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import ModelInfo, ModelList, VersionInfo, error_responses
+from api.openai_errors import openai_error
+from api.routes.openai import OPENAI_ERRORS
+from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
+from core.catalog import ModelSpec
+from core.db import ModelActivation
+from core.generation import GenerationSpec
 from core.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, model_stats
 from core.redis_target import REDIS_ERRORS
+from core.settings import Settings
 from core.versions import version_states
 
 log = logging.getLogger(__name__)
@@ -35,40 +43,112 @@ router = APIRouter()
 def list_models(
     _key: KeyDep, request: Request, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
 ) -> ModelList:
-    data = []
-    for spec in catalog.values():
-        stats = model_stats(client, settings.key_prefix, spec.name)
-        known, active = request.app.state.versions.of(spec)
-        states = version_states(client, settings.key_prefix, spec.name)
-        data.append(
-            ModelInfo(
-                name=spec.name,
-                backend=spec.backend,
-                version=active,
-                versions=[
-                    VersionInfo(
-                        version=number,
-                        active=number == active,
-                        state=states[number].state if number in states else "available",
-                        reason=states[number].reason if number in states else None,
-                        workers=states[number].workers if number in states else 0,
-                    )
-                    for number in known
-                ],
-                description=spec.description,
-                input_schema=spec.input_schema,
-                max_batch_size=spec.max_batch_size,
-                queue_depth=lane_depths(client, settings.key_prefix, spec.name),
-                workers=live_workers(client, settings.key_prefix, spec.name),
-                avg_batch_ms=stats.get("avg_batch_ms"),
-                avg_batch_size=stats.get("avg_batch_size"),
-                latency_fixed_ms=_ms(stats.get("latency_a_s")),
-                latency_per_work_ms=_ms(stats.get("latency_b_s"), 6),
-                window_ms=_ms(stats.get("window_s")),
-                batch_efficiency=stats.get("efficiency"),
-            )
+    """Every model the API takes jobs for: OpenAI's list shape, Ferry's fields beside."""
+    activations = _activations(request)
+    return ModelList(
+        data=[
+            _model_info(spec, request, client, settings, activations) for spec in catalog.values()
+        ]
+    )
+
+
+@router.get(
+    "/v1/models/{model_id}",
+    response_model=ModelInfo,
+    tags=["models"],
+    responses={
+        **error_responses(401, 503),
+        404: OPENAI_ERRORS[404],  # in OpenAI's error shape, as its clients read it
+    },
+)
+def retrieve_model(
+    model_id: str,
+    _key: KeyDep,
+    request: Request,
+    client: RedisDep,
+    catalog: CatalogDep,
+    settings: SettingsDep,
+) -> ModelInfo | JSONResponse:
+    """One model, as GET /v1/models lists it."""
+    spec = catalog.get(model_id)
+    if spec is None:
+        # OpenAI's clients raise NotFoundError on this shape, as on the embeddings route.
+        known = ", ".join(sorted(catalog))
+        message = f"model: unknown model {model_id!r} (known: {known})"
+        status, body = openai_error(404, {"type": "model_not_found", "message": message})
+        return JSONResponse(body, status_code=status)
+    return _model_info(spec, request, client, settings, _activations(request, model_id))
+
+
+def _activations(request: Request, model: str | None = None) -> dict[str, tuple[int, float]]:
+    """Each activated model's version and when it was activated (Unix seconds)."""
+    query = select(ModelActivation.model, ModelActivation.version, ModelActivation.updated_at)
+    if model is not None:
+        query = query.where(ModelActivation.model == model)
+    with request.app.state.sessions() as session:
+        rows = session.execute(query).all()
+    return {row.model: (row.version, row.updated_at.timestamp()) for row in rows}
+
+
+def _model_info(
+    spec: ModelSpec,
+    request: Request,
+    client: redis.Redis,
+    settings: Settings,
+    activations: dict[str, tuple[int, float]],
+) -> ModelInfo:
+    stats = model_stats(client, settings.key_prefix, spec.name)
+    known, active = request.app.state.versions.of(spec)
+    states = version_states(client, settings.key_prefix, spec.name)
+    activated = activations.get(spec.name)
+    if activated is not None and activated[0] == active:
+        created = activated[1]
+    else:
+        created = _modified(settings.model_repository_path / spec.name / "model.toml")
+    generation = None
+    if isinstance(spec.input, GenerationSpec):
+        generation = GenerationInfo(
+            context_tokens=spec.input.context_tokens,
+            default_max_tokens=spec.input.default_max_tokens,
+            chat=spec.input.chat is not None,
         )
-    return ModelList(data=data)
+    return ModelInfo(
+        id=spec.name,
+        created=int(created),
+        name=spec.name,
+        kind=spec.input.kind,
+        generation=generation,
+        backend=spec.backend,
+        version=active,
+        versions=[
+            VersionInfo(
+                version=number,
+                active=number == active,
+                state=states[number].state if number in states else "available",
+                reason=states[number].reason if number in states else None,
+                workers=states[number].workers if number in states else 0,
+            )
+            for number in known
+        ],
+        description=spec.description,
+        input_schema=spec.input_schema,
+        max_batch_size=spec.max_batch_size,
+        queue_depth=lane_depths(client, settings.key_prefix, spec.name),
+        workers=live_workers(client, settings.key_prefix, spec.name),
+        avg_batch_ms=stats.get("avg_batch_ms"),
+        avg_batch_size=stats.get("avg_batch_size"),
+        latency_fixed_ms=_ms(stats.get("latency_a_s")),
+        latency_per_work_ms=_ms(stats.get("latency_b_s"), 6),
+        window_ms=_ms(stats.get("window_s")),
+        batch_efficiency=stats.get("efficiency"),
+    )
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _ms(seconds: float | None, digits: int = 3) -> float | None:
