@@ -20,7 +20,7 @@ applies them:
    still prefilling, then urgent admissions, then the other sequences still
    prefilling, then the other admissions. A chunk holds at most
    ``prefill_chunk_tokens`` (0: a whole prompt, which must fit what is left).
-4. Admission in waiting order (:func:`~scheduler.generation_state.waiting_order`:
+4. Admission in waiting order (:meth:`~scheduler.generation_queue.WaitingQueue.order`:
    lane, preempted first, tenants in turn, deadline, arrival), each one only
    when a running slot, its chunk and *every block it can ever need*
    (``ceil((prompt + max_tokens) / block_size)``) are free, so no running
@@ -40,7 +40,7 @@ its prompt and generated tokens before it decodes again.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,7 +53,8 @@ from scheduler.generation_plan import (
     StepOutput,
     StepPlan,
 )
-from scheduler.generation_state import BlockPool, SequenceState, preemption_order, waiting_order
+from scheduler.generation_queue import WaitingQueue
+from scheduler.generation_state import BlockPool, SequenceState, preemption_order
 from scheduler.learning import OnlineFit
 from scheduler.policy import LinearFit
 from scheduler.vocabulary import Lane
@@ -106,7 +107,7 @@ class GenerationScheduler:
         self.limits = limits
         self._pool = BlockPool(limits.kv_blocks)
         self._fit = OnlineFit(step_prior, forget, prior_span=float(limits.step_tokens))
-        self._waiting: dict[str, SequenceState] = {}
+        self._waiting = WaitingQueue()
         self._running: dict[str, SequenceState] = {}  # in admission order
         self._released: list[str] = []  # since the last plan
         self._ended: dict[str, FinishReason] = {}  # since the last plan
@@ -157,7 +158,7 @@ class GenerationScheduler:
             self.limits,
             self.step_fit,
             list(self._running.values()),
-            list(self._waiting.values()),
+            self._waiting.values(),
             self._pool.free,
             self._pending.tokens if self._pending is not None else 0,
             prompt_tokens,
@@ -178,7 +179,7 @@ class GenerationScheduler:
             refusal = "already queued or running"
         if refusal is not None:
             raise ValueError(f"{request.id}: {refusal}")
-        self._waiting[request.id] = SequenceState(request, Lane(request.lane))
+        self._waiting.add(SequenceState(request, Lane(request.lane)))
 
     def cancel(self, id: str) -> bool:
         """End a request; False if it is not queued or running (or cancelled already).
@@ -189,7 +190,7 @@ class GenerationScheduler:
         ``ended`` (``cancelled``), and in ``released`` when the runtime holds
         something of it (it runs, or was preempted and keeps its tokens).
         """
-        waiting = self._waiting.pop(id, None)
+        waiting = self._waiting.remove(id)
         if waiting is not None:
             if waiting.started:
                 self._released.append(id)
@@ -209,7 +210,7 @@ class GenerationScheduler:
             raise RuntimeError("the last plan was not reported (update_from_output) yet")
         for sequence in [s for s in self._running.values() if s.cancelled]:
             self._drop(sequence, FinishReason.CANCELLED)
-        expired = self._expire(lambda s: s.deadline < now)
+        expired = [s.id for s in self._waiting.due(now)]
         decoders = {s.id: s for s in self._running.values() if not s.prefilling}
         draft = _Draft(budget=self.limits.step_tokens - len(decoders), decoders=decoders)
         self._continue_prefills(draft, urgent=True)
@@ -219,12 +220,10 @@ class GenerationScheduler:
             self._admit(draft, urgent=False)
         tokens = sum(chunk.length for chunk in draft.chunks) + len(draft.decoders)
         predicted_s = self.predicted_step_s(tokens)
-        expired += self._expire(lambda s: s.deadline < now + predicted_s)
-        wait_s = None
-        if tokens == 0:
-            deadlines = [s.deadline for s in self._waiting.values() if not s.started]
-            soonest = min(deadlines, default=math.inf)
-            wait_s = None if math.isinf(soonest) else max(0.0, soonest - now)
+        # Not admitted now, its first step cannot start before this one ends.
+        expired += [s.id for s in self._waiting.due(now + predicted_s)]
+        soonest = self._waiting.soonest_deadline()
+        wait_s = max(0.0, soonest - now) if tokens == 0 and soonest < math.inf else None
         plan = StepPlan(
             prefill=tuple(draft.chunks),
             decode=tuple(draft.decoders),
@@ -240,15 +239,11 @@ class GenerationScheduler:
         )
         self._released, self._ended = [], {}
         self._pending = plan
+        if len(self._last_admitted) > 2 * len(self._waiting) + 1000:
+            # Forget tenants with nothing waiting: they come back as never admitted.
+            waiting = self._waiting.tenants()
+            self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in waiting}
         return plan
-
-    def _expire(self, due: Callable[[SequenceState], bool]) -> list[str]:
-        """Drop the never-admitted waiting requests ``due`` names (a preempted one has
-        started: it is never expired)."""
-        ids = [s.id for s in self._waiting.values() if not s.started and due(s)]
-        for id in ids:
-            del self._waiting[id]
-        return ids
 
     def _continue_prefills(self, draft: _Draft, urgent: bool) -> None:
         for sequence in self._running.values():
@@ -262,7 +257,7 @@ class GenerationScheduler:
     def _admit(self, draft: _Draft, urgent: bool) -> bool:
         """Admit in waiting order (urgent ones only, or the others); False once one did not
         fit, so that nothing behind it is admitted this step."""
-        for sequence in waiting_order(self._waiting.values(), self._last_admitted):
+        for sequence in self._waiting.order(self._last_admitted):
             if (sequence.lane is Lane.URGENT) != urgent:
                 if urgent:
                     return True  # the urgent lane comes first: no more urgent ones
@@ -328,13 +323,14 @@ class GenerationScheduler:
         sequence.computed = 0
         sequence.prefilling = True
         del self._running[sequence.id]
-        self._waiting[sequence.id] = sequence
+        self._waiting.add(sequence)
         if draft.decoders.pop(sequence.id, None) is not None:
             draft.budget += 1
         draft.preempted.append(sequence.id)
         draft.moved.add(sequence.id)
 
     def _start(self, sequence: SequenceState, draft: _Draft) -> None:
+        self._waiting.remove(sequence.id)  # first: the queue files it by whether it started
         blocks = self._pool.take(sequence.id, self.limits.blocks_for(sequence.request.total_tokens))
         sequence.blocks = blocks
         draft.blocks[sequence.id] = blocks
@@ -346,7 +342,6 @@ class GenerationScheduler:
             sequence.first_admitted = self._admissions
             self._last_admitted[sequence.request.tenant] = self._admissions
             draft.admitted.append(sequence.id)
-        del self._waiting[sequence.id]
         self._running[sequence.id] = sequence
         draft.moved.add(sequence.id)
         self._chunk(sequence, draft)

@@ -1,5 +1,5 @@
 """The generation scheduler's bookkeeping: the KV block pool, each sequence's progress,
-and the order in which waiting sequences are taken."""
+and the order in which running sequences are preempted."""
 
 from __future__ import annotations
 
@@ -117,50 +117,6 @@ class SequenceState:
     def deadline(self) -> float:
         deadline = self.request.deadline
         return float("inf") if deadline is None else deadline
-
-
-def waiting_order(
-    waiting: Iterable[SequenceState], last_admitted: Mapping[str, int]
-) -> list[SequenceState]:
-    """The order in which waiting sequences are admitted.
-
-    By lane (urgent, vip, normal, bulk). Within a lane, preempted sequences
-    first (the first admitted first: they were running and hold work done),
-    then the tenants in turn: each tenant's first request, then each one's
-    second, and among requests of the same turn the tenant admitted least
-    recently (``last_admitted``: its latest admission number) first; within
-    a tenant, and for ties, the earliest deadline, then arrival, then id.
-    """
-    fresh: list[SequenceState] = []
-    keyed: list[tuple[tuple[int, int, int, int, float, float, str], SequenceState]] = []
-    for sequence in waiting:
-        if sequence.started:
-            keyed.append(((sequence.rank, 0, sequence.first_admitted, 0, 0.0, 0.0, ""), sequence))
-        else:
-            fresh.append(sequence)
-    fresh.sort(key=lambda s: (s.deadline, s.request.arrival, s.id))
-    turns: dict[tuple[int, str], int] = {}
-    for sequence in fresh:
-        group = (sequence.rank, sequence.request.tenant)
-        turn = turns.get(group, 0)
-        turns[group] = turn + 1
-        tenant_last = last_admitted.get(sequence.request.tenant, NEVER)
-        keyed.append(
-            (
-                (
-                    sequence.rank,
-                    1,
-                    turn,
-                    tenant_last,
-                    sequence.deadline,
-                    sequence.request.arrival,
-                    sequence.id,
-                ),
-                sequence,
-            )
-        )
-    keyed.sort(key=lambda pair: pair[0])
-    return [sequence for _, sequence in keyed]
 
 
 def preemption_order(running: Iterable[SequenceState], below_rank: int) -> list[SequenceState]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,8 @@ from scheduler.generation import (
     StepOutput,
     StepPlan,
 )
-from scheduler.generation_state import BlockPool
+from scheduler.generation_queue import WaitingQueue
+from scheduler.generation_state import NEVER, BlockPool, SequenceState
 from scheduler.policy import LinearFit
 from scheduler.vocabulary import Lane
 
@@ -433,6 +435,52 @@ def test_the_block_pool_hands_out_each_block_once() -> None:
     pool.give_back("a", (1,))
     assert pool.take("b", 2) == (2, 1)
     assert pool.owners() == {"a": (0,), "b": (2, 1)} and pool.used == 3
+
+
+# --- the waiting order -------------------------------------------------------------
+
+
+def sorted_order(waiting: Iterable[SequenceState], last: Mapping[str, int]) -> list[SequenceState]:
+    """The waiting order, by one sort over every request: what the queue walks lazily."""
+    turns: dict[tuple[int, str], int] = {}
+    keyed = []
+    for s in sorted(waiting, key=lambda s: (s.deadline, s.request.arrival, s.id)):
+        if s.started:
+            keyed.append(((s.rank, 0, s.first_admitted, 0, 0.0, 0.0, ""), s))
+            continue
+        turn = turns.get((s.rank, s.request.tenant), 0)
+        turns[(s.rank, s.request.tenant)] = turn + 1
+        tenant_last = last.get(s.request.tenant, NEVER)
+        keyed.append(((s.rank, 1, turn, tenant_last, s.deadline, s.request.arrival, s.id), s))
+    return [s for _, s in sorted(keyed, key=lambda pair: pair[0])]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_queue_walks_the_waiting_order(seed: int) -> None:
+    rng = random.Random(seed)
+    queue = WaitingQueue()
+    for n in range(300):
+        deadline = rng.choice([None, float(rng.randrange(5))])
+        request = req(f"r{n}", lane=rng.choice([U, V, N, B]), tenant=rng.choice("abcd"),
+                      deadline=deadline, arrival=float(rng.randrange(20)))  # fmt: skip
+        sequence = SequenceState(request, request.lane)
+        if rng.random() < 0.1:  # preempted: it ran before
+            sequence.first_admitted = sequence.admitted_at = rng.randrange(1000)
+        queue.add(sequence)
+        if rng.random() < 0.2:
+            queue.remove(rng.choice(queue.values()).id)
+    last = {tenant: rng.choice([NEVER, 3, 7]) for tenant in "abcd"}
+    assert list(queue.order(last)) == sorted_order(queue.values(), last)
+
+
+def test_the_queue_expires_the_due_never_admitted_earliest_first() -> None:
+    queue = WaitingQueue()
+    for id, deadline in (("a", 5.0), ("b", 1.0), ("c", None), ("d", 3.0)):
+        queue.add(SequenceState(req(id, deadline=deadline), N))
+    queue.remove("d")
+    assert queue.soonest_deadline() == 1.0
+    assert [s.id for s in queue.due(6.0)] == ["b", "a"]
+    assert queue.soonest_deadline() == float("inf") and len(queue) == 1 and "c" in queue
 
 
 # --- the learned step time ---------------------------------------------------------
