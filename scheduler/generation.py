@@ -171,8 +171,8 @@ class GenerationScheduler:
     def add(self, request: GenerationRequest) -> None:
         """Queue ``request``; ValueError when it is malformed, known already, or could never run.
 
-        (:meth:`GenerationLimits.refusal`). The API refuses such requests
-        before they are queued; this is the last guard.
+        What could never run is :meth:`GenerationLimits.refusal`'s to say; the
+        API refuses such requests before they are queued, this is the last guard.
         """
         refusal = self.limits.refusal(request)
         if refusal is None and (request.id in self._waiting or request.id in self._running):
@@ -188,7 +188,9 @@ class GenerationScheduler:
         until the next :meth:`schedule`, which releases it (a step the runtime
         is executing still reports it). Either way the next plan names it in
         ``ended`` (``cancelled``), and in ``released`` when the runtime holds
-        something of it (it runs, or was preempted and keeps its tokens).
+        something of it (it runs, or was preempted and keeps its tokens). A
+        running one that the runtime reports finished in the step in flight
+        ends as reported instead, and is not named again.
         """
         waiting = self._waiting.remove(id)
         if waiting is not None:

@@ -386,6 +386,16 @@ def test_a_sequence_cancelled_during_its_step_is_still_reported_then_released() 
     assert plan.released == ("a",) and plan.decode == ()
 
 
+def test_a_sequence_cancelled_during_the_step_it_finishes_in_ends_as_the_runtime_says() -> None:
+    scheduler = make()
+    scheduler.add(req("a", max_tokens=8))
+    plan = scheduler.schedule(0.0)
+    assert scheduler.cancel("a")
+    scheduler.update_from_output(plan, StepOutput({"a": 5}, {"a": STOP}, 0.01), 0.01)
+    later = scheduler.schedule(0.02)
+    assert later.released == () and later.ended == {} and scheduler.blocks_free == 64
+
+
 def test_a_preempted_sequence_cancelled_is_released_for_its_kept_tokens() -> None:
     scheduler = make(kv_blocks=2)
     run(scheduler, (Step(add=(req("b", lane=B),)), Step(now=1, add=(req("u", lane=U),))))
