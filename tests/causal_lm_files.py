@@ -14,6 +14,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from core.catalog import ModelSpec
+from core.inputs import input_spec
+from core.repository import ModelConfig
+
 SPECIAL = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["system", "user", "assistant", "hello", "world", "the", "cat", "sat", "on", "mat"]
 
@@ -96,3 +100,20 @@ def write_model(root: Path, name: str = "tiny-lm", input_table: str = "", **vers
     )
     write_version(folder / "1", **version)
     return folder
+
+
+def catalog_spec(model: ModelConfig) -> ModelSpec:
+    """The API's spec of a generation model, as backends.catalog builds one.
+
+    Tests put it in an app's catalog: the API describes and checks a
+    generation model without its backend.
+    """
+    return ModelSpec(
+        name=model.name,
+        description=model.description,
+        backend=model.backend,
+        active_version=model.active_version,
+        versions=tuple(sorted(model.versions)),
+        max_batch_size=8,
+        input=input_spec(model),
+    )

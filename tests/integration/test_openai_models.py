@@ -13,13 +13,11 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.catalog import build_catalog
-from core.catalog import ModelSpec
 from core.db import ModelActivation
-from core.inputs import input_spec
 from core.repository import load_repository
 from core.settings import Settings
 from harness.served import Served, served
-from tests.causal_lm_files import write_model
+from tests.causal_lm_files import catalog_spec, write_model
 from tests.models import REPOSITORY
 
 
@@ -106,16 +104,7 @@ def test_a_generation_model_says_its_context(
     with served(changed) as api:
         # Its spec as the catalog builds it: the API must not need the backend to describe it.
         for name in ("tiny-lm", "plain-lm"):
-            model = repository[name]
-            api.app.state.catalog[name] = ModelSpec(
-                name=name,
-                description="",
-                backend=model.backend,
-                active_version=model.active_version,
-                versions=tuple(model.versions),
-                max_batch_size=8,
-                input=input_spec(model),
-            )
+            api.app.state.catalog[name] = catalog_spec(repository[name])
         with openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as client:
             tiny = client.models.retrieve("tiny-lm").model_extra or {}
             plain = next(m for m in client.models.list() if m.id == "plain-lm").model_extra or {}
