@@ -23,6 +23,7 @@ BUILT_IN = {
     "python": "backends.python",
     "torchvision": "backends.torchvision",
     "sim": "backends.sim",
+    "causal-lm": "backends.generation",
 }
 ENTRY_POINT_GROUP = "ferry.backends"
 

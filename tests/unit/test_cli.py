@@ -15,7 +15,7 @@ COMMANDS = ("up", "api", "worker", "celery", "flower", "keys", "backfill", "mode
 SUBCOMMANDS = {
     "keys": ("create", "list", "revoke", "rotate", "embeddings-lane"),
     "backfill": ("submit", "status", "results", "cancel"),
-    "models": ("list", "check", "repository", "activate"),
+    "models": ("list", "check", "repository", "activate", "build-lm"),
     "jobs": ("submit", "get", "wait", "cancel", "list"),
     "db": ("upgrade",),
 }

@@ -13,7 +13,7 @@ OURS = {
     "harness",
 }  # fmt: skip
 ALLOWED = {
-    "backends": {"core"},
+    "backends": {"core", "scheduler"},
     "scheduler": set(),
     "core": set(),
     "api": {"core", "backends"},

@@ -1,0 +1,210 @@
+"""Step-level execution of a causal LM: one call runs one scheduler step.
+
+The scheduler (``scheduler.generation``) decides each step; this runtime
+holds what the device needs to carry it out: every sequence's tokens, its
+block table into the paged KV pool, its sampler and its detokenizer. A step
+packs every scheduled token (decodes and prefill chunks) into one forward
+pass of the library's own model, with the paged attention of
+``backends.generation.paged``, and samples one token for each sequence the
+plan names in ``sampling``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.generation import paged
+from backends.generation.detok import Detokenizer
+from backends.generation.sampling import Sampler, SamplingParams
+from scheduler.generation import FinishReason, StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """One job, as the runtime takes it: the prompt's token ids and how to continue."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What one sequence produced in a step: its token and the text it makes visible."""
+
+    token: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A sequence's result once it has ended."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A step's output for the scheduler, and each sequence's new token and text."""
+
+    output: StepOutput
+    emitted: Mapping[str, Emitted]
+
+
+class _Sequence:
+    def __init__(self, job: GenerationInput, tokenizer: Any, device: str) -> None:
+        self.job = job
+        self.tokens = list(job.prompt_ids)
+        self.generated: list[int] = []
+        self.sampler = Sampler(job.sampling, device)
+        self.detok = Detokenizer(tokenizer, job.stop)
+        self.table: list[int] = []
+        self.table_tensor: torch.Tensor | None = None
+        self.finish: FinishReason | None = None
+
+
+class StepRuntime:
+    """A causal LM the scheduler steps: load once, then ``execute(plan)`` each step."""
+
+    asynchronous = False
+    padded = False
+
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        device: str,
+        kv_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.device = device
+        self.block_size = block_size
+        self.shape = paged.KVShape.of(model.config, dtype)
+        self.pool = paged.KVPool(self.shape, kv_blocks, block_size, device)
+        self._sequences: dict[str, _Sequence] = {}
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.pool.blocks
+
+    def add(self, id: str, job: GenerationInput) -> None:
+        """Hold a sequence's tokens until the scheduler runs it (nothing on the device yet)."""
+        self._sequences[id] = _Sequence(job, self.tokenizer, self.device)
+
+    def holds(self, id: str) -> bool:
+        return id in self._sequences
+
+    def tokens(self, id: str) -> tuple[int, ...]:
+        """What ``id`` has generated so far."""
+        return tuple(self._sequences[id].generated)
+
+    def pop(self, id: str, reason: FinishReason) -> Completion:
+        """Forget an ended sequence, returning its result (its blocks are the scheduler's again)."""
+        sequence = self._sequences.pop(id)
+        text = sequence.detok.text if sequence.detok.stopped else None
+        if text is None:
+            sequence.detok.finish()
+            text = sequence.detok.text
+        return Completion(
+            text=text,
+            token_ids=tuple(sequence.generated),
+            finish_reason=reason,
+            prompt_tokens=len(sequence.job.prompt_ids),
+            seed=None if sequence.job.sampling.greedy else sequence.sampler.seed,
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Carry out one step of the scheduler's plan."""
+        started = time.perf_counter()
+        for id in plan.preempted:
+            sequence = self._sequences[id]
+            sequence.table = []
+            sequence.table_tensor = None
+        for id, blocks in plan.blocks.items():
+            sequence = self._sequences[id]
+            sequence.table.extend(blocks)
+            sequence.table_tensor = None
+        if plan.empty:
+            return StepResult(StepOutput(step_s=time.perf_counter() - started), {})
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[paged.Segment] = []
+        writes: list[torch.Tensor] = []
+        rows: list[int] = []
+        sampled_by: list[str] = []
+        spans = [(c.id, c.start, c.length, c.last) for c in plan.prefill]
+        for id in plan.decode:
+            known = len(self._sequences[id].tokens)
+            spans.append((id, known - 1, 1, True))
+        for id, start, length, last in spans:
+            sequence = self._sequences[id]
+            slots = self.pool.slots(self._table(sequence), start + length)
+            segments.append(paged.Segment(len(ids), length, start, slots))
+            writes.append(slots[start:])
+            ids.extend(sequence.tokens[start : start + length])
+            positions.extend(range(start, start + length))
+            if last:
+                rows.append(len(ids) - 1)
+                sampled_by.append(id)
+        layout = paged.StepLayout(self.pool, tuple(segments), torch.cat(writes))
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
+                **{paged.STEP_KWARG: layout},
+            ).logits[0]
+        sampled: dict[str, int] = {}
+        finished: dict[str, FinishReason] = {}
+        emitted: dict[str, Emitted] = {}
+        for row, id in enumerate(sampled_by):
+            sequence = self._sequences[id]
+            token = sequence.sampler.choose(logits[row])
+            sampled[id] = token
+            sequence.tokens.append(token)
+            sequence.generated.append(token)
+            text = "" if token in self.eos_ids else sequence.detok.push(token)
+            reason = self._finished(sequence, token)
+            if reason is not None:
+                finished[id] = reason
+                # What was held back (half a character, a possible stop string's start).
+                text += sequence.detok.finish()
+            emitted[id] = Emitted(token, text)
+        return StepResult(
+            StepOutput(sampled, finished, step_s=time.perf_counter() - started), emitted
+        )
+
+    def _finished(self, sequence: _Sequence, token: int) -> FinishReason | None:
+        if token in self.eos_ids or sequence.detok.stopped:
+            return FinishReason.STOP
+        if len(sequence.generated) >= sequence.job.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _table(self, sequence: _Sequence) -> torch.Tensor:
+        if sequence.table_tensor is None:
+            sequence.table_tensor = torch.tensor(sequence.table, device=self.device)
+        return sequence.table_tensor

@@ -1,0 +1,137 @@
+"""Causal LMs Ferry does not step natively: the library's ``generate()`` on whole batches.
+
+The scheduler still chooses which jobs run together (lanes, tenants, the
+KV budget, deadlines), but every sequence admitted in a step is prefilled
+and decoded to its end inside that step: a batch is held for its longest
+member, as a user's own ``generate()`` loop holds it. ``GET /v1/models``
+says ``execution: generate`` for such a model.
+
+Sequences that sample differently (temperature, top-p) run as separate
+``generate()`` calls; a seed makes a job reproducible only beside the same
+neighbours, since one batch shares one random stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from backends.generation.detok import Detokenizer
+from backends.generation.runtime import Completion, Emitted, GenerationInput, StepResult
+from scheduler.generation import FinishReason, StepOutput, StepPlan
+
+
+class WholeRuntime:
+    """``generate()`` over the sequences a step admits, each run to its end."""
+
+    asynchronous = False
+    padded = True
+
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        device: str,
+        kv_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.device = device
+        self.kv_blocks = kv_blocks
+        self.block_size = block_size
+        self._jobs: dict[str, GenerationInput] = {}
+        self._done: dict[str, Completion] = {}
+
+    def add(self, id: str, job: GenerationInput) -> None:
+        self._jobs[id] = job
+
+    def holds(self, id: str) -> bool:
+        return id in self._jobs or id in self._done
+
+    def tokens(self, id: str) -> tuple[int, ...]:
+        done = self._done.get(id)
+        return done.token_ids if done else ()
+
+    def pop(self, id: str, reason: FinishReason) -> Completion:
+        done = self._done.pop(id, None)
+        job = self._jobs.pop(id)
+        if done is None:
+            return Completion("", (), reason, len(job.prompt_ids), job.sampling.seed)
+        return Completion(done.text, done.token_ids, reason, done.prompt_tokens, done.seed)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        ids = [chunk.id for chunk in plan.prefill if chunk.last]
+        groups: dict[tuple[float, float], list[str]] = {}
+        for id in ids:
+            sampling = self._jobs[id].sampling
+            groups.setdefault((sampling.temperature, sampling.top_p), []).append(id)
+        sampled: dict[str, int] = {}
+        finished: dict[str, FinishReason] = {}
+        emitted: dict[str, Emitted] = {}
+        for members in groups.values():
+            for id, completion in zip(members, self._generate(members), strict=True):
+                self._done[id] = completion
+                finished[id] = completion.finish_reason
+                if completion.token_ids:
+                    sampled[id] = completion.token_ids[-1]
+                    emitted[id] = Emitted(completion.token_ids[-1], completion.text)
+        output = StepOutput(sampled, finished, step_s=time.perf_counter() - started)
+        return StepResult(output, emitted)
+
+    def _generate(self, members: list[str]) -> list[Completion]:
+        jobs = [self._jobs[id] for id in members]
+        longest = max(len(job.prompt_ids) for job in jobs)
+        pad = self.eos_ids[0] if self.eos_ids else 0
+        # Left padding, as generate() needs for a decoder-only batch.
+        input_ids = torch.tensor(
+            [[pad] * (longest - len(j.prompt_ids)) + list(j.prompt_ids) for j in jobs],
+            device=self.device,
+        )
+        mask = torch.tensor(
+            [[0] * (longest - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs],
+            device=self.device,
+        )
+        sampling = jobs[0].sampling
+        options: dict[str, Any] = {"do_sample": not sampling.greedy}
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max(j.max_tokens for j in jobs),
+                pad_token_id=pad,
+                eos_token_id=list(self.eos_ids) or None,
+                **options,
+            )
+        completions = []
+        for row, job in zip(out[:, longest:].tolist(), jobs, strict=True):
+            tokens: list[int] = []
+            reason = FinishReason.LENGTH
+            for token in row[: job.max_tokens]:
+                tokens.append(token)
+                if token in self.eos_ids:
+                    reason = FinishReason.STOP
+                    break
+            detok = Detokenizer(self.tokenizer, job.stop)
+            for token in tokens:
+                if token not in self.eos_ids:
+                    detok.push(token)
+            detok.finish()
+            if detok.stopped:
+                reason = FinishReason.STOP
+            completions.append(
+                Completion(detok.text, tuple(tokens), reason, len(job.prompt_ids), sampling.seed)
+            )
+        return completions

@@ -1,0 +1,244 @@
+"""The generation engine on real model folders: Ferry's tokens against the library's own.
+
+Each model is a folder ``ferry.lm_build`` wrote (random weights, a trained
+tokenizer), loaded through the ``causal-lm`` backend with the library's
+``from_pretrained``. Hundreds of prompts of mixed lengths arrive a few per
+step, so they share steps, join and leave the running batch mid-way, and
+long ones are prefilled in chunks; greedy decoding must give, for every
+prompt, exactly the tokens of ``transformers``' ``generate()`` on that prompt
+alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from backends.base import RuntimeOptions
+from backends.generation import CausalLMRuntime, GenerationSettings
+from backends.generation.runtime import Completion, GenerationInput
+from backends.generation.sampling import SamplingParams
+from scheduler.generation import GenerationLimits, GenerationRequest, GenerationScheduler, Lane
+from tests.lm import ARCHES, lm_folder
+from workers.gpu.engine import GenerationEngine
+
+PROMPTS = 200
+CORPUS = Path(__file__).resolve().parents[2] / "ferry" / "data" / "lm_corpus.txt"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    max_tokens: int
+
+
+@cache
+def loaded(arch: str) -> CausalLMRuntime:
+    settings = GenerationSettings(max_running=24, step_tokens=256, prefill_chunk_tokens=64)
+    # One thread: on a machine this busy, torch's thread pool spinning on both
+    # cores costs more than it gains for a model this small.
+    options = RuntimeOptions(device="cpu", cpu_threads=1)
+    runtime = CausalLMRuntime(arch, lm_folder(arch), settings, options)
+    runtime.load()
+    return runtime
+
+
+def engine(arch: str, **limits: int) -> GenerationEngine:
+    runtime = loaded(arch)
+    base = runtime.limits
+    chosen = GenerationLimits(
+        kv_blocks=limits.get("kv_blocks", base.kv_blocks),
+        block_size=base.block_size,
+        max_running=limits.get("max_running", base.max_running),
+        step_tokens=limits.get("step_tokens", base.step_tokens),
+        prefill_chunk_tokens=limits.get("prefill_chunk_tokens", base.prefill_chunk_tokens),
+    )
+    return GenerationEngine(GenerationScheduler(chosen), runtime.runner)
+
+
+def prompts(arch: str, count: int, seed: int = 0) -> list[Prompt]:
+    """Prompts from the shipped corpus: most short, some long (past one prefill chunk)."""
+    rng = random.Random(seed)
+    words = CORPUS.read_text(encoding="utf-8").split()
+    tokenizer = loaded(arch).runner.tokenizer
+    out = []
+    for _ in range(count):
+        length = rng.choice([1, 2, 3, 5, 8, 8, 13, 20, 20, 40, 90, 200])
+        start = rng.randrange(len(words) - length)
+        ids = tokenizer.encode(" ".join(words[start : start + length])).ids[:400]
+        out.append(Prompt(tuple(ids), rng.choice([1, 2, 4, 8, 8, 16, 16, 24, 40])))
+    return out
+
+
+@cache
+def library_model(arch: str) -> Any:
+    """The folder loaded as a user would, with the library's own attention."""
+    return AutoModelForCausalLM.from_pretrained(lm_folder(arch)).eval()
+
+
+def reference(arch: str, prompt: Prompt) -> list[int]:
+    """The library's greedy ``generate()`` on the prompt alone."""
+    model = library_model(arch)
+    eos = list(loaded(arch).runner.eos_ids)
+    ids = torch.tensor([prompt.ids])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=prompt.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    return [int(t) for t in out[0, len(prompt.ids) :]]
+
+
+def run(
+    engine: GenerationEngine,
+    jobs: list[tuple[GenerationRequest, GenerationInput]],
+    arrivals: Iterator[int],
+    on_step: object = None,
+) -> dict[str, Completion]:
+    """Add ``jobs`` a few per step (``arrivals``: how many before each step) until all end."""
+    ended: dict[str, Completion] = {}
+    queue = list(jobs)
+    now = 0.0
+    while len(ended) < len(jobs):
+        for _ in range(next(arrivals) if queue else 0):
+            if queue:
+                request, job = queue.pop(0)
+                engine.add(request, job)
+        events = engine.step(now)
+        if callable(on_step):
+            on_step(events)
+        ended.update(events.ended)
+        now += 0.01
+        assert now < 10_000, "the engine stopped making progress"
+    return ended
+
+
+def arrivals(seed: int) -> Iterator[int]:
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice([0, 0, 1, 1, 2, 3, 8])
+
+
+def greedy(id: str, prompt: Prompt, **fields: object) -> tuple[GenerationRequest, GenerationInput]:
+    request = GenerationRequest(id, len(prompt.ids), prompt.max_tokens, **fields)  # type: ignore[arg-type]
+    return request, GenerationInput(prompt.ids, prompt.max_tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_tokens_equal_the_librarys_generate_on_each_prompt_alone(arch: str) -> None:
+    assert loaded(arch).execution == "step"
+    cases = prompts(arch, PROMPTS)
+    shared_steps: list[int] = []
+    eng = engine(arch)
+    ended = run(
+        eng,
+        [greedy(str(i), p) for i, p in enumerate(cases)],
+        arrivals(1),
+        on_step=lambda events: shared_steps.append(len(events.plan.sampling)),
+    )
+    # They really shared steps, and long prompts were prefilled in chunks.
+    assert max(shared_steps) >= 8
+    assert any(len(p.ids) > 64 for p in cases)
+    mismatched = [
+        i for i, p in enumerate(cases) if list(ended[str(i)].token_ids) != reference(arch, p)
+    ]
+    assert mismatched == []
+    for i, p in enumerate(cases):
+        completion = ended[str(i)]
+        assert completion.prompt_tokens == len(p.ids)
+        assert 1 <= len(completion.token_ids) <= p.max_tokens
+        if completion.finish_reason == "length":
+            assert len(completion.token_ids) == p.max_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_preempted_sequence_resumes_and_still_equals_generate(arch: str) -> None:
+    """Bulk work fills the KV pool; urgent jobs preempt it; every result is unchanged."""
+    cases = prompts(arch, 24, seed=5)
+    long = [Prompt(p.ids[:50], 40) for p in cases]
+    eng = engine(arch, kv_blocks=30, max_running=8)
+    jobs = [greedy(f"b{i}", p, lane=Lane.BULK) for i, p in enumerate(long[:16])]
+    jobs += [greedy(f"u{i}", p, lane=Lane.URGENT) for i, p in enumerate(long[16:])]
+    preempted: set[str] = set()
+    ended = run(
+        eng,
+        jobs,
+        iter([16] + [0] * 6 + [1] * 10_000),
+        on_step=lambda events: preempted.update(events.plan.preempted),
+    )
+    assert preempted, "the urgent jobs never had to preempt: the test proves nothing"
+    for (request, _), prompt in zip(jobs, long, strict=True):
+        assert list(ended[request.id].token_ids) == reference(arch, prompt), request.id
+
+
+def test_the_kv_pool_is_never_overcommitted_where_naive_admission_would() -> None:
+    cases = prompts("llama", 60, seed=9)
+    eng = engine("llama", kv_blocks=40)
+    demand = sum(-(-(len(p.ids) + p.max_tokens) // 16) for p in cases)
+    assert demand > 2 * 40  # admitting everyone that arrives would need far more blocks
+    peak = 0
+
+    def watch(events: object) -> None:
+        nonlocal peak
+        peak = max(peak, eng.scheduler.blocks_used)
+        assert eng.scheduler.blocks_used <= 40
+
+    ended = run(eng, [greedy(str(i), p) for i, p in enumerate(cases)], arrivals(2), watch)
+    assert peak > 30  # the pool was used, not left idle
+    assert all(ended[str(i)].token_ids for i in range(len(cases)))
+
+
+def test_cancelling_a_running_job_frees_its_slot_for_a_waiting_one_at_the_next_step() -> None:
+    cases = prompts("gpt2", 3, seed=3)
+    eng = engine("gpt2", max_running=2)
+    jobs = [greedy(str(i), Prompt(p.ids, 40)) for i, p in enumerate(cases)]
+    for request, job in jobs:
+        eng.add(request, job)
+    now = 0.0
+    for _ in range(5):
+        events = eng.step(now)
+        now += 0.01
+    assert eng.scheduler.state_of("2") == "waiting"
+    produced = len(eng.runtime.tokens("0"))  # type: ignore[attr-defined]
+    assert eng.cancel("0")
+    events = eng.step(now)
+    assert events.ended["0"].finish_reason == "cancelled"
+    assert len(events.ended["0"].token_ids) == produced
+    assert "2" in events.plan.admitted
+
+
+def test_sampling_with_a_seed_is_reproducible_whatever_shares_its_steps() -> None:
+    cases = prompts("llama", 30, seed=11)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=1234)
+    target = Prompt(cases[0].ids, 24)
+
+    def sample_alone() -> tuple[int, ...]:
+        eng = engine("llama")
+        request = GenerationRequest("t", len(target.ids), 24)
+        ended = run(eng, [(request, GenerationInput(target.ids, 24, sampled))], iter([1] * 99))
+        return ended["t"].token_ids
+
+    alone = sample_alone()
+    eng = engine("llama")
+    jobs = [greedy(str(i), p) for i, p in enumerate(cases[1:])]
+    jobs.insert(
+        7, (GenerationRequest("t", len(target.ids), 24), GenerationInput(target.ids, 24, sampled))
+    )
+    crowded = run(eng, jobs, arrivals(4))["t"].token_ids
+    assert crowded == alone == sample_alone()
+    other = GenerationInput(target.ids, 24, SamplingParams(temperature=0.9, top_p=0.9, seed=99))
+    eng = engine("llama")
+    different = run(eng, [(GenerationRequest("t", len(target.ids), 24), other)], iter([1] * 99))
+    assert different["t"].token_ids != alone

@@ -1,0 +1,109 @@
+"""The text side of generation: incremental detokenizing, stop strings, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from backends.generation.detok import Detokenizer
+from backends.generation.sampling import Sampler, SamplingParams, top_p_filter
+from tests.lm import lm_folder
+
+TEXTS = [
+    "Ferry queues jobs on Redis Streams.",
+    "naïve café, déjà vu — “quoted” text",
+    "emoji 🙂🚀 and CJK 模型推理 mixed in",
+    "  leading spaces and\nnew lines\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(lm_folder("gpt2") / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_add_up_to_the_text_and_never_hold_half_a_character(
+    tokenizer: Tokenizer, text: str
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    detok = Detokenizer(tokenizer)
+    pieces = [detok.push(token) for token in ids]
+    pieces.append(detok.finish())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_a_character_split_over_tokens_comes_out_whole(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("🚀", add_special_tokens=False).ids
+    assert len(ids) > 1  # byte-level BPE spells a rare emoji in several tokens
+    detok = Detokenizer(tokenizer)
+    pieces = [detok.push(token) for token in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "🚀"
+
+
+def test_text_stops_before_the_stop_string_and_never_shows_part_of_it(
+    tokenizer: Tokenizer,
+) -> None:
+    text = "one two three four five six"
+    detok = Detokenizer(tokenizer, stop=["four"])
+    shown = ""
+    for token in tokenizer.encode(text, add_special_tokens=False).ids:
+        shown += detok.push(token)
+        assert "four" not in shown
+        if detok.stopped:
+            break
+    shown += detok.finish()
+    assert detok.stopped
+    assert shown == "one two three "
+    assert detok.text == "one two three "
+
+
+def test_a_held_back_stop_prefix_is_released_when_the_stop_string_does_not_follow(
+    tokenizer: Tokenizer,
+) -> None:
+    detok = Detokenizer(tokenizer, stop=["fourteen"])
+    pieces = [detok.push(t) for t in tokenizer.encode("four five", add_special_tokens=False).ids]
+    pieces.append(detok.finish())
+    assert "".join(pieces) == "four five"
+    assert not detok.stopped
+
+
+def test_greedy_takes_the_most_likely_token() -> None:
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    assert Sampler(SamplingParams(temperature=0.0), "cpu").choose(logits) == 1
+
+
+def test_the_same_seed_draws_the_same_tokens_and_another_seed_others() -> None:
+    logits = torch.randn(2048, generator=torch.Generator().manual_seed(3))
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.95, seed=seed), "cpu")
+        return [sampler.choose(logits) for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_no_seed_draws_one_and_reports_it() -> None:
+    first = Sampler(SamplingParams(temperature=1.0), "cpu")
+    second = Sampler(SamplingParams(temperature=1.0), "cpu")
+    assert first.seed != second.seed
+    again = Sampler(SamplingParams(temperature=1.0, seed=first.seed), "cpu")
+    logits = torch.randn(100)
+    assert [first.choose(logits) for _ in range(5)] == [again.choose(logits) for _ in range(5)]
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = top_p_filter(probs, 0.75)
+    assert kept.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    assert top_p_filter(probs, 0.1).tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
+
+
+def test_sampling_never_draws_outside_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.07, 0.03]))
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=1), "cpu")
+    assert {sampler.choose(logits) for _ in range(200)} == {0, 1}
