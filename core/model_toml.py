@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.generation import version_problems
 from core.repository import (
     CostConfig,
     EmbeddingsConfig,
@@ -385,6 +384,9 @@ class _Reader:
 
     def generation_files(self, config: InputConfig, versions: Mapping[int, ModelVersion]) -> None:
         """Each version's context length (unless model.toml gives one) and chat template."""
+        # Imported here: only a repository with a generation model needs Jinja.
+        from core.generation import version_problems
+
         for number, version in sorted(versions.items()):
             for field, message in version_problems(config, version.files):
                 self.problem(field, f"version {number}: {message}")
