@@ -183,6 +183,9 @@ class Settings(BaseSettings):
     visibility_timeout_s: float = Field(120.0, gt=0)
     """An entry read but not acknowledged for this long is taken over by another worker of the
     model: keep it well above the longest batch."""
+    events_ttl_s: float = Field(3600.0, gt=0)
+    """How long a job's events stream (its tokens, for GET /v1/jobs/{id}/events) is kept after
+    its last event; a client that comes back later reads the job's result instead."""
     reconcile_interval_s: float = Field(30.0, gt=0)
     """How often Celery beat runs the reconciler, which re-enqueues queued or running jobs that
     have no stream entry (Redis lost data)."""

@@ -226,6 +226,23 @@ class Scripts:
         )
 
 
+def events_key(prefix: str, model: str, job_id: str) -> str:
+    """Stream of one job's events (its tokens as they come, its status changes, its end).
+
+    Written by the worker that runs the job, read by any API process serving
+    ``GET /v1/jobs/{id}/events``; an entry's id is the Server-Sent Event's id,
+    so a client resumes after exactly the last event it saw
+    (``core.job_events``).
+    """
+    return f"{prefix}:{{{model}}}:events:{job_id}"
+
+
+def cancels_key(prefix: str, model: str) -> str:
+    """Set of the model's running jobs a client asked to stop; the worker running
+    one stops it at its next step (``DELETE /v1/jobs/{id}``)."""
+    return f"{prefix}:{{{model}}}:cancels"
+
+
 def dead_letter_key(prefix: str, model: str) -> str:
     return f"{prefix}:{{{model}}}:dead"
 

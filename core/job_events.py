@@ -1,0 +1,99 @@
+"""A job's events, as its worker writes them and ``GET /v1/jobs/{id}/events`` streams them.
+
+Each event is one entry of the job's events stream (``core.streams.events_key``):
+
+- ``status``: the job changed state (``running`` when a worker starts it);
+- ``token``: a generation produced its token number ``index`` (0-based), with
+  ``text``, the text it makes visible (possibly "": half a character, or what
+  could be the start of a stop string, is held back until it is whole);
+- ``done``: the job ended, with its terminal ``status`` and, for a
+  generation, its ``finish_reason``. Nothing follows it.
+
+The entry's id in Redis is the event's id, so a client reading again from
+the last id it saw gets every later event exactly once, in order. The
+stream expires ``ttl_s`` after the job's last event (a setting,
+``FERRY_EVENTS_TTL_S``); a client that comes back later reads the job's
+row instead. Malformed entries raise :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from core.streams import ProtocolError
+
+EventKind = Literal["status", "token", "done"]
+KINDS = ("status", "token", "done")
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event; ``data`` is what the Server-Sent Event carries as JSON."""
+
+    kind: EventKind
+    status: str | None = None
+    index: int | None = None
+    token: int | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @classmethod
+    def running(cls) -> JobEvent:
+        return cls("status", status="running")
+
+    @classmethod
+    def token_event(cls, index: int, token: int, text: str) -> JobEvent:
+        return cls("token", index=index, token=token, text=text)
+
+    @classmethod
+    def done(cls, status: str, finish_reason: str | None = None) -> JobEvent:
+        return cls("done", status=status, finish_reason=finish_reason)
+
+    def encode(self) -> dict[str, str]:
+        fields: dict[str, str] = {"k": self.kind}
+        if self.status is not None:
+            fields["s"] = self.status
+        if self.index is not None:
+            fields["i"] = str(self.index)
+        if self.token is not None:
+            fields["tok"] = str(self.token)
+        if self.text is not None:
+            fields["txt"] = self.text
+        if self.finish_reason is not None:
+            fields["fr"] = self.finish_reason
+        return fields
+
+    @classmethod
+    def decode(cls, fields: Mapping[bytes | str, bytes | str]) -> JobEvent:
+        try:
+            f = {_text(k): _text(v) for k, v in fields.items()}
+            kind = f["k"]
+            if kind not in KINDS:
+                raise ProtocolError(f"unknown event kind {kind!r}")
+            return cls(
+                kind=kind,  # type: ignore[arg-type]
+                status=f.get("s"),
+                index=int(f["i"]) if "i" in f else None,
+                token=int(f["tok"]) if "tok" in f else None,
+                text=f.get("txt"),
+                finish_reason=f.get("fr"),
+            )
+        except ProtocolError:
+            raise
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"malformed job event: {exc!r}") from exc
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self.kind == "token":
+            return {"index": self.index, "token": self.token, "text": self.text}
+        out: dict[str, Any] = {"status": self.status}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
