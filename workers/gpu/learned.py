@@ -105,6 +105,11 @@ class Publisher:
         if self._unpublished and now - self._published_at >= PUBLISH_S:
             with contextlib.suppress(*REDIS_ERRORS):
                 self.publish(state)
+        self.heartbeat(now)
+
+    def heartbeat(self, now: float | None = None) -> None:
+        """Say this worker is alive (at most every HEARTBEAT_S)."""
+        now = time.monotonic() if now is None else now
         if now - self._last_beat < HEARTBEAT_S:
             return
         self._last_beat = now

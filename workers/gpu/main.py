@@ -10,7 +10,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from backends.base import DeviceLost
+from backends.base import DeviceLost, resolve_device
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
 from core import tracing
@@ -25,6 +25,7 @@ from core.webhooks import DeliveryKicker
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder
 from workers.gpu.events import KickDeliveries
+from workers.gpu.generation_main import is_generation, run_generation_worker
 from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.loop import BatchLoop, LoopConfig
 from workers.gpu.presence import CeleryPresence
@@ -158,6 +159,11 @@ def run_worker(
     metrics_port: int | None = None,
     instance: int | None = None,
 ) -> int:
+    config = repository_for(settings, only=model).models.get(model)
+    if config is not None and is_generation(config):
+        resolved = device or settings.for_model(model, config.settings).device
+        consumer = name or default_consumer_name(model, resolve_device(resolved), instance)
+        return run_generation_worker(settings, model, device, consumer, metrics_port)
     # The port answers while the model loads (/readyz 503 until the loop reads its streams).
     loops: list[BatchLoop] = []
     if metrics_port:

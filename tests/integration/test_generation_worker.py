@@ -1,0 +1,314 @@
+"""A generation model's worker on real parts: the API, Redis, the database, a real model folder.
+
+Jobs go in through ``POST /v1/jobs``; the worker loop (in a thread of the
+test, as the other integration tests run theirs) reads the model's streams,
+steps the engine, streams each token to the job's events stream and
+records the result. What comes out is checked against the library's own
+``generate()`` on the same folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from backends.catalog import repository_for
+from backends.generation.load import eos_ids
+from core.generation import prompt_token_ids
+from core.job_events import JobEvent
+from core.settings import Settings
+from core.streams import cancels_key, events_key
+from tests.lm import lm_folder
+from workers.gpu.generation_loop import GenerationLoop
+from workers.gpu.generation_main import build_generation_loop
+
+MODEL = "tiny"
+TOML = """
+name = "tiny"
+backend = "causal-lm"
+description = "A llama-shaped model with random weights: its text is noise."
+
+[input]
+kind = "generation"
+tokenizer = "tokenizer.json"
+default_max_tokens = 16
+
+[cost]
+function = "tokens"
+
+[parameters]
+max_running = {max_running}
+step_tokens = 256
+prefill_chunk_tokens = 64
+kv_cache_bytes = {kv_bytes}
+"""
+
+
+def repository(root: Path, max_running: int = 8, kv_blocks: int = 512) -> Path:
+    """A repository holding one generation model: the llama-shaped test folder."""
+    folder = root / "repository" / MODEL
+    shutil.copytree(lm_folder("llama"), folder / "1")
+    # llama-shaped test model: 4 layers x 2 KV heads x 32 dims x 2 (K, V) x 4 bytes a token.
+    kv_bytes = kv_blocks * 16 * 4 * 2 * 32 * 2 * 4
+    (folder / "model.toml").write_text(TOML.format(max_running=max_running, kv_bytes=kv_bytes))
+    return folder.parent
+
+
+@cache
+def library_model() -> Any:
+    return AutoModelForCausalLM.from_pretrained(lm_folder("llama")).eval()
+
+
+@cache
+def eos() -> list[int]:
+    folder = lm_folder("llama")
+    return list(eos_ids(folder, AutoConfig.from_pretrained(folder)))
+
+
+def reference(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The library's greedy generate() on the prompt alone."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = library_model().generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos(),
+            pad_token_id=eos()[0],
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+class Worker:
+    def __init__(self, loop: GenerationLoop) -> None:
+        self.loop = loop
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
+        self.peak_blocks = 0
+
+    def __enter__(self) -> GenerationLoop:
+        scheduler = self.loop.engine.scheduler
+        step = self.loop.step
+
+        def watched() -> None:
+            step()
+            self.peak_blocks = max(self.peak_blocks, scheduler.blocks_used)
+
+        self.loop.step = watched  # type: ignore[method-assign]
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the generation worker did not stop"
+
+
+@pytest.fixture
+def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
+    return settings.model_copy(
+        update={
+            "model_repository": repository(tmp_path),
+            "models": MODEL,
+            "model_parameters": {},
+            "cpu_threads": 1,
+        }
+    )
+
+
+@pytest.fixture
+def gen_client(gen_settings: Settings) -> Iterator[TestClient]:
+    from api.app import create_app
+
+    with TestClient(create_app(gen_settings)) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def worker(gen_settings: Settings) -> Callable[..., Worker]:
+    def start(name: str = "gen-worker", settings: Settings | None = None) -> Worker:
+        chosen = settings or gen_settings
+        config = repository_for(chosen).models[MODEL]
+        return Worker(build_generation_loop(chosen, config, "cpu", name))
+
+    return start
+
+
+@pytest.fixture
+def rclient(gen_settings: Settings) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(str(gen_settings.redis_url), decode_responses=True)
+    yield client
+    client.close()
+
+
+def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
+    body: dict[str, Any] = {"model": MODEL, "input": input}
+    if "priority" in input:
+        body["priority"] = input.pop("priority")
+    response = client.post("/v1/jobs", json=body, headers=auth)
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def result(client: TestClient, auth: dict[str, str], job_id: str, wait_s: float = 60) -> Any:
+    ends = time.monotonic() + wait_s
+    while time.monotonic() < ends:
+        job = client.get(f"/v1/jobs/{job_id}?wait=5", headers=auth).json()
+        if job["status"] not in ("queued", "running"):
+            return job
+    raise AssertionError(f"job {job_id} did not end within {wait_s} s")
+
+
+def events(rclient: redis.Redis, settings: Settings, job_id: str) -> list[JobEvent]:
+    entries = rclient.xrange(events_key(settings.key_prefix, MODEL, job_id))
+    return [JobEvent.decode(fields) for _, fields in entries]  # type: ignore[union-attr,arg-type]
+
+
+PROMPTS = [
+    "Ferry queues jobs",
+    "The scheduler decides each step; the runtime executes it",
+    "a",
+    "Workers drain Redis Streams in micro-batches whose size is chosen by cost, time and "
+    "memory, and webhooks deliver the results to clients who asked for them.",
+]
+
+
+def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
+    gen_client: TestClient,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+    gen_settings: Settings,
+) -> None:
+    ids = [submit(gen_client, auth, prompt=p, max_tokens=12, temperature=0) for p in PROMPTS]
+    with worker():
+        jobs = [result(gen_client, auth, job_id) for job_id in ids]
+    for job, job_id, text in zip(jobs, ids, PROMPTS, strict=True):
+        assert job["status"] == "succeeded", job
+        output = job["output"]
+        prompt = prompt_token_ids({"prompt": text}, lm_folder("llama") / "tokenizer.json")
+        expected = reference(prompt, 12)
+        assert output["token_ids"] == expected
+        assert output["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(expected),
+            "total_tokens": len(prompt) + len(expected),
+        }
+        assert output["finish_reason"] in ("stop", "length")
+        assert output["timings"]["ttft_ms"] > 0
+        seen = events(rclient, gen_settings, job_id)
+        assert seen[0] == JobEvent.running()
+        tokens = [e for e in seen if e.kind == "token"]
+        assert [e.index for e in tokens] == list(range(len(expected)))
+        assert [e.token for e in tokens] == expected
+        assert "".join(e.text or "" for e in tokens) == output["text"]
+        assert seen[-1] == JobEvent.done("succeeded", output["finish_reason"])
+
+
+def test_cancelling_a_running_job_keeps_its_tokens_and_lets_a_waiting_one_start(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    from api.app import create_app
+
+    one_slot = gen_settings.model_copy(
+        update={"model_repository": repository(tmp_path / "one", max_running=1)}
+    )
+    with TestClient(create_app(one_slot)) as client:
+        long = submit(client, auth, prompt="a long one", max_tokens=400, temperature=0)
+        waiting = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
+        with worker(settings=one_slot):
+            key = events_key(one_slot.key_prefix, MODEL, long)
+            ends = time.monotonic() + 60
+            while rclient.xlen(key) < 6 and time.monotonic() < ends:
+                time.sleep(0.01)
+            assert client.get(f"/v1/jobs/{waiting}", headers=auth).json()["status"] == "queued"
+            rclient.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
+            cancelled = result(client, auth, long)
+            started = result(client, auth, waiting)
+    assert cancelled["status"] == "cancelled"
+    produced = cancelled["output"]["token_ids"]
+    assert 5 <= len(produced) < 400
+    assert cancelled["output"]["finish_reason"] == "cancelled"
+    assert started["status"] == "succeeded"
+    seen = events(rclient, one_slot, long)
+    assert [e.token for e in seen if e.kind == "token"] == produced
+    assert seen[-1] == JobEvent.done("cancelled", "cancelled")
+
+
+def test_an_urgent_job_gets_its_first_token_within_a_few_steps_of_a_full_bulk_batch(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    from api.app import create_app
+
+    full = gen_settings.model_copy(
+        update={"model_repository": repository(tmp_path / "full", max_running=4, kv_blocks=40)}
+    )
+    with TestClient(create_app(full)) as client:
+        bulk = [
+            submit(client, auth, prompt=f"bulk work {i}", max_tokens=120, priority="bulk")
+            for i in range(8)
+        ]
+        with worker(settings=full) as loop:
+            ends = time.monotonic() + 60
+            while loop.engine.scheduler.running_count < 4 and time.monotonic() < ends:
+                time.sleep(0.005)
+            assert loop.engine.scheduler.running_count == 4
+            steps_before = loop.steps
+            urgent = submit(client, auth, prompt="urgent", max_tokens=4, priority="urgent")
+            key = events_key(full.key_prefix, MODEL, urgent)
+            while not any(
+                JobEvent.decode(f).kind == "token"  # type: ignore[arg-type]
+                for _, f in rclient.xrange(key)  # type: ignore[union-attr]
+            ):
+                assert time.monotonic() < ends, "the urgent job never produced a token"
+                time.sleep(0.002)
+            steps_to_first_token = loop.steps - steps_before
+            done = result(client, auth, urgent)
+            # The bulk batch went on (none of it failed) after the urgent job preempted it.
+            for job_id in bulk:
+                client.delete(f"/v1/jobs/{job_id}", headers=auth)
+    assert done["status"] == "succeeded"
+    # Read, admitted (preempting bulk), prefilled and sampled: a handful of steps,
+    # not the hundreds a bulk sequence still had to run.
+    assert steps_to_first_token <= 10, steps_to_first_token
+
+
+def test_the_kv_budget_holds_under_a_load_that_naive_admission_would_overflow(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+) -> None:
+    from api.app import create_app
+
+    tight = gen_settings.model_copy(
+        update={"model_repository": repository(tmp_path / "tight", max_running=16, kv_blocks=24)}
+    )
+    with TestClient(create_app(tight)) as client:
+        ids = [submit(client, auth, prompt=f"job {i} " * 3, max_tokens=40) for i in range(24)]
+        running = worker(settings=tight)
+        with running:
+            jobs = [result(client, auth, job_id, wait_s=120) for job_id in ids]
+    # Each job reserves ceil((prompt + 40) / 16) = 4 blocks: 24 jobs would need 96.
+    assert all(job["status"] == "succeeded" for job in jobs)
+    assert 0 < running.peak_blocks <= 24

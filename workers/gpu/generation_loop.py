@@ -1,0 +1,436 @@
+"""The loop of a generation model's worker: read, step, stream, record.
+
+Each turn reads what fits from the model's streams into the engine, stops
+the jobs clients cancelled, and runs one engine step
+(``workers.gpu.engine``: schedule → execute → report back). What the step
+did is then applied here and only here: the jobs it started are claimed
+(``running``, attempts + 1), every new token goes to its job's events
+stream (``core.job_events``), and every job that ended is recorded, then
+acknowledged and announced on the done channel. An entry is acknowledged
+only after its job's outcome is committed, as for encoders; a worker that
+dies leaves its entries to be taken over and the jobs run again.
+
+A step's writes are one Redis pipeline (every token of the step) and, when
+jobs ended, one transaction for their outcomes: their cost does not grow
+with the tokens a step produces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+
+from backends.generation.runtime import Completion, GenerationInput
+from backends.generation.sampling import SamplingParams
+from core.db import TERMINAL_STATUSES, Job
+from core.generation import prompt_token_ids
+from core.job_events import JobEvent
+from core.redis_target import REDIS_ERRORS
+from core.streams import cancels_key, done_channel, events_key
+from scheduler.generation import FinishReason, GenerationRequest
+from scheduler.vocabulary import Lane
+from workers.gpu.consumer import Entry, StreamConsumer
+from workers.gpu.engine import GenerationEngine, StepEvents
+from workers.gpu.learned import Publisher
+from workers.gpu.recorder import Outcome, Recorder
+from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, utc_at
+
+log = logging.getLogger(__name__)
+
+OUTAGES: tuple[type[Exception], ...] = (*REDIS_ERRORS, SQLAlchemyError)
+IDLE_BLOCK_MS = 1000
+# Held entries have their idle time reset this often (a fraction of the
+# visibility timeout), so a long generation is never taken over while it runs.
+TOUCH_FRACTION = 0.25
+CANCEL_CHECK_S = 0.05
+
+
+@dataclass
+class _Held:
+    """A job this worker holds: its entry, and when its tokens came."""
+
+    entry: Entry
+    enqueued_s: float
+    started_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    tokens: int = 0
+    claimed: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    prefetch: int = 256
+    max_attempts: int = 3
+    visibility_timeout_s: float = 120.0
+    events_ttl_s: float = 3600.0
+    drain_s: float = 30.0  # stopping: how long the running generations may take to finish
+
+
+class GenerationLoop:
+    """One worker of a generation model: ``engine`` steps what ``consumer`` reads."""
+
+    def __init__(
+        self,
+        *,
+        engine: GenerationEngine,
+        tokenizer_path: Path,
+        consumer: StreamConsumer,
+        recorder: Recorder,
+        client: redis.Redis,
+        prefix: str,
+        device: str,
+        config: GenerationConfig = GenerationConfig(),
+        kick: Callable[[list[str]], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer_path = tokenizer_path
+        self.consumer = consumer
+        self.recorder = recorder
+        self.client = client
+        self.prefix = prefix
+        self.device = device
+        self.config = config
+        self.kick = kick
+        self.clock = clock
+        self.held: dict[str, _Held] = {}
+        self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer)
+        self.ready = threading.Event()
+        self.restart_requested = False
+        self.steps = 0
+        self.tokens = 0
+        self._last_touch = time.monotonic()
+        self._last_cancel_check = 0.0
+        self._stopping = False
+
+    @property
+    def model(self) -> str:
+        return self.consumer.model
+
+    def request_stop(self) -> None:
+        self._stopping = True
+
+    # --- running ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        backoff_s = RETRY_MIN_S
+        while not stop.is_set():
+            try:
+                self.consumer.ensure_groups()
+                break
+            except OUTAGES:
+                stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+        self.ready.set()
+        log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
+        backoff_s = RETRY_MIN_S
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                    backoff_s = RETRY_MIN_S
+                    self.ready.set()
+                except OUTAGES as exc:
+                    self.ready.clear()
+                    log.warning(
+                        "dependency error; retrying",
+                        extra={"model": self.model, "error_type": type(exc).__name__,
+                               "retry_in_s": backoff_s},
+                    )  # fmt: skip
+                    # What was read and not recorded stays pending in Redis: forget the
+                    # local copies (their sequences too) and read them again.
+                    self._forget_all()
+                    stop.wait(backoff_s)
+                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+            self._drain()
+        finally:
+            self.ready.clear()
+            self.publisher.leave()
+            log.info("worker stopped", extra={"model": self.model, "left_pending": len(self.held)})
+
+    def _drain(self) -> None:
+        """Stopping: read nothing more and let what runs finish, for at most drain_s.
+
+        What is still running then stays unacknowledged: another worker (or
+        this one, restarted) takes it over and runs it again.
+        """
+        self._stopping = True
+        ends = time.monotonic() + self.config.drain_s
+        with contextlib.suppress(*OUTAGES):
+            while self.engine.scheduler.running_count and time.monotonic() < ends:
+                self.step()
+
+    def step(self) -> None:
+        """One turn: read, apply cancellations, run one engine step, apply what it did."""
+        self.publisher.heartbeat()
+        self._upkeep()
+        busy = bool(self.engine.scheduler.running_count or self.engine.scheduler.waiting_count)
+        if not self._stopping:
+            self._read(None if busy else IDLE_BLOCK_MS)
+        self._cancels()
+        events = self.engine.step(self.clock())
+        if not events.idle:
+            self.steps += 1
+        self._apply(events)
+        if events.idle and events.plan.wait_s is not None:
+            time.sleep(min(events.plan.wait_s, IDLE_BLOCK_MS / 1000.0))
+
+    # --- reading -----------------------------------------------------------------
+
+    def _read(self, block_ms: int | None) -> None:
+        room = self.config.prefetch - len(self.held)
+        if room <= 0:
+            return
+        self._take(self.consumer.read(room, block_ms))
+
+    def _take(self, entries: list[Entry]) -> None:
+        fresh = [e for e in entries if e.message.job_id not in self.held]
+        if not fresh:
+            return
+        ids = [e.message.job_id for e in fresh]
+        with self.recorder.sessions() as session:
+            inputs: dict[str, Any] = dict(
+                session.execute(
+                    select(Job.id, Job.input).where(
+                        Job.id.in_(ids), Job.status.not_in(TERMINAL_STATUSES)
+                    )
+                ).all()
+            )
+        gone = [e for e in fresh if e.message.job_id not in inputs]
+        if gone:  # cancelled, or recorded already by another worker: nothing to run
+            self.consumer.ack(gone)
+        refused: list[Outcome] = []
+        for entry in fresh:
+            value = inputs.get(entry.message.job_id)
+            if value is None:
+                continue
+            message = entry.message
+            try:
+                job = generation_input(value, self.tokenizer_path)
+                request = GenerationRequest(
+                    id=message.job_id,
+                    prompt_tokens=len(job.prompt_ids),
+                    max_tokens=job.max_tokens,
+                    lane=Lane(message.lane),
+                    tenant=message.tenant or "",
+                    deadline=message.deadline_at_ms / 1000.0 if message.deadline_at_ms else None,
+                    arrival=message.enqueued_at_ms / 1000.0,
+                )
+                self.engine.add(request, job)
+            except (ValueError, KeyError, TypeError) as exc:
+                refused.append(Outcome(message.job_id, "failed", error=f"cannot run: {exc}"))
+                self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
+                continue
+            self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
+        if refused:
+            self._record(refused, {})
+
+    def _upkeep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_touch < self.config.visibility_timeout_s * TOUCH_FRACTION:
+            return
+        self._last_touch = now
+        lost = self.consumer.touch([h.entry for h in self.held.values()])
+        for entry in lost:  # another worker took it over while this one stalled
+            self.engine.cancel(entry.message.job_id)
+            self.held.pop(entry.message.job_id, None)
+        room = self.config.prefetch - len(self.held)
+        if room > 0:
+            self._take(self.consumer.reclaim(int(self.config.visibility_timeout_s * 1000), room))
+
+    def _cancels(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < CANCEL_CHECK_S or not self.held:
+            return
+        self._last_cancel_check = now
+        key = cancels_key(self.prefix, self.model)
+        asked = [str(m) for m in self.client.smembers(key)]
+        ours = [job_id for job_id in asked if job_id in self.held]
+        if ours:
+            for job_id in ours:
+                self.engine.cancel(job_id)
+            self.client.srem(key, *ours)
+
+    # --- applying a step ---------------------------------------------------------
+
+    def _apply(self, events: StepEvents) -> None:
+        now = self.clock()
+        if events.admitted:
+            self._claim(list(events.admitted), now)
+        if events.emitted:
+            pipe = self.client.pipeline(transaction=False)
+            for job_id, emitted in events.emitted.items():
+                held = self.held.get(job_id)
+                if held is None:
+                    continue
+                if held.first_token_s is None:
+                    held.first_token_s = now
+                held.last_token_s = now
+                key = events_key(self.prefix, self.model, job_id)
+                event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
+                pipe.xadd(key, event.encode())  # type: ignore[arg-type]
+                if held.tokens == 0:
+                    pipe.expire(key, int(self.config.events_ttl_s))
+                held.tokens += 1
+            pipe.execute()
+            self.tokens += len(events.emitted)
+        if events.ended:
+            outcomes = [self._outcome(job_id, c, now) for job_id, c in events.ended.items()]
+            self._record([o for o in outcomes if o is not None], dict(events.ended))
+
+    def _claim(self, job_ids: list[str], now: float) -> None:
+        claimed, late, exhausted = self.recorder.claim(
+            job_ids, utc_at(now), self.config.max_attempts
+        )
+        took = {c.job_id for c in claimed}
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in took:
+            self.held[job_id].claimed = True
+            self.held[job_id].started_s = now
+            pipe.xadd(events_key(self.prefix, self.model, job_id), JobEvent.running().encode())  # type: ignore[arg-type]
+        pipe.execute()
+        for job_id in job_ids:
+            if job_id not in took:
+                # Late, exhausted, or ended meanwhile (cancelled while queued): stop it;
+                # its outcome is recorded when the engine reports it ended.
+                self.engine.cancel(job_id)
+        failed = [
+            Outcome(
+                j, "failed", error=f"started {self.config.max_attempts} times without finishing"
+            )
+            for j in exhausted
+        ]
+        expired = [Outcome(j, "expired", error="the deadline passed before it ran") for j in late]
+        if failed or expired:
+            self._record_outcomes(failed + expired)
+
+    def _outcome(self, job_id: str, completion: Completion, now: float) -> Outcome | None:
+        held = self.held.get(job_id)
+        if held is None:
+            return None
+        reason = completion.finish_reason
+        if reason == FinishReason.EXPIRED:
+            return Outcome(job_id, "expired", error="its deadline could not be met")
+        if not held.claimed:
+            # Never started here (late, exhausted, cancelled while queued): its entry
+            # is acknowledged; whatever ended it recorded it already.
+            return Outcome(job_id, "cancelled", error="cancelled by the client")
+        status = "cancelled" if reason == FinishReason.CANCELLED else "succeeded"
+        return Outcome(
+            job_id,
+            status,
+            output=completion_output(completion, held, now),
+            error="cancelled by the client" if status == "cancelled" else None,
+            inference_ms=None
+            if held.first_token_s is None
+            else round((now - held.first_token_s) * 1000.0, 3),
+        )
+
+    def _record(self, outcomes: list[Outcome], ended: dict[str, Completion]) -> None:
+        self._record_outcomes(outcomes)
+        for job_id in ended:
+            self.held.pop(job_id, None)
+
+    def _record_outcomes(self, outcomes: list[Outcome]) -> list[str]:
+        """Commit the outcomes, write their done events, acknowledge, announce."""
+        if not outcomes:
+            return []
+        written = self.recorder.finish(outcomes, utc_at(self.clock()), None, None)
+        won = set(written)
+        pipe = self.client.pipeline(transaction=False)
+        for outcome in outcomes:
+            if outcome.job_id not in won:
+                continue
+            key = events_key(self.prefix, self.model, outcome.job_id)
+            reason = (
+                outcome.output.get("finish_reason") if isinstance(outcome.output, dict) else None
+            )
+            pipe.xadd(key, JobEvent.done(outcome.status, reason).encode())  # type: ignore[arg-type]
+            pipe.expire(key, int(self.config.events_ttl_s))
+        pipe.execute()
+        entries = [self.held[o.job_id].entry for o in outcomes if o.job_id in self.held]
+        publish = (done_channel(self.prefix), ",".join(written)) if written else None
+        self.consumer.ack(entries, publish=publish)
+        deliveries = self.recorder.take_outbox()
+        if deliveries:
+            self._kick(deliveries)
+        for outcome in outcomes:
+            self.held.pop(outcome.job_id, None)
+        return written
+
+    def _kick(self, deliveries: list[str]) -> None:
+        """Hand webhook deliveries committed with the outcomes to Celery."""
+        if self.kick is None:
+            return
+        try:
+            self.kick(deliveries)
+        except Exception as exc:  # the beat's sweep sends them later
+            log.warning(
+                "webhook deliveries not kicked",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+
+    def _forget_all(self) -> None:
+        for job_id in list(self.held):
+            self.engine.cancel(job_id)
+        with contextlib.suppress(Exception):
+            # The cancellations take effect (blocks freed, sequences dropped).
+            self.engine.step(self.clock())
+        self.held.clear()
+        self.consumer.reread_pending()
+
+
+def generation_input(value: dict[str, Any], tokenizer_path: Path) -> GenerationInput:
+    """A stored (validated) generation input as the runtime takes it."""
+    ids = prompt_token_ids(value, tokenizer_path)
+    return GenerationInput(
+        prompt_ids=tuple(ids),
+        max_tokens=int(value["max_tokens"]),
+        sampling=SamplingParams(
+            temperature=float(value.get("temperature", 1.0)),
+            top_p=float(value.get("top_p", 1.0)),
+            seed=value.get("seed"),
+        ),
+        stop=tuple(value.get("stop") or ()),
+    )
+
+
+def completion_output(completion: Completion, held: _Held, now: float) -> dict[str, Any]:
+    """What a generation job's row stores as its output."""
+    completion_tokens = len(completion.token_ids)
+    ttft_ms = (
+        None
+        if held.first_token_s is None
+        else round((held.first_token_s - held.enqueued_s) * 1000.0, 3)
+    )
+    queue_ms = (
+        None if held.started_s is None else round((held.started_s - held.enqueued_s) * 1000.0, 3)
+    )
+    tpot_ms = None
+    if held.first_token_s is not None and held.last_token_s is not None and completion_tokens > 1:
+        tpot_ms = round(
+            (held.last_token_s - held.first_token_s) * 1000.0 / (completion_tokens - 1), 3
+        )
+    return {
+        "text": completion.text,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": str(completion.finish_reason),
+        "usage": {
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion_tokens,
+        },
+        "seed": completion.seed,
+        "timings": {"queue_ms": queue_ms, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
+    }
