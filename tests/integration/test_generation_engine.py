@@ -242,3 +242,62 @@ def test_sampling_with_a_seed_is_reproducible_whatever_shares_its_steps() -> Non
     eng = engine("llama")
     different = run(eng, [(GenerationRequest("t", len(target.ids), 24), other)], iter([1] * 99))
     assert different["t"].token_ids != alone
+
+
+@cache
+def neox_folder() -> Path:
+    """A GPT-NeoX-shaped model (an architecture Ferry does not step) beside the gpt2 tokenizer."""
+    from transformers import GPTNeoXConfig
+
+    base = lm_folder("gpt2")
+    folder = base.parent / "gpt-neox"
+    if not folder.exists():
+        tokenizer_files = [p for p in base.iterdir() if "token" in p.name or "special" in p.name]
+        vocab = loaded("gpt2").runner.model.config.vocab_size
+        eos = min(loaded("gpt2").runner.eos_ids)
+        config = GPTNeoXConfig(
+            vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, max_position_embeddings=1024, bos_token_id=eos,
+            eos_token_id=eos,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for path in tokenizer_files:
+            (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def test_an_architecture_not_stepped_natively_runs_through_generate_on_whole_batches() -> None:
+    settings = GenerationSettings(max_running=8, step_tokens=1024)
+    options = RuntimeOptions("cpu", cpu_threads=1)
+    runtime = CausalLMRuntime("neox", neox_folder(), settings, options)
+    runtime.load()
+    assert runtime.execution == "generate"
+    assert "gpt_neox" in runtime.why
+    cases = [Prompt(p.ids[:60], p.max_tokens) for p in prompts("gpt2", 20, seed=7)]
+
+    def fresh() -> GenerationEngine:
+        return GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner)
+
+    batches: list[int] = []
+    ended = run(
+        fresh(),
+        [greedy(str(i), p) for i, p in enumerate(cases)],
+        arrivals(3),
+        on_step=lambda events: batches.append(len(events.plan.prefill)),
+    )
+    assert max(batches) > 1  # whole batches, not one at a time
+    for i, prompt in enumerate(cases):
+        completion = ended[str(i)]
+        assert 1 <= len(completion.token_ids) <= prompt.max_tokens
+        assert completion.finish_reason in ("stop", "length")
+    # A job alone is the library's generate() on it.
+    alone = run(fresh(), [greedy("a", cases[0])], iter([1]))["a"]
+    library = AutoModelForCausalLM.from_pretrained(neox_folder()).eval()
+    ids = torch.tensor([cases[0].ids])
+    with torch.inference_mode():
+        out = library.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=cases[0].max_tokens, pad_token_id=runtime.runner.eos_ids[0],
+        )  # fmt: skip
+    assert list(alone.token_ids) == out[0, len(cases[0].ids) :].tolist()
