@@ -11,12 +11,18 @@ byte-level BPE tokenizer, ``ferry.lm_build``) for the generation path's tests an
 files and parameters, without loading a model: each problem names the file
 and the field. It exits 1 on an error (a model that FERRY_MODELS serves, or
 a model.toml that cannot be read), 0 when there are only warnings (files
-missing from a model that is not served).
+missing from a model that is not served). A version built from a recipe
+(``ferry.built_models``) whose files are missing is named with the command
+that builds it.
+
+``build`` writes the files of the versions built from a recipe (the shipped
+``tiny-llama`` and ``tiny-gpt2``), which ``ferry up`` does by itself for the
+models it serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -82,6 +88,7 @@ def check_repository(
     problems = check(repository, served)
     report(problems)
     errors = [p for p in problems if not p.warning]
+    recipes_read = say_unbuilt(repository.root, repository.models, served, path)
     for model in repository.models.values():
         if served is not None and model.name not in served:
             continue
@@ -90,8 +97,9 @@ def check_repository(
             f"{n}{' (active)' if n == model.active_version else ''}" for n in sorted(model.versions)
         )
         print(f"{model.name:20} {model.backend:22} versions {versions:16} {mark}")
-    if errors:
-        print(f"{len(errors)} problem(s) in {repository.root}: Ferry cannot serve it as it is")
+    if errors or not recipes_read:
+        count = len(errors) + (not recipes_read)
+        print(f"{count} problem(s) in {repository.root}: Ferry cannot serve it as it is")
         return 1
     print(f"{repository.root}: ready to serve")
     return 0
@@ -100,6 +108,41 @@ def check_repository(
 def report(problems: list[Problem]) -> None:
     for problem in problems:
         print(f"{'warning' if problem.warning else 'error'}: {problem}")
+
+
+def say_unbuilt(
+    root: Path, models: Iterable[str], served: list[str] | None, path: str | None
+) -> bool:
+    """Name each version built from a recipe that needs building, and the command that does.
+
+    False when a served model's recipe cannot be read (printed as an error; a
+    model not served gets a warning).
+    """
+    from core.repository import relative
+    from ferry.built_models import RecipeError, built_versions
+
+    read = True
+    for model in models:
+        try:
+            versions = built_versions(root, [model])
+        except RecipeError as exc:
+            serious = served is None or model in served
+            print(f"{'error' if serious else 'warning'}: {exc}")
+            read = read and not serious
+            continue
+        for version in versions:
+            why = version.unbuilt()
+            if why is None:
+                continue
+            where = f" --repository {path}" if path is not None else ""
+            # The backend's problems above say what is missing; this says how to build it.
+            print(
+                f"{version.model} version {version.number} is built from "
+                f"{relative(root, version.recipe)}, and {why}: "
+                f"`ferry models build {version.model}{where}` builds it in seconds "
+                "(ferry up does so for the models it serves)"
+            )
+    return read
 
 
 def _plain_repository(columns: Sequence[str], rows: Sequence[Row]) -> list[str]:
@@ -276,4 +319,49 @@ def build_lm_folder(
         f"{parameter_count(folder):,} parameters, {total_bytes:,} bytes, "
         f"built in {elapsed_s:.1f} s"
     )
+    return 0
+
+
+@app.command("build", help="build the files of models built from a recipe (tiny-llama, tiny-gpt2)")
+def build_models(
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[NAME]...", help="models (default: all)", show_default=False),
+    ] = None,
+    repository_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--repository",
+            metavar="PATH",
+            help="a repository folder (default FERRY_MODEL_REPOSITORY)",
+            show_default=False,
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="build them again even if built")] = False,
+) -> int:
+    import time
+
+    from core.settings import get_settings
+    from ferry.built_models import RecipeError, build, built_versions
+
+    root = repository_path or get_settings().model_repository_path
+    try:
+        versions = built_versions(root, names or None)
+    except RecipeError as exc:
+        print(f"error: {exc}")
+        return 1
+    unknown = sorted(set(names or ()) - {v.model for v in versions})
+    if unknown:
+        print(f"error: {root} has no model built from a recipe named {', '.join(unknown)}")
+        return 1
+    for version in versions:
+        started_s = time.perf_counter()
+        if not build(version, force=force):
+            print(f"{version.model} version {version.number}: built already ({version.folder})")
+            continue
+        print(
+            f"{version.model} version {version.number}: built in "
+            f"{time.perf_counter() - started_s:.1f} s into {version.folder} (random weights: "
+            "the text it generates is noise)"
+        )
     return 0

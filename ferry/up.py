@@ -1,6 +1,7 @@
 """``ferry up``: the whole stack on one machine, in the foreground.
 
-Starts (or uses) Redis, migrates the database, then runs the API, one worker per
+Builds the files of a served model that is built from a recipe (ferry.built_models),
+starts (or uses) Redis, migrates the database, then runs the API, one worker per
 model, the Celery worker and beat, and Flower as child processes. Ctrl-C or SIGTERM stops
 them in order: the API first (no new work), then the workers (each finishes
 its batch), then Celery and Flower, then the embedded Redis. A child that dies on its own
@@ -32,6 +33,7 @@ from core.keys import create_key, verify_token
 from core.redis_target import RedisTarget
 from core.repository import Repository
 from core.settings import Settings
+from ferry.built_models import build_missing
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE
 
@@ -146,6 +148,10 @@ def flower_password(settings: Settings, data_dir: Path) -> str:
 
 
 def up(settings: Settings) -> int:
+    # A served model built from a recipe (tiny-llama) gets its files first: it is checked next.
+    if not build_missing(settings.model_repository_path, settings.model_names, _say):
+        _say("a served model's files cannot be built; not starting")
+        return 2
     # A repository Ferry cannot serve stops it here, before anything starts.
     repository = repository_for(settings)
     problems = check(repository, settings.model_names)
