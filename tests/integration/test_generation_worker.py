@@ -312,3 +312,36 @@ def test_the_kv_budget_holds_under_a_load_that_naive_admission_would_overflow(
     # Each job reserves ceil((prompt + 40) / 16) = 4 blocks: 24 jobs would need 96.
     assert all(job["status"] == "succeeded" for job in jobs)
     assert 0 < running.peak_blocks <= 24
+
+
+def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_the_device(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    from api.app import create_app
+
+    one_slot = gen_settings.model_copy(
+        update={"model_repository": repository(tmp_path / "deadline", max_running=1)}
+    )
+    with TestClient(create_app(one_slot)) as client:
+        # Submitted first, while nothing is queued ahead of it, so it is accepted.
+        late = client.post(
+            "/v1/jobs",
+            json={"model": MODEL, "input": {"prompt": "too late", "max_tokens": 4},
+                  "deadline_ms": 1500},
+            headers=auth,
+        )  # fmt: skip
+        assert late.status_code == 202, late.text
+        late_id = late.json()["id"]
+        long = submit(client, auth, prompt="first", max_tokens=1500, priority="urgent")
+        with worker(settings=one_slot):
+            expired = result(client, auth, late_id)
+            client.delete(f"/v1/jobs/{long}", headers=auth)
+            rclient.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
+            result(client, auth, long)
+    assert expired["status"] == "expired"
+    seen = events(rclient, one_slot, late_id)
+    assert seen == [JobEvent.done("expired")]  # never running, no token
