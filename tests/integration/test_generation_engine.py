@@ -301,3 +301,25 @@ def test_an_architecture_not_stepped_natively_runs_through_generate_on_whole_bat
             max_new_tokens=cases[0].max_tokens, pad_token_id=runtime.runner.eos_ids[0],
         )  # fmt: skip
     assert list(alone.token_ids) == out[0, len(cases[0].ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
+def test_half_precision_keeps_weights_and_kv_in_that_type_at_half_the_bytes(
+    precision: str, dtype: torch.dtype
+) -> None:
+    options = RuntimeOptions("cpu", precision=precision, cpu_threads=1)
+    runtime = CausalLMRuntime("half", lm_folder("llama"), GenerationSettings(), options)
+    runtime.load()
+    assert runtime.runner.pool.keys[0].dtype == dtype
+    assert next(runtime.runner.model.parameters()).dtype == dtype
+    assert runtime.bytes_per_block * 2 == loaded("llama").bytes_per_block
+    eng = GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner)
+    cases = prompts("llama", 10)
+    ended = run(eng, [greedy(str(i), p) for i, p in enumerate(cases)], arrivals(1))
+    vocab = runtime.runner.model.config.vocab_size
+    for i, prompt in enumerate(cases):
+        tokens = ended[str(i)].token_ids
+        assert 1 <= len(tokens) <= prompt.max_tokens
+        assert all(0 <= t < vocab for t in tokens)
