@@ -7,10 +7,12 @@ megabytes of random weights, so git keeps the recipe and every machine builds
 the same bytes from it, in seconds, the first time it serves the model
 (``ferry up``) or when asked (``ferry models build``).
 
-A folder counts as built when every file ``build_lm`` writes is there and its
-README.md (written from the same values, and moved into place last) is the one
-these values give: a folder built from other values, or left half-moved, is
-built again.
+A build leaves a stamp in the folder naming the values it was built from
+(written before the files are moved in, completed after). The folder counts
+as built when every file ``build_lm`` writes is there and the stamp names
+this recipe's values: a folder built from other values, or left half-moved,
+is built again. A folder holding files but no stamp (a real model's, put in
+its place) is not Ferry's to replace: it is served as it is.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from core.repository import relative
-from ferry.lm_build import Shape, build_lm, readme, shape_for
+from ferry.lm_build import Shape, build_lm, shape_for
 
 RECIPE = "lm-build.toml"
-# What build_lm writes, README.md last: its presence marks a finished build.
+# What build_lm writes.
 FILES = (
     "config.json",
     "generation_config.json",
@@ -44,6 +46,8 @@ FILES = (
 INTEGERS = ("seed", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab_size")
 FIELDS = ("arch", "dtype", "context_tokens", *INTEGERS)
 _LOCK = ".lm-build.lock"
+STAMP = ".lm-build.stamp"
+_BUILDING = "building\n"
 _SCRATCH = ".lm-build-"
 
 
@@ -69,16 +73,31 @@ class BuiltVersion:
         """The files build_lm writes that the folder lacks."""
         return [name for name in FILES if not (self.folder / name).is_file()]
 
+    @property
+    def signature(self) -> str:
+        """The values the files are built from, as the stamp records them."""
+        return f"{self.shape.flags()} --seed {self.seed}\n"
+
+    def stamp(self) -> str | None:
+        path = self.folder / STAMP
+        return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
+
+    def foreign(self) -> bool:
+        """Whether the folder holds model files that no build of a recipe wrote."""
+        return self.stamp() is None and len(self.missing()) < len(FILES)
+
     def unbuilt(self) -> str | None:
-        """Why the folder must be built, or None when it is built from this recipe."""
+        """Why the folder must be built, or None when it needs no build (built, or foreign)."""
         missing = self.missing()
-        if len(missing) == len(FILES):
-            return "its files are not built yet"
+        stamp = self.stamp()
+        if stamp is None:
+            return "its files are not built yet" if len(missing) == len(FILES) else None
+        if stamp != self.signature:
+            if stamp == _BUILDING:
+                return "its last build did not finish"
+            return f"its files were built from other values than {RECIPE}'s"
         if missing:
             return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
-        written = (self.folder / "README.md").read_text(encoding="utf-8", errors="replace")
-        if written != readme(self.shape, self.seed):
-            return f"its files were built from other values than {RECIPE}'s"
         return None
 
 
@@ -121,10 +140,11 @@ def built_versions(root: Path, models: Iterable[str] | None = None) -> list[Buil
 
 
 def build(version: BuiltVersion, force: bool = False) -> bool:
-    """Build the version's files into its folder; False when they were built already.
+    """Build the version's files into its folder; False when it needs no build.
 
-    Built beside the folder's files and moved in, README.md last, under a lock
-    on the folder, so processes starting together build it once.
+    Built beside the folder's files and moved in under a lock on the folder,
+    so processes starting together build it once. ``force`` builds even a
+    built folder, or one holding files of its own.
     """
     with _locked(version.folder):
         if not force and version.unbuilt() is None:
@@ -150,10 +170,13 @@ def build(version: BuiltVersion, force: bool = False) -> bool:
                 context_tokens=shape.context_tokens,
                 dtype=shape.dtype,
             )
-            for path in sorted(built.iterdir(), key=lambda p: p.name == "README.md"):
+            stamp = version.folder / STAMP
+            stamp.write_text(_BUILDING)
+            for path in built.iterdir():
                 # The weights are written private; the repository is read by every process.
                 path.chmod(0o644)
                 os.replace(path, version.folder / path.name)
+            stamp.write_text(version.signature)
     return True
 
 

@@ -357,7 +357,13 @@ def build_models(
     for version in versions:
         started_s = time.perf_counter()
         if not build(version, force=force):
-            print(f"{version.model} version {version.number}: built already ({version.folder})")
+            if version.foreign():
+                print(
+                    f"{version.model} version {version.number}: {version.folder} holds model "
+                    "files no recipe built; they are left as they are (--force replaces them)"
+                )
+            else:
+                print(f"{version.model} version {version.number}: built already ({version.folder})")
             continue
         print(
             f"{version.model} version {version.number}: built in "

@@ -17,6 +17,7 @@ from core.settings import PER_MODEL, Settings
 from ferry.built_models import (
     FILES,
     RECIPE,
+    STAMP,
     BuiltVersion,
     RecipeError,
     build,
@@ -133,6 +134,7 @@ def test_a_built_folder_is_kept_and_a_damaged_or_stale_one_is_built_again(
 ) -> None:
     version = read_recipe("tiny-gpt2", built / "tiny-gpt2" / "1")
     before = digests(version.folder)
+    assert version.stamp() == version.signature
     assert not build(version)  # built already
     (version.folder / "tokenizer.json").unlink()
     assert version.unbuilt() == "tokenizer.json is missing"
@@ -148,6 +150,36 @@ def test_a_built_folder_is_kept_and_a_damaged_or_stale_one_is_built_again(
     assert build(version)
     assert digests(version.folder) == before
     assert not [p for p in version.folder.iterdir() if p.name.startswith(".lm-build-")]
+
+    # A build killed while it moved the files in.
+    (version.folder / STAMP).write_text("building\n")
+    assert version.unbuilt() == "its last build did not finish"
+    assert build(version)
+    assert version.unbuilt() is None
+
+
+def test_a_real_models_files_in_its_place_are_never_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = shipped_copy(tmp_path / "models")
+    folder = root / "tiny-llama" / "1"
+    # Someone's own model, put where the recipe would build (a README of its own, no stamp).
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        (folder / name).write_text(f"their {name}")
+    version = read_recipe("tiny-llama", folder)
+    assert version.foreign()
+    assert version.unbuilt() is None
+    said: list[str] = []
+    assert build_missing(root, ["tiny-llama"], said.append)
+    assert said == []
+    assert not build(version)
+    assert main(["models", "build", "tiny-llama", "--repository", str(root)]) == 0
+    assert "holds model files no recipe built; they are left as they are" in (
+        capsys.readouterr().out
+    )
+    assert (folder / "README.md").read_text() == "their README.md"
+    assert build(version, force=True)  # asked for by name: `ferry models build --force`
+    assert not version.foreign() and version.unbuilt() is None
 
 
 @pytest.mark.parametrize(
