@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import logging
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import redis
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
@@ -32,7 +35,10 @@ from core.db import (
     utcnow,
 )
 from core.keys import new_webhook_secret, rotate_webhook_secret
+from core.metrics import JOBS_FINISHED
+from core.redis_target import REDIS_ERRORS
 from core.resources import job_resource
+from core.streams import cancels_key, done_channel
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.webhooks import add_job_deliveries
@@ -121,7 +127,51 @@ def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     return owned(session, Job, key, job_id, "job")
 
 
-def cancel_job(session: Session, key: ApiKey, job_id: str, kick: Kick | None = None) -> Job:
+# A stop asked for a job no worker holds (it ended meanwhile) is forgotten after this.
+CANCEL_TTL_S = 600
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """What DELETE did: ``job`` cancelled at once (it was queued), or, ``requested``, the
+    worker running it asked to stop it (a running generation: ``core.streams.cancels_key``)."""
+
+    job: Job
+    requested: bool = False
+
+
+def is_generation(catalog: dict[str, ModelSpec], model: str) -> bool:
+    """Whether ``model`` is a generation model (its jobs stream tokens and can be stopped)."""
+    spec = catalog.get(model)
+    return spec is not None and getattr(spec.input, "kind", None) == "generation"
+
+
+def stop_generation(
+    client: redis.Redis, prefix: str, catalog: dict[str, ModelSpec]
+) -> Callable[[Job], bool]:
+    """Asks the worker running a generation job to stop it (False: not a generation)."""
+
+    def stop(job: Job) -> bool:
+        if not is_generation(catalog, job.model):
+            return False
+        key = cancels_key(prefix, job.model)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.sadd(key, job.id)
+            pipe.expire(key, CANCEL_TTL_S)
+            pipe.execute()
+        return True
+
+    return stop
+
+
+def cancel_job(
+    session: Session,
+    key: ApiKey,
+    job_id: str,
+    kick: Kick | None = None,
+    stop_running: Callable[[Job], bool] | None = None,
+) -> Cancel:
+    """Cancel a queued job now; a running one only if ``stop_running`` asks its worker to."""
     job = get_job(session, key, job_id)
     now = utcnow()
     result = session.execute(
@@ -133,12 +183,32 @@ def cancel_job(session: Session, key: ApiKey, job_id: str, kick: Kick | None = N
     session.commit()
     session.refresh(job)
     if not result.rowcount:  # type: ignore[attr-defined]
+        if job.status == "running" and stop_running is not None and stop_running(job):
+            return Cancel(job, requested=True)
         raise ApiError(
-            409, "conflict", f"job {job.id} is {job.status}; only a queued job can be cancelled"
+            409,
+            "conflict",
+            f"job {job.id} is {job.status}; only a queued job (or a running generation) "
+            "can be cancelled",
         )
     if deliveries and kick is not None:
         kick(deliveries)
-    return job
+    return Cancel(job)
+
+
+def cancel_and_announce(state: Any, key: ApiKey, job_id: str) -> tuple[JobResource, bool]:
+    """DELETE /v1/jobs/{id} on the app's parts (a thread's work): the job as it is after,
+    and whether its worker was asked to stop it (it is still running then)."""
+    settings = state.settings
+    stop = stop_generation(state.redis, settings.key_prefix, state.catalog)
+    with state.sessions() as session:
+        done = cancel_job(session, key, job_id, state.kick, stop)
+        if not done.requested:
+            JOBS_FINISHED.labels(done.job.model, done.job.priority, "cancelled").inc()
+            # Long-polls of the job, in every API process, wake as for a worker's result.
+            with contextlib.suppress(*REDIS_ERRORS):
+                state.redis.publish(done_channel(settings.key_prefix), done.job.id)
+        return render_job(session, done.job), done.requested
 
 
 def deliveries_of(session: Session, jobs: Sequence[Job]) -> dict[str, WebhookDelivery]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -14,11 +14,12 @@ from api.deps import (
     GroupReadDep,
     KeyDep,
     KickDep,
-    RedisDep,
     SessionDep,
     SettingsDep,
 )
 from api.errors import ApiError
+from api.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
+from api.generation_schemas import CancelRequested
 from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import (
     DeliveryList,
@@ -31,10 +32,8 @@ from api.schemas import (
 )
 from api.submissions import GroupCommit, prepare_request
 from core import tracing
-from core.metrics import JOBS_ACCEPTED, JOBS_FINISHED
-from core.redis_target import REDIS_ERRORS
+from core.metrics import JOBS_ACCEPTED
 from core.settings import Settings
-from core.streams import done_channel
 
 log = logging.getLogger(__name__)
 
@@ -138,27 +137,64 @@ async def read_job(
     return _json(await until_terminal(request.app.state, wanted, wait))
 
 
-@router.delete("/{job_id}", response_model=JobResource, responses=error_responses(404, 409))
-async def cancel_job(
+@router.delete(
+    "/{job_id}",
+    response_model=JobResource,
+    responses={
+        202: {
+            "model": CancelRequested,
+            "description": "A running generation: its worker stops it at its next step.",
+        },
+        **error_responses(404, 409),
+    },
+)
+async def cancel_job(job_id: str, request: Request, key: KeyDep) -> Response:
+    """Cancel a queued job (200, ``cancelled``), or stop a running generation (202, still
+    ``running``, ``cancel_requested``: it ends ``cancelled`` with the tokens it made)."""
+    state = request.app.state
+    resource, requested = await run_in_threadpool(services.cancel_and_announce, state, key, job_id)
+    if requested:
+        body = CancelRequested(**resource.model_dump())
+        return Response(body.model_dump_json(), 202, None, "application/json")
+    return _json(resource)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=EventStreamResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "The job's events: status, token (generations), done.",
+        },
+        **error_responses(404),
+    },
+)
+async def job_events(
     job_id: str,
     request: Request,
     key: KeyDep,
-    kick: KickDep,
-    client: RedisDep,
-    settings: SettingsDep,
-) -> JobResource:
-    sessions = request.app.state.sessions
+    reads: GroupReadDep,
+    last_event_id: Annotated[str | None, Header(max_length=64)] = None,
+) -> EventStreamResponse:
+    """Server-Sent Events: the job's status now (without an id), then its events from
+    the start, or after ``Last-Event-ID``, until ``done``."""
+    if not services.is_uuid(job_id):
+        raise ApiError(404, "not_found", f"no job {job_id!r}")
+    after = resume_after(last_event_id)
+    job = await reads.submit(JobRead(key.id, job_id))
+    state = request.app.state
+    generation = services.is_generation(state.catalog, job.model)
 
-    def cancel() -> JobResource:
-        with sessions() as session:
-            job = services.cancel_job(session, key, job_id, kick)
-            JOBS_FINISHED.labels(job.model, job.priority, "cancelled").inc()
-            # Long-polls of the job, in every API process, wake as for a worker's result.
-            with contextlib.suppress(*REDIS_ERRORS):
-                client.publish(done_channel(settings.key_prefix), job.id)
-            return services.render_job(session, job)
+    async def chunks() -> AsyncIterator[bytes]:
+        yield sse("status", {"status": job.status})
+        async for seen in follow(state, key.id, job, generation=generation, after=after):
+            if seen is None:
+                yield KEEP_ALIVE
+            else:
+                yield sse(seen.event.kind, seen.event.data, seen.id)
 
-    return await run_in_threadpool(cancel)
+    return EventStreamResponse(chunks())
 
 
 @router.get("", response_model=JobList)
