@@ -1,0 +1,239 @@
+"""The generation benchmark's pure parts: the workload it draws and the figures it reports.
+
+No torch, no clock: the requests are drawn from a seeded generator over a
+token list the caller tokenized, and the figures are computed from what each
+request's run recorded (arrival, first token, last token, tokens), so a unit
+test checks both as tables.
+
+* **Prompts and outputs** are clipped lognormals (most short, a long tail):
+  a prompt is a window of the corpus's tokens of the drawn length, its output
+  length is its ``max_tokens``, generated in full (end-of-sequence is ignored
+  by all three ways of running it, so every request produces exactly that).
+* **Arrivals**: all at 0 (an offline batch), or an open-loop Poisson process.
+* **Static batches**: requests grouped in arrival order, ``size`` a batch.
+* **Figures**: output tokens/s over the run's span (first arrival to last
+  token), time to first token (arrival to first token) and time per output
+  token (first to last token over the tokens after the first), p50 and p99.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A clipped lognormal of token counts: ``median``, ``sigma`` of the log, ``[low, high]``."""
+
+    median: float
+    sigma: float
+    low: int
+    high: int
+
+    def draw(self, rng: random.Random) -> int:
+        drawn = rng.lognormvariate(math.log(self.median), self.sigma)
+        return int(min(self.high, max(self.low, round(drawn))))
+
+
+# Most prompts a few dozen tokens, about one in twelve past 256, a few near 1,000;
+# most outputs a couple of dozen tokens, about one in twenty past 128, rarely 512.
+PROMPTS = Lengths(median=48.0, sigma=1.2, low=4, high=1000)
+OUTPUTS = Lengths(median=24.0, sigma=1.0, low=4, high=512)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: its prompt, the tokens it generates, when it arrives."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float = 0.0
+
+
+def draw_workload(
+    corpus_ids: Sequence[int],
+    count: int,
+    seed: int,
+    prompts: Lengths = PROMPTS,
+    outputs: Lengths = OUTPUTS,
+) -> list[Request]:
+    """``count`` requests, all arriving at 0: prompts are windows of ``corpus_ids``."""
+    if len(corpus_ids) <= prompts.high:
+        raise ValueError(f"the corpus has {len(corpus_ids)} tokens; prompts need {prompts.high}+")
+    rng = random.Random(seed)
+    drawn = []
+    for number in range(count):
+        length = prompts.draw(rng)
+        start = rng.randrange(len(corpus_ids) - length)
+        window = tuple(corpus_ids[start : start + length])
+        drawn.append(Request(f"r{number}", window, outputs.draw(rng)))
+    return drawn
+
+
+def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
+    """``count`` arrival times of an open-loop Poisson process, the first at 0."""
+    if rate_per_s <= 0:
+        raise ValueError("rate_per_s must be positive")
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate_per_s)
+    return times
+
+
+def arriving(requests: Sequence[Request], arrivals: Sequence[float]) -> list[Request]:
+    """The requests with these arrival times, in order."""
+    return [replace(r, arrival_s=t) for r, t in zip(requests, arrivals, strict=True)]
+
+
+def static_batches(requests: Sequence[Request], size: int) -> list[list[Request]]:
+    """Groups of ``size`` in arrival order (the last one may be smaller)."""
+    if size < 1:
+        raise ValueError("size must be at least 1")
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one request's run recorded, in seconds on one clock."""
+
+    arrival_s: float
+    first_s: float
+    last_s: float
+    tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """The mean time per output token after the first (None for a single token)."""
+        if self.tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.tokens - 1)
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile, linear between the nearest ranks (NaN of nothing)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def summary(records: Sequence[Record]) -> dict[str, float]:
+    """A run's figures: output tokens/s over its span, TTFT and TPOT p50/p99 in ms."""
+    if not records:
+        raise ValueError("no records")
+    span_s = max(r.last_s for r in records) - min(r.arrival_s for r in records)
+    tokens = sum(r.tokens for r in records)
+    ttft = [r.ttft_s * 1000.0 for r in records]
+    tpot = [t * 1000.0 for r in records if (t := r.tpot_s) is not None]
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "span_s": round(span_s, 3),
+        "tokens_per_s": round(tokens / span_s, 2) if span_s > 0 else float("nan"),
+        "ttft_p50_ms": round(quantile(ttft, 0.5), 2),
+        "ttft_p99_ms": round(quantile(ttft, 0.99), 2),
+        "tpot_p50_ms": round(quantile(tpot, 0.5), 2),
+        "tpot_p99_ms": round(quantile(tpot, 0.99), 2),
+    }
+
+
+def gaps_ms(times_s: Sequence[float]) -> list[float]:
+    """The intervals between consecutive token times, in ms (a stall shows as one long gap)."""
+    return [(b - a) * 1000.0 for a, b in itertools.pairwise(times_s)]
+
+
+def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
+    """Round by round ``ours / theirs`` (each pair ran side by side): median and range."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
+    if not ratios:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
+def lengths_summary(values: Sequence[int]) -> dict[str, Any]:
+    """How a drawn length is spread: median, p90, p99, max, mean, total."""
+    return {
+        "p50": round(quantile(values, 0.5), 1),
+        "p90": round(quantile(values, 0.9), 1),
+        "p99": round(quantile(values, 0.99), 1),
+        "max": max(values),
+        "mean": round(statistics.fmean(values), 1),
+        "total": sum(values),
+    }
+
+
+@dataclass(frozen=True)
+class ChunkedLoad:
+    """Long prompts arriving while short ones decode (the chunked-prefill comparison).
+
+    ``decoders`` requests of ``decoder_prompt`` prompt tokens generating
+    ``decoder_tokens`` arrive at 0; then ``long_prompts`` prompts of
+    ``long_prompt`` tokens, generating ``long_tokens``, one every ``every_s``
+    from ``every_s`` on.
+    """
+
+    decoders: int = 16
+    decoder_prompt: int = 32
+    decoder_tokens: int = 160
+    long_prompts: int = 6
+    long_prompt: int = 900
+    long_tokens: int = 8
+    every_s: float = 0.5
+
+    def draw(self, corpus_ids: Sequence[int], seed: int) -> list[Request]:
+        rng = random.Random(seed)
+
+        def window(length: int) -> tuple[int, ...]:
+            start = rng.randrange(len(corpus_ids) - length)
+            return tuple(corpus_ids[start : start + length])
+
+        drawn = [
+            Request(f"d{i}", window(self.decoder_prompt), self.decoder_tokens)
+            for i in range(self.decoders)
+        ]
+        drawn += [
+            Request(f"l{i}", window(self.long_prompt), self.long_tokens, (i + 1) * self.every_s)
+            for i in range(self.long_prompts)
+        ]
+        return drawn
+
+
+def decoders_figures(
+    token_times_s: dict[str, list[float]], records: dict[str, Record]
+) -> dict[str, float]:
+    """The decoders' (ids ``d...``) TPOT p99 and token gaps, the long prompts' TTFT p50."""
+    gaps = [g for id, t in token_times_s.items() if id.startswith("d") for g in gaps_ms(t)]
+    tpot = [
+        t * 1000.0
+        for id, r in records.items()
+        if id.startswith("d") and (t := r.tpot_s) is not None
+    ]
+    ttft = [r.ttft_s * 1000.0 for id, r in records.items() if id.startswith("l")]
+    return {
+        "decode_tpot_p99_ms": round(quantile(tpot, 0.99), 2),
+        "decode_gap_p50_ms": round(quantile(gaps, 0.5), 2),
+        "decode_gap_p99_ms": round(quantile(gaps, 0.99), 2),
+        "decode_gap_max_ms": round(max(gaps), 2) if gaps else float("nan"),
+        "long_ttft_p50_ms": round(quantile(ttft, 0.5), 2),
+    }
