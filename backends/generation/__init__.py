@@ -13,10 +13,12 @@ or, for an architecture Ferry does not step natively, runs the library's
 ``max_running`` (sequences decoding together, 64), ``step_tokens`` (tokens a
 step computes at most: prefill chunks plus one per decoding sequence, 1024),
 ``prefill_chunk_tokens`` (the most prompt tokens one sequence prefills in a
-step, 256; 0: whole prompts), ``kv_cache_bytes`` (the KV pool; 0: what the
-device's memory share leaves once the model and a step's activations are
-measured, on the CPU 256 MiB), ``native`` (``auto``, or ``never`` to run
-even a natively stepped architecture through ``generate()``).
+step, 256; 0: whole prompts), ``kv_cache_bytes`` (the memory budget: on a GPU
+the model and a measured step's activations come out of it and the KV pool
+gets the rest; on the CPU, where nothing is measured, it is the KV pool's
+alone; 0: the device's memory share, on the CPU 256 MiB), ``native``
+(``auto``, or ``never`` to run even a natively stepped architecture through
+``generate()``).
 """
 
 from __future__ import annotations

@@ -350,7 +350,8 @@ def test_models_lists_the_catalog_with_queue_depth(
     submit(client, auth, model="sim", input={"cost": 1}, priority="bulk")
     submit(client, auth, model="sim", input={"cost": 1}, priority="bulk")
     models = {m["name"]: m for m in client.get("/v1/models", headers=auth).json()["data"]}
-    assert set(models) == {"minilm", "resnet50", "sim"}
+    # The shipped tiny generation models are listed once their files are built.
+    assert set(models) - {"tiny-gpt2", "tiny-llama"} == {"minilm", "resnet50", "sim"}
     assert models["sim"]["queue_depth"] == {"urgent": 0, "vip": 0, "normal": 0, "bulk": 2}
     assert models["minilm"]["input_schema"]["type"] == "string"
     assert models["sim"]["workers"] == 0

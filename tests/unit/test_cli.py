@@ -15,7 +15,7 @@ COMMANDS = ("up", "api", "worker", "celery", "flower", "keys", "backfill", "mode
 SUBCOMMANDS = {
     "keys": ("create", "list", "revoke", "rotate", "embeddings-lane"),
     "backfill": ("submit", "status", "results", "cancel"),
-    "models": ("list", "check", "repository", "activate", "build-lm"),
+    "models": ("list", "check", "repository", "activate", "build-lm", "build"),
     "jobs": ("submit", "get", "wait", "cancel", "list"),
     "db": ("upgrade",),
 }

@@ -25,7 +25,6 @@ from core.webhooks import DeliveryKicker
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder
 from workers.gpu.events import KickDeliveries
-from workers.gpu.generation_main import is_generation, run_generation_worker
 from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.loop import BatchLoop, LoopConfig
 from workers.gpu.presence import CeleryPresence
@@ -160,7 +159,11 @@ def run_worker(
     instance: int | None = None,
 ) -> int:
     config = repository_for(settings, only=model).models.get(model)
-    if config is not None and is_generation(config):
+    if config is not None and config.input.kind == "generation":
+        # Imported here: the generation engine brings torch, which the encoder
+        # workers' module must not load before their backend asks for it.
+        from workers.gpu.generation_main import run_generation_worker
+
         resolved = device or settings.for_model(model, config.settings).device
         consumer = name or default_consumer_name(model, resolve_device(resolved), instance)
         return run_generation_worker(settings, model, device, consumer, metrics_port)
