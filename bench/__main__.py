@@ -109,6 +109,7 @@ BENCHES = (
         ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2,
     ),
     Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1),
+    Bench("generation", "bench.generation", (), ("--smoke",), 10),
     Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
 )  # fmt: skip
 

@@ -1,0 +1,370 @@
+"""Text generation: Ferry's step-level batching against static generate() batches and one
+request at a time, on one model folder, in one process, repeated.
+
+The model is a folder ``ferry.lm_build`` writes (llama-shaped, random weights,
+its tokenizer trained on Ferry's corpus); the same folder serves all three:
+
+* **ferry**: ``backends.generation.CausalLMRuntime`` (paged attention, one
+  forward a step for every running sequence) driven by
+  ``workers.gpu.engine.GenerationEngine`` on the real clock;
+* **static**: ``AutoModelForCausalLM.from_pretrained(folder)`` (the library's
+  default attention), batches of B in arrival order through ``generate()``,
+  B the best of ``--grid`` on the offline load, chosen once per run;
+* **single**: the same model, ``generate()`` on each prompt alone.
+
+The workload (``bench.generation_workload``): ``--requests`` prompts of the
+shipped corpus with lognormal prompt and output lengths, all arriving at 0
+(offline) and, in a second pass, as an open-loop Poisson process at ``--load``
+(70 %) of Ferry's measured capacity. Each round runs, interleaved, ferry,
+static, single offline, then the same on the Poisson arrivals, then Ferry on
+the chunked-prefill load with ``prefill_chunk_tokens`` 0 and 256. After the
+rounds one Ferry run is profiled: where a step's milliseconds go.
+
+    python -m bench.generation [--rounds 3] [--requests 48] [--smoke]
+                               [--device cuda --precision bf16 --layers 12 --hidden 768]
+                               [--out bench/results/generation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench import results
+from bench.generation_workload import (
+    OUTPUTS,
+    PROMPTS,
+    ChunkedLoad,
+    Lengths,
+    Request,
+    arriving,
+    decoders_figures,
+    draw_workload,
+    lengths_summary,
+    poisson_arrivals,
+    ratio_spread,
+    summary,
+)
+
+SYSTEMS = ("ferry", "static", "single")
+MODES = ("offline", "poisson")
+FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+# The spec's targets: output tokens/s against each baseline, at the same or better p99 TTFT.
+TARGETS = {"static": 2.0, "single": 5.0}
+SMOKE_PROMPTS = Lengths(median=24.0, sigma=1.0, low=4, high=200)
+SMOKE_OUTPUTS = Lengths(median=8.0, sigma=0.5, low=4, high=32)
+SMOKE_CHUNKED = ChunkedLoad(decoders=4, decoder_tokens=24, long_prompts=2, long_prompt=300,
+                            long_tokens=4, every_s=0.05)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the runs share: the model folder loaded twice, the corpus's tokens."""
+
+    runtime: Any  # backends.generation.CausalLMRuntime, loaded
+    library: Any  # the folder through from_pretrained, the library's own attention
+    corpus_ids: list[int]
+    pad_id: int
+    device: str
+    parameters: int
+
+
+def load(args: argparse.Namespace, folder: Path) -> Setup:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from backends.base import RuntimeOptions
+    from backends.generation import CausalLMRuntime, GenerationSettings
+    from backends.generation.load import DTYPES
+    from ferry.lm_build import build_lm, corpus_text, parameter_count
+
+    build_lm(folder, "llama", layers=args.layers, hidden=args.hidden, heads=args.heads, seed=0)
+    settings = GenerationSettings(
+        max_running=args.max_running,
+        step_tokens=args.step_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        kv_cache_bytes=int(args.kv_gib * 2**30),
+    )
+    options = RuntimeOptions(device=args.device, precision=args.precision, cpu_threads=args.threads)
+    runtime = CausalLMRuntime("bench-lm", folder, settings, options)
+    runtime.load()
+    if runtime.execution != "step":
+        raise RuntimeError(f"the model is not stepped natively: {runtime.why}")
+    # End-of-sequence ends nothing (see bench.generation_runs): all three do the same work.
+    if not isinstance(runtime.runner.eos_ids, frozenset):
+        raise RuntimeError("the step runtime's eos_ids changed shape: update the benchmark")
+    runtime.runner.eos_ids = frozenset()
+    library = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.precision])
+    library = library.to(args.device).eval()
+    torch.set_num_threads(args.threads)  # the same threads for the library's runs
+    corpus_ids = runtime.runner.tokenizer.encode(corpus_text()).ids
+    pad_id = int(library.generation_config.pad_token_id)
+    return Setup(runtime, library, corpus_ids, pad_id, args.device, parameter_count(folder))
+
+
+@contextmanager
+def cpu_share() -> Iterator[list[float]]:
+    """The process's CPU seconds over the wall's while the block ran (how much of a core
+    it had: on a shared machine, what the others left it)."""
+    found: list[float] = []
+    cpu, wall = time.process_time(), time.perf_counter()
+    yield found
+    found.append(round((time.process_time() - cpu) / (time.perf_counter() - wall), 3))
+
+
+def limits_with(setup: Setup, **changes: int) -> Any:
+    from dataclasses import replace
+
+    return replace(setup.runtime.limits, **changes)
+
+
+def ferry(setup: Setup, requests: Sequence[Request], **changes: int) -> dict[str, Any]:
+    from bench.generation_runs import run_ferry
+
+    with cpu_share() as share:
+        run = run_ferry(setup.runtime.runner, limits_with(setup, **changes), requests)
+    return {**summary(list(run.records.values())), **run.figures(), "cpu_share": share[0]}
+
+
+def generate(setup: Setup, requests: Sequence[Request], size: int) -> dict[str, Any]:
+    from bench.generation_runs import run_generate
+
+    with cpu_share() as share:
+        records = run_generate(setup.library, requests, size, setup.pad_id, setup.device)
+    return {**summary(records), "cpu_share": share[0]}
+
+
+def chunked(setup: Setup, load: ChunkedLoad, chunk: int, seed: int) -> dict[str, Any]:
+    from bench.generation_runs import run_ferry
+
+    requests = load.draw(setup.corpus_ids, seed)
+    step_tokens = max(setup.runtime.limits.step_tokens, load.long_prompt + load.decoders)
+    limits = limits_with(setup, prefill_chunk_tokens=chunk, step_tokens=step_tokens)
+    run = run_ferry(setup.runtime.runner, limits, requests)
+    return {**decoders_figures(run.token_times_s, run.records), **run.figures()}
+
+
+def calibrate(
+    setup: Setup, offline: list[Request], grid: Sequence[int], load: float, seed: int
+) -> dict[str, Any]:
+    """Warm both models up, then measure Ferry's capacity and the best static batch size."""
+    warm = offline[: min(4, len(offline))]
+    ferry(setup, warm)
+    generate(setup, warm, len(warm))
+    capacity = ferry(setup, offline)
+    by_size = {size: generate(setup, offline, size)["tokens_per_s"] for size in grid}
+    best = max(by_size, key=lambda size: by_size[size])
+    rate_per_s = load * len(offline) / capacity["span_s"]
+    print(
+        f"ferry offline {capacity['tokens_per_s']:.0f} tokens/s; static by size "
+        + ", ".join(f"{s}: {v:.0f}" for s, v in by_size.items())
+        + f"; static batch {best}; Poisson at {rate_per_s:.2f} requests/s",
+        flush=True,
+    )
+    return {
+        "ferry_offline": capacity,
+        "static_tokens_per_s_by_size": {str(s): v for s, v in by_size.items()},
+        "static_batch": best,
+        "poisson_rate_per_s": round(rate_per_s, 4),
+        "poisson_seed": seed,
+    }
+
+
+def one_round(
+    setup: Setup,
+    workloads: dict[str, list[Request]],
+    batch: int,
+    chunked_load: ChunkedLoad | None,
+    seed: int,
+) -> dict[str, Any]:
+    round_: dict[str, Any] = {}
+    for mode, requests in workloads.items():
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "ferry": partial(ferry, setup, requests),
+            "static": partial(generate, setup, requests, batch),
+            "single": partial(generate, setup, requests, 1),
+        }
+        round_[mode] = {}
+        for system, run in runs.items():
+            round_[mode][system] = found = run()
+            print(
+                f"  {mode:8} {system:7} {found['tokens_per_s']:8.1f} tokens/s  TTFT p50 "
+                f"{found['ttft_p50_ms']:8.1f} p99 {found['ttft_p99_ms']:8.1f} ms  TPOT p50 "
+                f"{found['tpot_p50_ms']:6.1f} p99 {found['tpot_p99_ms']:6.1f} ms",
+                flush=True,
+            )
+    if chunked_load is not None:
+        round_["chunked"] = {}
+        for chunk in (0, 256):
+            found = chunked(setup, chunked_load, chunk, seed)
+            round_["chunked"][str(chunk)] = found
+            print(
+                f"  chunk {chunk:3}: decode TPOT p99 {found['decode_tpot_p99_ms']:.1f} ms, "
+                f"gap p99 {found['decode_gap_p99_ms']:.1f} max {found['decode_gap_max_ms']:.1f}"
+                f" ms; long prompts' TTFT p50 {found['long_ttft_p50_ms']:.0f} ms",
+                flush=True,
+            )
+    return round_
+
+
+def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every figure's median and range over the rounds, the ratios, the targets."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        out[mode] = {
+            system: {f: results.spread([r[mode][system][f] for r in rounds]) for f in FIGURES}
+            for system in SYSTEMS
+        }
+        ferry_tps = [r[mode]["ferry"]["tokens_per_s"] for r in rounds]
+        out[mode]["ratios"] = {
+            f"vs_{system}": ratio_spread(
+                ferry_tps, [r[mode][system]["tokens_per_s"] for r in rounds]
+            )
+            for system in ("static", "single")
+        }
+    targets = {}
+    for system, target in TARGETS.items():
+        ratio = out["offline"]["ratios"][f"vs_{system}"]
+        # The same or better p99 TTFT, in every round of both arrival patterns.
+        ttft_ok = all(
+            r[mode]["ferry"]["ttft_p99_ms"] <= r[mode][system]["ttft_p99_ms"]
+            for r in rounds
+            for mode in MODES
+        )
+        targets[system] = {
+            "tokens_per_s_ratio_at_least": target,
+            "ratio": ratio,
+            "ratio_met": bool(ratio["min"] >= target),
+            "ttft_p99_same_or_better": ttft_ok,
+            "met": bool(ratio["min"] >= target and ttft_ok),
+        }
+    out["targets"] = targets
+    if all("chunked" in r for r in rounds):
+        keys = list(rounds[0]["chunked"]["0"])
+        out["chunked"] = {
+            chunk: {k: results.spread([r["chunked"][chunk][k] for r in rounds]) for k in keys}
+            for chunk in ("0", "256")
+        }
+    out["peak_kv_blocks"] = max(r[m]["ferry"]["peak_kv_blocks"] for r in rounds for m in MODES)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grid", default="4,8,16,32", help="static batch sizes to try")
+    parser.add_argument("--load", type=float, default=0.7, help="Poisson rate, of capacity")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--step-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
+    parser.add_argument("--kv-gib", type=float, default=0.0, help="0: the backend's default")
+    parser.add_argument("--no-chunked", action="store_true", help="skip the chunked prefill runs")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled run")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/generation.json"))
+    args = parser.parse_args(argv)
+    smoke = args.smoke or os.environ.get(results.SMOKE_ENV) == "1"
+    if smoke:
+        args.rounds, args.requests, args.grid = 1, min(args.requests, 8), "4"
+        args.layers, args.hidden, args.heads = 2, 128, 4
+    head = results.provenance("generation", argv)
+    started = time.monotonic()
+    prompts, outputs = (SMOKE_PROMPTS, SMOKE_OUTPUTS) if smoke else (PROMPTS, OUTPUTS)
+    chunked_load = None if args.no_chunked else (SMOKE_CHUNKED if smoke else ChunkedLoad())
+    grid = [int(s) for s in args.grid.split(",") if s]
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-lm-") as tmp:
+        setup = load(args, Path(tmp) / "lm")
+        offline = draw_workload(setup.corpus_ids, args.requests, args.seed, prompts, outputs)
+        calibration = calibrate(setup, offline, grid, args.load, args.seed + 1)
+        arrivals = poisson_arrivals(len(offline), calibration["poisson_rate_per_s"], args.seed + 1)
+        workloads = {"offline": offline, "poisson": arriving(offline, arrivals)}
+        settings = run_settings(args, setup, grid, smoke)
+        static_batch = calibration["static_batch"]
+        rounds: list[dict[str, Any]] = []
+        report: dict[str, Any] = {}
+        for number in range(1, args.rounds + 1):
+            print(f"round {number} of {args.rounds}", flush=True)
+            rounds.append(one_round(setup, workloads, static_batch, chunked_load, args.seed))
+            report = {
+                "workload": workload_facts(offline, prompts, outputs, chunked_load),
+                "calibration": calibration,
+                "rounds": rounds,
+                **figures(rounds),
+            }
+            # Written after every round: a run cut short still leaves what it measured.
+            results.write(args.out, report, settings=settings, head=head)
+        if not args.no_profile:
+            from bench.generation_profile import profile
+
+            report["profile"] = profile(setup.runtime, offline)
+            print(f"profile: {report['profile']['per_step_ms']}", flush=True)
+        report["seconds"] = round(time.monotonic() - started, 1)
+        results.write(args.out, report, settings=settings, head=head)
+    print(f"wrote {args.out} in {report['seconds']:.0f} s")
+    return 0
+
+
+def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke: bool) -> dict:
+    limits = setup.runtime.limits
+    return {
+        "smoke": smoke,
+        "model": {
+            "arch": "llama",
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "kv_heads": setup.library.config.num_key_value_heads,
+            "intermediate": setup.library.config.intermediate_size,
+            "vocab_size": setup.library.config.vocab_size,
+            "parameters": setup.parameters,
+        },
+        "device": args.device,
+        "precision": args.precision,
+        "threads": args.threads,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "static_grid": grid,
+        "poisson_load": args.load,
+        "eos": "ignored: every request generates exactly its max_tokens",
+        "ferry": {
+            "max_running": limits.max_running,
+            "step_tokens": limits.step_tokens,
+            "prefill_chunk_tokens": limits.prefill_chunk_tokens,
+            "kv_blocks": limits.kv_blocks,
+            "block_size": limits.block_size,
+            "bytes_per_block": setup.runtime.bytes_per_block,
+        },
+    }
+
+
+def workload_facts(
+    offline: list[Request], prompts: Lengths, outputs: Lengths, chunked: ChunkedLoad | None
+) -> dict[str, Any]:
+    return {
+        "prompt_lengths": asdict(prompts),
+        "output_lengths": asdict(outputs),
+        "prompt_tokens": lengths_summary([len(r.prompt_ids) for r in offline]),
+        "output_tokens": lengths_summary([r.max_tokens for r in offline]),
+        "chunked": asdict(chunked) if chunked else None,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
