@@ -1,0 +1,145 @@
+"""What a generation model's workers learned, and the wait the API quotes from it.
+
+A generation worker publishes into its model's stats hash (the one encoder
+workers fill with :class:`~core.estimates.ModelEstimate`) its learned step
+time (seconds ~ a + b x a step's tokens), its KV pool, its per-step budgets,
+the sizes of the jobs it saw lately and how it runs the model
+(:class:`GenerationEstimate`, its own fields: an encoder's hash never has
+them, nor a generation's an encoder's). The API turns that and the depth of
+the queue ahead into a job's ``estimated_wait_ms``: the time until its first
+token (:func:`first_token_s`), which is also what its deadline bounds (the
+latest its first step may start).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Execution = Literal["step", "generate"]
+EXECUTIONS: tuple[Execution, ...] = ("step", "generate")
+
+
+@dataclass(frozen=True)
+class GenerationEstimate:
+    """A generation model's learned step time, its limits, and the usual job.
+
+    ``execution``: ``step`` (natively stepped: sequences join and leave any
+    step) or ``generate`` (the library's ``generate()``: a step runs the
+    sequences it admits to their end), with ``why`` for the latter.
+    ``step_a_s``, ``step_b_s``: a step's seconds ~ a + b x its tokens.
+    ``kv_blocks`` of ``block_size`` tokens, ``bytes_per_block`` each: the KV pool.
+    ``max_running``, ``step_tokens``, ``prefill_chunk_tokens``: the scheduler's limits.
+    ``running``, ``waiting``: sequences in the worker when it published.
+    ``mean_prompt_tokens``, ``mean_max_tokens``: recent jobs' sizes;
+    ``mean_completion_tokens``: what recent jobs generated (0: none seen yet).
+    """
+
+    execution: Execution
+    why: str
+    step_a_s: float
+    step_b_s: float
+    kv_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_running: int
+    step_tokens: int
+    prefill_chunk_tokens: int
+    running: int = 0
+    waiting: int = 0
+    mean_prompt_tokens: float = 0.0
+    mean_max_tokens: float = 0.0
+    mean_completion_tokens: float = 0.0
+
+    def step_s(self, tokens: float) -> float:
+        return self.step_a_s + self.step_b_s * tokens if tokens > 0 else 0.0
+
+    def blocks_for(self, tokens: float) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            f.name: value if isinstance(value, str) else repr(value)
+            for f in fields(self)
+            for value in [getattr(self, f.name)]
+        }
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, str]) -> GenerationEstimate | None:
+        """``None`` until a generation worker has published every field (an encoder's hash
+        has none of them)."""
+        try:
+            execution = raw["execution"]
+            if execution not in EXECUTIONS:
+                return None
+            numbers = {
+                f.name: float(raw[f.name])
+                for f in fields(cls)
+                if f.name not in ("execution", "why")
+            }
+        except (KeyError, ValueError):
+            return None
+        ints = {"kv_blocks", "block_size", "bytes_per_block", "max_running", "step_tokens",
+                "prefill_chunk_tokens", "running", "waiting"}  # fmt: skip
+        values = {name: int(v) if name in ints else v for name, v in numbers.items()}
+        for name in ("kv_blocks", "block_size", "max_running", "step_tokens"):
+            values[name] = max(1, values[name])
+        return cls(execution=execution, why=raw.get("why", ""), **values)  # type: ignore[arg-type]
+
+
+def first_token_s(
+    est: GenerationEstimate, ahead: int, prompt_tokens: int, max_tokens: int, workers: int = 1
+) -> float:
+    """Seconds from acceptance to the first token of a job behind ``ahead`` jobs.
+
+    The jobs ahead are the usual job (the published means; before any, this
+    one's size) shared among the live workers. Stepped natively: the job starts
+    once enough of those ahead have finished to free a slot and its KV blocks
+    (at once if there is room), those running together finishing about evenly;
+    each step carries at most ``step_tokens`` and one decode token per running
+    sequence. Then, after the step in flight, it prefills its prompt in chunks
+    beside the others and samples its first token at the last chunk.
+    Through ``generate()``: the jobs ahead run in whole batches, and its first
+    token comes when its own batch ends.
+    """
+    per_worker = ahead / max(workers, 1)
+    prompt = est.mean_prompt_tokens if est.mean_prompt_tokens >= 1 else float(prompt_tokens)
+    maximum = est.mean_max_tokens if est.mean_max_tokens >= 1 else float(max_tokens)
+    # Nothing finished yet: assume the usual job runs to its max_tokens.
+    completion = est.mean_completion_tokens if est.mean_completion_tokens >= 1 else maximum
+    job_blocks = max(1, est.blocks_for(prompt + maximum))
+    together = max(1, min(est.max_running, est.kv_blocks // job_blocks))
+    if est.execution == "generate":
+        return _whole_batches_s(est, per_worker, prompt, prompt_tokens, together)
+
+    need = est.blocks_for(prompt_tokens + max_tokens)
+    room_slots = est.max_running - per_worker
+    room_blocks = est.kv_blocks - per_worker * job_blocks
+    short = max(0.0, 1 - room_slots, (need - room_blocks) / job_blocks)
+    finished = min(per_worker, math.ceil(short - 1e-9))  # jobs ahead that must end first
+    drain_s = 0.0
+    if finished > 0:
+        work = finished * (prompt + completion)
+        steps = max(work / est.step_tokens, finished * completion / together)
+        drain_s = steps * est.step_s(work / steps)
+    beside = min(together - 1, per_worker)
+    in_flight_s = est.step_s(min(est.step_tokens, beside)) if per_worker > 0 else 0.0
+    chunk = min(prompt_tokens, est.prefill_chunk_tokens or prompt_tokens)
+    full, rest = divmod(prompt_tokens, max(chunk, 1))
+    prefill_s = full * est.step_s(min(est.step_tokens, chunk + beside))
+    if rest:
+        prefill_s += est.step_s(min(est.step_tokens, rest + beside))
+    return in_flight_s + drain_s + prefill_s
+
+
+def _whole_batches_s(
+    est: GenerationEstimate, per_worker: float, prompt: float, own_prompt: int, together: int
+) -> float:
+    """``generate()`` runs each admitted batch to its end in one step (whole prompts within
+    ``step_tokens``): the full batches ahead, then its own with what is left."""
+    per_batch = max(1, min(together, int(est.step_tokens // max(prompt, 1.0))))
+    batches, left = divmod(per_worker, per_batch)
+    own = min(est.step_tokens, left * prompt + own_prompt)
+    return batches * est.step_s(per_batch * prompt) + est.step_s(own)

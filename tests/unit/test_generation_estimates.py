@@ -1,0 +1,110 @@
+"""The first-token wait the API quotes for a generation job, and the hash it is read from."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from core.estimates import ModelEstimate
+from core.generation_estimates import GenerationEstimate, first_token_s
+
+# A step costs 10 ms plus 1 ms a token; 4 sequences at most; the usual job has a
+# 20-token prompt, asks for 40 tokens (4 blocks of 16) and generates 30.
+BASE = GenerationEstimate(
+    execution="step",
+    why="",
+    step_a_s=0.01,
+    step_b_s=0.001,
+    kv_blocks=1000,
+    block_size=16,
+    bytes_per_block=4096,
+    max_running=4,
+    step_tokens=256,
+    prefill_chunk_tokens=64,
+    running=0,
+    waiting=0,
+    mean_prompt_tokens=20.0,
+    mean_max_tokens=40.0,
+    mean_completion_tokens=30.0,
+)
+
+
+def step(tokens: float) -> float:
+    return 0.01 + 0.001 * tokens
+
+
+CASES = [
+    # (what, estimate, ahead, prompt_tokens, max_tokens, workers, expected seconds)
+    ("idle: its own prefill, in chunks of 64", BASE, 0, 100, 40, 1, step(64) + step(36)),
+    (
+        "room beside 3 running: the step in flight, then its prefill beside them",
+        BASE, 3, 20, 40, 1, step(3) + step(23),
+    ),
+    (
+        "slots full: 5 of the 8 ahead end first, 4 decoding at a time (37.5 steps of 250/37.5"
+        " tokens)",
+        BASE, 8, 20, 40, 1, step(3) + (37.5 * 0.01 + 0.001 * 250) + step(23),
+    ),
+    (
+        "two workers share the 8 ahead: 4 each, one must end first",
+        BASE, 8, 20, 40, 2, step(3) + (7.5 * 0.01 + 0.001 * 50) + step(23),
+    ),
+    (
+        "the KV pool holds 2 usual jobs: 2 of the 3 ahead end first, 2 decoding at a time",
+        replace(BASE, kv_blocks=8), 3, 20, 40, 1, step(1) + (30 * 0.01 + 0.001 * 100) + step(21),
+    ),
+    (
+        "nothing seen yet: those ahead are its size and run to their max_tokens (2 end first)",
+        replace(BASE, mean_prompt_tokens=0, mean_max_tokens=0, mean_completion_tokens=0),
+        5, 10, 50, 1, step(3) + (25 * 0.01 + 0.001 * 120) + step(13),
+    ),
+    (
+        "long prompts, one token each: the 100-token step budget bounds the drain",
+        replace(BASE, step_tokens=100, mean_prompt_tokens=100.0, mean_completion_tokens=1.0),
+        8, 20, 40, 1, step(3) + (5.05 * 0.01 + 0.001 * 505) + step(23),
+    ),
+    (
+        "generate(): 4 a batch, so 2 whole batches ahead of 9, then its own beside 1",
+        replace(BASE, execution="generate", why="not natively stepped", prefill_chunk_tokens=0),
+        9, 20, 40, 1, 2 * step(80) + step(40),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("estimate", "ahead", "prompt", "max_tokens", "workers", "expected"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_first_token_s(
+    estimate: GenerationEstimate,
+    ahead: int,
+    prompt: int,
+    max_tokens: int,
+    workers: int,
+    expected: float,
+) -> None:
+    assert first_token_s(estimate, ahead, prompt, max_tokens, workers) == pytest.approx(expected)
+
+
+def test_more_ahead_never_means_a_shorter_wait() -> None:
+    waits = [first_token_s(BASE, ahead, 20, 40) for ahead in range(0, 200)]
+    assert waits == sorted(waits)
+    assert waits[-1] > 10 * waits[3]
+
+
+def test_the_hash_round_trips_and_an_encoders_hash_is_not_a_generations() -> None:
+    raw = BASE.to_hash()
+    assert raw["execution"] == "step" and raw["why"] == ""
+    assert GenerationEstimate.from_hash(raw) == BASE
+    whole = replace(BASE, execution="generate", why="gpt_neox is not stepped natively")
+    assert GenerationEstimate.from_hash(whole.to_hash()) == whole
+    # Neither reads the other's fields.
+    assert ModelEstimate.from_hash({k: 1.0 for k in raw if k not in ("execution", "why")}) is None
+    encoder = ModelEstimate(0.01, 0.001, False, 32, float("inf"), 10.0).to_hash()
+    assert GenerationEstimate.from_hash(encoder) is None
+    # Half published, or an execution it does not know: nothing to estimate from.
+    assert GenerationEstimate.from_hash({"execution": "step", "step_a_s": "0.01"}) is None
+    assert GenerationEstimate.from_hash(raw | {"execution": "fast"}) is None
+    assert GenerationEstimate.from_hash(raw | {"kv_blocks": "many"}) is None
