@@ -215,10 +215,10 @@ def one_round(
     return round_
 
 
-def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def figures(rounds: list[dict[str, Any]], modes: Sequence[str] = MODES) -> dict[str, Any]:
     """Every figure's median and range over the rounds, the ratios, the targets."""
     out: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in modes:
         out[mode] = {
             system: {f: results.spread([r[mode][system][f] for r in rounds]) for f in FIGURES}
             for system in SYSTEMS
@@ -237,7 +237,7 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         ttft_ok = all(
             r[mode]["ferry"]["ttft_p99_ms"] <= r[mode][system]["ttft_p99_ms"]
             for r in rounds
-            for mode in MODES
+            for mode in modes
         )
         targets[system] = {
             "tokens_per_s_ratio_at_least": target,
@@ -253,7 +253,7 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             chunk: {k: results.spread([r["chunked"][chunk][k] for r in rounds]) for k in keys}
             for chunk in ("0", "256")
         }
-    out["peak_kv_blocks"] = max(r[m]["ferry"]["peak_kv_blocks"] for r in rounds for m in MODES)
+    out["peak_kv_blocks"] = max(r[m]["ferry"]["peak_kv_blocks"] for r in rounds for m in modes)
     return out
 
 
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
     parser.add_argument("--kv-gib", type=float, default=0.0, help="0: the backend's default")
+    parser.add_argument("--modes", default=",".join(MODES), help="arrivals: offline,poisson")
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked prefill runs")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
@@ -288,12 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outputs = (SMOKE_PROMPTS, SMOKE_OUTPUTS) if smoke else (PROMPTS, OUTPUTS)
     chunked_load = None if args.no_chunked else (SMOKE_CHUNKED if smoke else ChunkedLoad())
     grid = [int(s) for s in args.grid.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    if "offline" not in modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes: offline, and optionally poisson (not {args.modes})")
     with tempfile.TemporaryDirectory(prefix="ferry-bench-lm-") as tmp:
         setup = load(args, Path(tmp) / "lm")
         offline = draw_workload(setup.corpus_ids, args.requests, args.seed, prompts, outputs)
         calibration = calibrate(setup, offline, grid, args.load, args.seed + 1)
         arrivals = poisson_arrivals(len(offline), calibration["poisson_rate_per_s"], args.seed + 1)
         workloads = {"offline": offline, "poisson": arriving(offline, arrivals)}
+        workloads = {mode: workloads[mode] for mode in modes}
         settings = run_settings(args, setup, grid, smoke)
         static_batch = calibration["static_batch"]
         rounds: list[dict[str, Any]] = []
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workload": workload_facts(offline, prompts, outputs, chunked_load),
                 "calibration": calibration,
                 "rounds": rounds,
-                **figures(rounds),
+                **figures(rounds, modes),
             }
             # Written after every round: a run cut short still leaves what it measured.
             results.write(args.out, report, settings=settings, head=head)
@@ -341,6 +346,7 @@ def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke:
         "rounds": args.rounds,
         "seed": args.seed,
         "static_grid": grid,
+        "modes": args.modes.split(","),
         "poisson_load": args.load,
         "eos": "ignored: every request generates exactly its max_tokens",
         "ferry": {

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check, one prepared script: tests/gpu, then the GPU benchmark
 # (bench/gpu.py: each model alone per batch size, then through the whole stack
-# at saturation and at 70 % load). It writes bench/results/gpu.json and
+# at saturation and at 70 % load), then the generation benchmark
+# (bench/generation.py: Ferry's step-level batching against static generate()
+# batches and one request at a time, on a 12-layer, hidden-768 llama-shaped
+# model in bf16; one round, offline arrivals, static batches of 32). It writes
+# bench/results/gpu.json, bench/results/generation-gpu.json and
 # bench/results/gpu-tests.log, and copies them to $OUT when that is set (the
-# device runner's output folder). Its two steps are cut at 150 s and 300 s, so
-# the whole stays under 8 minutes; the JSON is written after every phase.
+# device runner's output folder). Its three steps are cut at 150 s, 230 s and
+# 70 s, so the whole stays under 8 minutes; each JSON is written after every
+# phase (or round).
 #
 # On a GPU machine with Python 3.12, PyTorch, transformers and
 # sentence-transformers, and the kit bench/gpu_prepare.sh made (.gpu-kit/,
@@ -42,9 +47,13 @@ mkdir -p "$RESULTS"
 status=0
 timeout 150 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 \
   | tee "$RESULTS/gpu-tests.log" || status=1
-timeout 300 "$VENV/bin/python" -m bench.gpu --jobs 10000 --seconds 10 \
+timeout 230 "$VENV/bin/python" -m bench.gpu --jobs 10000 --seconds 10 \
   --out "$RESULTS/gpu.json" "$@" || status=1
+timeout 70 "$VENV/bin/python" -m bench.generation --device cuda --precision bf16 \
+  --layers 12 --hidden 768 --heads 12 --kv-gib 8 --rounds 1 --requests 32 --modes offline \
+  --grid 32 --out "$RESULTS/generation-gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then
-  cp "$RESULTS/gpu-tests.log" "$RESULTS/gpu.json" "$OUT"/ 2>/dev/null || true
+  cp "$RESULTS/gpu-tests.log" "$RESULTS/gpu.json" "$RESULTS/generation-gpu.json" "$OUT"/ \
+    2>/dev/null || true
 fi
 exit $status
