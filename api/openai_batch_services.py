@@ -200,7 +200,9 @@ def file_content(sessions: sessionmaker[Session], stored: StoredFile) -> Iterato
         if batch is None or batch.backfill_id is None or batch.model is None:
             return
         role = stored.role or OUTPUT
-        yield from openai_batches.file_lines(sessions, batch.backfill_id, batch.model, role)
+        yield from openai_batches.file_lines(
+            sessions, batch.backfill_id, batch.model, role, batch.endpoint
+        )
         return
     part = read = 0
     while True:
@@ -299,7 +301,7 @@ def create_batch(
             raise backfills.LineError(
                 max(len(head), 1), "the file has no requests (expected JSONL)", code="empty_file"
             )
-        spec = _batch_model(catalog, versions, model, len(head))
+        spec = _batch_model(catalog, versions, model, len(head), request.endpoint)
     except backfills.LineError as exc:
         return _failed(sessions, batch, exc)
     batch.model = spec.name
@@ -355,7 +357,7 @@ def _chunks(head: list[bytes], rest: Iterable[bytes], size: int) -> Iterator[lis
 
 
 def _batch_model(
-    catalog: dict[str, ModelSpec], versions: LiveVersions, model: str, line: int
+    catalog: dict[str, ModelSpec], versions: LiveVersions, model: str, line: int, endpoint: str
 ) -> ModelSpec:
     """The model a batch's first request names, or the line's error."""
     try:
@@ -368,8 +370,9 @@ def _batch_model(
             line,
             f"body.model: a batch runs on the model's active version; name it without @{version}",
         )
-    if spec.embeddings is None:
-        raise backfills.LineError(line, f"body.model: {spec.name!r} does not produce embeddings")
+    problem = openai_batches.model_problem(endpoint, spec)
+    if problem:
+        raise backfills.LineError(line, f"body.model: {problem}")
     return spec
 
 
@@ -420,13 +423,17 @@ def batch_view(sessions: sessionmaker[Session], batch: OpenAIBatch) -> dict[str,
     backfill = None
     files: dict[str, str] = {}
     tokens = None
+    made = 0
     with sessions() as session:
         if batch.backfill_id is not None:
             backfill = session.get(Backfill, batch.backfill_id)
         if backfill is not None and backfill.status in BACKFILL_DONE and backfill.total > 0:
             files = _result_files(sessions, session, batch, backfill)
-            tokens = openai_batches.input_tokens(session, backfill.id)
-    return openai_batches.batch_object(batch, backfill, files, tokens)
+            if batch.endpoint in openai_batches.GENERATION_PATHS:
+                tokens, made = openai_batches.generation_tokens(sessions, backfill.id)
+            else:
+                tokens = openai_batches.input_tokens(session, backfill.id)
+    return openai_batches.batch_object(batch, backfill, files, tokens, made)
 
 
 def _result_files(

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The routes that speak OpenAI's dialect.
-OPENAI_PATHS = re.compile(r"^/v1/(embeddings|files|batches)(/|$)")
+OPENAI_PATHS = re.compile(r"^/v1/(embeddings|completions|chat/completions|files|batches)(/|$)")
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # "field: why" — Ferry's messages name the field first; OpenAI calls it param.
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")

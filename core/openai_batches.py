@@ -5,10 +5,14 @@ them::
 
     {"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
      "body": {"model": "minilm", "input": "a text"}}
+    {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]}}
 
-:class:`RequestLines` turns each into a backfill item (one job, one text, the
-request's options kept in the job's metadata), so a batch runs as a backfill
-does: in the bulk lane, resumable, counted exactly. Its output and error
+:class:`RequestLines` turns each into a backfill item (one job, one text or
+one generation, the request's options kept in the job's metadata), so a
+batch runs as a backfill does: in the bulk lane, resumable, counted exactly.
+A completions line is checked as ``POST /v1/completions`` checks a request
+(``core.openai_generation``), less streaming and Ferry's own fields. Its output and error
 files are not stored: :func:`file_lines` renders them from the jobs, in input
 order, in OpenAI's line format.
 """
@@ -26,11 +30,20 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.backfills import Item, LineError, checked_item, custom_id, decode_line, terminal_rows
-from core.catalog import MAX_JSON_DEPTH, ModelSpec
+from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.db import Backfill, Job, OpenAIBatch
 from core.embeddings import EncodingFormat, as_vector, cut, dimensions_problem, encoded
+from core.openai_generation import PATHS as GENERATION_PATHS
+from core.openai_generation import (
+    ParamError,
+    completion_object,
+    is_generation_output,
+    parse_request,
+    usage_of,
+)
 
-ENDPOINTS = ("/v1/embeddings",)
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (EMBEDDINGS, *GENERATION_PATHS)
 REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 BODY_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 REQUEST_SHAPE = '{"custom_id", "method", "url", "body"}'
@@ -131,8 +144,9 @@ class RequestLines:
     def __init__(
         self, endpoint: str, model: str, spec: ModelSpec, max_depth: int = MAX_JSON_DEPTH
     ) -> None:
-        if spec.embeddings is None:
-            raise ValueError(f"{spec.name!r} does not produce embeddings")
+        problem = model_problem(endpoint, spec)
+        if problem:
+            raise ValueError(problem)
         self.endpoint = endpoint
         self.model = model
         self.spec = spec
@@ -154,9 +168,6 @@ class RequestLines:
                 line, f"url: must be {self.endpoint}, the batch's endpoint", code="invalid_url"
             )
         body = _body(value, line)
-        unknown = sorted(set(body) - BODY_FIELDS)
-        if unknown:
-            raise LineError(line, f"body: unknown field(s): {', '.join(unknown)}")
         if body.get("model") != self.model:
             raise LineError(
                 line,
@@ -164,6 +175,11 @@ class RequestLines:
                 f"first request names {self.model!r}",
                 code="mismatched_model",
             )
+        if self.endpoint in GENERATION_PATHS:
+            return self._generation(value, body, line)
+        unknown = sorted(set(body) - BODY_FIELDS)
+        if unknown:
+            raise LineError(line, f"body: unknown field(s): {', '.join(unknown)}")
         return checked_item(
             value,
             line,
@@ -173,6 +189,28 @@ class RequestLines:
             metadata=self._options(body, line),
             input_field="body.input",
         )
+
+    def _generation(self, value: dict[str, Any], body: dict[str, Any], line: int) -> Item:
+        """A completions or chat completions line: its generation input, checked."""
+        try:
+            asked = parse_request(GENERATION_PATHS[self.endpoint], body, extensions=False)
+        except ParamError as exc:
+            raise LineError(line, f"body.{exc}") from None
+        if asked.stream:
+            raise LineError(line, "body.stream: a batch's requests are not streamed")
+        identifier = custom_id(value, line)
+        for field, part in (("custom_id", identifier), ("body", asked.input)):
+            problem = text_problem(part, max_depth=self.max_depth)
+            if problem:
+                raise LineError(line, f"{field}: must not contain {problem}")
+        try:
+            checked = self.spec.validate(asked.input)
+        except InputError as exc:
+            raise LineError(line, f"body.{asked.param(exc.field)}: {exc.message}") from None
+        options: dict[str, Any] = {"openai": "batch"}
+        if asked.user is not None:
+            options["user"] = asked.user
+        return Item(line, identifier, checked.input, checked.cost, options)
 
     def _text(self, body: dict[str, Any], line: int) -> Any:
         text = body.get("input")
@@ -199,6 +237,7 @@ class RequestLines:
         if dimensions is not None:
             if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
                 raise LineError(line, "body.dimensions: must be a positive integer")
+            assert self.embeddings is not None  # an embeddings batch's model (model_problem)
             problem = dimensions_problem(self.embeddings, self.spec.name, dimensions)
             if problem:
                 raise LineError(line, f"body.dimensions: {problem}")
@@ -211,15 +250,28 @@ class RequestLines:
         return options
 
 
+def model_problem(endpoint: str, spec: ModelSpec) -> str | None:
+    """Why ``spec`` cannot serve a batch of ``endpoint`` (None: it can)."""
+    if endpoint in GENERATION_PATHS:
+        if getattr(spec.input, "kind", None) != "generation":
+            return f"{spec.name!r} is not a generation model"
+        return None
+    if spec.embeddings is None:
+        return f"{spec.name!r} does not produce embeddings"
+    return None
+
+
 def role_of(status: str, output: Any) -> str:
     """Which of a batch's files a finished line goes to."""
-    return OUTPUT if status == "succeeded" and as_vector(output) is not None else ERROR
+    made = as_vector(output) is not None or is_generation_output(output)
+    return OUTPUT if status == "succeeded" and made else ERROR
 
 
-def request_line(row: Any, model: str) -> dict[str, Any]:
+def request_line(row: Any, model: str, endpoint: str = EMBEDDINGS) -> dict[str, Any]:
     """A finished job as one line of a batch's output or error file, in OpenAI's format.
 
-    ``row`` has the job's id, custom_id, status, output, error, cost and metadata.
+    ``row`` has the job's id, custom_id, status, output, error, cost and metadata
+    (and created_at, for a completion's ``created``).
     """
     record: dict[str, Any] = {
         "id": f"batch_req_{row.id.replace('-', '')}",
@@ -227,7 +279,19 @@ def request_line(row: Any, model: str) -> dict[str, Any]:
     }
     options = row.metadata_ or {}
     vector = as_vector(row.output) if row.status == "succeeded" else None
-    if vector is not None:
+    generated = endpoint in GENERATION_PATHS and row.status == "succeeded"
+    if generated and is_generation_output(row.output):
+        created = getattr(row, "created_at", None)
+        body = completion_object(
+            GENERATION_PATHS[endpoint],
+            row.id,
+            int(created.timestamp()) if created is not None else 0,
+            model,
+            row.output,
+        )
+        record["response"] = {"status_code": 200, "request_id": row.id, "body": body}
+        record["error"] = None
+    elif vector is not None and endpoint == EMBEDDINGS:
         format_: EncodingFormat = options.get("encoding_format", "float")
         body = {
             "object": "list",
@@ -249,7 +313,8 @@ def request_line(row: Any, model: str) -> dict[str, Any]:
         record["error"] = {"code": code, "message": message}
     else:
         code = "job_failed" if row.status == "failed" else "bad_output"
-        message = row.error if row.status == "failed" else "the model's output is not a vector"
+        wanted = "a completion" if endpoint in GENERATION_PATHS else "a vector"
+        message = row.error if row.status == "failed" else f"the model's output is not {wanted}"
         error = {"message": message, "type": "server_error", "param": None, "code": code}
         record["response"] = {"status_code": 500, "request_id": row.id, "body": {"error": error}}
         record["error"] = None
@@ -257,18 +322,39 @@ def request_line(row: Any, model: str) -> dict[str, Any]:
 
 
 def file_lines(
-    sessions: sessionmaker[Session], backfill_id: str, model: str, role: str
+    sessions: sessionmaker[Session],
+    backfill_id: str,
+    model: str,
+    role: str,
+    endpoint: str = EMBEDDINGS,
 ) -> Iterator[bytes]:
     """A batch's output or error file, in input order, a page of lines at a time."""
-    columns = (Job.id, Job.custom_id, Job.status, Job.output, Job.error, Job.cost, Job.metadata_)
+    columns = (
+        Job.id, Job.custom_id, Job.output, Job.error, Job.cost, Job.metadata_, Job.created_at,
+    )  # fmt: skip
     for rows in terminal_rows(sessions, backfill_id, columns):
         lines = [
-            json.dumps(request_line(row, model), separators=(",", ":"), ensure_ascii=False)
+            json.dumps(
+                request_line(row, model, endpoint), separators=(",", ":"), ensure_ascii=False
+            )
             for row in rows
             if role_of(row.status, row.output) == role
         ]
         if lines:
             yield ("\n".join(lines) + "\n").encode()
+
+
+def generation_tokens(sessions: sessionmaker[Session], backfill_id: str) -> tuple[int, int]:
+    """The prompt and completion tokens of a generation batch's lines that ran, from
+    each job's usage (its cost counts max_tokens, not what was made)."""
+    prompt = completion = 0
+    for rows in terminal_rows(sessions, backfill_id, (Job.output,)):
+        for row in rows:
+            if row.status == "succeeded" and is_generation_output(row.output):
+                usage = usage_of(row.output)
+                prompt += usage["prompt_tokens"]
+                completion += usage["completion_tokens"]
+    return prompt, completion
 
 
 def input_tokens(session: Session, backfill_id: str) -> int:
@@ -290,9 +376,11 @@ def batch_object(
     backfill: Backfill | None,
     files: dict[str, str],
     tokens: int | None = None,
+    output_tokens: int = 0,
 ) -> dict[str, Any]:
     """OpenAI's batch object. ``files``: the ids of its output and error files that exist;
-    ``tokens``: the input tokens once it has finished."""
+    ``tokens``: the input tokens once it has finished (and ``output_tokens``, the
+    tokens its completions made)."""
     status = "failed" if backfill is None else STATUS[backfill.status]
     finished = None if backfill is None else backfill.finished_at
     errors = None
@@ -317,9 +405,9 @@ def batch_object(
         usage = {
             "input_tokens": tokens,
             "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": 0,
+            "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": tokens,
+            "total_tokens": tokens + output_tokens,
         }
     return {
         "id": batch.id,

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: ``POST /v1/embeddings``.
+"""OpenAI-compatible routes: ``POST /v1/embeddings``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (those two: ``api.completions_openai``).
 
 An application written for OpenAI's embeddings API moves onto Ferry by
 changing its ``base_url``: the request and the answer have OpenAI's shapes
@@ -15,12 +16,18 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Header, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import services
+from api import completions_openai, services
 from api.deps import KeyDep
 from api.errors import ApiError
+from api.generation_schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TextCompletion,
+)
 from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobCreate, JobResource
 from api.submissions import GroupCommit, Submission, prepare_request
@@ -189,3 +196,56 @@ def _vector(job: JobResource, index: int, dimensions: int) -> list[float]:
     if vector is None:
         raise ApiError(500, "bad_output", f"input[{index}]: the model's output is not a vector")
     return cut(vector, dimensions)
+
+
+LaneHeader = Annotated[
+    Lane | None, Header(description="The job's lane (the body's priority wins; default normal).")
+]
+IdempotencyHeader = Annotated[str | None, Header(max_length=255)]
+STREAMED = {
+    "content": {"text/event-stream": {}},
+    "description": "With stream: true, OpenAI's chunks as Server-Sent Events, then [DONE].",
+}
+GENERATION_ERRORS = {
+    **OPENAI_ERRORS,
+    409: {"model": OpenAIError, "description": "The job was cancelled before it ran."},
+}
+
+
+@router.post(
+    "/v1/completions",
+    response_model=TextCompletion,
+    responses={200: STREAMED, **GENERATION_ERRORS},
+)
+async def create_completion(
+    body: CompletionRequest,
+    request: Request,
+    key: KeyDep,
+    x_ferry_priority: LaneHeader = None,
+    idempotency_key: IdempotencyHeader = None,
+) -> Response:
+    """A prompt continued by a generation model: one durable job (``X-Ferry-Job-Id``)."""
+    given = body.model_dump(exclude_unset=True)
+    return await completions_openai.complete(
+        request, key, "completions", given, x_ferry_priority, idempotency_key
+    )
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: STREAMED, **GENERATION_ERRORS},
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    key: KeyDep,
+    x_ferry_priority: LaneHeader = None,
+    idempotency_key: IdempotencyHeader = None,
+) -> Response:
+    """The assistant's next message, rendered by the model's chat template: one durable job
+    (``X-Ferry-Job-Id``)."""
+    given = body.model_dump(exclude_unset=True)
+    return await completions_openai.complete(
+        request, key, "chat", given, x_ferry_priority, idempotency_key
+    )

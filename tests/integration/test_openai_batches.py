@@ -242,7 +242,7 @@ def test_a_bad_file_fails_the_batch_with_the_line_and_why(
 def test_bad_requests_are_refused_in_openais_words(client: openai.OpenAI) -> None:
     file_id = upload(client, [request("a", "x")])
     cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str]] = [
-        ({"endpoint": "/v1/chat/completions"}, openai.BadRequestError, "endpoint"),
+        ({"endpoint": "/v1/responses"}, openai.BadRequestError, "endpoint"),
         ({"completion_window": "2d"}, openai.BadRequestError, "completion_window"),
         ({"input_file_id": "file-nothere"}, openai.NotFoundError, "input_file_id"),
         ({"metadata": {"k": "v" * 513}}, openai.BadRequestError, "metadata"),

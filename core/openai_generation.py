@@ -1,0 +1,380 @@
+"""OpenAI's completions and chat completions, as Ferry's generation jobs.
+
+:func:`parse_request` turns a ``POST /v1/completions`` or
+``POST /v1/chat/completions`` body (or a Batch API line's body) into the
+generation input of a job (``core.generation`` checks it further) and the
+options that shape the answer; every refusal is a :class:`ParamError`
+naming OpenAI's parameter. A parameter OpenAI defines that Ferry does not
+honour (``logprobs``, ``n`` above 1, ``tools`` ...) is refused, not ignored;
+its neutral value (``null``, ``n: 1``, ``presence_penalty: 0`` ...) is
+taken, since clients send those by default. The other functions render a
+finished job (or its tokens, as they come) in OpenAI's shapes.
+
+Pure: no I/O, no clock (times are passed in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeGuard
+
+from scheduler.vocabulary import LANES
+
+Endpoint = Literal["chat", "completions"]
+PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+OBJECTS = {"chat": "chat.completion", "completions": "text_completion"}
+CHUNK_OBJECTS = {"chat": "chat.completion.chunk", "completions": "text_completion"}
+ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
+
+MAX_USER_CHARS = 256
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+# Passed on to the generation input as they are (core.generation checks them).
+SAMPLING = ("temperature", "top_p", "stop", "seed")
+COMMON = frozenset({"model", "n", "user", "stream", "stream_options", *SAMPLING, "max_tokens"})
+TAKEN: dict[Endpoint, frozenset[str]] = {
+    "completions": COMMON | {"prompt"},
+    "chat": COMMON | {"messages", "max_completion_tokens"},
+}
+# Ferry's own fields beside OpenAI's, on the HTTP routes (a batch line has none).
+EXTENSIONS = frozenset({"priority", "deadline_ms", "ferry_cancel_on_disconnect"})
+# OpenAI's parameters Ferry does not honour, with the values that ask for nothing
+# (null is always one): a client sending those loses nothing.
+_NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+}
+NEUTRAL: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
+    "completions": _NEUTRAL_BOTH
+    | {"best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": ()},
+    "chat": _NEUTRAL_BOTH
+    | {
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "parallel_tool_calls": (True, False),
+        "functions": ([],),
+        "function_call": ("none",),
+        "response_format": ({"type": "text"},),
+        "modalities": (["text"],),
+        "audio": (),
+        "prediction": (),
+        "metadata": ({},),
+        "store": (False,),
+        "service_tier": ("auto", "default"),
+        "reasoning_effort": (),
+        "verbosity": (),
+        "web_search_options": (),
+        "prompt_cache_key": (),
+        "safety_identifier": (),
+    },
+}
+# OpenAI's newer name for the system role.
+ROLE_NAMES = {"developer": "system"}
+
+
+class ParamError(ValueError):
+    """A request OpenAI's clients sent that Ferry refuses; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one request asks for: the job's input and the answer's shape."""
+
+    endpoint: Endpoint
+    input: dict[str, Any]  # a generation input (prompt or messages, sampling)
+    stream: bool = False
+    include_usage: bool = False  # a usage chunk before [DONE]
+    user: str | None = None
+    priority: str | None = None
+    deadline_ms: int | None = None
+    cancel_on_disconnect: bool = False
+    max_tokens_param: str = "max_tokens"  # the name the request gave max_tokens under
+
+    def param(self, field: str) -> str:
+        """OpenAI's name for a field of the generation input that its check refused
+        (``messages[2].content``, ``stop[1]`` ... are OpenAI's names already)."""
+        if field == "input":
+            return "messages" if self.endpoint == "chat" else "prompt"
+        if field == "max_tokens":
+            return self.max_tokens_param
+        return field
+
+
+def parse_request(
+    endpoint: Endpoint, body: Mapping[str, Any], *, extensions: bool = True
+) -> GenerationRequest:
+    """The request ``body`` makes of the endpoint. Raises :class:`ParamError`.
+
+    ``extensions``: whether Ferry's own fields (``priority``, ``deadline_ms``,
+    ``ferry_cancel_on_disconnect``) are taken, as they are over HTTP.
+    """
+    taken = TAKEN[endpoint] | (EXTENSIONS if extensions else frozenset())
+    for name, value in body.items():
+        if name in taken:
+            continue
+        neutral = NEUTRAL[endpoint]
+        if name in neutral:
+            if value is not None and not _neutral(value, neutral[name]):
+                raise ParamError(name, f"is not supported by Ferry (got {_shown(value)})")
+            continue
+        raise ParamError(name, f"is not a parameter of {_path(endpoint)}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ParamError("model", "must be a model's name")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ParamError("n", f"must be 1: Ferry makes one choice per request (got {_shown(n)})")
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    given: dict[str, Any] = {name: body[name] for name in SAMPLING if name in body}
+    if endpoint == "chat":
+        given["messages"] = _messages(body.get("messages"))
+    else:
+        given["prompt"] = _prompt(body.get("prompt"))
+    max_tokens_param = "max_tokens"
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise ParamError("max_tokens", "give max_completion_tokens or max_tokens, not both")
+        max_tokens_param = "max_completion_tokens"
+    if body.get(max_tokens_param) is not None:
+        given["max_tokens"] = body[max_tokens_param]
+    cancel_on_disconnect = _flag(body, "ferry_cancel_on_disconnect")
+    if cancel_on_disconnect and not stream:
+        raise ParamError("ferry_cancel_on_disconnect", "is only taken with stream: true")
+    return GenerationRequest(
+        endpoint=endpoint,
+        input=given,
+        stream=stream,
+        include_usage=include_usage,
+        user=_user(body.get("user")),
+        priority=_priority(body.get("priority")),
+        deadline_ms=_deadline(body.get("deadline_ms")),
+        cancel_on_disconnect=cancel_on_disconnect,
+        max_tokens_param=max_tokens_param,
+    )
+
+
+def _path(endpoint: Endpoint) -> str:
+    return next(path for path, name in PATHS.items() if name == endpoint)
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int: 0 must not stand for False, nor True for 1 (0.0 is 0, though).
+    return any(
+        value == n
+        and isinstance(value, bool) == isinstance(n, bool)
+        and type(value) in (type(n), float)
+        for n in neutral
+    )
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ParamError(name, f"must be true or false, got {_shown(value)}")
+    return value
+
+
+def _stream_options(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise ParamError("stream_options", "is only taken with stream: true")
+    if not isinstance(value, dict):
+        raise ParamError("stream_options", f"must be an object, got {_shown(value)}")
+    for name in value:
+        if name != "include_usage":
+            raise ParamError(f"stream_options.{name}", "is not supported by Ferry")
+    include = value.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise ParamError("stream_options.include_usage", "must be true or false")
+    return bool(include)
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ParamError(
+                "prompt", f"one prompt per request (a string, or a list of one), got {len(value)}"
+            )
+        value = value[0]
+    if value is None:
+        raise ParamError("prompt", "is required")
+    if not isinstance(value, str):
+        raise ParamError(
+            "prompt", f"must be a string (token ids are not taken), got {_shown(value)}"
+        )
+    return value
+
+
+def _messages(value: Any) -> Any:
+    """The messages, with OpenAI's text parts joined and its developer role as system;
+    anything else is left to core.generation's check, which names the member."""
+    if value is None:
+        raise ParamError("messages", "is required")
+    if not isinstance(value, list):
+        return value
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = dict(message)
+        role = message.get("role")
+        if isinstance(role, str) and role in ROLE_NAMES:
+            message["role"] = ROLE_NAMES[role]
+        if isinstance(message.get("content"), list):
+            message["content"] = _text_parts(message["content"], f"messages[{i}].content")
+        out.append(message)
+    return out
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            shown = repr(kind) if isinstance(kind, str) else _shown(part)
+            raise ParamError(f"{where}[{j}]", f"only text parts are taken, got {shown}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ParamError(f"{where}[{j}].text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _user(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_USER_CHARS:
+        raise ParamError("user", f"must be a string of at most {MAX_USER_CHARS} characters")
+    return value
+
+
+def _priority(value: Any) -> str | None:
+    if value is None:
+        return None
+    if value not in LANES:
+        raise ParamError("priority", f"must be one of {', '.join(LANES)}, got {_shown(value)}")
+    return str(value)
+
+
+def _deadline(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DEADLINE_MS:
+        raise ParamError(
+            "deadline_ms", f"must be an integer from 1 to {MAX_DEADLINE_MS}, got {_shown(value)}"
+        )
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return repr(value[:40])
+    return type(value).__name__ if value is not None else "null"
+
+
+def response_id(endpoint: Endpoint, job_id: str) -> str:
+    """The completion's id: the job's, so a client can find the job again."""
+    return ID_PREFIXES[endpoint] + job_id.replace("-", "")
+
+
+def usage_of(output: Mapping[str, Any]) -> dict[str, int]:
+    usage = output.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens", 0))
+    completion = int(usage.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": int(usage.get("total_tokens", prompt + completion)),
+    }
+
+
+def is_generation_output(output: Any) -> TypeGuard[dict[str, Any]]:
+    return (
+        isinstance(output, dict)
+        and isinstance(output.get("text"), str)
+        and isinstance(output.get("usage"), dict)
+    )
+
+
+def completion_object(
+    endpoint: Endpoint, job_id: str, created_s: int, model: str, output: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A finished job's output as OpenAI's ``chat.completion`` or ``text_completion``."""
+    choice: dict[str, Any] = {"index": 0}
+    if endpoint == "chat":
+        choice["message"] = {"role": "assistant", "content": output["text"], "refusal": None}
+    else:
+        choice["text"] = output["text"]
+    choice |= {"logprobs": None, "finish_reason": output.get("finish_reason")}
+    return {
+        "id": response_id(endpoint, job_id),
+        "object": OBJECTS[endpoint],
+        "created": created_s,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_of(output),
+        "system_fingerprint": None,
+    }
+
+
+def chunk_object(
+    endpoint: Endpoint,
+    job_id: str,
+    created_s: int,
+    model: str,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk: a text delta (``role`` on the first chat chunk), or the last
+    chunk, with its ``finish_reason`` and no text."""
+    choice: dict[str, Any] = {"index": 0}
+    if endpoint == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice |= {"logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": response_id(endpoint, job_id),
+        "object": CHUNK_OBJECTS[endpoint],
+        "created": created_s,
+        "model": model,
+        "choices": [choice],
+        "system_fingerprint": None,
+    }
+
+
+def usage_chunk(
+    endpoint: Endpoint, job_id: str, created_s: int, model: str, usage: Mapping[str, int]
+) -> dict[str, Any]:
+    """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+    return {
+        "id": response_id(endpoint, job_id),
+        "object": CHUNK_OBJECTS[endpoint],
+        "created": created_s,
+        "model": model,
+        "choices": [],
+        "usage": dict(usage),
+        "system_fingerprint": None,
+    }

@@ -1,0 +1,349 @@
+"""POST /v1/completions and /v1/chat/completions through the real ``openai`` package, and
+a job's events resumed by Last-Event-ID, on a real generation worker.
+
+The API runs in uvicorn; the worker loop of a llama-shaped model folder
+(``tests.lm``, random weights: its text is noise, but it is the worker's)
+runs in a thread, as the other integration tests run theirs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from backends.catalog import repository_for
+from core.settings import Settings
+from harness.served import Served, served
+from tests.integration.gen_api import EventReader, Message
+from tests.integration.test_backfills import RunningFeeder, make_feeder
+from tests.lm import lm_folder
+from tests.models import REPOSITORY
+from workers.gpu.generation_main import build_generation_loop
+
+MODEL = "tiny"
+TOML = """
+name = "tiny"
+backend = "causal-lm"
+
+[input]
+kind = "generation"
+tokenizer = "tokenizer.json"
+default_max_tokens = 16
+
+[cost]
+function = "tokens"
+
+[parameters]
+max_running = 8
+step_tokens = 256
+prefill_chunk_tokens = 64
+"""
+CHAT: list[Any] = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Hello"},
+]
+
+
+def repository(root: Path) -> Path:
+    """The llama-shaped test model (it has a chat template) beside the sim model."""
+    folder = root / "repository" / MODEL
+    shutil.copytree(lm_folder("llama"), folder / "1")
+    (folder / "model.toml").write_text(TOML)
+    shutil.copytree(REPOSITORY / "sim", root / "repository" / "sim")
+    return folder.parent
+
+
+@pytest.fixture
+def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
+    return settings.model_copy(
+        update={
+            "model_repository": repository(tmp_path),
+            "models": f"{MODEL},sim",
+            "model_parameters": {},
+            "cpu_threads": 1,
+            "max_wait_s": 60.0,
+        }
+    )
+
+
+@pytest.fixture
+def api(gen_settings: Settings) -> Iterator[Served]:
+    with served(gen_settings) as running:
+        yield running
+
+
+@pytest.fixture
+def worker(gen_settings: Settings) -> Iterator[None]:
+    config = repository_for(gen_settings).models[MODEL]
+    loop = build_generation_loop(gen_settings, config, "cpu", "openai-gen-worker")
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the generation worker did not stop"
+
+
+@pytest.fixture
+def client(api: Served, token: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as made:
+        yield made
+
+
+@pytest.fixture
+def http(api: Served, auth: dict[str, str]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api.base, headers=auth, timeout=60) as made:
+        yield made
+
+
+def job_of(http: httpx.Client, job_id: str) -> Any:
+    found = http.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+    assert found["status"] == "succeeded", found
+    return found
+
+
+def test_a_chat_completion_is_the_jobs_output(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        user="user-7",
+    )
+    answer = raw.parse()
+    job = job_of(http, raw.headers["X-Ferry-Job-Id"])
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    assert answer.id == "chatcmpl-" + job["id"].replace("-", "")
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == job["output"]["text"]
+    assert choice.finish_reason == job["output"]["finish_reason"] in ("stop", "length")
+    assert answer.usage is not None
+    assert answer.usage.model_dump() == {
+        **job["output"]["usage"],
+        "completion_tokens_details": None,
+        "prompt_tokens_details": None,
+    }
+    assert answer.usage.completion_tokens == len(job["output"]["token_ids"])
+    assert job["metadata"] == {"openai": "chat.completions", "user": "user-7"}
+
+
+def test_a_streamed_chat_completion_is_the_same_text_token_by_token(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+    )
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(raw.parse())
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    job = job_of(http, raw.headers["X-Ferry-Job-Id"])
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(texts) == job["output"]["text"] == whole.choices[0].message.content
+    assert len([t for t in texts if t]) > 1  # it came in pieces
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[:-1] == [None] * (len(finish) - 1)
+    assert finish[-1] == job["output"]["finish_reason"]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage is not None
+    assert usage.usage.total_tokens == job["output"]["usage"]["total_tokens"]
+
+
+def test_a_completion_streamed_and_not(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    whole = client.completions.create(
+        model=MODEL, prompt="Ferry queues", max_tokens=6, temperature=0
+    )
+    assert whole.object == "text_completion"
+    streamed = client.completions.create(
+        model=MODEL, prompt=["Ferry queues"], max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"temperature": 5}, "temperature"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"extra_body": {"top_k": 5}}, "top_k"),
+        ({"extra_body": {"priority": "soon"}}, "priority"),
+    ],
+)
+def test_a_bad_parameter_is_a_400_naming_it(
+    client: openai.OpenAI, options: dict[str, Any], param: str
+) -> None:
+    arguments: dict[str, Any] = {"model": MODEL, "messages": CHAT, **options}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**arguments)
+    assert refused.value.status_code == 400
+    assert refused.value.param == param, refused.value.message
+
+
+def test_the_model_must_be_a_generation_model_and_the_key_good(
+    client: openai.OpenAI, api: Served
+) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as encoder:
+        client.completions.create(model="sim", prompt="x")
+    assert "not a generation model" in encoder.value.message
+    with (
+        openai.OpenAI(base_url=f"{api.base}/v1", api_key="fy_wrong", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        wrong.completions.create(model=MODEL, prompt="x")
+
+
+def test_a_dropped_stream_does_not_cancel_the_job_unless_asked(
+    http: httpx.Client, worker: None
+) -> None:
+    # Greedy: this prompt runs to its max_tokens (the folder's weights are seeded).
+    body = {"model": MODEL, "prompt": "Ferry", "max_tokens": 400, "temperature": 0, "stream": True}
+    outcomes = []
+    for cancel in (False, True):
+        with http.stream(
+            "POST", "/v1/completions", json={**body, "ferry_cancel_on_disconnect": cancel}
+        ) as response:
+            assert response.status_code == 200
+            job_id = response.headers["X-Ferry-Job-Id"]
+            reader = EventReader(response)
+            assert reader.next() is not None  # the first token's chunk: it is running
+        found = http.get(f"/v1/jobs/{job_id}", params={"wait": 60}).json()
+        outcomes.append((found["status"], found["output"]["finish_reason"]))
+    assert outcomes[0] == ("succeeded", "length")
+    assert outcomes[1] == ("cancelled", "cancelled")
+
+
+def test_a_stream_resumed_after_its_last_event_gets_every_token_once(
+    http: httpx.Client, worker: None
+) -> None:
+    answer = http.post(
+        "/v1/jobs", json={"model": MODEL, "input": {"prompt": "Ferry", "max_tokens": 48}}
+    )
+    job_id = answer.json()["id"]
+    seen: list[Message] = []
+    with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+        reader = EventReader(response)
+        while sum(m.event == "token" for m in seen) < 5:
+            message = reader.next()
+            assert message is not None
+            seen.append(message)
+    time.sleep(0.2)  # tokens come meanwhile, unread
+    with http.stream(
+        "GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(seen[-1].id)}
+    ) as response:
+        rest = EventReader(response).all()
+    assert rest[0].id is None and rest[0].event == "status"
+    assert rest[-1].event == "done" and rest[-1].data["status"] == "succeeded"
+    tokens = [m.data for m in seen + rest if m.event == "token"]
+    job = job_of(http, job_id)
+    assert [t["index"] for t in tokens] == list(range(len(job["output"]["token_ids"])))
+    assert [t["token"] for t in tokens] == job["output"]["token_ids"]
+    assert "".join(t["text"] for t in tokens) == job["output"]["text"]
+
+
+def test_a_batch_of_chat_lines_has_one_output_line_per_line(
+    client: openai.OpenAI,
+    http: httpx.Client,
+    worker: None,
+    gen_settings: Settings,
+    sessions: sessionmaker[Session],
+    redis_client: redis.Redis,
+) -> None:
+    lines = [
+        {
+            "custom_id": f"chat-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Question {n}"}],
+                "max_tokens": 4 + n,
+                "temperature": 0,
+            },
+        }
+        for n in range(6)
+    ]
+    raw = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("chat.jsonl", io.BytesIO(raw)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "in_progress" and batch.model == MODEL
+    with RunningFeeder(make_feeder(sessions, redis_client, gen_settings)):
+        until = time.monotonic() + 180
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < until, f"batch still {batch.status}"
+            time.sleep(0.2)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert batch.output_file_id is not None
+    content = client.files.content(batch.output_file_id).content.decode()
+    output = [json.loads(line) for line in content.splitlines()]
+    assert [line["custom_id"] for line in output] == [f"chat-{n}" for n in range(6)]
+    made = 0
+    for n, line in enumerate(output):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == MODEL
+        job = job_of(http, line["response"]["request_id"])
+        assert body["choices"][0]["message"]["content"] == job["output"]["text"]
+        assert body["usage"] == job["output"]["usage"]
+        assert body["usage"]["completion_tokens"] <= 4 + n
+        made += body["usage"]["completion_tokens"]
+    assert batch.usage is not None and batch.usage.output_tokens == made
+
+
+def test_a_bad_chat_line_fails_the_batch_naming_it(client: openai.OpenAI) -> None:
+    good = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": CHAT},
+    }
+    bad = {**good, "custom_id": "b", "body": {**good["body"], "logprobs": True}}  # type: ignore[dict-item]
+    raw = "".join(json.dumps(line) + "\n" for line in (good, bad)).encode()
+    uploaded = client.files.create(file=("chat.jsonl", io.BytesIO(raw)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "failed" and batch.errors is not None
+    (error,) = batch.errors.data or []
+    assert (error.line, error.param) == (2, "body.logprobs")

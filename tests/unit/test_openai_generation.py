@@ -1,0 +1,174 @@
+"""OpenAI's completions requests as generation jobs, and the objects a job's output becomes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core.openai_generation import (
+    ParamError,
+    chunk_object,
+    completion_object,
+    parse_request,
+    usage_chunk,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_a_chat_request_becomes_a_generation_input() -> None:
+    asked = parse_request(
+        "chat",
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "stop": ["\n"],
+            "seed": 3,
+            "n": 1,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logprobs": False,
+            "tools": None,
+            "user": "u-1",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "priority": "vip",
+            "deadline_ms": 5000,
+        },
+    )
+    assert asked.input == {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}],
+        "max_tokens": 7,
+        "temperature": 0,
+        "stop": ["\n"],
+        "seed": 3,
+    }
+    assert (asked.stream, asked.include_usage, asked.user) == (True, True, "u-1")
+    assert (asked.priority, asked.deadline_ms) == ("vip", 5000)
+    assert asked.param("max_tokens") == "max_completion_tokens"
+    assert asked.param("input") == "messages"
+
+
+def test_a_completions_prompt_may_be_a_list_of_one() -> None:
+    asked = parse_request("completions", {"model": "m", "prompt": ["the cat"], "max_tokens": 4})
+    assert asked.input == {"prompt": "the cat", "max_tokens": 4}
+    assert not asked.stream and asked.param("max_tokens") == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        ("completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("completions", {"prompt": [1, 2, 3]}, "prompt"),
+        ("completions", {}, "prompt"),
+        ("completions", {"prompt": "a", "n": 2}, "n"),
+        ("completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+        ("completions", {"prompt": "a", "echo": True}, "echo"),
+        ("completions", {"prompt": "a", "best_of": 3}, "best_of"),
+        ("completions", {"prompt": "a", "messages": MESSAGES}, "messages"),
+        ("completions", {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens"),
+        ("chat", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        (
+            "chat",
+            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("chat", {"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+        ("chat", {"messages": MESSAGES, "frequency_penalty": False}, "frequency_penalty"),
+        ("chat", {"messages": MESSAGES, "max_tokens": 3, "max_completion_tokens": 3}, "max_tokens"),
+        (
+            "chat",
+            {"messages": MESSAGES, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            "chat",
+            {"messages": MESSAGES, "stream": True, "stream_options": {"x": 1}},
+            "stream_options.x",
+        ),
+        ("chat", {"messages": MESSAGES, "stream": "yes"}, "stream"),
+        (
+            "chat",
+            {"messages": MESSAGES, "ferry_cancel_on_disconnect": True},
+            "ferry_cancel_on_disconnect",
+        ),
+        ("chat", {"messages": MESSAGES, "priority": "fast"}, "priority"),
+        ("chat", {"messages": MESSAGES, "deadline_ms": 0}, "deadline_ms"),
+        ("chat", {"messages": MESSAGES, "user": "u" * 257}, "user"),
+        ("chat", {"messages": MESSAGES, "best_of": 1}, "best_of"),
+        ("chat", {"messages": MESSAGES, "presence_penalty": "0"}, "presence_penalty"),
+        ("completions", {"prompt": "a", "tools": []}, "tools"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ("chat", {}, "messages"),
+        ("chat", {"messages": MESSAGES, "model": ""}, "model"),
+    ],
+)
+def test_each_refusal_names_openais_parameter(
+    endpoint: Any, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(ParamError) as refused:
+        parse_request(endpoint, {"model": "m", **body})
+    assert refused.value.param == param
+    assert str(refused.value).startswith(f"{param}: ")
+
+
+def test_a_batch_line_takes_none_of_ferrys_own_fields() -> None:
+    with pytest.raises(ParamError) as refused:
+        parse_request(
+            "chat", {"model": "m", "messages": MESSAGES, "priority": "vip"}, extensions=False
+        )
+    assert refused.value.param == "priority"
+
+
+OUTPUT = {
+    "text": "hello",
+    "token_ids": [1, 2],
+    "finish_reason": "stop",
+    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+}
+JOB = "0b5c2a3e-0000-4000-8000-000000000001"
+
+
+def test_a_finished_job_as_openais_objects() -> None:
+    chat = completion_object("chat", JOB, 1700000000, "m", OUTPUT)
+    assert chat["id"] == "chatcmpl-0b5c2a3e000040008000000000000001"
+    assert chat["object"] == "chat.completion" and chat["created"] == 1700000000
+    assert chat["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hello", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert chat["usage"] == OUTPUT["usage"]
+    text = completion_object("completions", JOB, 1, "m", OUTPUT)
+    assert text["object"] == "text_completion" and text["id"].startswith("cmpl-")
+    assert text["choices"][0]["text"] == "hello"
+
+
+def test_the_chunks_of_a_stream() -> None:
+    first = chunk_object("chat", JOB, 1, "m", text="", role=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunk_object("chat", JOB, 1, "m", text="lo")["choices"][0]["delta"] == {"content": "lo"}
+    last = chunk_object("chat", JOB, 1, "m", finish_reason="length")["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] == "length"
+    assert chunk_object("completions", JOB, 1, "m", text="lo")["choices"][0]["text"] == "lo"
+    usage = usage_chunk("chat", JOB, 1, "m", OUTPUT["usage"])  # type: ignore[arg-type]
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
