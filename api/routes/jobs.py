@@ -161,6 +161,7 @@ async def cancel_job(job_id: str, request: Request, key: KeyDep) -> Response:
 
 @router.get(
     "/{job_id}/events",
+    status_code=200,
     response_class=EventStreamResponse,
     responses={
         200: {

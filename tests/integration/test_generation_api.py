@@ -273,3 +273,12 @@ def test_delete_still_cancels_a_queued_job_and_refuses_the_others(
     assert refused.status_code == 409 and "running" in refused.json()["error"]["message"]
     assert not redis_client.exists(cancels_key(key_prefix, "sim"))
     assert not redis_client.exists(cancels_key(key_prefix, MODEL))
+
+
+def test_the_openapi_document_has_the_generation_routes(http: httpx.Client) -> None:
+    spec = http.get("/openapi.json").json()
+    events = spec["paths"]["/v1/jobs/{job_id}/events"]["get"]["responses"]
+    assert "text/event-stream" in events["200"]["content"] and "404" in events
+    assert "202" in spec["paths"]["/v1/jobs/{job_id}"]["delete"]["responses"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert {"200", "400", "404", "409"} <= set(spec["paths"][path]["post"]["responses"])
