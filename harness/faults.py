@@ -32,10 +32,11 @@ from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.queues import lane_depths
 from core.streams import dead_letter_key, done_channel, workers_key
-from ferry.local_redis import free_port, start_redis
+from ferry.local_redis import start_redis
 from harness import POLL_S
 from harness.accounting import Accounting, Executions, Figures, count_executions, tally
 from harness.listener import DoneListener
+from harness.ports import free_port
 from harness.processes import Proc, Processes
 from harness.proxy import TcpProxy
 from harness.submitting import Submission, Submitter
@@ -123,13 +124,19 @@ class Stack(Processes):
 
     # -- Ferry's processes ------------------------------------------------
 
-    def start_api(self) -> Proc:
+    def start_api(self, wait: bool = True) -> Proc:
         proc = self.spawn("api", ["api"])
+        if wait:
+            self.wait_api(proc)
+        return proc
+
+    def wait_api(self, proc: Proc) -> None:
+        """Until the API answers /readyz with 200."""
         until = time.monotonic() + START_TIMEOUT_S
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
-                    return proc
+                    return
             assert proc.alive(), f"the API exited at start:\n{self.tail(proc)}"
             assert time.monotonic() < until, f"the API was not ready:\n{self.tail(proc)}"
             time.sleep(0.1)
@@ -139,6 +146,21 @@ class Stack(Processes):
         if wait:
             self.wait_worker(proc)
         return proc
+
+    def start_workers(self, *names: str, supervised: bool = False) -> list[Proc]:
+        """A worker per name, all started before any is waited for: each one's start
+        (its imports, its model) takes seconds, which they then spend side by side."""
+        workers = [self.start_worker(name, supervised, wait=False) for name in names]
+        for worker in workers:
+            self.wait_worker(worker)
+        return workers
+
+    def start(self, *workers: str, supervised: bool = False) -> list[Proc]:
+        """The API and a worker per name, started side by side, then each waited for."""
+        api = self.start_api(wait=False)
+        started = self.start_workers(*workers, supervised=supervised)
+        self.wait_api(api)
+        return started
 
     def wait_worker(self, proc: Proc) -> None:
         """Until the worker's heartbeat is in Redis (it has joined the group and reads)."""

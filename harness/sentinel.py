@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
-from ferry.local_redis import free_port
+from harness.ports import free_port
 from harness.served import served
 from harness.services import redis_server, redis_with_conf, stop_all
 from harness.settling import reconciling, settled

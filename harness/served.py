@@ -19,7 +19,7 @@ from sqlalchemy import event
 
 from api.app import create_app
 from core.settings import Settings
-from ferry.local_redis import free_port
+from harness.ports import free_port
 
 
 class Served:

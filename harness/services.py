@@ -18,7 +18,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from core import migrate
-from ferry.local_redis import find_redis_server, free_port, start_redis
+from ferry.local_redis import find_redis_server, start_redis
+from harness.ports import free_port
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "FERRY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

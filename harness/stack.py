@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from ferry.local_redis import free_port
+from harness.ports import free_port
 
 
 class FerryUp:

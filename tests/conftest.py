@@ -27,9 +27,23 @@ from core.db import Base, make_engine
 # The harness asserts on the tests' behalf: its failures read as a test's own do.
 pytest.register_assert_rewrite("harness")
 
+from harness import ports  # noqa: E402
 from harness.services import ServiceMissing, postgres_database, reachable_redis, started_redis  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Under pytest-xdist (make test: -n with --dist loadgroup) each of these groups runs
+# on one worker, a test after the other, while the other workers share the rest:
+# the stacks of real processes, which compute hard and start processes of their
+# own, and whatever shares something machine-wide (a Redis cluster or Sentinel
+# set on ports of its own, network namespaces on one subnet).
+XDIST_GROUPS = {
+    "tests/e2e/": "stacks",
+    "tests/faults/": "faults",
+    "tests/multihost/": "faults",
+    "tests/integration/test_cluster.py": "faults",
+    "tests/integration/test_sentinel.py": "faults",
+}
 
 
 def missing_service(reason: str) -> NoReturn:
@@ -53,6 +67,25 @@ def _missing_service_skips() -> Generator[None, object, object]:
         return (yield)
     except ServiceMissing as exc:
         missing_service(str(exc))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        ports.claim_block()  # this worker's ports (harness.ports), not its children's
+
+
+def xdist_group(path: str) -> str | None:
+    """The xdist group of a test file (its path from the repository root), if any."""
+    return next((g for prefix, g in XDIST_GROUPS.items() if path.startswith(prefix)), None)
+
+
+# Before pytest-xdist's own hook reads the marks (it names each group's tests by them).
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = xdist_group(item.path.relative_to(config.rootpath).as_posix())
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -32,7 +32,8 @@ class Case:
     name: str
     time_s: float
     outcome: str  # passed, skipped, failed or error
-    # What the test recorded with pytest's record_property (the bench smoke's seconds).
+    # What the test recorded with pytest's record_property (the bench smoke's seconds)
+    # or put in its user_properties (the fault figures).
     properties: tuple[tuple[str, str], ...] = ()
 
 
@@ -137,8 +138,10 @@ def render(cases: list[Case], steps: list[Step], count: int = 20) -> str:
     lines.append(f"slowest {count} tests (seconds):")
     for case in slowest_tests(cases, count):
         lines.append(f"  {case.time_s:8.1f}  {case.file}::{case.name}")
-        if case.properties:
-            lines.append("            " + ", ".join(f"{k}={v}" for k, v in case.properties))
+        # Only the seconds a test recorded (the fault figures' JSON is for the table).
+        timings = [f"{k}={v}" for k, v in case.properties if k.endswith("_s")]
+        if timings:
+            lines.append("            " + ", ".join(timings))
     return "\n".join(lines)
 
 

@@ -12,7 +12,8 @@ each job by their own execution record (again after a crash, or twice with no
 crash to explain it), and which results were written twice (see
 ``harness.accounting``). The figures are printed as a table at the end of the
 run (``pytest tests/faults -q -s``) and written as JSON under the pytest
-temporary directory.
+temporary directory. A test's figures travel in its report (a user property),
+so the table is complete when pytest-xdist runs the tests in other processes.
 """
 
 from __future__ import annotations
@@ -30,17 +31,29 @@ from harness.accounting import HEADER, Figures
 from harness.faults import Stack
 from harness.services import migrated_postgres_database, redis_server
 
-FIGURES: list[Figures] = []
+FIGURES_PROPERTY = "fault_figures"
+# What this process's tests counted (the JSON file), and what the reports it
+# received carried (the table: a pytest-xdist controller runs no test itself).
+COUNTED: list[Figures] = []
+REPORTED: list[Figures] = []
 FAILED = pytest.StashKey[bool]()
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return  # the last of a test's reports: it carries every property the test added
+    for name, value in report.user_properties:
+        if name == FIGURES_PROPERTY:
+            REPORTED.append(Figures(**json.loads(str(value))))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not FIGURES:
+    if not REPORTED:
         return
     terminalreporter.write_sep("=", "fault injection: nothing accepted is ever lost")
     terminalreporter.write_line(HEADER)
     terminalreporter.write_line("-" * len(HEADER))
-    for figures in FIGURES:
+    for figures in REPORTED:
         terminalreporter.write_line(figures.row())
 
 
@@ -59,25 +72,30 @@ def figures_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def record(tmp_path: Path, figures_file: Path) -> Iterator[Callable[[Figures], None]]:
+def record(
+    request: pytest.FixtureRequest, tmp_path: Path, figures_file: Path
+) -> Iterator[Callable[[Figures], None]]:
     """Keep a scenario's figures: printed at the end, and written as JSON.
 
-    The JSON is written when the test ends, so what a test adds to the details
-    after counting is in it too.
+    The JSON is written, and the figures put in the test's report, when the test
+    ends, so what a test adds to the details after counting is in them too.
     """
     mine: list[Figures] = []
 
     def keep(figures: Figures) -> None:
-        FIGURES.append(figures)
         mine.append(figures)
         print(f"\n{HEADER}\n{figures.row()}")
 
     yield keep
     if mine:
+        COUNTED.extend(mine)
+        for figures in mine:
+            as_json = json.dumps(asdict(figures), default=str)
+            request.node.user_properties.append((FIGURES_PROPERTY, as_json))
         (tmp_path / "figures.json").write_text(
             json.dumps([asdict(f) for f in mine], default=str, indent=1)
         )
-        figures_file.write_text(json.dumps([asdict(f) for f in FIGURES], default=str, indent=1))
+        figures_file.write_text(json.dumps([asdict(f) for f in COUNTED], default=str, indent=1))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import httpx
 
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
-from ferry.local_redis import free_port
+from harness.ports import free_port
 
 
 def _children(pid: int) -> list[int]:

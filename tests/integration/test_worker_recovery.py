@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.settings import Settings
-from ferry.local_redis import free_port, start_redis
+from ferry.local_redis import start_redis
+from harness.ports import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 

@@ -15,7 +15,7 @@ import tornado.web
 from flower.views.monitor import Metrics
 
 from ferry.cli import guard_flower_metrics
-from ferry.local_redis import free_port
+from harness.ports import free_port
 
 
 class FlowerLike(tornado.web.Application):

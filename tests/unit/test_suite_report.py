@@ -28,7 +28,8 @@ JUNIT_XUNIT1 = """<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="tests.unit.test_a.TestGroup" name="test_two[sqlite]"
  file="tests/unit/test_a.py" line="9" time="0.750" />
 <testcase classname="tests.faults.test_kill" name="test_kill" file="tests/faults/test_kill.py"
- line="20" time="30.000"><properties><property name="bench_e2e_s" value="12" /></properties>
+ line="20" time="30.000"><properties><property name="bench_e2e_s" value="12" />
+<property name="fault_figures" value="{&quot;lost&quot;: 0}" /></properties>
 <failure message="assert 1 == 2">trace</failure></testcase>
 <testcase classname="tests.e2e.test_stack" name="test_up" file="tests/e2e/test_stack.py"
  line="5" time="8.000"><skipped type="pytest.skip" message="no wrk">skip</skipped></testcase>
@@ -51,7 +52,13 @@ def test_parse_junit_reads_each_case_with_its_file_time_and_outcome() -> None:
     assert cases == [
         Case("tests/unit/test_a.py", "test_one", 1.25, "passed"),
         Case("tests/unit/test_a.py", "test_two[sqlite]", 0.75, "passed"),
-        Case("tests/faults/test_kill.py", "test_kill", 30.0, "failed", (("bench_e2e_s", "12"),)),
+        Case(
+            "tests/faults/test_kill.py",
+            "test_kill",
+            30.0,
+            "failed",
+            (("bench_e2e_s", "12"), ("fault_figures", '{"lost": 0}')),
+        ),
         Case("tests/e2e/test_stack.py", "test_up", 8.0, "skipped"),
         Case("tests/e2e/test_stack.py", "test_down", 0.5, "error"),
     ]
@@ -89,7 +96,8 @@ def test_render_names_the_counts_the_slowest_and_a_failed_step() -> None:
     text = render(parse_junit(JUNIT_XUNIT1), parse_steps("venv\t2.0\t0\nchecks\t10.0\t2\n"))
     assert "before pytest: 12.0 s" in text
     assert "(exit 2)" in text
-    assert "bench_e2e_s=12" in text  # a slow test's recorded properties, under it
+    assert "bench_e2e_s=12" in text  # a slow test's recorded seconds, under it
+    assert "lost" not in text  # its other properties are not timings
     assert "tests: 5 (2 passed, 1 skipped, 1 failed, 1 error), 40.5 s in all" in text
     assert text.index("tests/faults/test_kill.py") < text.index("tests/unit/test_a.py")
 

@@ -20,8 +20,8 @@ import core.metrics
 from core.health import serve
 from core.metrics import token_matches
 from core.settings import Settings
-from ferry.local_redis import free_port
 from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
+from harness.ports import free_port
 from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.versions import RESTART_EXIT_CODE
 
