@@ -26,6 +26,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
     stack = FerryUp(
         tmp_path_factory.mktemp("backfill-stack"),
         FERRY_MODELS="sim",
+        FERRY_FLOWER_PORT="0",  # no Flower: nothing here looks at it (test_flower.py does)
         FERRY_SIM_LATENCY_BASE_MS="2",
         FERRY_SIM_LATENCY_PER_COST_MS="0.01",
         FERRY_BATCH_MAX_SIZE="256",

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ferry.local_redis import free_port
+from harness.ports import free_port
 from tests.conftest import run_ferry
 from tests.models import minilm_files
 
@@ -61,7 +61,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env.update(
         FERRY_API_PORT=str(port),
         FERRY_METRICS_PORT_BASE=str(free_port()),
-        FERRY_FLOWER_PORT=str(free_port()),
+        # No Flower: nothing here looks at it (test_flower.py and test_cluster.py do).
+        FERRY_FLOWER_PORT="0",
         FERRY_SIM_LATENCY_BASE_MS="40",
         FERRY_BATCH_WINDOW_MIN_MS="20",
         FERRY_BATCH_WINDOW_MAX_MS="20",

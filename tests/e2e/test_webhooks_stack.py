@@ -67,6 +67,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         root,
         FERRY_MODELS="sim",
+        FERRY_FLOWER_PORT="0",  # no Flower: nothing here looks at it (test_flower.py does)
         FERRY_SIM_LATENCY_BASE_MS="5",
         FERRY_WEBHOOK_ALLOW_HTTP="true",
         FERRY_WEBHOOK_ALLOWED_NETWORKS='["127.0.0.0/8"]',

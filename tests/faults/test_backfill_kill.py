@@ -48,8 +48,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         FERRY_BACKFILL_FEED_CHUNK="500",
         FERRY_BACKFILL_OUTSTANDING="2000",
     )
-    stack.start_api()
-    workers = [stack.start_worker(name) for name in ("w1", "w2")]
+    workers = stack.start("w1", "w2")
     celery = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     client = httpx.Client(

@@ -61,7 +61,7 @@ def test_a_job_that_crashes_its_worker_is_dead_lettered_and_the_workers_serve_on
     started = time.monotonic()
     submission = stack.submit([CRASH])
     crash_id = submission.ids[0]
-    workers = [stack.start_worker(name, supervised=True) for name in ("w1", "w2")]
+    workers = stack.start_workers("w1", "w2", supervised=True)
     assert stack.wait_terminal([crash_id], timeout=60), stack.diagnostics()
     # The workers that crashed three times serve what comes next.
     later = stack.submit(sim_jobs(200))

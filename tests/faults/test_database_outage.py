@@ -45,7 +45,7 @@ def test_a_database_outage_mid_run_loses_nothing_and_records_nothing_twice(
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
     # A backlog first, so that both workers are busy when the fault strikes.
     wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
-    workers = [stack.start_worker(name) for name in ("w1", "w2")]
+    workers = stack.start_workers("w1", "w2")
 
     wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
     done_before = stack.terminal_count()

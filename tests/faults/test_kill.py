@@ -62,8 +62,8 @@ def two_workers(
         FERRY_SIM_LATENCY_PER_COST_MS="1",
         FERRY_BATCH_MAX_SIZE=str(BATCH_MAX_SIZE),
     )
-    stack.start_api()
-    return stack, stack.start_worker("w1"), stack.start_worker("w2")
+    w1, w2 = stack.start("w1", "w2")
+    return stack, w1, w2
 
 
 def caught_mid_batch(stack: Stack, worker: Proc) -> list[str]:

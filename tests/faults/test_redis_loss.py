@@ -39,7 +39,7 @@ def test_redis_restarted_without_its_data_loses_no_accepted_job(
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
     # A backlog first, so that both workers are busy when the fault strikes.
     wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
-    workers = [stack.start_worker(name) for name in ("w1", "w2")]
+    workers = stack.start_workers("w1", "w2")
 
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
     done_before = stack.terminal_count()

@@ -26,8 +26,7 @@ def test_sigterm_mid_batch_finishes_the_batch_and_exits_zero(
         FERRY_SIM_LATENCY_PER_COST_MS="1",
         FERRY_WORKER_DRAIN_S=str(DRAIN_S),
     )
-    stack.start_api()
-    worker = stack.start_worker("w1")
+    (worker,) = stack.start("w1")
     started = time.monotonic()
     long_job = stack.submit([{"model": MODEL, "input": {"cost": 3000}}])  # a 3 s batch
     (long_id,) = long_job.accepted

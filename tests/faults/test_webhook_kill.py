@@ -35,8 +35,7 @@ def test_a_celery_worker_killed_mid_attempt_still_delivers_once(
         FERRY_WEBHOOK_DISPATCH_INTERVAL_S="0.5",
         FERRY_WEBHOOK_TIMEOUT_S=str(TIMEOUT_S),
     )
-    stack.start_api()
-    stack.start_worker("w1")
+    stack.start("w1")
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     client = httpx.Client(
