@@ -1310,11 +1310,20 @@ def generation_setup(doc: Doc) -> str:
     s, w = doc["settings"], doc["workload"]
     m, cal = s["model"], doc["calibration"]
     grid = ", ".join(f"{b}: {v:,.0f}" for b, v in cal["static_tokens_per_s_by_size"].items())
+    shares = [
+        run["cpu_share"]
+        for r in doc["rounds"]
+        for m in GENERATION_MODES
+        if m in r
+        for run in r[m].values()
+    ]
     return (
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of {len(doc['rounds'])} "
-        f"rounds (min–max). A {m['arch']}-shaped model of {m['layers']} layers, hidden "
-        f"{m['hidden']} ({m['parameters'] / 1e6:.1f} M parameters, random weights), "
-        f"{s['precision']} on `{s['device']}`, {s['threads']} torch thread(s). "
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
+        f"model of {m['layers']} layers, hidden {m['hidden']} ({m['parameters'] / 1e6:.1f} M "
+        f"parameters, random weights), {s['precision']} on `{s['device']}`, "
+        f"{counted(s['threads'], 'torch thread', 'torch threads')}; the process had "
+        f"{percent()(min(shares))} to {percent()(max(shares))} of a core in the timed runs. "
         f"{s['requests']} requests: prompts {w['prompt_tokens']['p50']:g} tokens at the median, "
         f"{w['prompt_tokens']['max']} at most; outputs {w['output_tokens']['p50']:g} at the "
         f"median, {w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, "
@@ -1389,7 +1398,7 @@ def render_generation_chunked(results: Results) -> list[str]:
         f"{load['decoders']} requests of {load['decoder_prompt']} prompt tokens decode "
         f"{load['decoder_tokens']} tokens each; {load['long_prompts']} prompts of "
         f"{load['long_prompt']} tokens arrive among them, one every {load['every_s']:g} s "
-        f"(median of {len(doc['rounds'])} rounds, min–max):",
+        f"(median of {counted(len(doc['rounds']), 'round', 'rounds')}, min–max):",
         "",
         *table(
             ["prefill_chunk_tokens", "decodes' TPOT p99", "decodes' token gap p99", "gap max",
