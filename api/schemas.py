@@ -200,8 +200,8 @@ class JobResource(BaseModel):
     estimated_wait_ms: float | None = Field(
         default=None,
         description="Only on the 202 that accepted the job: predicted milliseconds until it "
-        "finishes, from the queue ahead and what the workers learned (null until a worker "
-        "has published its estimates).",
+        "finishes (a generation job: until its first token), from the queue ahead and what "
+        "the workers learned (null until a worker has published its estimates).",
     )
 
 
@@ -267,6 +267,17 @@ class GenerationInfo(BaseModel):
         description="How its workers run it: step for models whose architecture Ferry steps "
         "natively, generate for others run through the library's generate(); null until a "
         "worker says.",
+    )
+    why: str | None = Field(
+        default=None, description="With execution generate: why it is not stepped natively."
+    )
+    step_fixed_ms: float | None = Field(
+        default=None,
+        description="Learned: a step's time = fixed + per_token x its tokens (null until a "
+        "worker says).",
+    )
+    step_per_token_ms: float | None = Field(
+        default=None, description="Learned: a step's time per token it computes."
     )
 
 

@@ -36,7 +36,8 @@ from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
-from core.queues import live_workers, model_stats, tenant_depths
+from core.generation_estimates import GenerationEstimate, first_token_s
+from core.queues import live_workers, numeric_stats, stats_text, tenant_depths
 from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts
 from core.usage import release, release_jobs, reserve
@@ -148,8 +149,17 @@ class QueueView:
     estimate: ModelEstimate | None  # None: no worker has published yet
     depths: dict[str, dict[str, int]]
     workers: int
+    generation: GenerationEstimate | None = None  # what a generation model's workers publish
 
-    def wait_ms(self, lane: str, tenant: str, cost: int) -> float | None:
+    def wait_ms(
+        self, lane: str, tenant: str, cost: int, tokens: tuple[int, int] | None = None
+    ) -> float | None:
+        """Milliseconds until the job finishes; for a generation job (``tokens``: its
+        prompt_tokens and max_tokens), until its first token."""
+        if self.generation is not None and tokens is not None:
+            ahead = jobs_ahead(self.depths, lane, tenant)
+            wait_s = first_token_s(self.generation, ahead, *tokens, self.workers)
+            return round(wait_s * 1000.0, 1)
         if self.estimate is None:
             return None
         ahead = jobs_ahead(self.depths, lane, tenant)
@@ -158,7 +168,7 @@ class QueueView:
     def add(self, lane: str, tenant: str) -> None:
         """Count a job this process is queueing, until the view is read again: a burst's
         later jobs see its earlier ones ahead of them."""
-        if self.estimate is not None:
+        if self.estimate is not None or self.generation is not None:
             by_tenant = self.depths.setdefault(lane, {})
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
 
@@ -183,14 +193,17 @@ class QueueViews:
             return cached[1]
         view: QueueView | None
         try:
-            estimate = ModelEstimate.from_hash(model_stats(self.client, self.prefix, model))
-            if estimate is None:  # no worker has published: spare the depth reads
-                view = QueueView(None, {}, 0)
+            raw = stats_text(self.client, self.prefix, model)
+            estimate = ModelEstimate.from_hash(numeric_stats(raw))
+            generation = GenerationEstimate.from_hash(raw)
+            if estimate is None and generation is None:
+                view = QueueView(None, {}, 0)  # no worker has published: spare the depth reads
             else:
                 view = QueueView(
                     estimate,
                     tenant_depths(self.client, self.prefix, model),
                     live_workers(self.client, self.prefix, model),
+                    generation,
                 )
         except REDIS_ERRORS:
             view = None
@@ -246,18 +259,23 @@ class GroupWriter:
     ) -> ApiError | None:
         """A 429 for a new job whose deadline the queue ahead makes impossible."""
         view = self.views.get(item.spec.name)
+        tokens = _generation_tokens(item.input)
         with self.views.lock:
-            estimate = view.wait_ms(item.body.priority, item.key.id, item.cost) if view else None
+            estimate = (
+                view.wait_ms(item.body.priority, item.key.id, item.cost, tokens) if view else None
+            )
         estimates[i] = estimate
         deadline = item.body.deadline_ms
         if deadline is None or estimate is None or estimate <= deadline:
             return None
-        # Refuse now rather than accept a job that would only expire in the queue.
+        # Refuse now rather than accept a job that would only expire in the queue. A
+        # generation's deadline is the latest its first step may start.
+        when = "start (its first token)" if tokens is not None else "finish"
         return ApiError(
             429,
             "deadline_unattainable",
             f"deadline_ms: {deadline} ms cannot be met; with the queue ahead "
-            f"this job would finish in about {estimate:.0f} ms",
+            f"this job would {when} in about {estimate:.0f} ms",
             estimated_wait_ms=estimate,
         )
 
@@ -430,6 +448,13 @@ class GroupWriter:
             # this group included) are refused with it.
             if isinstance(outcome, Submitted) and outcome.job.id in deleted:
                 outcomes[i] = refused
+
+
+def _generation_tokens(value: Any) -> tuple[int, int] | None:
+    """A stored generation input's prompt_tokens and max_tokens (None for other inputs)."""
+    if isinstance(value, dict) and "prompt_tokens" in value and "max_tokens" in value:
+        return int(value["prompt_tokens"]), int(value["max_tokens"])
+    return None
 
 
 def _new_job(item: Submission) -> Job:

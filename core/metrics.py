@@ -132,6 +132,57 @@ GPU_MEMORY_RECLAIMS = Counter(
     ["model"],
 )
 
+# Generation workers: observed once per step, and once per job as it ends.
+TOKEN_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+GENERATION_TOKENS = Counter(
+    "ferry_generation_tokens_total", "Tokens generated (sampled) by a generation worker.",
+    ["model"],
+)  # fmt: skip
+GENERATION_STEPS = Counter(
+    "ferry_generation_steps_total", "Steps a generation worker ran (each a forward pass).",
+    ["model"],
+)  # fmt: skip
+GENERATION_STEP_SECONDS = Histogram(
+    "ferry_generation_step_seconds", "Device time of one generation step.", ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)  # fmt: skip
+GENERATION_TTFT = Histogram(
+    "ferry_generation_time_to_first_token_seconds",
+    "Accepted to a generation job's first token.",
+    ["model", "lane"],
+    buckets=LATENCY_BUCKETS_S,
+)
+GENERATION_TPOT = Histogram(
+    "ferry_generation_time_per_output_token_seconds",
+    "A generation job's mean time per output token after its first.",
+    ["model", "lane"],
+    buckets=TOKEN_BUCKETS_S,
+)
+GENERATION_KV_BLOCKS_IN_USE = Gauge(
+    "ferry_generation_kv_blocks_in_use", "KV blocks held by running sequences.", ["model"]
+)
+GENERATION_KV_BLOCKS_BUDGET = Gauge(
+    "ferry_generation_kv_blocks_budget", "KV blocks in the worker's pool.", ["model"]
+)
+GENERATION_SEQUENCES = Gauge(
+    "ferry_generation_sequences",
+    "Sequences in a generation worker (state=running: in the batch; waiting: read, not "
+    "admitted, preempted ones included).",
+    ["model", "state"],
+)
+GENERATION_PREEMPTIONS = Counter(
+    "ferry_generation_preemptions_total",
+    "Running sequences evicted so that an urgent one fits (they resume later).",
+    ["model"],
+)
+GENERATION_JOBS_ENDED = Counter(
+    "ferry_generation_jobs_ended_total",
+    "Generation jobs that ended, by finish_reason (stop, length, cancelled, expired).",
+    ["model", "finish_reason"],
+)
+
 # Webhooks (Celery worker).
 WEBHOOK_ATTEMPTS = Counter(
     "ferry_webhook_attempts_total",

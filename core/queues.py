@@ -158,11 +158,21 @@ def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None
 
 
 def model_stats(client: redis.Redis, prefix: str, model: str) -> dict[str, float]:
+    """The numbers of the model's stats hash (:func:`numeric_stats` of :func:`stats_text`)."""
+    return numeric_stats(stats_text(client, prefix, model))
+
+
+def stats_text(client: redis.Redis, prefix: str, model: str) -> dict[str, str]:
+    """The model's stats hash as its workers wrote it (a generation's holds words too)."""
     raw: Any = client.hgetall(stats_key(prefix, model))
+    return {_text(name): _text(value) for name, value in raw.items()}
+
+
+def numeric_stats(raw: dict[str, str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, value in raw.items():
         try:
-            out[_text(name)] = float(_text(value))
+            out[name] = float(value)
         except ValueError:
             continue
     return out

@@ -26,8 +26,9 @@ from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error
 from core.catalog import ModelSpec
 from core.db import ModelActivation
 from core.generation import GenerationSpec
+from core.generation_estimates import GenerationEstimate
 from core.metrics import queue_metrics, token_matches
-from core.queues import lane_depths, live_workers, model_stats
+from core.queues import lane_depths, live_workers, numeric_stats, stats_text
 from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 from core.versions import version_states
@@ -97,7 +98,8 @@ def _model_info(
     settings: Settings,
     activations: dict[str, tuple[int, float]],
 ) -> ModelInfo:
-    stats = model_stats(client, settings.key_prefix, spec.name)
+    raw = stats_text(client, settings.key_prefix, spec.name)
+    stats = numeric_stats(raw)
     known, active = request.app.state.versions.of(spec)
     states = version_states(client, settings.key_prefix, spec.name)
     activated = activations.get(spec.name)
@@ -107,10 +109,15 @@ def _model_info(
         created = _modified(settings.model_repository_path / spec.name / "model.toml")
     generation = None
     if isinstance(spec.input, GenerationSpec):
+        learned = GenerationEstimate.from_hash(raw)  # None until a worker has published
         generation = GenerationInfo(
             context_tokens=spec.input.context_tokens,
             default_max_tokens=spec.input.default_max_tokens,
             chat=spec.input.chat is not None,
+            execution=None if learned is None else learned.execution,
+            why=(learned.why or None) if learned is not None else None,
+            step_fixed_ms=None if learned is None else _ms(learned.step_a_s),
+            step_per_token_ms=None if learned is None else _ms(learned.step_b_s, 6),
         )
     return ModelInfo(
         id=spec.name,

@@ -41,6 +41,7 @@ from scheduler.generation import FinishReason, GenerationRequest
 from scheduler.vocabulary import Lane
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.engine import GenerationEngine, StepEvents
+from workers.gpu.generation_signals import GenerationSignals
 from workers.gpu.learned import Publisher
 from workers.gpu.recorder import Outcome, Recorder
 from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, utc_at
@@ -87,6 +88,7 @@ class GenerationLoop:
         tokenizer_path: Path,
         consumer: StreamConsumer,
         recorder: Recorder,
+        signals: GenerationSignals,
         client: redis.Redis,
         prefix: str,
         device: str,
@@ -98,6 +100,7 @@ class GenerationLoop:
         self.tokenizer_path = tokenizer_path
         self.consumer = consumer
         self.recorder = recorder
+        self.signals = signals
         self.client = client
         self.prefix = prefix
         self.device = device
@@ -183,6 +186,7 @@ class GenerationLoop:
         if not events.idle:
             self.steps += 1
         self._apply(events)
+        self.signals.stepped(events, self.engine.scheduler)
         if events.idle and events.plan.wait_s is not None:
             time.sleep(min(events.plan.wait_s, IDLE_BLOCK_MS / 1000.0))
 
@@ -228,6 +232,7 @@ class GenerationLoop:
                     arrival=message.enqueued_at_ms / 1000.0,
                 )
                 self.engine.add(request, job)
+                self.signals.job_read(request.prompt_tokens, request.max_tokens)
             except (ValueError, KeyError, TypeError) as exc:
                 refused.append(Outcome(message.job_id, "failed", error=f"cannot run: {exc}"))
                 self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
@@ -320,6 +325,9 @@ class GenerationLoop:
         if held is None:
             return None
         reason = completion.finish_reason
+        lane = held.entry.message.lane
+        if reason == FinishReason.EXPIRED or not held.claimed:
+            self.signals.job_ended(lane, str(reason), 0, {})
         if reason == FinishReason.EXPIRED:
             return Outcome(job_id, "expired", error="its deadline could not be met")
         if not held.claimed:
@@ -327,10 +335,12 @@ class GenerationLoop:
             # is acknowledged; whatever ended it recorded it already.
             return Outcome(job_id, "cancelled", error="cancelled by the client")
         status = "cancelled" if reason == FinishReason.CANCELLED else "succeeded"
+        output = completion_output(completion, held, now)
+        self.signals.job_ended(lane, str(reason), len(completion.token_ids), output["timings"])
         return Outcome(
             job_id,
             status,
-            output=completion_output(completion, held, now),
+            output=output,
             error="cancelled by the client" if status == "cancelled" else None,
             inference_ms=None
             if held.first_token_s is None

@@ -6,9 +6,11 @@ import logging
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
+from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
 from core.health import serve
 from core.redis_target import RedisTarget
@@ -18,8 +20,11 @@ from core.versions import active_version
 from core.webhooks import DeliveryKicker
 from scheduler.generation import GenerationScheduler
 from workers.gpu.consumer import StreamConsumer
+from workers.gpu.control import ControlResponder
 from workers.gpu.engine import GenerationEngine
 from workers.gpu.generation_loop import GenerationConfig, GenerationLoop
+from workers.gpu.generation_signals import GenerationSignals
+from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -60,11 +65,17 @@ def build_generation_loop(
     if tokenizer is None:
         raise SystemExit(f"{config.name}: a generation model needs input.tokenizer")
     kicker = DeliveryKicker(target, own.key_prefix)
+    signals = GenerationSignals(
+        client, own.key_prefix, config.name, runtime.limits,
+        "step" if runtime.execution == "step" else "generate", runtime.why or "",
+        runtime.bytes_per_block,
+    )  # fmt: skip
     return GenerationLoop(
         engine=GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner),
         tokenizer_path=tokenizer,
         consumer=StreamConsumer(client, own.key_prefix, config.name, consumer_name),
         recorder=Recorder(sessions, version),
+        signals=signals,
         client=client,
         prefix=own.key_prefix,
         device=runtime.device,
@@ -95,6 +106,19 @@ def run_generation_worker(
         )  # fmt: skip
     loop = build_generation_loop(settings, config, device, consumer_name)
     loops.append(loop)
+    presence = control = None
+    if settings.worker_events:
+        # In Flower as the encoder workers are: a heartbeat under its node name, and
+        # its facts in answer to inspections (its jobs are not sent as tasks: a
+        # generation runs many at once, for many steps).
+        app = celery_for_events(settings)
+        presence = CeleryPresence(app, model, consumer_name)
+        presence.start()
+        control = ControlResponder(
+            app, presence, settings.key_prefix, lambda: generation_facts(loop),
+            generation_conf(loop),
+        )  # fmt: skip
+        control.start()
     stop = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -104,5 +128,40 @@ def run_generation_worker(
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    loop.run(stop)
+    try:
+        loop.run(stop)
+    finally:
+        if control is not None:
+            control.stop()
+        if presence is not None:
+            presence.stop()
     return 0
+
+
+def generation_facts(loop: GenerationLoop) -> dict[str, Any]:
+    """What Flower's worker page shows of a generation worker, beside Celery's own figures."""
+    return {
+        "model": loop.model,
+        "device": loop.device,
+        # Not "consumer": Celery uses that key for its own consumer stats, which Flower reads.
+        "stream_consumer": loop.consumer.consumer,
+        "ready": loop.ready.is_set(),
+        "steps": loop.steps,
+        "tokens": loop.tokens,
+        **loop.signals.facts(loop.engine.scheduler),
+    }
+
+
+def generation_conf(loop: GenerationLoop) -> dict[str, Any]:
+    """The scheduling limits and loop settings in force (no URLs, no secrets)."""
+    limits = loop.engine.scheduler.limits
+    return {
+        "prefetch": loop.config.prefetch,
+        "max_attempts": loop.config.max_attempts,
+        "visibility_timeout_s": loop.config.visibility_timeout_s,
+        "kv_blocks": limits.kv_blocks,
+        "block_size": limits.block_size,
+        "max_running": limits.max_running,
+        "step_tokens": limits.step_tokens,
+        "prefill_chunk_tokens": limits.prefill_chunk_tokens,
+    }
