@@ -1429,7 +1429,8 @@ def render_generation_profile(results: Results) -> list[str]:
         f"average, {found['tokens_per_step_mean']:.1f} tokens and "
         f"{found['sequences_per_step_mean']:.1f} sequences a step; "
         f"{found['sdpa_calls_per_step']:.0f} SDPA calls a step at "
-        f"{found['us_per_sdpa_call']:.0f} µs each:",
+        f"{found['us_per_sdpa_call']:.0f} µs each; Ferry's attention, all told, "
+        f"{found['us_per_attention_call_per_sequence']:.0f} µs per sequence per layer:",
         "",
         *table(["part of a step", "a step", "share"], "lrr", rows),
     ]
