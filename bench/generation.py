@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.requests, args.grid = 1, min(args.requests, 8), "4"
         args.layers, args.hidden, args.heads = 2, 128, 4
     head = results.provenance("generation", argv)
+    head["smoke"] = smoke  # --smoke alone, without the runner's variable, is a smoke run too
     started = time.monotonic()
     prompts, outputs = (SMOKE_PROMPTS, SMOKE_OUTPUTS) if smoke else (PROMPTS, OUTPUTS)
     chunked_load = None if args.no_chunked else (SMOKE_CHUNKED if smoke else ChunkedLoad())
