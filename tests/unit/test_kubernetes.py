@@ -47,7 +47,13 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 KEDA_SCHEMA = json.loads((KUBERNETES / "schemas" / "keda-scaledobject.json").read_text())
 OVERLAYS = sorted(path.name for path in (KUBERNETES / "overlays").iterdir() if path.is_dir())
-MODELS = sorted(path.parent.name for path in (ROOT / "models").glob("*/model.toml"))
+# Every model of the repository but the demo generation models, whose files
+# `ferry up` builds from a recipe on first start (docs/kubernetes.md says why).
+MODELS = sorted(
+    path.parent.name
+    for path in (ROOT / "models").glob("*/model.toml")
+    if not list(path.parent.glob("*/lm-build.toml"))
+)
 # The oldest Kubernetes the manifests are for, and the newest the package knows.
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 # What the overlays refer to and the operator makes (docs/kubernetes.md).
