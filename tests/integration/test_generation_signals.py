@@ -14,28 +14,28 @@ from celery import Celery
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-from backends.catalog import repository_for
 from core.broker import celery_for_events
 from core.generation_estimates import GenerationEstimate
 from core.queues import stats_text
 from core.settings import Settings
-from tests.integration.test_generation_worker import MODEL, Worker, repository, result, submit
+from tests.integration.generation_worker import (
+    MODEL,
+    Worker,
+    generation_settings,
+    repository,
+    result,
+    start_worker,
+    submit,
+)
 from tests.integration.test_presence import Watcher
 from workers.gpu.control import ControlResponder
-from workers.gpu.generation_main import build_generation_loop, generation_conf, generation_facts
+from workers.gpu.generation_main import generation_conf, generation_facts
 from workers.gpu.presence import CeleryPresence, node_name
 
 
 @pytest.fixture
 def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
-    return settings.model_copy(
-        update={
-            "model_repository": repository(tmp_path, max_running=4),
-            "models": MODEL,
-            "model_parameters": {},
-            "cpu_threads": 1,
-        }
-    )
+    return generation_settings(settings, tmp_path, max_running=4)
 
 
 @pytest.fixture
@@ -49,9 +49,7 @@ def gen_client(gen_settings: Settings) -> Iterator[TestClient]:
 @pytest.fixture
 def worker(gen_settings: Settings) -> Callable[..., Worker]:
     def start(name: str = "gen-worker", settings: Settings | None = None) -> Worker:
-        chosen = settings or gen_settings
-        config = repository_for(chosen).models[MODEL]
-        return Worker(build_generation_loop(chosen, config, "cpu", name))
+        return start_worker(settings or gen_settings, name)
 
     return start
 

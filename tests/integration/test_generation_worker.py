@@ -9,8 +9,6 @@ records the result. What comes out is checked against the library's own
 
 from __future__ import annotations
 
-import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -23,46 +21,22 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from backends.catalog import repository_for
 from backends.generation.load import eos_ids
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.settings import Settings
 from core.streams import cancels_key, events_key
+from tests.integration.generation_worker import (
+    MODEL,
+    Worker,
+    events,
+    generation_settings,
+    repository,
+    result,
+    start_worker,
+    submit,
+)
 from tests.lm import lm_folder
-from workers.gpu.generation_loop import GenerationLoop
-from workers.gpu.generation_main import build_generation_loop
-
-MODEL = "tiny"
-TOML = """
-name = "tiny"
-backend = "causal-lm"
-description = "A llama-shaped model with random weights: its text is noise."
-
-[input]
-kind = "generation"
-tokenizer = "tokenizer.json"
-default_max_tokens = 16
-
-[cost]
-function = "tokens"
-
-[parameters]
-max_running = {max_running}
-step_tokens = 256
-prefill_chunk_tokens = 64
-kv_cache_bytes = {kv_bytes}
-"""
-
-
-def repository(root: Path, max_running: int = 8, kv_blocks: int = 512) -> Path:
-    """A repository holding one generation model: the llama-shaped test folder."""
-    folder = root / "repository" / MODEL
-    shutil.copytree(lm_folder("llama"), folder / "1")
-    # llama-shaped test model: 4 layers x 2 KV heads x 32 dims x 2 (K, V) x 4 bytes a token.
-    kv_bytes = kv_blocks * 16 * 4 * 2 * 32 * 2 * 4
-    (folder / "model.toml").write_text(TOML.format(max_running=max_running, kv_bytes=kv_bytes))
-    return folder.parent
 
 
 @cache
@@ -91,41 +65,9 @@ def reference(prompt_ids: list[int], max_tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
-class Worker:
-    def __init__(self, loop: GenerationLoop) -> None:
-        self.loop = loop
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
-        self.peak_blocks = 0
-
-    def __enter__(self) -> GenerationLoop:
-        scheduler = self.loop.engine.scheduler
-        step = self.loop.step
-
-        def watched() -> None:
-            step()
-            self.peak_blocks = max(self.peak_blocks, scheduler.blocks_used)
-
-        self.loop.step = watched  # type: ignore[method-assign]
-        self.thread.start()
-        return self.loop
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the generation worker did not stop"
-
-
 @pytest.fixture
 def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
-    return settings.model_copy(
-        update={
-            "model_repository": repository(tmp_path),
-            "models": MODEL,
-            "model_parameters": {},
-            "cpu_threads": 1,
-        }
-    )
+    return generation_settings(settings, tmp_path)
 
 
 @pytest.fixture
@@ -139,9 +81,7 @@ def gen_client(gen_settings: Settings) -> Iterator[TestClient]:
 @pytest.fixture
 def worker(gen_settings: Settings) -> Callable[..., Worker]:
     def start(name: str = "gen-worker", settings: Settings | None = None) -> Worker:
-        chosen = settings or gen_settings
-        config = repository_for(chosen).models[MODEL]
-        return Worker(build_generation_loop(chosen, config, "cpu", name))
+        return start_worker(settings or gen_settings, name)
 
     return start
 
@@ -151,29 +91,6 @@ def rclient(gen_settings: Settings) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(str(gen_settings.redis_url), decode_responses=True)
     yield client
     client.close()
-
-
-def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
-    body: dict[str, Any] = {"model": MODEL, "input": input}
-    if "priority" in input:
-        body["priority"] = input.pop("priority")
-    response = client.post("/v1/jobs", json=body, headers=auth)
-    assert response.status_code == 202, response.text
-    return str(response.json()["id"])
-
-
-def result(client: TestClient, auth: dict[str, str], job_id: str, wait_s: float = 60) -> Any:
-    ends = time.monotonic() + wait_s
-    while time.monotonic() < ends:
-        job = client.get(f"/v1/jobs/{job_id}?wait=5", headers=auth).json()
-        if job["status"] not in ("queued", "running"):
-            return job
-    raise AssertionError(f"job {job_id} did not end within {wait_s} s")
-
-
-def events(rclient: redis.Redis, settings: Settings, job_id: str) -> list[JobEvent]:
-    entries = rclient.xrange(events_key(settings.key_prefix, MODEL, job_id))
-    return [JobEvent.decode(fields) for _, fields in entries]  # type: ignore[union-attr,arg-type]
 
 
 PROMPTS = [

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,59 +21,22 @@ import pytest
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from backends.catalog import repository_for
 from core.settings import Settings
 from harness.served import Served, served
 from tests.integration.gen_api import EventReader, Message
+from tests.integration.generation_worker import MODEL, generation_settings, start_worker
 from tests.integration.test_backfills import RunningFeeder, make_feeder
-from tests.lm import lm_folder
-from tests.models import REPOSITORY
-from workers.gpu.generation_main import build_generation_loop
 
-MODEL = "tiny"
-TOML = """
-name = "tiny"
-backend = "causal-lm"
-
-[input]
-kind = "generation"
-tokenizer = "tokenizer.json"
-default_max_tokens = 16
-
-[cost]
-function = "tokens"
-
-[parameters]
-max_running = 8
-step_tokens = 256
-prefill_chunk_tokens = 64
-"""
 CHAT: list[Any] = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Hello"},
 ]
 
 
-def repository(root: Path) -> Path:
-    """The llama-shaped test model (it has a chat template) beside the sim model."""
-    folder = root / "repository" / MODEL
-    shutil.copytree(lm_folder("llama"), folder / "1")
-    (folder / "model.toml").write_text(TOML)
-    shutil.copytree(REPOSITORY / "sim", root / "repository" / "sim")
-    return folder.parent
-
-
 @pytest.fixture
 def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
-    return settings.model_copy(
-        update={
-            "model_repository": repository(tmp_path),
-            "models": f"{MODEL},sim",
-            "model_parameters": {},
-            "cpu_threads": 1,
-            "max_wait_s": 60.0,
-        }
-    )
+    made = generation_settings(settings, tmp_path, beside=("sim",))
+    return made.model_copy(update={"max_wait_s": 60.0})
 
 
 @pytest.fixture
@@ -86,15 +47,8 @@ def api(gen_settings: Settings) -> Iterator[Served]:
 
 @pytest.fixture
 def worker(gen_settings: Settings) -> Iterator[None]:
-    config = repository_for(gen_settings).models[MODEL]
-    loop = build_generation_loop(gen_settings, config, "cpu", "openai-gen-worker")
-    stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(timeout=30)
-    assert not thread.is_alive(), "the generation worker did not stop"
+    with start_worker(gen_settings, "openai-gen-worker"):
+        yield
 
 
 @pytest.fixture

@@ -1,0 +1,129 @@
+"""A generation model's worker for the integration tests: its repository, settings and thread.
+
+The model is the llama-shaped folder ``tests.lm`` builds (random weights, a
+trained tokenizer, a chat template), served through the real ``causal-lm``
+backend by a real ``GenerationLoop`` on a thread of the test, as the other
+integration tests run their workers.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+
+from backends.catalog import repository_for
+from core.job_events import JobEvent
+from core.settings import Settings
+from core.streams import events_key
+from tests.lm import lm_folder
+from tests.models import REPOSITORY
+from workers.gpu.generation_loop import GenerationLoop
+from workers.gpu.generation_main import build_generation_loop
+
+MODEL = "tiny"
+TOML = """
+name = "tiny"
+backend = "causal-lm"
+description = "A llama-shaped model with random weights: its text is noise."
+
+[input]
+kind = "generation"
+tokenizer = "tokenizer.json"
+default_max_tokens = 16
+
+[cost]
+function = "tokens"
+
+[parameters]
+max_running = {max_running}
+step_tokens = 256
+prefill_chunk_tokens = 64
+kv_cache_bytes = {kv_bytes}
+"""
+
+
+def repository(
+    root: Path, max_running: int = 8, kv_blocks: int = 512, beside: tuple[str, ...] = ()
+) -> Path:
+    """A repository holding the generation model (and ``beside``: shipped models copied in)."""
+    folder = root / "repository" / MODEL
+    shutil.copytree(lm_folder("llama"), folder / "1")
+    # llama-shaped test model: 4 layers x 2 KV heads x 32 dims x 2 (K, V) x 4 bytes a token.
+    kv_bytes = kv_blocks * 16 * 4 * 2 * 32 * 2 * 4
+    (folder / "model.toml").write_text(TOML.format(max_running=max_running, kv_bytes=kv_bytes))
+    for name in beside:
+        shutil.copytree(REPOSITORY / name, root / "repository" / name)
+    return folder.parent
+
+
+def generation_settings(settings: Settings, root: Path, **repository_args: Any) -> Settings:
+    """``settings`` serving the generation model of a repository made under ``root``."""
+    beside = repository_args.get("beside", ())
+    return settings.model_copy(
+        update={
+            "model_repository": repository(root, **repository_args),
+            "models": ",".join((MODEL, *beside)),
+            "model_parameters": {},
+            "cpu_threads": 1,
+        }
+    )
+
+
+class Worker:
+    def __init__(self, loop: GenerationLoop) -> None:
+        self.loop = loop
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
+        self.peak_blocks = 0
+
+    def __enter__(self) -> GenerationLoop:
+        scheduler = self.loop.engine.scheduler
+        step = self.loop.step
+
+        def watched() -> None:
+            step()
+            self.peak_blocks = max(self.peak_blocks, scheduler.blocks_used)
+
+        self.loop.step = watched  # type: ignore[method-assign]
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the generation worker did not stop"
+
+
+def start_worker(settings: Settings, name: str = "gen-worker") -> Worker:
+    """A worker of the generation model (entered, it runs on a thread)."""
+    config = repository_for(settings).models[MODEL]
+    return Worker(build_generation_loop(settings, config, "cpu", name))
+
+
+def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
+    body: dict[str, Any] = {"model": MODEL, "input": input}
+    if "priority" in input:
+        body["priority"] = input.pop("priority")
+    response = client.post("/v1/jobs", json=body, headers=auth)
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def result(client: TestClient, auth: dict[str, str], job_id: str, wait_s: float = 60) -> Any:
+    ends = time.monotonic() + wait_s
+    while time.monotonic() < ends:
+        job = client.get(f"/v1/jobs/{job_id}?wait=5", headers=auth).json()
+        if job["status"] not in ("queued", "running"):
+            return job
+    raise AssertionError(f"job {job_id} did not end within {wait_s} s")
+
+
+def events(rclient: redis.Redis, settings: Settings, job_id: str) -> list[JobEvent]:
+    entries = rclient.xrange(events_key(settings.key_prefix, MODEL, job_id))
+    return [JobEvent.decode(fields) for _, fields in entries]  # type: ignore[union-attr,arg-type]
