@@ -85,7 +85,8 @@ class CausalLMBackend:
         if not problems:
             for name, reason in GenerationSettings.of(model).problems():
                 problems.append(Problem(model.where(), f"parameters.{name}", reason))
-        problems += file_problems(model, version, "config.json", "tokenizer.json")
+        # The tokenizer is input.tokenizer, whose file the repository reader checks.
+        problems += file_problems(model, version, "config.json")
         if not any((version.files / name).exists() for name in WEIGHTS):
             problems.append(
                 Problem(
@@ -99,7 +100,9 @@ class CausalLMBackend:
     def runtime(
         self, model: ModelConfig, version: ModelVersion, options: RuntimeOptions
     ) -> CausalLMRuntime:
-        return CausalLMRuntime(model.name, version.files, GenerationSettings.of(model), options)
+        runtime = CausalLMRuntime(model.name, version.files, GenerationSettings.of(model), options)
+        runtime.tokenizer_file = model.tokenizer_path(version.number)
+        return runtime
 
 
 class CausalLMRuntime:
@@ -127,6 +130,7 @@ class CausalLMRuntime:
         self.why = ""
         self.context_tokens = 0
         self.bytes_per_block = 0
+        self.tokenizer_file: Path | None = None  # the model's input.tokenizer
 
     def load(self) -> None:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -144,7 +148,9 @@ class CausalLMRuntime:
 
             torch.set_num_threads(self.options.cpu_threads)
         settings = self.settings
-        loaded = loading.load(self.files, self.device, self.options.precision, settings.native)
+        loaded = loading.load(
+            self.files, self.device, self.options.precision, settings.native, self.tokenizer_file
+        )
         dtype = loading.DTYPES[self.options.precision]
         budget = float(settings.kv_cache_bytes or self.options.budget_bytes or 0)
         if not budget:

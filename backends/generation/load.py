@@ -73,8 +73,19 @@ def eos_ids(folder: Path, config: Any) -> tuple[int, ...]:
     return tuple(found) if isinstance(found, list) else (int(found),)
 
 
-def load(folder: Path, device: str, precision: str, native: str = "auto") -> Loaded:
-    """The folder's model on ``device`` in ``precision``; ``native``: auto, or never."""
+def load(
+    folder: Path,
+    device: str,
+    precision: str,
+    native: str = "auto",
+    tokenizer_file: Path | None = None,
+) -> Loaded:
+    """The folder's model on ``device`` in ``precision``; ``native``: auto, or never.
+
+    ``tokenizer_file``: the model's ``input.tokenizer`` (default: the folder's
+    tokenizer.json), the one the API counts prompts with, so the text a job's
+    tokens make is decoded by the same tokenizer that encoded its prompt.
+    """
     from tokenizers import Tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -86,7 +97,7 @@ def load(folder: Path, device: str, precision: str, native: str = "auto") -> Loa
         kwargs["attn_implementation"] = paged.ATTENTION
     model: Any = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model = model.to(device).eval()
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(tokenizer_file or folder / "tokenizer.json"))
     return Loaded(
         model=model,
         tokenizer=tokenizer,
