@@ -99,12 +99,42 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Decodes:
+    """The step's decoding sequences, attended together: one token each, last on the axis.
+
+    ``offset``: where the first of them sits on the packed axis (they run to
+    its end). ``slots``: ``(n, longest)``, each row a sequence's slots,
+    padded with slot 0; ``mask``: ``(n, 1, 1, longest)``, True where a row's
+    slot is its own.
+    """
+
+    offset: int
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, offset: int, rows: list[torch.Tensor]) -> Decodes:
+        longest = max(len(row) for row in rows)
+        slots = torch.zeros((len(rows), longest), dtype=torch.long, device=rows[0].device)
+        mask = torch.zeros((len(rows), longest), dtype=torch.bool, device=rows[0].device)
+        for i, row in enumerate(rows):
+            slots[i, : len(row)] = row
+            mask[i, : len(row)] = True
+        return cls(offset, slots, mask[:, None, None, :])
+
+
+@dataclass(frozen=True)
 class StepLayout:
-    """A packed step: every sequence's segment, and the slots its new tokens write."""
+    """A packed step: every sequence's segment, and the slots its new tokens write.
+
+    ``decodes``: when set, the decoding sequences (the segments from its
+    offset on) are attended in one call instead of one call each.
+    """
 
     pool: KVPool
     segments: tuple[Segment, ...]
     write_slots: torch.Tensor  # one per packed token, in packed order
+    decodes: Decodes | None = None
 
 
 def paged_attention(
@@ -132,7 +162,10 @@ def paged_attention(
     keys.index_copy_(0, layout.write_slots, key[0].transpose(0, 1).to(keys.dtype))
     values.index_copy_(0, layout.write_slots, value[0].transpose(0, 1).to(values.dtype))
     outputs = []
+    decodes = layout.decodes
     for segment in layout.segments:
+        if decodes is not None and segment.offset >= decodes.offset:
+            break
         q = query[:, :, segment.offset : segment.offset + segment.length]
         k = keys.index_select(0, segment.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         v = values.index_select(0, segment.slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
@@ -147,6 +180,15 @@ def paged_attention(
             module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=mask is None
         )
         outputs.append(out)
+    if decodes is not None:
+        # (n, heads, 1, d) queries against (n, kv_heads, longest, d) padded keys.
+        q = query[0, :, decodes.offset :].transpose(0, 1).unsqueeze(2)
+        k = keys[decodes.slots].transpose(1, 2).to(query.dtype)
+        v = values[decodes.slots].transpose(1, 2).to(query.dtype)
+        out, _ = sdpa_attention_forward(
+            module, q, k, v, decodes.mask, dropout=0.0, scaling=scaling, is_causal=False
+        )
+        outputs.append(out.transpose(0, 1))  # (n, 1, heads, d) -> (1, n, heads, d)
     return torch.cat(outputs, dim=1), None
 
 

@@ -104,6 +104,10 @@ class StepRuntime:
         self.shape = paged.KVShape.of(model.config, dtype)
         self.pool = paged.KVPool(self.shape, kv_blocks, block_size, device)
         self._sequences: dict[str, _Sequence] = {}
+        # Decoding sequences attend in one padded call on a GPU, where a call per
+        # sequence per layer is thousands of kernel launches a step; on the CPU a
+        # call each is faster (measured: about 1.5x at 32 sequences, no padding).
+        self.batched_decode = device.startswith("cuda")
 
     @property
     def kv_blocks(self) -> int:
@@ -168,7 +172,13 @@ class StepRuntime:
             if last:
                 rows.append(len(ids) - 1)
                 sampled_by.append(id)
-        layout = paged.StepLayout(self.pool, tuple(segments), torch.cat(writes))
+        decodes = None
+        if self.batched_decode and len(plan.decode) > 1:
+            first = len(segments) - len(plan.decode)
+            decodes = paged.Decodes.of(
+                segments[first].offset, [segment.slots for segment in segments[first:]]
+            )
+        layout = paged.StepLayout(self.pool, tuple(segments), torch.cat(writes), decodes)
         with torch.inference_mode():
             logits = self.model(
                 input_ids=torch.tensor([ids], device=self.device),

@@ -164,6 +164,23 @@ def test_greedy_tokens_equal_the_librarys_generate_on_each_prompt_alone(arch: st
 
 
 @pytest.mark.parametrize("arch", ARCHES)
+def test_decodes_attended_in_one_padded_call_still_equal_generate(arch: str) -> None:
+    """The GPU's way of attending the decodes (one call, keys padded), checked here on the CPU."""
+    cases = prompts(arch, 60, seed=2)
+    eng = engine(arch)
+    runner = eng.runtime
+    runner.batched_decode = True  # type: ignore[attr-defined]
+    try:
+        ended = run(eng, [greedy(str(i), p) for i, p in enumerate(cases)], arrivals(6))
+    finally:
+        runner.batched_decode = False  # type: ignore[attr-defined]
+    mismatched = [
+        i for i, p in enumerate(cases) if list(ended[str(i)].token_ids) != reference(arch, p)
+    ]
+    assert mismatched == []
+
+
+@pytest.mark.parametrize("arch", ARCHES)
 def test_a_preempted_sequence_resumes_and_still_equals_generate(arch: str) -> None:
     """Bulk work fills the KV pool; urgent jobs preempt it; every result is unchanged."""
     cases = prompts(arch, 24, seed=5)
