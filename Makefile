@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e clients/python -e '.[dev]'
 	touch $(STAMP)
 
+# The shipped tiny-llama is served beside the defaults (its first start builds
+# its files, random weights); FERRY_MODELS=... make run chooses otherwise.
 run: $(STAMP)
-	$(BIN)/ferry up
+	FERRY_MODELS="$${FERRY_MODELS:-minilm,sim,tiny-llama}" $(BIN)/ferry up
 
 lint: $(STAMP)
 	$(TIMED) ruff-check $(BIN)/ruff check .
