@@ -162,13 +162,14 @@ async def cancel_job(job_id: str, request: Request, key: KeyDep) -> Response:
 @router.get(
     "/{job_id}/events",
     status_code=200,
-    response_class=EventStreamResponse,
+    # The route returns its EventStreamResponse itself; the default class keeps
+    # the error statuses documented as JSON, which is what they are.
     responses={
         200: {
             "content": {"text/event-stream": {}},
             "description": "The job's events: status, token (generations), done.",
         },
-        **error_responses(404),
+        **error_responses(401, 404, 422),
     },
 )
 async def job_events(
