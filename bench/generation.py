@@ -70,7 +70,7 @@ class Setup:
     """Everything the runs share: the model folder loaded twice, the corpus's tokens."""
 
     runtime: Any  # backends.generation.CausalLMRuntime, loaded
-    library: Any  # the folder through from_pretrained, the library's own attention
+    reference: Any  # the folder through from_pretrained, with its default attention
     corpus_ids: list[int]
     pad_id: int
     device: str
@@ -102,12 +102,12 @@ def load(args: argparse.Namespace, folder: Path) -> Setup:
     if not isinstance(runtime.runner.eos_ids, frozenset):
         raise RuntimeError("the step runtime's eos_ids changed shape: update the benchmark")
     runtime.runner.eos_ids = frozenset()
-    library = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.precision])
-    library = library.to(args.device).eval()
-    torch.set_num_threads(args.threads)  # the same threads for the library's runs
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.precision])
+    reference = reference.to(args.device).eval()
+    torch.set_num_threads(args.threads)  # the same threads for the reference's runs
     corpus_ids = runtime.runner.tokenizer.encode(corpus_text()).ids
-    pad_id = int(library.generation_config.pad_token_id)
-    return Setup(runtime, library, corpus_ids, pad_id, args.device, parameter_count(folder))
+    pad_id = int(reference.generation_config.pad_token_id)
+    return Setup(runtime, reference, corpus_ids, pad_id, args.device, parameter_count(folder))
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def generate(setup: Setup, requests: Sequence[Request], size: int) -> dict[str, 
     from bench.generation_runs import run_generate
 
     with cpu_share() as share:
-        records = run_generate(setup.library, requests, size, setup.pad_id, setup.device)
+        records = run_generate(setup.reference, requests, size, setup.pad_id, setup.device)
     return {**summary(records), "cpu_share": share[0]}
 
 
@@ -335,9 +335,9 @@ def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke:
             "layers": args.layers,
             "hidden": args.hidden,
             "heads": args.heads,
-            "kv_heads": setup.library.config.num_key_value_heads,
-            "intermediate": setup.library.config.intermediate_size,
-            "vocab_size": setup.library.config.vocab_size,
+            "kv_heads": setup.reference.config.num_key_value_heads,
+            "intermediate": setup.reference.config.intermediate_size,
+            "vocab_size": setup.reference.config.vocab_size,
             "parameters": setup.parameters,
         },
         "device": args.device,
