@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import signal
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from celery import Celery
@@ -190,3 +192,17 @@ class ControlResponder:
                         continue
             finally:
                 consumer.cancel()
+
+
+def stop_on_signals(request_stop: Callable[[], None], message: str) -> threading.Event:
+    """An event SIGTERM and SIGINT set, after asking the loop to stop (``request_stop``)."""
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        log.info(message, extra={"signal": signum})
+        request_stop()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    return stop

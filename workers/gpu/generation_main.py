@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from types import FrameType
 from typing import Any
 
 from backends.catalog import load_runtime, repository_for
@@ -20,7 +17,7 @@ from core.versions import active_version
 from core.webhooks import DeliveryKicker
 from scheduler.generation import GenerationScheduler
 from workers.gpu.consumer import StreamConsumer
-from workers.gpu.control import ControlResponder
+from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.engine import GenerationEngine
 from workers.gpu.generation_loop import GenerationConfig, GenerationLoop
 from workers.gpu.generation_signals import GenerationSignals
@@ -28,10 +25,6 @@ from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 
 log = logging.getLogger(__name__)
-
-
-def is_generation(model: ModelConfig) -> bool:
-    return model.input.kind == "generation"
 
 
 def build_generation_loop(
@@ -119,15 +112,7 @@ def run_generation_worker(
             generation_conf(loop),
         )  # fmt: skip
         control.start()
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("stopping", extra={"signal": signum})
-        loop.request_stop()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals(loop.request_stop, "stopping")
     try:
         loop.run(stop)
     finally:

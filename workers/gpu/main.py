@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
-from types import FrameType
 from typing import Any
 
 from backends.base import DeviceLost, resolve_device
@@ -23,7 +20,7 @@ from core.settings import Settings
 from core.versions import active_version
 from core.webhooks import DeliveryKicker
 from workers.gpu.consumer import StreamConsumer
-from workers.gpu.control import ControlResponder
+from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.events import KickDeliveries
 from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.loop import BatchLoop, LoopConfig
@@ -189,15 +186,7 @@ def run_worker(
             worker_conf(settings.for_model(model, loop.model_settings), loop),
         )  # fmt: skip
         control.start()
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("stopping after the current batch", extra={"signal": signum})
-        loop.request_stop()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals(loop.request_stop, "stopping after the current batch")
     try:
         loop.run(stop)
     except DeviceLost as exc:
