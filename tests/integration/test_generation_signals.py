@@ -22,7 +22,6 @@ from tests.integration.generation_worker import (
     MODEL,
     Worker,
     generation_settings,
-    repository,
     result,
     start_worker,
     submit,
@@ -119,9 +118,7 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
     from api.app import create_app
 
     # Two slots, so an urgent job preempts a running bulk one.
-    two = gen_settings.model_copy(
-        update={"model_repository": repository(tmp_path / "two", max_running=2, kv_blocks=40)}
-    )
+    two = generation_settings(gen_settings, tmp_path / "two", max_running=2, kv_blocks=40)
     names = {
         "tokens": "ferry_generation_tokens_total",
         "steps": "ferry_generation_steps_total",

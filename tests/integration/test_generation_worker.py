@@ -31,7 +31,6 @@ from tests.integration.generation_worker import (
     Worker,
     events,
     generation_settings,
-    repository,
     result,
     start_worker,
     submit,
@@ -143,9 +142,7 @@ def test_cancelling_a_running_job_keeps_its_tokens_and_lets_a_waiting_one_start(
 ) -> None:
     from api.app import create_app
 
-    one_slot = gen_settings.model_copy(
-        update={"model_repository": repository(tmp_path / "one", max_running=1)}
-    )
+    one_slot = generation_settings(gen_settings, tmp_path / "one", max_running=1)
     with TestClient(create_app(one_slot)) as client:
         long = submit(client, auth, prompt="a long one", max_tokens=400, temperature=0)
         waiting = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
@@ -177,9 +174,7 @@ def test_an_urgent_job_gets_its_first_token_within_a_few_steps_of_a_full_bulk_ba
 ) -> None:
     from api.app import create_app
 
-    full = gen_settings.model_copy(
-        update={"model_repository": repository(tmp_path / "full", max_running=4, kv_blocks=40)}
-    )
+    full = generation_settings(gen_settings, tmp_path / "full", max_running=4, kv_blocks=40)
     with TestClient(create_app(full)) as client:
         bulk = [
             submit(client, auth, prompt=f"bulk work {i}", max_tokens=120, priority="bulk")
@@ -218,9 +213,7 @@ def test_the_kv_budget_holds_under_a_load_that_naive_admission_would_overflow(
 ) -> None:
     from api.app import create_app
 
-    tight = gen_settings.model_copy(
-        update={"model_repository": repository(tmp_path / "tight", max_running=16, kv_blocks=24)}
-    )
+    tight = generation_settings(gen_settings, tmp_path / "tight", max_running=16, kv_blocks=24)
     with TestClient(create_app(tight)) as client:
         ids = [submit(client, auth, prompt=f"job {i} " * 3, max_tokens=40) for i in range(24)]
         running = worker(settings=tight)
@@ -240,9 +233,7 @@ def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_th
 ) -> None:
     from api.app import create_app
 
-    one_slot = gen_settings.model_copy(
-        update={"model_repository": repository(tmp_path / "deadline", max_running=1)}
-    )
+    one_slot = generation_settings(gen_settings, tmp_path / "deadline", max_running=1)
     with TestClient(create_app(one_slot)) as client:
         # Submitted first, while nothing is queued ahead of it, so it is accepted.
         late = client.post(
