@@ -118,12 +118,18 @@ def test_a_generation_model_says_its_context(
         "default_max_tokens": 16,
         "chat": True,
         "execution": None,
+        "why": None,
+        "step_fixed_ms": None,
+        "step_per_token_ms": None,
     }
     assert plain["generation"] == {
         "context_tokens": 32,
         "default_max_tokens": 256,
         "chat": False,
         "execution": None,
+        "why": None,
+        "step_fixed_ms": None,
+        "step_per_token_ms": None,
     }
     assert "messages" in tiny["input_schema"]["properties"]
     assert "messages" not in plain["input_schema"]["properties"]
