@@ -10,6 +10,7 @@ traffic leaves the machine. Needs root and iproute2; anything else raises
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -24,8 +25,28 @@ from typing import IO
 
 from harness.services import ServiceMissing
 
-SUBNET = "198.18.0"  # a /24 of the benchmarking range, RFC 2544
+# Each network takes a /24 of the benchmarking range (RFC 2544), 198.18.N.0, that no
+# other network on this machine holds at the same time: two bridges with one subnet
+# would route a test's packets to whichever was made last.
+RANGE = "198.18"
 PREFIX = 24
+SUBNETS = 256
+LOCKS = Path(tempfile.gettempdir()) / "ferry-netns"
+
+
+def claim_subnet() -> tuple[str, IO[bytes]]:
+    """The first 198.18.N of this machine's free ones, and the open lock file that holds it
+    (closed, or the process gone, it is free again)."""
+    LOCKS.mkdir(exist_ok=True)
+    for number in range(SUBNETS):
+        lock = (LOCKS / f"{RANGE}.{number}.lock").open("ab")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return f"{RANGE}.{number}", lock
+    raise ServiceMissing(f"all {SUBNETS} test subnets of {RANGE}.0.0/16 are taken")
 
 
 def _ip(*args: str) -> None:
@@ -109,7 +130,8 @@ class Network:
         self.tmp = tmp
         self.tag = secrets.token_hex(2)
         self.bridge = f"fbr{self.tag}"
-        self.gateway = f"{SUBNET}.1"
+        self.subnet, self._subnet_lock = claim_subnet()
+        self.gateway = f"{self.subnet}.1"
         self.hosts: dict[str, Host] = {}
         self.cleanup: list[Path] = []  # folders made outside tmp, removed at the end
 
@@ -123,7 +145,7 @@ class Network:
         number = len(self.hosts) + 2
         namespace = f"ferry-{self.tag}-{name}"
         outer, inner = f"fv{self.tag}{number}", f"fi{self.tag}{number}"
-        address = f"{SUBNET}.{number}"
+        address = f"{self.subnet}.{number}"
         _ip("netns", "add", namespace)
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", namespace)
@@ -152,6 +174,7 @@ class Network:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
         for folder in self.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
+        self._subnet_lock.close()  # the subnet is free once its bridge is gone
 
 
 def wait_until(what: str, ready: object, timeout_s: float = 60.0, every_s: float = 0.2) -> None:
@@ -213,7 +236,7 @@ class Deployment:
         shutil.chown(data, "postgres")
         self.postgres.run(["initdb", "-D", str(data), "--auth=trust", "-U", "postgres"], "postgres")
         with (data / "pg_hba.conf").open("a") as hba:
-            hba.write(f"host all all {SUBNET}.0/{PREFIX} trust\n")
+            hba.write(f"host all all {self.net.subnet}.0/{PREFIX} trust\n")
         self.postgres.spawn(
             ["postgres", "-D", str(data), "-h", self.postgres.address, "-p", "5432",
              "-k", str(data), "-c", "fsync=off"],

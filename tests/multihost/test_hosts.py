@@ -1,7 +1,7 @@
 """Ferry on many test hosts: Redis, PostgreSQL, two API hosts, two sim-worker hosts and a
-Celery host, each in a network namespace of its own on a bridge of its own (198.18.0.0/24,
-the benchmarking range); links cut and restored. Root only: skipped with the reason
-elsewhere, required under CI=true."""
+Celery host, each in a network namespace of its own on a bridge of its own (a /24 of the
+benchmarking range, 198.18.0.0/16, no other network holds); links cut and restored. Root
+only: skipped with the reason elsewhere, required under CI=true."""
 
 from __future__ import annotations
 
