@@ -33,16 +33,16 @@ from harness.services import ServiceMissing, postgres_database, reachable_redis,
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Under pytest-xdist (make test: -n with --dist loadgroup) each of these groups runs
-# on one worker, a test after the other, while the other workers share the rest:
-# the stacks of real processes, which compute hard and start processes of their
-# own, and whatever shares something machine-wide (a Redis cluster or Sentinel
-# set on ports of its own, network namespaces on one subnet).
+# on one worker, a test after the other, while the other workers share the rest,
+# one test at a time: the fault scenarios, which kill, stall and cut the processes
+# of stacks of their own and count what came of it, and the tests that start many
+# processes on hosts or ports of their own (the network namespaces, a Redis
+# cluster, a Sentinel set). A group's files are the ones its prefix starts.
 XDIST_GROUPS = {
-    "tests/e2e/": "stacks",
     "tests/faults/": "faults",
-    "tests/multihost/": "faults",
-    "tests/integration/test_cluster.py": "faults",
-    "tests/integration/test_sentinel.py": "faults",
+    "tests/multihost/": "hosts",
+    "tests/integration/test_cluster.py": "hosts",
+    "tests/integration/test_sentinel.py": "hosts",
 }
 
 
@@ -79,13 +79,25 @@ def xdist_group(path: str) -> str | None:
     return next((g for prefix, g in XDIST_GROUPS.items() if path.startswith(prefix)), None)
 
 
-# Before pytest-xdist's own hook reads the marks (it names each group's tests by them).
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        group = xdist_group(item.path.relative_to(config.rootpath).as_posix())
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def xdist_scope(nodeid: str) -> str:
+    """What pytest-xdist hands a worker at once for a test: its group, else the test alone."""
+    return xdist_group(nodeid.split("::", 1)[0]) or nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """--dist loadgroup by XDIST_GROUPS. pytest-xdist's own reads xdist_group marks from a
+    suffix it writes into each test's node id, which pytest 9.2 no longer reads back: its
+    groups would silently be single tests."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.hookimpl(wrapper=True)

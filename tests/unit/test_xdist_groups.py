@@ -1,0 +1,38 @@
+"""The suite's pytest-xdist scopes (tests/conftest.py): a group's tests go to one worker
+together, every other test on its own."""
+
+from __future__ import annotations
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+from tests.conftest import pytest_xdist_make_scheduler, xdist_scope
+
+
+def test_a_grouped_file_s_tests_share_their_group_s_scope() -> None:
+    assert xdist_scope("tests/faults/test_kill.py::test_a[sqlite]") == "faults"
+    assert xdist_scope("tests/faults/test_stall.py::test_b") == "faults"
+    assert xdist_scope("tests/multihost/test_hosts.py::test_c") == "hosts"
+    assert xdist_scope("tests/integration/test_cluster.py::test_d") == "hosts"
+
+
+def test_any_other_test_is_a_scope_of_its_own() -> None:
+    nodeid = "tests/integration/test_worker.py::test_e[postgresql]"
+    assert xdist_scope(nodeid) == nodeid
+
+
+def test_loadgroup_schedules_by_the_suite_s_groups(
+    pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-xdist asks the suite for its scheduler; with --dist loadgroup it gets one that
+    scopes tests by XDIST_GROUPS, with any other --dist its own."""
+    monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"], raising=False)
+    monkeypatch.setattr(pytestconfig.option, "dist", "loadgroup", raising=False)
+    scheduler = pytest_xdist_make_scheduler(pytestconfig, None)
+    assert isinstance(scheduler, LoadScopeScheduling)
+    assert scheduler._split_scope("tests/faults/test_kill.py::test_a") == "faults"
+    assert (
+        scheduler._split_scope("tests/unit/test_cli.py::test_b") == "tests/unit/test_cli.py::test_b"
+    )
+    monkeypatch.setattr(pytestconfig.option, "dist", "load")
+    assert pytest_xdist_make_scheduler(pytestconfig, None) is None
