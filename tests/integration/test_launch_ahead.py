@@ -85,28 +85,52 @@ def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
     assert isinstance(runtime, SimRuntime)
-    prepare, run = runtime.prepare, runtime.run
-    refused: list[tuple[int, bool]] = []  # (batch size, device busy meanwhile)
+    prepare, launch, collect, run = runtime.prepare, runtime.launch, runtime.collect, runtime.run
+    lock = threading.Lock()
+    on_device: set[int] = set()  # batches launched and not yet collected
+    culprit_tried = threading.Event()
+    refused: list[tuple[int, bool]] = []  # (batch size, a batch on the device meanwhile)
     slices_beside_a_batch: list[bool] = []
 
     def picky_prepare(inputs: list[Any]) -> Any:
         if any(item["cost"] == 7 for item in inputs):
-            refused.append((len(inputs), runtime._free_at > runtime.clock()))
+            with lock:
+                refused.append((len(inputs), bool(on_device)))
+            culprit_tried.set()
             raise ValueError("input 7 does not decode")
         return prepare(inputs)
 
+    def tracked_launch(batch: Any) -> Any:
+        launched = launch(batch)
+        with lock:
+            on_device.add(id(launched))
+        return launched
+
+    def gated_collect(launched: Any) -> Any:
+        # The device holds the first batch until the loop has tried to prepare the next
+        # (or 30 s pass): launching ahead is then seen whatever the machine's load.
+        culprit_tried.wait(timeout=30)
+        try:
+            return collect(launched)
+        finally:
+            with lock:
+                on_device.discard(id(launched))
+
     def watched_run(inputs: list[Any]) -> Any:
-        slices_beside_a_batch.append(runtime._free_at > runtime.clock())
+        with lock:
+            slices_beside_a_batch.append(bool(on_device))
         return run(inputs)
 
     runtime.prepare = picky_prepare  # type: ignore[method-assign]
+    runtime.launch = tracked_launch  # type: ignore[method-assign, assignment]
+    runtime.collect = gated_collect  # type: ignore[method-assign]
     runtime.run = watched_run  # type: ignore[method-assign]
     # Batches of 8: the culprit is in the second, prepared while the first computes.
     ids = [
         submit(client, auth, model="sim", input={"cost": 7 if n == 11 else 1}) for n in range(24)
     ]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = wait_terminal(sessions, ids, timeout=60)
     assert rows[ids[11]].status == "failed"
     assert "ValueError: input 7 does not decode" in (rows[ids[11]].error or "")
     assert {rows[i].status for i in ids if i != ids[11]} == {"succeeded"}
