@@ -34,10 +34,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+# Set by `python -m bench all --smoke` for the benchmarks it starts (their stacks start
+# no Flower then: harness.stack reads it too).
+from harness.stack import SMOKE_ENV
+
 T = TypeVar("T")
 
-# Set by `python -m bench all --smoke` for the benchmarks it starts.
-SMOKE_ENV = "FERRY_BENCH_SMOKE"
 # The make target, where the Makefile names it.
 MAKE_ENV = "FERRY_BENCH_MAKE"
 RESULTS = Path(__file__).resolve().parent / "results"

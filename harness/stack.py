@@ -13,6 +13,9 @@ from pathlib import Path
 
 from harness.ports import free_port
 
+# Set to 1 by `python -m bench all --smoke` for the benchmarks it starts.
+SMOKE_ENV = "FERRY_BENCH_SMOKE"
+
 
 class FerryUp:
     """Starts ``ferry up`` with ``settings`` (FERRY_* variables) and reads its banner."""
@@ -27,7 +30,8 @@ class FerryUp:
             FERRY_API_PORT=str(self.port),
             # Each stack's workers serve /metrics from a port of their own.
             FERRY_METRICS_PORT_BASE=str(free_port()),
-            FERRY_FLOWER_PORT=str(free_port()),
+            # A benchmark's smoke run proves its own code runs, which never looks at Flower.
+            FERRY_FLOWER_PORT="0" if os.environ.get(SMOKE_ENV) == "1" else str(free_port()),
             FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
             PYTHONUNBUFFERED="1",
         )
