@@ -2,9 +2,10 @@
 
 `make test` leaves two files in its report folder (``.ferry/test-report``):
 ``junit.xml``, pytest's JUnit XML report, and ``steps.tsv``, one line per step
-before pytest (``name<TAB>wall seconds<TAB>exit status``, written by
-``.ci/timed``). This prints the slowest files (their tests' times summed), the
-slowest tests, the test counts, and the time spent before pytest started.
+(``name<TAB>wall seconds<TAB>exit status``, written by ``.ci/timed``): the
+virtual environment, then the checks and pytest side by side. This prints the
+slowest files (their tests' times summed), the slowest tests, the test counts,
+the time spent before pytest started and each step's.
 
 A test's time in the JUnit XML is its setup, call and teardown together, so a
 session fixture's setup is counted in the first test that uses it.
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DIR = Path(".ferry/test-report")
-# What `make test` waits for before pytest starts (the rest of steps.tsv is inside these).
-BEFORE_PYTEST = ("venv", "checks")
+# What `make test` waits for before pytest starts; the checks run beside pytest, and the
+# rest of steps.tsv (ruff, mypy, ...) inside the checks.
+BEFORE_PYTEST = ("venv",)
 
 
 @dataclass(frozen=True)
