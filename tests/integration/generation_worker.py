@@ -8,6 +8,7 @@ integration tests run their workers.
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -49,11 +50,23 @@ kv_cache_bytes = {kv_bytes}
 
 
 def repository(
-    root: Path, max_running: int = 8, kv_blocks: int = 512, beside: tuple[str, ...] = ()
+    root: Path,
+    max_running: int = 8,
+    kv_blocks: int = 512,
+    beside: tuple[str, ...] = (),
+    eos: bool = True,
 ) -> Path:
-    """A repository holding the generation model (and ``beside``: shipped models copied in)."""
+    """A repository holding the generation model (and ``beside``: shipped models copied in).
+
+    ``eos=False``: its generation_config.json names no end-of-sequence token, so a job runs
+    to its max_tokens (random weights hit EOS at random: a job meant to hold the device
+    for its max_tokens may otherwise end after a few dozen)."""
     folder = root / "repository" / MODEL
     shutil.copytree(lm_folder("llama"), folder / "1")
+    if not eos:
+        config_path = folder / "1" / "generation_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config_path.write_text(json.dumps({**config, "eos_token_id": []}), encoding="utf-8")
     # llama-shaped test model: 4 layers x 2 KV heads x 32 dims x 2 (K, V) x 4 bytes a token.
     kv_bytes = kv_blocks * 16 * 4 * 2 * 32 * 2 * 4
     (folder / "model.toml").write_text(TOML.format(max_running=max_running, kv_bytes=kv_bytes))

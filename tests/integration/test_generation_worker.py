@@ -233,7 +233,8 @@ def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_th
 ) -> None:
     from api.app import create_app
 
-    one_slot = generation_settings(gen_settings, tmp_path / "deadline", max_running=1)
+    # No EOS: the urgent job holds the only slot until it is cancelled.
+    one_slot = generation_settings(gen_settings, tmp_path / "deadline", max_running=1, eos=False)
     with TestClient(create_app(one_slot)) as client:
         # Submitted first, while nothing is queued ahead of it, so it is accepted.
         late = client.post(
@@ -249,7 +250,7 @@ def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_th
             expired = result(client, auth, late_id)
             client.delete(f"/v1/jobs/{long}", headers=auth)
             rclient.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
-            result(client, auth, long)
-    assert expired["status"] == "expired"
+            ended = result(client, auth, long)
+    assert (expired["status"], ended["output"]["finish_reason"]) == ("expired", "cancelled")
     seen = events(rclient, one_slot, late_id)
     assert seen == [JobEvent.done("expired")]  # never running, no token
