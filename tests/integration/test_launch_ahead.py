@@ -36,9 +36,12 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     client: TestClient,
     auth: dict[str, str],
     sessions: sessionmaker[Session],
-    slow_settings: Settings,
+    settings: Settings,
     redis_client: redis.Redis,
 ) -> None:
+    # 300 ms a batch on the device: the loop's claim, prepare and launch of the next batch
+    # (a database write among them) fit in it with room to spare on a loaded machine.
+    slow_settings = with_parameters(settings, "sim", latency_base_ms=300.0)
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
     assert isinstance(runtime, SimRuntime) and loop.device.ahead
