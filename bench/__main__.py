@@ -110,6 +110,7 @@ BENCHES = (
     ),
     Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1),
     Bench("generation", "bench.generation", (), ("--smoke",), 10),
+    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4),
     Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
 )  # fmt: skip
 
