@@ -45,6 +45,7 @@ from bench.generation_workload import (
     ChunkedLoad,
     Lengths,
     Request,
+    add_shared_options,
     arriving,
     decoders_figures,
     draw_workload,
@@ -259,25 +260,15 @@ def figures(rounds: list[dict[str, Any]], modes: Sequence[str] = MODES) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=0)
+    add_shared_options(parser)
     parser.add_argument("--grid", default="4,8,16,32", help="static batch sizes to try")
     parser.add_argument("--load", type=float, default=0.7, help="Poisson rate, of capacity")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
-    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--step-tokens", type=int, default=512)
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
     parser.add_argument("--kv-gib", type=float, default=0.0, help="0: the backend's default")
     parser.add_argument("--modes", default=",".join(MODES), help="arrivals: offline,poisson")
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked prefill runs")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
     parser.add_argument("--out", type=Path, default=Path("bench/results/generation.json"))
     args = parser.parse_args(argv)
     smoke = args.smoke or os.environ.get(results.SMOKE_ENV) == "1"

@@ -46,6 +46,7 @@ from bench.generation_workload import (
     Lengths,
     Record,
     Request,
+    add_shared_options,
     draw_workload,
     lengths_summary,
     ratio_spread,
@@ -237,18 +238,8 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads, both ways")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--step-tokens", type=int, default=512)
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
+    add_shared_options(parser)
     parser.add_argument("--kv-mib", type=float, default=256.0, help="the KV pool, both ways")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
     parser.add_argument("--out", type=Path, default=Path("bench/results/generation_stack.json"))
     args = parser.parse_args(argv)
     smoke = args.smoke or os.environ.get(results.SMOKE_ENV) == "1"

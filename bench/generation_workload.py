@@ -18,6 +18,7 @@ test checks both as tables.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -237,3 +238,19 @@ def decoders_figures(
         "decode_gap_max_ms": round(max(gaps), 2) if gaps else float("nan"),
         "long_ttft_p50_ms": round(quantile(ttft, 0.5), 2),
     }
+
+
+def add_shared_options(parser: argparse.ArgumentParser) -> None:
+    """The options both generation benchmarks take: the rounds, the workload, the model's
+    shape (a llama-shaped folder, ferry.lm_build) and Ferry's limits."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--step-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
