@@ -49,10 +49,10 @@ from bench.generation_workload import (
     arriving,
     decoders_figures,
     draw_workload,
-    lengths_summary,
     poisson_arrivals,
     ratio_spread,
     summary,
+    workload_facts,
 )
 
 SYSTEMS = ("ferry", "static", "single")
@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {number} of {args.rounds}", flush=True)
             rounds.append(one_round(setup, workloads, static_batch, chunked_load, args.seed))
             report = {
-                "workload": workload_facts(offline, prompts, outputs, chunked_load),
+                "workload": {
+                    **workload_facts(offline, prompts, outputs),
+                    "chunked": asdict(chunked_load) if chunked_load else None,
+                },
                 "calibration": calibration,
                 "rounds": rounds,
                 **figures(rounds, modes),
@@ -349,18 +352,6 @@ def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke:
             "block_size": limits.block_size,
             "bytes_per_block": setup.runtime.bytes_per_block,
         },
-    }
-
-
-def workload_facts(
-    offline: list[Request], prompts: Lengths, outputs: Lengths, chunked: ChunkedLoad | None
-) -> dict[str, Any]:
-    return {
-        "prompt_lengths": asdict(prompts),
-        "output_lengths": asdict(outputs),
-        "prompt_tokens": lengths_summary([len(r.prompt_ids) for r in offline]),
-        "output_tokens": lengths_summary([r.max_tokens for r in offline]),
-        "chunked": asdict(chunked) if chunked else None,
     }
 
 

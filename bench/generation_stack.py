@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,9 @@ from bench.generation_workload import (
     Request,
     add_shared_options,
     draw_workload,
-    lengths_summary,
     ratio_spread,
     summary,
+    workload_facts,
 )
 from harness.stack import FerryUp
 
@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-mib", type=float, default=256.0, help="the KV pool, both ways")
     parser.add_argument("--out", type=Path, default=Path("bench/results/generation_stack.json"))
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.requests < 1:
+        parser.error("--rounds and --requests must be at least 1")
     smoke = args.smoke or os.environ.get(results.SMOKE_ENV) == "1"
     if smoke:
         args.rounds, args.requests = 1, min(args.requests, 8)
@@ -261,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             FERRY_FLOWER_PORT="0", FERRY_CPU_THREADS=str(args.threads), FERRY_DEVICE="cpu",
             **LIMITS,
         )  # fmt: skip
-        settings = run_settings(args, model, context, local)
+        settings = run_settings(args, smoke, context, local)
+        workload = workload_facts([r for r, _ in prompts], prompt_lengths, output_lengths)
         rounds: list[dict[str, Any]] = []
+        report: dict[str, Any] = {}
         try:
             stack.start()
             local.run([r for r, _ in prompts[:4]])
@@ -270,12 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             for number in range(1, args.rounds + 1):
                 print(f"round {number} of {args.rounds}", flush=True)
                 rounds.append(one_round(local, stack, prompts))
-                report = {
-                    "workload": workload_facts([r for r, _ in prompts], prompt_lengths,
-                                               output_lengths),
-                    "rounds": rounds,
-                    **figures(rounds),
-                }  # fmt: skip
+                report = {"workload": workload, "rounds": rounds, **figures(rounds)}
                 # Written after every round: a run cut short still leaves what it measured.
                 results.write(args.out, report, settings=settings, head=head)
         finally:
@@ -297,11 +296,11 @@ def corpus_tokens(local: InProcess) -> list[int]:
 
 
 def run_settings(
-    args: argparse.Namespace, model: Model, context: int, local: InProcess
+    args: argparse.Namespace, smoke: bool, context: int, local: InProcess
 ) -> dict[str, Any]:
     limits = local.runtime.limits
     return {
-        "smoke": args.smoke or os.environ.get(results.SMOKE_ENV) == "1",
+        "smoke": smoke,
         "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden,
                   "heads": args.heads, "context_tokens": context},
         "device": "cpu",
@@ -320,17 +319,6 @@ def run_settings(
         },
         "stack": "ferry up: its own Redis and SQLite, the API, one worker, no Flower",
     }  # fmt: skip
-
-
-def workload_facts(
-    requests: Sequence[Request], prompts: Lengths, outputs: Lengths
-) -> dict[str, Any]:
-    return {
-        "prompt_lengths": asdict(prompts),
-        "output_lengths": asdict(outputs),
-        "prompt_tokens": lengths_summary([len(r.prompt_ids) for r in requests]),
-        "output_tokens": lengths_summary([r.max_tokens for r in requests]),
-    }
 
 
 if __name__ == "__main__":

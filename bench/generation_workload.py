@@ -24,7 +24,7 @@ import math
 import random
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -254,3 +254,16 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=256)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and load, once")
+
+
+def workload_facts(
+    requests: Sequence[Request], prompts: Lengths, outputs: Lengths
+) -> dict[str, Any]:
+    """What a generation benchmark's results file says of its workload: the distributions
+    drawn from and what was drawn."""
+    return {
+        "prompt_lengths": asdict(prompts),
+        "output_lengths": asdict(outputs),
+        "prompt_tokens": lengths_summary([len(r.prompt_ids) for r in requests]),
+        "output_tokens": lengths_summary([r.max_tokens for r in requests]),
+    }
