@@ -136,9 +136,14 @@ class Network:
         self.cleanup: list[Path] = []  # folders made outside tmp, removed at the end
 
     def __enter__(self) -> Network:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/{PREFIX}", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/{PREFIX}", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: undo the bridge, free the subnet.
+            self.__exit__()
+            raise
         return self
 
     def host(self, name: str) -> Host:
