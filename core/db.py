@@ -343,6 +343,12 @@ class WebhookAttempt(Base):
 # max_connections (100). A pool opens connections only as they are needed.
 POOL_SIZE = 20
 POOL_OVERFLOW = 20
+# Ferry's transactions run their statements back to back, so a PostgreSQL session
+# idle inside one for this long belongs to a process that stopped there (SIGSTOP, a
+# paused VM, a stall). The server then ends it, and the row locks it held (a key's
+# outstanding count, the jobs it was writing) stop blocking every other worker and
+# the API; the stopped process, resumed, finds its connection gone and retries.
+IDLE_IN_TRANSACTION_S = 10
 
 
 def make_engine(url: str) -> Engine:
@@ -389,13 +395,24 @@ def make_engine(url: str) -> Engine:
     # found dead when used fails that one transaction with a disconnect error,
     # and SQLAlchemy then drops every pooled connection, so the next ones are
     # new. psycopg prepares a statement the fifth time a connection runs it.
-    return create_engine(
+    engine = create_engine(
         url,
         pool_size=POOL_SIZE,
         max_overflow=POOL_OVERFLOW,
         pool_recycle=1800,
         connect_args=connect_args,
     )
+    if url.startswith("postgresql"):
+
+        @event.listens_for(engine, "connect")
+        def _session_settings(dbapi_connection: Any, _record: Any) -> None:
+            # A SET, not the startup "options" parameter, which PgBouncer refuses.
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
+            cursor.close()
+            dbapi_connection.commit()
+
+    return engine
 
 
 def read_only(engine: Engine) -> Engine:

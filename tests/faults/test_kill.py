@@ -62,8 +62,6 @@ def two_workers(
         FERRY_SIM_LATENCY_PER_COST_MS="1",
         FERRY_BATCH_MAX_SIZE=str(BATCH_MAX_SIZE),
     )
-    # One after the other: started together, the stall scenario (which shares this
-    # stack) timed out once waiting for w2 to take w1's batch over; not yet explained.
     stack.start_api()
     return stack, stack.start_worker("w1"), stack.start_worker("w2")
 

@@ -37,10 +37,11 @@ def test_a_worker_stalled_past_the_visibility_timeout_is_seen_computing_its_batc
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
     caught = caught_mid_batch(stack, stalled)
     stack.signal(stalled, signal.SIGSTOP)
-    # Until w2 has claimed the batch again (its second attempt): waiting for w2's
-    # write too could wait for ever, since the stopped worker may be stopped inside
-    # the transaction that records its batch before, holding rows w2's write needs
-    # (the tenant's outstanding count).
+    # Until w2 has claimed the batch again (its second attempt). The stop may land
+    # inside the transaction that records the stalled worker's batch before, whose
+    # row locks (the key's outstanding count) hold up every other write of the key,
+    # w2's and the API's, until PostgreSQL ends the idle transaction
+    # (core.db.IDLE_IN_TRANSACTION_S); so w2 may take it over only after that.
     wait_for(
         "w2 to take the batch over",
         lambda: all(row.attempts >= 2 for row in stack.rows(caught).values()),

@@ -5,16 +5,21 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core import db
 from core.db import Job
 from core.settings import Settings
 from ferry.local_redis import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import wait_terminal
+from workers.gpu.recording import connection_lost
 from workers.tasks.reconcile import reconcile
 
 
@@ -83,3 +88,40 @@ def test_models_with_redis_down_is_a_503(settings: Settings, token: str) -> None
         response = client.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
         assert response.status_code == 503
         assert "Redis" in response.json()["error"]["message"]
+
+
+def test_a_process_stopped_inside_a_transaction_loses_it_and_its_locks(
+    postgres_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seconds, not the default's ten, so that the test does not wait them out.
+    monkeypatch.setattr(db, "IDLE_IN_TRANSACTION_S", 1)
+    stopped_engine, other_engine = (
+        db.make_engine(postgres_database),
+        db.make_engine(postgres_database),
+    )
+    try:
+        with other_engine.connect() as other:
+            assert other.scalar(text("SHOW idle_in_transaction_session_timeout")) == "1s"
+            other.execute(text("CREATE TABLE counts (id int PRIMARY KEY, n int)"))
+            other.execute(text("INSERT INTO counts VALUES (1, 0)"))
+            other.commit()
+        stopped = stopped_engine.connect()
+        # It locks the row and stops there, as a process SIGSTOPped mid-transaction.
+        stopped.execute(text("UPDATE counts SET n = n + 1 WHERE id = 1"))
+        with other_engine.connect() as other:
+            # The other waits for the lock until the server ends the stopped one's session.
+            other.execute(text("SET lock_timeout = '30s'"))
+            other.execute(text("UPDATE counts SET n = n + 10 WHERE id = 1"))
+            other.commit()
+            assert other.scalar(text("SELECT n FROM counts")) == 10
+        # Resumed, it finds its transaction gone (its write never happened), and a
+        # worker's result write takes that for a lost connection, to retry.
+        with pytest.raises(DBAPIError) as resumed:
+            stopped.execute(text("UPDATE counts SET n = n + 1 WHERE id = 1"))
+        assert connection_lost(resumed.value)
+        stopped.close()
+        with other_engine.connect() as other:
+            assert other.scalar(text("SELECT n FROM counts")) == 10
+    finally:
+        stopped_engine.dispose()
+        other_engine.dispose()

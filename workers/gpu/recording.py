@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from sqlalchemy.exc import InterfaceError, OperationalError, StatementError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from core.redis_target import REDIS_ERRORS
@@ -33,6 +33,20 @@ log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a write failed for want of its connection, not for what it wrote.
+
+    Besides the driver's connection errors, the server may end the session
+    itself: a worker stopped inside a transaction past PostgreSQL's
+    idle-in-transaction timeout finds, resumed, an error of another class
+    whose connection SQLAlchemy has invalidated. Its write is retried, not
+    refused as a bad value.
+    """
+    return isinstance(exc, (OperationalError, InterfaceError, PoolTimeout)) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    )
 
 
 class Drain:
@@ -166,7 +180,7 @@ class Recording:
                 lambda: self.recorder.finish(outcomes, now, batch_id, batch_size), entries
             )
         except StatementError as exc:
-            if isinstance(exc, (OperationalError, InterfaceError)):
+            if connection_lost(exc):
                 raise  # unreachable past the drain time: leave it unacknowledged
             if len(outcomes) == 1:
                 log.error(
@@ -199,7 +213,9 @@ class Recording:
         while True:
             try:
                 return write()
-            except (OperationalError, InterfaceError, PoolTimeout) as exc:
+            except (StatementError, PoolTimeout) as exc:
+                if not connection_lost(exc):
+                    raise
                 left_s = self.drain.left_s()
                 if left_s is not None and left_s <= 0:
                     raise
