@@ -144,7 +144,30 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+DATABASES = ("sqlite", "postgresql")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``one_database(name)`` runs on that database, not on each.
+
+    Tests of storage (the job path, conditional writes, backfills, usage) run on
+    both databases; a module whose subject is elsewhere (a client library, the
+    worker's pipelining, Celery) says so with the marker, and runs once. The
+    marker becomes a parametrize mark before pytest's own hooks read them, so
+    the test's id still names its database.
+    """
+    marker = metafunc.definition.get_closest_marker("one_database")
+    if marker is None or "migrated_database_url" not in metafunc.fixturenames:
+        return
+    (name,) = marker.args
+    assert name in DATABASES, f"one_database: {name!r} is not one of {DATABASES}"
+    metafunc.definition.add_marker(
+        pytest.mark.parametrize("migrated_database_url", [name], indirect=True)
+    )
+
+
+@pytest.fixture(scope="session", params=DATABASES)
 def migrated_database_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:

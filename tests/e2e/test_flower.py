@@ -27,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import wait_for
 from harness.stack import FerryUp
 from tests.dashboard import families_used, family
 
@@ -283,8 +284,13 @@ def test_every_process_is_ready_and_the_dashboard_metrics_exist(
     pages = [httpx.get(f"{stack.base}/metrics", timeout=10).text]
     for name, port in ports.items():
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
-        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
-        assert ready.status_code == 200, (name, ready.text)
+        # `ferry up` says it is up once the API is ready; a worker may still be starting
+        # (Celery's is ready at its worker_ready signal), so its readiness is waited for.
+        wait_for(
+            f"{name} to be ready",
+            lambda port=port: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).is_success,
+            120,
+        )
         pages.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
     # Flower's /metrics asks for its login too (no metrics token in this stack).
     assert httpx.get(f"{flower.url}/metrics", timeout=10).status_code == 401

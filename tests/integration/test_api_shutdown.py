@@ -18,6 +18,10 @@ from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
 from harness.ports import free_port
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @pytest.fixture
 def api(

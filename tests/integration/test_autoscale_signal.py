@@ -8,11 +8,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.settings import Settings
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop
+
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
 
 PHASE_S = 8.0
 

@@ -16,6 +16,10 @@ from core.settings import Settings
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 Ferry = Callable[..., subprocess.CompletedProcess[str]]
 
 

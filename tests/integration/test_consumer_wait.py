@@ -9,11 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import redis
 
 from core.settings import Settings
 from core.streams import JobMessage, Scripts
 from workers.gpu.consumer import PRECISE_BELOW_MS, StreamConsumer
+
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
 
 
 class Spy(redis.Redis):

@@ -31,6 +31,10 @@ from workers.gpu.control import ControlResponder
 from workers.gpu.generation_main import generation_conf, generation_facts
 from workers.gpu.presence import CeleryPresence, node_name
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @pytest.fixture
 def gen_settings(settings: Settings, tmp_path: Path) -> Settings:

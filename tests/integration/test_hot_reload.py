@@ -33,6 +33,10 @@ from tests.models import minilm_files
 from tests.vectors import cosine
 from workers.gpu.main import build_loop
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 ECHO = """
 name = "echo"
 backend = "python"

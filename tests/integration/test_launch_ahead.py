@@ -25,6 +25,10 @@ from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters
 from tests.streams import lane_pending
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @pytest.fixture
 def slow_settings(settings: Settings) -> Settings:

@@ -15,6 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.logs import JsonFormatter
 from tests.integration.conftest import RunningLoop
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -24,6 +24,10 @@ from tests.integration.conftest import RunningLoop
 from tests.vectors import cosine
 from workers.gpu.main import build_loop
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:

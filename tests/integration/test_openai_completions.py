@@ -27,6 +27,10 @@ from tests.integration.gen_api import EventReader, Message
 from tests.integration.generation_worker import MODEL, generation_settings, start_worker
 from tests.integration.test_backfills import RunningFeeder, make_feeder
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 CHAT: list[Any] = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Hello"},

@@ -26,6 +26,10 @@ from workers.gpu.loop import BatchLoop
 from workers.gpu.main import worker_conf, worker_facts
 from workers.gpu.presence import QUEUE_MAX, CeleryPresence, node_name
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 class Watcher:
     """Celery's event receiver and state, in a thread: what Flower sees."""

@@ -18,6 +18,10 @@ from core.keys import create_key
 from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @pytest.fixture
 def limited(settings: Settings) -> Iterator[TestClient]:

@@ -18,6 +18,10 @@ from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 def submitter(client: TestClient, auth: dict[str, str], cost: int) -> Callable[[], Any]:
     def one() -> Any:

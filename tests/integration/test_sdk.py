@@ -34,6 +34,10 @@ from harness.services import migrated_postgres_database
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_backfills import RunningFeeder, make_feeder
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 FAST = Retries(max_retries=6, base_s=0.05, max_backoff_s=0.5, max_retry_after_s=3.0)
 
 

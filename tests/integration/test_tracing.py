@@ -28,6 +28,10 @@ from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.webhook_receiver import Receiver
 from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
 
+# The database is not this module's subject: it runs on PostgreSQL only (both
+# databases are the subject of the job path's own tests).
+pytestmark = pytest.mark.one_database("postgresql")
+
 
 @dataclass(frozen=True)
 class Got:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -107,16 +109,28 @@ def test_jobs_submitted_to_both_apis_complete_on_both_workers(deploy: Deploy) ->
         assert "batch done" in worker.log("worker", 200_000), worker.log("worker")
 
 
-def pending_of(client: redis.Redis, consumer: str) -> int:
-    """Entries the consumer holds unacknowledged, over the sim model's streams."""
-    held = 0
+def computing(client: redis.Redis, engine: Engine, consumer: str) -> bool:
+    """Whether the consumer holds jobs it claimed (running) less than a second ago: its
+    batch computes for 1.5 s, so a cut landing now lands mid-batch. (Entries read but
+    not yet claimed are not enough: cut there, it computes nothing.)"""
+    probed_at = time.time()
+    held: list[str] = []
     for stream in model_streams(client, "ferry", "sim"):
         with contextlib.suppress(redis.ResponseError):
-            summary = client.xpending(stream, GROUP)
-            for found in summary.get("consumers") or []:
-                if found["name"] in (consumer, consumer.encode()):
-                    held += int(found["pending"])
-    return held
+            for entry in client.xpending_range(
+                stream, GROUP, min="-", max="+", count=100, consumername=consumer
+            ):
+                found: Any = client.xrange(stream, entry["message_id"], entry["message_id"])
+                held += [str(fields["job"]) for _id, fields in found]
+    if not held:
+        return False
+    with engine.connect() as conn:
+        started = (
+            conn.execute(select(Job.started_at).where(Job.id.in_(held), Job.status == "running"))
+            .scalars()
+            .all()
+        )
+    return any(probed_at - at.timestamp() < 1.0 for at in started if at is not None)
 
 
 def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
@@ -133,17 +147,25 @@ def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
     client = redis.Redis.from_url(hosts.redis_url, decode_responses=True)
     cut = hosts.workers[0]
     ids = submit(hosts, engine, hosts.apis[0], 48, cost=1)
-    wait_until(f"{cut.name} to hold a batch", lambda: pending_of(client, cut.name) > 0, 30, 0.02)
+    wait_until(
+        f"{cut.name} to compute a batch", lambda: computing(client, engine, cut.name), 30, 0.02
+    )
     cut.cut()  # mid-batch: it computes on, but reaches neither Redis nor PostgreSQL
     cut_at = time.monotonic()
     # The other host takes the cut one's entries over once they are older than the
     # visibility timeout, and every job finishes while the link is still down.
     wait_until("every job to finish", lambda: succeeded(engine, ids) == len(ids), 90)
     taken_over_s = time.monotonic() - cut_at
+    batches_before = cut.log("worker", 10**8).count("batch done")
     cut.restore()
     # The cut worker's result write is retried until the database answers again: it
-    # finds its jobs already written at a later attempt, and changes nothing.
-    time.sleep(8)
+    # finds its jobs already written at a later attempt, and changes nothing; then it
+    # logs the batch done.
+    wait_until(
+        f"{cut.name} to record its batch once back",
+        lambda: cut.log("worker", 10**8).count("batch done") > batches_before,
+        60,
+    )
     assert hosts.worker_processes[cut.name].poll() is None, cut.log("worker")
     with engine.connect() as conn:
         rows = {
@@ -195,43 +217,51 @@ def test_the_postgresql_host_stopped_for_10_s_under_load_loses_nothing(deploy: D
         token = create_key(session, "load").token
     accepted: list[str] = []
     refused = 0
-    started = time.monotonic()
-    cut_at = None
-    with contextlib.ExitStack() as clients:
-        sessions = [
-            clients.enter_context(
-                httpx.Client(
-                    base_url=hosts.api_url(api),
-                    headers={"Authorization": f"Bearer {token}"},
-                    timeout=30,
+    # The outage keeps its own clock: 3 s into the load, for 10 s, whatever the
+    # clients are waiting on (a refused submission takes the API's database timeout).
+    outage = [threading.Timer(3, hosts.postgres.cut), threading.Timer(13, hosts.postgres.restore)]
+    for timer in outage:
+        timer.start()
+    try:
+        started = time.monotonic()
+        with contextlib.ExitStack() as clients:
+            sessions = [
+                clients.enter_context(
+                    httpx.Client(
+                        base_url=hosts.api_url(api),
+                        headers={"Authorization": f"Bearer {token}"},
+                        timeout=30,
+                    )
                 )
-            )
-            for api in hosts.apis
-        ]
-        number = 0
-        while (elapsed := time.monotonic() - started) < 18:
-            if cut_at is None and elapsed > 3:
-                hosts.postgres.cut()
-                cut_at = time.monotonic()
-            if cut_at is not None and time.monotonic() - cut_at > 10:
-                hosts.postgres.restore()
-            number += 1
-            key = f"job-{number}"
-            # A refused submission is retried with its idempotency key, as a client would.
-            for _ in range(20):
-                answer = sessions[number % 2].post(
-                    "/v1/jobs",
-                    json={"model": "sim", "input": {"cost": 2}},
-                    headers={"Idempotency-Key": key},
-                )
-                if answer.status_code == 202:
-                    accepted.append(answer.json()["id"])
-                    break
-                assert answer.status_code == 503, answer.text
-                refused += 1
-                time.sleep(0.5)
-            time.sleep(0.03)
-    hosts.postgres.restore()
+                for api in hosts.apis
+            ]
+            number = 0
+            while time.monotonic() - started < 18:
+                number += 1
+                key = f"job-{number}"
+                # A refused submission is retried with its idempotency key, as a client would,
+                # until it is accepted (the outage ends; a hang meets the deadline).
+                deadline = time.monotonic() + 60
+                while True:
+                    answer = sessions[number % 2].post(
+                        "/v1/jobs",
+                        json={"model": "sim", "input": {"cost": 2}},
+                        headers={"Idempotency-Key": key},
+                    )
+                    if answer.status_code == 202:
+                        accepted.append(answer.json()["id"])
+                        break
+                    assert answer.status_code == 503, answer.text
+                    refused += 1
+                    assert time.monotonic() < deadline, f"{key} refused for 60 s"
+                    time.sleep(0.5)
+                time.sleep(0.03)
+    finally:
+        # Whatever ended the load, the timers are done with and the link is up.
+        for timer in outage:
+            timer.cancel()
+            timer.join()
+        hosts.postgres.restore()
     wait_until(
         "every accepted job to finish",
         lambda: succeeded(engine, accepted) == len(set(accepted)),
