@@ -9,6 +9,7 @@ directory; with FERRY_SCREENSHOT_DIR set they are also written there (docs/ hold
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import re
 import shutil
@@ -275,6 +276,10 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
     )
 
 
+def _ready(port: int) -> bool:
+    return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).is_success
+
+
 def test_every_process_is_ready_and_the_dashboard_metrics_exist(
     stack: FerryUp, flower: Flower
 ) -> None:
@@ -286,11 +291,7 @@ def test_every_process_is_ready_and_the_dashboard_metrics_exist(
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
         # `ferry up` says it is up once the API is ready; a worker may still be starting
         # (Celery's is ready at its worker_ready signal), so its readiness is waited for.
-        wait_for(
-            f"{name} to be ready",
-            lambda port=port: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).is_success,
-            120,
-        )
+        wait_for(f"{name} to be ready", functools.partial(_ready, port), 120)
         pages.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
     # Flower's /metrics asks for its login too (no metrics token in this stack).
     assert httpx.get(f"{flower.url}/metrics", timeout=10).status_code == 401

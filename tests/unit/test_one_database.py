@@ -34,7 +34,7 @@ def test_without_a_database():
 
 def _run(pytester: pytest.Pytester, tests: str) -> pytest.RunResult:
     pytester.makeconftest(CONFTEST)
-    pytester.makeini('[pytest]\nmarkers =\n    one_database(name): one database only\n')
+    pytester.makeini("[pytest]\nmarkers =\n    one_database(name): one database only\n")
     pytester.makepyfile(test_marked=tests)
     return pytester.runpytest_inprocess("-v", "-p", "no:randomly", "-p", "no:cacheprovider")
 
