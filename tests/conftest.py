@@ -9,10 +9,12 @@ only turns its ``ServiceMissing`` into the skip or the failure.
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -100,10 +102,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return GroupScheduling(config, log)
 
 
+CPU_AT = pytest.StashKey[float]()
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process (all its threads) and of its children it has reaped
+    (a stack's processes, once stopped: ``ferry up`` reaps its own)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
     """A service the harness finds missing in a fixture skips the test (fails it under CI)."""
+    item.stash[CPU_AT] = cpu_s()
     return (yield from _missing_service_skips())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    """Each test's CPU seconds, setup to teardown, as its ``cpu_s`` property in the JUnit
+    XML: the suite is bound by its CPU on two cores, so make test-report ranks by it too.
+    A module or session fixture's processes count where they are set up and stopped."""
+    try:
+        return (yield)
+    finally:
+        started = item.stash.get(CPU_AT, None)
+        if started is not None:
+            item.user_properties.append(("cpu_s", round(cpu_s() - started, 1)))
 
 
 @pytest.hookimpl(wrapper=True)

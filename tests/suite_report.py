@@ -4,8 +4,11 @@
 ``junit.xml``, pytest's JUnit XML report, and ``steps.tsv``, one line per step
 (``name<TAB>wall seconds<TAB>exit status``, written by ``.ci/timed``): the
 virtual environment, then the checks and pytest side by side. This prints the
-slowest files (their tests' times summed), the slowest tests, the test counts,
-the time spent before pytest started and each step's.
+slowest files (their tests' times summed), the files whose tests used the most
+CPU (each test's ``cpu_s``, recorded by tests/conftest.py: on two cores the
+suite is bound by its CPU, and a test's wall time grows with what runs beside
+it), the slowest tests, the test counts, the time spent before pytest started
+and each step's.
 
 A test's time in the JUnit XML is its setup, call and teardown together, so a
 session fixture's setup is counted in the first test that uses it.
@@ -106,6 +109,22 @@ def slowest_files(cases: list[Case], count: int = 20) -> list[tuple[str, float, 
     return [(file, total_s, tests[file]) for file, total_s in ranked[:count]]
 
 
+def cpu_of(case: Case) -> float:
+    """The CPU seconds the test recorded (tests/conftest.py), or 0."""
+    return next((float(v) for k, v in case.properties if k == "cpu_s"), 0.0)
+
+
+def busiest_files(cases: list[Case], count: int = 20) -> list[tuple[str, float, int]]:
+    """(file, summed CPU seconds, number of tests), the most CPU first."""
+    seconds: dict[str, float] = defaultdict(float)
+    tests: Counter[str] = Counter()
+    for case in cases:
+        seconds[case.file] += cpu_of(case)
+        tests[case.file] += 1
+    ranked = sorted(seconds.items(), key=lambda item: (-item[1], item[0]))
+    return [(file, total_s, tests[file]) for file, total_s in ranked[:count]]
+
+
 def slowest_tests(cases: list[Case], count: int = 20) -> list[Case]:
     return sorted(cases, key=lambda case: (-case.time_s, case.file, case.name))[:count]
 
@@ -132,11 +151,15 @@ def render(cases: list[Case], steps: list[Step], count: int = 20) -> str:
     lines.append(
         f"tests: {len(cases)} ("
         + ", ".join(f"{counted[o]} {o}" for o in ("passed", "skipped", "failed", "error"))
-        + f"), {sum(case.time_s for case in cases):.1f} s in all"
+        + f"), {sum(case.time_s for case in cases):.1f} s in all, "
+        + f"{sum(cpu_of(case) for case in cases):.1f} CPU s"
     )
     lines.append(f"slowest {count} files (seconds, tests):")
     ranked = slowest_files(cases, count)
     lines.extend(f"  {total_s:8.1f} {tests:5d}  {file}" for file, total_s, tests in ranked)
+    lines.append(f"most CPU, {count} files (CPU seconds, tests):")
+    busiest = busiest_files(cases, count)
+    lines.extend(f"  {total_s:8.1f} {tests:5d}  {file}" for file, total_s, tests in busiest)
     lines.append(f"slowest {count} tests (seconds):")
     for case in slowest_tests(cases, count):
         lines.append(f"  {case.time_s:8.1f}  {case.file}::{case.name}")

@@ -10,6 +10,8 @@ from tests.suite_report import (
     Case,
     Step,
     before_pytest_s,
+    busiest_files,
+    cpu_of,
     main,
     outcomes,
     parse_junit,
@@ -18,6 +20,8 @@ from tests.suite_report import (
     slowest_files,
     slowest_tests,
 )
+
+pytest_plugins = ["pytester"]
 
 # What pytest writes (xunit1: a file attribute per case), trimmed to a few cases.
 JUNIT_XUNIT1 = """<?xml version="1.0" encoding="utf-8"?>
@@ -111,3 +115,46 @@ def test_main_prints_the_report_and_fails_without_one(
     out = capsys.readouterr().out
     assert "tests: 2 (2 passed" in out
     assert "before pytest" not in out  # no steps.tsv: nothing to say about it
+
+
+def test_files_are_ranked_by_the_cpu_their_tests_recorded() -> None:
+    cases = [
+        Case("tests/a.py", "t1", 50.0, "passed", (("cpu_s", "2.5"),)),
+        Case("tests/a.py", "t2", 1.0, "passed", (("cpu_s", "1.0"),)),
+        Case("tests/b.py", "t3", 5.0, "passed", (("cpu_s", "9.0"), ("bench_x_s", "4"))),
+        Case("tests/c.py", "t4", 9.0, "passed"),  # recorded none: counts 0
+    ]
+    assert [cpu_of(case) for case in cases] == [2.5, 1.0, 9.0, 0.0]
+    assert busiest_files(cases) == [("tests/b.py", 9.0, 1), ("tests/a.py", 3.5, 2),
+                                    ("tests/c.py", 0.0, 1)]  # fmt: skip
+    text = render(cases, [])
+    assert "65.0 s in all, 12.5 CPU s" in text
+    assert text.index("most CPU") < text.index("       9.0     1  tests/b.py")
+
+
+def test_every_test_records_its_cpu_seconds_into_the_junit_xml(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        "from tests.conftest import pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401"
+    )
+    pytester.makepyfile(
+        test_spin="""
+import subprocess, sys, time
+
+def test_spins():
+    until = time.process_time() + 0.3
+    while time.process_time() < until:
+        pass
+
+def test_a_child_spins():
+    subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time() + 0.3\\n"
+                    "while time.process_time() < t: pass"], check=True)
+
+def test_idles():
+    time.sleep(0.3)
+"""
+    )
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=3)
+    cpu = {c.name: cpu_of(c) for c in parse_junit((pytester.path / "junit.xml").read_text())}
+    assert cpu["test_spins"] >= 0.25 and cpu["test_a_child_spins"] >= 0.25, cpu
+    assert cpu["test_idles"] < 0.2, cpu
