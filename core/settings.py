@@ -281,6 +281,11 @@ class Settings(BaseSettings):
     """Each retry delay is spread by up to this fraction either way."""
     webhook_timeout_s: float = Field(15.0, gt=0, le=300)
     """One attempt, connection to last byte read."""
+    webhook_lease_margin_s: float = Field(30.0, gt=0, le=3600)
+    """An attempt owns its delivery for the timeout plus this: a Celery worker that dies
+    mid-attempt leaves the delivery to be tried again once both have passed. Keep it above the
+    longest pause a Celery worker may take (a garbage collection, a stalled host), or a live
+    attempt may be duplicated; a receiver de-duplicates by webhook-id either way."""
     webhook_max_response_bytes: int = Field(65_536, ge=0)
     """The most of a receiver's response that is read (the rest is dropped)."""
     webhook_dispatch_interval_s: float = Field(5.0, gt=0)

@@ -39,9 +39,6 @@ from core.webhooks import next_delay_s, parse_retry_after
 log = logging.getLogger(__name__)
 
 USER_AGENT = "Ferry-Webhooks/1"
-# An attempt in flight owns its delivery for the timeout plus this; a Celery
-# worker that dies mid-attempt leaves it to be retried after that.
-LEASE_MARGIN_S = 30.0
 ERROR_MAX_CHARS = 500
 
 
@@ -52,6 +49,9 @@ class DeliveryConfig:
     timeout_s: float
     max_response_bytes: int
     policy: UrlPolicy
+    # An attempt in flight owns its delivery for the timeout plus this; a Celery
+    # worker that dies mid-attempt leaves it to be tried again after that.
+    lease_margin_s: float = 30.0
     ssl_context: ssl.SSLContext | None = None  # None: the system's trust store
 
     @classmethod
@@ -62,6 +62,7 @@ class DeliveryConfig:
             timeout_s=settings.webhook_timeout_s,
             max_response_bytes=settings.webhook_max_response_bytes,
             policy=UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks),
+            lease_margin_s=settings.webhook_lease_margin_s,
             ssl_context=ssl.create_default_context(cafile=str(settings.webhook_ca_file))
             if settings.webhook_ca_file is not None
             else None,
@@ -270,7 +271,7 @@ def attempt_delivery(
 ) -> str | None:
     """One attempt if the delivery is due; returns its status after it (None: nothing done)."""
     started_at = clock()
-    claimed = _claim(sessions, delivery_id, started_at, config.timeout_s + LEASE_MARGIN_S)
+    claimed = _claim(sessions, delivery_id, started_at, config.timeout_s + config.lease_margin_s)
     if claimed is None:
         return None
     status_code: int | None = None
