@@ -125,7 +125,7 @@ bench: $(STAMP)
 .PHONY: bench-smoke
 bench-smoke: $(STAMP)
 	@command -v wrk >/dev/null || apt-get install -y wrk
-	$(BIN)/python -m bench all --smoke --parallel 2 $(BENCH_ARGS)
+	$(BIN)/python -m bench all --smoke --parallel 3 $(BENCH_ARGS)
 
 # Mutation testing (bench/mutation.py, mutmut): scheduler/ against its unit
 # tests, then the recorder's terminal write against the integration tests that

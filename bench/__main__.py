@@ -64,7 +64,7 @@ BENCHES = (
     ),
     Bench(
         "clients", "bench.clients", (),
-        ("--duration", "2", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "64",
+        ("--duration", "1", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "32",
          "--raw-sizes", "16"),
         8, ("wrk",),
     ),
@@ -76,11 +76,11 @@ BENCHES = (
     ),
     Bench(
         "backfill", "bench.backfill", (),
-        ("--window", "2", "--alone", "2", "--lines", "5000", "--repeats", "1"), 4,
+        ("--window", "1", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4,
     ),
     Bench(
         "fairness", "bench.fairness", (),
-        ("--seconds", "2", "--flood", "100", "--repeats", "1"), 15,
+        ("--seconds", "1", "--flood", "50", "--repeats", "1"), 15,
     ),
     Bench(
         "pipeline", "bench.pipeline", ("--postgres",),
@@ -97,7 +97,7 @@ BENCHES = (
     Bench(
         "soak", "bench.soak",
         ("--minutes", "30", "--rate", "30", "--kill-every", "60", "--sample-every", "30"),
-        ("--minutes", "0.25", "--rate", "20", "--kill-every", "5", "--sample-every", "3"),
+        ("--minutes", "0.15", "--rate", "20", "--kill-every", "3", "--sample-every", "2"),
         31,
     ),
     Bench(

@@ -1000,7 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus = load_corpus(seed=args.seed)
     costs = tuple(corpus.costs)
     if args.smoke:
-        setup = Setup(PADDED_GPU, costs, args.seed, 0.3, 1_000, 0.3, 1_500, 0.3)
+        setup = Setup(PADDED_GPU, costs, args.seed, 0.1, 200, 0.1, 300, 0.5)
         sens_setup = replace(setup, model=FAST_GPU)
     elif args.quick:
         setup = Setup(PADDED_GPU, costs, args.seed, 2.0, 4_000, 2.5, 8_000, 0.05)

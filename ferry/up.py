@@ -253,15 +253,14 @@ def up(settings: Settings) -> int:
         _say("stopping Ferry...")
         # The API first (it goes not-ready, then finishes what is in flight),
         # then the workers (each finishes and records its batch), then Celery.
+        # Celery's processes (beat, its worker, Flower) stop together: none waits on another.
         drain = {
-            "api": settings.api_shutdown_delay_s + settings.max_wait_s + 10.0,
-            "worker-": settings.worker_drain_s + 5.0,
-            "celery-beat": MIN_DRAIN_S,
-            "celery-worker": MIN_DRAIN_S,
-            "flower": MIN_DRAIN_S,
+            ("api",): settings.api_shutdown_delay_s + settings.max_wait_s + 10.0,
+            ("worker-",): settings.worker_drain_s + 5.0,
+            ("celery-beat", "celery-worker", "flower"): MIN_DRAIN_S,
         }
-        for prefix, drain_s in drain.items():
-            if not _stop([c for c in children if c.name.startswith(prefix)], drain_s):
+        for prefixes, drain_s in drain.items():
+            if not _stop([c for c in children if c.name.startswith(prefixes)], drain_s):
                 code = code or 1
         if redis_process is not None:
             _stop_process(redis_process)

@@ -33,6 +33,9 @@ class FerryUp:
             # A benchmark's smoke run proves its own code runs, which never looks at Flower.
             FERRY_FLOWER_PORT="0" if os.environ.get(SMOKE_ENV) == "1" else str(free_port()),
             FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
+            # No load balancer is in front of these stacks to notice /readyz go 503:
+            # stopping skips the wait for one (a test of the wait sets its own).
+            FERRY_API_SHUTDOWN_DELAY_S="0",
             PYTHONUNBUFFERED="1",
         )
         self.env.update(settings)

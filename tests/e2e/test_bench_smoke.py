@@ -32,7 +32,7 @@ def test_every_benchmark_runs_for_seconds_and_renders(
     tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--smoke", "--parallel", "2", "--out",
+        [sys.executable, "-m", "bench", "all", "--smoke", "--parallel", "3", "--out",
          str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip
