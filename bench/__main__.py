@@ -76,7 +76,7 @@ BENCHES = (
     ),
     Bench(
         "backfill", "bench.backfill", (),
-        ("--window", "1", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4,
+        ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4,
     ),
     Bench(
         "fairness", "bench.fairness", (),

@@ -1020,20 +1020,24 @@ def render_backfill_latency(results: Results) -> list[str]:
     rows = []
     for lane in ("urgent", "vip", "normal", "all"):
 
-        def at(phase: str, key: str, lane: str = lane) -> Figure:
-            return Figure.of(
+        def at(phase: str, key: str, bold: bool = False, lane: str = lane) -> str:
+            values = [
                 (r[phase]["overall"] if lane == "all" else r[phase]["lanes"][lane])[key]
                 for r in runs
-            )
+            ]
+            # A lane no job of a phase went to (a short run) has no latency to show.
+            if any(value is None for value in values):
+                return "–"
+            return Figure.of(values).text(number(1), bold)
 
         bold = lane == "all"
         rows.append(
             [
                 "**all**" if bold else lane,
-                at("idle", "p50_ms").text(number(1)),
-                at("idle", "p99_ms").text(number(1), bold),
-                at("busy", "p50_ms").text(number(1)),
-                at("busy", "p99_ms").text(number(1), bold),
+                at("idle", "p50_ms"),
+                at("idle", "p99_ms", bold),
+                at("busy", "p50_ms"),
+                at("busy", "p99_ms", bold),
             ]
         )
     lines += table(["lane", "idle p50", "idle p99", "busy p50", "busy p99"], "lrrrr", rows)

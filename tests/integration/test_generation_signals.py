@@ -3,6 +3,7 @@ and deadline refusal from its published step time, GET /v1/models, its metrics, 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -213,13 +214,24 @@ def test_a_generation_worker_shows_in_flower_with_its_sequences_and_token_rate(
             assert watcher.state.workers[hostname].alive
             inspect = app.control.inspect(destination=[hostname], timeout=3)
             ids = [submit(gen_client, auth, prompt=f"p {i}", max_tokens=40) for i in range(6)]
+            # The loop is held after a step that left sequences running, while Flower's
+            # inspect asks: its round trip may outlast all 40 tokens of every job.
+            go_on, held = threading.Event(), threading.Event()
+            step = loop.step
+
+            def step_then_hold() -> None:
+                step()
+                if loop.engine.scheduler.running_count and not go_on.is_set():
+                    held.set()
+                    go_on.wait(60)
+
+            loop.step = step_then_hold  # type: ignore[method-assign]
             with running:
-                ends = time.monotonic() + 60
-                while loop.engine.scheduler.running_count == 0:
-                    assert time.monotonic() < ends, "nothing ever ran"
-                    time.sleep(0.005)
-                time.sleep(0.3)
-                busy = inspect.stats()[hostname]
+                assert held.wait(60), "nothing ever ran"
+                try:
+                    busy = inspect.stats()[hostname]
+                finally:
+                    go_on.set()
                 for job_id in ids:
                     result(gen_client, auth, job_id)
                 idle = inspect.stats()[hostname]
