@@ -389,7 +389,7 @@ class GroupWriter:
             self.scripts.enqueue_all(
                 pipe, self.prefix, ((job.model, JobMessage.of_job(job)) for job in jobs.values())
             )
-            pipe.execute()
+            self.scripts.execute(pipe)
         except REDIS_ERRORS as exc:
             self._not_enqueued(group, jobs, outcomes, exc)
             return

@@ -313,7 +313,7 @@ def enqueue_costs(
                         scripts.enqueue(pipe, prefix, "sim", message)
                 else:
                     scripts.enqueue_all(pipe, prefix, (("sim", m) for m in group))
-                pipe.execute()
+                scripts.execute(pipe)
             info = client.info("all")
             cpu = float(info["used_cpu_sys"]) + float(info["used_cpu_user"]) - before
             calls = sum(

@@ -61,7 +61,7 @@ def one_pass(
     for start in range(0, jobs, group):
         pipe = client.pipeline(transaction=False)
         scripts.enqueue_all(pipe, prefix, messages[start : start + group])
-        pipe.execute()
+        scripts.execute(pipe)
     drained = 0
     while drained < jobs:
         read = 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from core.redis_target import is_cluster, is_pipeline
 from scheduler.vocabulary import LANES, Lane
@@ -115,12 +116,38 @@ return 0
 
 
 class Scripts:
-    """The Lua scripts, registered once per client (redis-py caches them by SHA)."""
+    """The Lua scripts, registered once per client (redis-py caches them by SHA).
+
+    In a pipeline a script call is queued as a bare EVALSHA and the pipeline run with
+    :meth:`execute`: redis-py's own would ask Redis ``SCRIPT EXISTS`` before every
+    pipeline it runs (a round trip and a command per group commit). A script Redis
+    does not know (it restarted, failed over or was flushed) answers NOSCRIPT and
+    did nothing; :meth:`execute` loads it and sends those calls again, in order.
+    """
 
     def __init__(self, client: redis.Redis) -> None:
+        self.client = client
         self.enqueue_script = client.register_script(_ENQUEUE)
         self.enqueue_many_script = client.register_script(_ENQUEUE_MANY)
         self.prune_script = client.register_script(_PRUNE)
+
+    def execute(self, pipe: redis.client.Pipeline) -> list[Any]:
+        """Run ``pipe`` (a pipeline of this client's); raise its first error, as
+        ``pipe.execute()`` does, once the script calls Redis did not know are run."""
+        if is_cluster(pipe):
+            return list(pipe.execute())  # script calls go there as EVAL: nothing to load
+        queued = [args for args, _options in pipe.command_stack]
+        results = list(pipe.execute(raise_on_error=False))
+        unknown = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if unknown:
+            for script in (self.enqueue_script, self.enqueue_many_script, self.prune_script):
+                script.sha = self.client.script_load(script.script)
+            for i in unknown:
+                results[i] = self.client.execute_command(*queued[i])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
 
     @staticmethod
     def _run(
@@ -139,6 +166,8 @@ class Scripts:
                 {"target_nodes": target.get_node_from_key(keys[0])} if is_pipeline(target) else {}
             )
             return target.execute_command("EVAL", script.script, len(keys), *keys, *args, **named)
+        if isinstance(target, redis.client.Pipeline):
+            return target.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         return script(keys=keys, args=args, client=target)
 
     def enqueue(

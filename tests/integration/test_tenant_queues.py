@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.queues import lane_depths, lane_tenants
 from core.settings import Settings
 from core.streams import JobMessage, Scripts, stream_key
+from harness.services import started_redis
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters
@@ -188,7 +190,7 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
         scripts.enqueue(redis_client, one_by_one, MODEL, message)
     pipe = redis_client.pipeline(transaction=False)
     scripts.enqueue_all(pipe, together, ((MODEL, message) for message in messages))
-    pipe.execute()
+    scripts.execute(pipe)
 
     def entries(key: str) -> list[dict[str, str]]:
         found: Any = redis_client.xrange(key)
@@ -216,3 +218,41 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
     assert found["wakes"] == ["a", "b", "c"]
     # The arrival rate's counter leaves the bulk lane out (the feeder fills it on demand).
     assert found["arrivals"] == str(len([m for m in messages if m.lane != "bulk"]))
+
+
+def test_a_pipelined_enqueue_asks_no_script_check_and_outlives_a_flushed_script_cache(
+    tmp_path: Path,
+) -> None:
+    """A group commit's pipeline sends its script calls as they are: no SCRIPT EXISTS before
+    each (a round trip and a command a group). A Redis that has lost its scripts (restarted,
+    failed over, flushed) answers NOSCRIPT and runs nothing; the calls are sent again once
+    the scripts are loaded, so each message lands once, in order. On a Redis of its own: the
+    shared one's script cache is every test's."""
+    with started_redis(tmp_path) as url:
+        client = redis.Redis.from_url(url, decode_responses=True)
+        scripts = Scripts(client)
+        messages = [JobMessage(f"job-{n}", "normal", 1, 0, tenant=f"t{n % 2}") for n in range(30)]
+
+        def group_commit(group: list[JobMessage]) -> None:
+            pipe = client.pipeline(transaction=False)
+            scripts.enqueue_all(pipe, "p", (("sim", m) for m in group))
+            scripts.execute(pipe)
+
+        client.config_resetstat()
+        group_commit(messages[:10])  # a fresh Redis: NOSCRIPT, loaded, sent again
+        group_commit(messages[10:20])  # known now: nothing but the calls
+        stats = client.info("commandstats")
+        client.script_flush()
+        group_commit(messages[20:])
+        for tenant in ("t0", "t1"):
+            found: Any = client.xrange(stream_key("p", "sim", "normal", tenant))
+            assert [JobMessage.decode(fields) for _id, fields in found] == [
+                m for m in messages if m.tenant == tenant
+            ]
+        client.close()
+    assert "cmdstat_script|exists" not in stats
+    # Two groups of two tenants: four script calls, the first two refused (NOSCRIPT),
+    # sent again once the three scripts were loaded.
+    assert stats["cmdstat_evalsha"]["calls"] == 6
+    assert stats["cmdstat_evalsha"]["failed_calls"] == 2
+    assert stats["cmdstat_script|load"]["calls"] == 3

@@ -131,7 +131,7 @@ class StreamConsumer:
         for lane, names in tenants.items():
             for tenant in names:
                 self.scripts.prune(pipe, self.prefix, self.model, lane, tenant)
-        pipe.execute()
+        self.scripts.execute(pipe)
 
     def reread_pending(self) -> None:
         """Read this consumer's unacknowledged entries again, before any new ones."""

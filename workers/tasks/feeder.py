@@ -214,7 +214,7 @@ class Feeder:
                 for row in rows
             ),
         )
-        pipe.execute()
+        scripts.execute(pipe)
         return len(rows)
 
     def _window_ended(self, backfill: Backfill) -> bool:

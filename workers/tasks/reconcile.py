@@ -66,7 +66,7 @@ def reconcile(
                 prefix,
                 ((model, JobMessage.of_job(row)) for row in missing[start : start + PAGE]),
             )
-            pipe.execute()
+            scripts.execute(pipe)
         if missing:
             log.warning(
                 "re-enqueued jobs whose stream entry was lost",
