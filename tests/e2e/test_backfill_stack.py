@@ -109,19 +109,31 @@ def test_ctrl_c_while_waiting_leaves_the_backfill_running(stack: FerryUp, tmp_pa
         )
     )
     env = dict(stack.env, FERRY_API_URL=stack.base, FERRY_API_KEY=stack.token)
-    follow = subprocess.Popen(
-        [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
-         "--wait"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert follow.stderr is not None
-    seen: list[str] = []
-    for line in follow.stderr:  # not a terminal: one progress line every few seconds
-        seen.append(line)
-        if line.startswith("in_progress ["):
-            break
-    follow.send_signal(signal.SIGINT)
-    _out, rest = follow.communicate(timeout=60)
+    # The sim worker is paused while the command waits: Ctrl-C must land on a backfill
+    # still running (this stack's worker runs 20,000 lines in about 4 s, which a busy
+    # machine may take to deliver the signal).
+    worker = next(
+        pid
+        for pid in stack.children()
+        if b"ferry\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
+             "--wait"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert follow.stderr is not None
+        seen: list[str] = []
+        for line in follow.stderr:  # not a terminal: one progress line every few seconds
+            seen.append(line)
+            if line.startswith("in_progress ["):
+                break
+        follow.send_signal(signal.SIGINT)
+        _out, rest = follow.communicate(timeout=60)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     assert follow.returncode == 130, "".join(seen) + rest
     backfill_id = next(line.split()[1].rstrip(":") for line in seen if " lines" in line)
     assert f"backfill {backfill_id} keeps running" in rest
