@@ -34,19 +34,69 @@ SUBNETS = 256
 LOCKS = Path(tempfile.gettempdir()) / "ferry-netns"
 
 
+BRIDGE_PREFIX = "fbr"
+
+
 def claim_subnet() -> tuple[str, IO[bytes]]:
     """The first 198.18.N of this machine's free ones, and the open lock file that holds it
-    (closed, or the process gone, it is free again)."""
+    (closed, or the process gone, it is free again).
+
+    A free lock does not make a free subnet: a test process killed outright (SIGKILL, or
+    its machine's session ended under it) never ran ``Network.__exit__``, and its bridge
+    still holds 198.18.N.1, which would take the new network's packets. Such a bridge is
+    a test network's (its name says so) whose owner is gone (its lock was free): it is
+    removed, with its hosts. A subnet held by any other interface is skipped."""
     LOCKS.mkdir(exist_ok=True)
     for number in range(SUBNETS):
-        lock = (LOCKS / f"{RANGE}.{number}.lock").open("ab")
+        subnet = f"{RANGE}.{number}"
+        lock = (LOCKS / f"{subnet}.lock").open("ab")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
             continue
-        return f"{RANGE}.{number}", lock
+        holders = interfaces_in(subnet)
+        if any(not name.startswith(BRIDGE_PREFIX) for name in holders):
+            lock.close()
+            continue
+        for bridge in holders:
+            remove_stale_network(bridge)
+        return subnet, lock
     raise ServiceMissing(f"all {SUBNETS} test subnets of {RANGE}.0.0/16 are taken")
+
+
+def interfaces_in(subnet: str) -> list[str]:
+    """The names of this machine's interfaces with an IPv4 address in ``subnet``.0/24."""
+    listing = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show"], check=True, capture_output=True, text=True, timeout=30
+    ).stdout
+    names = []
+    for line in listing.splitlines():
+        # "7: fbr1a2b    inet 198.18.0.1/24 scope global fbr1a2b ..."
+        fields = line.split()
+        if len(fields) >= 4 and fields[3].split("/")[0].rsplit(".", 1)[0] == subnet:
+            names.append(fields[1])
+    return names
+
+
+def remove_stale_network(bridge: str) -> None:
+    """Remove a dead test network: its hosts' namespaces (their processes killed) and its
+    bridge."""
+    tag = bridge.removeprefix(BRIDGE_PREFIX)
+    listing = subprocess.run(
+        ["ip", "netns", "list"], check=True, capture_output=True, text=True, timeout=30
+    ).stdout
+    for namespace in (line.split()[0] for line in listing.splitlines() if line.strip()):
+        if not namespace.startswith(f"ferry-{tag}-"):
+            continue
+        pids = subprocess.run(
+            ["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
 
 
 def _ip(*args: str) -> None:
@@ -129,7 +179,7 @@ class Network:
         check_can_build()
         self.tmp = tmp
         self.tag = secrets.token_hex(2)
-        self.bridge = f"fbr{self.tag}"
+        self.bridge = f"{BRIDGE_PREFIX}{self.tag}"
         self.subnet, self._subnet_lock = claim_subnet()
         self.gateway = f"{self.subnet}.1"
         self.hosts: dict[str, Host] = {}
@@ -185,14 +235,16 @@ class Network:
 def wait_until(what: str, ready: object, timeout_s: float = 60.0, every_s: float = 0.2) -> None:
     """Poll ``ready()`` until it is true, or fail saying ``what`` did not happen."""
     until = time.monotonic() + timeout_s
+    last: Exception | None = None
     while True:
         try:
             if ready():  # type: ignore[operator]
                 return
-        except Exception:
-            pass
+        except Exception as error:
+            last = error
         if time.monotonic() > until:
-            raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
+            why = f" (last error: {type(last).__name__}: {last})" if last else ""
+            raise AssertionError(f"{what} did not happen within {timeout_s:g} s{why}")
         time.sleep(every_s)
 
 

@@ -6,6 +6,7 @@ only: skipped with the reason elsewhere, required under CI=true."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.queues import model_streams
 from core.streams import GROUP
+from harness import netns
 from harness.netns import Deployment, Host, Network, wait_until
 from workers.gpu.executions import read_executions
 
@@ -49,7 +51,10 @@ def deploy(tmp_path: Path) -> Iterator[Deploy]:
                 with admin.connect():
                     return True
 
-            wait_until("PostgreSQL to answer", answers, 60)
+            try:
+                wait_until("PostgreSQL to answer", answers, 60)
+            except AssertionError as error:
+                raise AssertionError(f"{error}\n{hosts.postgres.log('postgres')}") from None
             with admin.connect() as conn:
                 conn.execute(text("CREATE DATABASE ferry"))
             admin.dispose()
@@ -303,3 +308,37 @@ def test_the_postgresql_host_stopped_for_10_s_under_load_loses_nothing(deploy: D
     assert refused > 0, "the outage turned no submission away"
     assert len(set(accepted)) == len(accepted)  # each key accepted once
     assert len(attempts) == len(accepted) and max(attempts) == 1
+
+
+def test_a_killed_runs_network_left_on_a_free_subnet_is_cleared_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """A test killed outright never tears its network down: its bridge still holds the
+    subnet whose lock its death freed, and would take the next network's packets (every
+    host unreachable). The next network on that subnet removes it, hosts and all."""
+    subnet, lock = netns.claim_subnet()
+    stale = "fbrdead"
+    namespace = "ferry-dead-redis"
+    subprocess.run(["ip", "link", "add", stale, "type", "bridge"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"{subnet}.1/24", "dev", stale], check=True)
+        subprocess.run(["ip", "link", "set", stale, "up"], check=True)
+        subprocess.run(["ip", "netns", "add", namespace], check=True)
+        orphan = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "300"])
+        lock.close()  # its owner is gone
+        with Network(tmp_path) as net:
+            assert net.subnet == subnet
+            assert orphan.wait(timeout=10) != 0  # killed with its namespace
+            assert subprocess.run(["ip", "link", "show", stale], capture_output=True).returncode
+            listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            assert namespace not in listing.stdout
+            host = net.host("redis")
+            host.spawn(
+                ["redis-server", "--bind", host.address, "--port", "6379", "--save", "",
+                 "--protected-mode", "no"]
+            )  # fmt: skip
+            client = redis.Redis(host=host.address, socket_timeout=2)
+            wait_until("the new network's host to answer", client.ping, 30)
+    finally:
+        subprocess.run(["ip", "link", "del", stale], capture_output=True)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)

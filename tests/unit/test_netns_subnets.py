@@ -1,8 +1,11 @@
 """harness.netns: two networks alive at once never share a subnet (their bridges would
-route each other's packets), and a network's subnet is free again once it is gone."""
+route each other's packets), a network's subnet is free again once it is gone, and a
+subnet still held by a dead network's bridge is cleared (or skipped, if not a test
+network's). The interfaces are stood in for here; tests/multihost has a real stale one."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -10,9 +13,22 @@ import pytest
 from harness import netns
 
 
+@dataclass
+class Machine:
+    """A stand-in for the machine's interfaces: the real ones may hold a running test
+    network's bridge, which these tests must never remove."""
+
+    interfaces: dict[str, list[str]] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+
+
 @pytest.fixture(autouse=True)
-def own_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Machine:
+    found = Machine()
     monkeypatch.setattr(netns, "LOCKS", tmp_path / "locks")
+    monkeypatch.setattr(netns, "interfaces_in", lambda subnet: found.interfaces.get(subnet, []))
+    monkeypatch.setattr(netns, "remove_stale_network", found.removed.append)
+    return found
 
 
 def test_networks_alive_at_once_take_different_subnets() -> None:
@@ -42,3 +58,21 @@ def test_with_every_subnet_taken_there_is_no_network(monkeypatch: pytest.MonkeyP
     finally:
         for lock in held:
             lock.close()
+
+
+def test_a_dead_networks_bridge_on_a_free_subnet_is_removed_and_the_subnet_taken(
+    machine: Machine,
+) -> None:
+    machine.interfaces["198.18.0"] = ["fbrdead"]
+    subnet, lock = netns.claim_subnet()
+    lock.close()
+    assert subnet == "198.18.0"
+    assert machine.removed == ["fbrdead"]
+
+
+def test_a_subnet_another_interface_holds_is_skipped(machine: Machine) -> None:
+    machine.interfaces["198.18.0"] = ["eth1"]
+    subnet, lock = netns.claim_subnet()
+    lock.close()
+    assert subnet == "198.18.1"
+    assert machine.removed == []
