@@ -101,6 +101,13 @@ def test_a_bad_file_is_refused_by_the_cli_with_its_line(stack: FerryUp, tmp_path
     assert "error: 422: line 2: input: missing" in run.stderr
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """SIGINT's default action in the command, as a shell at a terminal gives it: a suite
+    started in the background by a shell without job control inherits SIGINT ignored,
+    and Python then never turns it into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_waiting_leaves_the_backfill_running(stack: FerryUp, tmp_path: Path) -> None:
     source = tmp_path / "inputs.ndjson"
     source.write_text(
@@ -123,6 +130,7 @@ def test_ctrl_c_while_waiting_leaves_the_backfill_running(stack: FerryUp, tmp_pa
             [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
              "--wait"],
             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ctrl_c_as_at_a_terminal,
         )  # fmt: skip
         assert follow.stderr is not None
         seen: list[str] = []

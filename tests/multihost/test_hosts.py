@@ -192,12 +192,13 @@ def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
     cut.restore()
     # The cut worker's result write is retried until the database answers again: it
     # finds its jobs already written at a later attempt, and changes nothing; then it
-    # logs the batch done.
+    # logs the batch done. A packet it sent into the cut is resent on TCP's backoff,
+    # which doubles up to two minutes: the wait is for a hang, not for how soon.
     try:
         wait_until(
             f"{cut.name} to record its batch once back",
             lambda: cut.log("worker", 10**8).count("batch done") > batches_before,
-            60,
+            180,
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cut.log('worker', 20_000)}") from None
