@@ -10,7 +10,8 @@ import redis
 
 from core.streams import (
     GROUP,
-    arrivals_key,
+    bulk_key,
+    seq_key,
     stats_key,
     stream_key,
     tenants_key,
@@ -115,8 +116,11 @@ def lane_depths(client: redis.Redis, prefix: str, model: str) -> dict[str, int]:
 
 
 def arrivals(client: redis.Redis, prefix: str, model: str) -> int:
-    """Jobs enqueued in the model's live lanes (not bulk) since its counter began."""
-    return int(client.get(arrivals_key(prefix, model)) or 0)
+    """Jobs enqueued in the model's live lanes (not bulk) since its counters began: every
+    enqueue less the bulk lane's (both kept beside the streams, lost and begun again
+    with them)."""
+    enqueued, bulk = client.mget(seq_key(prefix, model), bulk_key(prefix, model))
+    return int(enqueued or 0) - int(bulk or 0)
 
 
 def nearest_deadline_ms(

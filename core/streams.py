@@ -57,10 +57,12 @@ def tenants_key(prefix: str, model: str, lane: str) -> str:
     return f"{prefix}:{{{model}}}:{lane}:tenants"
 
 
-def arrivals_key(prefix: str, model: str) -> str:
-    """Counter of the jobs enqueued in the model's live lanes (all but bulk): its arrival
-    rate. The bulk lane is fed as fast as workers drain it, so it is left out."""
-    return f"{prefix}:{{{model}}}:arrivals"
+def bulk_key(prefix: str, model: str) -> str:
+    """Counter of the jobs enqueued in the model's bulk lane. The model's arrival rate is
+    its live lanes' (the bulk lane is fed as fast as workers drain it): the enqueue
+    sequence less this, so a submission to a live lane counts once, in the sequence the
+    enqueue script moves anyway, with no counter of its own."""
+    return f"{prefix}:{{{model}}}:bulk"
 
 
 def seq_key(prefix: str, model: str) -> str:
@@ -180,8 +182,8 @@ class Scripts:
         """Add the message to its tenant's stream in its lane (the shared one without a tenant)."""
         fields = message.encode()
         tenant = message.tenant
-        if message.lane != Lane.BULK:
-            target.incr(arrivals_key(prefix, model))
+        if message.lane == Lane.BULK:
+            target.incr(bulk_key(prefix, model))
         if not tenant:
             target.incr(seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
@@ -207,13 +209,13 @@ class Scripts:
         """Add every ``(model, message)``, as :meth:`enqueue` would one by one: each
         tenant's messages in one script call (up to :data:`ENQUEUE_MANY_MAX`), in order."""
         streams: dict[tuple[str, str, str | None], list[JobMessage]] = {}
-        live: dict[str, int] = {}
+        bulk: dict[str, int] = {}
         for model, message in items:
             streams.setdefault((model, message.lane, message.tenant or None), []).append(message)
-            if message.lane != Lane.BULK:
-                live[model] = live.get(model, 0) + 1
-        for model, count in live.items():
-            target.incrby(arrivals_key(prefix, model), count)
+            if message.lane == Lane.BULK:
+                bulk[model] = bulk.get(model, 0) + 1
+        for model, count in bulk.items():
+            target.incrby(bulk_key(prefix, model), count)
         for (model, lane, tenant), messages in streams.items():
             if not tenant:
                 target.incrby(seq_key(prefix, model), len(messages))

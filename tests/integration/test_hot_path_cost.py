@@ -1,0 +1,188 @@
+"""What one job costs the shared parts, counted: SQL statements and Redis commands per
+job on the hot path (submit, run, long-poll), on real PostgreSQL and a Redis of the
+test's own (``INFO commandstats`` counts every command, those a script runs included).
+
+These are ceilings at today's figures, not goals: a change that adds a statement or a
+Redis command per job (or per request) fails here, where a benchmark would only drift.
+Lower a ceiling when the path gets cheaper. bench/capacity.py measures the same
+counters with their CPU cost, under concurrency.
+
+Each submission is sent alone (a group of one, the costliest case), the batch is
+drained whole, and each finished job is long-polled once; the counts are exact for a
+given code path, so the ceilings carry no margin beyond the background work that may
+land inside a phase (the API's and the worker's timers), bounded by BACKGROUND.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import event, select
+from sqlalchemy.engine import Engine
+
+from core.db import Job, make_engine, make_sessionmaker
+from core.keys import create_key
+from core.settings import Settings
+from harness.served import served
+from harness.services import migrated_postgres_database, started_redis
+from harness.worker import running_worker
+
+JOBS = 32
+
+
+@dataclass
+class Phase:
+    statements: list[str] = field(default_factory=list)
+    commands: list[tuple[str, str]] = field(default_factory=list)  # (name, first key)
+
+
+class Counted:
+    """Every SQL statement the API's and the worker's engines send, and every command Redis
+    runs (MONITOR: a script's own commands too), with the key each names."""
+
+    END = "cost-test-phase-end"
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.statements: list[str] = []
+        self.ignored: set[Engine] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        if conn.engine in self.ignored:
+            return
+        with self.lock:
+            self.statements.append(" ".join(statement.split())[:60])
+
+    @contextmanager
+    def phase(self) -> Iterator[Phase]:
+        found = Phase()
+        commands: list[tuple[str, str]] = []
+        ready = threading.Event()
+
+        def monitor() -> None:
+            with self.client.monitor() as watching:
+                ready.set()
+                for seen in watching.listen():
+                    name, _, rest = seen["command"].partition(" ")
+                    if name == "ECHO" and rest == self.END:
+                        return
+                    commands.append((name.lower(), rest.split(" ", 1)[0]))
+
+        watcher = threading.Thread(target=monitor, daemon=True)
+        watcher.start()
+        assert ready.wait(10)
+        with self.lock:
+            self.statements.clear()
+        yield found
+        self.client.echo(self.END)
+        watcher.join(timeout=30)
+        found.commands = commands
+        with self.lock:
+            found.statements = list(self.statements)
+
+
+@pytest.fixture
+def counted(tmp_path: Path) -> Iterator[tuple[Settings, Counted]]:
+    with started_redis(tmp_path / "redis") as redis_url, migrated_postgres_database() as url:
+        settings = Settings(
+            redis_url=redis_url,
+            database_url=url,
+            data_dir=tmp_path,
+            key_prefix="cost",
+            models="sim",
+            model_parameters={"sim": {"latency_base_ms": 2.0, "latency_per_cost_ms": 0.0}},
+            batch_max_size=JOBS,
+            reconcile_interval_s=3600.0,
+        )
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        found = Counted(client)
+        event.listen(Engine, "before_cursor_execute", found)
+        try:
+            yield settings, found
+        finally:
+            event.remove(Engine, "before_cursor_execute", found)
+            client.close()
+
+
+def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
+    counted: tuple[Settings, Counted],
+) -> None:
+    settings, count = counted
+    engine = make_engine(settings.sqlalchemy_url)
+    count.ignored.add(engine)  # the test's own reads
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        token = create_key(session, "cost").token
+    headers = {"Authorization": f"Bearer {token}"}
+    with served(settings) as api, httpx.Client(base_url=api.base, headers=headers) as http:
+        http.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}})  # warm caches
+        ids: list[str] = []
+        with count.phase() as submit:
+            for _ in range(JOBS):
+                answer = http.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}})
+                assert answer.status_code == 202, answer.text
+                ids.append(answer.json()["id"])
+        with count.phase() as run, running_worker(settings, "sim", "cost"):
+            until = time.monotonic() + 120
+            while True:
+                with sessions() as session:
+                    left = session.scalar(select(Job.id).where(Job.status != "succeeded").limit(1))
+                if left is None:
+                    break
+                assert time.monotonic() < until, "the worker did not drain the jobs"
+                time.sleep(0.05)
+        with count.phase() as poll:
+            for job in ids:
+                assert http.get(f"/v1/jobs/{job}", params={"wait": 5}).json()["status"] == (
+                    "succeeded"
+                )
+    with sessions() as session:
+        batches = len(set(session.scalars(select(Job.batch_id).where(Job.id.in_(ids)))))
+    engine.dispose()
+    why = "\n".join(
+        f"{name}: {Counter(phase.statements)} {Counter(job_driven(phase.commands))}"
+        for name, phase in (("submit", submit), ("run", run), ("poll", poll))
+    )
+
+    # Submitting: the job's row and its key's outstanding count, one statement each; the
+    # enqueue script's call, its XADD to the tenant's stream, the enqueue sequence's
+    # INCRBY and the tenant's listing (ZADD); the arrival rate is read off the sequence.
+    assert len(submit.statements) <= 2 * JOBS, why
+    assert len(job_driven(submit.commands)) <= 4 * JOBS, why
+    # Running: per batch, not per job. Reading its rows, claiming them, the model's
+    # version, writing the outcomes, reading what to tell webhooks and backfills, the
+    # keys' outstanding counts; one statement more once (the pending entries re-read
+    # at start). In Redis, one MULTI of XACK, XDEL and the PUBLISH that wakes long-polls.
+    assert len(run.statements) <= 6 * batches + 1, why
+    assert len(job_driven(run.commands)) <= 3 * batches, why
+    # A long-poll of a finished job: its row, and nothing of Redis.
+    assert len(poll.statements) <= JOBS, why
+    assert job_driven(poll.commands) == [], why
+
+
+# What runs on a clock, not per job: rate-limit windows, the learned figures and the
+# workers' presence, versions, wake-ups; a connection's HELLO; the worker's reads while
+# it waits (a read per step, however many jobs it brings).
+CLOCKED_KEYS = (":limits:", ":stats", ":workers", ":versions", ":restarting", ":wake")
+WAITING_READS = {"hello", "xreadgroup", "zrange", "get", "xgroup"}
+# A transaction's own brackets: what it holds is counted.
+FRAMING = {"multi", "exec"}
+
+
+def job_driven(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [
+        (name, key)
+        for name, key in commands
+        if name not in WAITING_READS | FRAMING and not any(part in key for part in CLOCKED_KEYS)
+    ]
