@@ -6,6 +6,7 @@ sentence-transformers' own, and a burst of sim jobs shares batches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,9 +54,10 @@ def _reader(stream: Any, sink: list[str]) -> None:
         sink.append(line)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cwd = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def started_stack(cwd: Path, **settings: str) -> Iterator[Stack]:
+    """``ferry up`` in ``cwd``, up with its workers; stopped (SIGTERM) afterwards if still
+    running."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
     port = free_port()
     env.update(
@@ -68,6 +70,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         FERRY_BATCH_WINDOW_MAX_MS="20",
         FERRY_LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
+        **settings,
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "ferry", "up"],
@@ -94,11 +97,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 process.kill()
 
 
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with started_stack(tmp_path_factory.mktemp("stack")) as running:
+        yield running
+
+
 def _wait_for_workers(stack: Stack, until: float) -> None:
+    # The models ferry up starts by default (resnet50 needs weights), or those asked for.
+    served = stack.env.get("FERRY_MODELS", "minilm,sim").split(",")
     while True:
         models = httpx.get(f"{stack.base}/v1/models", headers=stack.headers(), timeout=10).json()
-        # The models ferry up starts by default (resnet50 needs weights).
-        if all(m["workers"] >= 1 for m in models["data"] if m["name"] in ("minilm", "sim")):
+        if all(m["workers"] >= 1 for m in models["data"] if m["name"] in served):
             return
         assert stack.process.poll() is None, "".join(stack.output)[-3000:]
         assert time.monotonic() < until, models
@@ -219,9 +229,12 @@ def test_a_worker_killed_mid_batch_is_restarted_and_loses_nothing(stack: Stack) 
     assert stack.process.poll() is None
 
 
-def test_sigterm_stops_the_whole_stack(stack: Stack) -> None:
-    stack.process.send_signal(signal.SIGTERM)
-    assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{stack.base}/healthz", timeout=2)
-    assert any(line.strip() == "stopped" for line in stack.output)
+def test_sigterm_stops_the_whole_stack(tmp_path: Path) -> None:
+    # A stack of its own (the module's serves the other tests, in whatever order they
+    # run), with the sim model only: what stops is the same set of processes.
+    with started_stack(tmp_path, FERRY_MODELS="sim") as stack:
+        stack.process.send_signal(signal.SIGTERM)
+        assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{stack.base}/healthz", timeout=2)
+        assert any(line.strip() == "stopped" for line in stack.output)
