@@ -10,7 +10,7 @@ import redis
 
 from core.streams import (
     GROUP,
-    bulk_key,
+    bulk_seq_key,
     seq_key,
     stats_key,
     stream_key,
@@ -119,7 +119,7 @@ def arrivals(client: redis.Redis, prefix: str, model: str) -> int:
     """Jobs enqueued in the model's live lanes (not bulk) since its counters began: every
     enqueue less the bulk lane's (both kept beside the streams, lost and begun again
     with them)."""
-    enqueued, bulk = client.mget(seq_key(prefix, model), bulk_key(prefix, model))
+    enqueued, bulk = client.mget(seq_key(prefix, model), bulk_seq_key(prefix, model))
     return int(enqueued or 0) - int(bulk or 0)
 
 

@@ -57,12 +57,12 @@ def tenants_key(prefix: str, model: str, lane: str) -> str:
     return f"{prefix}:{{{model}}}:{lane}:tenants"
 
 
-def bulk_key(prefix: str, model: str) -> str:
+def bulk_seq_key(prefix: str, model: str) -> str:
     """Counter of the jobs enqueued in the model's bulk lane. The model's arrival rate is
     its live lanes' (the bulk lane is fed as fast as workers drain it): the enqueue
     sequence less this, so a submission to a live lane counts once, in the sequence the
     enqueue script moves anyway, with no counter of its own."""
-    return f"{prefix}:{{{model}}}:bulk"
+    return f"{prefix}:{{{model}}}:bulk-seq"
 
 
 def seq_key(prefix: str, model: str) -> str:
@@ -183,7 +183,7 @@ class Scripts:
         fields = message.encode()
         tenant = message.tenant
         if message.lane == Lane.BULK:
-            target.incr(bulk_key(prefix, model))
+            target.incr(bulk_seq_key(prefix, model))
         if not tenant:
             target.incr(seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
@@ -215,7 +215,7 @@ class Scripts:
             if message.lane == Lane.BULK:
                 bulk[model] = bulk.get(model, 0) + 1
         for model, count in bulk.items():
-            target.incrby(bulk_key(prefix, model), count)
+            target.incrby(bulk_seq_key(prefix, model), count)
         for (model, lane, tenant), messages in streams.items():
             if not tenant:
                 target.incrby(seq_key(prefix, model), len(messages))

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.queues import arrivals, lane_depths, lane_tenants
 from core.settings import Settings
-from core.streams import JobMessage, Scripts, stream_key
+from core.streams import JobMessage, Scripts, bulk_seq_key, stream_key
 from harness.services import started_redis
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
@@ -206,7 +206,7 @@ def test_many_messages_are_enqueued_as_one_by_one_would_enqueue_them(
             "streams": streams,
             "tenants": lane_tenants(redis_client, prefix, MODEL),
             "seq": redis_client.get(f"{prefix}:{{{MODEL}}}:seq"),
-            "bulk": redis_client.get(f"{prefix}:{{{MODEL}}}:bulk"),
+            "bulk": redis_client.get(bulk_seq_key(prefix, MODEL)),
             "arrivals": arrivals(redis_client, prefix, MODEL),
             "wakes": sorted(wakes),
         }

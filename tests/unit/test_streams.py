@@ -11,16 +11,22 @@ from core.streams import (
     PROTOCOL_VERSION,
     JobMessage,
     ProtocolError,
+    bulk_seq_key,
+    cancels_key,
     dead_letter_key,
     done_channel,
+    events_key,
     is_wake,
     lane_streams,
+    seq_key,
     stats_key,
     stream_key,
     tenants_key,
+    versions_key,
     wake_key,
     workers_key,
 )
+from scheduler.vocabulary import LANES
 
 FULL = JobMessage(
     job_id="0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11",
@@ -185,19 +191,34 @@ def test_lane_streams_most_urgent_first() -> None:
     ]
 
 
-@pytest.mark.parametrize("model", ["minilm", "sim"])
-def test_all_keys_of_a_model_share_one_cluster_slot(model: str) -> None:
-    model_keys = [
+def every_key_of(model: str) -> list[str]:
+    tenant = "0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11"
+    return [
         *lane_streams("ferry", model),
+        *(stream_key("ferry", model, lane, tenant) for lane in LANES),
+        *(tenants_key("ferry", model, lane) for lane in LANES),
         dead_letter_key("ferry", model),
         workers_key("ferry", model),
         stats_key("ferry", model),
-        stream_key("ferry", model, "normal", "0b8e6c2a-5f0e-4c57-9d1f-3a6d2a8c1e11"),
-        tenants_key("ferry", model, "bulk"),
+        versions_key("ferry", model),
         wake_key("ferry", model),
+        seq_key("ferry", model),
+        bulk_seq_key("ferry", model),
+        cancels_key("ferry", model),
+        events_key("ferry", model, tenant),
     ]
-    slots = {key_slot(k.encode()) for k in model_keys}
+
+
+@pytest.mark.parametrize("model", ["minilm", "sim"])
+def test_all_keys_of_a_model_share_one_cluster_slot(model: str) -> None:
+    slots = {key_slot(k.encode()) for k in every_key_of(model)}
     assert slots == {key_slot(model.encode())}
+
+
+def test_no_two_keys_of_a_model_are_one_key() -> None:
+    # A counter named like a lane's stream would be INCRBY'd on a stream (WRONGTYPE).
+    keys = every_key_of("sim")
+    assert len(set(keys)) == len(keys), sorted(k for k in keys if keys.count(k) > 1)
 
 
 def test_a_tenants_stream_is_named_under_its_lane() -> None:
