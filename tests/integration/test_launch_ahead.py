@@ -7,7 +7,6 @@ real loop against real Redis and a real database.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Any
 
@@ -52,7 +51,9 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     lock = threading.Lock()
     prepared: list[float] = []  # when each batch was prepared
     on_device: list[tuple[float, float]] = []  # each batch's time on the device
-    prepare, launch = runtime.prepare, runtime.launch
+    events: list[tuple[str, int]] = []  # ("launch" | "collect", the batch's number)
+    prepare, launch, collect = runtime.prepare, runtime.launch, runtime.collect
+    numbers: dict[int, int] = {}  # id() of a launched batch: its number
 
     def timed_prepare(inputs: list[Any]) -> Any:
         with lock:
@@ -63,10 +64,18 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
         launched = launch(batch)
         with lock:
             on_device.append((launched.ready_at - launched.device_s, launched.ready_at))
+            numbers[id(launched)] = len(numbers)
+            events.append(("launch", numbers[id(launched)]))
         return launched
+
+    def ordered_collect(launched: Any) -> Any:
+        with lock:
+            events.append(("collect", numbers[id(launched)]))
+        return collect(launched)
 
     runtime.prepare = timed_prepare  # type: ignore[method-assign]
     runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
+    runtime.collect = ordered_collect  # type: ignore[method-assign]
     ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(48)]
     with RunningLoop(loop):
         rows = wait_terminal(sessions, ids, timeout=30)
@@ -76,10 +85,14 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     # Batches prepared while an earlier batch was on the device.
     overlapped = [t for t in prepared if any(a < t < b for a, b in on_device)]
     assert len(overlapped) >= len(on_device) // 2, (prepared, on_device)
-    # And launched the moment it was done: the device waited for nothing
-    # between most batches.
-    gaps = [a1 - b0 for (_, b0), (a1, _) in itertools.pairwise(sorted(on_device))]
-    assert sum(gap < 0.002 for gap in gaps) >= len(gaps) // 2, gaps
+    # And launched before the loop waited for the one on the device: the device had the
+    # next batch queued behind it (how short the gap between them is, on a machine of
+    # its own, is bench/pipeline.py's to measure, not a test's).
+    at = {event: position for position, event in enumerate(events)}
+    queued_behind = [
+        n for n in range(1, len(on_device)) if at[("launch", n)] < at[("collect", n - 1)]
+    ]
+    assert len(queued_behind) >= (len(on_device) - 1) // 2, events
     assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
 
 

@@ -151,11 +151,14 @@ def test_jobs_that_can_no_longer_finish_in_time_expire_without_running(
 def test_an_out_of_memory_batch_is_split_and_nobody_fails(
     settings: Settings, sessions: sessionmaker[Session], auth: dict[str, str]
 ) -> None:
-    # The operator declared 8 GiB but the device really holds 64 units of cost
-    # (64 MiB + 1 MiB per cost): the first full batch runs out of memory.
+    # The operator declared 8 GiB but the device really holds 100 units of cost
+    # (64 MiB + 1 MiB per cost): the first full batch runs out of memory. The later
+    # waves are submitted one job at a time while the worker runs: a 2 s window lets
+    # their batches grow to the learned ceiling (and past what fits, once) however
+    # slowly a loaded machine submits, as the first wave's did.
     capacity = 64 * 2**20 + 100 * 2**20
     oom = with_parameters(
-        settings.model_copy(update={"batch_window_min_ms": 200.0, "batch_window_max_ms": 200.0}),
+        settings.model_copy(update={"batch_window_min_ms": 2000.0, "batch_window_max_ms": 2000.0}),
         "sim",
         memory_capacity_bytes=capacity,
     )
