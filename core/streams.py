@@ -80,12 +80,16 @@ WAKE_MAXLEN = 1000
 _ENQUEUE = f"""
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
 local seq = redis.call('INCR', KEYS[4])
+if #KEYS == 5 then redis.call('INCR', KEYS[5]) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
 end
 return id
 """
+# A bulk lane's stream comes with a fifth key, the bulk lane's counter, moved with the
+# sequence in the same script: the arrival rate (the sequence less it) never sees one
+# without the other.
 # The same for many messages of one tenant's stream: one script call, one INCRBY of
 # the sequence, one listing; ARGV: tenant, count, then each message as its number
 # of field/value items followed by them. A group commit and a feeder chunk
@@ -99,6 +103,7 @@ for _ = 1, count do
   at = at + width + 1
 end
 local seq = redis.call('INCRBY', KEYS[4], count)
+if #KEYS == 5 then redis.call('INCRBY', KEYS[5], count) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
@@ -115,6 +120,18 @@ if redis.call('XLEN', KEYS[1]) == 0 then
 end
 return 0
 """
+
+
+def _enqueue_keys(prefix: str, model: str, lane: str, tenant: str) -> list[str]:
+    """The enqueue scripts' keys: the stream, its lane's tenants, the wake stream, the
+    sequence, and for the bulk lane its counter."""
+    keys = [
+        stream_key(prefix, model, lane, tenant),
+        tenants_key(prefix, model, lane),
+        wake_key(prefix, model),
+        seq_key(prefix, model),
+    ]
+    return [*keys, bulk_seq_key(prefix, model)] if lane == Lane.BULK else keys
 
 
 class Scripts:
@@ -182,21 +199,16 @@ class Scripts:
         """Add the message to its tenant's stream in its lane (the shared one without a tenant)."""
         fields = message.encode()
         tenant = message.tenant
-        if message.lane == Lane.BULK:
-            target.incr(bulk_seq_key(prefix, model))
         if not tenant:
             target.incr(seq_key(prefix, model))
+            if message.lane == Lane.BULK:
+                target.incr(bulk_seq_key(prefix, model))
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
         flat = [item for pair in fields.items() for item in pair]
         return self._run(
             self.enqueue_script,
             target,
-            [
-                stream_key(prefix, model, message.lane, tenant),
-                tenants_key(prefix, model, message.lane),
-                wake_key(prefix, model),
-                seq_key(prefix, model),
-            ],
+            _enqueue_keys(prefix, model, message.lane, tenant),
             [tenant, *flat],
         )
 
@@ -209,16 +221,13 @@ class Scripts:
         """Add every ``(model, message)``, as :meth:`enqueue` would one by one: each
         tenant's messages in one script call (up to :data:`ENQUEUE_MANY_MAX`), in order."""
         streams: dict[tuple[str, str, str | None], list[JobMessage]] = {}
-        bulk: dict[str, int] = {}
         for model, message in items:
             streams.setdefault((model, message.lane, message.tenant or None), []).append(message)
-            if message.lane == Lane.BULK:
-                bulk[model] = bulk.get(model, 0) + 1
-        for model, count in bulk.items():
-            target.incrby(bulk_seq_key(prefix, model), count)
         for (model, lane, tenant), messages in streams.items():
             if not tenant:
                 target.incrby(seq_key(prefix, model), len(messages))
+                if lane == Lane.BULK:
+                    target.incrby(bulk_seq_key(prefix, model), len(messages))
                 for message in messages:
                     target.xadd(stream_key(prefix, model, lane), message.encode())  # type: ignore[arg-type]
                 continue
@@ -231,12 +240,7 @@ class Scripts:
                 self._run(
                     self.enqueue_many_script,
                     target,
-                    [
-                        stream_key(prefix, model, lane, tenant),
-                        tenants_key(prefix, model, lane),
-                        wake_key(prefix, model),
-                        seq_key(prefix, model),
-                    ],
+                    _enqueue_keys(prefix, model, lane, tenant),
                     args,
                 )
 
