@@ -38,6 +38,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
         stack.stop(stack.process)
 
 
+def bulk_finished(stack: FerryUp) -> float:
+    """The sim worker's count of bulk jobs succeeded, from its own /metrics (the first
+    port `ferry up` hands out)."""
+    base = int(stack.env["FERRY_METRICS_PORT_BASE"])
+    worker = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
+    finished = {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(worker)
+        for sample in family.samples
+        if sample.name == "ferry_jobs_finished_total"
+    }
+    return finished.get((("lane", "bulk"), ("model", "sim"), ("status", "succeeded")), 0.0)
+
+
 def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
     stack: FerryUp, tmp_path: Path
 ) -> None:
@@ -47,6 +61,7 @@ def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
             out.write(json.dumps({"custom_id": f"doc-{i}", "input": {"cost": 1 + i % 7}}) + "\n")
     results = tmp_path / "results.ndjson"
     env = dict(stack.env, FERRY_API_URL=stack.base, FERRY_API_KEY=stack.token)
+    before = bulk_finished(stack)  # the module's other tests share the stack's worker
     run = subprocess.run(
         [sys.executable, "-m", "ferry", "backfill", "submit", str(source), "--model", "sim",
          "--wait", "--output", str(results)],
@@ -74,16 +89,9 @@ def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
     assert "completed" in status.stdout
     assert f"completed {LINES}" in status.stdout
 
-    # The sim worker's own /metrics (the first port `ferry up` hands out) counted every line.
+    # The sim worker counted every line.
+    assert bulk_finished(stack) - before == LINES
     base = int(stack.env["FERRY_METRICS_PORT_BASE"])
-    worker = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
-    finished = {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(worker)
-        for sample in family.samples
-        if sample.name == "ferry_jobs_finished_total"
-    }
-    assert finished[(("lane", "bulk"), ("model", "sim"), ("status", "succeeded"))] == LINES
     celery = httpx.get(f"http://127.0.0.1:{base + 1}/metrics", timeout=10)
     assert celery.status_code == 200 and "python_info" in celery.text
     assert f"worker-sim :{base}" in "".join(stack.output)
