@@ -320,11 +320,11 @@ def test_a_killed_runs_network_left_on_a_free_subnet_is_cleared_for_the_next(
     subnet, lock = netns.claim_subnet()
     stale = "fbrdead"
     namespace = "ferry-dead-redis"
-    subprocess.run(["ip", "link", "add", stale, "type", "bridge"], check=True)
+    netns._ip("link", "add", stale, "type", "bridge")
     try:
-        subprocess.run(["ip", "addr", "add", f"{subnet}.1/24", "dev", stale], check=True)
-        subprocess.run(["ip", "link", "set", stale, "up"], check=True)
-        subprocess.run(["ip", "netns", "add", namespace], check=True)
+        netns._ip("addr", "add", f"{subnet}.1/24", "dev", stale)
+        netns._ip("link", "set", stale, "up")
+        netns._ip("netns", "add", namespace)
         orphan = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "300"])
         lock.close()  # its owner is gone
         with Network(tmp_path) as net:
@@ -341,5 +341,4 @@ def test_a_killed_runs_network_left_on_a_free_subnet_is_cleared_for_the_next(
             client = redis.Redis(host=host.address, socket_timeout=2)
             wait_until("the new network's host to answer", client.ping, 30)
     finally:
-        subprocess.run(["ip", "link", "del", stale], capture_output=True)
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        netns.remove_stale_network(stale)  # a no-op once the test has passed
