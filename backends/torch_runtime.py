@@ -232,18 +232,21 @@ class TorchRuntime:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self._stream)
         except torch.cuda.OutOfMemoryError as exc:
-            # Copies already queued may still read the buffers: once the stream
-            # is done with them they serve the next batch.
-            self._stream.synchronize()
-            self._spare.append(stager)
-            self._memory.out_of_memory()
-            raise OutOfMemory(
-                str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
-            ) from exc
+            message = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
         except Exception as exc:
             check_device(torch, device, exc)
             raise
-        return TorchLaunched(self, host, stager, events=(began, done))
+        else:
+            return TorchLaunched(self, host, stager, events=(began, done))
+        # Out of the except block, and raised without the error as its cause:
+        # its traceback holds the forward's frames, and they the activations
+        # computed before memory ran out. Kept, the cache could not give them
+        # back, and the smaller batches retried next would find no room.
+        on_device = []
+        self._stream.synchronize()  # copies already queued may still read the buffers
+        self._spare.append(stager)  # once the stream is done with them, they serve the next batch
+        self._memory.out_of_memory()
+        raise OutOfMemory(message)
 
     def collect(self, launched: TorchLaunched) -> list[Any]:
         launched.wait()

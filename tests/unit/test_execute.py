@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -195,3 +196,49 @@ def test_an_input_too_large_even_alone_fails_with_that_reason() -> None:
     assert [r.ok for r in results] == [True, False, True]
     assert results[1].error is not None
     assert "OutOfMemory" in results[1].error and "even alone" in results[1].error
+
+
+class HeldMemory:
+    """A device whose failed attempts keep their memory while their frames live.
+
+    As on a GPU: the activations a batch computed before it ran out of memory
+    are locals of the forward's frames, which the error's traceback holds.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.live: weakref.WeakSet[Activations] = weakref.WeakSet()
+
+    def __call__(self, inputs: list[int]) -> list[int]:
+        return self.forward(inputs)
+
+    def forward(self, inputs: list[int]) -> list[int]:
+        in_use = sum(held.size for held in self.live)
+        activations = Activations(sum(inputs))
+        self.live.add(activations)
+        if in_use + activations.size > self.capacity:
+            raise OutOfMemory(f"needs {activations.size}, {in_use} of {self.capacity} in use")
+        return [value * 2 for value in inputs]
+
+
+class Activations:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def test_the_failed_batch_no_longer_holds_memory_when_its_halves_run() -> None:
+    device = HeldMemory(capacity=20)
+    results = run_isolating(device, [5, 5, 5, 5, 5, 5, 5, 5])
+    # Were the first attempt's error still alive, its 40 would fill the device
+    # and every half, down to each input alone, would fail.
+    assert [r.ok for r in results] == [True] * 8, [r.error for r in results]
+
+
+def test_a_batch_that_failed_when_launched_ahead_no_longer_holds_memory() -> None:
+    device = HeldMemory(capacity=20)
+    try:
+        device([5] * 8)
+    except OutOfMemory as exc:
+        failed: OutOfMemory | None = exc
+    results = run_isolating(device, [5] * 8, failed=failed)
+    assert all(r.ok for r in results), [r.error for r in results]

@@ -39,6 +39,11 @@ def run_isolating(
     so the caller can learn from it. ``failed``: the whole batch already ran
     and raised this (so it is not run whole again).
     """
+    if failed is not None:
+        # Its traceback holds the frames of the attempt that raised it, and on
+        # a GPU they hold what that attempt computed: dropped, so that the
+        # retries find the memory free. The error's type and text remain.
+        failed = failed.with_traceback(None)
     return _run_slice(run, inputs, 0, len(inputs), clock, on_oom, failed)
 
 
@@ -68,23 +73,29 @@ def _run_slice(
         outputs = check_outputs(run(batch), batch)
     except Exception as exc:
         out_of_memory = isinstance(exc, OutOfMemory)
-        if out_of_memory and on_oom is not None:
-            on_oom(start, end)
-        if len(batch) == 1:
-            error = _describe(exc)
-            if out_of_memory:
-                error = f"{error} (even alone: the input is too large for this device)"
-            return [ItemResult(ok=False, error=error, inference_ms=_ms(clock, started))]
-        log.warning(
-            "batch out of memory; splitting" if out_of_memory else "batch raised; bisecting",
-            extra={"size": len(batch), "error_type": type(exc).__name__},
-        )
-        middle = (start + end) // 2
-        return _run_slice(run, inputs, start, middle, clock, on_oom) + _run_slice(
-            run, inputs, middle, end, clock, on_oom
-        )
-    elapsed = _ms(clock, started)
-    return [ItemResult(ok=True, output=output, inference_ms=elapsed) for output in outputs]
+        error = _describe(exc)
+        error_type = type(exc).__name__
+    else:
+        elapsed = _ms(clock, started)
+        return [ItemResult(ok=True, output=output, inference_ms=elapsed) for output in outputs]
+    # Out of the except block: the error, its traceback and the frames it holds
+    # (on a GPU, the failed attempt's activations) are gone before the halves
+    # run, else they would run in the memory the failed batch still held.
+    del failed
+    if out_of_memory and on_oom is not None:
+        on_oom(start, end)
+    if len(batch) == 1:
+        if out_of_memory:
+            error = f"{error} (even alone: the input is too large for this device)"
+        return [ItemResult(ok=False, error=error, inference_ms=_ms(clock, started))]
+    log.warning(
+        "batch out of memory; splitting" if out_of_memory else "batch raised; bisecting",
+        extra={"size": len(batch), "error_type": error_type},
+    )
+    middle = (start + end) // 2
+    return _run_slice(run, inputs, start, middle, clock, on_oom) + _run_slice(
+        run, inputs, middle, end, clock, on_oom
+    )
 
 
 def _ms(clock: Callable[[], float], started: float) -> float:
