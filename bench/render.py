@@ -1321,6 +1321,12 @@ def generation_setup(doc: Doc) -> str:
         if m in r
         for run in r[m].values()
     ]
+    poisson = (
+        f" Poisson at {cal['poisson_rate_per_s']:.2f} requests/s "
+        f"({percent()(s['poisson_load'])} of Ferry's measured capacity)."
+        if "poisson" in doc
+        else ""
+    )
     return (
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
         f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
@@ -1331,8 +1337,7 @@ def generation_setup(doc: Doc) -> str:
         f"{s['requests']} requests: prompts {w['prompt_tokens']['p50']:g} tokens at the median, "
         f"{w['prompt_tokens']['max']} at most; outputs {w['output_tokens']['p50']:g} at the "
         f"median, {w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, "
-        f"EOS ignored). Poisson at {cal['poisson_rate_per_s']:.2f} requests/s "
-        f"({percent()(s['poisson_load'])} of Ferry's measured capacity). Static batches of "
+        f"EOS ignored).{poisson} Static batches of "
         f"{cal['static_batch']}, the best offline of the grid (output tokens/s: {grid}). "
         f"Ferry: max_running {s['ferry']['max_running']}, step_tokens "
         f"{s['ferry']['step_tokens']}, prefill_chunk_tokens {s['ferry']['prefill_chunk_tokens']}; "
@@ -1340,11 +1345,12 @@ def generation_setup(doc: Doc) -> str:
     )
 
 
-def render_generation(results: Results) -> list[str]:
-    doc = results["generation"]
+def generation_figures(doc: Doc) -> list[str]:
+    """The setup, the table of each arrival mode the file measured, and the ratios."""
     ms = number(0, " ms")
+    modes = {mode: arrivals for mode, arrivals in GENERATION_MODES.items() if mode in doc}
     rows = []
-    for mode, arrivals in GENERATION_MODES.items():
+    for mode, arrivals in modes.items():
         for system, name in GENERATION_SYSTEMS.items():
             f = {k: Figure.summary(v) for k, v in doc[mode][system].items()}
             rows.append(
@@ -1360,9 +1366,18 @@ def render_generation(results: Results) -> list[str]:
 
     ratios = "; ".join(
         f"{arrivals}: {ratio(mode, 'static')} static, {ratio(mode, 'single')} one at a time"
-        for mode, arrivals in GENERATION_MODES.items()
+        for mode, arrivals in modes.items()
     )
     return [*lines, f"Ferry's output tokens/s over the others', round by round: {ratios}."]
+
+
+def render_generation(results: Results) -> list[str]:
+    return generation_figures(results["generation"])
+
+
+def render_generation_gpu(results: Results) -> list[str]:
+    doc = results["generation_gpu"]
+    return [*generation_figures(doc), "", *generation_profile(doc)]
 
 
 def render_generation_targets(results: Results) -> list[str]:
@@ -1414,7 +1429,10 @@ def render_generation_chunked(results: Results) -> list[str]:
 
 
 def render_generation_profile(results: Results) -> list[str]:
-    doc = results["generation"]
+    return generation_profile(results["generation"])
+
+
+def generation_profile(doc: Doc) -> list[str]:
     found = doc["profile"]
     names = {
         "scheduler": "scheduler (schedule, update_from_output)",
@@ -1492,7 +1510,35 @@ def render_headline(results: Results) -> list[str]:
         *headline_backends(results["backends"]),
         # Measured only where the bench extra (Ray) is installed.
         *([headline_peers(results["peers"])] if results.has("peers") else []),
+        # Measured only where a GPU was lent (bench/gpu_check.sh).
+        *([headline_gpu(results["gpu"], results["generation_gpu"])] if results.has("gpu") else []),
     ]
+
+
+def headline_gpu(gpu: Doc, generation: Doc) -> str:
+    minilm = next(model for model in gpu["models"] if model["model"] == "minilm")
+    share, rate, _ = GPU_TARGETS["minilm"]
+    met = minilm["stack_share_of_raw"] >= (share or 0) and minilm["stack_jobs_per_s"] >= rate
+    targets = generation["targets"]
+
+    def ratio(system: str) -> str:
+        found = targets[system]
+        return (
+            f"{Figure.summary(found['ratio']).text(times())} {GENERATION_SYSTEMS[system]} "
+            f"(target {found['tokens_per_s_ratio_at_least']:g}×: {verdict(found['met'])})"
+        )
+
+    model = generation["settings"]["model"]
+    return (
+        f"- **On a GPU** ({gpu['device']}, {day(gpu)}, the first run, one round): "
+        f"all-MiniLM-L6-v2 in {gpu['precision']} through the whole stack at "
+        f"**{minilm['stack_jobs_per_s']:,.0f}** jobs/s, "
+        f"{percent(1)(minilm['stack_share_of_raw'])} of the runtime's raw ceiling (target "
+        f"{percent()(share or 0)} and {rate:,.0f}/s: {verdict(met)}). Generation "
+        f"({generation['settings']['precision']}, a {model['layers']}-layer "
+        f"{model['arch']}-shaped model, {generation['settings']['requests']} requests at once): "
+        f"Ferry's output tokens/s are {ratio('single')} and {ratio('static')}."
+    )
 
 
 def headline_scheduler(sim: Doc) -> str:
@@ -1606,6 +1652,66 @@ def headline_backends(doc: Doc) -> list[str]:
     ]
 
 
+# --- on a GPU (gpu.json) --------------------------------------------------------------------
+
+# The targets on an H200, per model: (share of raw at least, jobs/s at least, p99 ms at most).
+GPU_TARGETS = {"minilm": (0.8, 10_000.0, None), "resnet50": (None, 2_000.0, 100.0)}
+
+
+def render_gpu(results: Results) -> list[str]:
+    doc = results["gpu"]
+    sizes = [str(size) for size in doc["settings"]["raw_batch_sizes"]]
+    found = {model["model"]: model for model in doc["models"]}
+    raw_rows = [[name, *(f"{model['raw_by_batch'][b]:,.0f}" for b in sizes)]
+                for name, model in found.items()]  # fmt: skip
+    stack_rows = [
+        [
+            name,
+            f"**{model['stack_jobs_per_s']:,.0f}**",
+            percent(1)(model["stack_share_of_raw"]),
+            percent(1)(model["stack_device_idle"]),
+            f"{model['plain_jobs_per_s']:,.0f}",
+            percent(1)(model["plain_device_idle"]),
+            f"{model['load_per_s']:,.0f}/s: {model['p50_ms']:,.0f} ms, {model['p99_ms']:,.0f} ms",
+        ]
+        for name, model in found.items()
+    ]
+    targets = []
+    for name, (share, rate, p99) in GPU_TARGETS.items():
+        model = found.get(name)
+        if model is None:
+            targets.append(f"- {name}: not measured in this run.")
+            continue
+        parts, met = [], True
+        if share is not None:
+            parts.append(f"≥ {percent()(share)} of raw ({percent(1)(model['stack_share_of_raw'])})")
+            met &= model["stack_share_of_raw"] >= share
+        parts.append(f"≥ {rate:,.0f} jobs/s ({model['stack_jobs_per_s']:,.0f})")
+        met &= model["stack_jobs_per_s"] >= rate
+        if p99 is not None:
+            parts.append(f"p99 ≤ {p99:,.0f} ms at 70 % load ({model['p99_ms']:,.0f} ms)")
+            met &= model["p99_ms"] <= p99
+        targets.append(f"- {name}: {', '.join(parts)}: {verdict(met)}.")
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {doc['precision']} on "
+        f"{doc['device']}, one run. Raw, the runtime alone, items/s by batch size:",
+        "",
+        *table(["model", *sizes], "l" + "r" * len(sizes), raw_rows),
+        "",
+        "Through the whole stack (one worker), jobs/s; the GPU's idle share; "
+        "open-loop load at 70 % of saturation: p50 and p99 of accepted → finished:",
+        "",
+        *table(
+            ["model", "saturated", "share of raw", "GPU idle", "plain worker", "its GPU idle",
+             "70 % load: p50, p99"],
+            "lrrrrrl",
+            stack_rows,
+        ),
+        "",
+        *targets,
+    ]  # fmt: skip
+
+
 RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "headline": render_headline,
     "scheduler-capacity": render_scheduler_capacity,
@@ -1640,6 +1746,8 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "generation-chunked": render_generation_chunked,
     "generation-profile": render_generation_profile,
     "generation_stack": render_generation_stack,
+    "generation_gpu": render_generation_gpu,
+    "gpu": render_gpu,
 }
 # The results files each region reads (what a document cites).
 HEADLINE_SOURCES = (
