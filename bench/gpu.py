@@ -48,7 +48,7 @@ from bench import results
 from bench.corpus import load_corpus
 from bench.e2e import _quantile, _ts, wait_done
 from ferry.local_redis import free_port
-from harness.stack import FerryUp, compute_seconds
+from harness.stack import FerryUp, batch_figures, compute_seconds
 
 DECODE_THREADS = min(16, os.cpu_count() or 4)
 
@@ -66,6 +66,11 @@ class ModelResult:
     load_per_s: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
+    # Each saturated run's batches, from the worker's /metrics (harness.stack.batch_figures).
+    stack_batches: dict[str, Any] = field(default_factory=dict)
+    plain_batches: dict[str, Any] = field(default_factory=dict)
+    # Wall seconds of each phase, to plan a run cut at a time limit.
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,11 +195,14 @@ def stack(
         try:
             up.start()
             db = up.root / "ferry.db"
-            rate, idle, worker = saturate(up, model, inputs_for(model, jobs))
+            began = time.monotonic()
+            rate, idle, worker, result.stack_batches = saturate(up, model, inputs_for(model, jobs))
+            result.phase_s["saturated"] = round(time.monotonic() - began, 1)
             result.stack_jobs_per_s, result.stack_device_idle = rate, idle
             result.stack_share_of_raw = round(result.stack_jobs_per_s / result.raw_best, 3)
             print(f"  {model} stack, saturated: {rate} jobs/s, GPU idle {idle:.1%}", flush=True)
             save()
+            began = time.monotonic()
             result.load_per_s = round(0.7 * result.stack_jobs_per_s, 1)
             count = max(1, int(result.load_per_s * seconds))
             sent = paced(up.base, up.token, model, inputs_for(model, count), result.load_per_s)
@@ -210,12 +218,15 @@ def stack(
             result.p99_ms = round(_quantile(latencies, 0.99), 1)
             print(f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
                   f"p99 {result.p99_ms} ms", flush=True)  # fmt: skip
+            result.phase_s["load"] = round(time.monotonic() - began, 1)
             save()
+            began = time.monotonic()
             up.stop(worker, 60)
-            rate, idle, worker = saturate(
+            rate, idle, worker, result.plain_batches = saturate(
                 up, model, inputs_for(model, max(1, jobs // 2)),
                 FERRY_PIPELINE="false", FERRY_PIPELINE_PREPARE="false",
             )  # fmt: skip
+            result.phase_s["plain"] = round(time.monotonic() - began, 1)
             result.plain_jobs_per_s, result.plain_device_idle = rate, idle
             print(f"  {model} stack, plain worker: {rate} jobs/s, GPU idle {idle:.1%}", flush=True)
         finally:
@@ -225,8 +236,9 @@ def stack(
 
 def saturate(
     up: FerryUp, model: str, data: list[Any], **worker_settings: str
-) -> tuple[float, float, subprocess.Popen[str]]:
-    """Queue ``data``, then start a worker to drain it: jobs/s, the device's idle share, the worker.
+) -> tuple[float, float, subprocess.Popen[str], dict[str, Any]]:
+    """Queue ``data``, then start a worker to drain it: jobs/s, the device's idle share, the
+    worker, and its batches (how many, their size, each stage's time).
 
     ``worker_settings``: FERRY_* variables for this worker only.
     """
@@ -250,7 +262,8 @@ def saturate(
         ).fetchone()
     span = _ts(last) - _ts(first)
     busy = compute_seconds(port, model)
-    return round(len(queued) / span, 1), round(max(0.0, 1.0 - busy / span), 3), worker
+    figures = batch_figures(port, model)
+    return round(len(queued) / span, 1), round(max(0.0, 1.0 - busy / span), 3), worker, figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         result = ModelResult(model)
         measured.append(result)
         items = 64 if args.quick else (4096 if model == "minilm" else 2048)
+        began = time.monotonic()
         result.raw_by_batch = raw(model, device, precision, sizes, items)
         result.raw_best = max(result.raw_by_batch.values())
+        result.phase_s["raw"] = round(time.monotonic() - began, 1)
         save()
         stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result, save)
         save()

@@ -10,7 +10,8 @@
 # (the device runner's output folder). Its three steps are cut at 100 s, 230 s
 # and 150 s, so the whole stays under 8 minutes with the kit's install; each
 # JSON is written after every phase (or round). The first run (2026-12-04,
-# an H200) took 46 s for the tests, all 230 s for bench/gpu.py (minilm alone)
+# an H200) took 46 s for the tests, all 230 s for bench/gpu.py (minilm alone,
+# with 10,000 jobs: the next runs send 6,000, so resnet50 has its turn)
 # and 90 s for the generation benchmark with 32 requests.
 #
 # On a GPU machine with Python 3.12, PyTorch, transformers and
@@ -51,7 +52,7 @@ mkdir -p "$RESULTS"
 status=0
 timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 \
   | tee "$RESULTS/gpu-tests.log" || status=1
-timeout 230 "$PYTHON" -m bench.gpu --jobs 10000 --seconds 10 \
+timeout 230 "$PYTHON" -m bench.gpu --jobs 6000 --seconds 10 \
   --out "$RESULTS/gpu.json" "$@" || status=1
 timeout 150 "$PYTHON" -m bench.generation --device cuda --precision bf16 \
   --layers 12 --hidden 768 --heads 12 --kv-gib 8 --rounds 1 --requests 64 --modes offline \

@@ -1692,6 +1692,18 @@ def render_gpu(results: Results) -> list[str]:
             parts.append(f"p99 ≤ {p99:,.0f} ms at 70 % load ({model['p99_ms']:,.0f} ms)")
             met &= model["p99_ms"] <= p99
         targets.append(f"- {name}: {', '.join(parts)}: {verdict(met)}.")
+
+    def batches(found: Doc) -> str:
+        stages = ", ".join(f"{k} {v:,.1f}" for k, v in found["stage_ms_per_batch"].items())
+        return f"{found['batches']:,} batches of {found['mean_batch']:g} jobs on average ({stages})"
+
+    # Files before the first run's did not record the worker's batches.
+    recorded = [
+        f"- {name}'s batches, ms a batch in each stage: pipelined, "
+        f"{batches(model['stack_batches'])}; plain, {batches(model['plain_batches'])}."
+        for name, model in found.items()
+        if model.get("stack_batches") and model.get("plain_batches")
+    ]
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {doc['precision']} on "
         f"{doc['device']}, one run. Raw, the runtime alone, items/s by batch size:",
@@ -1708,6 +1720,7 @@ def render_gpu(results: Results) -> list[str]:
             stack_rows,
         ),
         "",
+        *recorded,
         *targets,
     ]  # fmt: skip
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.ports import free_port
 
@@ -104,6 +105,40 @@ def compute_seconds(port: int, model: str) -> float:
     if match is None:
         raise RuntimeError("the worker exported no ferry_worker_compute_seconds_total")
     return float(match.group(1))
+
+
+def batch_figures(port: int, model: str) -> dict[str, Any]:
+    """A worker's batches so far, from its /metrics: how many, their mean size, and the
+    mean seconds a batch spent in each stage (prepare, compute, record, acknowledge)."""
+    import httpx
+
+    return batch_figures_of(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, model)
+
+
+def batch_figures_of(text: str, model: str) -> dict[str, Any]:
+    """:func:`batch_figures` from the text of a /metrics answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    size_sum = batches = 0.0
+    stages: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") != model:
+                continue
+            if sample.name == "ferry_batch_size_sum":
+                size_sum = sample.value
+            elif sample.name == "ferry_batch_size_count":
+                batches = sample.value
+            elif sample.name == "ferry_batch_stage_seconds_sum":
+                stages[sample.labels["stage"]] = sample.value
+    return {
+        "batches": int(batches),
+        "mean_batch": round(size_sum / batches, 1) if batches else 0.0,
+        "stage_ms_per_batch": {
+            stage: round(1000.0 * total / batches, 2) if batches else 0.0
+            for stage, total in sorted(stages.items())
+        },
+    }
 
 
 def _after(text: str, label: str) -> str:
