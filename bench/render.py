@@ -1511,7 +1511,11 @@ def render_headline(results: Results) -> list[str]:
         # Measured only where the bench extra (Ray) is installed.
         *([headline_peers(results["peers"])] if results.has("peers") else []),
         # Measured only where a GPU was lent (bench/gpu_check.sh).
-        *([headline_gpu(results["gpu"], results["generation_gpu"])] if results.has("gpu") else []),
+        *(
+            [headline_gpu(results["gpu"], results["generation_gpu"])]
+            if results.has("gpu") and results.has("generation_gpu")
+            else []
+        ),
     ]
 
 
