@@ -20,9 +20,9 @@ from api.middleware import (
     SecurityHeadersMiddleware,
     TracingMiddleware,
 )
-from api.openai_errors import OpenAIErrorMiddleware
+from api.openai_errors import DialectErrorMiddleware
 from api.reads import GroupRead, JobReader
-from api.routes import admin, backfills, jobs, openai, openai_batches, system, webhooks
+from api.routes import admin, backfills, jobs, oip, openai, openai_batches, system, webhooks
 from api.services import callback_checker
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
@@ -122,6 +122,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(system.router)
     app.include_router(admin.router)
     app.include_router(openai.router)
+    app.include_router(oip.router)
     app.include_router(openai_batches.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
@@ -155,7 +156,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
     # Outside the request id: its last-resort 500 is rewritten too, and keeps the id.
-    app.add_middleware(OpenAIErrorMiddleware)
+    app.add_middleware(DialectErrorMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(MetricsMiddleware)
     return app

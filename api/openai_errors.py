@@ -1,10 +1,11 @@
-"""Errors in OpenAI's shape on the OpenAI-compatible routes.
+"""Errors in the dialect of the API a path speaks: OpenAI's, or the inference protocol's.
 
 OpenAI's clients read ``{"error": {"message", "type", "param", "code"}}`` and
-expect a 400 where Ferry answers 422. Every error Ferry makes (its handlers,
-its middleware: authentication, rate limits, body size) is written in
-Ferry's shape first; on these paths this middleware rewrites it, so no
-error path needs to know which API it serves.
+expect a 400 where Ferry answers 422; the Open Inference Protocol's (Triton's
+and KServe's clients) read ``{"error": "message"}``, also with a 400. Every
+error Ferry makes (its handlers, its middleware: authentication, rate
+limits, body size) is written in Ferry's shape first; on these paths this
+middleware rewrites it, so no error path needs to know which API it serves.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The routes that speak OpenAI's dialect.
 OPENAI_PATHS = re.compile(r"^/v1/(embeddings|completions|chat/completions|files|batches)(/|$)")
+# The Open Inference Protocol's routes (api.routes.oip).
+OIP_PATHS = re.compile(r"^/v2(/|$)")
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # "field: why" — Ferry's messages name the field first; OpenAI calls it param.
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
@@ -34,12 +37,21 @@ def openai_error(status: int, error: dict[str, Any]) -> tuple[int, dict[str, Any
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class OpenAIErrorMiddleware:
+def oip_error(status: int, error: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Ferry's error object as the inference protocol's, and its status (400 for 422)."""
+    return (400 if status == 422 else status), {"error": str(error.get("message", ""))}
+
+
+class DialectErrorMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not OPENAI_PATHS.match(scope.get("path", "")):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        dialect = openai_error if OPENAI_PATHS.match(path) else None
+        if dialect is None and OIP_PATHS.match(path):
+            dialect = oip_error
+        if dialect is None:
             await self.app(scope, receive, send)
             return
         start: Message | None = None
@@ -63,7 +75,7 @@ class OpenAIErrorMiddleware:
             except ValueError:
                 error = None
             if isinstance(error, dict):
-                status, converted = openai_error(status, error)
+                status, converted = dialect(status, error)
                 content = json.dumps(converted).encode()
             headers = [
                 (k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"

@@ -85,6 +85,21 @@ def is_terminal(resource: JobResource) -> bool:
     return resource.status in TERMINAL_STATUSES
 
 
+def succeeded_output(job: JobResource, where: str) -> Any:
+    """The output of a job a request waited for: 504 if it still runs, 500 if it did not
+    succeed. ``where``: the request's part the job is (``input[3]``, ``row 3``)."""
+    if not is_terminal(job):
+        raise ApiError(
+            504,
+            "timeout",
+            f"{where} is still {job.status} (job {job.id}); it runs all the same, "
+            "but this request waited as long as it may",
+        )
+    if job.status != "succeeded":
+        raise ApiError(500, "job_failed", f"{where}: {job.status}: {job.error or ''}")
+    return job.output
+
+
 # A waiting request looks at the API's drain flag this often (it reads the
 # job's row only when a completion wakes it, and once at the end).
 DRAIN_CHECK_S = 1.0

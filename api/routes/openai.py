@@ -28,7 +28,7 @@ from api.generation_schemas import (
     CompletionRequest,
     TextCompletion,
 )
-from api.reads import JobRead, is_terminal, until_terminal
+from api.reads import JobRead, succeeded_output, until_terminal
 from api.schemas import JobCreate, JobResource
 from api.submissions import GroupCommit, Submission, prepare_request
 from core.db import ApiKey
@@ -183,16 +183,7 @@ def _submission(
 
 def _vector(job: JobResource, index: int, dimensions: int) -> list[float]:
     """The job's embedding, cut to ``dimensions`` (and normalised again if it was cut)."""
-    if not is_terminal(job):
-        raise ApiError(
-            504,
-            "timeout",
-            f"input[{index}] is still {job.status} (job {job.id}); it runs all the same, "
-            "but this request waited as long as it may",
-        )
-    if job.status != "succeeded":
-        raise ApiError(500, "job_failed", f"input[{index}]: {job.status}: {job.error or ''}")
-    vector = as_vector(job.output)
+    vector = as_vector(succeeded_output(job, f"input[{index}]"))
     if vector is None:
         raise ApiError(500, "bad_output", f"input[{index}]: the model's output is not a vector")
     return cut(vector, dimensions)

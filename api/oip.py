@@ -1,0 +1,442 @@
+"""The Open Inference Protocol (KServe v2, as Triton speaks it): tensors in, jobs, tensors out.
+
+The protocol names a model's inputs and outputs as tensors, each with a
+datatype and a shape whose first dimension is the batch. Ferry's jobs take
+one input each, so a request's tensors are cut into rows, one job a row,
+and the rows' outputs are stacked back into tensors:
+
+- a ``text`` model takes one ``BYTES`` tensor ``text`` of shape ``[N]`` or
+  ``[N, 1]`` (UTF-8 strings); an ``image`` model one ``BYTES`` tensor
+  ``image`` (the encoded files); a ``json`` model one ``BYTES`` tensor
+  ``input`` (a JSON document an element); a ``tensor`` model its declared
+  tensors, with the batch dimension in front of each declared shape;
+- a model that makes embeddings answers one ``FP32`` tensor ``embedding`` of
+  shape ``[N, dimensions]``; any other answers ``BYTES`` ``output``, each
+  element the job's output as JSON text.
+
+Tensors travel as JSON (``data``, row-major, nested or flat) or in the
+binary tensor data extension: the body is the JSON header, its length in the
+``Inference-Header-Content-Length`` header, then each binary tensor's bytes
+in order (``parameters.binary_data_size``); ``BYTES`` elements are each a
+4-byte little-endian length and the bytes, numbers are little-endian.
+
+This module is the protocol's pure part (parsing, checking, encoding); the
+routes are ``api.routes.oip``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.catalog import ModelSpec
+from core.embeddings import as_vector
+from scheduler.vocabulary import Lane
+
+# Numeric datatypes and their struct codes (little-endian in the binary extension).
+NUMERIC = {
+    "BOOL": "?", "UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q",
+    "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q",
+    "FP16": "e", "FP32": "f", "FP64": "d",
+}  # fmt: skip
+DATATYPES = frozenset({*NUMERIC, "BYTES"})
+# A tensor model's declared dtypes (model.toml) as the protocol's datatypes.
+FROM_DTYPE = {
+    "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
+}  # fmt: skip
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# Triton's priority parameter: 1 is the highest, 0 the model's default.
+LANES_BY_PRIORITY = {1: Lane.URGENT, 2: Lane.VIP, 3: Lane.NORMAL}
+# What a one-tensor input kind calls its tensor.
+TENSOR_NAMES = {"text": "text", "image": "image", "json": "input"}
+
+
+class ProtocolError(ValueError):
+    """A request the protocol refuses: 400 unless ``status`` says otherwise."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as a model's metadata declares it; -1 is a dimension of any size."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass
+class Tensor:
+    """A tensor of a request or a response: its elements flat, in row-major order.
+
+    ``BYTES`` elements are ``bytes``; numeric ones Python numbers.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: list[Any] = field(default_factory=list)
+
+
+def model_inputs(spec: ModelSpec) -> list[TensorSpec]:
+    """``spec``'s inputs as tensors (ProtocolError for a kind the protocol does not serve)."""
+    kind = spec.input.kind
+    if kind in TENSOR_NAMES:
+        return [TensorSpec(TENSOR_NAMES[kind], "BYTES", (-1,))]
+    if kind == "tensor":
+        return [
+            TensorSpec(t.name, FROM_DTYPE.get(t.dtype, "FP32"), (-1, *t.shape))
+            for t in spec.input.tensors
+        ]
+    raise ProtocolError(
+        f"model {spec.name!r} generates text: it is served on /v1/completions and "
+        "/v1/chat/completions, not by the inference protocol"
+    )
+
+
+def model_outputs(spec: ModelSpec) -> list[TensorSpec]:
+    if spec.embeddings is not None:
+        return [TensorSpec("embedding", "FP32", (-1, spec.embeddings.dimensions))]
+    return [TensorSpec("output", "BYTES", (-1,))]
+
+
+def model_metadata(spec: ModelSpec, versions: Sequence[int]) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "versions": [str(v) for v in versions],
+        "platform": f"ferry_{spec.backend.replace('-', '_')}",
+        "inputs": [t.metadata() for t in model_inputs(spec)],
+        "outputs": [t.metadata() for t in model_outputs(spec)],
+    }
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """A parsed infer request: its id, parameters, input tensors and the outputs asked for."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: list[Tensor]
+    # Each output asked for, and whether it is wanted in binary; None: all, in JSON
+    # unless the request's binary_data_output says otherwise.
+    outputs: dict[str, bool] | None
+
+    def binary(self, name: str) -> bool:
+        if self.outputs is not None and name in self.outputs:
+            return self.outputs[name]
+        return bool(self.parameters.get("binary_data_output", False))
+
+
+def parse_request(body: bytes, header_length: str | None) -> InferRequest:
+    """The request's JSON header and binary tensors; ProtocolError naming what is wrong."""
+    length = len(body)
+    if header_length is not None:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER_LENGTH} must be an integer") from None
+        if not 0 < length <= len(body):
+            raise ProtocolError(
+                f"{HEADER_LENGTH}: {length} is not within the body's {len(body)} bytes"
+            )
+    try:
+        header = json.loads(body[:length])
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("the request's header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("the request must be a JSON object")
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError("id must be a string")
+    parameters = _parameters(header.get("parameters"), "parameters")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError("inputs must be a non-empty array of tensors")
+    binary = memoryview(body)[length:]
+    inputs = []
+    for index, raw in enumerate(raw_inputs):
+        tensor, used = _input(raw, f"inputs[{index}]", binary)
+        binary = binary[used:]
+        inputs.append(tensor)
+    if len(binary):
+        raise ProtocolError(f"{len(binary)} bytes of binary data follow the last tensor's")
+    names = [t.name for t in inputs]
+    if len(set(names)) != len(names):
+        raise ProtocolError("inputs: each tensor may be given once")
+    return InferRequest(request_id, parameters, inputs, _outputs(header.get("outputs")))
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where} must be an object")
+    return value
+
+
+def _outputs(value: Any) -> dict[str, bool] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ProtocolError("outputs must be an array")
+    wanted = {}
+    for index, raw in enumerate(value):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise ProtocolError(f"outputs[{index}] must be an object with a name")
+        parameters = _parameters(raw.get("parameters"), f"outputs[{index}].parameters")
+        wanted[raw["name"]] = bool(parameters.get("binary_data", False))
+    return wanted
+
+
+def _input(raw: Any, where: str, binary: memoryview) -> tuple[Tensor, int]:
+    """One input tensor and how many bytes of the binary part it took."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where} must be an object")
+    name, datatype, shape = raw.get("name"), raw.get("datatype"), raw.get("shape")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{where}.name must be a non-empty string")
+    where = f"input {name!r}"
+    if datatype not in DATATYPES:
+        raise ProtocolError(f"{where}: datatype {datatype!r} is not one of the protocol's")
+    if (
+        not isinstance(shape, list)
+        or not shape
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(f"{where}: shape must be a non-empty array of sizes (0 or more)")
+    count = math.prod(shape)
+    parameters = _parameters(raw.get("parameters"), f"{where}.parameters")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
+            raise ProtocolError(f"{where}: binary_data_size {size!r} is more than the body holds")
+        if "data" in raw:
+            raise ProtocolError(f"{where}: data and binary_data_size both given")
+        data = _from_binary(bytes(binary[:size]), datatype, count, where)
+        return Tensor(name, datatype, tuple(shape), data), size
+    if "data" not in raw:
+        raise ProtocolError(f"{where}: no data (nor binary_data_size)")
+    data = _flat(raw["data"], datatype, where)
+    if len(data) != count:
+        raise ProtocolError(f"{where}: shape {shape} holds {count} elements, data has {len(data)}")
+    return Tensor(name, datatype, tuple(shape), data), 0
+
+
+def _flat(data: Any, datatype: str, where: str) -> list[Any]:
+    """JSON ``data`` (nested arrays or flat) as flat elements of the datatype."""
+    flat: list[Any] = []
+    stack = [data]
+    while stack:  # depth-first, right to left popped: row-major order kept by reversing
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        else:
+            flat.append(_element(item, datatype, where))
+    return flat
+
+
+def _element(item: Any, datatype: str, where: str) -> Any:
+    if datatype == "BYTES":
+        if not isinstance(item, str):
+            raise ProtocolError(f"{where}: a BYTES element in JSON must be a string")
+        return item.encode()
+    if datatype == "BOOL":
+        if not isinstance(item, bool):
+            raise ProtocolError(f"{where}: BOOL elements must be true or false")
+        return item
+    if isinstance(item, bool) or not isinstance(item, int | float):
+        raise ProtocolError(f"{where}: {datatype} elements must be numbers")
+    if datatype.startswith(("INT", "UINT")) and not isinstance(item, int):
+        raise ProtocolError(f"{where}: {datatype} elements must be integers")
+    if isinstance(item, float) and not math.isfinite(item):
+        raise ProtocolError(f"{where}: elements must be finite")
+    return item
+
+
+def _from_binary(raw: bytes, datatype: str, count: int, where: str) -> list[Any]:
+    if datatype == "BYTES":
+        items, at = [], 0
+        while at < len(raw):
+            if at + 4 > len(raw):
+                raise ProtocolError(f"{where}: a BYTES element's length is cut off")
+            (size,) = struct.unpack_from("<I", raw, at)
+            if at + 4 + size > len(raw):
+                raise ProtocolError(f"{where}: a BYTES element is longer than its data")
+            items.append(raw[at + 4 : at + 4 + size])
+            at += 4 + size
+        if len(items) != count:
+            raise ProtocolError(f"{where}: shape holds {count} elements, data has {len(items)}")
+        return items
+    code = NUMERIC[datatype]
+    if len(raw) != count * struct.calcsize(code):
+        raise ProtocolError(
+            f"{where}: {count} {datatype} elements are {count * struct.calcsize(code)} bytes, "
+            f"got {len(raw)}"
+        )
+    values = list(struct.unpack(f"<{count}{code}", raw))
+    if datatype.startswith("FP") and not all(math.isfinite(v) for v in values):
+        raise ProtocolError(f"{where}: elements must be finite")
+    return values
+
+
+def rows(spec: ModelSpec, inputs: list[Tensor], max_rows: int) -> list[Any]:
+    """The request's tensors cut into job inputs, one a row of the batch dimension."""
+    declared = {t.name: t for t in model_inputs(spec)}
+    given = {t.name: t for t in inputs}
+    for name in given:
+        if name not in declared:
+            raise ProtocolError(
+                f"input {name!r}: model {spec.name!r} has no such input "
+                f"(its inputs: {', '.join(declared)})"
+            )
+    for name in declared:
+        if name not in given:
+            raise ProtocolError(f"input {name!r} is missing")
+    counts = set()
+    for name, tensor in given.items():
+        want = declared[name]
+        if tensor.datatype != want.datatype:
+            raise ProtocolError(
+                f"input {name!r}: datatype {tensor.datatype}, the model takes {want.datatype}"
+            )
+        per_row = want.shape[1:]
+        got = tensor.shape[1:]
+        fits = got == per_row or (not per_row and got in ((), (1,)))
+        if not fits:
+            expected = "[N] or [N, 1]" if not per_row else str([-1, *per_row])
+            raise ProtocolError(
+                f"input {name!r}: shape {list(tensor.shape)}, the model takes {expected}"
+            )
+        counts.add(tensor.shape[0])
+    if len(counts) != 1:
+        raise ProtocolError("inputs: every tensor must have the same first dimension (the batch)")
+    (count,) = counts
+    if count == 0:
+        raise ProtocolError("inputs: the batch dimension is 0: there is nothing to run")
+    if count > max_rows:
+        raise ProtocolError(f"inputs: {count} rows; at most {max_rows} in one request")
+    kind = spec.input.kind
+    if kind in TENSOR_NAMES:
+        (tensor,) = given.values()
+        return [_job_input(kind, element, index) for index, element in enumerate(tensor.data)]
+    per_tensor = {
+        name: _split(given[name].data, count, declared[name].shape[1:]) for name in declared
+    }
+    if len(declared) == 1:
+        (only,) = per_tensor.values()
+        return only
+    return [{name: per_tensor[name][i] for name in declared} for i in range(count)]
+
+
+def _job_input(kind: str, element: bytes, index: int) -> Any:
+    if kind == "image":
+        return base64.b64encode(element).decode("ascii")
+    try:
+        text = element.decode()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"row {index}: not UTF-8 text") from None
+    if kind == "json":
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ProtocolError(f"row {index}: not a JSON document") from None
+    return text
+
+
+def _split(flat: list[Any], count: int, shape: tuple[int, ...]) -> list[Any]:
+    """``flat`` as ``count`` nested lists of ``shape``."""
+    size = math.prod(shape)
+    return [_nest(flat[i * size : (i + 1) * size], shape) for i in range(count)]
+
+
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return list(flat)
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def lane_and_deadline(parameters: dict[str, Any]) -> tuple[Lane | None, int | None]:
+    """Triton's ``priority`` (1 highest; 0 the default) and ``timeout`` (µs) as Ferry's."""
+    priority = parameters.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise ProtocolError("parameters.priority must be an integer, 0 or more")
+    lane = None if priority == 0 else LANES_BY_PRIORITY.get(priority, Lane.BULK)
+    timeout = parameters.get("timeout")
+    if timeout is None:
+        return lane, None
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
+        raise ProtocolError("parameters.timeout must be a positive integer (microseconds)")
+    return lane, max(1, math.ceil(timeout / 1000))
+
+
+def output_tensors(spec: ModelSpec, outputs: list[Any]) -> list[Tensor]:
+    """The jobs' outputs, in row order, stacked as the model's output tensors."""
+    (declared,) = model_outputs(spec)
+    if declared.datatype == "FP32":
+        width = declared.shape[1]
+        flat: list[float] = []
+        for index, output in enumerate(outputs):
+            vector = as_vector(output)
+            if vector is None or len(vector) != width:
+                raise ProtocolError(f"row {index}: the output is not a vector of {width}", 500)
+            flat.extend(vector)
+        return [Tensor(declared.name, "FP32", (len(outputs), width), flat)]
+    encoded = [json.dumps(output, separators=(",", ":")).encode() for output in outputs]
+    return [Tensor(declared.name, "BYTES", (len(outputs),), encoded)]
+
+
+def encode_response(
+    model: str, version: int | None, request: InferRequest, outputs: list[Tensor]
+) -> tuple[bytes, int | None]:
+    """The response body, and its JSON header's length when binary tensors follow it."""
+    if request.outputs is not None:
+        unknown = sorted(set(request.outputs) - {t.name for t in outputs})
+        if unknown:
+            known = ", ".join(t.name for t in outputs)
+            raise ProtocolError(f"output {unknown[0]!r}: no such output (the model's: {known})")
+        outputs = [t for t in outputs if t.name in request.outputs]
+    described, binary = [], []
+    for tensor in outputs:
+        entry: dict[str, Any] = {
+            "name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+        }  # fmt: skip
+        if request.binary(tensor.name):
+            raw = _to_binary(tensor)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            binary.append(raw)
+        elif tensor.datatype == "BYTES":
+            entry["data"] = [item.decode() for item in tensor.data]
+        else:
+            entry["data"] = tensor.data
+        described.append(entry)
+    header: dict[str, Any] = {"model_name": model, "outputs": described}
+    if version is not None:
+        header["model_version"] = str(version)
+    if request.id is not None:
+        header["id"] = request.id
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if not binary:
+        return text, None
+    return b"".join([text, *binary]), len(text)
+
+
+def _to_binary(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        return b"".join(struct.pack("<I", len(item)) + item for item in tensor.data)
+    return struct.pack(f"<{len(tensor.data)}{NUMERIC[tensor.datatype]}", *tensor.data)

@@ -1,0 +1,284 @@
+"""/v2: the Open Inference Protocol's REST routes (KServe v2, as Triton serves them).
+
+A Triton or KServe v2 client points at Ferry unchanged: health, server and
+model metadata, model readiness, and infer. An infer request's rows become
+Ferry jobs (durable, in a lane, with a deadline, batched with all other
+traffic); the answer comes when they have ended. The tensors' mapping is
+``api.oip``'s. Errors are the protocol's ``{"error": "..."}`` (written by
+``api.openai_errors.DialectErrorMiddleware`` from Ferry's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from api import oip, services
+from api.deps import KeyDep, RedisDep
+from api.errors import ApiError
+from api.reads import JobRead, succeeded_output, until_terminal
+from api.routes.system import readyz
+from api.schemas import JobCreate
+from api.submissions import GroupCommit, Submitted, prepare_request
+from core.catalog import ModelSpec
+from core.metrics import JOBS_ACCEPTED
+from core.settings import Settings
+from core.versions import version_states
+from scheduler.vocabulary import Lane
+
+
+class ProtocolErrorBody(BaseModel):
+    """The protocol's error: a message, nothing else."""
+
+    error: str
+
+
+_MEANINGS = {
+    400: "A request the protocol or the model refuses (which tensor, and why); for a model "
+    "ready request, the model is not ready.",
+    401: "Missing or wrong API key.",
+    404: "No such model.",
+    413: "Request body too large.",
+    429: "Over the key's rate or outstanding jobs (see Retry-After).",
+    500: "A row's job failed.",
+    503: "Redis or the database is unavailable (see Retry-After).",
+    504: "A row's job was still running when the wait ran out; it completes all the same.",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": ProtocolErrorBody, "description": _MEANINGS[s]} for s in statuses}
+
+
+_TENSOR = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string", "enum": sorted(oip.DATATYPES)},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "parameters": {"type": "object"},
+        "data": {"type": "array", "description": "Row-major, nested or flat."},
+    },
+}
+INFER_BODY = {
+    "required": True,
+    "description": "The request as JSON; with the binary tensor data extension, the JSON "
+    f"header ({oip.HEADER_LENGTH} bytes of it) followed by the tensors' bytes.",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["inputs"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "parameters": {
+                        "type": "object",
+                        "description": "priority (1 highest), timeout (µs), "
+                        "binary_data_output, async.",
+                    },
+                    "inputs": {"type": "array", "items": _TENSOR},
+                    "outputs": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {
+                                "name": {"type": "string"},
+                                "parameters": {"type": "object"},
+                            },
+                        },
+                    },
+                },
+            }
+        }
+    },
+}
+INFER_RESPONSES = {
+    200: {"description": "The outputs (JSON, or a JSON header and binary tensors)."},
+    202: {"description": "With parameters.async: the jobs, read and cancelled by /v1/jobs."},
+    **errors(400, 401, 404, 413, 429, 500, 503, 504),
+}
+router = APIRouter(prefix="/v2", tags=["inference protocol"])
+
+# The protocol's extensions this server implements (GET /v2 lists them).
+EXTENSIONS = ["binary_tensor_data", "async"]
+try:
+    VERSION = metadata.version("ferry")
+except metadata.PackageNotFoundError:  # run from a source tree not installed
+    VERSION = "0"
+VersionPath = Annotated[int, Path(ge=1, description="The model's version (its active one).")]
+
+
+@router.get("")
+def server_metadata() -> dict[str, Any]:
+    return {"name": "ferry", "version": VERSION, "extensions": EXTENSIONS}
+
+
+@router.get("/health/live")
+def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get(
+    "/health/ready",
+    responses={503: {"description": "Not ready: the database unreachable, or stopping."}},
+)
+def ready(request: Request, client: RedisDep) -> JSONResponse:
+    """Ready as /readyz says (the database reachable, the API not stopping)."""
+    answer = readyz(request, client)
+    retry = answer.headers.get("Retry-After")
+    return JSONResponse(
+        {"ready": answer.status_code == 200},
+        answer.status_code,
+        {"Retry-After": retry} if retry else None,
+    )
+
+
+@router.get("/models/{model}", responses=errors(400, 401, 404))
+def model_metadata(model: str, request: Request, _key: KeyDep) -> dict[str, Any]:
+    return _metadata(request, model, None)
+
+
+@router.get("/models/{model}/versions/{version}", responses=errors(400, 401, 404))
+def model_version_metadata(
+    model: str, version: VersionPath, request: Request, _key: KeyDep
+) -> dict[str, Any]:
+    return _metadata(request, model, version)
+
+
+@router.get("/models/{model}/ready", responses=errors(400, 401, 404))
+def model_ready(model: str, request: Request, client: RedisDep, _key: KeyDep) -> Response:
+    return _ready(request, client, model, None)
+
+
+@router.get("/models/{model}/versions/{version}/ready", responses=errors(400, 401, 404))
+def model_version_ready(
+    model: str, version: VersionPath, request: Request, client: RedisDep, _key: KeyDep
+) -> Response:
+    return _ready(request, client, model, version)
+
+
+@router.post(
+    "/models/{model}/infer",
+    responses=INFER_RESPONSES,
+    openapi_extra={"requestBody": INFER_BODY},
+)
+async def infer(model: str, request: Request, key: KeyDep) -> Response:
+    return await _infer(request, key, model, None)
+
+
+@router.post(
+    "/models/{model}/versions/{version}/infer",
+    responses=INFER_RESPONSES,
+    openapi_extra={"requestBody": INFER_BODY},
+)
+async def infer_version(
+    model: str, version: VersionPath, request: Request, key: KeyDep
+) -> Response:
+    return await _infer(request, key, model, version)
+
+
+def _spec(request: Request, model: str, version: int | None) -> tuple[ModelSpec, int]:
+    """The model and the version that would serve it; 404 for an unknown one."""
+    state = request.app.state
+    try:
+        spec, _ = services.resolve_model(state.catalog, model, version, state.versions)
+    except ApiError as exc:
+        if exc.message.startswith("model: unknown model"):
+            raise ApiError(404, "not_found", exc.message) from exc
+        raise
+    _, active = state.versions.of(spec)
+    return spec, active
+
+
+def _metadata(request: Request, model: str, version: int | None) -> dict[str, Any]:
+    spec, active = _spec(request, model, version)
+    known, _ = request.app.state.versions.of(spec)
+    try:
+        return oip.model_metadata(spec, known if version is None else [active])
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+
+
+def _ready(request: Request, client: Any, model: str, version: int | None) -> Response:
+    """200 when a live worker serves the model's active version; 400 (the protocol's 4xx
+    for false) otherwise, saying why."""
+    spec, active = _spec(request, model, version)
+    settings: Settings = request.app.state.settings
+    state = version_states(client, settings.key_prefix, spec.name).get(active)
+    if state is not None and state.state == "ready":
+        return JSONResponse({"name": spec.name, "ready": True})
+    why = "no live worker serves it" if state is None else state.state
+    return JSONResponse({"error": f"model {spec.name!r} version {active} is not ready: {why}"}, 400)
+
+
+async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
+    state = request.app.state
+    settings: Settings = state.settings
+    spec, active = _spec(request, model, version)
+    try:
+        parsed = oip.parse_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
+        rows = oip.rows(spec, parsed.inputs, settings.embeddings_max_inputs)
+        lane, deadline_ms = oip.lane_and_deadline(parsed.parameters)
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+    submissions = []
+    for index, row in enumerate(rows):
+        job = JobCreate(
+            model=spec.name,
+            version=version,
+            input=row,
+            priority=lane or Lane.NORMAL,
+            deadline_ms=deadline_ms,
+            metadata={"protocol": "v2", **({"request_id": parsed.id} if parsed.id else {})},
+        )
+        try:
+            submissions.append(prepare_request(request, key, job, None))
+        except ApiError as exc:
+            # The input's own check names "input"; say which row.
+            if exc.message.startswith("input"):
+                raise ApiError(exc.status, exc.type, f"row {index}: {exc.message}") from exc
+            raise
+    commit: GroupCommit = state.group_commit
+    submitted = list(await asyncio.gather(*(commit.submit(s) for s in submissions)))
+    for done in submitted:
+        JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
+    if parsed.parameters.get("async") is True:
+        return _accepted(spec, parsed, submitted)
+    finished = await asyncio.gather(
+        *(
+            until_terminal(state, JobRead(key.id, done.job.id), settings.max_wait_s)
+            for done in submitted
+        )
+    )
+    outputs = [succeeded_output(job, f"row {index}") for index, job in enumerate(finished)]
+    try:
+        body, header_length = oip.encode_response(
+            spec.name, active, parsed, oip.output_tensors(spec, outputs)
+        )
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+    if header_length is None:
+        return Response(body, 200, media_type="application/json")
+    return Response(
+        body,
+        200,
+        headers={oip.HEADER_LENGTH: str(header_length)},
+        media_type="application/octet-stream",
+    )
+
+
+def _accepted(spec: ModelSpec, parsed: oip.InferRequest, submitted: list[Submitted]) -> Response:
+    """The async extension's answer: the jobs, to be read (and cancelled) by the job API."""
+    jobs = [{"id": done.job.id, "location": f"/v1/jobs/{done.job.id}"} for done in submitted]
+    body: dict[str, Any] = {"model_name": spec.name, "jobs": jobs}
+    if parsed.id is not None:
+        body["id"] = parsed.id
+    headers = {"Location": jobs[0]["location"]} if len(jobs) == 1 else None
+    return JSONResponse(body, 202, headers)
