@@ -70,24 +70,32 @@ class SentinelRedis:
             raise
         return self
 
-    def _wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Until the replica copies the primary and every sentinel knows both and the others."""
+    def _wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the replica copies the primary and every sentinel knows both and the others.
+
+        A sentinel learns of the replica from the primary's INFO, every 10 s, and of the
+        other sentinels from their hellos, every 2 s: on a loaded machine that can take
+        tens of seconds, so only a hang reaches ``timeout_s``."""
         until = time.monotonic() + timeout_s
         replica = redis.Redis(port=self.ports["replica"], socket_timeout=1)
+        missing = "nothing asked yet"
         while True:
             try:
-                linked = replica.info("replication").get("master_link_status") == "up"
-                known = all(
-                    self._ask(port, "SENTINEL", "REPLICAS", self.service)
-                    and len(self._ask(port, "SENTINEL", "SENTINELS", self.service)) == 2
-                    for port in self.sentinel_ports
-                )
-                if linked and known:
-                    return
-            except redis.RedisError:
-                pass
+                if replica.info("replication").get("master_link_status") != "up":
+                    missing = "the replica's link to the primary"
+                else:
+                    missing = ""
+                    for port in self.sentinel_ports:
+                        if not self._ask(port, "SENTINEL", "REPLICAS", self.service):
+                            missing = f"the replica, as sentinel {port} knows it"
+                        elif len(self._ask(port, "SENTINEL", "SENTINELS", self.service)) != 2:
+                            missing = f"the other sentinels, as sentinel {port} knows them"
+                    if not missing:
+                        return
+            except redis.RedisError as exc:
+                missing = f"an answer ({type(exc).__name__}: {exc})"
             if time.monotonic() > until:
-                raise AssertionError("Redis with Sentinel did not come up")
+                raise AssertionError(f"Redis with Sentinel did not come up: no {missing}")
             time.sleep(0.2)
 
     def _ask(self, port: int, *command: str) -> list[object]:

@@ -203,19 +203,24 @@ def test_a_revoked_key_is_refused_within_the_key_cache_time(
         created = create_key(session, "soon revoked")
     auth = {"Authorization": f"Bearer {created.token}"}
     with served(settings, key_cache_s=1.0) as api:
+        # The key is cached while this request is answered: not before this moment.
+        cached_after = time.monotonic()
         assert httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
         with sessions() as session:  # revoked by another process: the database, directly
             revoke_key(session, created.id)
         revoked_at = time.monotonic()
         lookups_before = api.count("SELECT API_KEYS")
-        # Kept by this process for now (no lookup), then refused within the cache time.
+        # Kept by this process for now (no lookup), then refused once the cache time is over.
         assert httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
         while (status := httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code) == 200:
-            assert time.monotonic() - revoked_at < 1.5, "still accepted past FERRY_KEY_CACHE_S"
+            # Generous: only a key never looked up again gets there, however slow the machine.
+            assert time.monotonic() - revoked_at < 30, "still accepted past FERRY_KEY_CACHE_S"
             time.sleep(0.05)
+        refused_at = time.monotonic()
         assert status == 401
         assert api.count("SELECT API_KEYS") > lookups_before
-    assert time.monotonic() - revoked_at >= 0.9
+    # Not looked up on every request: refused only after the cached entry's second.
+    assert refused_at - cached_after >= 1.0
 
 
 def _finish(sessions: sessionmaker[Session], job_id: str) -> None:
