@@ -111,6 +111,10 @@ BENCHES = (
     Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1),
     Bench("generation", "bench.generation", (), ("--smoke",), 10),
     Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4),
+    Bench(
+        "oip", "bench.oip", (),
+        ("--clients", "4", "--warmup", "0.5", "--duration", "2", "--rounds", "1"), 2,
+    ),
     Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
 )  # fmt: skip
 

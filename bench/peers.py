@@ -143,8 +143,17 @@ class Measured:
 # --- the load: one closed-loop client, whatever the system ------------------------------
 
 
-def closed_loop(system: str, connect: Connect, texts: list[str], load: Load) -> Measured:
-    """``load.clients`` threads, each calling the system again as soon as it answered."""
+def closed_loop(
+    system: str,
+    connect: Connect,
+    texts: list[str],
+    load: Load,
+    window: Callable[[str], None] | None = None,
+) -> Measured:
+    """``load.clients`` threads, each calling the system again as soon as it answered.
+
+    ``window("begin")`` and ``window("end")`` are called as the measured window opens
+    and closes (to take what else is measured over the same span)."""
     stop = threading.Event()
     turn = itertools.count()
     taking = threading.Lock()
@@ -173,9 +182,13 @@ def closed_loop(system: str, connect: Connect, texts: list[str], load: Load) -> 
     for thread in threads:
         thread.start()
     time.sleep(load.warmup_s)
+    if window is not None:
+        window("begin")
     begin = time.perf_counter()
     time.sleep(load.duration_s)
     end = time.perf_counter()
+    if window is not None:
+        window("end")
     stop.set()
     until = time.monotonic() + JOIN_TIMEOUT_S
     for thread in threads:

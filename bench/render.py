@@ -1656,6 +1656,44 @@ def headline_backends(doc: Doc) -> list[str]:
     ]
 
 
+# --- the inference protocol (oip.json) ------------------------------------------------------
+
+OIP_WAYS = {
+    "wait": "`POST /v1/jobs?wait=` (JSON)",
+    "infer": "`POST /v2/models/minilm/infer` (binary tensors)",
+}
+
+
+def render_oip(results: Results) -> list[str]:
+    doc = results["oip"]
+    s = doc["settings"]
+    ms = number(1, " ms")
+    rows = []
+    for way, name in OIP_WAYS.items():
+        f = {k: Figure.summary(v) for k, v in doc["ways"][way].items()}
+        rows.append(
+            [name, f["per_s"].text(number(1), way == "infer")]
+            + [f[k].text(number(0, " ms")) for k in ("p50_ms", "p99_ms")]
+            + [f["api_cpu_ms_per_request"].text(ms)]
+        )
+    target = doc["target"]
+    rate = Figure.summary(doc["ratios"]["per_s"]).text(times(), True)
+    cpu = Figure.summary(doc["ratios"]["api_cpu"]).text(times())
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; minilm, "
+        f"{s['clients']} closed-loop clients, {s['duration_s']:g} s measured after "
+        f"{s['warmup_s']:g} s of warm-up, each way in each of "
+        f"{counted(s['rounds'], 'round', 'rounds')} (median, min–max):",
+        "",
+        *table(["way", "requests/s", "p50", "p99", "API CPU a request"], "lrrrr", rows),
+        "",
+        f"The protocol over the one round trip, round by round: requests/s {rate} (target "
+        f"≥ {target['per_s_at_least']:g}×: {verdict(target['per_s_met'])}), API CPU a "
+        f"request {cpu} (target ≤ {target['api_cpu_at_most']:g}×: "
+        f"{verdict(target['api_cpu_met'])}).",
+    ]
+
+
 # --- on a GPU (gpu.json) --------------------------------------------------------------------
 
 # The targets on an H200, per model: (share of raw at least, jobs/s at least, p99 ms at most).
@@ -1764,6 +1802,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "generation-profile": render_generation_profile,
     "generation_stack": render_generation_stack,
     "generation_gpu": render_generation_gpu,
+    "oip": render_oip,
     "gpu": render_gpu,
 }
 # The results files each region reads (what a document cites).

@@ -1,0 +1,176 @@
+"""The inference protocol's cost: ``POST /v2/models/minilm/infer`` against ``POST /v1/jobs?wait=``.
+
+One ``ferry up`` (minilm, SQLite, no Flower, the rate limit and the quota out
+of the way: ``bench/clients.py``'s settings) and ``--clients`` closed-loop
+client threads (``bench/peers.py``'s loop), each sending one text of the
+benchmark corpus a request and waiting for its embedding, two ways on the
+same stack:
+
+* **wait**: Ferry's one round trip, ``POST /v1/jobs?wait=30`` with the text in
+  JSON, the job resource (and its 384 numbers) back in JSON;
+* **infer**: the protocol's, as ``tritonclient`` sends it by default: the text
+  as one ``BYTES`` row in the binary tensor data extension, the ``FP32``
+  embedding back in binary.
+
+``--rounds`` rounds, each running both ways (``--warmup`` s, then
+``--duration`` s measured), in an order that alternates round by round. Per
+round and way: requests/s answered in the measured window, p50 and p99, and
+the API processes' CPU per request over the window (from /proc,
+``bench/api.py``'s accounting); per round, infer over wait for both. The
+figures are the median of the rounds and their range. Target: the protocol
+costs no more than 10 % more: a rate of at least 0.9 times and API CPU of at
+most 1.1 times the one round trip's.
+
+    python -m bench.oip [--clients 32] [--warmup 3] [--duration 10] [--rounds 5]
+                        [--threads 1] [--out bench/results/oip.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench import results
+from bench.api import cpu_delta
+from bench.clients import MODEL, ferry_settings, started_ferry
+from bench.corpus import load_corpus
+from bench.peers import DIMENSIONS, Call, Load, closed_loop, ferry_call, http_connect
+
+WAYS = ("wait", "infer")
+HEADER_LENGTH = "Inference-Header-Content-Length"
+TARGET_RATE = 0.9  # infer's requests/s over wait's, at least
+TARGET_CPU = 1.1  # infer's API CPU per request over wait's, at most
+
+
+def infer_call(token: str) -> Callable[[Any], Call]:
+    """A client's call through the protocol: one BYTES row in, the FP32 embedding out."""
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def make(client: Any) -> Call:
+        def call(text: str) -> int | None:
+            data = text.encode()
+            tensor = {
+                "name": "text", "datatype": "BYTES", "shape": [1, 1],
+                "parameters": {"binary_data_size": 4 + len(data)},
+            }  # fmt: skip
+            header = json.dumps(
+                {"inputs": [tensor], "parameters": {"binary_data_output": True}}
+            ).encode()
+            response = client.post(
+                f"/v2/models/{MODEL}/infer",
+                content=header + struct.pack("<I", len(data)) + data,
+                headers={**headers, HEADER_LENGTH: str(len(header))},
+            )
+            if response.status_code != 200:
+                raise RuntimeError(f"{response.status_code} {response.text[:200]}")
+            length = int(response.headers[HEADER_LENGTH])
+            if len(response.content) - length != 4 * DIMENSIONS:
+                raise ValueError(f"not a {DIMENSIONS}-number embedding")
+            return None  # the protocol's answer does not say the batch
+
+        return call
+
+    return make
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--wait", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/oip.json"))
+    args = parser.parse_args(argv)
+    head = results.provenance("oip", argv)
+    load = Load(args.clients, args.warmup, args.duration)
+    texts = load_corpus().texts[:1000]
+    settings = {"clients": args.clients, "warmup_s": args.warmup, "duration_s": args.duration,
+                "rounds": args.rounds, "threads": args.threads, "texts": len(texts)}  # fmt: skip
+    rounds: list[dict[str, Any]] = []
+    first = {"model": MODEL, "input": texts[0]}
+    with started_ferry(ferry_settings(args.threads, {}), first, "ferry-bench-oip-") as up:
+        print(f"Ferry up after {up.startup_s:.0f} s, {up.stack.base}", flush=True)
+        makers = {
+            "wait": ferry_call(up.stack.token, args.wait, one_trip=True),
+            "infer": infer_call(up.stack.token),
+        }
+        for number in range(args.rounds):
+            order = list(WAYS if number % 2 == 0 else reversed(WAYS))
+            found: dict[str, Any] = {"round": number + 1, "order": order}
+            for way in order:
+                snapshots: dict[str, Any] = {}
+
+                def window(moment: str, into: dict[str, Any] = snapshots) -> None:
+                    into[moment] = up.watched.snapshot()
+
+                connect = http_connect(makers[way], args.wait + 30, up.stack.base)
+                measured = closed_loop(way, connect, texts, load, window)
+                spent = cpu_delta(snapshots["begin"], snapshots["end"]).ms
+                figures = asdict(measured)
+                figures["api_cpu_ms_per_request"] = (
+                    round(spent["api"] / measured.requests, 3) if measured.requests else None
+                )
+                found[way] = figures
+                print(f"  round {number + 1}, {way:5}: {measured.per_s:7.1f}/s  p50 "
+                      f"{measured.p50_ms} ms  p99 {measured.p99_ms} ms  API CPU "
+                      f"{figures['api_cpu_ms_per_request']} ms a request"
+                      + (f"  !! {measured.errors} errors" if measured.errors else ""),
+                      flush=True)  # fmt: skip
+            wait, infer = found["wait"], found["infer"]
+            found["ratios"] = {
+                "per_s": round(infer["per_s"] / wait["per_s"], 3) if wait["per_s"] else None,
+                "api_cpu": (
+                    round(infer["api_cpu_ms_per_request"] / wait["api_cpu_ms_per_request"], 3)
+                    if infer["api_cpu_ms_per_request"] and wait["api_cpu_ms_per_request"]
+                    else None
+                ),
+            }
+            rounds.append(found)
+            results.write(args.out, summary(rounds), settings=settings, head=head)
+    report = summary(rounds)
+    print(f"infer over wait: requests/s {report['ratios']['per_s']}, API CPU per request "
+          f"{report['ratios']['api_cpu']}; target met: {report['target']['met']}")  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    def over(way: str, key: str) -> dict[str, float]:
+        values = [r[way][key] for r in rounds if r[way].get(key) is not None]
+        return results.spread([float(v) for v in values])
+
+    def ratios(key: str) -> dict[str, float]:
+        return results.spread([float(r["ratios"][key]) for r in rounds if r["ratios"][key]])
+
+    found = {key: ratios(key) for key in ("per_s", "api_cpu")}
+    rate_met = all(r["ratios"]["per_s"] and r["ratios"]["per_s"] >= TARGET_RATE for r in rounds)
+    cpu_met = all(r["ratios"]["api_cpu"] and r["ratios"]["api_cpu"] <= TARGET_CPU for r in rounds)
+    return {
+        "rounds": rounds,
+        "ways": {
+            way: {
+                key: over(way, key)
+                for key in ("per_s", "p50_ms", "p99_ms", "api_cpu_ms_per_request", "errors")
+            }
+            for way in WAYS
+        },
+        "ratios": found,
+        "target": {
+            "per_s_at_least": TARGET_RATE,
+            "api_cpu_at_most": TARGET_CPU,
+            "per_s_met": rate_met,
+            "api_cpu_met": cpu_met,
+            "met": rate_met and cpu_met,
+        },
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
