@@ -248,7 +248,8 @@ class Settings(BaseSettings):
     max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
     """Per key: backfill lines not finished yet; an upload past it is refused whole (429)."""
     embeddings_max_inputs: int = Field(2048, ge=1, le=100_000)
-    """Texts in one `POST /v1/embeddings` request (OpenAI's limit is 2,048); each is a job."""
+    """Texts in one `POST /v1/embeddings` request (OpenAI's limit is 2,048), and rows in one
+    inference protocol infer request (`/v2`); each is a job."""
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Origins a browser may call the API from, comma-separated or a JSON list
     (`https://a.example.com,https://b.example.com`). Empty: no CORS headers at all (other
