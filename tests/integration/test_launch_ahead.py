@@ -7,6 +7,7 @@ real loop against real Redis and a real database.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -53,7 +54,10 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     on_device: list[tuple[float, float]] = []  # each batch's time on the device
     events: list[tuple[str, int]] = []  # ("launch" | "collect", the batch's number)
     prepare, launch, collect = runtime.prepare, runtime.launch, runtime.collect
-    numbers: dict[int, int] = {}  # id() of a launched batch: its number
+    # id() of a launched batch: its number. An id is reused once its batch is freed,
+    # so the numbers come from a counter, not from how many ids were seen.
+    numbers: dict[int, int] = {}
+    counter = itertools.count()
 
     def timed_prepare(inputs: list[Any]) -> Any:
         with lock:
@@ -64,7 +68,7 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
         launched = launch(batch)
         with lock:
             on_device.append((launched.ready_at - launched.device_s, launched.ready_at))
-            numbers[id(launched)] = len(numbers)
+            numbers[id(launched)] = next(counter)
             events.append(("launch", numbers[id(launched)]))
         return launched
 
