@@ -75,9 +75,9 @@ async def complete(
 def _check_model(state: Any, model: str) -> None:
     try:
         spec, _ = services.resolve_model(state.catalog, model, None, state.versions)
+    except services.UnknownModel as exc:
+        raise ApiError(404, "model_not_found", exc.message, param="model") from exc
     except ApiError as exc:
-        if exc.message.startswith("model: unknown model"):
-            raise ApiError(404, "model_not_found", exc.message, param="model") from exc
         raise ApiError(exc.status, exc.type, exc.message, param="model") from exc
     if not services.is_generation(state.catalog, spec.name):
         kind = getattr(spec.input, "kind", "other")

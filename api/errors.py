@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -72,6 +73,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
     for error in errors:
         if error.get("type") == "json_invalid":
             return 400, "invalid_json", f"request body is not valid JSON: {error.get('msg', '')}"
+    return 422, "invalid_request", validation_text(errors)
+
+
+def validation_text(errors: Sequence[Any]) -> str:
+    """Pydantic's errors as Ferry says them: "field: why", the first five, ``;``-joined."""
     parts = []
     for error in errors[:5]:
         # Pydantic prefixes a validator's own message with "Value error, ".
@@ -81,7 +87,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
         elif error.get("type") == "extra_forbidden":
             message = "is not a known field"
         parts.append(f"{_location(error.get('loc', ()))}: {message}")
-    return 422, "invalid_request", "; ".join(parts) or "invalid request"
+    return "; ".join(parts) or "invalid request"
 
 
 def _unavailable(request: Request, what: str, exc: BaseException) -> JSONResponse:

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.catalog import ModelSpec
+from api.schemas import MAX_DEADLINE_MS
+from core.catalog import ModelSpec, text_problem
 from core.embeddings import as_vector
 from scheduler.vocabulary import Lane
 
@@ -161,6 +162,8 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError("id must be a string")
+    if request_id is not None and (problem := text_problem(request_id)):
+        raise ProtocolError(f"id must not contain {problem}")
     parameters = _parameters(header.get("parameters"), "parameters")
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -382,6 +385,10 @@ def lane_and_deadline(parameters: dict[str, Any]) -> tuple[Lane | None, int | No
         return lane, None
     if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
         raise ProtocolError("parameters.timeout must be a positive integer (microseconds)")
+    if timeout > MAX_DEADLINE_MS * 1000:
+        raise ProtocolError(
+            f"parameters.timeout: at most {MAX_DEADLINE_MS * 1000} µs (Ferry's longest deadline)"
+        )
     return lane, max(1, math.ceil(timeout / 1000))
 
 
@@ -401,15 +408,23 @@ def output_tensors(spec: ModelSpec, outputs: list[Any]) -> list[Tensor]:
     return [Tensor(declared.name, "BYTES", (len(outputs),), encoded)]
 
 
+def check_outputs(spec: ModelSpec, request: InferRequest) -> None:
+    """ProtocolError for an output asked for that the model does not have."""
+    if request.outputs is None:
+        return
+    known = [t.name for t in model_outputs(spec)]
+    unknown = sorted(set(request.outputs) - set(known))
+    if unknown:
+        names = ", ".join(known)
+        raise ProtocolError(f"output {unknown[0]!r}: no such output (the model's: {names})")
+
+
 def encode_response(
     model: str, version: int | None, request: InferRequest, outputs: list[Tensor]
 ) -> tuple[bytes, int | None]:
-    """The response body, and its JSON header's length when binary tensors follow it."""
+    """The response body, and its JSON header's length when binary tensors follow it.
+    Only the outputs asked for (all when none are named; :func:`check_outputs` first)."""
     if request.outputs is not None:
-        unknown = sorted(set(request.outputs) - {t.name for t in outputs})
-        if unknown:
-            known = ", ".join(t.name for t in outputs)
-            raise ProtocolError(f"output {unknown[0]!r}: no such output (the model's: {known})")
         outputs = [t for t in outputs if t.name in request.outputs]
     described, binary = [], []
     for tensor in outputs:

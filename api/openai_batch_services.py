@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api import backfill_services
 from api.errors import ApiError
-from api.services import resolve_model
+from api.services import UnknownModel, resolve_model
 from backends.catalog import LiveVersions
 from core import backfills, openai_batches
 from core.catalog import ModelSpec
@@ -363,7 +363,7 @@ def _batch_model(
     try:
         spec, version = resolve_model(catalog, model, None, versions)
     except ApiError as exc:
-        code = "model_not_found" if "unknown model" in exc.message else "invalid_request"
+        code = "model_not_found" if isinstance(exc, UnknownModel) else "invalid_request"
         raise backfills.LineError(line, f"body.{exc.message}", code=code) from None
     if version is not None:
         raise backfills.LineError(

@@ -51,6 +51,11 @@ Kick = Callable[[Sequence[str]], None]
 log = logging.getLogger(__name__)
 
 
+class UnknownModel(ApiError):
+    """No model of that name: a 422 on Ferry's own routes; the OpenAI and inference protocol
+    routes answer it with their 404."""
+
+
 def resolve_model(
     catalog: dict[str, ModelSpec],
     model: str,
@@ -77,7 +82,8 @@ def resolve_model(
     spec = catalog.get(name)
     if spec is None:
         known = ", ".join(sorted(catalog))
-        raise ApiError(422, "invalid_request", f"model: unknown model {name!r} (known: {known})")
+        message = f"model: unknown model {name!r} (known: {known})"
+        raise UnknownModel(422, "invalid_request", message)
     if version is None:
         return spec, None
     numbers, active = live.of(spec) if live is not None else (spec.versions, spec.active_version)

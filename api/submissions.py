@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 from sqlalchemy import Table, delete, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.errors import ApiError
+from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
@@ -117,6 +118,16 @@ def prepare(
         received_at=utcnow(),
         trace_context=trace_context,
     )
+
+
+def job_create(**fields: Any) -> JobCreate:
+    """A job a route builds from another API's request (OpenAI's, the inference protocol's):
+    what its schema refuses (a NUL in a text, a deadline past the longest) is a 422 naming
+    the field, as for a body sent to POST /v1/jobs, never a 500."""
+    try:
+        return JobCreate(**fields)
+    except ValidationError as exc:
+        raise ApiError(422, "invalid_request", validation_text(exc.errors())) from None
 
 
 def prepare_request(

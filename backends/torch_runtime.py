@@ -242,7 +242,7 @@ class TorchRuntime:
         # its traceback holds the forward's frames, and they the activations
         # computed before memory ran out. Kept, the cache could not give them
         # back, and the smaller batches retried next would find no room.
-        on_device = []
+        on_device, result = [], None
         self._stream.synchronize()  # copies already queued may still read the buffers
         self._spare.append(stager)  # once the stream is done with them, they serve the next batch
         self._memory.out_of_memory()

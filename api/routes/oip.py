@@ -23,8 +23,7 @@ from api.deps import KeyDep, RedisDep
 from api.errors import ApiError
 from api.reads import JobRead, succeeded_output, until_terminal
 from api.routes.system import readyz
-from api.schemas import JobCreate
-from api.submissions import GroupCommit, Submitted, prepare_request
+from api.submissions import GroupCommit, Submitted, job_create, prepare_request
 from core.catalog import ModelSpec
 from core.metrics import JOBS_ACCEPTED
 from core.settings import Settings
@@ -184,22 +183,21 @@ async def infer_version(
     return await _infer(request, key, model, version)
 
 
-def _spec(request: Request, model: str, version: int | None) -> tuple[ModelSpec, int]:
-    """The model and the version that would serve it; 404 for an unknown one."""
+def _spec(
+    request: Request, model: str, version: int | None
+) -> tuple[ModelSpec, tuple[int, ...], int]:
+    """The model, its versions and the one that would serve it; 404 for an unknown model."""
     state = request.app.state
     try:
         spec, _ = services.resolve_model(state.catalog, model, version, state.versions)
-    except ApiError as exc:
-        if exc.message.startswith("model: unknown model"):
-            raise ApiError(404, "not_found", exc.message) from exc
-        raise
-    _, active = state.versions.of(spec)
-    return spec, active
+    except services.UnknownModel as exc:
+        raise ApiError(404, "not_found", exc.message) from exc
+    known, active = state.versions.of(spec)
+    return spec, known, active
 
 
 def _metadata(request: Request, model: str, version: int | None) -> dict[str, Any]:
-    spec, active = _spec(request, model, version)
-    known, _ = request.app.state.versions.of(spec)
+    spec, known, active = _spec(request, model, version)
     try:
         return oip.model_metadata(spec, known if version is None else [active])
     except oip.ProtocolError as exc:
@@ -209,7 +207,7 @@ def _metadata(request: Request, model: str, version: int | None) -> dict[str, An
 def _ready(request: Request, client: Any, model: str, version: int | None) -> Response:
     """200 when a live worker serves the model's active version; 400 (the protocol's 4xx
     for false) otherwise, saying why."""
-    spec, active = _spec(request, model, version)
+    spec, _, active = _spec(request, model, version)
     settings: Settings = request.app.state.settings
     state = version_states(client, settings.key_prefix, spec.name).get(active)
     if state is not None and state.state == "ready":
@@ -221,24 +219,25 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
 async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
     state = request.app.state
     settings: Settings = state.settings
-    spec, active = _spec(request, model, version)
+    spec, _, active = _spec(request, model, version)
     try:
         parsed = oip.parse_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
+        oip.check_outputs(spec, parsed)  # before any job is made, not after they ran
         rows = oip.rows(spec, parsed.inputs, settings.embeddings_max_inputs)
         lane, deadline_ms = oip.lane_and_deadline(parsed.parameters)
     except oip.ProtocolError as exc:
         raise ApiError(exc.status, "invalid_request", exc.message) from exc
     submissions = []
     for index, row in enumerate(rows):
-        job = JobCreate(
-            model=spec.name,
-            version=version,
-            input=row,
-            priority=lane or Lane.NORMAL,
-            deadline_ms=deadline_ms,
-            metadata={"protocol": "v2", **({"request_id": parsed.id} if parsed.id else {})},
-        )
         try:
+            job = job_create(
+                model=spec.name,
+                version=version,
+                input=row,
+                priority=lane or Lane.NORMAL,
+                deadline_ms=deadline_ms,
+                metadata={"protocol": "v2", **({"request_id": parsed.id} if parsed.id else {})},
+            )
             submissions.append(prepare_request(request, key, job, None))
         except ApiError as exc:
             # The input's own check names "input"; say which row.

@@ -29,8 +29,8 @@ from api.generation_schemas import (
     TextCompletion,
 )
 from api.reads import JobRead, succeeded_output, until_terminal
-from api.schemas import JobCreate, JobResource
-from api.submissions import GroupCommit, Submission, prepare_request
+from api.schemas import JobResource
+from api.submissions import GroupCommit, Submission, job_create, prepare_request
 from core.db import ApiKey
 from core.embeddings import as_vector, cut, dimensions_problem, encoded
 from core.metrics import JOBS_ACCEPTED
@@ -123,10 +123,8 @@ async def create_embeddings(
         )
     try:
         spec, _ = services.resolve_model(state.catalog, body.model, None, state.versions)
-    except ApiError as exc:
-        if exc.message.startswith("model: unknown model"):
-            raise ApiError(404, "model_not_found", exc.message) from exc
-        raise
+    except services.UnknownModel as exc:
+        raise ApiError(404, "model_not_found", exc.message) from exc
     embeddings = spec.embeddings
     if embeddings is None:
         raise ApiError(422, "invalid_request", f"model: {spec.name!r} does not produce embeddings")
@@ -164,13 +162,13 @@ async def create_embeddings(
 def _submission(
     request: Request, key: ApiKey, body: EmbeddingsRequest, text: str, index: int, lane: Lane
 ) -> Submission:
-    job = JobCreate(
-        model=body.model,
-        input=text,
-        priority=lane,
-        metadata={"openai": "embeddings", **({"user": body.user} if body.user else {})},
-    )
     try:
+        job = job_create(
+            model=body.model,
+            input=text,
+            priority=lane,
+            metadata={"openai": "embeddings", **({"user": body.user} if body.user else {})},
+        )
         return prepare_request(request, key, job, None)
     except ApiError as exc:
         # The input's own check names "input"; OpenAI's clients want which one.

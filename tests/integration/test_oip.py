@@ -287,3 +287,27 @@ def test_an_image_model_takes_the_files_bytes_in_binary(
             if found["class"] in scores:
                 assert found["score"] == pytest.approx(scores[found["class"]], abs=1e-4)
     assert answers[0]["top5"] != answers[1]["top5"]
+
+
+def test_values_ferry_cannot_keep_are_400s_and_make_no_job(
+    api: Served, headers: dict[str, str], sessions: sessionmaker[Session]
+) -> None:
+    def one(document: str = '{"cost": 1}', **extra: object) -> dict[str, object]:
+        tensor = {"name": "input", "datatype": "BYTES", "shape": [1], "data": [document]}
+        return {"inputs": [tensor], **extra}
+
+    with sessions() as session:
+        before = len(session.scalars(select(Job.id)).all())
+    with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
+        for body, said in (
+            (one(id="a\u0000b"), "id must not contain NUL characters"),
+            (one(parameters={"timeout": 10**15}), "parameters.timeout: at most"),
+            (one('"a\\u0000b"'), "row 0: input: must not contain NUL characters"),
+            # Refused before its job is made, not once the job has run.
+            (one(outputs=[{"name": "logits"}]), "output 'logits': no such output"),
+        ):
+            answer = http.post("/v2/models/sim/infer", json=body)
+            assert answer.status_code == 400, answer.text
+            assert said in answer.json()["error"]
+    with sessions() as session:
+        assert len(session.scalars(select(Job.id)).all()) == before

@@ -113,6 +113,9 @@ def test_a_model_that_is_not_there_or_gives_no_vectors(client: openai.OpenAI) ->
     with pytest.raises(openai.BadRequestError) as shorter:
         client.embeddings.create(model="minilm", input="x", dimensions=64)
     assert shorter.value.param == "dimensions"
+    with pytest.raises(openai.BadRequestError) as nul:  # a 400, not a 500
+        client.embeddings.create(model="minilm", input=["fine", "a\u0000b"])
+    assert nul.value.param == "input[1]" and "NUL" in nul.value.message
 
 
 def test_a_missing_or_wrong_key_is_refused(api: Served) -> None:

@@ -217,4 +217,14 @@ def test_other_outputs_are_json_text_and_only_the_outputs_asked_for_come_back() 
     assert length is not None and raw[length:] == as_bytes(b'{"a":1}', b'[2,"b"]')
     unknown = oip.InferRequest(None, {}, [], {"logits": False})
     with pytest.raises(oip.ProtocolError, match="output 'logits': no such output"):
-        oip.encode_response("sim", 1, unknown, tensors)
+        oip.check_outputs(spec_of("sim"), unknown)
+    oip.check_outputs(spec_of("sim"), wanted)  # one it has: nothing to say
+
+
+def test_an_id_or_timeout_ferry_cannot_keep_is_refused_by_the_parser() -> None:
+    tensor = {"name": "t", "datatype": "FP32", "shape": [1], "data": [1]}
+    assert refused(*body({"id": "a\u0000b", "inputs": [tensor]})) == (
+        "id must not contain NUL characters"
+    )
+    with pytest.raises(oip.ProtocolError, match=r"parameters\.timeout: at most"):
+        oip.lane_and_deadline({"timeout": 10**15})
