@@ -7,9 +7,11 @@ and the rows' outputs are stacked back into tensors:
 
 - a ``text`` model takes one ``BYTES`` tensor ``text`` of shape ``[N]`` or
   ``[N, 1]`` (UTF-8 strings); an ``image`` model one ``BYTES`` tensor
-  ``image`` (the encoded files); a ``json`` model one ``BYTES`` tensor
-  ``input`` (a JSON document an element); a ``tensor`` model its declared
-  tensors, with the batch dimension in front of each declared shape;
+  ``image`` (the encoded files), or a ``UINT8`` one of shape ``[N, L]`` (each
+  row a file of ``L`` bytes, as Triton's image pipelines send them); a
+  ``json`` model one ``BYTES`` tensor ``input`` (a JSON document an
+  element); a ``tensor`` model its declared tensors, with the batch dimension
+  in front of each declared shape;
 - a model that makes embeddings answers one ``FP32`` tensor ``embedding`` of
   shape ``[N, dimensions]``; any other answers ``BYTES`` ``output``, each
   element the job's output as JSON text.
@@ -51,6 +53,9 @@ FROM_DTYPE = {
     "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
     "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
 }  # fmt: skip
+# The largest finite value of the narrower float datatypes: a JSON number past it would
+# become infinite on the way to the model.
+FLOAT_MAX = {"FP16": 65504.0, "FP32": 3.4028234663852886e38}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Triton's priority parameter: 1 is the highest, 0 the model's default.
 LANES_BY_PRIORITY = {1: Lane.URGENT, 2: Lane.VIP, 3: Lane.NORMAL}
@@ -262,11 +267,25 @@ def _element(item: Any, datatype: str, where: str) -> Any:
         return item
     if isinstance(item, bool) or not isinstance(item, int | float):
         raise ProtocolError(f"{where}: {datatype} elements must be numbers")
-    if datatype.startswith(("INT", "UINT")) and not isinstance(item, int):
-        raise ProtocolError(f"{where}: {datatype} elements must be integers")
+    if datatype.startswith(("INT", "UINT")):
+        if not isinstance(item, int):
+            raise ProtocolError(f"{where}: {datatype} elements must be integers")
+        low, high = _integer_range(datatype)
+        if not low <= item <= high:
+            raise ProtocolError(f"{where}: {item} is outside {datatype}'s range ({low} to {high})")
+        return item
     if isinstance(item, float) and not math.isfinite(item):
         raise ProtocolError(f"{where}: elements must be finite")
+    if abs(item) > FLOAT_MAX.get(datatype, math.inf):
+        raise ProtocolError(f"{where}: {item} is beyond {datatype}'s range")
     return item
+
+
+def _integer_range(datatype: str) -> tuple[int, int]:
+    bits = 8 * struct.calcsize(NUMERIC[datatype])
+    if datatype.startswith("U"):
+        return 0, 2**bits - 1
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
 def _from_binary(raw: bytes, datatype: str, count: int, where: str) -> list[Any]:
@@ -308,12 +327,22 @@ def rows(spec: ModelSpec, inputs: list[Tensor], max_rows: int) -> list[Any]:
     for name in declared:
         if name not in given:
             raise ProtocolError(f"input {name!r} is missing")
+    kind = spec.input.kind
     counts = set()
     for name, tensor in given.items():
         want = declared[name]
+        if kind == "image" and tensor.datatype == "UINT8":
+            if len(tensor.shape) != 2:
+                raise ProtocolError(
+                    f"input {name!r}: shape {list(tensor.shape)}; a UINT8 image tensor is "
+                    "[N, L], each row a file of L bytes"
+                )
+            counts.add(tensor.shape[0])
+            continue
         if tensor.datatype != want.datatype:
+            also = " (or UINT8 [N, L])" if kind == "image" else ""
             raise ProtocolError(
-                f"input {name!r}: datatype {tensor.datatype}, the model takes {want.datatype}"
+                f"input {name!r}: datatype {tensor.datatype}, the model takes {want.datatype}{also}"
             )
         per_row = want.shape[1:]
         got = tensor.shape[1:]
@@ -331,10 +360,9 @@ def rows(spec: ModelSpec, inputs: list[Tensor], max_rows: int) -> list[Any]:
         raise ProtocolError("inputs: the batch dimension is 0: there is nothing to run")
     if count > max_rows:
         raise ProtocolError(f"inputs: {count} rows; at most {max_rows} in one request")
-    kind = spec.input.kind
     if kind in TENSOR_NAMES:
         (tensor,) = given.values()
-        return [_job_input(kind, element, index) for index, element in enumerate(tensor.data)]
+        return [_job_input(kind, element, index) for index, element in enumerate(_elements(tensor))]
     per_tensor = {
         name: _split(given[name].data, count, declared[name].shape[1:]) for name in declared
     }
@@ -342,6 +370,15 @@ def rows(spec: ModelSpec, inputs: list[Tensor], max_rows: int) -> list[Any]:
         (only,) = per_tensor.values()
         return only
     return [{name: per_tensor[name][i] for name in declared} for i in range(count)]
+
+
+def _elements(tensor: Tensor) -> list[bytes]:
+    """A one-tensor input's elements: BYTES as they are, a UINT8 [N, L] tensor's rows as
+    bytes (Triton's image pipelines send each file so)."""
+    if tensor.datatype != "UINT8":
+        return list(tensor.data)
+    width = tensor.shape[1]
+    return [bytes(tensor.data[i * width : (i + 1) * width]) for i in range(tensor.shape[0])]
 
 
 def _job_input(kind: str, element: bytes, index: int) -> Any:

@@ -261,6 +261,10 @@ def test_an_image_model_takes_the_files_bytes_in_binary(
         wait_ready(client, "resnet50", headers)
         # (tritonclient adds its own headers to the dict it is given: a copy.)
         result = client.infer("resnet50", [tensor], headers=dict(headers))
+        # The first file again as a UINT8 row, as Triton's image pipelines send a file.
+        as_uint8 = triton.InferInput("image", [1, len(images[0])], "UINT8")
+        as_uint8.set_data_from_numpy(np.frombuffer(images[0], dtype=np.uint8).reshape(1, -1))
+        again = client.infer("resnet50", [as_uint8], headers=dict(headers))
         # The same files as Ferry's own jobs (base64 in JSON): the same answers.
         with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
             direct = [
@@ -276,7 +280,7 @@ def test_an_image_model_takes_the_files_bytes_in_binary(
         jobs = session.scalars(select(Job).where(Job.model == "resnet50")).all()
     via_protocol = [job for job in jobs if (job.metadata_ or {}).get("protocol") == "v2"]
     encoded = [base64.b64encode(image).decode() for image in images]
-    assert sorted(job.input for job in via_protocol) == sorted(encoded)
+    assert sorted(job.input for job in via_protocol) == sorted([*encoded, encoded[0]])
     # The same answers, up to the float noise of running in batches of other sizes.
     answers = [json.loads(item) for item in result.as_numpy("output")]
     assert [job["status"] for job in direct] == ["succeeded", "succeeded"]
@@ -287,6 +291,10 @@ def test_an_image_model_takes_the_files_bytes_in_binary(
             if found["class"] in scores:
                 assert found["score"] == pytest.approx(scores[found["class"]], abs=1e-4)
     assert answers[0]["top5"] != answers[1]["top5"]
+    (uint8_answer,) = [json.loads(item) for item in again.as_numpy("output")]
+    assert [c["class"] for c in uint8_answer["top5"][:3]] == [
+        c["class"] for c in answers[0]["top5"][:3]
+    ]
 
 
 def test_values_ferry_cannot_keep_are_400s_and_make_no_job(

@@ -137,6 +137,50 @@ def test_json_and_image_models_get_their_own_input_forms() -> None:
     assert oip.rows(spec_of("resnet50"), [image], 10) == ["/9j/4A=="]  # base64, as jobs take
 
 
+def test_an_image_model_also_takes_each_file_as_a_uint8_row() -> None:
+    resnet50 = spec_of("resnet50")
+    files = oip.Tensor("image", "UINT8", (2, 4), [*b"\xff\xd8\xff\xe0", *b"\x89PNG"])
+    assert oip.rows(resnet50, [files], 10) == ["/9j/4A==", "iVBORw=="]
+    # From JSON too: the numbers are the bytes.
+    header = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": [1, 3],
+                          "data": [[255, 216, 255]]}]}  # fmt: skip
+    parsed = oip.parse_request(*body(header))
+    assert oip.rows(resnet50, parsed.inputs, 10) == ["/9j/"]
+    flat = oip.Tensor("image", "UINT8", (4,), list(b"\xff\xd8\xff\xe0"))
+    with pytest.raises(oip.ProtocolError, match=r"a UINT8 image tensor is \[N, L\]"):
+        oip.rows(resnet50, [flat], 10)
+    floats = oip.Tensor("image", "FP32", (1, 1), [1.0])
+    with pytest.raises(oip.ProtocolError, match=r"takes BYTES \(or UINT8 \[N, L\]\)"):
+        oip.rows(resnet50, [floats], 10)
+    # Only an image model takes bytes as UINT8.
+    text = oip.Tensor("text", "UINT8", (1, 2), [104, 105])
+    with pytest.raises(oip.ProtocolError, match=r"datatype UINT8, the model takes BYTES$"):
+        oip.rows(spec_of("minilm"), [text], 10)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "value", "message"),
+    [
+        ("UINT8", 256, "256 is outside UINT8's range (0 to 255)"),
+        ("UINT8", -1, "-1 is outside UINT8's range (0 to 255)"),
+        ("INT8", -129, "-129 is outside INT8's range (-128 to 127)"),
+        ("INT64", 2**63, f"{2**63} is outside INT64's range"),
+        ("UINT64", 2**64, f"{2**64} is outside UINT64's range"),
+        ("FP16", 70000, "70000 is beyond FP16's range"),
+        ("FP32", 1e39, "1e+39 is beyond FP32's range"),
+    ],
+)
+def test_a_json_number_its_datatype_cannot_hold_is_refused(
+    datatype: str, value: float, message: str
+) -> None:
+    tensor = {"name": "t", "datatype": datatype, "shape": [1], "data": [value]}
+    assert refused(*body({"inputs": [tensor]})).startswith(f"input 't': {message}")
+    edge = {"UINT8": 255, "INT8": -128, "INT64": 2**63 - 1, "UINT64": 2**64 - 1,
+            "FP16": 65504, "FP32": 3.4e38}[datatype]  # fmt: skip
+    fits = oip.parse_request(*body({"inputs": [{**tensor, "data": [edge]}]}))
+    assert fits.inputs[0].data == [edge]
+
+
 def test_a_tensor_model_gets_each_row_nested_in_its_declared_shape() -> None:
     one = tensor_model(TensorSpec("x", (2, 2), "float32"))
     flat = oip.Tensor("x", "FP32", (2, 2, 2), [1, 2, 3, 4, 5, 6, 7, 8])
