@@ -5,26 +5,25 @@ is prepared (tokenised, decoded, staged) and launched while batch N
 computes: :meth:`DevicePipeline.launch` lands the batch before it once the
 new one is prepared. A batch that raises while it is prepared, launched or
 computed is run again input by input (:func:`~workers.gpu.execute.run_isolating`),
-so only the inputs at fault fail. What the pipeline lands goes to
-``on_landed``, which learns from it and hands it over to be recorded.
+so only the inputs at fault fail. What the pipeline lands waits in its
+output (:meth:`DevicePipeline.take_landed`) for the loop, the one place that
+reports to the scheduler: the pipeline never calls back into the loop, and
+what a batch taught (an out-of-memory) travels in its :class:`Computed`.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.base import Launched, Runtime
-from scheduler import BatchDecision, Batcher
+from scheduler import BatchDecision
 from scheduler.policy import efficiency
 from workers.gpu.consumer import Entry
 from workers.gpu.events import BatchObserver
 from workers.gpu.execute import ItemResult, check_outputs, run_isolating
 from workers.gpu.recorder import Claimed
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,8 +57,9 @@ class Computed:
     """A batch run and not yet recorded.
 
     ``batch_s``: its latency as the scheduler plans it (what it kept the next
-    batch waiting); ``device_s``: the device's busy time; ``ooms``: how many
-    times it ran out of memory (it was split).
+    batch waiting); ``device_s``: the device's busy time;
+    ``out_of_memory``: the costs of each part of it that ran out of memory
+    (it was split), for the scheduler to lower its memory ceiling.
     """
 
     results: list[ItemResult]
@@ -67,7 +67,12 @@ class Computed:
     device_s: float
     efficiency: float
     peak_memory_bytes: float | None
-    ooms: int = 0
+    out_of_memory: tuple[tuple[int, ...], ...] = field(default=())
+
+    @property
+    def ooms(self) -> int:
+        """How many times it ran out of memory."""
+        return len(self.out_of_memory)
 
     @property
     def split(self) -> bool:
@@ -83,21 +88,19 @@ class DevicePipeline:
         self,
         model: str,
         runtime: Runtime,
-        batcher: Batcher[Entry],
         observer: BatchObserver,
-        on_landed: Callable[[InFlight, Computed], None],
         *,
         launch_ahead: bool,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
-        self.batcher = batcher
         self.observer = observer
-        self.on_landed = on_landed
         self.launch_ahead = launch_ahead
         self.clock = clock
         self.runtime = runtime
         self.in_flight: InFlight | None = None
+        # Batches landed and not yet taken by the loop, in the order they landed.
+        self._landed: list[tuple[InFlight, Computed]] = []
 
     @property
     def runtime(self) -> Runtime:
@@ -151,11 +154,16 @@ class DevicePipeline:
             self.land()  # the same, at once: the device is idle
 
     def land(self) -> None:
-        """Wait for the batch on the device, if there is one, and hand it on."""
+        """Wait for the batch on the device, if there is one, and put it in the output."""
         flight, self.in_flight = self.in_flight, None
         if flight is not None:
             flight.wait()
             self._land_batch(flight)
+
+    def take_landed(self) -> list[tuple[InFlight, Computed]]:
+        """The batches landed since the last call, oldest first."""
+        landed, self._landed = self._landed, []
+        return landed
 
     def _land_batch(self, flight: InFlight) -> None:
         try:
@@ -167,7 +175,7 @@ class DevicePipeline:
                 "(jobs not acknowledged run again)",
             )  # fmt: skip
             raise
-        self.on_landed(flight, computed)
+        self._landed.append((flight, computed))
 
     def _collect(self, flight: InFlight) -> Computed:
         """A launched batch's outputs; one that raised is run again, isolating the culprits."""
@@ -197,18 +205,11 @@ class DevicePipeline:
 
         ``failed``: what the whole batch raised when it was launched ahead.
         """
-        ooms = 0
         costs = flight.costs
+        ooms: list[tuple[int, ...]] = []
 
         def out_of_memory(start: int, end: int) -> None:
-            nonlocal ooms
-            ooms += 1
-            self.batcher.out_of_memory(costs[start:end])
-            log.warning(
-                "out of memory; memory ceiling lowered",
-                extra={"model": self.model, "batch_id": flight.batch_id, "size": end - start,
-                       "memory_ceiling_bytes": round(self.batcher.state.memory_ceiling)},
-            )  # fmt: skip
+            ooms.append(tuple(costs[start:end]))
 
         began = time.perf_counter()
         results = run_isolating(
@@ -217,5 +218,6 @@ class DevicePipeline:
         )  # fmt: skip
         batch_s = time.perf_counter() - began
         return Computed(
-            results, batch_s, batch_s, efficiency(costs), self.runtime.peak_memory_bytes, ooms
-        )
+            results, batch_s, batch_s, efficiency(costs), self.runtime.peak_memory_bytes,
+            tuple(ooms),
+        )  # fmt: skip

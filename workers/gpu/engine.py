@@ -75,8 +75,20 @@ class GenerationEngine:
 
     def step(self, now: float) -> StepEvents:
         """Schedule at ``now``, execute the plan, report its output; the step's events."""
-        plan = self.scheduler.schedule(now)
-        result = self.runtime.execute(plan)
+        plan = self.schedule(now)
+        return self.update_from_output(plan, self.execute(plan), now)
+
+    def schedule(self, now: float) -> StepPlan:
+        """The scheduler's plan for the step at ``now``."""
+        return self.scheduler.schedule(now)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The runtime runs the plan (nothing for a plan that computes nothing)."""
+        return self.runtime.execute(plan)
+
+    def update_from_output(self, plan: StepPlan, result: StepResult, now: float) -> StepEvents:
+        """Report what the step computed to the scheduler (``now``: when the step began);
+        the step's events, with every ended job's result taken from the runtime."""
         self.scheduler.update_from_output(plan, result.output, now + result.output.step_s)
         ended: dict[str, Completion] = {}
         for id, reason in plan.ended.items():

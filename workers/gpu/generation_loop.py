@@ -1,14 +1,17 @@
 """The loop of a generation model's worker: read, step, stream, record.
 
-Each turn reads what fits from the model's streams into the engine, stops
-the jobs clients cancelled, and runs one engine step
-(``workers.gpu.engine``: schedule → execute → report back). What the step
-did is then applied here and only here: the jobs it started are claimed
-(``running``, attempts + 1), every new token goes to its job's events
-stream (``core.job_events``), and every job that ended is recorded, then
-acknowledged and announced on the done channel. An entry is acknowledged
-only after its job's outcome is committed, as for encoders; a worker that
-dies leaves its entries to be taken over and the jobs run again.
+The worker's one loop (:class:`~workers.gpu.worker_loop.WorkerLoop`), for a
+generation model: each step reads what fits from the model's streams into
+the engine, stops the jobs clients cancelled, takes the scheduler's plan
+(``workers.gpu.engine``), claims the jobs the plan starts (``running``,
+attempts + 1), has the runtime decode one token for every running sequence
+(and prefill the chunks the plan names), reports the output to the
+scheduler, and then applies what the step did here and only here: every
+new token goes to its job's events stream (``core.job_events``), and every
+job that ended is recorded, then acknowledged and announced on the done
+channel. An entry is acknowledged only after its job's outcome is
+committed, as for encoders; a worker that dies leaves its entries to be
+taken over and the jobs run again.
 
 A step's writes are one Redis pipeline (every token of the step) and, when
 jobs ended, one transaction for their outcomes: their cost does not grow
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,27 +30,25 @@ from typing import Any
 
 import redis
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
 
-from backends.generation.runtime import Completion, GenerationInput
+from backends.generation.runtime import Completion, GenerationInput, StepResult
 from backends.generation.sampling import SamplingParams
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
-from core.redis_target import REDIS_ERRORS
 from core.streams import cancels_key, done_channel, events_key
-from scheduler.generation import FinishReason, GenerationRequest
+from scheduler.generation import FinishReason, GenerationRequest, StepPlan
 from scheduler.vocabulary import Lane
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.engine import GenerationEngine, StepEvents
 from workers.gpu.generation_signals import GenerationSignals
 from workers.gpu.learned import Publisher
 from workers.gpu.recorder import Outcome, Recorder
-from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, utc_at
+from workers.gpu.recording import utc_at
+from workers.gpu.worker_loop import OUTAGES, WorkerLoop
 
 log = logging.getLogger(__name__)
 
-OUTAGES: tuple[type[Exception], ...] = (*REDIS_ERRORS, SQLAlchemyError)
 IDLE_BLOCK_MS = 1000
 # Held entries have their idle time reset this often (a fraction of the
 # visibility timeout), so a long generation is never taken over while it runs.
@@ -78,7 +78,15 @@ class GenerationConfig:
     drain_s: float = 30.0  # stopping: how long the running generations may take to finish
 
 
-class GenerationLoop:
+@dataclass(frozen=True)
+class GenerationStep:
+    """A step's plan, and when it was scheduled (what the engine's reports are timed from)."""
+
+    plan: StepPlan
+    now: float
+
+
+class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
     """One worker of a generation model: ``engine`` steps what ``consumer`` reads."""
 
     def __init__(
@@ -96,6 +104,7 @@ class GenerationLoop:
         kick: Callable[[list[str]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(clock)
         self.engine = engine
         self.tokenizer_path = tokenizer_path
         self.consumer = consumer
@@ -106,63 +115,23 @@ class GenerationLoop:
         self.device = device
         self.config = config
         self.kick = kick
-        self.clock = clock
         self.held: dict[str, _Held] = {}
         self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer)
-        self.ready = threading.Event()
-        self.restart_requested = False
-        self.steps = 0
         self.tokens = 0
         self._last_touch = time.monotonic()
         self._last_cancel_check = 0.0
         self._stopping = False
 
     @property
-    def model(self) -> str:
-        return self.consumer.model
+    def held_count(self) -> int:
+        return len(self.held)
 
     def request_stop(self) -> None:
         self._stopping = True
 
     # --- running ---------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        backoff_s = RETRY_MIN_S
-        while not stop.is_set():
-            try:
-                self.consumer.ensure_groups()
-                break
-            except OUTAGES:
-                stop.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
-        self.ready.set()
-        log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
-        backoff_s = RETRY_MIN_S
-        try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                    backoff_s = RETRY_MIN_S
-                    self.ready.set()
-                except OUTAGES as exc:
-                    self.ready.clear()
-                    log.warning(
-                        "dependency error; retrying",
-                        extra={"model": self.model, "error_type": type(exc).__name__,
-                               "retry_in_s": backoff_s},
-                    )  # fmt: skip
-                    # What was read and not recorded stays pending in Redis: forget the
-                    # local copies (their sequences too) and read them again.
-                    self._forget_all()
-                    stop.wait(backoff_s)
-                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
-            self._drain()
-        finally:
-            self.ready.clear()
-            self.publisher.leave()
-            log.info("worker stopped", extra={"model": self.model, "left_pending": len(self.held)})
-
-    def _drain(self) -> None:
+    def finish_running(self) -> None:
         """Stopping: read nothing more and let what runs finish, for at most drain_s.
 
         What is still running then stays unacknowledged: another worker (or
@@ -174,21 +143,59 @@ class GenerationLoop:
             while self.engine.scheduler.running_count and time.monotonic() < ends:
                 self.step()
 
-    def step(self) -> None:
-        """One turn: read, apply cancellations, run one engine step, apply what it did."""
+    def close(self) -> None:
+        """Nothing is in flight between steps: each step records what it ended."""
+
+    def forget(self) -> None:
+        for job_id in list(self.held):
+            self.engine.cancel(job_id)
+        with contextlib.suppress(Exception):
+            # The cancellations take effect (blocks freed, sequences dropped).
+            self.engine.step(self.clock())
+        self.held.clear()
+        self.consumer.reread_pending()
+
+    # --- a step ----------------------------------------------------------------
+
+    def upkeep(self) -> None:
         self.publisher.heartbeat()
         self._upkeep()
-        busy = bool(self.engine.scheduler.running_count or self.engine.scheduler.waiting_count)
+
+    def read(self, block_ms: int | None) -> None:
         if not self._stopping:
-            self._read(None if busy else IDLE_BLOCK_MS)
+            self._read(block_ms)
+
+    def schedule(self, now: float) -> GenerationStep:
+        """The cancellations asked for since the last step, then the scheduler's plan."""
         self._cancels()
-        events = self.engine.step(self.clock())
-        if not events.idle:
-            self.steps += 1
+        return GenerationStep(self.engine.schedule(now), now)
+
+    def start(self, step: GenerationStep) -> None:
+        if step.plan.admitted:
+            self._claim(list(step.plan.admitted), step.now)
+
+    def execute(self, step: GenerationStep) -> StepResult:
+        return self.engine.execute(step.plan)
+
+    def update_from_output(self, step: GenerationStep, output: StepResult) -> StepEvents:
+        return self.engine.update_from_output(step.plan, output, step.now)
+
+    def apply(self, events: StepEvents) -> None:
         self._apply(events)
         self.signals.stepped(events, self.engine.scheduler)
-        if events.idle and events.plan.wait_s is not None:
-            time.sleep(min(events.plan.wait_s, IDLE_BLOCK_MS / 1000.0))
+
+    def ran(self, step: GenerationStep) -> bool:
+        return not step.plan.empty
+
+    def next_wait_ms(self, step: GenerationStep) -> int | None:
+        """No wait while sequences run or wait; idle, until the nearest deadline or a second."""
+        plan = step.plan
+        scheduler = self.engine.scheduler
+        if not plan.empty or scheduler.running_count:
+            return None
+        if plan.wait_s is not None:
+            return min(IDLE_BLOCK_MS, int(plan.wait_s * 1000)) or None
+        return None if scheduler.waiting_count else IDLE_BLOCK_MS
 
     # --- reading -----------------------------------------------------------------
 
@@ -271,8 +278,6 @@ class GenerationLoop:
 
     def _apply(self, events: StepEvents) -> None:
         now = self.clock()
-        if events.admitted:
-            self._claim(list(events.admitted), now)
         if events.emitted:
             pipe = self.client.pipeline(transaction=False)
             for job_id, emitted in events.emitted.items():
@@ -390,15 +395,6 @@ class GenerationLoop:
                 "webhook deliveries not kicked",
                 extra={"model": self.model, "error_type": type(exc).__name__},
             )
-
-    def _forget_all(self) -> None:
-        for job_id in list(self.held):
-            self.engine.cancel(job_id)
-        with contextlib.suppress(Exception):
-            # The cancellations take effect (blocks freed, sequences dropped).
-            self.engine.step(self.clock())
-        self.held.clear()
-        self.consumer.reread_pending()
 
 
 def generation_input(value: dict[str, Any], tokenizer_path: Path) -> GenerationInput:

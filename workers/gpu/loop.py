@@ -1,33 +1,33 @@
-"""The batch loop of one GPU worker: a coordinator of a few named parts.
+"""The loop of an encoder's worker: one batch a step, through a few named parts.
 
-Each turn it reads (:class:`~workers.gpu.intake.Intake`), asks the scheduler
+Each step (:class:`~workers.gpu.worker_loop.WorkerLoop`) reads
+(:class:`~workers.gpu.intake.Intake`), asks the scheduler
 (:class:`~scheduler.Batcher`) what to do, and applies the decision: expired
 jobs are recorded, a batch is claimed and sent through the device
-(:class:`~workers.gpu.device.DevicePipeline`), and what the device lands is
-learned from and recorded (:class:`~workers.gpu.recording.Recording`).
-Metrics, logs, Flower and webhooks observe the batches
-(:mod:`workers.gpu.events`). The loop never decides itself; an entry is
-acknowledged only after its job's outcome is committed.
+(:class:`~workers.gpu.device.DevicePipeline`), and what the device landed
+is reported to the scheduler, here and only here, then recorded
+(:class:`~workers.gpu.recording.Recording`). An encoder batch is a step
+that prefills and finishes everything it holds. Metrics, logs, Flower and
+webhooks observe the batches (:mod:`workers.gpu.events`). The loop never
+decides itself; an entry is acknowledged only after its job's outcome is
+committed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy.exc import SQLAlchemyError
 
 from backends.base import DeviceLost, Runtime
-from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 from scheduler import BatchDecision, Batcher
 from scheduler.learning import BatchObservation, SchedulerState
@@ -39,15 +39,12 @@ from workers.gpu.intake import Intake, entry_key
 from workers.gpu.learned import LoopStats, Publisher
 from workers.gpu.observe import Metrics
 from workers.gpu.recorder import Outcome, Recorder
-from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, Drain, Recording, utc_at
+from workers.gpu.recording import Drain, Recording, utc_at
 from workers.gpu.versions import Loaded, VersionManager
+from workers.gpu.worker_loop import MAX_BLOCK_MS, OUTAGES, WorkerLoop
 
 log = logging.getLogger(__name__)
 
-# Redis or the database failing: the loop waits and goes on; it never stops for them.
-OUTAGES: tuple[type[Exception], ...] = (*REDIS_ERRORS, SQLAlchemyError)
-
-MAX_BLOCK_MS = 1000
 # How often jobs pinned to a version no longer served are looked for.
 PIN_CHECK_S = 0.5
 
@@ -77,7 +74,30 @@ class LoopConfig:
         )
 
 
-class BatchLoop:
+@dataclass
+class BatchPlan:
+    """A step of an encoder: the scheduler's decision, or the batch on the device to land.
+
+    ``decision`` None: a batch computes and the scheduler would not send the
+    next one before it is done; the step lands it, and the next step decides
+    with what arrived meanwhile. ``batch``: the entries the decision takes,
+    once :meth:`BatchLoop.start` has taken them from the scheduler.
+    """
+
+    decision: BatchDecision | None
+    batch: list[Entry] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A batch the device is done with, reported to the scheduler, to be recorded."""
+
+    flight: InFlight
+    computed: Computed
+    window_s: float | None  # the scheduler's window when it landed (what the observers see)
+
+
+class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Landed]]):
     """One worker: ``runtime`` runs the batches ``batcher`` decides on what ``consumer`` reads."""
 
     def __init__(
@@ -93,12 +113,12 @@ class BatchLoop:
         observers: list[BatchObserver] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(clock)
         self.consumer = consumer
         self.recorder = recorder
         self.batcher = batcher
         self.client = client
         self.config = config
-        self.clock = clock
         model = consumer.model
         # Metrics and the log always watch; Flower and webhooks when the process adds them.
         self.observers = Observers(Metrics(model, runtime.device), BatchLog(model))
@@ -110,9 +130,8 @@ class BatchLoop:
             visibility_timeout_s=config.visibility_timeout_s, clock=clock,
         )  # fmt: skip
         self.device = DevicePipeline(
-            model, runtime, batcher, self.observers, self._landed,
-            launch_ahead=config.pipeline_prepare, clock=clock,
-        )  # fmt: skip
+            model, runtime, self.observers, launch_ahead=config.pipeline_prepare, clock=clock
+        )
         self.recording = Recording(
             model, recorder, self.intake, self.observers, self.drain, prefix=prefix,
             max_attempts=config.max_attempts, pipeline=config.pipeline, clock=clock,
@@ -127,15 +146,7 @@ class BatchLoop:
         self.model_settings: dict[str, Any] = {}
         # Hot reload: when set, the loop switches to the versions it loads.
         self.versions: VersionManager | None = None
-        # The loop stopped so that its process restarts with another version.
-        self.restart_requested = False
         self._pins_checked = 0.0
-        # Set once the worker reads its streams; cleared when it stops (the /readyz of its port).
-        self.ready = threading.Event()
-
-    @property
-    def model(self) -> str:
-        return self.consumer.model
 
     @property
     def runtime(self) -> Runtime:
@@ -164,6 +175,10 @@ class BatchLoop:
         return self.batcher.pending()
 
     @property
+    def held_count(self) -> int:
+        return len(self.batcher)
+
+    @property
     def version(self) -> int | None:
         """The version of the model this worker runs new batches on."""
         return self.recorder.model_version
@@ -171,109 +186,158 @@ class BatchLoop:
     # --- running ---------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        self.drain.stop = stop
-        self._retrying(stop, self.consumer.ensure_groups)
-        self._retrying(stop, lambda: self.publisher.publish(self.state))
+        self.drain.stop = stop  # a stop asked for starts the drain time of recordings
+        super().run(stop)
+
+    def join(self) -> None:
+        self.consumer.ensure_groups()
+        self.publisher.publish(self.state)
+
+    def begin(self) -> None:
         if self.versions is not None:
             self.versions.start()
-        self.ready.set()
-        log.info("worker ready", extra={"model": self.model, "consumer": self.consumer.consumer})
-        wait_ms: int | None = MAX_BLOCK_MS
-        backoff_s = RETRY_MIN_S
-        try:
-            while not stop.is_set():
-                try:
-                    wait_ms = self.step(wait_ms)
-                    backoff_s = RETRY_MIN_S
-                    if not stop.is_set():
-                        self.ready.set()
-                except OUTAGES as exc:
-                    self.ready.clear()  # it can run nothing until Redis and the database are back
-                    # Whatever was read but not recorded is still pending in Redis:
-                    # forget the local copy and read it again once things are back.
-                    log.warning(
-                        "dependency error; retrying",
-                        extra={"model": self.model, "error_type": type(exc).__name__,
-                               "retry_in_s": backoff_s},
-                    )  # fmt: skip
-                    self._settle_recording()
-                    self.intake.reread()
-                    stop.wait(backoff_s)
-                    if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
-                        # Redis lost its data (restarted empty, failed over): make the
-                        # groups again; the reconciler re-enqueues what was lost.
-                        with contextlib.suppress(*REDIS_ERRORS):
-                            self.consumer.ensure_groups()
-                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
-                    wait_ms = MAX_BLOCK_MS
-        finally:
-            lost = None
-            try:
-                self._settle_recording()  # the last batch's results are written before it stops
-            except DeviceLost as exc:
-                lost = exc
-            self.recording.close()
-            if self.executions is not None:
-                self.executions.close()
-            if self.versions is not None:
-                self.versions.stop()
-            self.ready.clear()
-            # Entries read but not run stay unacknowledged; this consumer name gets
-            # them back at its next start.
-            self.publisher.leave()
-            log.info(
-                "worker stopped", extra={"model": self.model, "left_pending": len(self.batcher)}
-            )
-            if lost is not None:
-                raise lost
 
-    def step(self, wait_ms: int | None) -> int | None:
-        """One turn: read, decide, apply. Returns how long the next read may block."""
+    def forget(self) -> None:
+        self._settle_recording()
+        self.intake.reread()
+
+    def close(self) -> None:
+        lost = None
+        try:
+            self._settle_recording()  # the last batch's results are written before it stops
+        except DeviceLost as exc:
+            lost = exc
+        self.recording.close()
+        if self.executions is not None:
+            self.executions.close()
+        if self.versions is not None:
+            self.versions.stop()
+        if lost is not None:
+            raise lost
+
+    # --- a step ----------------------------------------------------------------
+
+    def upkeep(self) -> None:
         if self.recording.done_recording():
             self.recording.wait()  # a recording that failed is heard of now, even when idle
         self.publisher.beat(self.state)
         self.intake.upkeep()
         self._follow_version()
-        # While a batch computes, read only what is there already: it is landed next.
-        self.intake.fill(wait_ms if self.device.in_flight is None else None)
-        decision = self._decide()
-        self.apply(decision)
-        if decision.run:
-            return None  # more may be ready: look again without blocking
-        if decision.wait_s is not None:
-            return min(MAX_BLOCK_MS, int(decision.wait_s * 1000)) or None
-        return MAX_BLOCK_MS
 
-    def _decide(self) -> BatchDecision:
+    def read(self, block_ms: int | None) -> None:
+        # While a batch computes, read only what is there already: it is landed next.
+        self.intake.fill(block_ms if self.device.in_flight is None else None)
+
+    def schedule(self, now: float) -> BatchPlan:
         """The scheduler's decision; while a batch computes, whether to prepare the next.
 
         A batch is prepared ahead only when the scheduler would send it as
         soon as the device is free for a reason that more waiting cannot
-        change; otherwise the batch on the device is landed first and the
-        decision taken again, with what arrived meanwhile.
+        change; otherwise this step lands the batch on the device, and the
+        next decides again, with what arrived meanwhile.
         """
         flight = self.device.in_flight
-        if flight is not None:
-            ahead = self.batcher.schedule(
-                self.clock(), busy_until=flight.ends_s, runnable=self._runnable
-            )
-            if ahead.run:
-                return ahead
-            self.device.land()
-        return self.batcher.schedule(self.clock(), runnable=self._runnable)
+        if flight is None:
+            return BatchPlan(self.batcher.schedule(now, runnable=self._runnable))
+        ahead = self.batcher.schedule(now, busy_until=flight.ends_s, runnable=self._runnable)
+        return BatchPlan(ahead if ahead.run else None)
 
     def _runnable(self, entry: Entry) -> bool:
         """A job pinned to another version waits (or is failed by the pin check)."""
         pin = entry.message.version
         return pin is None or pin == self.version
 
-    def apply(self, decision: BatchDecision) -> None:
+    def start(self, plan: BatchPlan) -> None:
+        decision = plan.decision
+        if decision is None:
+            return
         if decision.expire:
             self.recording.expire(self.batcher.expired(decision))
         if decision.run:
-            batch = self.batcher.started(decision)
-            self.intake.started(batch)
-            self._run_batch(batch, decision)
+            plan.batch = self.batcher.started(decision)
+            self.intake.started(plan.batch)
+
+    def execute(self, plan: BatchPlan) -> list[tuple[InFlight, Computed]]:
+        if plan.decision is None:
+            self.device.land()
+        elif plan.batch:
+            self._run_batch(plan.batch, plan.decision)
+        return self.device.take_landed()
+
+    def update_from_output(
+        self, plan: BatchPlan | None, output: list[tuple[InFlight, Computed]]
+    ) -> list[Landed]:
+        """What each landed batch taught the scheduler (its latency, its memory, any
+        out-of-memory), reported in the order the batches landed."""
+        landed = []
+        for flight, computed in output:
+            for costs in computed.out_of_memory:
+                self.batcher.out_of_memory(list(costs))
+                log.warning(
+                    "out of memory; memory ceiling lowered",
+                    extra={"model": self.model, "batch_id": flight.batch_id, "size": len(costs),
+                           "memory_ceiling_bytes": round(self.state.memory_ceiling)},
+                )  # fmt: skip
+            self.observers.batch_computed(computed.device_s)
+            if flight.claimed:
+                self._learn(flight, computed)
+            landed.append(Landed(flight, computed, self.state.window_s))
+        return landed
+
+    def _learn(self, flight: InFlight, computed: Computed) -> None:
+        at_s = self.clock()
+        enqueued = {e.message.job_id: e.message for e in flight.entries}
+        seen = BatchObservation(
+            size=len(flight.claimed),
+            cost=sum(flight.costs),
+            work=self.batcher.work(flight.costs),
+            latency_s=computed.batch_s,
+            ended_s=at_s,
+            job_latency_s=[
+                at_s - enqueued[job.job_id].enqueued_at_ms / 1000.0 for job in flight.claimed
+            ],
+            peak_memory_bytes=computed.peak_memory_bytes,
+            lanes=[enqueued[job.job_id].lane for job in flight.claimed],
+            split=computed.split,
+        )
+        self.batcher.finished(seen)
+        self.publisher.learned(self.state, seen, computed.efficiency)
+        if self.executions is not None:
+            # Before the outcomes are written: the record must not depend on that write.
+            self.executions.append(
+                flight.batch_id, [(job.job_id, job.attempts) for job in flight.claimed]
+            )
+
+    def apply(self, events: list[Landed]) -> None:
+        """Hand each landed batch over to be recorded (on the recording thread, pipelined)."""
+        for landed in events:
+            self.recording.hand_over(
+                functools.partial(self._finish, landed.flight, landed.computed, landed.window_s)
+            )
+
+    def ran(self, plan: BatchPlan) -> bool:
+        return bool(plan.batch)
+
+    def next_wait_ms(self, plan: BatchPlan) -> int | None:
+        decision = plan.decision
+        if decision is None or decision.run:
+            return None  # more may be ready: look again without blocking
+        if decision.wait_s is not None:
+            return min(MAX_BLOCK_MS, int(decision.wait_s * 1000)) or None
+        return MAX_BLOCK_MS
+
+    def _report_landed(self) -> None:
+        """Report and hand over what the device landed outside a step's execute."""
+        self.apply(self.update_from_output(None, self.device.take_landed()))
+
+    def _land(self) -> None:
+        """Land the batch on the device now, and report it."""
+        try:
+            self.device.land()
+        finally:
+            self._report_landed()
+
+    # --- running a batch ---------------------------------------------------------
 
     def _run_batch(self, entries: list[Entry], decision: BatchDecision) -> None:
         started = (
@@ -284,7 +348,7 @@ class BatchLoop:
         if not started:
             self._run_group(entries, decision, ahead=self.device.ahead)
             return
-        self.device.land()  # a suspect runs with nothing else on the device
+        self._land()  # a suspect runs with nothing else on the device
         # A job started before and never finished may be what killed a worker:
         # each such job runs alone, so it cannot take its batch mates down (and
         # use up their attempts) with it.
@@ -295,6 +359,7 @@ class BatchLoop:
                 # Stopping: what has not run stays unacknowledged, for the next worker.
                 return
             # A suspect may kill the process: what ran before it is recorded first.
+            self._report_landed()
             self.recording.wait()
             self.consumer.touch([e for g in groups[number:] for e in g])
             self._run_group(group, decision)
@@ -310,8 +375,8 @@ class BatchLoop:
         flight = InFlight(batch_id, entries, claimed, costs, written, decision, started, ahead)
         if not claimed:
             # Nothing to run (cancelled, finished, late): its entries are acknowledged.
-            self.device.land()
-            self.recording.hand_over(self._finisher(flight, Computed([], 0.0, 0.0, 1.0, None)))
+            self._land()
+            self.apply([Landed(flight, Computed([], 0.0, 0.0, 1.0, None), self.state.window_s)])
             return
         jobs = [by_job[job.job_id].message for job in claimed]
         self.observers.batch_started(
@@ -321,38 +386,7 @@ class BatchLoop:
         if not ahead:
             self.device.land()  # prepared, launched and collected one after the other
 
-    # --- what the device lands -------------------------------------------------
-
-    def _landed(self, flight: InFlight, computed: Computed) -> None:
-        """Learn from a batch the device is done with, and hand it over to be recorded."""
-        self.observers.batch_computed(computed.device_s)
-        if flight.claimed:
-            at_s = self.clock()
-            enqueued = {e.message.job_id: e.message for e in flight.entries}
-            seen = BatchObservation(
-                size=len(flight.claimed),
-                cost=sum(flight.costs),
-                work=self.batcher.work(flight.costs),
-                latency_s=computed.batch_s,
-                ended_s=at_s,
-                job_latency_s=[
-                    at_s - enqueued[job.job_id].enqueued_at_ms / 1000.0 for job in flight.claimed
-                ],
-                peak_memory_bytes=computed.peak_memory_bytes,
-                lanes=[enqueued[job.job_id].lane for job in flight.claimed],
-                split=computed.split,
-            )
-            self.batcher.finished(seen)
-            self.publisher.learned(self.state, seen, computed.efficiency)
-            if self.executions is not None:
-                # Before the outcomes are written: the record must not depend on that write.
-                self.executions.append(
-                    flight.batch_id, [(job.job_id, job.attempts) for job in flight.claimed]
-                )
-        self.recording.hand_over(self._finisher(flight, computed))
-
-    def _finisher(self, flight: InFlight, computed: Computed) -> Callable[[], None]:
-        return functools.partial(self._finish, flight, computed, self.state.window_s)
+    # --- recording -----------------------------------------------------------------
 
     def _finish(self, flight: InFlight, computed: Computed, window_s: float | None) -> None:
         """Record the outcomes, acknowledge, and tell the observers."""
@@ -410,7 +444,7 @@ class BatchLoop:
         A lost device is raised once what was computed before it is recorded.
         """
         lost = None
-        for settle in (self.device.land, self.recording.wait):
+        for settle in (self._land, self.recording.wait):
             try:
                 settle()
             except DeviceLost as exc:
@@ -457,7 +491,7 @@ class BatchLoop:
         and the scheduler prices batches with what the new runtime measured.
         """
         assert self.versions is not None
-        self.device.land()
+        self._land()
         self.device.runtime = loaded.runtime
         self.recorder.model_version = loaded.version
         if loaded.prepared is not None:
@@ -513,18 +547,6 @@ class BatchLoop:
         """Stop after the current batch (a signal handler calls this)."""
         self.ready.clear()  # draining: /readyz says so at once
         self.drain.request()
-
-    def _retrying(self, stop: threading.Event, action: Callable[[], None]) -> None:
-        backoff_s = RETRY_MIN_S
-        while not stop.is_set():
-            try:
-                action()
-                return
-            except REDIS_ERRORS as exc:
-                log.warning("redis unavailable; retrying",
-                            extra={"error_type": type(exc).__name__})  # fmt: skip
-                stop.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, RETRY_MAX_S)
 
 
 __all__ = ["BatchLoop", "LoopConfig", "entry_key"]
