@@ -8,13 +8,15 @@ handling of Redis going away are checked apart from any model.
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
 import pytest
 import redis
 
-from workers.gpu.worker_loop import MAX_BLOCK_MS, WorkerLoop
+from core.redis_target import RedisTarget
+from workers.gpu.worker_loop import MAX_BLOCK_MS, OUTAGES, WorkerLoop, worker_redis
 
 
 class _Consumer:
@@ -156,3 +158,20 @@ def test_what_is_not_an_outage_stops_the_loop_but_still_closes_it() -> None:
     assert loop.calls[-1] == "close"  # close runs, finish_running does not
     assert "finish_running" not in loop.calls
     assert loop.publisher.left  # type: ignore[attr-defined]
+
+
+def test_the_workers_redis_client_gives_up_on_a_server_that_never_answers() -> None:
+    # A host cut off without a reset leaves a connection that accepts and never
+    # answers: a worker's command must end in a timeout (an outage the loop rides
+    # out), never wait on it for good.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    port = silent.getsockname()[1]
+    try:
+        client = worker_redis(RedisTarget(url=f"redis://127.0.0.1:{port}/0"), reply_timeout_s=0.3)
+        with pytest.raises(redis.TimeoutError):
+            client.ping()
+        assert isinstance(redis.TimeoutError("x"), OUTAGES)
+    finally:
+        silent.close()

@@ -23,6 +23,7 @@ from workers.gpu.generation_loop import GenerationConfig, GenerationLoop
 from workers.gpu.generation_signals import GenerationSignals
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
+from workers.gpu.worker_loop import worker_redis
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def build_generation_loop(
             "bytes_per_block": runtime.bytes_per_block,
         },
     )
-    client = target.client(decode_responses=True)
+    client = worker_redis(target)
     tokenizer = config.tokenizer_path(version)
     if tokenizer is None:
         raise SystemExit(f"{config.name}: a generation model needs input.tokenizer")

@@ -29,6 +29,7 @@ from workers.gpu.recorder import Recorder
 from workers.gpu.scheduling import build_batcher
 from workers.gpu.tracing import Tracing
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
+from workers.gpu.worker_loop import worker_redis
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -100,7 +101,7 @@ def build_loop(
         unloadable[version] = (signature(config, version), why[:500])
         first = prepare(config, config.active_version)
     runtime = first.runtime
-    client = target.client(decode_responses=True)
+    client = worker_redis(target)
     consumer = StreamConsumer(
         client,
         settings.key_prefix,

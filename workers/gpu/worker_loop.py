@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from core.redis_target import REDIS_ERRORS
+from core.redis_target import REDIS_ERRORS, RedisTarget
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.learned import Publisher
 from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S
@@ -52,6 +52,24 @@ OUTAGES: tuple[type[Exception], ...] = (*REDIS_ERRORS, SQLAlchemyError)
 
 # The longest a read waits for something to arrive when there is nothing to run.
 MAX_BLOCK_MS = 1000
+# The longest the worker waits for any Redis reply (its blocking reads wait at
+# most MAX_BLOCK_MS): later, the connection is taken for gone, so a host cut
+# off without a reset (a half-open connection) is an outage the loop rides out,
+# not a read that hangs until TCP gives up.
+REDIS_REPLY_TIMEOUT_S = 10.0
+REDIS_CONNECT_TIMEOUT_S = 5.0
+
+
+def worker_redis(
+    target: RedisTarget, reply_timeout_s: float = REDIS_REPLY_TIMEOUT_S
+) -> redis.Redis:
+    """The worker's Redis client: replies bounded by ``reply_timeout_s``."""
+    return target.client(
+        decode_responses=True,
+        socket_timeout=reply_timeout_s,
+        socket_connect_timeout=min(REDIS_CONNECT_TIMEOUT_S, reply_timeout_s),
+    )
+
 
 PlanT = TypeVar("PlanT")
 OutputT = TypeVar("OutputT")
@@ -221,4 +239,4 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
 
 
-__all__ = ["MAX_BLOCK_MS", "OUTAGES", "WorkerLoop"]
+__all__ = ["MAX_BLOCK_MS", "OUTAGES", "WorkerLoop", "worker_redis"]
