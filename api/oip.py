@@ -32,13 +32,14 @@ import base64
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.schemas import MAX_DEADLINE_MS
 from core.catalog import ModelSpec, text_problem
 from core.embeddings import as_vector
+from core.versions import VersionState
 from scheduler.vocabulary import Lane
 
 # Numeric datatypes and their struct codes (little-endian in the binary extension).
@@ -492,3 +493,125 @@ def _to_binary(tensor: Tensor) -> bytes:
     if tensor.datatype == "BYTES":
         return b"".join(struct.pack("<I", len(item)) + item for item in tensor.data)
     return struct.pack(f"<{len(tensor.data)}{NUMERIC[tensor.datatype]}", *tensor.data)
+
+
+# The model repository extension: the index of every model version and its state,
+# and load and unload (in Ferry: taking jobs or not, and which version is active).
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+# What load's and unload's parameters may hold, and the type each must be.
+LOAD_PARAMETERS: dict[str, type] = {"version": int}
+UNLOAD_PARAMETERS: dict[str, type] = {"unload_dependents": bool}
+# Why a model of the repository is not served (the catalog leaves out a model with a
+# problem that FERRY_MODELS does not list, and is built when the API starts).
+UNSERVED = (
+    "its files have a problem (ferry models check says which), or it was added after the API "
+    "started"
+)
+
+
+def parse_index_request(body: bytes) -> bool:
+    """The index request's ``ready`` (only the models ready for inference); an empty body is
+    ``{}``."""
+    request = _repository_request(body, {"ready"})
+    ready = request.get("ready", False)
+    if not isinstance(ready, bool):
+        raise ProtocolError("ready must be true or false")
+    return ready
+
+
+def parse_load_request(body: bytes) -> int | None:
+    """The version a load request activates (``parameters.version``), if it names one."""
+    parameters = _repository_parameters(body, LOAD_PARAMETERS, "load")
+    version = parameters.get("version")
+    if version is not None and version < 1:
+        raise ProtocolError("parameters.version must be a version number (1 or more)")
+    return version
+
+
+def parse_unload_request(body: bytes) -> None:
+    """Checks an unload request; ``unload_dependents`` is taken (Ferry's models have no
+    dependents: nothing else is unloaded)."""
+    _repository_parameters(body, UNLOAD_PARAMETERS, "unload")
+
+
+def _repository_request(body: bytes, fields: set[str]) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("the request is not valid JSON") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("the request must be a JSON object")
+    unknown = sorted(set(request) - fields)
+    if unknown:
+        raise ProtocolError(
+            f"{unknown[0]}: not a field of this request (it takes: {', '.join(sorted(fields))})"
+        )
+    return request
+
+
+def _repository_parameters(body: bytes, allowed: Mapping[str, type], what: str) -> dict[str, Any]:
+    parameters = _parameters(
+        _repository_request(body, {"parameters"}).get("parameters"), "parameters"
+    )
+    for name, value in parameters.items():
+        if name == "config" or name.startswith("file:"):
+            raise ProtocolError(
+                f"parameters.{name}: Ferry serves the models of its repository as they are; "
+                "add a version folder there and load it with parameters.version"
+            )
+        kind = allowed.get(name)
+        if kind is None:
+            takes = ", ".join(allowed)
+            raise ProtocolError(f"parameters.{name}: not a parameter of {what} (it takes: {takes})")
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            noun = "true or false" if kind is bool else "an integer"
+            raise ProtocolError(f"parameters.{name} must be {noun}")
+    return parameters
+
+
+def repository_entries(
+    name: str,
+    versions: Sequence[int],
+    active: int,
+    states: Mapping[int, VersionState],
+    unloaded: bool,
+) -> list[dict[str, str]]:
+    """The index's entries for one served model: each version, its state and why."""
+    entries = []
+    for version in versions:
+        state, reason = _version_state(version, active, states.get(version), unloaded)
+        entries.append({"name": name, "version": str(version), "state": state, "reason": reason})
+    return entries
+
+
+def unserved_entries(name: str, versions: Sequence[int]) -> list[dict[str, str]]:
+    """The index's entries for a model of the repository that the API does not serve."""
+    return [
+        {"name": name, "version": str(v), "state": UNAVAILABLE, "reason": f"not served: {UNSERVED}"}
+        for v in versions
+    ]
+
+
+def _version_state(
+    version: int, active: int, reported: VersionState | None, unloaded: bool
+) -> tuple[str, str]:
+    if unloaded:
+        return UNAVAILABLE, "unloaded: the model takes no new jobs until it is loaded"
+    if version != active:
+        if reported is not None and reported.state == "draining":
+            return UNLOADING, f"no longer the active version ({active} is); its jobs finish"
+        failed = ""
+        if reported is not None and reported.state == "failed":
+            failed = f"; it failed to load: {reported.reason or 'no reason given'}"
+        return UNAVAILABLE, f"not the active version ({active} is){failed}"
+    if reported is None:
+        return UNAVAILABLE, "no live worker serves it (its jobs wait in the queue for one)"
+    if reported.state == "ready":
+        return READY, ""
+    if reported.state == "loading":
+        return LOADING, ""
+    if reported.state == "draining":
+        return UNLOADING, "its workers are stopping"
+    return UNAVAILABLE, f"failed to load: {reported.reason or 'no reason given'}"

@@ -23,7 +23,7 @@ from api.schemas import (
     JobResource,
     WebhookSecret,
 )
-from backends.catalog import LiveVersions
+from backends.catalog import LiveVersions, model_problems
 from core.catalog import ModelSpec
 from core.db import (
     TERMINAL_STATUSES,
@@ -37,10 +37,12 @@ from core.db import (
 from core.keys import new_webhook_secret, rotate_webhook_secret
 from core.metrics import JOBS_FINISHED
 from core.redis_target import REDIS_ERRORS
+from core.repository import ModelConfig
 from core.resources import job_resource
 from core.streams import cancels_key, done_channel
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
+from core.versions import ActivationError, activate, active_version
 from core.webhooks import add_job_deliveries
 
 Owned = TypeVar("Owned", Job, Backfill)
@@ -61,12 +63,16 @@ def resolve_model(
     model: str,
     version: int | None = None,
     live: LiveVersions | None = None,
+    *,
+    taking_jobs: bool = True,
 ) -> tuple[ModelSpec, int | None]:
     """The model a request names (``name`` or ``name@N``) and the version it asks for.
 
     ``live`` gives the versions and the active one as they are now (default:
     as they were at start-up). A version that exists but is not the active
-    one is refused: workers serve the active version.
+    one is refused: workers serve the active version. With ``live``, a model
+    an operator unloaded is refused too, unless the request makes no job
+    (``taking_jobs`` false: its metadata, say).
     """
     name, at, suffix = model.partition("@")
     if at:
@@ -84,6 +90,13 @@ def resolve_model(
         known = ", ".join(sorted(catalog))
         message = f"model: unknown model {name!r} (known: {known})"
         raise UnknownModel(422, "invalid_request", message)
+    if taking_jobs and live is not None and live.unloaded(name):
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"model: {name!r} is unloaded: it takes no new jobs until an operator loads it "
+            f"(POST /v2/repository/models/{name}/load)",
+        )
     if version is None:
         return spec, None
     numbers, active = live.of(spec) if live is not None else (spec.versions, spec.active_version)
@@ -101,6 +114,38 @@ def resolve_model(
             f"version: {name}@{version} takes no jobs; its active version is {active}",
         )
     return spec, version
+
+
+def served_model(
+    catalog: dict[str, ModelSpec], live: LiveVersions, name: str
+) -> tuple[ModelSpec, ModelConfig]:
+    """The model ``name`` as the API serves it and as the repository has it now; 404 for a
+    model it does not serve."""
+    spec = catalog.get(name)
+    model = live.model(name) if spec is not None else None
+    if spec is None or model is None:
+        raise ApiError(404, "not_found", f"model: no model {name!r} is served")
+    return spec, model
+
+
+def activate_version(session: Session, model: ModelConfig, version: int) -> int:
+    """Make ``version`` the one new jobs run on (a rollback too); the version active before.
+
+    A version the repository lacks, or whose files the backend finds a
+    problem with, is a 422 and changes nothing; one that fails to load in a
+    worker leaves the old one serving (GET /v1/models says why).
+    """
+    problems = model_problems(model, [version]) if version in model.versions else []
+    if problems:
+        raise ApiError(422, "invalid_request", f"version: {'; '.join(map(str, problems))}")
+    previous = active_version(session, model)
+    try:
+        activate(session, model, version)
+    except ActivationError as exc:
+        raise ApiError(422, "invalid_request", f"version: {exc}") from None
+    log.info("version activated", extra={"model": model.name, "version": version,
+                                         "previous": previous})  # fmt: skip
+    return previous
 
 
 def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], None]:

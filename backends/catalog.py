@@ -144,11 +144,14 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
 
 
 class LiveVersions:
-    """Each served model's versions and active version as they are now.
+    """Each served model's versions and active version as they are now, and whether an
+    operator unloaded it.
 
     Re-read (the repository's version folders, the database's activations)
     at most every ``poll_s``, so a new version or an activation is seen by
-    the API as soon as by the workers.
+    the API as soon as by the workers. The unloaded models are read on their
+    own, by one small query at most every ``poll_s`` (every second when it is
+    0: workers take no part in an unload), as every submission asks for them.
     """
 
     def __init__(
@@ -161,6 +164,9 @@ class LiveVersions:
         self._read_at = -float("inf")
         self._repository: Repository | None = None
         self._activated: dict[str, int] = {}
+        self._unloads_lock = threading.Lock()
+        self._unloads_read_at = -float("inf")
+        self._unloaded: frozenset[str] = frozenset()
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -194,6 +200,35 @@ class LiveVersions:
         with self._lock:
             self._refresh()
             return self._repository.models.get(name) if self._repository else None
+
+    def models(self) -> dict[str, ModelConfig]:
+        """Every model of the repository, served or not."""
+        with self._lock:
+            self._refresh()
+            return dict(self._repository.models) if self._repository else {}
+
+    def unloaded(self, name: str) -> bool:
+        """Whether an operator unloaded the model (as last read, if the database cannot be
+        read now)."""
+        with self._unloads_lock:
+            now = time.monotonic()
+            if now - self._unloads_read_at >= (self.poll_s or 1.0):
+                self._unloads_read_at = now  # a failed read too: tried again a poll later
+                from core.versions import unloaded_models
+
+                try:
+                    with self.sessions() as session:
+                        self._unloaded = frozenset(unloaded_models(session))
+                except SQLAlchemyError:
+                    pass
+            return name in self._unloaded
+
+    def forget(self) -> None:
+        """Read everything again at the next question: this process has just changed it."""
+        with self._lock:
+            self._read_at = -float("inf")
+        with self._unloads_lock:
+            self._unloads_read_at = -float("inf")
 
 
 def cpu_threads(setting: int, cores: int | None = None) -> int:

@@ -170,6 +170,19 @@ class ModelActivation(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class ModelUnload(Base):
+    """A model an operator unloaded (the inference protocol's repository unload).
+
+    It takes no new jobs until it is loaded again; jobs accepted before run as
+    ever. Which version is active is ``model_activations``' concern, untouched.
+    """
+
+    __tablename__ = "model_unloads"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    unloaded_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class Backfill(Base):
     """A dataset run through a model: one job per input line, fed into the bulk lane."""
 

@@ -6,6 +6,12 @@ the admin endpoint) when that version is in the repository, else the one
 model.toml names (``active_version``, or the highest). Activating an older
 version is a rollback; it is the same operation.
 
+An operator may also unload a model (a row in ``model_unloads``, by the
+inference protocol's repository extension): the API then takes no new jobs
+for it, whatever its version, until it is loaded again. Workers are not
+told: they finish the jobs already accepted, and an autoscaler that follows
+the queue takes them away once it is empty.
+
 Each worker reports its versions' states to Redis (``loading``, ``ready``,
 ``draining``, ``failed`` with the reason); ``GET /v1/models`` shows them
 gathered over the live workers.
@@ -18,11 +24,11 @@ import time
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from core.db import ModelActivation, utcnow
+from core.db import ModelActivation, ModelUnload, utcnow
 from core.queues import HEARTBEAT_TTL_S
 from core.repository import ModelConfig
 from core.streams import versions_key, workers_key
@@ -66,6 +72,28 @@ def activate(session: Session, model: ModelConfig, version: int) -> None:
             # Another activation made the row first: this one updates it.
             session.rollback()
     raise ActivationError(f"{model.name}: the activation could not be written; try again")
+
+
+def unloaded_models(session: Session) -> set[str]:
+    """The models an operator unloaded."""
+    return set(session.scalars(select(ModelUnload.model)))
+
+
+def unload(session: Session, model: str) -> None:
+    """Take no new jobs for ``model`` until :func:`load`; unloading it again changes nothing."""
+    if session.get(ModelUnload, model) is not None:
+        return
+    session.add(ModelUnload(model=model, unloaded_at=utcnow()))
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()  # another unload wrote it first: unloaded all the same
+
+
+def load(session: Session, model: str) -> None:
+    """Take jobs for ``model`` again after :func:`unload` (on its active version)."""
+    session.execute(delete(ModelUnload).where(ModelUnload.model == model))
+    session.commit()
 
 
 @dataclass(frozen=True)

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
-import logging
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
+from api import services
 from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import error_responses
-from backends.catalog import model_problems
 from core.db import TERMINAL_STATUSES, ApiKey, Job
 from core.keys import list_keys, revoke_key
 from core.queues import lane_states, live_workers
-from core.versions import ActivationError, activate, active_version
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -85,20 +81,8 @@ def activate_version(
     backend finds a problem with is refused here; one that fails to load in
     a worker leaves the old one serving (GET /v1/models says why).
     """
-    spec = catalog.get(name)
-    model = request.app.state.versions.model(name) if spec is not None else None
-    if spec is None or model is None:
-        raise ApiError(404, "not_found", f"model: no model {name!r} is served")
-    problems = model_problems(model, [body.version]) if body.version in model.versions else []
-    if problems:
-        raise ApiError(422, "invalid_request", f"version: {'; '.join(map(str, problems))}")
-    previous = active_version(session, model)
-    try:
-        activate(session, model, body.version)
-    except ActivationError as exc:
-        raise ApiError(422, "invalid_request", f"version: {exc}") from None
-    log.info("version activated", extra={"model": name, "version": body.version,
-                                         "previous": previous})  # fmt: skip
+    _, model = services.served_model(catalog, request.app.state.versions, name)
+    previous = services.activate_version(session, model, body.version)
     return Activated(model=name, version=body.version, previous=previous)
 
 

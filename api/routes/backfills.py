@@ -52,7 +52,7 @@ async def create_backfill(
     The body is read as it arrives. A line that cannot be taken refuses the
     whole file, with its line number, and nothing of it is kept.
     """
-    spec, version = resolve_model(catalog, model)
+    spec, version = resolve_model(catalog, model, None, request.app.state.versions)
     if version is not None:
         raise ApiError(
             422,

@@ -6,29 +6,41 @@ Ferry jobs (durable, in a lane, with a deadline, batched with all other
 traffic); the answer comes when they have ended. The tensors' mapping is
 ``api.oip``'s. Errors are the protocol's ``{"error": "..."}`` (written by
 ``api.openai_errors.DialectErrorMiddleware`` from Ferry's own).
+
+The model repository extension (admin keys only) lists every model version
+and its state; load and unload are Ferry's activation: unload makes a model
+take no new jobs, load makes it take them again, on the version
+``parameters.version`` activates if it names one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from importlib import metadata
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from api import oip, services
-from api.deps import KeyDep, RedisDep
+from api.deps import AdminDep, KeyDep, RedisDep
 from api.errors import ApiError
 from api.reads import JobRead, succeeded_output, until_terminal
 from api.routes.system import readyz
 from api.submissions import GroupCommit, Submitted, job_create, prepare_request
 from core.catalog import ModelSpec
 from core.metrics import JOBS_ACCEPTED
+from core.repository import ModelConfig
 from core.settings import Settings
-from core.versions import version_states
+from core.versions import load, unload, version_states
 from scheduler.vocabulary import Lane
+
+log = logging.getLogger(__name__)
+Parsed = TypeVar("Parsed")
 
 
 class ProtocolErrorBody(BaseModel):
@@ -41,6 +53,7 @@ _MEANINGS = {
     400: "A request the protocol or the model refuses (which tensor, and why); for a model "
     "ready request, the model is not ready.",
     401: "Missing or wrong API key.",
+    403: "The key lacks the admin scope.",
     404: "No such model.",
     413: "Request body too large.",
     429: "Over the key's rate or outstanding jobs (see Retry-After).",
@@ -103,10 +116,68 @@ INFER_RESPONSES = {
     202: {"description": "With parameters.async: the jobs, read and cancelled by /v1/jobs."},
     **errors(400, 401, 404, 413, 429, 500, 503, 504),
 }
+INDEX_ENTRY = {
+    "type": "object",
+    "required": ["name", "state", "reason"],
+    "properties": {
+        "name": {"type": "string"},
+        "version": {"type": "string"},
+        "state": {"type": "string", "enum": [oip.READY, oip.UNAVAILABLE, oip.LOADING,
+                                             oip.UNLOADING]},
+        "reason": {"type": "string", "description": "Why it is in that state (empty: READY)."},
+    },
+}  # fmt: skip
+INDEX_BODY = {
+    "required": False,
+    "description": "May be empty.",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "ready": {
+                        "type": "boolean",
+                        "description": "Only the versions ready for inference.",
+                    }
+                },
+            }
+        }
+    },
+}
+
+
+def repository_body(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "required": False,
+        "description": "May be empty.",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"parameters": {"type": "object", "properties": parameters}},
+                }
+            }
+        },
+    }
+
+
+LOAD_BODY = repository_body(
+    {"version": {"type": "integer", "minimum": 1, "description": "The version to activate."}}
+)
+UNLOAD_BODY = repository_body(
+    {"unload_dependents": {"type": "boolean", "description": "Taken; Ferry's models have none."}}
+)
+REPOSITORY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Each model version (for load and unload: the model's) and its state.",
+        "content": {"application/json": {"schema": {"type": "array", "items": INDEX_ENTRY}}},
+    },
+    **errors(400, 401, 403, 404, 503),
+}
 router = APIRouter(prefix="/v2", tags=["inference protocol"])
 
 # The protocol's extensions this server implements (GET /v2 lists them).
-EXTENSIONS = ["binary_tensor_data", "async"]
+EXTENSIONS = ["binary_tensor_data", "async", "model_repository"]
 try:
     VERSION = metadata.version("ferry")
 except metadata.PackageNotFoundError:  # run from a source tree not installed
@@ -183,13 +254,116 @@ async def infer_version(
     return await _infer(request, key, model, version)
 
 
+@router.post(
+    "/repository/index",
+    responses=REPOSITORY_RESPONSES,
+    openapi_extra={"requestBody": INDEX_BODY},
+)
+async def repository_index(request: Request, client: RedisDep, _admin: AdminDep) -> JSONResponse:
+    """Every version of every model in the repository, its state, and why (admin keys)."""
+    ready = _parsed(oip.parse_index_request, await request.body())
+    entries = await run_in_threadpool(_index, request, client)
+    return JSONResponse([e for e in entries if e["state"] == oip.READY] if ready else entries)
+
+
+@router.post(
+    "/repository/models/{model}/load",
+    responses=REPOSITORY_RESPONSES,
+    openapi_extra={"requestBody": LOAD_BODY},
+)
+async def repository_load(
+    model: str, request: Request, client: RedisDep, _admin: AdminDep
+) -> JSONResponse:
+    """The model takes jobs again (after an unload), on ``parameters.version`` if it names
+    one: activated as ``POST /v1/admin/models/{model}/activate`` does (admin keys)."""
+    version = _parsed(oip.parse_load_request, await request.body())
+    return JSONResponse(await run_in_threadpool(_load, request, client, model, version))
+
+
+@router.post(
+    "/repository/models/{model}/unload",
+    responses=REPOSITORY_RESPONSES,
+    openapi_extra={"requestBody": UNLOAD_BODY},
+)
+async def repository_unload(
+    model: str, request: Request, client: RedisDep, _admin: AdminDep
+) -> JSONResponse:
+    """The model takes no new jobs until loaded; those accepted run as ever (admin keys)."""
+    _parsed(oip.parse_unload_request, await request.body())
+    return JSONResponse(await run_in_threadpool(_unload, request, client, model))
+
+
+def _parsed(parse: Callable[[bytes], Parsed], body: bytes) -> Parsed:
+    try:
+        return parse(body)
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+
+
+def _index(request: Request, client: Any) -> list[dict[str, str]]:
+    catalog: dict[str, ModelSpec] = request.app.state.catalog
+    repository = request.app.state.versions.models()
+    entries = []
+    for name in sorted(set(catalog) | set(repository)):
+        spec = catalog.get(name)
+        if spec is None:
+            entries += oip.unserved_entries(name, sorted(repository[name].versions))
+        else:
+            entries += _entries(request, client, spec)
+    return entries
+
+
+def _entries(request: Request, client: Any, spec: ModelSpec) -> list[dict[str, str]]:
+    live = request.app.state.versions
+    settings: Settings = request.app.state.settings
+    known, active = live.of(spec)
+    states = version_states(client, settings.key_prefix, spec.name)
+    return oip.repository_entries(spec.name, known, active, states, live.unloaded(spec.name))
+
+
+def _served(request: Request, model: str) -> tuple[ModelSpec, ModelConfig]:
+    """The model load and unload act on: 404 if the repository has none of that name, 400
+    if the API does not serve it."""
+    state = request.app.state
+    if model not in state.catalog and model in state.versions.models():
+        message = f"model {model!r} is in the repository but not served: {oip.UNSERVED}"
+        raise ApiError(400, "invalid_request", message)
+    return services.served_model(state.catalog, state.versions, model)
+
+
+def _load(request: Request, client: Any, model: str, version: int | None) -> list[dict[str, str]]:
+    state = request.app.state
+    spec, config = _served(request, model)
+    with state.sessions() as session:
+        if version is not None:
+            # A version it refuses is a 400 here, before the model takes jobs again.
+            services.activate_version(session, config, version)
+        load(session, model)
+    state.versions.forget()
+    log.info("model loaded", extra={"model": model, "version": version})
+    return _entries(request, client, spec)
+
+
+def _unload(request: Request, client: Any, model: str) -> list[dict[str, str]]:
+    state = request.app.state
+    spec, _ = _served(request, model)
+    with state.sessions() as session:
+        unload(session, model)
+    state.versions.forget()
+    log.info("model unloaded", extra={"model": model})
+    return _entries(request, client, spec)
+
+
 def _spec(
-    request: Request, model: str, version: int | None
+    request: Request, model: str, version: int | None, taking_jobs: bool = False
 ) -> tuple[ModelSpec, tuple[int, ...], int]:
-    """The model, its versions and the one that would serve it; 404 for an unknown model."""
+    """The model, its versions and the one that would serve it; 404 for an unknown model
+    (``taking_jobs``: 400 for one an operator unloaded)."""
     state = request.app.state
     try:
-        spec, _ = services.resolve_model(state.catalog, model, version, state.versions)
+        spec, _ = services.resolve_model(
+            state.catalog, model, version, state.versions, taking_jobs=taking_jobs
+        )
     except services.UnknownModel as exc:
         raise ApiError(404, "not_found", exc.message) from exc
     known, active = state.versions.of(spec)
@@ -208,6 +382,9 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
     """200 when a live worker serves the model's active version; 400 (the protocol's 4xx
     for false) otherwise, saying why."""
     spec, _, active = _spec(request, model, version)
+    if request.app.state.versions.unloaded(spec.name):
+        why = "it is unloaded (it takes no new jobs until an operator loads it)"
+        return JSONResponse({"error": f"model {spec.name!r} is not ready: {why}"}, 400)
     settings: Settings = request.app.state.settings
     state = version_states(client, settings.key_prefix, spec.name).get(active)
     if state is not None and state.state == "ready":
@@ -219,7 +396,7 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
 async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
     state = request.app.state
     settings: Settings = state.settings
-    spec, _, active = _spec(request, model, version)
+    spec, _, active = _spec(request, model, version, taking_jobs=True)
     try:
         parsed = oip.parse_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
         oip.check_outputs(spec, parsed)  # before any job is made, not after they ran

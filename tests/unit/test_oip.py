@@ -12,6 +12,7 @@ from api import oip
 from core.catalog import ModelSpec
 from core.inputs import TensorInputSpec, input_spec
 from core.repository import CostConfig, EmbeddingsConfig, TensorSpec
+from core.versions import VersionState
 from scheduler.vocabulary import Lane
 from tests.models import shipped
 
@@ -272,3 +273,83 @@ def test_an_id_or_timeout_ferry_cannot_keep_is_refused_by_the_parser() -> None:
     )
     with pytest.raises(oip.ProtocolError, match=r"parameters\.timeout: at most"):
         oip.lane_and_deadline({"timeout": 10**15})
+
+
+def test_repository_requests_may_be_empty_and_take_only_their_fields() -> None:
+    assert oip.parse_index_request(b"") is False
+    assert oip.parse_index_request(b"{}") is False
+    assert oip.parse_index_request(b'{"ready": true}') is True
+    assert oip.parse_load_request(b"") is None
+    assert oip.parse_load_request(b"{}") is None  # tritonclient's load_model sends this
+    assert oip.parse_load_request(b'{"parameters": {"version": 2}}') == 2
+    unload = b'{"parameters": {"unload_dependents": false}}'  # and its unload_model this
+    oip.parse_unload_request(unload)
+    oip.parse_unload_request(b"")
+
+
+@pytest.mark.parametrize(
+    ("parse", "raw", "message"),
+    [
+        (oip.parse_index_request, b"{", "the request is not valid JSON"),
+        (oip.parse_index_request, b"[]", "the request must be a JSON object"),
+        (oip.parse_index_request, b'{"ready": "yes"}', "ready must be true or false"),
+        (oip.parse_index_request, b'{"repository_name": ""}',
+         "repository_name: not a field of this request (it takes: ready)"),
+        (oip.parse_load_request, b'{"parameters": []}', "parameters must be an object"),
+        (oip.parse_load_request, b'{"parameters": {"version": "2"}}',
+         "parameters.version must be an integer"),
+        (oip.parse_load_request, b'{"parameters": {"version": true}}',
+         "parameters.version must be an integer"),
+        (oip.parse_load_request, b'{"parameters": {"version": 0}}',
+         "parameters.version must be a version number (1 or more)"),
+        (oip.parse_load_request, b'{"parameters": {"config": "{}"}}',
+         "parameters.config: Ferry serves the models of its repository as they are"),
+        (oip.parse_load_request, b'{"parameters": {"file:1/model.onnx": "AA=="}}',
+         "parameters.file:1/model.onnx: Ferry serves the models of its repository"),
+        (oip.parse_load_request, b'{"parameters": {"priority": 1}}',
+         "parameters.priority: not a parameter of load (it takes: version)"),
+        (oip.parse_load_request, b'{"version": 2}',
+         "version: not a field of this request (it takes: parameters)"),
+        (oip.parse_unload_request, b'{"parameters": {"unload_dependents": 1}}',
+         "parameters.unload_dependents must be true or false"),
+        (oip.parse_unload_request, b'{"parameters": {"version": 1}}',
+         "parameters.version: not a parameter of unload (it takes: unload_dependents)"),
+    ],
+)  # fmt: skip
+def test_a_bad_repository_request_is_refused_naming_the_field(
+    parse: Any, raw: bytes, message: str
+) -> None:
+    with pytest.raises(oip.ProtocolError) as caught:
+        parse(raw)
+    assert caught.value.message.startswith(message) and caught.value.status == 400
+
+
+def test_the_index_says_each_versions_state_and_why() -> None:
+    def index(active: int, unloaded: bool = False, **states: VersionState) -> list[tuple[str, ...]]:
+        reported = {int(v.removeprefix("v")): s for v, s in states.items()}
+        entries = oip.repository_entries("m", [1, 2, 3], active, reported, unloaded)
+        assert [(e["name"], e["version"]) for e in entries] == [("m", "1"), ("m", "2"), ("m", "3")]
+        return [(e["state"], e["reason"]) for e in entries]
+
+    ready, draining = VersionState("ready", None, 2), VersionState("draining", None, 1)
+    failed = VersionState("failed", "out of memory", 1)
+    assert index(2, v1=draining, v2=ready, v3=failed) == [
+        ("UNLOADING", "no longer the active version (2 is); its jobs finish"),
+        ("READY", ""),
+        ("UNAVAILABLE", "not the active version (2 is); it failed to load: out of memory"),
+    ]
+    assert index(3, v2=ready, v3=VersionState("loading"))[1:] == [
+        ("UNAVAILABLE", "not the active version (3 is)"),
+        ("LOADING", ""),
+    ]
+    assert index(3, v3=failed)[2] == ("UNAVAILABLE", "failed to load: out of memory")
+    assert index(1)[0] == (
+        "UNAVAILABLE", "no live worker serves it (its jobs wait in the queue for one)"
+    )  # fmt: skip
+    # Unloaded: no version is available, whatever the workers say.
+    assert {s for s, _ in index(2, unloaded=True, v2=ready)} == {"UNAVAILABLE"}
+    assert index(2, unloaded=True, v2=ready)[1][1].startswith("unloaded: ")
+    assert oip.unserved_entries("broken", [1]) == [
+        {"name": "broken", "version": "1", "state": "UNAVAILABLE",
+         "reason": f"not served: {oip.UNSERVED}"},
+    ]  # fmt: skip

@@ -1,0 +1,28 @@
+"""Models an operator unloaded: they take no new jobs until loaded again.
+
+Revision ID: 0010
+Revises: 0009
+Create Date: 2026-12-04
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+from core.db import UTCDateTime
+
+revision = "0010"
+down_revision = "0009"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "model_unloads",
+        sa.Column("model", sa.String(64), primary_key=True),
+        sa.Column("unloaded_at", UTCDateTime(), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("model_unloads")
