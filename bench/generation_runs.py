@@ -108,6 +108,9 @@ class WatchedRunner:
     def holds(self, id: str) -> bool:
         return bool(self.runner.holds(id))
 
+    def reset(self, id: str) -> None:
+        self.runner.reset(id)
+
     def pop(self, id: str, reason: FinishReason) -> Completion:
         completion: Completion = self.runner.pop(id, reason)
         return completion

@@ -32,6 +32,11 @@ applies them:
 5. A waiting request not admitted whose deadline comes before this step is
    predicted to end expires: its first step could not start in time.
 
+A sequence that was in a step the runtime failed (:meth:`GenerationScheduler.abort`)
+runs *alone* from then on: it is admitted only onto an empty running batch,
+and nothing is admitted beside it until it ends, so that a step that fails
+again has one culprit (the encoders' isolation, for generation).
+
 A preempted sequence loses its KV but keeps what it generated: it returns to
 the front of its lane, is *resumed* (not admitted again) and then prefills
 its prompt and generated tokens before it decodes again.
@@ -40,7 +45,7 @@ its prompt and generated tokens before it decodes again.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -292,7 +297,14 @@ class GenerationScheduler:
             len(self._running) < self.limits.max_running
             and self.limits.blocks_for(sequence.request.total_tokens) <= self._pool.free
             and self._chunk_length(sequence, draft.budget) > 0
+            and not self._kept_apart(sequence, self._running.values())
         )
+
+    @staticmethod
+    def _kept_apart(sequence: SequenceState, running: Iterable[SequenceState]) -> bool:
+        """Whether ``sequence`` may not join ``running``: one of them must run alone."""
+        others = [s for s in running if s.id != sequence.id]
+        return bool(others) and (sequence.alone or any(s.alone for s in others))
 
     def _evict_for(self, sequence: SequenceState, draft: _Draft) -> bool:
         """Preempt lower lanes until ``sequence`` fits, if evicting all of them would make it
@@ -306,6 +318,9 @@ class GenerationScheduler:
             # step could never be resumed.
             and (limits.prefill_chunk_tokens > 0 or s.known <= limits.step_tokens)
         ]
+        evicted = {s.id for s in victims}
+        if self._kept_apart(sequence, [s for s in self._running.values() if s.id not in evicted]):
+            return False  # what must stay running cannot run beside it
         blocks = self._pool.free + sum(len(s.blocks) for s in victims)
         slots = limits.max_running - len(self._running) + len(victims)
         budget = draft.budget + sum(1 for s in victims if s.id in draft.decoders)
@@ -359,6 +374,34 @@ class GenerationScheduler:
             self._ended[sequence.id] = reason
 
     # --- what the runtime reports ------------------------------------------------
+
+    def abort(self, plan: StepPlan) -> tuple[str, ...]:
+        """The runtime raised executing ``plan`` (the last :meth:`schedule`'s): nothing the
+        step computed is kept.
+
+        Each sequence it computed loses its KV (the tokens it generated before
+        stay), waits again at the head of its lane, as a preempted one does,
+        and runs alone from now on. One cancelled meanwhile ends ``cancelled``
+        instead. Returns the sequences the step computed, in the plan's order;
+        the runtime must forget their KV (:meth:`StepRunner.reset`).
+        """
+        if plan is not self._pending:
+            raise ValueError("abort takes the plan the last schedule returned, once")
+        self._pending = None
+        computed = tuple(dict.fromkeys([c.id for c in plan.prefill] + list(plan.decode)))
+        for id in computed:
+            sequence = self._running[id]
+            if sequence.cancelled:
+                self._drop(sequence, FinishReason.CANCELLED)
+                continue
+            self._pool.give_back(sequence.id, sequence.blocks)
+            sequence.blocks = ()
+            sequence.computed = 0
+            sequence.prefilling = True
+            sequence.alone = True
+            del self._running[id]
+            self._waiting.add(sequence)
+        return computed
 
     def update_from_output(self, plan: StepPlan, output: StepOutput, now: float) -> None:
         """Apply what the runtime did with ``plan`` (the one the last :meth:`schedule`

@@ -84,6 +84,7 @@ class SequenceState:
     admitted_at: int = NEVER
     first_admitted: int = NEVER
     cancelled: bool = False
+    alone: bool = False
 
     @property
     def id(self) -> str:

@@ -120,6 +120,12 @@ class StepRuntime:
     def holds(self, id: str) -> bool:
         return id in self._sequences
 
+    def reset(self, id: str) -> None:
+        """A step that raised: forget ``id``'s KV (its tokens stay; it prefills them again)."""
+        sequence = self._sequences[id]
+        sequence.table = []
+        sequence.table_tensor = None
+
     def tokens(self, id: str) -> tuple[int, ...]:
         """What ``id`` has generated so far."""
         return tuple(self._sequences[id].generated)
@@ -187,12 +193,16 @@ class StepRuntime:
                 logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
                 **{paged.STEP_KWARG: layout},
             ).logits[0]
+        # Every token is chosen before any is kept: a sampler that raises (logits
+        # gone NaN) leaves every sequence as it was, for the step to be run again.
+        chosen = [
+            self._sequences[id].sampler.choose(logits[row]) for row, id in enumerate(sampled_by)
+        ]
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}
-        for row, id in enumerate(sampled_by):
+        for id, token in zip(sampled_by, chosen, strict=True):
             sequence = self._sequences[id]
-            token = sequence.sampler.choose(logits[row])
             sampled[id] = token
             sequence.tokens.append(token)
             sequence.generated.append(token)

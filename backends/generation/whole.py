@@ -56,6 +56,10 @@ class WholeRuntime:
     def holds(self, id: str) -> bool:
         return id in self._jobs or id in self._done
 
+    def reset(self, id: str) -> None:
+        """A step that raised: forget what it generated for ``id`` (it runs again whole)."""
+        self._done.pop(id, None)
+
     def tokens(self, id: str) -> tuple[int, ...]:
         done = self._done.get(id)
         return done.token_ids if done else ()

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from backends.generation.load import eos_ids
+from backends.generation.runtime import StepRuntime
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.settings import Settings
@@ -131,6 +132,54 @@ def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
         assert [e.token for e in tokens] == expected
         assert "".join(e.text or "" for e in tokens) == output["text"]
         assert seen[-1] == JobEvent.done("succeeded", output["finish_reason"])
+
+
+def test_a_step_that_raises_fails_only_the_job_at_fault_and_the_others_resume(
+    gen_client: TestClient,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+    gen_settings: Settings,
+) -> None:
+    tokenizer = lm_folder("llama") / "tokenizer.json"
+    expected = [reference(prompt_token_ids({"prompt": p}, tokenizer), 12) for p in PROMPTS]
+    ids = [submit(gen_client, auth, prompt=p, max_tokens=12, temperature=0) for p in PROMPTS]
+    # The job at fault: the one that decodes longest, so that the others have
+    # tokens of their own when the steps it is in raise.
+    poison = ids[max(range(len(ids)), key=lambda i: len(expected[i]))]
+    running = worker()
+    runtime = running.loop.engine.runtime
+    assert isinstance(runtime, StepRuntime)  # the llama folder is stepped natively
+    execute = runtime.execute
+    failed_steps: list[int] = []
+
+    def poisoned(plan: Any) -> Any:
+        computing = {c.id for c in plan.prefill} | set(plan.decode)
+        if poison in computing and runtime.tokens(poison):  # from its first decode on
+            failed_steps.append(len(computing))
+            raise RuntimeError("a poisoned input")
+        return execute(plan)
+
+    runtime.execute = poisoned  # type: ignore[method-assign]
+    with running:
+        jobs = {job_id: result(gen_client, auth, job_id) for job_id in ids}
+    assert jobs[poison]["status"] == "failed"
+    assert "RuntimeError: a poisoned input" in jobs[poison]["error"]
+    # It raised beside the others first, then alone: only then did it fail.
+    assert failed_steps[0] > 1 and failed_steps[-1] == 1, failed_steps
+    for job_id, tokens in zip(ids, expected, strict=True):
+        seen = events(rclient, gen_settings, job_id)
+        assert [e for e in seen if e == JobEvent.running()] == [JobEvent.running()]  # claimed once
+        if job_id == poison:
+            assert seen[-1] == JobEvent.done("failed", None)
+            continue
+        job = jobs[job_id]
+        assert job["status"] == "succeeded", job
+        # Resumed from the tokens it had: the library's tokens, each streamed once.
+        assert job["output"]["token_ids"] == tokens
+        streamed = [e for e in seen if e.kind == "token"]
+        assert [e.index for e in streamed] == list(range(len(tokens)))
+        assert [e.token for e in streamed] == tokens
 
 
 def test_cancelling_a_running_job_keeps_its_tokens_and_lets_a_waiting_one_start(

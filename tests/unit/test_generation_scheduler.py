@@ -414,6 +414,63 @@ def test_a_sequence_finished_by_the_runtime_leaves_at_once_and_is_not_ended_agai
     assert later.empty and later.released == () and later.ended == {}
 
 
+def test_a_failed_step_keeps_nothing_and_its_sequences_then_run_one_at_a_time() -> None:
+    scheduler = make()
+    run(scheduler, (Step(add=(req("a", max_tokens=6), req("b", max_tokens=6))),))
+    scheduler.add(req("c", max_tokens=2))
+    plan = scheduler.schedule(1.0)  # a and b decode, c is admitted: then the runtime raises
+    assert set(plan.sampling) == {"a", "b", "c"}
+    assert scheduler.abort(plan) == ("c", "a", "b")  # prefill first, then decodes
+    assert scheduler.blocks_free == 64 and scheduler.running_count == 0
+    with pytest.raises(ValueError, match="once"):
+        scheduler.abort(plan)
+    # Each resumes alone (from the tokens it had: a and b generated one each);
+    # nothing, not even a new request, is admitted beside it.
+    scheduler.add(req("d"))
+    alone = []
+    for step in range(40):
+        plan = scheduler.schedule(2.0 + step)
+        running = {c.id for c in plan.prefill} | set(plan.decode)
+        if running & {"a", "b", "c"}:
+            assert len(running) == 1, plan
+            alone.append(next(iter(running)))
+        output = StepOutput({id: 1 for id in plan.sampling}, {}, 0.01)
+        scheduler.update_from_output(plan, output, 2.01 + step)
+        if not scheduler.running_count and not scheduler.waiting_count:
+            break
+    # Resumed in their first admission's order, each to its end before the next.
+    assert [k for i, k in enumerate(alone) if i == 0 or alone[i - 1] != k] == ["a", "b", "c"]
+    resumed = [k for k in ("a", "b") if alone.count(k)]
+    assert resumed == ["a", "b"]
+    # Each had 5 tokens left: the resuming prefill samples the first, 4 decodes the rest.
+    assert alone.count("a") == 5 and alone.count("b") == 5
+    assert scheduler.state_of("d") is None  # then d ran, with nobody alone left
+
+
+def test_nothing_joins_a_sequence_running_alone_and_an_urgent_one_preempts_it_instead() -> None:
+    scheduler = make()  # room for all: only the rule keeps them apart
+    scheduler.add(req("b", lane=B, max_tokens=8))
+    scheduler.abort(scheduler.schedule(0.0))
+    run(scheduler, (Step(now=1.0),))
+    plan = run(scheduler, (Step(now=2.0, add=(req("n"),)),))
+    assert plan.decode == ("b",) and plan.prefill == () and scheduler.state_of("n") == "waiting"
+    plan = run(scheduler, (Step(now=3.0, add=(req("u", lane=U),)),))
+    # b waits again, alone, behind the normal lane (n, no suspect, may run beside u).
+    assert plan.preempted == ("b",) and plan.admitted == ("u", "n") and plan.decode == ()
+    assert scheduler.state_of("b") == "waiting"
+
+
+def test_a_sequence_cancelled_during_a_failed_step_ends_cancelled() -> None:
+    scheduler = make()
+    run(scheduler, (Step(add=(req("a", max_tokens=6), req("b", max_tokens=6))),))
+    plan = scheduler.schedule(1.0)
+    assert scheduler.cancel("a")
+    assert scheduler.abort(plan) == ("a", "b")
+    later = scheduler.schedule(2.0)
+    assert later.released == ("a",) and later.ended == {"a": CANCELLED}
+    assert later.resumed == ("b",)
+
+
 def test_the_output_must_answer_the_plan() -> None:
     scheduler = make()
     scheduler.add(req("a"))

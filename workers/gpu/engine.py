@@ -30,6 +30,8 @@ class StepRunner(Protocol):
 
     def holds(self, id: str) -> bool: ...
 
+    def reset(self, id: str) -> None: ...
+
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def pop(self, id: str, reason: FinishReason) -> Completion: ...
@@ -44,6 +46,8 @@ class StepEvents:
     step, with its result: finished (stop, length), cancelled, or expired
     (never ran: no tokens). ``plan``: the scheduler's decision, for
     observers. ``step_s``: the device's time for it (0 when nothing ran).
+    ``aborted``: the runtime raised (``error``), and the sequences it
+    computed wait again, each to run alone (nothing of the step is kept).
     """
 
     plan: StepPlan
@@ -51,6 +55,8 @@ class StepEvents:
     emitted: Mapping[str, Emitted] = field(default_factory=dict)
     ended: Mapping[str, Completion] = field(default_factory=dict)
     step_s: float = 0.0
+    aborted: tuple[str, ...] = ()
+    error: Exception | None = None
 
     @property
     def idle(self) -> bool:
@@ -86,22 +92,36 @@ class GenerationEngine:
         """The runtime runs the plan (nothing for a plan that computes nothing)."""
         return self.runtime.execute(plan)
 
+    def abort(self, plan: StepPlan, error: Exception) -> StepEvents:
+        """The runtime raised ``error`` executing ``plan``: the sequences it computed lose
+        their KV, wait again and run alone from now on (:meth:`GenerationScheduler.abort`);
+        what the plan ended before it ran (cancelled, expired) still ends."""
+        computed = self.scheduler.abort(plan)
+        for id in computed:
+            if self.runtime.holds(id):
+                self.runtime.reset(id)
+        return StepEvents(plan=plan, ended=self._ended(plan, {}), aborted=computed, error=error)
+
     def update_from_output(self, plan: StepPlan, result: StepResult, now: float) -> StepEvents:
         """Report what the step computed to the scheduler (``now``: when the step began);
         the step's events, with every ended job's result taken from the runtime."""
         self.scheduler.update_from_output(plan, result.output, now + result.output.step_s)
+        return StepEvents(
+            plan=plan,
+            admitted=plan.admitted,
+            emitted=result.emitted,
+            ended=self._ended(plan, result.output.finished),
+            step_s=result.output.step_s if not plan.empty else 0.0,
+        )
+
+    def _ended(self, plan: StepPlan, finished: Mapping[str, FinishReason]) -> dict[str, Completion]:
+        """Every job the step ended, its result taken from the runtime."""
         ended: dict[str, Completion] = {}
         for id, reason in plan.ended.items():
             if self.runtime.holds(id):
                 ended[id] = self.runtime.pop(id, reason)
         for id in plan.expired:
             ended[id] = self.runtime.pop(id, FinishReason.EXPIRED)
-        for id, reason in result.output.finished.items():
+        for id, reason in finished.items():
             ended[id] = self.runtime.pop(id, reason)
-        return StepEvents(
-            plan=plan,
-            admitted=plan.admitted,
-            emitted=result.emitted,
-            ended=ended,
-            step_s=result.output.step_s if not plan.empty else 0.0,
-        )
+        return ended

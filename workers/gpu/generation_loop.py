@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import torch
 from sqlalchemy import select
 
 from backends.generation.runtime import Completion, GenerationInput, StepResult
 from backends.generation.sampling import SamplingParams
+from backends.torch_runtime import check_device
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
@@ -86,7 +88,7 @@ class GenerationStep:
     now: float
 
 
-class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
+class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEvents]):
     """One worker of a generation model: ``engine`` steps what ``consumer`` reads."""
 
     def __init__(
@@ -116,6 +118,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
         self.config = config
         self.kick = kick
         self.held: dict[str, _Held] = {}
+        # Jobs that failed a step alone, with why: they end failed at the next step.
+        self._failed: dict[str, str] = {}
         self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer)
         self.tokens = 0
         self._last_touch = time.monotonic()
@@ -153,6 +157,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
             # The cancellations take effect (blocks freed, sequences dropped).
             self.engine.step(self.clock())
         self.held.clear()
+        self._failed.clear()
         self.consumer.reread_pending()
 
     # --- a step ----------------------------------------------------------------
@@ -174,11 +179,47 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
         if step.plan.admitted:
             self._claim(list(step.plan.admitted), step.now)
 
-    def execute(self, step: GenerationStep) -> StepResult:
-        return self.engine.execute(step.plan)
+    def execute(self, step: GenerationStep) -> StepResult | Exception:
+        """The step run by the runtime, or what it raised (its sequences are then isolated)."""
+        try:
+            return self.engine.execute(step.plan)
+        except Exception as exc:
+            if self.device.startswith("cuda"):
+                check_device(torch, self.device, exc)  # DeviceLost: the worker stops
+            return exc
 
-    def update_from_output(self, step: GenerationStep, output: StepResult) -> StepEvents:
+    def update_from_output(
+        self, step: GenerationStep, output: StepResult | Exception
+    ) -> StepEvents:
+        if isinstance(output, Exception):
+            events = self.engine.abort(step.plan, output)
+            self._isolate(events.aborted, output)
+            return events
         return self.engine.update_from_output(step.plan, output, step.now)
+
+    def _isolate(self, aborted: tuple[str, ...], error: Exception) -> None:
+        """A step raised: run each of its sequences again alone, and fail one that raised alone.
+
+        As for an encoder batch that raises, only the jobs at fault fail: a
+        step of several sequences proves nothing against any one of them, so
+        each runs again with nothing beside it (from the tokens it had); a
+        step of one sequence that raises fails its job.
+        """
+        if len(aborted) == 1:
+            (job_id,) = aborted
+            why = (str(error) or type(error).__name__).splitlines()[0][:500]
+            self._failed[job_id] = f"the model failed on it ({type(error).__name__}: {why})"
+            self.engine.cancel(job_id)  # ends at the next step, recorded as failed
+            log.error(
+                "a generation failed on its own; the job fails",
+                extra={"model": self.model, "job_id": job_id, "error_type": type(error).__name__},
+            )
+        else:
+            log.warning(
+                "a generation step failed; its sequences run again, each alone",
+                extra={"model": self.model, "sequences": len(aborted),
+                       "error_type": type(error).__name__},
+            )  # fmt: skip
 
     def apply(self, events: StepEvents) -> None:
         self._apply(events)
@@ -331,6 +372,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult, StepEvents]):
             return None
         reason = completion.finish_reason
         lane = held.entry.message.lane
+        failure = self._failed.pop(job_id, None)
+        if failure is not None:
+            self.signals.job_ended(lane, "failed", 0, {})
+            return Outcome(job_id, "failed", error=failure)
         if reason == FinishReason.EXPIRED or not held.claimed:
             self.signals.job_ended(lane, str(reason), 0, {})
         if reason == FinishReason.EXPIRED:

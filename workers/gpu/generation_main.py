@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from backends.base import DeviceLost
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
 from core.broker import celery_for_events
@@ -21,6 +22,7 @@ from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.engine import GenerationEngine
 from workers.gpu.generation_loop import GenerationConfig, GenerationLoop
 from workers.gpu.generation_signals import GenerationSignals
+from workers.gpu.main import DEVICE_LOST_EXIT_CODE
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 from workers.gpu.worker_loop import worker_redis
@@ -116,6 +118,14 @@ def run_generation_worker(
     stop = stop_on_signals(loop.request_stop, "stopping")
     try:
         loop.run(stop)
+    except DeviceLost as exc:
+        # As an encoder's worker: what it held runs again, here after the
+        # supervisor's restart (a fresh CUDA context) or on another worker.
+        log.critical(
+            "device lost; the worker exits to be started again",
+            extra={"model": model, "device": loop.device, "error": str(exc)},
+        )
+        return DEVICE_LOST_EXIT_CODE
     finally:
         if control is not None:
             control.stop()

@@ -112,7 +112,7 @@ class GenerationSignals:
 
     def stepped(self, events: StepEvents, scheduler: GenerationScheduler) -> None:
         """After every engine step (idle ones too: the gauges and the hash stay current)."""
-        if not events.idle:
+        if not events.idle and not events.aborted:
             self._steps.inc()
             self._step_s.observe(events.step_s)
             if events.emitted:
