@@ -121,8 +121,9 @@ def start_worker(settings: Settings, name: str = "gen-worker") -> Worker:
 
 def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
     body: dict[str, Any] = {"model": MODEL, "input": input}
-    if "priority" in input:
-        body["priority"] = input.pop("priority")
+    for field in ("priority", "version"):  # the job's own fields, not its input's
+        if field in input:
+            body[field] = input.pop(field)
     response = client.post("/v1/jobs", json=body, headers=auth)
     assert response.status_code == 202, response.text
     return str(response.json()["id"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from workers.gpu.generation_signals import GenerationSignals
 from workers.gpu.learned import Publisher
 from workers.gpu.recorder import Outcome, Recorder
 from workers.gpu.recording import utc_at
+from workers.gpu.versions import Loaded, VersionManager
 from workers.gpu.worker_loop import OUTAGES, WorkerLoop
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,16 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class GenerationServing:
+    """What one version of a generation model serves with: its engine, tokenizer and signals."""
+
+    engine: GenerationEngine
+    tokenizer_path: Path
+    signals: GenerationSignals
+    device: str
+
+
+@dataclass(frozen=True)
 class GenerationStep:
     """A step's plan, and when it was scheduled (what the engine's reports are timed from)."""
 
@@ -94,27 +106,21 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     def __init__(
         self,
         *,
-        engine: GenerationEngine,
-        tokenizer_path: Path,
+        serving: GenerationServing,
         consumer: StreamConsumer,
         recorder: Recorder,
-        signals: GenerationSignals,
         client: redis.Redis,
         prefix: str,
-        device: str,
         config: GenerationConfig = GenerationConfig(),
         kick: Callable[[list[str]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(clock)
-        self.engine = engine
-        self.tokenizer_path = tokenizer_path
+        self.serving = serving
         self.consumer = consumer
         self.recorder = recorder
-        self.signals = signals
         self.client = client
         self.prefix = prefix
-        self.device = device
         self.config = config
         self.kick = kick
         self.held: dict[str, _Held] = {}
@@ -125,6 +131,38 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self._last_touch = time.monotonic()
         self._last_cancel_check = 0.0
         self._stopping = False
+        # Hot reload: when set, the loop switches to the versions it loads.
+        self.versions: VersionManager | None = None
+        # A version loaded and waiting for the old one's sequences to finish.
+        self._switching: Loaded | None = None
+        # The event that stops run() (set by the process; a restart for a version sets it).
+        self.stop_event: threading.Event | None = None
+
+    @property
+    def engine(self) -> GenerationEngine:
+        return self.serving.engine
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.serving.tokenizer_path
+
+    @property
+    def signals(self) -> GenerationSignals:
+        return self.serving.signals
+
+    @property
+    def device(self) -> str:
+        return self.serving.device
+
+    @property
+    def version(self) -> int | None:
+        """The version new jobs start on."""
+        return self.recorder.model_version
+
+    @property
+    def switching_to(self) -> int | None:
+        """A version loaded and waiting for the old one's sequences to end (None: none)."""
+        return None if self._switching is None else self._switching.version
 
     @property
     def held_count(self) -> int:
@@ -132,6 +170,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
 
     def request_stop(self) -> None:
         self._stopping = True
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     # --- running ---------------------------------------------------------------
 
@@ -147,8 +187,14 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             while self.engine.scheduler.running_count and time.monotonic() < ends:
                 self.step()
 
+    def begin(self) -> None:
+        if self.versions is not None:
+            self.versions.start()
+
     def close(self) -> None:
-        """Nothing is in flight between steps: each step records what it ended."""
+        """Nothing is in flight between steps (each step records what it ended)."""
+        if self.versions is not None:
+            self.versions.stop()
 
     def forget(self) -> None:
         for job_id in list(self.held):
@@ -165,9 +211,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     def upkeep(self) -> None:
         self.publisher.heartbeat()
         self._upkeep()
+        self._follow_version()
 
     def read(self, block_ms: int | None) -> None:
-        if not self._stopping:
+        if not self._stopping and self._switching is None:
             self._read(block_ms)
 
     def schedule(self, now: float) -> GenerationStep:
@@ -268,6 +315,21 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             if value is None:
                 continue
             message = entry.message
+            pin = message.version
+            if pin is not None and pin != self.version:
+                if self._loading(pin):
+                    continue  # read again once that version serves (or its load failed)
+                active = self.versions.wanted if self.versions is not None else self.version
+                refused.append(
+                    Outcome(
+                        message.job_id,
+                        "failed",
+                        error=f"version {pin} of {self.model} is not served now "
+                        f"(the active version is {active}; serving {self.version})",
+                    )
+                )
+                self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
+                continue
             try:
                 job = generation_input(value, self.tokenizer_path)
                 request = GenerationRequest(
@@ -299,8 +361,68 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.engine.cancel(entry.message.job_id)
             self.held.pop(entry.message.job_id, None)
         room = self.config.prefetch - len(self.held)
-        if room > 0:
+        if room > 0 and self._switching is None:
             self._take(self.consumer.reclaim(int(self.config.visibility_timeout_s * 1000), room))
+
+    # --- versions ------------------------------------------------------------------
+
+    def _follow_version(self) -> None:
+        """Switch to a version the manager loaded, once the old one's sequences are done.
+
+        A generation belongs to the version that started it: its tokens and KV
+        are that model's. Once another version is loaded, the old one admits
+        nothing new (the jobs waiting that never started are let go, to be read
+        again), runs what it started to the end, and then the new one takes
+        over; a job records the version that ran it.
+        """
+        if self.versions is None:
+            return
+        loaded = self.versions.poll()
+        if loaded is not None:
+            if self._switching is not None:
+                self.versions.unloaded(self._switching)  # superseded before it served
+            self._switching = loaded
+            self._let_go_unstarted()
+        elif (
+            self.versions.restart_for is not None
+            and not self.restart_requested
+            and self.versions.take_restart_turn()
+        ):
+            log.info(
+                "restarting to load another version alone",
+                extra={"model": self.model, "version": self.versions.restart_for},
+            )
+            self.restart_requested = True
+            self.request_stop()  # what runs finishes first (finish_running)
+        scheduler = self.engine.scheduler
+        if self._switching is not None and not scheduler.running_count:
+            if scheduler.waiting_count:
+                self._let_go_unstarted()  # preempted ones resume on the old version first
+            if not scheduler.waiting_count:
+                self._switch(self._switching)
+
+    def _loading(self, version: int) -> bool:
+        """Whether ``version`` is the one this worker is loading (a job pinned to it waits)."""
+        manager = self.versions
+        return manager is not None and version == manager.wanted and not manager.failed(version)
+
+    def _let_go_unstarted(self) -> None:
+        """Jobs held and never started leave the old engine, unacknowledged (read again later)."""
+        for job_id, held in list(self.held.items()):
+            if not held.claimed and self.engine.scheduler.state_of(job_id) == "waiting":
+                self.engine.cancel(job_id)
+                del self.held[job_id]  # its cancellation ends with nothing recorded
+
+    def _switch(self, loaded: Loaded) -> None:
+        assert self.versions is not None
+        self._switching = None
+        # The old engine goes with what it still holds: only the jobs let go, none started.
+        self.serving = loaded.prepared
+        self.recorder.model_version = loaded.version
+        old = self.versions.switched(loaded)
+        self.versions.unloaded(old)
+        # What was let go is read again, now onto the new version.
+        self.consumer.reread_pending()
 
     def _cancels(self) -> None:
         now = time.monotonic()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
-from backends.base import DeviceLost
+import redis
+
+from backends.base import DeviceLost, Runtime
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
 from core.broker import celery_for_events
@@ -20,14 +22,57 @@ from scheduler.generation import GenerationScheduler
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.engine import GenerationEngine
-from workers.gpu.generation_loop import GenerationConfig, GenerationLoop
+from workers.gpu.generation_loop import GenerationConfig, GenerationLoop, GenerationServing
 from workers.gpu.generation_signals import GenerationSignals
-from workers.gpu.main import DEVICE_LOST_EXIT_CODE
+from workers.gpu.main import DEVICE_LOST_EXIT_CODE, read_model
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
+from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager
 from workers.gpu.worker_loop import worker_redis
 
 log = logging.getLogger(__name__)
+
+
+def load_generation(
+    base: Settings, config: ModelConfig, version: int, device: str | None, client: redis.Redis
+) -> Loaded:
+    """``version`` of a generation model loaded, with its engine, tokenizer and signals.
+
+    ValueError when the version cannot serve generation (another backend, no
+    tokenizer): a version activated later then fails to load and never serves.
+    """
+    own = base.for_model(config.name, config.settings)
+    runtime = load_runtime(config, own, version, device=device)
+    if not isinstance(runtime, CausalLMRuntime):
+        raise ValueError(f"{config.name}: a generation input needs the causal-lm backend")
+    tokenizer = config.tokenizer_path(version)
+    if tokenizer is None:
+        raise ValueError(f"{config.name}: a generation model needs input.tokenizer")
+    log.info(
+        "generation model loaded",
+        extra={
+            "model": config.name,
+            "version": version,
+            "execution": runtime.execution,
+            "why": runtime.why,
+            "kv_blocks": runtime.limits.kv_blocks,
+            "bytes_per_block": runtime.bytes_per_block,
+        },
+    )
+    signals = GenerationSignals(
+        client, own.key_prefix, config.name, runtime.limits,
+        "step" if runtime.execution == "step" else "generate", runtime.why or "",
+        runtime.bytes_per_block,
+    )  # fmt: skip
+    serving = GenerationServing(
+        GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner),
+        tokenizer,
+        signals,
+        runtime.device,
+    )
+    # The version manager keeps what the loop runs in ``prepared``; a generation model's
+    # runtime is not an encoder's (the loop never reads ``runtime`` here).
+    return Loaded(version, cast(Runtime, runtime), serving)
 
 
 def build_generation_loop(
@@ -42,48 +87,43 @@ def build_generation_loop(
     sessions = make_sessionmaker(make_engine(own.sqlalchemy_url))
     with sessions() as session:
         version = active_version(session, config)
-    runtime = load_runtime(config, own, version, device=device)
-    if not isinstance(runtime, CausalLMRuntime):
-        raise SystemExit(f"{config.name}: a generation input needs the causal-lm backend")
-    log.info(
-        "generation model loaded",
-        extra={
-            "model": config.name,
-            "version": version,
-            "execution": runtime.execution,
-            "why": runtime.why,
-            "kv_blocks": runtime.limits.kv_blocks,
-            "bytes_per_block": runtime.bytes_per_block,
-        },
-    )
     client = worker_redis(target)
-    tokenizer = config.tokenizer_path(version)
-    if tokenizer is None:
-        raise SystemExit(f"{config.name}: a generation model needs input.tokenizer")
-    kicker = DeliveryKicker(target, own.key_prefix)
-    signals = GenerationSignals(
-        client, own.key_prefix, config.name, runtime.limits,
-        "step" if runtime.execution == "step" else "generate", runtime.why or "",
-        runtime.bytes_per_block,
-    )  # fmt: skip
-    return GenerationLoop(
-        engine=GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner),
-        tokenizer_path=tokenizer,
+    try:
+        first = load_generation(settings, config, version, device, client)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    serving: GenerationServing = first.prepared
+    limits = serving.engine.scheduler.limits
+    loop = GenerationLoop(
+        serving=serving,
         consumer=StreamConsumer(client, own.key_prefix, config.name, consumer_name),
         recorder=Recorder(sessions, version),
-        signals=signals,
         client=client,
         prefix=own.key_prefix,
-        device=runtime.device,
         config=GenerationConfig(
-            prefetch=max(own.prefetch, runtime.limits.max_running * 2),
+            prefetch=max(own.prefetch, limits.max_running * 2),
             max_attempts=own.max_attempts,
             visibility_timeout_s=own.visibility_timeout_s,
             events_ttl_s=own.events_ttl_s,
             drain_s=own.worker_drain_s,
         ),
-        kick=kicker,
+        kick=DeliveryKicker(target, own.key_prefix),
     )
+    if own.model_poll_s > 0:
+        name = config.name
+        loop.versions = VersionManager(
+            name,
+            first,
+            lambda: read_model(settings, name),
+            lambda fresh, number: load_generation(settings, fresh, number, device, client),
+            sessions,
+            client,
+            own.key_prefix,
+            consumer_name,
+            poll_s=own.model_poll_s,
+            load_timeout_s=own.model_load_timeout_s,
+        )
+    return loop
 
 
 def run_generation_worker(
@@ -116,6 +156,7 @@ def run_generation_worker(
         )  # fmt: skip
         control.start()
     stop = stop_on_signals(loop.request_stop, "stopping")
+    loop.stop_event = stop
     try:
         loop.run(stop)
     except DeviceLost as exc:
@@ -131,6 +172,9 @@ def run_generation_worker(
             control.stop()
         if presence is not None:
             presence.stop()
+    if loop.restart_requested:
+        # Drained: `ferry up` starts it again at once, and it loads the active version alone.
+        return RESTART_EXIT_CODE
     return 0
 
 

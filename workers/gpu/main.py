@@ -126,7 +126,7 @@ def build_loop(
         loop.versions = VersionManager(
             model,
             first,
-            lambda: _read_model(base, model),
+            lambda: read_model(base, model),
             prepare,
             sessions,
             client,
@@ -139,7 +139,7 @@ def build_loop(
     return loop
 
 
-def _read_model(settings: Settings, model: str) -> ModelConfig | None:
+def read_model(settings: Settings, model: str) -> ModelConfig | None:
     """The model as the repository has it now; None (keep serving) if it cannot be read."""
     try:
         return repository_for(settings, only=model).models.get(model)
