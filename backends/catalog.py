@@ -151,7 +151,9 @@ class LiveVersions:
     at most every ``poll_s``, so a new version or an activation is seen by
     the API as soon as by the workers. The unloaded models are read on their
     own, by one small query at most every ``poll_s`` (every second when it is
-    0: workers take no part in an unload), as every submission asks for them.
+    0: workers take no part in an unload), in a thread of its own: every
+    submission asks for them, on the event loop, which must not wait for the
+    database (an outage would stall it for the connection's timeout).
     """
 
     def __init__(
@@ -166,7 +168,10 @@ class LiveVersions:
         self._activated: dict[str, int] = {}
         self._unloads_lock = threading.Lock()
         self._unloads_read_at = -float("inf")
-        self._unloaded: frozenset[str] = frozenset()
+        self._unloads_reading = False  # a read in its thread, not finished
+        self._unloads_started = 0  # reads begun; the latest begun that ended wins
+        self._unloads_applied = 0
+        self._unloaded: frozenset[str] | None = None  # None: never read
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -208,27 +213,57 @@ class LiveVersions:
             return dict(self._repository.models) if self._repository else {}
 
     def unloaded(self, name: str) -> bool:
-        """Whether an operator unloaded the model (as last read, if the database cannot be
-        read now)."""
-        with self._unloads_lock:
-            now = time.monotonic()
-            if now - self._unloads_read_at >= (self.poll_s or 1.0):
-                self._unloads_read_at = now  # a failed read too: tried again a poll later
-                from core.versions import unloaded_models
+        """Whether an operator unloaded the model, as last read (the first question waits
+        for the first read; later ones start the next read when the last is a poll old)."""
+        unloaded = self._unloaded
+        if unloaded is None:
+            self._read_unloads()
+            unloaded = self._unloaded or frozenset()
+        elif time.monotonic() - self._unloads_read_at >= (self.poll_s or 1.0):
+            with self._unloads_lock:
+                start = not self._unloads_reading
+                self._unloads_reading = True
+            if start:
+                threading.Thread(
+                    target=self._read_unloads, args=(True,), name="unloads", daemon=True
+                ).start()
+        return name in unloaded
 
-                try:
-                    with self.sessions() as session:
-                        self._unloaded = frozenset(unloaded_models(session))
-                except SQLAlchemyError:
-                    pass
-            return name in self._unloaded
+    def _read_unloads(self, background: bool = False) -> None:
+        from core.versions import unloaded_models
+
+        with self._unloads_lock:
+            self._unloads_started += 1
+            mine = self._unloads_started
+            # A failed read too: the last answer stands, and it is tried again a poll later.
+            self._unloads_read_at = time.monotonic()
+        found: frozenset[str] | None = None
+        try:
+            with self.sessions() as session:
+                found = frozenset(unloaded_models(session))
+        except (OSError, SQLAlchemyError):
+            pass
+        finally:
+            if background:
+                with self._unloads_lock:
+                    self._unloads_reading = False
+        with self._unloads_lock:
+            if found is None:
+                # Never read: none is taken for unloaded until the database answers (it
+                # takes no job meanwhile either), rather than every question waiting on it.
+                if self._unloaded is None:
+                    self._unloaded = frozenset()
+            elif mine > self._unloads_applied:
+                # A read begun before another that ended first must not undo what it saw.
+                self._unloads_applied = mine
+                self._unloaded = found
 
     def forget(self) -> None:
-        """Read everything again at the next question: this process has just changed it."""
+        """This process has just changed an activation or an unload: the next question reads
+        the activations again, and the unloads are read now."""
         with self._lock:
             self._read_at = -float("inf")
-        with self._unloads_lock:
-            self._unloads_read_at = -float("inf")
+        self._read_unloads()
 
 
 def cpu_threads(setting: int, cores: int | None = None) -> int:

@@ -264,3 +264,25 @@ def test_only_admin_keys_reach_the_repository_and_bad_requests_change_nothing(
     with sessions() as session:
         assert session.scalars(select(ModelUnload.model)).all() == []
         assert session.scalars(select(ModelActivation.model)).all() == []
+
+
+def test_another_api_process_follows_an_unload_and_a_load_within_its_poll(
+    api: Served,
+    client: triton.InferenceServerClient,
+    admin: dict[str, str],
+    headers: dict[str, str],
+    repository_settings: Settings,
+) -> None:
+    def status(http: httpx.Client) -> int:
+        return http.post("/v1/jobs", json={"model": "echo", "input": 1}).status_code
+
+    with (
+        served(repository_settings) as other,
+        httpx.Client(base_url=other.base, headers=headers, timeout=30) as http,
+    ):
+        assert status(http) == 202  # it has read the unloads: none
+        client.unload_model("echo", headers=dict(admin))
+        # FERRY_MODEL_POLL_S is 0.2 s here; 5 s is only for a loaded machine.
+        wait_until(lambda: status(http) == 422, timeout=5)
+        client.load_model("echo", headers=dict(admin))
+        wait_until(lambda: status(http) == 202, timeout=5)
