@@ -97,6 +97,7 @@ class WatchedRunner:
 
     def __init__(self, runner: Any, scheduler: GenerationScheduler) -> None:
         self.runner = runner
+        self.resumable = bool(runner.resumable)
         self.scheduler = scheduler
         self.peak_blocks = 0
         self.execute_s: list[float] = []

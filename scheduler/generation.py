@@ -184,7 +184,7 @@ class GenerationScheduler:
             refusal = "already queued or running"
         if refusal is not None:
             raise ValueError(f"{request.id}: {refusal}")
-        self._waiting.add(SequenceState(request, Lane(request.lane)))
+        self._waiting.add(SequenceState(request, Lane(request.lane), generated=request.generated))
 
     def cancel(self, id: str) -> bool:
         """End a request; False if it is not queued or running (or cancelled already).

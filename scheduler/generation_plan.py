@@ -45,6 +45,9 @@ class GenerationRequest:
     may start (None: no deadline). Past it, a request still waiting expires.
     ``arrival``: when the job was accepted, on the same clock (ties within a
     lane and a tenant's turn go to the earliest deadline, then to arrival).
+    ``generated``: tokens it generated before, elsewhere (taken over after its
+    worker died): they are prefilled with the prompt, and count towards
+    ``max_tokens``.
     """
 
     id: str
@@ -54,6 +57,7 @@ class GenerationRequest:
     tenant: str = ""
     deadline: float | None = None
     arrival: float = 0.0
+    generated: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -115,6 +119,8 @@ class GenerationLimits:
         """
         if request.prompt_tokens < 1 or request.max_tokens < 1:
             return "prompt_tokens and max_tokens must be at least 1"
+        if not 0 <= request.generated < request.max_tokens:
+            return "generated must be at least 0 and less than max_tokens"
         need = self.blocks_for(request.total_tokens)
         if need > self.kv_blocks:
             return (

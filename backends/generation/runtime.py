@@ -37,6 +37,9 @@ class GenerationInput:
     max_tokens: int
     sampling: SamplingParams = GREEDY
     stop: tuple[str, ...] = ()
+    # Tokens it generated before, elsewhere (a generation taken over after its
+    # worker died): it goes on from them, and they count towards max_tokens.
+    resumed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,12 @@ class StepResult:
 class _Sequence:
     def __init__(self, job: GenerationInput, tokenizer: Any, device: str) -> None:
         self.job = job
-        self.tokens = list(job.prompt_ids)
-        self.generated: list[int] = []
+        self.tokens = list(job.prompt_ids) + list(job.resumed)
+        self.generated: list[int] = list(job.resumed)
         self.sampler = Sampler(job.sampling, device)
         self.detok = Detokenizer(tokenizer, job.stop)
+        for token in job.resumed:  # the text so far, as it was shown
+            self.detok.push(token)
         self.table: list[int] = []
         self.table_tensor: torch.Tensor | None = None
         self.finish: FinishReason | None = None
@@ -83,6 +88,7 @@ class StepRuntime:
 
     asynchronous = False
     padded = False
+    resumable = True  # a job may start from tokens it generated elsewhere (``resumed``)
 
     def __init__(
         self,
@@ -195,9 +201,10 @@ class StepRuntime:
             ).logits[0]
         # Every token is chosen before any is kept: a sampler that raises (logits
         # gone NaN) leaves every sequence as it was, for the step to be run again.
-        chosen = [
-            self._sequences[id].sampler.choose(logits[row]) for row, id in enumerate(sampled_by)
-        ]
+        chosen = []
+        for row, id in enumerate(sampled_by):
+            sequence = self._sequences[id]
+            chosen.append(sequence.sampler.choose(logits[row], len(sequence.generated)))
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}

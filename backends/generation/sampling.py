@@ -1,8 +1,11 @@
 """Choosing each sequence's next token: greedy, or sampled with temperature and top-p.
 
 Every sampled sequence has a generator of its own, seeded from its job's
-``seed``, so the same job gives the same tokens whatever else shares its
-steps: the draw depends on its own logits and its own generator only.
+``seed`` and the token's position, so the same job gives the same tokens
+whatever else shares its steps (the draw depends on its own logits and its
+own seed only), and a generation resumed from its first ``k`` tokens, on
+another worker, draws token ``k`` as the uninterrupted run did: no draw
+depends on how many draws came before it in this process.
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Mixes a seed and a token's position into the seed of that token's draw
+# (SplitMix64's constants): nearby seeds and positions give unrelated draws.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw of token ``position`` (0-based) of a sequence."""
+    z = (seed + (position + 1) * _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1  # a non-negative int64, as manual_seed takes
+
+
 class Sampler:
     """One sequence's draws."""
 
@@ -36,13 +53,14 @@ class Sampler:
         self._generator: torch.Generator | None = None
         self._device = device
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token from one row of logits (``vocab``,)."""
+    def choose(self, logits: torch.Tensor, position: int) -> int:
+        """Token ``position`` of the sequence's output (0: its first) from one row of
+        logits (``vocab``,)."""
         if self.params.greedy:
             return int(torch.argmax(logits).item())
         if self._generator is None:
             self._generator = torch.Generator(device=self._device)
-            self._generator.manual_seed(self.seed)
+        self._generator.manual_seed(draw_seed(self.seed, position))
         probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             probs = top_p_filter(probs, self.params.top_p)

@@ -29,6 +29,9 @@ class WholeRuntime:
 
     asynchronous = False
     padded = True
+    # A job runs whole in one step, streamed only when it ends: there is never a
+    # part of it to go on from, and a job taken over runs again from its prompt.
+    resumable = False
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer
 
 from backends.generation.detok import Detokenizer
-from backends.generation.sampling import Sampler, SamplingParams, top_p_filter
+from backends.generation.sampling import Sampler, SamplingParams, draw_seed, top_p_filter
 from tests.lm import lm_folder
 
 TEXTS = [
@@ -73,7 +73,7 @@ def test_a_held_back_stop_prefix_is_released_when_the_stop_string_does_not_follo
 
 def test_greedy_takes_the_most_likely_token() -> None:
     logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
-    assert Sampler(SamplingParams(temperature=0.0), "cpu").choose(logits) == 1
+    assert Sampler(SamplingParams(temperature=0.0), "cpu").choose(logits, 0) == 1
 
 
 def test_the_same_seed_draws_the_same_tokens_and_another_seed_others() -> None:
@@ -81,10 +81,24 @@ def test_the_same_seed_draws_the_same_tokens_and_another_seed_others() -> None:
 
     def draws(seed: int) -> list[int]:
         sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.95, seed=seed), "cpu")
-        return [sampler.choose(logits) for _ in range(20)]
+        return [sampler.choose(logits, n) for n in range(20)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
+    assert len(set(draws(7))) > 1  # each position draws afresh
+
+
+def test_a_draw_depends_on_its_position_not_on_the_draws_before_it() -> None:
+    # A generation resumed at token k (another worker, after a crash) draws token k
+    # as the uninterrupted run did, without replaying the k draws before it.
+    logits = torch.randn(2048, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.2, top_p=0.9, seed=11)
+    whole = Sampler(params, "cpu")
+    uninterrupted = [whole.choose(logits, n) for n in range(12)]
+    resumed = Sampler(params, "cpu")
+    assert [resumed.choose(logits, n) for n in range(7, 12)] == uninterrupted[7:]
+    assert draw_seed(11, 0) != draw_seed(11, 1) != draw_seed(12, 0)
+    assert all(0 <= draw_seed(s, p) < 2**63 for s in (0, 2**63 - 1) for p in (0, 10**9))
 
 
 def test_no_seed_draws_one_and_reports_it() -> None:
@@ -93,7 +107,9 @@ def test_no_seed_draws_one_and_reports_it() -> None:
     assert first.seed != second.seed
     again = Sampler(SamplingParams(temperature=1.0, seed=first.seed), "cpu")
     logits = torch.randn(100)
-    assert [first.choose(logits) for _ in range(5)] == [again.choose(logits) for _ in range(5)]
+    assert [first.choose(logits, n) for n in range(5)] == [
+        again.choose(logits, n) for n in range(5)
+    ]
 
 
 def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
@@ -106,4 +122,4 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
 def test_sampling_never_draws_outside_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.6, 0.3, 0.07, 0.03]))
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=1), "cpu")
-    assert {sampler.choose(logits) for _ in range(200)} == {0, 1}
+    assert {sampler.choose(logits, n) for n in range(200)} == {0, 1}

@@ -24,7 +24,12 @@ from scheduler.generation import (
 
 
 class StepRunner(Protocol):
-    """What the engine needs of a runtime (``StepRuntime`` and ``WholeRuntime``)."""
+    """What the engine needs of a runtime (``StepRuntime`` and ``WholeRuntime``).
+
+    ``resumable``: it takes a job's ``resumed`` tokens and goes on from them.
+    """
+
+    resumable: bool
 
     def add(self, id: str, job: GenerationInput) -> None: ...
 

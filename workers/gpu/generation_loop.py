@@ -21,13 +21,14 @@ with the tokens a step produces.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -69,7 +70,8 @@ class _Held:
     started_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
-    tokens: int = 0
+    tokens: int = 0  # the index of its next token
+    streamed: int = 0  # tokens already in its events stream (written by a worker before)
     claimed: bool = False
 
 
@@ -299,13 +301,14 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             return
         ids = [e.message.job_id for e in fresh]
         with self.recorder.sessions() as session:
-            inputs: dict[str, Any] = dict(
-                session.execute(
-                    select(Job.id, Job.input).where(
-                        Job.id.in_(ids), Job.status.not_in(TERMINAL_STATUSES)
-                    )
-                ).all()
-            )
+            rows = session.execute(
+                select(Job.id, Job.input, Job.attempts).where(
+                    Job.id.in_(ids), Job.status.not_in(TERMINAL_STATUSES)
+                )
+            ).all()
+        inputs: dict[str, Any] = {job_id: value for job_id, value, _ in rows}
+        # Started before and not finished: its worker died (or gave it up) mid-generation.
+        taken_over = {job_id for job_id, _, attempts in rows if attempts}
         gone = [e for e in fresh if e.message.job_id not in inputs]
         if gone:  # cancelled, or recorded already by another worker: nothing to run
             self.consumer.ack(gone)
@@ -330,8 +333,11 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 )
                 self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
                 continue
+            held = _Held(entry, message.enqueued_at_ms / 1000.0)
             try:
-                job = generation_input(value, self.tokenizer_path)
+                job = generation_input(value, self.tokenizer_path, message.job_id)
+                if message.job_id in taken_over:
+                    job = self._resume(job, held)
                 request = GenerationRequest(
                     id=message.job_id,
                     prompt_tokens=len(job.prompt_ids),
@@ -340,16 +346,50 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                     tenant=message.tenant or "",
                     deadline=message.deadline_at_ms / 1000.0 if message.deadline_at_ms else None,
                     arrival=message.enqueued_at_ms / 1000.0,
+                    generated=len(job.resumed),
                 )
                 self.engine.add(request, job)
                 self.signals.job_read(request.prompt_tokens, request.max_tokens)
             except (ValueError, KeyError, TypeError) as exc:
                 refused.append(Outcome(message.job_id, "failed", error=f"cannot run: {exc}"))
-                self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
-                continue
-            self.held[message.job_id] = _Held(entry, message.enqueued_at_ms / 1000.0)
+            self.held[message.job_id] = held
         if refused:
             self._record(refused, {})
+
+    def _resume(self, job: GenerationInput, held: _Held) -> GenerationInput:
+        """A job taken over goes on from the tokens its events stream holds (its checkpoint).
+
+        Every token a worker produced went to the stream in the step that
+        produced it, so the stream is the generation's checkpoint, to the
+        token. The last one is computed again rather than trusted (it may be
+        the end of the sequence, which a resumed one must find for itself); it
+        is the same token, from the same logits and the same draw, and it is
+        not streamed twice. A runtime that cannot go on from tokens runs the
+        job again from its prompt; what is already streamed is not repeated.
+        """
+        key = events_key(self.prefix, self.model, held.entry.message.job_id)
+        tokens: list[int] = []
+        first_ms: int | None = None
+        stream = cast(list[tuple[str, dict[bytes | str, bytes | str]]], self.client.xrange(key))
+        for entry_id, fields in stream:
+            event = JobEvent.decode(fields)
+            if event.kind == "token" and event.index == len(tokens) and event.token is not None:
+                if first_ms is None:
+                    first_ms = int(entry_id.split("-", 1)[0])  # the id's milliseconds
+                tokens.append(event.token)
+        held.streamed = len(tokens)
+        if first_ms is not None:
+            held.first_token_s = first_ms / 1000.0
+        if not self.engine.runtime.resumable or len(tokens) < 2:
+            return job
+        kept = tuple(tokens[: min(len(tokens), job.max_tokens) - 1])
+        held.tokens = len(kept)
+        log.info(
+            "generation taken over from its checkpoint",
+            extra={"model": self.model, "job_id": held.entry.message.job_id,
+                   "tokens": len(kept)},
+        )  # fmt: skip
+        return replace(job, resumed=kept)
 
     def _upkeep(self) -> None:
         now = time.monotonic()
@@ -450,11 +490,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 if held.first_token_s is None:
                     held.first_token_s = now
                 held.last_token_s = now
-                key = events_key(self.prefix, self.model, job_id)
-                event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
-                pipe.xadd(key, event.encode())  # type: ignore[arg-type]
-                if held.tokens == 0:
-                    pipe.expire(key, int(self.config.events_ttl_s))
+                if held.tokens >= held.streamed:  # not already streamed by a worker before
+                    key = events_key(self.prefix, self.model, job_id)
+                    event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
+                    pipe.xadd(key, event.encode())  # type: ignore[arg-type]
+                    if held.tokens == 0:
+                        pipe.expire(key, int(self.config.events_ttl_s))
                 held.tokens += 1
             pipe.execute()
             self.tokens += len(events.emitted)
@@ -564,16 +605,25 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             )
 
 
-def generation_input(value: dict[str, Any], tokenizer_path: Path) -> GenerationInput:
-    """A stored (validated) generation input as the runtime takes it."""
+def generation_input(
+    value: dict[str, Any], tokenizer_path: Path, job_id: str | None = None
+) -> GenerationInput:
+    """A stored (validated) generation input as the runtime takes it.
+
+    A sampled job without a ``seed`` gets one from its id: every worker that
+    runs it (one taking it over after a crash) draws the same tokens.
+    """
     ids = prompt_token_ids(value, tokenizer_path)
+    seed = value.get("seed")
+    if seed is None and job_id is not None:
+        seed = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
     return GenerationInput(
         prompt_ids=tuple(ids),
         max_tokens=int(value["max_tokens"]),
         sampling=SamplingParams(
             temperature=float(value.get("temperature", 1.0)),
             top_p=float(value.get("top_p", 1.0)),
-            seed=value.get("seed"),
+            seed=seed,
         ),
         stop=tuple(value.get("stop") or ()),
     )
