@@ -261,18 +261,7 @@ class Settings(BaseSettings):
 
     # Webhooks (docs/architecture.md §4, §10).
     webhook_retry_schedule_s: list[float] = Field(
-        default_factory=lambda: [
-            0.0,
-            5.0,
-            300.0,
-            1800.0,
-            7200.0,
-            18000.0,
-            36000.0,
-            50400.0,
-            72000.0,
-            86400.0,
-        ],
+        default_factory=lambda: list(WEBHOOK_SCHEDULE_S),
         min_length=1,
         max_length=50,
     )

@@ -10,7 +10,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 
 from core.db import ApiKey
 from core.keys import new_webhook_secret, signing_secrets
-from core.settings import WEBHOOK_SCHEDULE_S
+from core.settings import WEBHOOK_SCHEDULE_S, Settings
 from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhooks import USER_AGENT, signed_headers
 
@@ -22,6 +22,9 @@ NOW = dt.datetime(2025, 3, 4, 12, 0, 0, tzinfo=dt.UTC)
 
 
 def test_default_schedule_is_the_standard_webhooks_one() -> None:
+    # What the webhook task reads (workers.tasks.webhooks), not the constant behind it.
+    settings = Settings(database_url="sqlite://")
+    assert settings.webhook_retry_schedule_s == list(SCHEDULE)
     assert tuple(WEBHOOK_SCHEDULE_S) == SCHEDULE
 
 
