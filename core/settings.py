@@ -194,7 +194,8 @@ class Settings(BaseSettings):
     commit and its XADD)."""
     pipeline: bool = True
     """Record batch N (result write, acknowledgement, webhooks) on a thread of its own while
-    batch N + 1 runs, so the device does not wait for the database."""
+    batch N + 1 runs, so the device does not wait for the database; for a generation model,
+    what a step ended, while the next steps run."""
     pipeline_prepare: bool = True
     """On a device that computes asynchronously (CUDA; the sim model): decide, claim and prepare
     batch N + 1 (tokenise, decode, stage in pinned memory) while batch N computes, and launch

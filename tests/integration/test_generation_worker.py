@@ -9,6 +9,7 @@ records the result. What comes out is checked against the library's own
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -102,16 +103,29 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("pipeline", [True, False], ids=["recording-thread", "in-loop"])
 def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
     gen_client: TestClient,
     auth: dict[str, str],
     worker: Callable[..., Worker],
     rclient: redis.Redis,
     gen_settings: Settings,
+    pipeline: bool,
 ) -> None:
     ids = [submit(gen_client, auth, prompt=p, max_tokens=12, temperature=0) for p in PROMPTS]
-    with worker():
+    running = worker(settings=gen_settings.model_copy(update={"pipeline": pipeline}))
+    finish = running.loop.recorder.finish
+    writers: set[str] = set()
+
+    def watched_finish(*args: Any, **kwargs: Any) -> Any:
+        writers.add(threading.current_thread().name)
+        return finish(*args, **kwargs)
+
+    running.loop.recorder.finish = watched_finish  # type: ignore[method-assign]
+    with running:
         jobs = [result(gen_client, auth, job_id) for job_id in ids]
+    # Pipelined, outcomes are written on the recording thread, else on the loop's.
+    assert writers and all(name.startswith("record-") == pipeline for name in writers), writers
     for job, job_id, text in zip(jobs, ids, PROMPTS, strict=True):
         assert job["status"] == "succeeded", job
         output = job["output"]

@@ -25,7 +25,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -82,6 +83,7 @@ class GenerationConfig:
     visibility_timeout_s: float = 120.0
     events_ttl_s: float = 3600.0
     drain_s: float = 30.0  # stopping: how long the running generations may take to finish
+    pipeline: bool = False  # record what ended on a thread of its own while the next steps run
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,14 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self.held: dict[str, _Held] = {}
         # Jobs that failed a step alone, with why: they end failed at the next step.
         self._failed: dict[str, str] = {}
+        # Pipelined: one thread writes what ended (result, done event, acknowledgement,
+        # webhooks) while the loop's thread steps on.
+        self._recording = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"record-{consumer.model}")
+            if config.pipeline
+            else None
+        )
+        self._recorded: Future[list[str]] | None = None
         self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer)
         self.tokens = 0
         self._last_touch = time.monotonic()
@@ -194,11 +204,17 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.versions.start()
 
     def close(self) -> None:
-        """Nothing is in flight between steps (each step records what it ended)."""
+        """What ended is recorded before the worker stops."""
+        self._settle_recording()
+        if self._recording is not None:
+            self._recording.shutdown(wait=True)
         if self.versions is not None:
             self.versions.stop()
 
     def forget(self) -> None:
+        # What is being recorded is done (or given up) before anything is read again:
+        # a job read again before its result is committed would run again.
+        self._settle_recording()
         for job_id in list(self.held):
             self.engine.cancel(job_id)
         with contextlib.suppress(Exception):
@@ -211,6 +227,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     # --- a step ----------------------------------------------------------------
 
     def upkeep(self) -> None:
+        if self._recorded is not None and self._recorded.done():
+            self._wait_recorded()  # a recording that failed is heard of now, even when idle
         self.publisher.heartbeat()
         self._upkeep()
         self._follow_version()
@@ -354,7 +372,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 refused.append(Outcome(message.job_id, "failed", error=f"cannot run: {exc}"))
             self.held[message.job_id] = held
         if refused:
-            self._record(refused, {})
+            self._record(refused)
 
     def _resume(self, job: GenerationInput, held: _Held) -> GenerationInput:
         """A job taken over goes on from the tokens its events stream holds (its checkpoint).
@@ -457,6 +475,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         assert self.versions is not None
         self._switching = None
         # The old engine goes with what it still holds: only the jobs let go, none started.
+        self._wait_recorded()  # its last outcomes are written before anything is read again
         self.serving = loaded.prepared
         self.recorder.model_version = loaded.version
         old = self.versions.switched(loaded)
@@ -501,7 +520,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.tokens += len(events.emitted)
         if events.ended:
             outcomes = [self._outcome(job_id, c, now) for job_id, c in events.ended.items()]
-            self._record([o for o in outcomes if o is not None], dict(events.ended))
+            self._record([o for o in outcomes if o is not None], events.ended)
 
     def _claim(self, job_ids: list[str], now: float) -> None:
         claimed, late, exhausted = self.recorder.claim(
@@ -527,7 +546,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         ]
         expired = [Outcome(j, "expired", error="the deadline passed before it ran") for j in late]
         if failed or expired:
-            self._record_outcomes(failed + expired)
+            self._record(failed + expired)
 
     def _outcome(self, job_id: str, completion: Completion, now: float) -> Outcome | None:
         held = self.held.get(job_id)
@@ -560,15 +579,47 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             else round((now - held.first_token_s) * 1000.0, 3),
         )
 
-    def _record(self, outcomes: list[Outcome], ended: dict[str, Completion]) -> None:
-        self._record_outcomes(outcomes)
-        for job_id in ended:
-            self.held.pop(job_id, None)
+    def _record(self, outcomes: list[Outcome], ended: Iterable[str] = ()) -> None:
+        """Record what ended: now, or (pipelined) on the recording thread while the next
+        steps run. The jobs leave ``held`` either way (and ``ended``'s, recorded or not).
 
-    def _record_outcomes(self, outcomes: list[Outcome]) -> list[str]:
-        """Commit the outcomes, write their done events, acknowledge, announce."""
+        One recording at most is in flight: before handing the next over, the
+        last must be done, and what it raised (the database gone) is raised
+        here, in the loop, as an encoder's is.
+        """
+        entries = [self.held[o.job_id].entry for o in outcomes if o.job_id in self.held]
+        for job_id in [*ended, *(o.job_id for o in outcomes)]:
+            self.held.pop(job_id, None)
         if not outcomes:
-            return []
+            return
+        if self._recording is None:
+            self._write(outcomes, entries)
+            return
+        try:
+            self._wait_recorded()
+        finally:
+            # Handed over even when the last recording failed: these jobs ended, and
+            # their own recording may well succeed.
+            self._recorded = self._recording.submit(self._write, outcomes, entries)
+
+    def _wait_recorded(self) -> None:
+        """Until the recording in flight is done; re-raises what it raised."""
+        if self._recorded is not None:
+            recorded, self._recorded = self._recorded, None
+            recorded.result()
+
+    def _settle_recording(self) -> None:
+        """Wait for the recording in flight; one that failed leaves its jobs to run again."""
+        try:
+            self._wait_recorded()
+        except OUTAGES as exc:
+            log.warning(
+                "a step's results were not recorded; its jobs run again",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+
+    def _write(self, outcomes: list[Outcome], entries: list[Entry]) -> list[str]:
+        """Commit the outcomes, write their done events, acknowledge, announce."""
         written = self.recorder.finish(outcomes, utc_at(self.clock()), None, None)
         won = set(written)
         pipe = self.client.pipeline(transaction=False)
@@ -582,14 +633,11 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             pipe.xadd(key, JobEvent.done(outcome.status, reason).encode())  # type: ignore[arg-type]
             pipe.expire(key, int(self.config.events_ttl_s))
         pipe.execute()
-        entries = [self.held[o.job_id].entry for o in outcomes if o.job_id in self.held]
         publish = (done_channel(self.prefix), ",".join(written)) if written else None
         self.consumer.ack(entries, publish=publish)
         deliveries = self.recorder.take_outbox()
         if deliveries:
             self._kick(deliveries)
-        for outcome in outcomes:
-            self.held.pop(outcome.job_id, None)
         return written
 
     def _kick(self, deliveries: list[str]) -> None:

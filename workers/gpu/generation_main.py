@@ -106,6 +106,7 @@ def build_generation_loop(
             visibility_timeout_s=own.visibility_timeout_s,
             events_ttl_s=own.events_ttl_s,
             drain_s=own.worker_drain_s,
+            pipeline=own.pipeline,
         ),
         kick=DeliveryKicker(target, own.key_prefix),
     )
