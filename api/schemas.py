@@ -77,7 +77,17 @@ class JobCreate(BaseModel):
     input: Any = Field(description="The model's input; see GET /v1/models for its schema.")
     priority: Lane = Lane.NORMAL
     deadline_ms: int | None = Field(
-        default=None, gt=0, le=MAX_DEADLINE_MS, description="Relative to receipt."
+        default=None,
+        gt=0,
+        le=MAX_DEADLINE_MS,
+        description="Relative to receipt: when the job must have ended (a generation job: "
+        "queue, prefill and every token).",
+    )
+    on_deadline: Literal["refuse", "truncate"] = Field(
+        default="refuse",
+        description="A generation job whose deadline_ms its max_tokens cannot meet: refuse it "
+        "(429 deadline_unattainable), or accept it with the largest max_tokens that can "
+        "(said in the 202's max_tokens).",
     )
     callback_url: str | None = Field(default=None, max_length=2048)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
@@ -202,6 +212,11 @@ class JobResource(BaseModel):
         description="Only on the 202 that accepted the job: predicted milliseconds until it "
         "finishes (a generation job: until its first token), from the queue ahead and what "
         "the workers learned (null until a worker has published its estimates).",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        description="Only on the 202 of a generation job accepted with on_deadline truncate "
+        "whose max_tokens its deadline could not meet: the max_tokens it runs with.",
     )
 
 

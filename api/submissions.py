@@ -37,7 +37,12 @@ from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
-from core.generation_estimates import GenerationEstimate, first_token_s
+from core.generation_estimates import (
+    GenerationEstimate,
+    finish_s,
+    first_token_s,
+    most_tokens_within,
+)
 from core.queues import live_workers, numeric_stats, stats_text, tenant_depths
 from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts
@@ -69,6 +74,15 @@ class Submitted:
     job: Job
     replayed: bool
     estimated_wait_ms: float | None
+    max_tokens: int | None = None  # a generation job's max_tokens, cut to meet its deadline
+
+
+@dataclass(frozen=True)
+class Quote:
+    """What a new job is told on its 202: the wait, and a max_tokens cut to its deadline."""
+
+    wait_ms: float | None
+    max_tokens: int | None = None
 
 
 Outcome = Submitted | ApiError
@@ -102,6 +116,10 @@ def prepare(
         validated = spec.validate(body.input)
     except InputError as exc:
         raise ApiError(422, "invalid_request", f"{exc.field}: {exc.message}") from exc
+    if body.on_deadline == "truncate" and _generation_tokens(validated.input) is None:
+        raise ApiError(
+            422, "invalid_request", "on_deadline: truncate applies to generation jobs only"
+        )
     if body.idempotency_key and idempotency_key and body.idempotency_key != idempotency_key:
         raise ApiError(
             422, "invalid_request", "idempotency_key: differs from the Idempotency-Key header"
@@ -176,6 +194,25 @@ class QueueView:
         ahead = jobs_ahead(self.depths, lane, tenant)
         return round(estimate_wait_s(self.estimate, ahead, cost, self.workers) * 1000.0, 1)
 
+    def finish_ms(self, lane: str, tenant: str, tokens: tuple[int, int]) -> float | None:
+        """Milliseconds until a generation job ends, were it to run to its max_tokens."""
+        if self.generation is None:
+            return None
+        ahead = jobs_ahead(self.depths, lane, tenant)
+        return round(finish_s(self.generation, ahead, *tokens, self.workers) * 1000.0, 1)
+
+    def most_tokens_within(
+        self, lane: str, tenant: str, tokens: tuple[int, int], deadline_ms: float
+    ) -> int:
+        """The largest max_tokens with which a generation job is predicted to meet its deadline
+        (0: none)."""
+        if self.generation is None:
+            return tokens[1]
+        ahead = jobs_ahead(self.depths, lane, tenant)
+        return most_tokens_within(
+            self.generation, ahead, *tokens, deadline_ms / 1000.0, self.workers
+        )
+
     def add(self, lane: str, tenant: str) -> None:
         """Count a job this process is queueing, until the view is read again: a burst's
         later jobs see its earlier ones ahead of them."""
@@ -245,7 +282,7 @@ class GroupWriter:
 
     def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
         outcomes: list[Outcome | None] = [None] * len(group)
-        estimates: dict[int, float | None] = {}
+        estimates: dict[int, Quote] = {}
         todo = list(range(len(group)))
         try:
             jobs = self._commit(group, todo, outcomes, estimates)
@@ -265,29 +302,42 @@ class GroupWriter:
         self._enqueue(group, jobs, outcomes, estimates)
         return [_done(outcome) for outcome in outcomes]
 
-    def _refusal(
-        self, item: Submission, i: int, estimates: dict[int, float | None]
-    ) -> ApiError | None:
-        """A 429 for a new job whose deadline the queue ahead makes impossible."""
+    def _refusal(self, item: Submission, i: int, estimates: dict[int, Quote]) -> ApiError | None:
+        """A 429 for a new job whose deadline the queue ahead makes impossible (a generation
+        job asking for it: accepted instead with the max_tokens that can meet it)."""
         view = self.views.get(item.spec.name)
         tokens = _generation_tokens(item.input)
-        with self.views.lock:
-            estimate = (
-                view.wait_ms(item.body.priority, item.key.id, item.cost, tokens) if view else None
-            )
-        estimates[i] = estimate
         deadline = item.body.deadline_ms
-        if deadline is None or estimate is None or estimate <= deadline:
+        priority, tenant = item.body.priority, item.key.id
+        fit = None
+        with self.views.lock:
+            wait = view.wait_ms(priority, tenant, item.cost, tokens) if view else None
+            # A generation's deadline bounds queue, prefill and every token.
+            finish = view.finish_ms(priority, tenant, tokens) if view and tokens else wait
+            if (
+                view is not None
+                and tokens is not None
+                and deadline is not None
+                and finish is not None
+                and finish > deadline
+                and item.body.on_deadline == "truncate"
+            ):
+                fit = view.most_tokens_within(priority, tenant, tokens, deadline)
+        estimates[i] = Quote(wait)
+        if deadline is None or finish is None or finish <= deadline:
             return None
-        # Refuse now rather than accept a job that would only expire in the queue. A
-        # generation's deadline is the latest its first step may start.
-        when = "start (its first token)" if tokens is not None else "finish"
+        if fit:
+            item.input["max_tokens"] = fit  # the job's row stores what it runs with
+            estimates[i] = Quote(wait, fit)
+            return None
+        # Refuse now rather than accept a job that would only expire.
+        how = " running to its max_tokens" if tokens is not None else ""
         return ApiError(
             429,
             "deadline_unattainable",
             f"deadline_ms: {deadline} ms cannot be met; with the queue ahead "
-            f"this job would {when} in about {estimate:.0f} ms",
-            estimated_wait_ms=estimate,
+            f"this job would finish{how} in about {finish:.0f} ms",
+            estimated_wait_ms=finish,
         )
 
     def _commit(
@@ -295,7 +345,7 @@ class GroupWriter:
         group: Sequence[Submission],
         todo: list[int],
         outcomes: list[Outcome | None],
-        estimates: dict[int, float | None],
+        estimates: dict[int, Quote],
     ) -> dict[int, Job]:
         """Insert the new jobs of ``todo`` in one transaction; replays and refusals go to
         ``outcomes``. Returns the committed jobs by their index in the group.
@@ -391,7 +441,7 @@ class GroupWriter:
         group: Sequence[Submission],
         jobs: dict[int, Job],
         outcomes: list[Outcome | None],
-        estimates: dict[int, float | None],
+        estimates: dict[int, Quote],
     ) -> None:
         if not jobs:
             return
@@ -405,7 +455,8 @@ class GroupWriter:
             self._not_enqueued(group, jobs, outcomes, exc)
             return
         for i, job in jobs.items():
-            outcomes[i] = Submitted(job, False, estimates.get(i))
+            quote = estimates.get(i, Quote(None))
+            outcomes[i] = Submitted(job, False, quote.wait_ms, quote.max_tokens)
 
     def _not_enqueued(
         self,

@@ -7,8 +7,9 @@ the sizes of the jobs it saw lately and how it runs the model
 (:class:`GenerationEstimate`, its own fields: an encoder's hash never has
 them, nor a generation's an encoder's). The API turns that and the depth of
 the queue ahead into a job's ``estimated_wait_ms``: the time until its first
-token (:func:`first_token_s`), which is also what its deadline bounds (the
-latest its first step may start).
+token (:func:`first_token_s`); and into the time until it ends, were it to
+run to its ``max_tokens`` (:func:`finish_s`), which is what its deadline
+bounds (queue, prefill and decode).
 """
 
 from __future__ import annotations
@@ -132,6 +133,55 @@ def first_token_s(
     if rest:
         prefill_s += est.step_s(min(est.step_tokens, rest + beside))
     return in_flight_s + drain_s + prefill_s
+
+
+def finish_s(
+    est: GenerationEstimate, ahead: int, prompt_tokens: int, max_tokens: int, workers: int = 1
+) -> float:
+    """Seconds from acceptance to the end of a job that runs to its ``max_tokens``: its
+    first token (:func:`first_token_s`), then a decode step for each token after it.
+
+    A decode step carries one token for this job and one for each sequence
+    running beside it. Through ``generate()`` a job's tokens all come when
+    its batch ends, with its first.
+    """
+    first = first_token_s(est, ahead, prompt_tokens, max_tokens, workers)
+    if est.execution == "generate":
+        return first
+    return first + (max_tokens - 1) * decode_step_s(est, ahead, max_tokens, workers)
+
+
+def decode_step_s(est: GenerationEstimate, ahead: int, max_tokens: int, workers: int = 1) -> float:
+    """A decode step's seconds while the job runs beside those the queue ahead starts."""
+    per_worker = ahead / max(workers, 1)
+    prompt = est.mean_prompt_tokens if est.mean_prompt_tokens >= 1 else 1.0
+    maximum = est.mean_max_tokens if est.mean_max_tokens >= 1 else float(max_tokens)
+    together = max(
+        1, min(est.max_running, est.kv_blocks // max(1, est.blocks_for(prompt + maximum)))
+    )
+    beside = min(together - 1, max(per_worker, float(est.running)))
+    return est.step_s(min(est.step_tokens, beside + 1))
+
+
+def most_tokens_within(
+    est: GenerationEstimate,
+    ahead: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    deadline_s: float,
+    workers: int = 1,
+) -> int:
+    """The largest ``max_tokens`` (at most the one asked for) with which the job is predicted
+    to end within ``deadline_s``; 0 when not even its first token is."""
+    first = first_token_s(est, ahead, prompt_tokens, max_tokens, workers)
+    if first > deadline_s:
+        return 0
+    if est.execution == "generate":
+        return max_tokens
+    step = decode_step_s(est, ahead, max_tokens, workers)
+    if step <= 0:
+        return max_tokens
+    return min(max_tokens, 1 + math.floor((deadline_s - first) / step))
 
 
 def _whole_batches_s(

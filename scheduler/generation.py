@@ -12,7 +12,9 @@ The rules of a step, in the order :meth:`GenerationScheduler.schedule`
 applies them:
 
 1. Running sequences cancelled since the last step are released (their
-   blocks are free for this very step).
+   blocks are free for this very step), and so are those whose deadline has
+   passed (a deadline bounds the whole job: they end ``expired``, with the
+   tokens they generated; so does a preempted one waiting past it).
 2. Waiting requests whose deadline has passed expire.
 3. Token budget: every running sequence that has finished its prefill
    decodes one token; that comes first, so prefills never starve decodes.
@@ -217,6 +219,14 @@ class GenerationScheduler:
             raise RuntimeError("the last plan was not reported (update_from_output) yet")
         for sequence in [s for s in self._running.values() if s.cancelled]:
             self._drop(sequence, FinishReason.CANCELLED)
+        # A deadline bounds the whole job: one that passes mid-generation ends it
+        # ``expired`` with what it generated, its blocks free for this very step.
+        for sequence in [s for s in self._running.values() if s.deadline <= now]:
+            self._drop(sequence, FinishReason.EXPIRED)
+        for sequence in [s for s in self._waiting.values() if s.started and s.deadline <= now]:
+            self._waiting.remove(sequence.id)  # preempted, then out of time
+            self._released.append(sequence.id)
+            self._ended[sequence.id] = FinishReason.EXPIRED
         expired = [s.id for s in self._waiting.due(now)]
         decoders = {s.id: s for s in self._running.values() if not s.prefilling}
         draft = _Draft(budget=self.limits.step_tokens - len(decoders), decoders=decoders)

@@ -41,8 +41,10 @@ class GenerationRequest:
     reserves room for all of them at admission.
     ``lane``: its priority (urgent, vip, normal, bulk).
     ``tenant``: whose job it is (the API key): tenants of one lane take turns.
-    ``deadline``: absolute, on the caller's clock: the latest its first step
-    may start (None: no deadline). Past it, a request still waiting expires.
+    ``deadline``: absolute, on the caller's clock: when the whole job must
+    have ended (None: no deadline). A request still waiting that cannot start
+    before it expires; one running when it passes ends ``expired``, with the
+    tokens it generated.
     ``arrival``: when the job was accepted, on the same clock (ties within a
     lane and a tenant's turn go to the earliest deadline, then to arrival).
     ``generated``: tokens it generated before, elsewhere (taken over after its

@@ -89,6 +89,7 @@ async def create_job(
                    "model": submitted.job.model, "lane": submitted.job.priority},
         )  # fmt: skip
     resource = services.to_resource(submitted.job, submitted.estimated_wait_ms)
+    resource.max_tokens = submitted.max_tokens
     if wait > 0:
         # (A replay of a job that has ended is answered with its outcome at once.)
         found = (

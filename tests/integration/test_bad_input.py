@@ -92,6 +92,18 @@ def _with(**fields: Any) -> dict[str, Any]:
             "deadline_ms: Input should be less than or equal to 604800000",
         ),
         (
+            "on_deadline unknown",
+            {"json": _with(deadline_ms=100, on_deadline="shrug")},
+            422,
+            "on_deadline: Input should be 'refuse' or 'truncate'",
+        ),
+        (
+            "on_deadline truncate for a model that does not generate",
+            {"json": _with(deadline_ms=100, on_deadline="truncate")},
+            422,
+            "on_deadline: truncate applies to generation jobs only",
+        ),
+        (
             "metadata a list",
             {"json": _with(metadata=[1])},
             422,

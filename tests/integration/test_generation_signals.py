@@ -114,6 +114,49 @@ def test_a_new_jobs_estimated_wait_follows_the_learned_step_time_and_a_short_dea
     assert learned is not None and learned.mean_completion_tokens >= 1
 
 
+def test_a_deadline_bounds_the_whole_generation_refused_or_accepted_with_fewer_tokens(
+    gen_client: TestClient,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+) -> None:
+    def job(i: int, max_tokens: int = 32) -> dict[str, Any]:
+        return {"prompt": f"job number {i} of the load", "max_tokens": max_tokens,
+                "temperature": 0}  # fmt: skip
+
+    with worker():
+        warm = [submit(gen_client, auth, **job(i)) for i in range(8)]
+        for job_id in warm:
+            assert result(gen_client, auth, job_id)["status"] == "succeeded"
+        time.sleep(0.5)  # its figures published (every 250 ms), the API's view re-read
+        # What running to 200 tokens is predicted to take: the refusal says.
+        quote = post(gen_client, auth, input=job(1, 200), deadline_ms=1)
+        assert quote.status_code == 429, quote.text
+        finish_ms = quote.json()["error"]["estimated_wait_ms"]
+        deadline = max(2, int(finish_ms / 2))
+        refused = post(gen_client, auth, input=job(2, 200), deadline_ms=deadline)
+        cut = post(
+            gen_client, auth, input=job(3, 200), deadline_ms=deadline, on_deadline="truncate"
+        )
+        assert cut.status_code == 202, cut.text
+        accepted = cut.json()
+        ran = result(gen_client, auth, accepted["id"], wait_s=120)
+
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "deadline_unattainable"
+    # Its first token would come in time; its 200th would not.
+    assert "running to its max_tokens" in error["message"]
+    assert error["estimated_wait_ms"] > deadline
+    # Accepted with the largest max_tokens predicted to fit, said in the 202.
+    assert 1 <= accepted["max_tokens"] < 200, accepted
+    assert accepted["estimated_wait_ms"] <= deadline
+    assert ran["status"] in ("succeeded", "expired"), ran  # a prediction, not a promise
+    assert ran["output"]["usage"]["completion_tokens"] <= accepted["max_tokens"]
+    # Without a deadline to meet, nothing is cut.
+    whole = post(gen_client, auth, input=job(4, 200), on_deadline="truncate")
+    assert whole.status_code == 202 and whole.json()["max_tokens"] is None, whole.text
+
+
 def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
     gen_settings: Settings,
     tmp_path: Path,

@@ -317,3 +317,51 @@ def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_th
     assert (expired["status"], ended["output"]["finish_reason"]) == ("expired", "cancelled")
     seen = events(rclient, one_slot, late_id)
     assert seen == [JobEvent.done("expired")]  # never running, no token
+
+
+def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_tokens(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    from api.app import create_app
+
+    # No EOS: the job would run to its 1,500 tokens; its deadline bounds the whole job.
+    no_eos = generation_settings(gen_settings, tmp_path / "late", eos=False)
+    with TestClient(create_app(no_eos)) as client:
+        # Accepted while no worker has published a step time (nothing to refuse it on).
+        response = client.post(
+            "/v1/jobs",
+            json={"model": MODEL, "input": {"prompt": "out of time", "max_tokens": 1500},
+                  "deadline_ms": 1500},
+            headers=auth,
+        )  # fmt: skip
+        assert response.status_code == 202, response.text
+        job_id = response.json()["id"]
+        following = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
+        running = worker(settings=no_eos)
+        runtime: Any = running.loop.engine.runtime
+        execute = runtime.execute
+
+        def slowed(plan: Any) -> Any:
+            time.sleep(0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 1.5 s
+            return execute(plan)
+
+        runtime.execute = slowed
+        with running as loop:
+            job = result(client, auth, job_id)
+            after = result(client, auth, following)
+            assert loop.engine.scheduler.blocks_used == 0  # its KV freed when it expired
+    assert job["status"] == "expired", job
+    assert job["error"].startswith("its deadline passed while it generated"), job
+    output = job["output"]
+    assert output["finish_reason"] == "expired"
+    produced = output["token_ids"]
+    assert 1 <= len(produced) < 1500
+    assert output["usage"]["completion_tokens"] == len(produced)
+    seen = events(rclient, no_eos, job_id)
+    assert [e.token for e in seen if e.kind == "token"] == produced
+    assert seen[-1] == JobEvent.done("expired", "expired")
+    assert after["status"] == "succeeded"

@@ -7,7 +7,12 @@ from dataclasses import replace
 import pytest
 
 from core.estimates import ModelEstimate
-from core.generation_estimates import GenerationEstimate, first_token_s
+from core.generation_estimates import (
+    GenerationEstimate,
+    finish_s,
+    first_token_s,
+    most_tokens_within,
+)
 
 # A step costs 10 ms plus 1 ms a token; 4 sequences at most; the usual job has a
 # 20-token prompt, asks for 40 tokens (4 blocks of 16) and generates 30.
@@ -108,3 +113,39 @@ def test_the_hash_round_trips_and_an_encoders_hash_is_not_a_generations() -> Non
     assert GenerationEstimate.from_hash({"execution": "step", "step_a_s": "0.01"}) is None
     assert GenerationEstimate.from_hash(raw | {"execution": "fast"}) is None
     assert GenerationEstimate.from_hash(raw | {"kv_blocks": "many"}) is None
+
+
+@pytest.mark.parametrize(
+    ("what", "ahead", "running", "beside"),
+    [
+        ("idle: it decodes alone", 0, 0, 0),
+        ("3 ahead start with it: it decodes beside them", 3, 0, 3),
+        ("8 ahead: 3 at most beside it (4 slots)", 8, 0, 3),
+        ("nothing queued but 2 running when the worker published", 0, 2, 2),
+    ],
+)
+def test_a_generation_ends_a_decode_step_a_token_after_its_first(
+    what: str, ahead: int, running: int, beside: int
+) -> None:
+    est = replace(BASE, running=running)
+    first = first_token_s(est, ahead, 20, 40)
+    assert finish_s(est, ahead, 20, 40) == pytest.approx(first + 39 * step(beside + 1)), what
+    # Through generate(), every token comes with the first, when its batch ends.
+    whole = replace(est, execution="generate")
+    assert finish_s(whole, ahead, 20, 40) == first_token_s(whole, ahead, 20, 40)
+
+
+@pytest.mark.parametrize("deadline_s", [0.05, 0.2, 0.31, 0.5, 1.0, 10.0])
+def test_the_most_tokens_within_a_deadline_are_the_last_that_end_in_time(
+    deadline_s: float,
+) -> None:
+    fit = most_tokens_within(BASE, 3, 20, 400, deadline_s)
+    first = first_token_s(BASE, 3, 20, 400)
+    if first > deadline_s:
+        assert fit == 0
+        return
+    assert 1 <= fit <= 400
+    assert finish_s(BASE, 3, 20, fit) <= deadline_s + 1e-9
+    if fit < 400:
+        assert finish_s(BASE, 3, 20, fit + 1) > deadline_s
+    assert most_tokens_within(BASE, 3, 20, 10, 10.0) == 10  # never more than asked

@@ -287,10 +287,31 @@ CASES = [
         {"expired": (), "admitted": ("x",)},
     ),
     Case(
-        "a running sequence is never expired",
+        "a running sequence keeps running until its deadline",
         {},
-        (Step(add=(req("a", max_tokens=8, deadline=0.0),)), Step(now=5)),
-        {"expired": (), "decode": ("a",)},
+        (Step(add=(req("a", max_tokens=8, deadline=5.0),)), Step(now=4.9)),
+        {"expired": (), "decode": ("a",), "ended": {}},
+    ),
+    Case(
+        "a running sequence whose deadline passes ends expired, its blocks free that step",
+        {"kv_blocks": 3, "block_size": 4},
+        (
+            Step(add=(req("a", max_tokens=8, deadline=5.0),)),
+            Step(now=1, add=(req("b", max_tokens=8),)),  # no room beside a: it waits
+            Step(now=5),
+        ),
+        {"ended": {"a": FinishReason.EXPIRED}, "released": ("a",), "decode": (),
+         "admitted": ("b",), "expired": ()},  # fmt: skip
+    ),
+    Case(
+        "a preempted sequence waiting past its deadline ends expired, for its kept tokens",
+        {"kv_blocks": 3, "block_size": 4},
+        (
+            Step(add=(req("b", lane=B, max_tokens=8, deadline=5.0),)),
+            Step(now=1, add=(req("u", lane=U, max_tokens=8),)),  # preempts b
+            Step(now=5),
+        ),
+        {"ended": {"b": FinishReason.EXPIRED}, "released": ("b",), "decode": ("u",)},
     ),
     Case(
         "a sequence at its max_tokens that the runtime did not finish is ended as length",

@@ -558,6 +558,17 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         if failure is not None:
             self.signals.job_ended(lane, "failed", 0, {})
             return Outcome(job_id, "failed", error=failure)
+        if reason == FinishReason.EXPIRED and held.claimed:
+            # Out of time mid-generation: it ends expired, with the tokens it produced.
+            output = completion_output(completion, held, now)
+            self.signals.job_ended(lane, str(reason), len(completion.token_ids), {})
+            return Outcome(
+                job_id,
+                "expired",
+                output=output,
+                error=f"its deadline passed while it generated "
+                f"({len(completion.token_ids)} tokens)",
+            )
         if reason == FinishReason.EXPIRED or not held.claimed:
             self.signals.job_ended(lane, str(reason), 0, {})
         if reason == FinishReason.EXPIRED:
