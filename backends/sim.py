@@ -9,14 +9,27 @@ ones before it and returns at once; ``collect`` waits until it is done. It
 sleeps rather than burning CPU, so batching behaviour can be measured on a
 machine without a GPU. It declares ``m0 + m1 x cost`` bytes of memory and,
 when given a capacity, runs out of memory like a GPU above it.
+
+With ``witness_dir`` set (the fault suite sets it; off by default), it is a
+witness of its own computations, independent of the worker's bookkeeping:
+each output carries a fresh random ``nonce``, and each collected batch is
+appended, before its outputs are returned, as one JSON line to
+``<witness_dir>/sim.<pid>.jsonl``: the process, the batch's number among the
+ones it computed, its wall time and each input's ``tag`` (an identifier the
+caller chose) with the nonce of its output. A job computed twice is two lines
+with two nonces, whatever the worker later writes; the stored output's nonce
+names the computation whose result was written.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from backends.base import OutOfMemory, RuntimeOptions, parameter_problems
@@ -48,8 +61,11 @@ class SimRuntime:
     padded: bool = False
     # Like a GPU's stream: a launched batch computes while the worker goes on.
     asynchronous: bool = True
+    # Where each computation is witnessed (None: nowhere, and outputs carry no nonce).
+    witness_dir: Path | None = None
     # When the last batch launched is done (the device's queue drains then).
     _free_at: float = field(default=0.0, init=False, repr=False)
+    _witnessed: int = field(default=0, init=False, repr=False)
 
     def load(self) -> None:
         return None
@@ -107,7 +123,36 @@ class SimRuntime:
                 raise SimulatedFailure(
                     f"simulated failure (input asked for it, batch position {position})"
                 )
-        return [{"cost": int(item["cost"])} for item in launched.inputs]
+        outputs = [{"cost": int(item["cost"])} for item in launched.inputs]
+        if self.witness_dir is not None:
+            self._witness(self.witness_dir, launched.inputs, outputs)
+        return outputs
+
+    def _witness(self, directory: Path, inputs: list[Any], outputs: list[dict[str, Any]]) -> None:
+        """Give each output a nonce and append the batch to this process's witness file.
+
+        One ``write`` of one line to a file of this process's own, opened to
+        append: a kill leaves at most a last line without its newline, which
+        :func:`read_witness` skips (its outputs were never returned).
+        """
+        for output in outputs:
+            output["nonce"] = secrets.token_hex(8)
+        self._witnessed += 1
+        pid = os.getpid()
+        items = [[item.get("tag"), out["nonce"]] for item, out in zip(inputs, outputs, strict=True)]
+        line = json.dumps(
+            {"pid": pid, "seq": self._witnessed, "at": time.time(), "items": items},
+            separators=(",", ":"),
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"sim.{pid}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            data = (line + "\n").encode()
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
 
 
 @dataclass
@@ -139,6 +184,8 @@ PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "crash_enabled": bool,
     # Inputs may ask to fail ({"fail": true}).
     "fail_enabled": bool,
+    # Witness every computation in this folder ("": never): fault tests only.
+    "witness_dir": str,
 }
 
 
@@ -185,7 +232,31 @@ class SimBackend:
             budget_bytes=options.budget_bytes,
             name=model.name,
             crash_enabled=bool(p.get("crash_enabled", False)),
+            witness_dir=Path(p["witness_dir"]) if p.get("witness_dir") else None,
         )
 
 
 BACKENDS = {"sim": SimBackend()}
+
+
+@dataclass(frozen=True)
+class Witnessed:
+    """One batch the sim computed, as its witness file has it."""
+
+    pid: int
+    seq: int  # the batch's number among the ones this process computed, from 1
+    at: float  # wall time, when it was computed
+    items: tuple[tuple[str | None, str], ...]  # (the input's tag, the output's nonce)
+
+
+def read_witness(directory: Path) -> list[Witnessed]:
+    """Every batch witnessed under ``directory``, file by file, each in the order written."""
+    found: list[Witnessed] = []
+    for path in sorted(directory.glob("sim.*.jsonl")):
+        for line in path.read_text().splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # cut short by a kill: its outputs were never returned
+            record = json.loads(line)
+            items = tuple((tag, str(nonce)) for tag, nonce in record["items"])
+            found.append(Witnessed(int(record["pid"]), int(record["seq"]), record["at"], items))
+    return found

@@ -11,7 +11,9 @@ suite turns that into a skip, or a failure under CI=true.
 - ``proxy``: a TCP proxy that can cut a service off and restore it.
 - ``listener``: who the workers announced as recorded, and how many times.
 - ``submitting``: bursts of submissions that retry as a careful client would.
-- ``accounting``: what a scenario submitted, completed, lost, computed and wrote twice.
+- ``witness``: the transition log a trigger keeps in a test's database.
+- ``accounting``: what a scenario submitted, completed, lost, computed and wrote twice,
+  counted from the witnesses.
 - ``faults``: the fault suite's stack of separate processes around them all.
 """
 

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
@@ -28,18 +29,28 @@ import redis
 from sqlalchemy import Engine, func, select
 from sqlalchemy.engine import make_url
 
+from backends.sim import read_witness
 from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.queues import lane_depths
 from core.streams import dead_letter_key, done_channel, workers_key
 from ferry.local_redis import start_redis
 from harness import POLL_S
-from harness.accounting import Accounting, Executions, Figures, count_executions, tally
+from harness.accounting import (
+    Accounting,
+    Computations,
+    Executions,
+    Figures,
+    count_computations,
+    count_executions,
+    tally,
+)
 from harness.listener import DoneListener
 from harness.ports import free_port
 from harness.processes import Proc, Processes
 from harness.proxy import TcpProxy
 from harness.submitting import Submission, Submitter
+from harness.witness import read_transitions
 from workers.gpu.executions import read_executions
 
 MODEL = "sim"
@@ -79,6 +90,9 @@ class Stack(Processes):
         # The workers' record of what they computed: files, so that it outlives
         # Redis restarted empty, the database down and kill -9.
         self.execution_dir = self.tmp / "executions"
+        # The sim's own record of what it computed, each output with a nonce: the
+        # witness the counts come from (harness.accounting).
+        self.witness_dir = self.tmp / "computations"
         self.start_redis()
         self.redis = redis.Redis.from_url(
             self.redis_url, decode_responses=True, socket_connect_timeout=1, socket_timeout=5
@@ -94,6 +108,7 @@ class Stack(Processes):
             FERRY_API_PORT=str(self.api_port),
             FERRY_MODELS=MODEL,
             FERRY_EXECUTION_LOG_DIR=str(self.execution_dir),
+            FERRY_SIM_WITNESS_DIR=str(self.witness_dir),
             FERRY_LOG_LEVEL="INFO",
             PYTHONUNBUFFERED="1",
         )
@@ -178,12 +193,12 @@ class Stack(Processes):
     def submit(
         self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
     ) -> Submission:
-        return self.submitter.submit(bodies, threads, retry_s)
+        return self.submitter.submit(tagged(bodies), threads, retry_s)
 
     def submit_in_background(
         self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
     ) -> tuple[Submission, Future[None]]:
-        return self.submitter.submit_in_background(bodies, threads, retry_s)
+        return self.submitter.submit_in_background(tagged(bodies), threads, retry_s)
 
     # -- the database ---------------------------------------------------------
 
@@ -213,7 +228,7 @@ class Stack(Processes):
                 chunk = ids[start : start + 1000]
                 for row in conn.execute(
                     select(
-                        Job.id, Job.status, Job.attempts, Job.error, Job.output,
+                        Job.id, Job.status, Job.attempts, Job.error, Job.input, Job.output,
                         Job.batch_size, Job.started_at, Job.finished_at,
                     ).where(Job.id.in_(chunk))
                 ):  # fmt: skip
@@ -259,8 +274,17 @@ class Stack(Processes):
     # -- accounting -----------------------------------------------------------
 
     def executions(self) -> Executions:
-        """What the workers computed so far, from their execution record."""
+        """What the workers computed so far, from their own execution record."""
         return count_executions(read_executions(self.execution_dir), self.died())
+
+    def computations(self, rows: dict[str, Any]) -> Computations:
+        """What the sim computed so far of the jobs of ``rows``, by its witness record."""
+        job_of_tag = {
+            row.input["tag"]: job_id
+            for job_id, row in rows.items()
+            if isinstance(row.input, dict) and "tag" in row.input
+        }
+        return count_computations(read_witness(self.witness_dir), job_of_tag, self.died())
 
     def account(
         self,
@@ -270,7 +294,8 @@ class Stack(Processes):
         timeout: float,
         record: Callable[[Figures], None],
     ) -> Accounting:
-        """Wait for every accepted job to end, then count: completed, lost, run, written."""
+        """Wait for every accepted job to end, then count, from the witnesses: completed, lost,
+        run, written."""
         accepted = submission.accepted
         self.wait_terminal(accepted, timeout)
         seconds = time.monotonic() - started
@@ -278,9 +303,12 @@ class Stack(Processes):
         time.sleep(0.5)  # a publication racing the last commit
         published = self.listener.snapshot()
         rows = self.rows(accepted)
-        executions = self.executions()
+        transitions = read_transitions(self.engine, accepted)
+        computations = self.computations(rows)
+        own_record = self.executions()
         figures = tally(
-            scenario, submission, rows, published, executions, seconds, self.max_attempts,
+            scenario, submission, rows, transitions, computations, seconds, self.max_attempts,
+            published=published, record=own_record,
             stream_entries_left=left,
             # Rows no 202 answered for (a request that failed after its commit
             # and was not retried): work nobody knows was accepted.
@@ -288,7 +316,7 @@ class Stack(Processes):
             restarts={p.name: p.exits for p in self.procs.values() if p.exits},
         )  # fmt: skip
         record(figures)
-        return Accounting(figures, rows, published, executions)
+        return Accounting(figures, rows, published, computations, own_record, transitions)
 
     def row_count(self) -> int:
         with self.engine.connect() as conn:
@@ -304,13 +332,23 @@ class Stack(Processes):
         assert f.written_twice == 0, context
         assert f.run_twice == 0, context
         assert not f.details["succeeded_unexecuted"], context
+        assert not f.details["terminal_untracked"], context
+        assert f.details["untagged_computations"] == 0, context
         assert f.details["bad_attempts"] == 0, context
         assert f.details["orphan_rows"] == 0, context
 
     def assert_computed_once(self, accounting: Accounting) -> None:
-        """Without a crash: every accepted job was computed exactly once, by the record."""
+        """Without a crash: every job that succeeded was computed exactly once, by the sim's
+        witness, and no other more than once (an input that made the model raise has no
+        output, so no computation)."""
         f = accounting.figures
-        assert f.details["executions_per_job"] == {1: f.submitted}, self._context(f)
+        per_job = accounting.executions.per_job
+        wrong = {
+            job_id: (row.status, per_job[job_id])
+            for job_id, row in accounting.rows.items()
+            if per_job[job_id] > 1 or (row.status == "succeeded") != (per_job[job_id] == 1)
+        }
+        assert not wrong, (wrong, self._context(f))
         assert f.after_crash == 0, self._context(f)
 
     def _context(self, figures: Figures) -> str:
@@ -332,6 +370,23 @@ class Stack(Processes):
         if self.proxy is not None:
             self.proxy.close()
         self.engine.dispose()
+
+
+def without_nonce(output: Any) -> Any:
+    """A sim output as the model computes it, less the nonce its witness adds."""
+    return {k: v for k, v in output.items() if k != "nonce"} if isinstance(output, dict) else output
+
+
+def tagged(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bodies, each sim input given a tag of its own (the sim's witness names it)."""
+    return [
+        {**body, "input": {**body["input"], "tag": uuid.uuid4().hex}}
+        if body.get("model") == MODEL
+        and isinstance(body.get("input"), dict)
+        and "tag" not in body["input"]
+        else body
+        for body in bodies
+    ]
 
 
 def sim_jobs(count: int, costs: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict[str, Any]]:

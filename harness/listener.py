@@ -1,9 +1,9 @@
 """Who was recorded, and how many times: the job ids workers announce on the done channel.
 
 Workers publish an id there only when their conditional terminal UPDATE won,
-so an id published twice is a job recorded twice. A job computed twice whose
-second write was refused is published once: ``harness.accounting`` counts
-computations from the workers' execution record instead.
+over pub/sub, which may drop a message: a cross-check only.
+``harness.accounting`` counts terminal writes from the database's transition
+log and computations from the sim's witness (``harness.witness``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
 """Fixtures of the fault-injection suite: a real Ferry stack per test, broken on purpose.
 
 The stack is ``harness.faults.Stack``: a redis-server and a PostgreSQL database
-of the test's own, the API, workers and Celery processes as separate processes.
+(or a SQLite file) of the test's own, the API, workers and Celery processes as separate processes.
 Every process started is killed at teardown, whether the test passed or not;
 the Redis, the database and the proxy go too, and a failed test prints the
 processes' logs.
 
-Each scenario counts what it submitted (202s), what reached a terminal state,
-what was lost (accepted, never terminal), how many times the workers computed
-each job by their own execution record (again after a crash, or twice with no
-crash to explain it), and which results were written twice (see
-``harness.accounting``). The figures are printed as a table at the end of the
-run (``pytest tests/faults -q -s``) and written as JSON under the pytest
-temporary directory. A test's figures travel in its report (a user property),
-so the table is complete when pytest-xdist runs the tests in other processes.
+Each scenario counts, from witnesses the code under test does not keep (see
+``harness.witness`` and ``harness.accounting``), what it submitted (202s),
+what reached a terminal state and what was lost (accepted, never made
+terminal, by the database's transition log, which a trigger installed in the
+test's database right after migration fills), how many times each job was
+computed by the sim model's record of its computations (again after a crash,
+or twice with no crash to explain it), and which jobs were made terminal more
+than once (written twice, by the transition log). The figures are printed as
+a table at the end of the run (``pytest tests/faults -q -s``) and written as
+JSON under the pytest temporary directory. A test's figures travel in its
+report (a user property), so the table is complete when pytest-xdist runs the
+tests in other processes.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from typing import Any
 
 import pytest
 
+from core import migrate
+from core.db import make_engine
 from harness.accounting import HEADER, Figures
 from harness.faults import Stack
 from harness.services import migrated_postgres_database, redis_server
+from harness.witness import install_transition_witness
 
 FIGURES_PROPERTY = "fault_figures"
 # What this process's tests counted (the JSON file), and what the reports it
@@ -102,13 +109,24 @@ def record(
 def make_stack(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Generator[Callable[..., Stack], None, None]:
-    """Builds the test's stack: ``make_stack(proxy_db=False, FERRY_X="...")``."""
+    """Builds the test's stack: ``make_stack(proxy_db=False, database="postgresql",
+    FERRY_X="...")``; ``database="sqlite"``: a SQLite file of the test's own."""
     redis_server()  # before any test body runs: each stack starts Redis of its own
     with contextlib.ExitStack() as cleanup:
         stacks: list[Stack] = []
 
-        def build(proxy_db: bool = False, **env: str) -> Stack:
-            url = cleanup.enter_context(migrated_postgres_database())
+        def build(proxy_db: bool = False, database: str = "postgresql", **env: str) -> Stack:
+            if database == "sqlite":
+                assert not proxy_db, "the proxy stands before PostgreSQL only"
+                url = f"sqlite:///{tmp_path / 'ferry.db'}"
+                migrate.upgrade(url)
+            else:
+                url = cleanup.enter_context(migrated_postgres_database())
+            engine = make_engine(url)
+            try:
+                install_transition_witness(engine)
+            finally:
+                engine.dispose()
             stack = Stack(tmp_path, url, env, proxy_db=proxy_db)
             stacks.append(stack)
             return stack

@@ -19,6 +19,7 @@ from sqlalchemy import func, select
 from core.db import Backfill, Job
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
+from harness.witness import read_transitions, terminal_writes
 from tests.faults.test_kill import fresh_batch_of
 
 pytestmark = pytest.mark.faults
@@ -28,7 +29,8 @@ LINES = 30_000
 
 def body() -> bytes:
     return "".join(
-        json.dumps({"custom_id": f"line-{i}", "input": {"cost": 1 + i % 5}}) + "\n"
+        json.dumps({"custom_id": f"line-{i}", "input": {"cost": 1 + i % 5, "tag": f"line-{i}"}})
+        + "\n"
         for i in range(LINES)
     ).encode()
 
@@ -109,14 +111,18 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     if victim == "gpu-worker":
         again = {r.attempts for r in rows if r.attempts == 2}
         assert again, details  # the killed batch was run again, once
-    # What the workers computed, by their own record: every line, and again only
-    # what a killed GPU worker had computed and not written.
+    # What the sim computed, by its witness: every line, and again only what a
+    # killed GPU worker had computed and not written.
     stack.wait_quiet()
-    executions = stack.executions()
+    executions = stack.computations(stack.rows([r.id for r in rows]))
+    assert executions.untagged == 0
     details["after_crash"] = sum(executions.after_crash.values())
     assert not executions.run_twice, (details, sorted(executions.run_twice)[:20])
     most = 2 if victim == "gpu-worker" else 1
     assert {executions.per_job[r.id] for r in rows} <= set(range(1, most + 1)), details
+    # Each line's job made terminal once, by the database's transition log.
+    writes = terminal_writes(read_transitions(stack.engine, [r.id for r in rows]))
+    assert sorted(set(writes.values())) == [1] and len(writes) == LINES, details
 
     lines = client.get(f"/v1/backfills/{backfill_id}/results").text.splitlines()
     results = [json.loads(line) for line in lines]
