@@ -153,8 +153,13 @@ def _failure(job: JobResource, headers: dict[str, str] | None = None) -> ApiErro
     if job.status == "cancelled":
         return ApiError(409, "cancelled", f"job {job.id} was cancelled before it ran", headers)
     if job.status == "expired":
+        when = "while it generated" if job.output else "before it ran"
         return ApiError(
-            504, "expired", f"job {job.id} expired: its deadline passed before it ran", headers
+            504,
+            "expired",
+            f"job {job.id} expired: its deadline passed {when}"
+            + (f" (what it produced is in /v1/jobs/{job.id})" if job.output else ""),
+            headers,
         )
     return ApiError(500, "job_failed", f"job {job.id} {job.status}: {job.error or ''}", headers)
 

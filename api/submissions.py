@@ -327,7 +327,12 @@ class GroupWriter:
         if deadline is None or finish is None or finish <= deadline:
             return None
         if fit:
-            item.input["max_tokens"] = fit  # the job's row stores what it runs with
+            # The row stores what it runs with, and what was asked (a retry with the same
+            # idempotency key asks the same, and must find this job).
+            item.input[ASKED_MAX_TOKENS] = item.input.get(
+                ASKED_MAX_TOKENS, item.input["max_tokens"]
+            )
+            item.input["max_tokens"] = fit
             estimates[i] = Quote(wait, fit)
             return None
         # Refuse now rather than accept a job that would only expire.
@@ -572,9 +577,23 @@ def _idem(item: Submission) -> tuple[str, str]:
 
 
 def _replay(existing: Job, item: Submission) -> Outcome:
-    if existing.model != item.spec.name or existing.input != item.input:
+    if existing.model != item.spec.name or as_asked(existing.input) != as_asked(item.input):
         return ApiError(409, "conflict", "idempotency_key: already used for a different request")
-    return Submitted(existing, True, None)
+    cut = isinstance(existing.input, dict) and ASKED_MAX_TOKENS in existing.input
+    return Submitted(existing, True, None, existing.input["max_tokens"] if cut else None)
+
+
+# A generation input whose max_tokens was cut to meet its deadline keeps what was asked.
+ASKED_MAX_TOKENS = "asked_max_tokens"
+
+
+def as_asked(value: Any) -> Any:
+    """A stored input as its request gave it (a max_tokens cut to a deadline put back)."""
+    if not isinstance(value, dict) or ASKED_MAX_TOKENS not in value:
+        return value
+    asked = {k: v for k, v in value.items() if k != ASKED_MAX_TOKENS}
+    asked["max_tokens"] = value[ASKED_MAX_TOKENS]
+    return asked
 
 
 def _quota_error(limit: int | None) -> ApiError:

@@ -112,6 +112,9 @@ class WatchedRunner:
     def reset(self, id: str) -> None:
         self.runner.reset(id)
 
+    def clear(self) -> None:
+        self.runner.clear()
+
     def pop(self, id: str, reason: FinishReason) -> Completion:
         completion: Completion = self.runner.pop(id, reason)
         return completion

@@ -188,6 +188,19 @@ class GenerationScheduler:
             raise ValueError(f"{request.id}: {refusal}")
         self._waiting.add(SequenceState(request, Lane(request.lane), generated=request.generated))
 
+    def reset(self) -> None:
+        """Forget every request, waiting or running, and any plan not yet reported: the whole
+        pool is free again. What it learned (the step time, the tenants' turns) stays.
+
+        For a worker whose Redis or database failed mid-step: it reads what it
+        held again, and the runtime forgets its sequences too.
+        """
+        self._pool = BlockPool(self.limits.kv_blocks)
+        self._waiting = WaitingQueue()
+        self._running = {}
+        self._released, self._ended = [], {}
+        self._pending = None
+
     def cancel(self, id: str) -> bool:
         """End a request; False if it is not queued or running (or cancelled already).
 
@@ -291,6 +304,10 @@ class GenerationScheduler:
     def _chunk_length(self, sequence: SequenceState, budget: int) -> int:
         todo = sequence.known - sequence.computed
         if self.limits.prefill_chunk_tokens == 0:
+            if sequence.generated and todo > self.limits.step_tokens:
+                # Prompt and tokens of one resumed (aborted, taken over) can outgrow a
+                # step: whole prompts only, but such a one goes in chunks, or never.
+                return min(todo, budget)
             return todo if todo <= budget else 0
         return min(todo, self.limits.prefill_chunk_tokens, budget)
 

@@ -126,6 +126,10 @@ class StepRuntime:
     def holds(self, id: str) -> bool:
         return id in self._sequences
 
+    def clear(self) -> None:
+        """Forget every sequence (the scheduler was reset: their blocks are free)."""
+        self._sequences.clear()
+
     def reset(self, id: str) -> None:
         """A step that raised: forget ``id``'s KV (its tokens stay; it prefills them again)."""
         sequence = self._sequences[id]

@@ -59,6 +59,11 @@ class WholeRuntime:
     def holds(self, id: str) -> bool:
         return id in self._jobs or id in self._done
 
+    def clear(self) -> None:
+        """Forget every job (the scheduler was reset)."""
+        self._jobs.clear()
+        self._done.clear()
+
     def reset(self, id: str) -> None:
         """A step that raised: forget what it generated for ``id`` (it runs again whole)."""
         self._done.pop(id, None)

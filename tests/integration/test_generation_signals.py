@@ -134,11 +134,19 @@ def test_a_deadline_bounds_the_whole_generation_refused_or_accepted_with_fewer_t
         finish_ms = quote.json()["error"]["estimated_wait_ms"]
         deadline = max(2, int(finish_ms / 2))
         refused = post(gen_client, auth, input=job(2, 200), deadline_ms=deadline)
-        cut = post(
-            gen_client, auth, input=job(3, 200), deadline_ms=deadline, on_deadline="truncate"
-        )
+        cut_body = {"input": job(3, 200), "deadline_ms": deadline, "on_deadline": "truncate",
+                    "idempotency_key": "cut-once"}  # fmt: skip
+        cut = post(gen_client, auth, **cut_body)
         assert cut.status_code == 202, cut.text
         accepted = cut.json()
+        # A retry with the same key and body finds that job, cut as it was.
+        again = post(gen_client, auth, **cut_body)
+        assert again.status_code == 202, again.text
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert (again.json()["id"], again.json()["max_tokens"]) == (
+            accepted["id"],
+            accepted["max_tokens"],
+        )
         ran = result(gen_client, auth, accepted["id"], wait_s=120)
 
     assert refused.status_code == 429, refused.text

@@ -365,3 +365,33 @@ def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_to
     assert [e.token for e in seen if e.kind == "token"] == produced
     assert seen[-1] == JobEvent.done("expired", "expired")
     assert after["status"] == "succeeded"
+
+
+def test_redis_failing_between_a_steps_plan_and_its_output_loses_and_fails_nothing(
+    gen_client: TestClient,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+) -> None:
+    ids = [submit(gen_client, auth, prompt=p, max_tokens=8, temperature=0) for p in PROMPTS]
+    running = worker()
+    loop = running.loop
+    claim = loop.recorder.claim
+    failures: list[int] = []
+
+    def claim_once_unreachable(*args: Any, **kwargs: Any) -> Any:
+        if not failures:  # the first claim: the plan is made, its jobs not yet claimed
+            failures.append(1)
+            raise redis.ConnectionError("Redis went away")
+        return claim(*args, **kwargs)
+
+    loop.recorder.claim = claim_once_unreachable  # type: ignore[method-assign]
+    with running:
+        jobs = [result(gen_client, auth, job_id) for job_id in ids]
+    assert failures
+    tokenizer = lm_folder("llama") / "tokenizer.json"
+    for job, text in zip(jobs, PROMPTS, strict=True):
+        # Read again after the outage, run once, from the start: the library's tokens.
+        assert job["status"] == "succeeded", job
+        assert job["attempts"] == 1, job
+        assert job["output"]["token_ids"] == reference(prompt_token_ids({"prompt": text},
+                                                                        tokenizer), 8)  # fmt: skip

@@ -492,6 +492,37 @@ def test_a_sequence_cancelled_during_a_failed_step_ends_cancelled() -> None:
     assert later.resumed == ("b",)
 
 
+def test_with_whole_prompts_a_resumed_sequence_longer_than_a_step_goes_in_chunks() -> None:
+    # Whole prompts only, 16 tokens a step: a 14-token prompt fits; aborted after 6
+    # tokens, its 20 known tokens do not, and it must not block everything behind it.
+    scheduler = make(step_tokens=16, prefill_chunk_tokens=0, max_running=4)
+    run(scheduler, (Step(add=(req("a", prompt=14, max_tokens=12),)),) + (Step(),) * 5)
+    scheduler.abort(scheduler.schedule(1.0))
+    scheduler.add(req("b", prompt=4, max_tokens=2))
+    chunks = []
+    for step in range(30):
+        plan = scheduler.schedule(2.0 + step)
+        chunks += [c.length for c in plan.prefill if c.id == "a"]
+        output = StepOutput({id: 1 for id in plan.sampling}, {}, 0.01)
+        scheduler.update_from_output(plan, output, 2.01 + step)
+        if not scheduler.running_count and not scheduler.waiting_count:
+            break
+    assert sum(chunks) == 14 + 6 and max(chunks) <= 16, chunks
+    assert scheduler.state_of("a") is None and scheduler.state_of("b") is None
+
+
+def test_reset_forgets_every_request_and_the_plan_in_flight() -> None:
+    scheduler = make()
+    run(scheduler, (Step(add=(req("a"), req("b"))),))
+    scheduler.add(req("c"))
+    scheduler.schedule(1.0)  # then the worker's Redis fails before the output is reported
+    scheduler.reset()
+    assert (scheduler.running_count, scheduler.waiting_count, scheduler.blocks_free) == (0, 0, 64)
+    scheduler.add(req("a"))  # read again: known no more
+    plan = scheduler.schedule(2.0)
+    assert plan.admitted == ("a",) and plan.ended == {} and plan.released == ()
+
+
 def test_the_output_must_answer_the_plan() -> None:
     scheduler = make()
     scheduler.add(req("a"))

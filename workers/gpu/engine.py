@@ -37,6 +37,8 @@ class StepRunner(Protocol):
 
     def reset(self, id: str) -> None: ...
 
+    def clear(self) -> None: ...
+
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def pop(self, id: str, reason: FinishReason) -> Completion: ...
@@ -79,6 +81,16 @@ class GenerationEngine:
         """Queue a job; ValueError (from the scheduler) when it can never fit."""
         self.scheduler.add(request)
         self.runtime.add(request.id, job)
+
+    def reset(self) -> None:
+        """Forget everything, the plan in flight too (:meth:`GenerationScheduler.reset`)."""
+        self.scheduler.reset()
+        self.runtime.clear()
+
+    def fail(self, id: str) -> Completion:
+        """End ``id`` now, outside a step (it failed alone): its result so far."""
+        self.scheduler.cancel(id)  # the next plan names it; the runtime no longer holds it
+        return self.runtime.pop(id, FinishReason.CANCELLED)
 
     def cancel(self, id: str) -> bool:
         """Stop a job, waiting or running; it ends ``cancelled`` at the next step."""

@@ -128,8 +128,6 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self.config = config
         self.kick = kick
         self.held: dict[str, _Held] = {}
-        # Jobs that failed a step alone, with why: they end failed at the next step.
-        self._failed: dict[str, str] = {}
         # Pipelined: one thread writes what ended (result, done event, acknowledgement,
         # webhooks) while the loop's thread steps on.
         self._recording = (
@@ -215,13 +213,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         # What is being recorded is done (or given up) before anything is read again:
         # a job read again before its result is committed would run again.
         self._settle_recording()
-        for job_id in list(self.held):
-            self.engine.cancel(job_id)
-        with contextlib.suppress(Exception):
-            # The cancellations take effect (blocks freed, sequences dropped).
-            self.engine.step(self.clock())
+        # Whatever the failure interrupted (a plan scheduled and not reported, a claim
+        # half done), the engine starts afresh: everything held is read again.
+        self.engine.reset()
         self.held.clear()
-        self._failed.clear()
         self.consumer.reread_pending()
 
     # --- a step ----------------------------------------------------------------
@@ -275,12 +270,17 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         if len(aborted) == 1:
             (job_id,) = aborted
             why = (str(error) or type(error).__name__).splitlines()[0][:500]
-            self._failed[job_id] = f"the model failed on it ({type(error).__name__}: {why})"
-            self.engine.cancel(job_id)  # ends at the next step, recorded as failed
+            self.engine.fail(job_id)
             log.error(
                 "a generation failed on its own; the job fails",
                 extra={"model": self.model, "job_id": job_id, "error_type": type(error).__name__},
             )
+            held = self.held.get(job_id)
+            if held is not None:
+                self.signals.job_ended(held.entry.message.lane, "failed", 0, {})
+                # Recorded at once: nothing of it is left in the engine to report later.
+                error_text = f"the model failed on it ({type(error).__name__}: {why})"
+                self._record([Outcome(job_id, "failed", error=error_text)])
         else:
             log.warning(
                 "a generation step failed; its sequences run again, each alone",
@@ -473,9 +473,11 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
 
     def _switch(self, loaded: Loaded) -> None:
         assert self.versions is not None
+        # Its last outcomes are written before anything is read again (an outage here
+        # leaves the switch to the next try, the version still loaded).
+        self._wait_recorded()
         self._switching = None
         # The old engine goes with what it still holds: only the jobs let go, none started.
-        self._wait_recorded()  # its last outcomes are written before anything is read again
         self.serving = loaded.prepared
         self.recorder.model_version = loaded.version
         old = self.versions.switched(loaded)
@@ -504,8 +506,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             pipe = self.client.pipeline(transaction=False)
             for job_id, emitted in events.emitted.items():
                 held = self.held.get(job_id)
-                if held is None:
-                    continue
+                if held is None or not held.claimed:
+                    continue  # not this worker's to stream (its claim was refused)
                 if held.first_token_s is None:
                     held.first_token_s = now
                 held.last_token_s = now
@@ -554,10 +556,6 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             return None
         reason = completion.finish_reason
         lane = held.entry.message.lane
-        failure = self._failed.pop(job_id, None)
-        if failure is not None:
-            self.signals.job_ended(lane, "failed", 0, {})
-            return Outcome(job_id, "failed", error=failure)
         if reason == FinishReason.EXPIRED and held.claimed:
             # Out of time mid-generation: it ends expired, with the tokens it produced.
             output = completion_output(completion, held, now)
