@@ -35,9 +35,10 @@ applies them:
    predicted to end expires: its first step could not start in time.
 
 A sequence that was in a step the runtime failed (:meth:`GenerationScheduler.abort`)
-runs *alone* from then on: it is admitted only onto an empty running batch,
-and nothing is admitted beside it until it ends, so that a step that fails
-again has one culprit (the encoders' isolation, for generation).
+runs *alone* until it samples its next token: it is admitted only onto an
+empty running batch, and nothing is admitted beside it meanwhile, so that a
+step that fails again has one culprit (the encoders' isolation, for
+generation); once past that computation it runs beside the others again.
 
 A preempted sequence loses its KV but keeps what it generated: it returns to
 the front of its lane, is *resumed* (not admitted again) and then prefills
@@ -450,7 +451,10 @@ class GenerationScheduler:
         for id in plan.decode:
             self._running[id].computed += 1
         for id in output.sampled:
-            self._running[id].generated += 1
+            sequence = self._running[id]
+            sequence.generated += 1
+            # Past the computation that failed beside others, alone: it may join them again.
+            sequence.alone = False
         for id in output.finished:
             self._drop(self._running[id], None)
         for id in plan.sampling:

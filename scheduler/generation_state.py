@@ -72,7 +72,10 @@ class SequenceState:
     ``admitted_at`` / ``first_admitted``: the numbers of its latest and its
     first admission (``NEVER`` before either); the most recently admitted is
     preempted first, the first admitted resumes first. ``cancelled``: cancel
-    was asked while it ran; it is released at the next schedule.
+    was asked while it ran; it is released at the next schedule. ``alone``: a
+    suspect (it was in a step the runtime failed): until it samples a token
+    again it runs only with no other sequence running, and nothing is
+    admitted beside it.
     """
 
     request: GenerationRequest

@@ -300,8 +300,13 @@ CASES = [
             Step(now=1, add=(req("b", max_tokens=8),)),  # no room beside a: it waits
             Step(now=5),
         ),
-        {"ended": {"a": FinishReason.EXPIRED}, "released": ("a",), "decode": (),
-         "admitted": ("b",), "expired": ()},  # fmt: skip
+        {
+            "ended": {"a": FinishReason.EXPIRED},
+            "released": ("a",),
+            "decode": (),
+            "admitted": ("b",),
+            "expired": (),
+        },
     ),
     Case(
         "a preempted sequence waiting past its deadline ends expired, for its kept tokens",
@@ -435,7 +440,7 @@ def test_a_sequence_finished_by_the_runtime_leaves_at_once_and_is_not_ended_agai
     assert later.empty and later.released == () and later.ended == {}
 
 
-def test_a_failed_step_keeps_nothing_and_its_sequences_then_run_one_at_a_time() -> None:
+def test_a_failed_step_keeps_nothing_and_its_sequences_then_resume_one_at_a_time() -> None:
     scheduler = make()
     run(scheduler, (Step(add=(req("a", max_tokens=6), req("b", max_tokens=6))),))
     scheduler.add(req("c", max_tokens=2))
@@ -445,40 +450,42 @@ def test_a_failed_step_keeps_nothing_and_its_sequences_then_run_one_at_a_time() 
     assert scheduler.blocks_free == 64 and scheduler.running_count == 0
     with pytest.raises(ValueError, match="once"):
         scheduler.abort(plan)
-    # Each resumes alone (from the tokens it had: a and b generated one each);
-    # nothing, not even a new request, is admitted beside it.
+    # Each resumes alone (from the tokens it had) until it samples again; nothing, not
+    # even a new request, runs beside it meanwhile. Then they run together.
     scheduler.add(req("d"))
-    alone = []
+    steps: list[set[str]] = []
     for step in range(40):
         plan = scheduler.schedule(2.0 + step)
-        running = {c.id for c in plan.prefill} | set(plan.decode)
-        if running & {"a", "b", "c"}:
-            assert len(running) == 1, plan
-            alone.append(next(iter(running)))
+        steps.append({c.id for c in plan.prefill} | set(plan.decode))
         output = StepOutput({id: 1 for id in plan.sampling}, {}, 0.01)
         scheduler.update_from_output(plan, output, 2.01 + step)
         if not scheduler.running_count and not scheduler.waiting_count:
             break
-    # Resumed in their first admission's order, each to its end before the next.
-    assert [k for i, k in enumerate(alone) if i == 0 or alone[i - 1] != k] == ["a", "b", "c"]
-    resumed = [k for k in ("a", "b") if alone.count(k)]
-    assert resumed == ["a", "b"]
-    # Each had 5 tokens left: the resuming prefill samples the first, 4 decodes the rest.
-    assert alone.count("a") == 5 and alone.count("b") == 5
-    assert scheduler.state_of("d") is None  # then d ran, with nobody alone left
+    # Resumed in their first admission's order, each alone for its resuming prefill
+    # (a suspect starts only on an empty batch), and then joined by what is not suspect.
+    firsts = [next(s for s in steps if x in s) for x in ("a", "b", "c")]
+    assert firsts == [{"a"}, {"b"}, {"c"}], steps
+    assert steps.index({"a"}) < steps.index({"b"}) < steps.index({"c"}), steps
+    assert any(len(s) > 1 for s in steps), steps  # d ran beside one past its prefill
+    # a and b had 5 tokens left, c 2, d 4: every one ran to its max_tokens.
+    assert sum("a" in s for s in steps) == 5 and sum("b" in s for s in steps) == 5
+    assert sum("c" in s for s in steps) == 2 and scheduler.state_of("d") is None
 
 
-def test_nothing_joins_a_sequence_running_alone_and_an_urgent_one_preempts_it_instead() -> None:
-    scheduler = make()  # room for all: only the rule keeps them apart
+def test_nothing_joins_a_suspect_until_it_samples_and_an_urgent_one_preempts_it() -> None:
+    scheduler = make(prefill_chunk_tokens=2)  # room for all: only the rule keeps them apart
     scheduler.add(req("b", lane=B, max_tokens=8))
     scheduler.abort(scheduler.schedule(0.0))
-    run(scheduler, (Step(now=1.0),))
-    plan = run(scheduler, (Step(now=2.0, add=(req("n"),)),))
-    assert plan.decode == ("b",) and plan.prefill == () and scheduler.state_of("n") == "waiting"
-    plan = run(scheduler, (Step(now=3.0, add=(req("u", lane=U),)),))
-    # b waits again, alone, behind the normal lane (n, no suspect, may run beside u).
-    assert plan.preempted == ("b",) and plan.admitted == ("u", "n") and plan.decode == ()
-    assert scheduler.state_of("b") == "waiting"
+    plan = run(scheduler, (Step(now=1.0, add=(req("n", lane=B),)),))  # b: first of 2 chunks
+    assert plan.prefill == (Chunk("b", 0, 2, False),) and scheduler.state_of("n") == "waiting"
+    plan = run(scheduler, (Step(now=2.0),))  # its last chunk samples: still alone
+    assert plan.prefill == (Chunk("b", 2, 2, True),) and scheduler.state_of("n") == "waiting"
+    plan = run(scheduler, (Step(now=3.0),))  # past it: n joins
+    assert plan.decode == ("b",) and plan.admitted == ("n",)
+    # A suspect again: an urgent arrival does not wait for it, it preempts it.
+    scheduler.abort(scheduler.schedule(4.0))
+    plan = run(scheduler, (Step(now=5.0, add=(req("u", lane=U),)),))
+    assert "u" in plan.admitted and scheduler.state_of("b") == "waiting"
 
 
 def test_a_sequence_cancelled_during_a_failed_step_ends_cancelled() -> None:

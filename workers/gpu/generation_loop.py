@@ -145,6 +145,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self.versions: VersionManager | None = None
         # A version loaded and waiting for the old one's sequences to finish.
         self._switching: Loaded | None = None
+        # Jobs pinned to the version being loaded were left unread, to wait for it.
+        self._pins_waiting = False
         # The event that stops run() (set by the process; a restart for a version sets it).
         self.stop_event: threading.Event | None = None
 
@@ -339,6 +341,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             pin = message.version
             if pin is not None and pin != self.version:
                 if self._loading(pin):
+                    self._pins_waiting = True
                     continue  # read again once that version serves (or its load failed)
                 active = self.versions.wanted if self.versions is not None else self.version
                 refused.append(
@@ -452,6 +455,19 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             )
             self.restart_requested = True
             self.request_stop()  # what runs finishes first (finish_running)
+        if self._switching is not None and self._switching.version != self.versions.wanted:
+            # Rolled back (or another activated) before it served: what was let go runs
+            # on the version served, once what ended meanwhile is written.
+            self._wait_recorded()
+            self.versions.unloaded(self._switching)
+            self._switching = None
+            self.consumer.reread_pending()
+        if self._pins_waiting and self.versions.failed(self.versions.wanted):
+            # Jobs pinned to the version being loaded were left unread; its load failed:
+            # read them again now (they fail, saying so) rather than at a takeover.
+            self._pins_waiting = False
+            self._wait_recorded()
+            self.consumer.reread_pending()
         scheduler = self.engine.scheduler
         if self._switching is not None and not scheduler.running_count:
             if scheduler.waiting_count:
@@ -480,6 +496,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         # The old engine goes with what it still holds: only the jobs let go, none started.
         self.serving = loaded.prepared
         self.recorder.model_version = loaded.version
+        self._pins_waiting = False  # read again below, onto the version they asked for
         old = self.versions.switched(loaded)
         self.versions.unloaded(old)
         # What was let go is read again, now onto the new version.
