@@ -183,3 +183,52 @@ def test_a_job_pinned_to_a_version_no_longer_served_fails_and_one_pinned_to_the_
     assert done[old]["error"] == (
         f"version 1 of {MODEL} is not served now (the active version is 2; serving 2)"
     )
+
+
+def test_a_rollback_before_the_switch_keeps_the_version_serving_and_its_jobs(
+    two_versions: Settings,
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+) -> None:
+    settings = two_versions
+    assert settings.model_repository is not None
+    folder = settings.model_repository / MODEL
+    with sessions() as session:
+        admin = {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
+
+    def activate(version: int) -> None:
+        response = client.post(
+            f"/v1/admin/models/{MODEL}/activate", json={"version": version}, headers=admin
+        )
+        assert response.status_code == 200, response.text
+
+    worker = start_worker(settings)
+    runtime: Any = worker.loop.engine.runtime
+    execute = runtime.execute
+
+    def slowed(plan: Any) -> Any:
+        time.sleep(0.02)  # version 1's long job outlasts the load of 2 and the rollback
+        return execute(plan)
+
+    runtime.execute = slowed
+    with worker as loop:
+        long = submit(client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
+        ends = time.monotonic() + 60
+        while loop.engine.scheduler.running_count == 0 and time.monotonic() < ends:
+            time.sleep(0.01)
+        activate(2)
+        while loop.switching_to != 2 and time.monotonic() < ends:
+            time.sleep(0.01)
+        assert loop.switching_to == 2, "version 2 never loaded"
+        waiting = submit(client, auth, prompt="next", max_tokens=8, temperature=0)
+        activate(1)  # rolled back before 2 served
+        while loop.switching_to is not None and time.monotonic() < ends:
+            time.sleep(0.01)
+        assert loop.switching_to is None and loop.version == 1
+        done = {job_id: result(client, auth, job_id) for job_id in (long, waiting)}
+        assert loop.version == 1
+    for job_id, prompt, tokens in ((long, "a long one", LONG_TOKENS), (waiting, "next", 8)):
+        job = done[job_id]
+        assert job["status"] == "succeeded" and job["model_version"] == 1, job
+        assert job["output"]["token_ids"] == greedy(folder / "1", prompt, tokens)
