@@ -7,10 +7,11 @@
 Each benchmark runs as its own process (``python -m bench.NAME ...``), one
 after the other for the full set (they measure the machine; two at once
 would measure each other); a smoke run may run ``--parallel`` of them at
-once, since its figures mean nothing. A benchmark whose tool, device or
-package is missing (wrk, a CUDA device, the bench extra's Ray) is skipped and
-said so; the exit status is 1 if any benchmark failed, or was skipped where
-``--strict`` asks for all of them.
+once, since its figures mean nothing. The benchmarks of a run that read the
+corpus (bench/corpus.py) share one reading of it. A benchmark whose tool,
+device or package is missing (wrk, a CUDA device, the bench extra's Ray) is
+skipped and said so; the exit status is 1 if any benchmark failed, or was
+skipped where ``--strict`` asks for all of them.
 
 After a full run of every benchmark, the documents are rendered from the new
 files (``python -m bench.render``) and, if every file cites the same commit
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.corpus import CACHE_ENV
 from bench.results import MAKE_ENV, RESULTS, SMOKE_ENV
 
 ROOT = RESULTS.parent.parent
@@ -144,11 +146,13 @@ def command(bench: Bench, out: Path, smoke: bool) -> list[str]:
     return [sys.executable, "-m", bench.module, *args, "--out", str(out / f"{bench.name}.json")]
 
 
-def run_one(bench: Bench, out: Path, smoke: bool) -> Outcome:
+def run_one(bench: Bench, out: Path, smoke: bool, corpus: Path | None = None) -> Outcome:
     why = missing(bench)
     if why:
         return Outcome(bench, "skipped", why=why)
     env = {**os.environ, SMOKE_ENV: "1" if smoke else "0"}
+    if corpus is not None:
+        env[CACHE_ENV] = str(corpus)
     env.setdefault(MAKE_ENV, "make bench-smoke" if smoke else "make bench")
     log = out / f"{bench.name}.log"
     started = time.monotonic()
@@ -166,16 +170,18 @@ def run_one(bench: Bench, out: Path, smoke: bool) -> Outcome:
 
 def run_all(chosen: list[Bench], out: Path, smoke: bool, parallel: int) -> list[Outcome]:
     out.mkdir(parents=True, exist_ok=True)
+    # The benchmarks that read the corpus share one reading of it (seconds of CPU each).
+    corpus = tempfile.TemporaryDirectory(prefix="ferry-bench-corpus-")
 
     def one(bench: Bench) -> Outcome:
-        outcome = run_one(bench, out, smoke)
+        outcome = run_one(bench, out, smoke, Path(corpus.name))
         detail = f" ({outcome.why})" if outcome.why and outcome.status == "skipped" else ""
         print(f"{bench.name:10} {outcome.status:8} {outcome.seconds:6.0f} s{detail}", flush=True)
         if outcome.status == "failed":
             print(f"  {outcome.why}", flush=True)
         return outcome
 
-    with ThreadPoolExecutor(max(1, parallel)) as pool:
+    with corpus, ThreadPoolExecutor(max(1, parallel)) as pool:
         return list(pool.map(one, chosen))
 
 

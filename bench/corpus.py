@@ -8,20 +8,32 @@ shuffled with a seed. Each text's cost is its all-MiniLM-L6-v2 token count
 (:func:`core.catalog.count_tokens`, the tokenizer that ships with the model),
 capped at 256 tokens, the model's input limit.
 
-The result depends only on the Python version's standard library and the seed;
-nothing is cached on disk.
+The result depends only on the Python version's standard library and the seed.
+Reading the standard library takes seconds of CPU, so ``python -m bench all``
+has its benchmarks share one reading: it names a folder in
+``FERRY_BENCH_CORPUS_CACHE`` for the run, the first benchmark to ask writes the
+corpus there, and the others read it. Nothing is kept after the run.
 """
 
 from __future__ import annotations
 
 import ast
+import fcntl
+import json
+import os
 import random
 import re
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MAX_TOKENS = 256
+# A folder the benchmarks of one `python -m bench all` run share the corpus through.
+CACHE_ENV = "FERRY_BENCH_CORPUS_CACHE"
 MIN_CHARS = 40
 MAX_CHARS = 1200
 _SKIP_DIRS = {"site-packages", "idlelib", "lib2to3", "turtledemo", "__pycache__", "ensurepip"}
@@ -80,8 +92,34 @@ def _prose(paragraph: str) -> str | None:
     return text
 
 
+def shared(
+    name: str, compute: Callable[[], T], encode: Callable[[T], Any], decode: Callable[[Any], T]
+) -> T:
+    """``compute()``, or what another process of the run computed and kept under ``name``
+    in the run's folder (``CACHE_ENV``); without the folder, computed here."""
+    folder = os.environ.get(CACHE_ENV)
+    if not folder:
+        return compute()
+    path = Path(folder) / f"{name}.json"
+    # One process computes while the others wait for its file, rather than all at once.
+    with (Path(folder) / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return decode(json.loads(path.read_text(encoding="utf-8")))
+        value = compute()
+        partial = path.with_suffix(f".{os.getpid()}")
+        partial.write_text(json.dumps(encode(value)), encoding="utf-8")
+        partial.replace(path)
+        return value
+
+
 def load_texts(seed: int = 0, max_files: int | None = None) -> list[str]:
     """Prose paragraphs of the standard library's docstrings, in a seeded order."""
+    return shared(f"texts-{seed}-{max_files}", lambda: read_texts(seed, max_files), list, list)
+
+
+def read_texts(seed: int = 0, max_files: int | None = None) -> list[str]:
+    """:func:`load_texts`, read from the standard library."""
     files = stdlib_files()
     if max_files is not None:
         files = files[:max_files]
@@ -112,8 +150,17 @@ def token_costs(texts: list[str]) -> list[int]:
 
 def load_corpus(seed: int = 0, max_files: int | None = None) -> Corpus:
     """The texts and their MiniLM token costs (capped at 256)."""
-    texts = load_texts(seed, max_files)
-    return Corpus(texts=texts, costs=token_costs(texts))
+
+    def compute() -> Corpus:
+        texts = load_texts(seed, max_files)
+        return Corpus(texts=texts, costs=token_costs(texts))
+
+    return shared(
+        f"corpus-{seed}-{max_files}",
+        compute,
+        lambda c: {"texts": c.texts, "costs": c.costs},
+        lambda d: Corpus(texts=d["texts"], costs=d["costs"]),
+    )
 
 
 def load(seed: int = 0, max_files: int | None = None) -> tuple[list[str], list[int]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import corpus
 from bench.__main__ import BENCHES
 from bench.__main__ import main as bench_main
 from bench.results import RESULTS
@@ -34,3 +35,18 @@ def test_every_benchmark_writes_its_results_file_where_it_is_told() -> None:
         source = (ROOT / (bench.module.replace(".", "/") + ".py")).read_text()
         assert '"--out"' in source, f"{bench.module} takes no --out"
         assert "results.write(" in source or "results.provenance(" in source, bench.module
+
+
+def test_the_benchmarks_of_a_run_read_the_corpus_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(corpus.CACHE_ENV, str(tmp_path))
+    first = corpus.load_corpus(max_files=40)
+
+    def again(*_args: object) -> None:
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(corpus, "read_texts", again)
+    monkeypatch.setattr(corpus, "token_costs", again)
+    assert corpus.load_corpus(max_files=40) == first
+    assert corpus.load_texts(max_files=40) == first.texts
