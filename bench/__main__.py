@@ -7,11 +7,11 @@
 Each benchmark runs as its own process (``python -m bench.NAME ...``), one
 after the other for the full set (they measure the machine; two at once
 would measure each other); a smoke run may run ``--parallel`` of them at
-once, since its figures mean nothing. The benchmarks of a run that read the
-corpus (bench/corpus.py) share one reading of it. A benchmark whose tool,
-device or package is missing (wrk, a CUDA device, the bench extra's Ray) is
-skipped and said so; the exit status is 1 if any benchmark failed, or was
-skipped where ``--strict`` asks for all of them.
+once, the longest first, since its figures mean nothing. The benchmarks of a
+run that read the corpus (bench/corpus.py) share one reading of it. A
+benchmark whose tool, device or package is missing (wrk, a CUDA device, the
+bench extra's Ray) is skipped and said so; the exit status is 1 if any
+benchmark failed, or was skipped where ``--strict`` asks for all of them.
 
 After a full run of every benchmark, the documents are rendered from the new
 files (``python -m bench.render``) and, if every file cites the same commit
@@ -48,76 +48,88 @@ class Bench:
     smoke: tuple[str, ...]  # seconds, once
     minutes: float  # the full run, about, on 2 cores
     needs: tuple[str, ...] = ()  # "wrk", "cuda", "ray"
+    # The smoke run, about, alone on 2 cores: a parallel smoke starts the longest first,
+    # so that none of them starts last and runs on after the others are done.
+    smoke_s: float = 10.0
 
 
 BENCHES = (
-    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5),
+    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5, smoke_s=3),
     Bench(
         "e2e", "bench.e2e", (),
-        ("--jobs", "16", "--concurrency", "4", "--rounds", "1", "--raw-sizes", "1,8",
-         "--modes", "none,ferry"),
-        10,
+        ("--jobs", "8", "--concurrency", "4", "--rounds", "1", "--raw-sizes", "1,8",
+         "--modes", "none,ferry", "--one-stack"),
+        10, smoke_s=35,
     ),
     Bench(
         "api", "bench.api", (),
-        ("--duration", "1", "--rounds", "1", "--warmup", "1", "--databases", "sqlite",
+        ("--duration", "1", "--rounds", "1", "--warmup", "0", "--databases", "sqlite",
          "--api-processes", "1"),
-        7, ("wrk",),
+        7, ("wrk",), smoke_s=20,
     ),
     Bench(
         "clients", "bench.clients", (),
         ("--duration", "1", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "32",
          "--raw-sizes", "16"),
-        8, ("wrk",),
+        8, ("wrk",), smoke_s=30,
     ),
     Bench(
         "peers", "bench.peers", (),
         ("--duration", "2", "--warmup", "1", "--repeats", "1", "--clients", "4", "--texts", "64",
          "--raw-threads", "1", "--raw-sizes", "16"),
-        12, ("ray",),
+        12, ("ray",), smoke_s=30,
     ),
     Bench(
         "backfill", "bench.backfill", (),
-        ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4,
+        ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4, smoke_s=22,
     ),
     Bench(
         "fairness", "bench.fairness", (),
-        ("--seconds", "1", "--flood", "50", "--repeats", "1"), 15,
+        ("--seconds", "1", "--flood", "50", "--repeats", "1"), 15, smoke_s=21,
     ),
     Bench(
         "pipeline", "bench.pipeline", ("--postgres",),
-        ("--jobs", "200", "--rounds", "1", "--modes", "plain,three-stage"), 18,
+        ("--jobs", "200", "--rounds", "1", "--modes", "plain,three-stage", "--one-stack"), 18,
+        smoke_s=19,
     ),
-    Bench("recording", "bench.recording", ("--postgres",), ("--size", "16", "--batches", "2"), 1),
+    Bench(
+        "recording", "bench.recording", ("--postgres",), ("--size", "16", "--batches", "2"), 1,
+        smoke_s=2,
+    ),
     # torch.compile's compile alone takes longer than the whole smoke should: left out there.
     Bench(
         "backends", "bench.backends", (),
-        ("--quick", "--repeats", "1", "--texts", "32", "--arrival-texts", "32",
+        ("--quick", "--repeats", "1", "--texts", "16", "--arrival-texts", "16",
          "--backends", "onnx"),
-        4,
+        4, smoke_s=11,
     ),
     Bench(
         "soak", "bench.soak",
         ("--minutes", "30", "--rate", "30", "--kill-every", "60", "--sample-every", "30"),
-        ("--minutes", "0.15", "--rate", "20", "--kill-every", "3", "--sample-every", "2"),
-        31,
+        ("--minutes", "0.1", "--rate", "20", "--kill-every", "4", "--sample-every", "2"),
+        31, smoke_s=22,
     ),
     Bench(
         "capacity", "bench.capacity", (),
-        ("--jobs", "100", "--rounds", "1", "--clients", "4", "--enqueue-messages", "512"), 5,
+        ("--jobs", "100", "--rounds", "1", "--clients", "4", "--enqueue-messages", "512",
+         "--idle-s", "1"),
+        5, smoke_s=15,
     ),
     Bench(
         "sentinel", "bench.sentinel", (),
-        ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2,
+        ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2, smoke_s=20,
     ),
-    Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1),
-    Bench("generation", "bench.generation", (), ("--smoke",), 10),
-    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4),
+    Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1, smoke_s=6),
+    Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=8),
+    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=20),
     Bench(
         "oip", "bench.oip", (),
-        ("--clients", "4", "--warmup", "0.5", "--duration", "2", "--rounds", "1"), 2,
+        ("--clients", "4", "--warmup", "0.5", "--duration", "2", "--rounds", "1"), 2, smoke_s=22,
     ),
-    Bench("gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",)),
+    Bench(
+        "gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",),
+        smoke_s=60,
+    ),
 )  # fmt: skip
 
 
@@ -181,6 +193,8 @@ def run_all(chosen: list[Bench], out: Path, smoke: bool, parallel: int) -> list[
             print(f"  {outcome.why}", flush=True)
         return outcome
 
+    if smoke and parallel > 1:
+        chosen = sorted(chosen, key=lambda b: -b.smoke_s)
     with corpus, ThreadPoolExecutor(max(1, parallel)) as pool:
         return list(pool.map(one, chosen))
 

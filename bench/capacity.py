@@ -190,7 +190,9 @@ def poll(base: str, token: str, ids: list[str], clients: int) -> float:
     return concurrently(base, token, clients, ids, one)
 
 
-def one_round(jobs: int, batch: int, clients: int, enqueue_messages: int) -> dict[str, Any]:
+def one_round(
+    jobs: int, batch: int, clients: int, enqueue_messages: int, idle_s: float = 3.0
+) -> dict[str, Any]:
     sql = Statements()
     with (
         tempfile.TemporaryDirectory(prefix="ferry-capacity-") as tmp,
@@ -219,7 +221,7 @@ def one_round(jobs: int, batch: int, clients: int, enqueue_messages: int) -> dic
         counters = Counters(client, admin, database, sql)
         phases: dict[str, dict[str, float]] = {}
 
-        def idle_rates(seconds: float = 3.0) -> dict[str, float]:
+        def idle_rates(seconds: float = idle_s) -> dict[str, float]:
             """What Redis and this process spend per second doing nothing (timers,
             heartbeats, the API's background tasks): taken off each phase's figures."""
             before = counters.read()
@@ -375,12 +377,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--enqueue-messages", type=int, default=8192)
+    parser.add_argument(
+        "--idle-s", type=float, default=3.0,
+        help="seconds of doing nothing before each phase, whose cost is taken off it",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=results.RESULTS / "capacity.json")
     args = parser.parse_args(argv)
     head = results.provenance("capacity", argv)
     runs = results.repeated(
         args.rounds,
-        lambda: one_round(args.jobs, args.batch, args.clients, args.enqueue_messages),
+        lambda: one_round(args.jobs, args.batch, args.clients, args.enqueue_messages, args.idle_s),
         lambda run: print({k: round(v, 2) for k, v in per_job(run).items()}, flush=True),
     )
     costs = [per_job(run) for run in runs]
@@ -416,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
             "enqueue_groups": list(ENQUEUE_GROUPS),
             "enqueue_tenants": ENQUEUE_TENANTS,
             "enqueue_messages": args.enqueue_messages,
+            "idle_s": args.idle_s,
         },
         head=head,
     )

@@ -20,7 +20,10 @@ process, inputs sorted by length, at its best batch size.
     python -m bench.e2e [--jobs 1200] [--concurrency 16] [--rounds 3] [--out bench/results/e2e.json]
 
 Each round measures the raw ceiling, then every policy; the ratios are taken
-round by round, and the results give their median and range.
+round by round, and the results give their median and range. ``--one-stack``
+(the smoke run's) runs every policy on one stack, each with a worker of its own:
+quicker, but a policy then starts from what the previous one left in Redis and
+the database, so its figures are not comparable.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,7 +123,9 @@ class Stack(FerryUp):
         super().__init__(root, FERRY_MODELS="", FERRY_SCHEDULER=mode, FERRY_PREFETCH="256")
         self.worker: subprocess.Popen[str] | None = None
 
-    def start_worker(self) -> None:
+    def start_worker(self, mode: str) -> None:
+        # The policy is the worker's setting: a stack the policies share starts one per policy.
+        self.env["FERRY_SCHEDULER"] = mode
         self.worker = self.spawn([sys.executable, "-m", "ferry", "worker", "--model", "minilm"])
 
     def stop_all(self) -> None:
@@ -201,24 +207,49 @@ def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
     )
 
 
-def run_mode(mode: str, texts: list[str], concurrency: int, timeout_s: float) -> ModeResult:
+@contextlib.contextmanager
+def started_stack(mode: str) -> Iterator[Stack]:
     with tempfile.TemporaryDirectory(prefix=f"ferry-bench-{mode}-") as tmp:
         stack = Stack(mode, Path(tmp))
         try:
             stack.start()
-            ids, submit_s = submit_all(stack, texts, concurrency)
-            print(f"  {mode}: {len(ids)} jobs queued ({len(ids) / submit_s:.0f}/s)", flush=True)
-            stack.start_worker()
-            wait_done(stack.db, ids, timeout_s)
-            drain = measure(stack.db, ids, "started")
-            print(f"  {mode}: drain {drain.jobs_per_s:.1f} jobs/s", flush=True)
-            live_ids, _ = submit_all(stack, texts, concurrency)
-            wait_done(stack.db, live_ids, timeout_s)
-            live = measure(stack.db, live_ids, "created")
-            print(f"  {mode}: live  {live.jobs_per_s:.1f} jobs/s", flush=True)
-            return ModeResult(mode, round(len(ids) / submit_s, 1), drain, live)
+            yield stack
         finally:
             stack.stop_all()
+
+
+def run_modes(
+    modes: list[str], texts: list[str], concurrency: int, timeout_s: float, one_stack: bool
+) -> list[ModeResult]:
+    """Every policy, each on a fresh stack (or, ``one_stack``, all on the first policy's)."""
+    if not one_stack:
+        found = []
+        for mode in modes:
+            with started_stack(mode) as stack:
+                found.append(run_mode(stack, mode, texts, concurrency, timeout_s))
+        return found
+    with started_stack(modes[0]) as stack:
+        return [run_mode(stack, mode, texts, concurrency, timeout_s) for mode in modes]
+
+
+def run_mode(
+    stack: Stack, mode: str, texts: list[str], concurrency: int, timeout_s: float
+) -> ModeResult:
+    """The drain, then the live phase, of one policy on ``stack`` (no worker running)."""
+    ids, submit_s = submit_all(stack, texts, concurrency)
+    print(f"  {mode}: {len(ids)} jobs queued ({len(ids) / submit_s:.0f}/s)", flush=True)
+    stack.start_worker(mode)
+    try:
+        wait_done(stack.db, ids, timeout_s)
+        drain = measure(stack.db, ids, "started")
+        print(f"  {mode}: drain {drain.jobs_per_s:.1f} jobs/s", flush=True)
+        live_ids, _ = submit_all(stack, texts, concurrency)
+        wait_done(stack.db, live_ids, timeout_s)
+        live = measure(stack.db, live_ids, "created")
+        print(f"  {mode}: live  {live.jobs_per_s:.1f} jobs/s", flush=True)
+    finally:
+        stack.stop(stack.worker, 60)
+    return ModeResult(mode, round(len(ids) / submit_s, 1), drain, live)
 
 
 def ratios(round_: Round) -> dict[str, dict[str, float]]:
@@ -243,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="repeats of the whole")
     parser.add_argument("--raw-sizes", default="1,8,16,32,64", help="the raw model's batch sizes")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--one-stack", action="store_true",
+        help="every policy on one stack (quicker; the figures are not comparable)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
     args = parser.parse_args(argv)
     head = results.provenance("e2e", argv)
@@ -261,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         round_ = Round(number)
         round_.raw_by_batch = {k: round(v, 1) for k, v in raw_ceiling(texts, sizes).items()}
         round_.raw_ceiling = max(round_.raw_by_batch.values())
-        for mode in args.modes.split(","):
-            round_.modes.append(run_mode(mode, texts, args.concurrency, args.timeout))
+        modes = args.modes.split(",")
+        round_.modes = run_modes(modes, texts, args.concurrency, args.timeout, args.one_stack)
         round_.ratios = ratios(round_)
         report.rounds.append(round_)
         print_table(round_)
@@ -278,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": args.concurrency,
         "modes": args.modes.split(","),
         "rounds": args.rounds,
+        "one_stack": args.one_stack,
         "raw_batch_sizes": list(sizes),
         "device": os.environ.get("FERRY_DEVICE", "auto"),
         "ferry": {"FERRY_PREFETCH": "256"},

@@ -20,7 +20,11 @@ CPU 0.1 ms per input (a tokeniser's work), done as busy work.
 * **device idle**: 1 - (the device's busy time, from the worker's
   ``ferry_worker_compute_seconds_total``) / that same span.
 
-    python -m bench.pipeline [--jobs 6000] [--postgres] [--rounds 3]
+``--one-stack`` (the smoke run's) drains every mode of a round on one stack,
+each with a worker of its own: quicker, but a mode then starts from what the
+previous one left in Redis and the database, so its figures are not comparable.
+
+    python -m bench.pipeline [--jobs 6000] [--postgres] [--rounds 3] [--one-stack]
                              [--out bench/results/pipeline.json]
 """
 
@@ -32,6 +36,7 @@ import datetime as dt
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -67,57 +72,69 @@ class ModeResult:
     mean_batch_size: float
 
 
-def drain(mode: str, jobs: int, database_url: str | None, round_: int) -> ModeResult:
-    pipeline, prepare = MODES[mode]
+@contextlib.contextmanager
+def started_stack(database_url: str | None) -> Iterator[tuple[FerryUp, sqlalchemy.Engine]]:
+    """A fresh ``ferry up`` with no worker of its own, and an engine on its database."""
     with tempfile.TemporaryDirectory(prefix="ferry-bench-pipeline-") as tmp:
         root = Path(tmp)
         url = database_url or f"sqlite:///{root / 'ferry.db'}"
         extra = {"FERRY_DATABASE_URL": database_url} if database_url else {}
         stack = FerryUp(
             root, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
-            FERRY_MAX_OUTSTANDING_JOBS="100000", FERRY_PIPELINE=str(pipeline).lower(),
-            FERRY_PIPELINE_PREPARE=str(prepare).lower(),
-            **SIM, **extra,
+            FERRY_MAX_OUTSTANDING_JOBS="100000", **SIM, **extra,
         )  # fmt: skip
-        worker = None
         engine = sqlalchemy.create_engine(url)
         try:
             stack.start()
-            submit_many(stack.base, stack.token, jobs, cost=COST)
-            port = free_port()
-            worker = stack.spawn(
-                [sys.executable, "-m", "ferry", "worker", "--model", "sim",
-                 "--metrics-port", str(port)]
-            )  # fmt: skip
-            until = time.monotonic() + 900
-            while True:
-                with engine.connect() as conn:
-                    left = conn.execute(
-                        sqlalchemy.text(
-                            "SELECT count(*) FROM jobs WHERE status IN ('queued', 'running')"
-                        )
-                    ).scalar_one()
-                if not left:
-                    break
-                if time.monotonic() > until:
-                    raise RuntimeError(f"{left} jobs left unfinished")
-                time.sleep(0.2)
-            compute_s = compute_seconds(port, "sim")
-            with engine.connect() as conn:
-                first, last, batches = conn.execute(
-                    sqlalchemy.text(
-                        "SELECT min(started_at), max(finished_at), count(DISTINCT batch_id) "
-                        "FROM jobs"
-                    )
-                ).one()
+            yield stack, engine
         finally:
             engine.dispose()
-            stack.stop(worker, 60)
             stack.stop(stack.process, 60)
+
+
+def drain(
+    stack: FerryUp, engine: sqlalchemy.Engine, mode: str, jobs: int, database: str, round_: int
+) -> ModeResult:
+    """``jobs`` queued on ``stack``, then drained by a worker of ``mode`` started for them."""
+    pipeline, prepare = MODES[mode]
+    ids = submit_many(stack.base, stack.token, jobs, cost=COST)
+    port = free_port()
+    # The pipeline is the worker's setting: a stack the modes share starts one per mode.
+    stack.env.update(
+        FERRY_PIPELINE=str(pipeline).lower(), FERRY_PIPELINE_PREPARE=str(prepare).lower()
+    )
+    worker = stack.spawn(
+        [sys.executable, "-m", "ferry", "worker", "--model", "sim", "--metrics-port", str(port)]
+    )
+    try:
+        until = time.monotonic() + 900
+        while True:
+            with engine.connect() as conn:
+                left = conn.execute(
+                    sqlalchemy.text(
+                        "SELECT count(*) FROM jobs WHERE status IN ('queued', 'running')"
+                    )
+                ).scalar_one()
+            if not left:
+                break
+            if time.monotonic() > until:
+                raise RuntimeError(f"{left} jobs left unfinished")
+            time.sleep(0.2)
+        compute_s = compute_seconds(port, "sim")
+        with engine.connect() as conn:
+            first, last, batches = conn.execute(
+                sqlalchemy.text(
+                    "SELECT min(started_at), max(finished_at), count(DISTINCT batch_id) "
+                    "FROM jobs WHERE id IN :ids"
+                ).bindparams(sqlalchemy.bindparam("ids", expanding=True)),
+                {"ids": ids},
+            ).one()
+    finally:
+        stack.stop(worker, 60)
     seconds = (_aware(last) - _aware(first)).total_seconds()
     return ModeResult(
         mode=mode,
-        database="postgresql" if database_url else "sqlite",
+        database=database,
         round=round_,
         jobs=jobs,
         seconds=round(seconds, 3),
@@ -152,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="repeats of every run")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--one-stack", action="store_true",
+        help="every mode of a round on one stack (quicker; the figures are not comparable)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args(argv)
     head = results.provenance("pipeline", argv)
@@ -160,13 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     # Round by round, each mode in turn: a slow spell of the machine weighs on all alike.
     for number in range(1, args.rounds + 1):
         for database in databases:
-            for name in args.modes.split(","):
+            names = args.modes.split(",")
+            # A fresh database and stack for each mode, or (--one-stack) one for them all.
+            for group in [names] if args.one_stack else [[name] for name in names]:
                 with contextlib.ExitStack() as scope:
                     url = scope.enter_context(postgres_database()) if database != "sqlite" else None
-                    modes.append(drain(name, args.jobs, url, number))
-                print(f"  {asdict(modes[-1])}", flush=True)
+                    stack, engine = scope.enter_context(started_stack(url))
+                    for name in group:
+                        modes.append(drain(stack, engine, name, args.jobs, database, number))
+                        print(f"  {asdict(modes[-1])}", flush=True)
     summary = {database: against_plain(modes, database) for database in databases}
-    settings = {"jobs": args.jobs, "cost": COST, "rounds": args.rounds, "sim": SIM}
+    settings = {
+        "jobs": args.jobs, "cost": COST, "rounds": args.rounds, "one_stack": args.one_stack,
+        "sim": SIM,
+    }  # fmt: skip
     results.write(
         args.out, {"modes": [asdict(m) for m in modes], "summary": summary},
         settings=settings, head=head,
