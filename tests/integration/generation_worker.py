@@ -141,3 +141,24 @@ def result(client: TestClient, auth: dict[str, str], job_id: str, wait_s: float 
 def events(rclient: redis.Redis, settings: Settings, job_id: str) -> list[JobEvent]:
     entries = rclient.xrange(events_key(settings.key_prefix, MODEL, job_id))
     return [JobEvent.decode(fields) for _, fields in entries]  # type: ignore[union-attr,arg-type]
+
+
+def greedy(folder: Path, prompt: str, max_tokens: int) -> list[int]:
+    """The library's greedy generate() on ``folder`` (its own generation_config: a folder
+    naming no end-of-sequence token runs to max_tokens), the prompt alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.generation import prompt_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompt_token_ids({"prompt": prompt}, folder / "tokenizer.json")])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, ids.shape[1] :]]

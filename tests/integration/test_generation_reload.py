@@ -19,12 +19,9 @@ from typing import Any
 
 import pytest
 import redis
-import torch
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
-from transformers import AutoModelForCausalLM
 
-from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.keys import create_key
 from core.settings import Settings
@@ -34,6 +31,7 @@ from tests.integration.generation_worker import (
     MODEL,
     events,
     generation_settings,
+    greedy,
     result,
     start_worker,
     submit,
@@ -51,21 +49,6 @@ def no_eos(folder: Path) -> None:
     path = folder / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     path.write_text(json.dumps({**config, "eos_token_id": []}), encoding="utf-8")
-
-
-def greedy(folder: Path, prompt: str, max_tokens: int) -> list[int]:
-    """The library's greedy generate() on ``folder``, the prompt alone, to max_tokens."""
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor([prompt_token_ids({"prompt": prompt}, folder / "tokenizer.json")])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, ids.shape[1] :]]
 
 
 def active_version_is(client: TestClient, auth: dict[str, str], version: int) -> bool:

@@ -21,19 +21,17 @@ from typing import Any
 
 import pytest
 import redis
-import torch
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
-from transformers import AutoModelForCausalLM
 
 from core.db import Job
-from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.settings import Settings
 from tests.integration.generation_worker import (
     MODEL,
     events,
     generation_settings,
+    greedy,
     result,
     start_worker,
     submit,
@@ -61,20 +59,6 @@ def client(takeover_settings: Settings) -> Iterator[TestClient]:
 
     with TestClient(create_app(takeover_settings)) as test_client:
         yield test_client
-
-
-def greedy(folder: Path, prompt: str) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor([prompt_token_ids({"prompt": prompt}, folder / "tokenizer.json")])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, ids.shape[1] :]]
 
 
 def test_a_worker_that_dies_mid_generation_loses_no_token(
@@ -158,7 +142,7 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
         tokens = job["output"]["token_ids"]
         assert len(tokens) == MAX_TOKENS
         expected = (
-            greedy(folder, "a long one")
+            greedy(folder, "a long one", MAX_TOKENS)
             if name == "greedy"
             else uninterrupted[name]["output"]["token_ids"]
         )
