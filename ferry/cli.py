@@ -202,6 +202,8 @@ def _flower() -> int:
             f"--port={settings.flower_port}",
             # Workers gone for this long leave the Workers page.
             f"--purge_offline_workers={settings.flower_forget_offline_s}",
+            # Flower holds every task it has seen up to this many: its memory's bound.
+            f"--max_tasks={settings.flower_max_tasks}",
         ]
     )
     return 0

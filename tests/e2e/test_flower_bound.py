@@ -1,0 +1,87 @@
+"""Flower's memory is bounded: `ferry up` starts it with FERRY_FLOWER_MAX_TASKS, and once more
+batches have run than that, Flower holds only that many tasks while its counters count them all.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.stack import FerryUp
+
+pytestmark = pytest.mark.e2e
+
+BOUND = 10
+BATCHES = 2 * BOUND + 5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
+    stack = FerryUp(
+        tmp_path_factory.mktemp("flower-bound"), FERRY_MODELS="sim",
+        FERRY_FLOWER_MAX_TASKS=str(BOUND),
+    )  # fmt: skip
+    try:
+        stack.start()
+        yield stack
+    finally:
+        FerryUp.stop(stack.process)
+
+
+def _batches_seen(url: str, auth: tuple[str, str]) -> int:
+    """The sim batches Flower has heard end, from its own counter (which no bound trims)."""
+    page = httpx.get(f"{url}/metrics", auth=auth, timeout=10).text
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(page)
+            for sample in family.samples
+            if sample.name == "flower_events_total"
+            and sample.labels.get("task") == "ferry.batch.sim"
+            and sample.labels.get("type") == "task-succeeded"
+        )
+    )
+
+
+def test_flower_holds_at_most_its_bound_of_tasks(stack: FerryUp) -> None:
+    banner = "".join(stack.output)
+    match = re.search(r"Flower\s+(\S+)\s+\(user (\S+), password (\S+)\)", banner)
+    assert match, banner[-2000:]
+    url, user, password = match.groups()
+    auth = (user, password)
+    headers = {"Authorization": f"Bearer {stack.token}"}
+
+    # One job at a time, each waited for: every job is a batch of its own, so a task.
+    halfway = 0.0
+    for sent in range(BATCHES):
+        if sent == BATCHES - BOUND:
+            halfway = time.time()  # at least BOUND more tasks are received after this
+        response = httpx.post(
+            f"{stack.base}/v1/jobs", json={"model": "sim", "input": {"cost": 1}},
+            headers=headers, timeout=30,
+        )  # fmt: skip
+        assert response.status_code == 202, response.text
+        done = httpx.get(
+            f"{stack.base}/v1/jobs/{response.json()['id']}?wait=30", headers=headers, timeout=40
+        )
+        assert done.json()["status"] == "succeeded", done.text
+
+    # Flower hears the batches through Celery's events, a little after they end.
+    deadline = time.monotonic() + 60
+    while (seen := _batches_seen(url, auth)) < BATCHES:
+        assert time.monotonic() < deadline, f"Flower heard {seen} of {BATCHES} batches end"
+        time.sleep(0.5)
+
+    tasks = httpx.get(f"{url}/api/tasks", auth=auth, timeout=10)
+    assert tasks.status_code == 200, tasks.text
+    held = tasks.json()
+    # The beat's feeder adds its own tasks beside the batches: the bound holds all of them.
+    assert len(held) == BOUND, sorted(task["name"] for task in held.values())
+    # What it keeps is the newest: all received after the last BOUND batches began.
+    received = sorted((task["received"], task["name"]) for task in held.values())
+    assert all(task["received"] >= halfway for task in held.values()), (halfway, received)
