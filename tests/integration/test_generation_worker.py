@@ -367,6 +367,47 @@ def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_to
     assert after["status"] == "succeeded"
 
 
+def test_a_generation_longer_than_the_events_ttl_keeps_its_whole_stream(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    """The events stream is the generation's checkpoint: it must outlive FERRY_EVENTS_TTL_S
+    while the job runs (its expiry set once at the first token let it vanish mid-run)."""
+    from api.app import create_app
+
+    ttl_s = 2
+    short = generation_settings(gen_settings, tmp_path / "ttl", eos=False).model_copy(
+        update={"events_ttl_s": float(ttl_s)}
+    )
+    with TestClient(create_app(short)) as client:
+        job_id = submit(client, auth, prompt="a long run", max_tokens=150, temperature=0)
+        running = worker(settings=short)
+        runtime: Any = running.loop.engine.runtime
+        execute = runtime.execute
+
+        def slowed(plan: Any) -> Any:
+            time.sleep(0.04)  # 150 steps of at least 40 ms: three times the TTL
+            return execute(plan)
+
+        runtime.execute = slowed
+        with running:
+            job = result(client, auth, job_id)
+    assert job["status"] == "succeeded", job
+    produced = job["output"]["token_ids"]
+    assert len(produced) == 150
+    seen = events(rclient, short, job_id)
+    assert seen[0] == JobEvent.running()
+    tokens = [e for e in seen if e.kind == "token"]
+    assert [e.index for e in tokens] == list(range(150))
+    assert [e.token for e in tokens] == produced
+    assert seen[-1] == JobEvent.done("succeeded", "length")
+    key = events_key(short.key_prefix, MODEL, job_id)
+    assert 0 < rclient.ttl(key) <= ttl_s
+
+
 def test_redis_failing_between_a_steps_plan_and_its_output_loses_and_fails_nothing(
     gen_client: TestClient,
     auth: dict[str, str],

@@ -60,6 +60,10 @@ IDLE_BLOCK_MS = 1000
 # visibility timeout), so a long generation is never taken over while it runs.
 TOUCH_FRACTION = 0.25
 CANCEL_CHECK_S = 0.05
+# A held job's events stream has its expiry renewed once this share of
+# FERRY_EVENTS_TTL_S has passed: the stream is the generation's checkpoint, so
+# it must outlive a generation longer than the TTL, for one EXPIRE a job now and then.
+TTL_RENEW_FRACTION = 0.25
 
 
 @dataclass
@@ -74,6 +78,7 @@ class _Held:
     tokens: int = 0  # the index of its next token
     streamed: int = 0  # tokens already in its events stream (written by a worker before)
     claimed: bool = False
+    expiry_set_s: float | None = None  # when its events stream's expiry was last set
 
 
 @dataclass(frozen=True)
@@ -528,18 +533,24 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 if held.first_token_s is None:
                     held.first_token_s = now
                 held.last_token_s = now
+                key = events_key(self.prefix, self.model, job_id)
                 if held.tokens >= held.streamed:  # not already streamed by a worker before
-                    key = events_key(self.prefix, self.model, job_id)
                     event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
                     pipe.xadd(key, event.encode())  # type: ignore[arg-type]
-                    if held.tokens == 0:
-                        pipe.expire(key, int(self.config.events_ttl_s))
+                self._renew_expiry(pipe, key, held, now)
                 held.tokens += 1
             pipe.execute()
             self.tokens += len(events.emitted)
         if events.ended:
             outcomes = [self._outcome(job_id, c, now) for job_id, c in events.ended.items()]
             self._record([o for o in outcomes if o is not None], events.ended)
+
+    def _renew_expiry(self, pipe: redis.client.Pipeline, key: str, held: _Held, now: float) -> None:
+        """Set the stream's expiry when it has none of ours yet or a quarter of it has passed."""
+        ttl_s = self.config.events_ttl_s
+        if held.expiry_set_s is None or now - held.expiry_set_s >= ttl_s * TTL_RENEW_FRACTION:
+            pipe.expire(key, max(1, int(ttl_s)))
+            held.expiry_set_s = now
 
     def _claim(self, job_ids: list[str], now: float) -> None:
         claimed, late, exhausted = self.recorder.claim(
@@ -548,9 +559,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         took = {c.job_id for c in claimed}
         pipe = self.client.pipeline(transaction=False)
         for job_id in took:
-            self.held[job_id].claimed = True
-            self.held[job_id].started_s = now
-            pipe.xadd(events_key(self.prefix, self.model, job_id), JobEvent.running().encode())  # type: ignore[arg-type]
+            held = self.held[job_id]
+            held.claimed = True
+            held.started_s = now
+            key = events_key(self.prefix, self.model, job_id)
+            pipe.xadd(key, JobEvent.running().encode())  # type: ignore[arg-type]
+            self._renew_expiry(pipe, key, held, now)
         pipe.execute()
         for job_id in job_ids:
             if job_id not in took:
