@@ -21,7 +21,7 @@ from api.middleware import (
     TracingMiddleware,
 )
 from api.openai_errors import DialectErrorMiddleware
-from api.reads import GroupRead, JobReader
+from api.reads import GenerationProgress, GroupRead, JobReader
 from api.routes import admin, backfills, jobs, oip, openai, openai_batches, system, webhooks
 from api.services import callback_checker
 from api.submissions import GroupCommit, GroupWriter
@@ -83,7 +83,9 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         )
         # Reads do not wait for company: a group is what queued during the last read.
         group_read: GroupRead = GroupStage(
-            "group-read", JobReader(reads).read, max_items=settings.submit_group_max, wait_s=0,
+            "group-read",
+            JobReader(reads, GenerationProgress(app.state.redis, settings.key_prefix)).read,
+            max_items=settings.submit_group_max, wait_s=0,
             workers=2,
         )  # fmt: skip
         app.state.group_read = group_read

@@ -9,14 +9,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import redis
 from sqlalchemy import Engine, bindparam, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.errors import ApiError
 from api.groups import GroupStage
-from api.schemas import JobResource
+from api.schemas import JobResource, Progress
+from api.submissions import QueueViews
 from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.generation_estimates import decode_step_s
+from core.job_events import JobEvent
+from core.redis_target import REDIS_ERRORS
 from core.resources import job_resource
+from core.streams import ProtocolError, events_key
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +45,81 @@ class JobRead:
 GroupRead = GroupStage[JobRead, JobResource]
 
 
+# The last events of a running generation's stream that are read for its
+# progress: its newest token is among them (after it, at most a ``running``
+# event per attempt that took it over).
+PROGRESS_EVENTS = 8
+
+
+class GenerationProgress:
+    """Running generations' progress: their newest token in their events streams (one
+    pipeline for a group of reads) and the decode step time their workers published."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.views = QueueViews(client, prefix)
+
+    def of(self, jobs: Sequence[Job]) -> dict[str, Progress]:
+        """Progress of each of ``jobs`` that is a running generation (none while Redis is
+        unreachable: the read still answers, without it)."""
+        running = [
+            (job, int(job.input["max_tokens"]))
+            for job in jobs
+            if job.status == "running"
+            and isinstance(job.input, dict)
+            and "prompt_tokens" in job.input
+            and isinstance(job.input.get("max_tokens"), int)
+        ]
+        if not running:
+            return {}
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for job, _ in running:
+                pipe.xrevrange(events_key(self.prefix, job.model, job.id), count=PROGRESS_EVENTS)
+            newest = pipe.execute()
+            out: dict[str, Progress] = {}
+            for (job, max_tokens), entries in zip(running, newest, strict=True):
+                tokens = _tokens_so_far(entries)
+                out[job.id] = Progress(
+                    tokens=tokens, max_tokens=max_tokens,
+                    eta_ms=self._eta_ms(job.model, max_tokens, max_tokens - tokens),
+                )  # fmt: skip
+            return out
+        except REDIS_ERRORS as exc:
+            log.warning("progress reads failed", extra={"error_type": type(exc).__name__})
+            return {}
+
+    def _eta_ms(self, model: str, max_tokens: int, remaining: int) -> float | None:
+        with self.views.lock:
+            view = self.views.get(model)
+        est = view.generation if view is not None else None
+        if est is None or est.execution != "step":
+            return None
+        return round(max(0, remaining) * decode_step_s(est, 0, max_tokens) * 1000.0, 1)
+
+
+def _tokens_so_far(entries: Sequence[Any]) -> int:
+    """The index after the newest token among a stream's last entries (newest first)."""
+    for _id, fields in entries:
+        try:
+            event = JobEvent.decode(fields)
+        except ProtocolError:
+            continue
+        if event.kind == "token" and event.index is not None:
+            return event.index + 1
+    return 0
+
+
 class JobReader:
     """Reads a group of jobs with Core statements on ``engine``'s connections (the API's
     read-only one: no ORM session, no BEGIN/ROLLBACK): the job rows in one query, their
-    webhook deliveries in another."""
+    webhook deliveries in another; with ``progress``, running generations' progress from
+    Redis in one pipeline."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, progress: GenerationProgress | None = None) -> None:
         self.engine = engine
+        self.progress = progress
 
     def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
         ids = sorted({read.job_id for read in group})
@@ -68,16 +142,19 @@ class JobReader:
                 {"Retry-After": "2"},
             )  # fmt: skip
             return [unavailable] * len(group)
+        # The rows carry every column under its attribute's name: read as Jobs.
+        progress = self.progress.of([cast(Job, r) for r in rows.values()]) if self.progress else {}
         out: list[JobResource | Exception] = []
         for read in group:
             row: Any = rows.get(read.job_id)
             if row is None or row.api_key_id != read.key_id:
                 out.append(ApiError(404, "not_found", f"no job {read.job_id!r}"))
             else:
-                # The rows carry every column under its attribute's name: read as a Job.
                 job = cast(Job, row)
                 delivery = cast(WebhookDelivery | None, deliveries.get(row.id))
-                out.append(JobResource.model_validate(job_resource(job, delivery)))
+                resource = JobResource.model_validate(job_resource(job, delivery))
+                resource.progress = progress.get(row.id)
+                out.append(resource)
         return out
 
 

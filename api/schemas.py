@@ -185,6 +185,20 @@ class WebhookSecret(BaseModel):
     )
 
 
+class Progress(BaseModel):
+    """How far a running generation has come."""
+
+    tokens: int = Field(
+        description="Tokens generated so far (those in its events stream, across takeovers)."
+    )
+    max_tokens: int = Field(description="The most it will generate.")
+    eta_ms: float | None = Field(
+        description="Predicted milliseconds until it ends were it to run to its max_tokens "
+        "(it may end sooner, at a stop); from the decode step time its workers learned, null "
+        "before they have published one or for a model run through generate()."
+    )
+
+
 class JobResource(BaseModel):
     id: str
     model: str
@@ -217,6 +231,11 @@ class JobResource(BaseModel):
         default=None,
         description="Only on the 202 of a generation job accepted with on_deadline truncate "
         "whose max_tokens its deadline could not meet: the max_tokens it runs with.",
+    )
+    progress: Progress | None = Field(
+        default=None,
+        description="Only on GET /v1/jobs/{id} of a running generation job: the tokens it "
+        "has generated so far and the predicted time until it ends.",
     )
 
 

@@ -408,6 +408,59 @@ def test_a_generation_longer_than_the_events_ttl_keeps_its_whole_stream(
     assert 0 < rclient.ttl(key) <= ttl_s
 
 
+def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
+    gen_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    worker: Callable[..., Worker],
+    rclient: redis.Redis,
+) -> None:
+    from api.app import create_app
+
+    no_eos = generation_settings(gen_settings, tmp_path / "progress", eos=False)
+    with TestClient(create_app(no_eos)) as client:
+        job_id = submit(client, auth, prompt="how far along", max_tokens=200, temperature=0)
+        queued = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+        assert queued["status"] == "queued" and queued["progress"] is None
+        running = worker(settings=no_eos)
+        runtime: Any = running.loop.engine.runtime
+        execute = runtime.execute
+
+        def slowed(plan: Any) -> Any:
+            time.sleep(0.02)  # 200 steps of at least 20 ms: it is seen running
+            return execute(plan)
+
+        runtime.execute = slowed
+        key = events_key(no_eos.key_prefix, MODEL, job_id)
+        seen: list[dict[str, Any]] = []
+        with running:
+            ends = time.monotonic() + 120
+            while time.monotonic() < ends:
+                job = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+                if job["status"] == "queued":
+                    time.sleep(0.02)
+                    continue
+                if job["status"] != "running":
+                    break
+                streamed = sum(1 for e in events(rclient, no_eos, job_id) if e.kind == "token")
+                progress = job["progress"]
+                assert progress is not None and progress["max_tokens"] == 200, job
+                # Read before the stream was: at most what it holds now.
+                assert 0 <= progress["tokens"] <= streamed
+                seen.append(progress)
+                if progress["tokens"] >= 20 and progress["eta_ms"] is not None:
+                    break
+                time.sleep(0.05)
+            assert seen and seen[-1]["tokens"] >= 20 and seen[-1]["eta_ms"] is not None, seen
+            assert seen[-1]["eta_ms"] > 0
+            counts = [p["tokens"] for p in seen]
+            assert counts == sorted(counts)  # it only grows
+            done = result(client, auth, job_id)
+    assert done["status"] == "succeeded" and done["progress"] is None
+    assert len(done["output"]["token_ids"]) == 200
+    assert rclient.exists(key)
+
+
 def test_redis_failing_between_a_steps_plan_and_its_output_loses_and_fails_nothing(
     gen_client: TestClient,
     auth: dict[str, str],

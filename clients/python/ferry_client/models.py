@@ -34,6 +34,9 @@ class Job(Resource):
     callback: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     estimated_wait_ms: float | None = None
+    # A running generation: {"tokens": so far, "max_tokens": ..., "eta_ms": ... | None}.
+    progress: dict[str, Any] | None = None
+    max_tokens: int | None = None  # the 202 of a generation job its deadline truncated
 
     @property
     def done(self) -> bool:
