@@ -5,6 +5,7 @@ neither reachable nor startable raises ``services.ServiceMissing``; the test
 suite turns that into a skip, or a failure under CI=true.
 
 - ``services``: a Redis found or started, a fresh PostgreSQL database.
+- ``postgres``: PostgreSQL servers of a test's own (initdb), to stop, restart and fail over.
 - ``stack``: ``ferry up`` in a directory of its own (``FerryUp``).
 - ``served``: the API app in uvicorn on a free port, in a thread (``Served``).
 - ``processes``: ``python -m ferry ...`` processes, logged, supervised, killed.

@@ -4,7 +4,9 @@ The stack is ``harness.faults.Stack``: a redis-server and a PostgreSQL database
 (or a SQLite file) of the test's own, the API, workers and Celery processes as separate processes.
 Every process started is killed at teardown, whether the test passed or not;
 the Redis, the database and the proxy go too, and a failed test prints the
-processes' logs.
+processes' logs. A scenario that stops or fails over the database server
+itself asks for ``postgres``: servers of its own (``harness.postgres``), whose
+database it hands to ``make_stack(url=...)``.
 
 Each scenario counts, from witnesses the code under test does not keep (see
 ``harness.witness`` and ``harness.accounting``), what it submitted (202s),
@@ -35,6 +37,7 @@ from core import migrate
 from core.db import make_engine
 from harness.accounting import HEADER, Figures
 from harness.faults import Stack
+from harness.postgres import PostgresServers, postgres_servers
 from harness.services import migrated_postgres_database, redis_server
 from harness.witness import install_transition_witness
 
@@ -106,17 +109,33 @@ def record(
 
 
 @pytest.fixture
+def postgres(request: pytest.FixtureRequest) -> Iterator[PostgresServers]:
+    """PostgreSQL servers of the test's own, to stop and fail over; gone at teardown, after
+    the stack (ask for this fixture before ``make_stack``). A failed test prints their logs."""
+    with postgres_servers() as servers:
+        yield servers
+        if request.node.stash.get(FAILED, False):
+            for server in servers.servers:
+                print(f"\n---- PostgreSQL {server.name} log ----\n{server.log_tail()}")
+
+
+@pytest.fixture
 def make_stack(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Generator[Callable[..., Stack], None, None]:
     """Builds the test's stack: ``make_stack(proxy_db=False, database="postgresql",
-    FERRY_X="...")``; ``database="sqlite"``: a SQLite file of the test's own."""
+    FERRY_X="...")``; ``database="sqlite"``: a SQLite file of the test's own;
+    ``url=...``: a database the test made (on a server of its own, ``postgres``)."""
     redis_server()  # before any test body runs: each stack starts Redis of its own
     with contextlib.ExitStack() as cleanup:
         stacks: list[Stack] = []
 
-        def build(proxy_db: bool = False, database: str = "postgresql", **env: str) -> Stack:
-            if database == "sqlite":
+        def build(
+            proxy_db: bool = False, database: str = "postgresql", url: str = "", **env: str
+        ) -> Stack:
+            if url:
+                migrate.upgrade(url)  # the test's own PostgreSQL server's (``postgres``)
+            elif database == "sqlite":
                 assert not proxy_db, "the proxy stands before PostgreSQL only"
                 url = f"sqlite:///{tmp_path / 'ferry.db'}"
                 migrate.upgrade(url)

@@ -1,0 +1,52 @@
+"""What the API answers while its database server is down: 503 with Retry-After, never a 500."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import httpx
+
+from harness.faults import MODEL, Stack
+from harness.processes import wait_for
+
+
+def assert_unavailable(stack: Stack, job_id: str) -> dict[str, Any]:
+    """A submission, a read of ``job_id`` and /readyz, each refused as the API promises while
+    the database is unreachable; what each answered.
+
+    The submission carries no tag: with the database down nothing can store it, and
+    an untagged row or computation would be counted against the scenario.
+    """
+    seen: dict[str, Any] = {}
+    with httpx.Client(
+        base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=30
+    ) as client:
+        submitted = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": 1}})
+        seen["submit"] = (submitted.status_code, submitted.headers.get("Retry-After"))
+        assert submitted.status_code == 503, submitted.text
+        assert submitted.headers.get("Retry-After") == "2", submitted.headers
+        assert submitted.json()["error"]["type"] == "unavailable", submitted.text
+
+        read = client.get(f"/v1/jobs/{job_id}")
+        seen["read"] = (read.status_code, read.headers.get("Retry-After"))
+        assert read.status_code == 503, read.text
+        assert read.headers.get("Retry-After") == "2", read.headers
+
+        ready = client.get("/readyz")
+        seen["readyz"] = (ready.status_code, ready.json()["checks"]["database"])
+        assert ready.status_code == 503, ready.text
+        assert ready.headers.get("Retry-After") == "5", ready.headers
+        assert ready.json()["checks"]["database"].startswith("unreachable"), ready.text
+    return seen
+
+
+def wait_ready(stack: Stack, timeout_s: float = 60) -> None:
+    """Until the API answers /readyz with 200 again (its database is back)."""
+
+    def ready() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{stack.base}/readyz", timeout=5).status_code == 200
+        return False
+
+    wait_for("the API to be ready again", ready, timeout_s, 0.2)

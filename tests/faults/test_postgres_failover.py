@@ -1,0 +1,95 @@
+"""The PostgreSQL primary killed mid-run and its synchronous streaming replica promoted.
+
+Ferry's processes are given one URL naming both servers with
+``target_session_attrs=read-write`` (``harness.postgres.failover_url``): libpq
+passes over the dead primary and over the replica while it is a standby, so
+the processes wait as through an outage, then reach the promoted replica with
+no restart and no change of configuration. The replica is synchronous: a
+commit the primary acknowledged is on the replica, so nothing an answer or a
+worker relied on is lost with the primary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from harness.accounting import Figures
+from harness.faults import Stack, sim_jobs
+from harness.postgres import PostgresServers, create_database, failover_url
+from harness.processes import wait_for
+from tests.faults.database_down import assert_unavailable, wait_ready
+
+pytestmark = pytest.mark.faults
+
+JOBS = 2000
+BACKLOG = 400
+# How long the replica stays a standby after the primary died: an operator's
+# (or a failover manager's) time to decide.
+PROMOTE_AFTER_S = 3.0
+
+
+def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_nothing_twice(
+    postgres: PostgresServers,
+    make_stack: Callable[..., Stack],
+    record: Callable[[Figures], None],
+) -> None:
+    primary = postgres.primary()
+    create_database(primary, "ferry")
+    replica = postgres.replica(primary, synchronous=True)
+    stack = make_stack(
+        url=failover_url("ferry", primary, replica),
+        FERRY_SIM_LATENCY_BASE_MS="50",
+        FERRY_SIM_LATENCY_PER_COST_MS="5",
+        FERRY_BATCH_MAX_SIZE="32",
+        FERRY_VISIBILITY_TIMEOUT_S="10",
+        FERRY_RECONCILE_INTERVAL_S="1",
+        FERRY_RECONCILE_GRACE_S="2",
+    )
+    stack.start_api()
+    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
+    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+    started = time.monotonic()
+    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+    wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
+    workers = stack.start_workers("w1", "w2")
+
+    wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
+    done_before = stack.terminal_count()
+    still_submitting = not submitted.done()
+    # The primary dies as a crash leaves it (no checkpoint, sessions cut) and stays dead.
+    killed_at = time.monotonic()
+    primary.stop("immediate")
+    # The replica is up but read-only: the processes reach no server that takes writes.
+    answers = assert_unavailable(stack, submission.accepted[0])
+    time.sleep(max(0.0, PROMOTE_AFTER_S - (time.monotonic() - killed_at)))
+    replica.promote()
+    gap_s = time.monotonic() - killed_at
+    wait_ready(stack)
+    submitted.result(timeout=120)
+
+    accounting = stack.account("PostgreSQL failed over", submission, started, 120, record)
+    details = accounting.figures.details
+    details["gap_s"] = round(gap_s, 1)
+    details["done_before_kill"] = done_before
+    details["submitting_at_kill"] = still_submitting
+    details["answers_while_down"] = answers
+    details["reenqueued"] = stack.reenqueued(celery_worker)
+    retries = {
+        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
+                                 "dependency error; retrying")
+        for w in workers
+    }  # fmt: skip
+    details["worker_retries"] = retries
+    # Everything was read from the promoted replica, the old primary being down.
+    assert not primary.running()
+    assert replica.query("SELECT pg_is_in_recovery()") == [(False,)]
+    stack.assert_nothing_lost(accounting)
+    stack.assert_computed_once(accounting)
+    assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
+    assert all(worker.alive() and worker.starts == 1 for worker in workers), details
+    assert stack.procs["api"].alive()
+    assert still_submitting and details["retried"], details
+    assert any(retries.values()), f"no worker met the failover: {details}"

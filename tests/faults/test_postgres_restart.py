@@ -1,0 +1,90 @@
+"""The PostgreSQL server stopped (pg_ctl stop -m fast) mid-run and started again seconds later.
+
+Not a connection cut (test_database_outage.py): the server itself ends every
+session, refuses connections while it is down, and comes back with what it
+had committed. The test owns the server (``initdb``, harness.postgres).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from harness.accounting import Figures
+from harness.faults import Stack, sim_jobs
+from harness.postgres import PostgresServers, create_database
+from harness.processes import wait_for
+from tests.faults.database_down import assert_unavailable, wait_ready
+
+pytestmark = pytest.mark.faults
+
+# Submissions still arriving when the server stops (the API takes them faster
+# than two workers finish them), so clients are turned away and retry.
+JOBS = 2000
+BACKLOG = 400
+DOWN_S = 4.0
+
+
+def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothing_twice(
+    postgres: PostgresServers,
+    make_stack: Callable[..., Stack],
+    record: Callable[[Figures], None],
+) -> None:
+    server = postgres.primary()
+    stack = make_stack(
+        url=create_database(server, "ferry"),
+        FERRY_SIM_LATENCY_BASE_MS="50",
+        # A batch of 32 takes about half a second.
+        FERRY_SIM_LATENCY_PER_COST_MS="5",
+        FERRY_BATCH_MAX_SIZE="32",
+        FERRY_VISIBILITY_TIMEOUT_S="10",
+        FERRY_RECONCILE_INTERVAL_S="1",
+        FERRY_RECONCILE_GRACE_S="2",
+    )
+    stack.start_api()
+    # The reconciler queues a job whose commit the server made as it stopped but
+    # whose answer was lost: the client got a 503, its retry the job back.
+    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
+    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+    started = time.monotonic()
+    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+    wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
+    workers = stack.start_workers("w1", "w2")
+
+    wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
+    done_before = stack.terminal_count()
+    still_submitting = not submitted.done()
+    stopped_at = time.monotonic()
+    server.stop("fast")  # every session ended, batches in flight; returns once it is down
+    answers = assert_unavailable(stack, submission.accepted[0])
+    time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped_at)))
+    server.start()
+    down_s = time.monotonic() - stopped_at
+    wait_ready(stack)
+    submitted.result(timeout=120)
+
+    accounting = stack.account("PostgreSQL stopped 4 s", submission, started, 120, record)
+    details = accounting.figures.details
+    details["down_s"] = round(down_s, 1)
+    details["done_before_stop"] = done_before
+    details["submitting_at_stop"] = still_submitting
+    details["answers_while_down"] = answers
+    details["reenqueued"] = stack.reenqueued(celery_worker)
+    retries = {
+        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
+                                 "dependency error; retrying")
+        for w in workers
+    }  # fmt: skip
+    details["worker_retries"] = retries
+    stack.assert_nothing_lost(accounting)
+    # No process died: a worker that waits for the database keeps its batch, so
+    # nothing is computed twice.
+    stack.assert_computed_once(accounting)
+    assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
+    assert all(worker.alive() and worker.starts == 1 for worker in workers), details
+    assert stack.procs["api"].alive()
+    # The stop was felt: clients were turned away while it lasted, and workers waited.
+    assert still_submitting and details["retried"], details
+    assert any(retries.values()), f"no worker met the stopped server: {details}"
