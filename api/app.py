@@ -28,6 +28,7 @@ from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker, read_only
 from core.metrics import Scalers
+from core.queue_bounds import QueueBound
 from core.redis_target import RedisTarget
 from core.settings import Settings
 from core.streams import done_channel
@@ -72,6 +73,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             settings.key_prefix,
             max_outstanding=settings.max_outstanding_jobs,
             requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
+            bound=QueueBound(settings.queue_max_jobs, settings.queue_max_bytes),
         )
         group_commit: GroupCommit = GroupStage(
             "group-commit",

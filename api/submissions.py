@@ -13,6 +13,7 @@ A 202 still means the job is committed (docs/architecture.md §4).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import threading
 import time
@@ -43,10 +44,12 @@ from core.generation_estimates import (
     first_token_s,
     most_tokens_within,
 )
-from core.queues import live_workers, numeric_stats, stats_text, tenant_depths
+from core.queue_bounds import QueueBound, retry_after_s
+from core.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
 from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts
 from core.usage import release, release_jobs, reserve
+from scheduler.vocabulary import LANES
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class Submission:
     request_id: str | None
     received_at: dt.datetime
     trace_context: str | None = None  # the request's traceparent, when tracing is on
+    input_bytes: int = 0  # the input's size as stored (its JSON), for FERRY_QUEUE_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,14 @@ def prepare(
         request_id=request_id,
         received_at=utcnow(),
         trace_context=trace_context,
+        input_bytes=input_size(validated.input),
     )
+
+
+def input_size(value: Any) -> int:
+    """An input's bytes as the jobs table stores it (compact JSON, UTF-8)."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def job_create(**fields: Any) -> JobCreate:
@@ -173,12 +184,31 @@ def prepare_request(
 VIEW_TTL_S = 0.25
 
 
-@dataclass(frozen=True)
+@dataclass
 class QueueView:
     estimate: ModelEstimate | None  # None: no worker has published yet
     depths: dict[str, dict[str, int]]
     workers: int
     generation: GenerationEstimate | None = None  # what a generation model's workers publish
+    queued_bytes: int = 0  # the input bytes of the model's stream entries
+
+    @property
+    def jobs(self) -> int:
+        """The model's jobs queued or held by a worker, not yet recorded."""
+        return sum(sum(by_tenant.values()) for by_tenant in self.depths.values())
+
+    def drain_s(self, jobs: int) -> float | None:
+        """Seconds until ``jobs`` of the jobs queued have finished, from what the workers
+        learned (as if one worker were live when none is); None before any has published."""
+        ahead = max(jobs - 1, 0)
+        if self.generation is not None:
+            est = self.generation
+            return finish_s(est, ahead, max(1, round(est.mean_prompt_tokens)),
+                            max(1, round(est.mean_max_tokens)), self.workers)  # fmt: skip
+        if self.estimate is not None:
+            cost = max(1, round(self.estimate.mean_cost))
+            return estimate_wait_s(self.estimate, ahead, cost, self.workers)
+        return None
 
     def wait_ms(
         self, lane: str, tenant: str, cost: int, tokens: tuple[int, int] | None = None
@@ -213,22 +243,29 @@ class QueueView:
             self.generation, ahead, *tokens, deadline_ms / 1000.0, self.workers
         )
 
-    def add(self, lane: str, tenant: str) -> None:
+    def add(self, lane: str, tenant: str, input_bytes: int = 0) -> None:
         """Count a job this process is queueing, until the view is read again: a burst's
-        later jobs see its earlier ones ahead of them."""
-        if self.estimate is not None or self.generation is not None:
-            by_tenant = self.depths.setdefault(lane, {})
-            by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        later jobs see its earlier ones ahead of them, and the queue's bounds count it."""
+        by_tenant = self.depths.setdefault(lane, {})
+        by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        self.queued_bytes += input_bytes
 
 
 class QueueViews:
     """Each model's learned numbers, queue depths and live workers, as of VIEW_TTL_S ago at
     most, plus the jobs this process has queued since."""
 
-    def __init__(self, client: redis.Redis, prefix: str, ttl_s: float = VIEW_TTL_S) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        ttl_s: float = VIEW_TTL_S,
+        bound: QueueBound | None = None,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.bound = bound or QueueBound()
         self._views: dict[str, tuple[float, QueueView | None]] = {}
         # The group commit's writers share the views (two threads on PostgreSQL).
         self.lock = threading.Lock()
@@ -244,14 +281,16 @@ class QueueViews:
             raw = stats_text(self.client, self.prefix, model)
             estimate = ModelEstimate.from_hash(numeric_stats(raw))
             generation = GenerationEstimate.from_hash(raw)
-            if estimate is None and generation is None:
-                view = QueueView(None, {}, 0)  # no worker has published: spare the depth reads
+            if estimate is None and generation is None and not self.bound.bounded:
+                # No worker has published and nothing is bounded: spare the depth reads.
+                view = QueueView(None, {lane: {} for lane in LANES}, 0)
             else:
                 view = QueueView(
                     estimate,
                     tenant_depths(self.client, self.prefix, model),
                     live_workers(self.client, self.prefix, model),
                     generation,
+                    queued_bytes(self.client, self.prefix, model) if self.bound.max_bytes else 0,
                 )
         except REDIS_ERRORS:
             view = None
@@ -271,13 +310,15 @@ class GroupWriter:
         max_outstanding: int | None,
         requeue_within_s: float,
         views: QueueViews | None = None,
+        bound: QueueBound | None = None,
     ) -> None:
         self.sessions = sessions
         self.client = client
         self.prefix = prefix
         self.max_outstanding = max_outstanding
         self.requeue_within_s = requeue_within_s
-        self.views = views or QueueViews(client, prefix)
+        self.bound = bound or QueueBound()
+        self.views = views or QueueViews(client, prefix, bound=self.bound)
         self.scripts = Scripts(client)
 
     def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
@@ -301,6 +342,40 @@ class GroupWriter:
             return [_done(outcome) for outcome in outcomes]
         self._enqueue(group, jobs, outcomes, estimates)
         return [_done(outcome) for outcome in outcomes]
+
+    def _full(self, item: Submission, taken: dict[str, tuple[int, int]]) -> ApiError | None:
+        """A 503 for a new job its model's queue has no room for (``taken``: the jobs and
+        bytes of this group already let in, by model, which the view does not count yet)."""
+        if not self.bound.bounded:
+            return None
+        name = item.spec.name
+        if self.bound.never_fits(item.input_bytes):
+            return ApiError(
+                413, "payload_too_large", f"input: {item.input_bytes} bytes exceed the whole "
+                f"of {name}'s queue (FERRY_QUEUE_MAX_BYTES, {self.bound.max_bytes} bytes)",
+            )  # fmt: skip
+        view = self.views.get(name)
+        if view is None:
+            return None  # Redis unreadable: the enqueue decides (the reconciler catches up)
+        jobs, size = taken.get(name, (0, 0))
+        with self.views.lock:
+            excess = self.bound.excess(view.jobs + jobs, view.queued_bytes + size,
+                                       item.input_bytes)  # fmt: skip
+            drain = view.drain_s(excess.jobs_to_finish) if excess is not None else None
+        if excess is None:
+            taken[name] = (jobs + 1, size + item.input_bytes)
+            return None
+        wait = retry_after_s(drain)
+        what = "jobs" if excess.setting == "FERRY_QUEUE_MAX_JOBS" else "bytes of input"
+        return ApiError(
+            503,
+            "queue_full",
+            f"model: {name}'s queue holds {excess.queued} {what}, its bound "
+            f"({excess.setting}, {excess.limit}); retry in about {wait} s",
+            {"Retry-After": str(wait)},
+            bound=excess.setting,
+            limit=excess.limit,
+        )
 
     def _refusal(self, item: Submission, i: int, estimates: dict[int, Quote]) -> ApiError | None:
         """A 429 for a new job whose deadline the queue ahead makes impossible (a generation
@@ -375,8 +450,9 @@ class GroupWriter:
                 else:
                     first[idem] = i
                     fresh.append(i)
+            taken: dict[str, tuple[int, int]] = {}
             for i in list(fresh):
-                refused = self._refusal(group[i], i, estimates)
+                refused = self._refusal(group[i], i, estimates) or self._full(group[i], taken)
                 if refused is not None:
                     outcomes[i] = refused
                     fresh.remove(i)
@@ -393,7 +469,7 @@ class GroupWriter:
                     view = self.views.get(group[i].spec.name)
                     if view is not None:
                         with self.views.lock:
-                            view.add(group[i].body.priority, key_id)
+                            view.add(group[i].body.priority, key_id, group[i].input_bytes)
                 else:
                     outcomes[i] = _quota_error(self.max_outstanding)
             inserted = self._insert(session, list(jobs.values()))
@@ -453,7 +529,12 @@ class GroupWriter:
         try:
             pipe = self.client.pipeline(transaction=False)
             self.scripts.enqueue_all(
-                pipe, self.prefix, ((job.model, JobMessage.of_job(job)) for job in jobs.values())
+                pipe,
+                self.prefix,
+                (
+                    (job.model, JobMessage.of_job(job, group[i].input_bytes))
+                    for i, job in jobs.items()
+                ),
             )
             self.scripts.execute(pipe)
         except REDIS_ERRORS as exc:

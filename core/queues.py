@@ -11,6 +11,7 @@ import redis
 from core.streams import (
     GROUP,
     bulk_seq_key,
+    queued_bytes_key,
     seq_key,
     stats_key,
     stream_key,
@@ -154,6 +155,12 @@ def nearest_deadline_ms(
             at = int(_text(deadline))
             nearest = at if nearest is None else min(nearest, at)
     return nearest
+
+
+def queued_bytes(client: redis.Redis, prefix: str, model: str) -> int:
+    """The input bytes of the model's stream entries, as the enqueue scripts and the workers'
+    acknowledgements count them (never below 0)."""
+    return max(0, int(client.get(queued_bytes_key(prefix, model)) or 0))
 
 
 def live_workers(client: redis.Redis, prefix: str, model: str, now: float | None = None) -> int:

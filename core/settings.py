@@ -246,6 +246,15 @@ class Settings(BaseSettings):
     max_outstanding_jobs: int = Field(10_000, ge=1)
     """Per key: jobs queued or running at once (backfill items not counted); more is a 429
     `quota_exceeded`."""
+    queue_max_jobs: int = Field(100_000, ge=0)
+    """Per model: jobs queued or held by a worker and not yet recorded (backfill lines fed to
+    the queue included). A submission past it is refused with a 503 `queue_full` whose
+    `Retry-After` is the time the model's workers are predicted to take to make room; nothing
+    accepted is dropped. 100,000 entries hold some 15 MiB of Redis (0: no bound)."""
+    queue_max_bytes: int = Field(2**30, ge=0)
+    """Per model: the bytes of the queued jobs' inputs (their JSON, as the jobs table stores
+    it), bounded like `FERRY_QUEUE_MAX_JOBS`; one input larger than the whole bound is a 413.
+    Backfill lines and jobs the reconciler enqueues again count as jobs only (0: no bound)."""
     max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
     """Per key: backfill lines not finished yet; an upload past it is refused whole (429)."""
     embeddings_max_inputs: int = Field(2048, ge=1, le=100_000)

@@ -65,6 +65,13 @@ def bulk_seq_key(prefix: str, model: str) -> str:
     return f"{prefix}:{{{model}}}:bulk-seq"
 
 
+def queued_bytes_key(prefix: str, model: str) -> str:
+    """Counter of the input bytes of the model's stream entries: the enqueue scripts add each
+    entry's, a worker's acknowledgement takes them off (``FERRY_QUEUE_MAX_BYTES``). Lost and
+    begun again with the streams."""
+    return f"{prefix}:{{{model}}}:queued-bytes"
+
+
 def seq_key(prefix: str, model: str) -> str:
     """Counter of the model's enqueues: it changes whenever any of its streams gets an entry."""
     return f"{prefix}:{{{model}}}:seq"
@@ -78,32 +85,35 @@ def seq_key(prefix: str, model: str) -> str:
 WAKE_FIELD = "wake"
 WAKE_MAXLEN = 1000
 _ENQUEUE = f"""
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 local seq = redis.call('INCR', KEYS[4])
-if #KEYS == 5 then redis.call('INCR', KEYS[5]) end
+if tonumber(ARGV[2]) > 0 then redis.call('INCRBY', KEYS[5], ARGV[2]) end
+if #KEYS == 6 then redis.call('INCR', KEYS[6]) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
 end
 return id
 """
-# A bulk lane's stream comes with a fifth key, the bulk lane's counter, moved with the
-# sequence in the same script: the arrival rate (the sequence less it) never sees one
-# without the other.
+# ARGV: the tenant, the entry's input bytes (added to the fifth key, the model's queued
+# bytes, in the same script as the entry), then the entry's fields. A bulk lane's stream
+# comes with a sixth key, the bulk lane's counter, moved with the sequence in the same
+# script: the arrival rate (the sequence less it) never sees one without the other.
 # The same for many messages of one tenant's stream: one script call, one INCRBY of
-# the sequence, one listing; ARGV: tenant, count, then each message as its number
-# of field/value items followed by them. A group commit and a feeder chunk
+# the sequence, one listing; ARGV: tenant, count, their input bytes, then each message
+# as its number of field/value items followed by them. A group commit and a feeder chunk
 # enqueue this way, so Redis runs its script once per stream, not once per job.
 _ENQUEUE_MANY = f"""
 local count = tonumber(ARGV[2])
-local at = 3
+local at = 4
 for _ = 1, count do
   local width = tonumber(ARGV[at])
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + width))
   at = at + width + 1
 end
 local seq = redis.call('INCRBY', KEYS[4], count)
-if #KEYS == 5 then redis.call('INCRBY', KEYS[5], count) end
+if tonumber(ARGV[3]) > 0 then redis.call('INCRBY', KEYS[5], ARGV[3]) end
+if #KEYS == 6 then redis.call('INCRBY', KEYS[6], count) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
@@ -124,12 +134,13 @@ return 0
 
 def _enqueue_keys(prefix: str, model: str, lane: str, tenant: str) -> list[str]:
     """The enqueue scripts' keys: the stream, its lane's tenants, the wake stream, the
-    sequence, and for the bulk lane its counter."""
+    sequence, the queued bytes, and for the bulk lane its counter."""
     keys = [
         stream_key(prefix, model, lane, tenant),
         tenants_key(prefix, model, lane),
         wake_key(prefix, model),
         seq_key(prefix, model),
+        queued_bytes_key(prefix, model),
     ]
     return [*keys, bulk_seq_key(prefix, model)] if lane == Lane.BULK else keys
 
@@ -203,13 +214,15 @@ class Scripts:
             target.incr(seq_key(prefix, model))
             if message.lane == Lane.BULK:
                 target.incr(bulk_seq_key(prefix, model))
+            if message.input_bytes:
+                target.incrby(queued_bytes_key(prefix, model), message.input_bytes)
             return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
         flat = [item for pair in fields.items() for item in pair]
         return self._run(
             self.enqueue_script,
             target,
             _enqueue_keys(prefix, model, message.lane, tenant),
-            [tenant, *flat],
+            [tenant, message.input_bytes, *flat],
         )
 
     def enqueue_all(
@@ -228,12 +241,15 @@ class Scripts:
                 target.incrby(seq_key(prefix, model), len(messages))
                 if lane == Lane.BULK:
                     target.incrby(bulk_seq_key(prefix, model), len(messages))
+                if size := sum(message.input_bytes for message in messages):
+                    target.incrby(queued_bytes_key(prefix, model), size)
                 for message in messages:
                     target.xadd(stream_key(prefix, model, lane), message.encode())  # type: ignore[arg-type]
                 continue
             for start in range(0, len(messages), ENQUEUE_MANY_MAX):
                 part = messages[start : start + ENQUEUE_MANY_MAX]
-                args: list[str | int] = [tenant, len(part)]
+                size = sum(message.input_bytes for message in part)
+                args: list[str | int] = [tenant, len(part), size]
                 for message in part:
                     flat = [item for pair in message.encode().items() for item in pair]
                     args += [len(flat), *flat]
@@ -315,9 +331,10 @@ class JobMessage:
     tenant: str | None = None  # the API key whose job it is
     version: int | None = None  # the model version the job asked for (None: the active one)
     trace_context: str | None = None  # the W3C traceparent of the request that made it
+    input_bytes: int = 0  # its input's size as stored, counted in queued_bytes_key (0: not)
 
     @classmethod
-    def of_job(cls, job: Any) -> JobMessage:
+    def of_job(cls, job: Any, input_bytes: int = 0) -> JobMessage:
         """The entry of a job's row (a Job, or a row with its columns under their names)."""
         return cls(
             job_id=job.id,
@@ -329,6 +346,7 @@ class JobMessage:
             tenant=job.api_key_id,
             version=job.requested_version,
             trace_context=getattr(job, "trace_context", None),
+            input_bytes=input_bytes,
         )
 
     def encode(self) -> dict[str, str]:
@@ -349,6 +367,8 @@ class JobMessage:
             fields["ver"] = str(self.version)
         if self.trace_context:
             fields["tp"] = self.trace_context
+        if self.input_bytes:
+            fields["b"] = str(self.input_bytes)
         return fields
 
     @classmethod
@@ -373,6 +393,7 @@ class JobMessage:
                 tenant=f.get("t"),
                 version=int(f["ver"]) if "ver" in f else None,
                 trace_context=f.get("tp"),
+                input_bytes=max(0, int(f.get("b", 0))),
             )
         except ProtocolError:
             raise

@@ -157,15 +157,17 @@ def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
 
     # Submitting: the job's row and its key's outstanding count, one statement each; the
     # enqueue script's call, its XADD to the tenant's stream, the enqueue sequence's
-    # INCRBY and the tenant's listing (ZADD); the arrival rate is read off the sequence.
+    # INCRBY, the queued bytes' INCRBY and the tenant's listing (ZADD); the arrival rate
+    # is read off the sequence.
     assert len(job_statements(submit.statements)) <= 2 * JOBS, why
-    assert len(job_driven(submit.commands)) <= 4 * JOBS, why
+    assert len(job_driven(submit.commands)) <= 5 * JOBS, why
     # Running: per batch, not per job. Reading its rows, claiming them, writing the
     # outcomes, reading what to tell webhooks and backfills, the keys' outstanding
     # counts; one statement more once (the pending entries re-read at start). In Redis,
-    # one MULTI of XACK, XDEL and the PUBLISH that wakes long-polls.
+    # one MULTI of XACK, XDEL, the queued bytes' DECRBY and the PUBLISH that wakes
+    # long-polls.
     assert len(job_statements(run.statements)) <= 5 * batches + 1, why
-    assert len(job_driven(run.commands)) <= 3 * batches, why
+    assert len(job_driven(run.commands)) <= 4 * batches, why
     # A long-poll of a finished job: its row, and nothing of Redis.
     assert len(job_statements(poll.statements)) <= JOBS, why
     assert job_driven(poll.commands) == [], why
@@ -182,9 +184,11 @@ def job_statements(statements: list[str]) -> list[str]:
 
 # What runs on a clock, not per job: rate-limit windows, the learned figures and the
 # workers' presence, versions, wake-ups; a connection's HELLO; the worker's reads while
-# it waits (a read per step, however many jobs it brings).
+# it waits (a read per step, however many jobs it brings); the API's look at a model's
+# queue for the wait it quotes and the queue's bounds (its streams' lengths and queued
+# bytes, at most every 250 ms per model).
 CLOCKED_KEYS = (":limits:", ":stats", ":workers", ":versions", ":restarting", ":wake")
-WAITING_READS = {"hello", "xreadgroup", "zrange", "get", "xgroup"}
+WAITING_READS = {"hello", "xreadgroup", "zrange", "get", "xgroup", "xlen"}
 # A transaction's own brackets: what it holds is counted.
 FRAMING = {"multi", "exec"}
 

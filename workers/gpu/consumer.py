@@ -17,6 +17,7 @@ from core.streams import (
     Scripts,
     dead_letter_key,
     is_wake,
+    queued_bytes_key,
     seq_key,
     stream_key,
     tenants_key,
@@ -292,6 +293,9 @@ class StreamConsumer:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+        # Their inputs leave the queue's byte count with them, in the same transaction.
+        if size := sum(entry.message.input_bytes for entry in entries):
+            pipe.decrby(queued_bytes_key(self.prefix, self.model), size)
         if publish is not None and not self._cluster:
             pipe.publish(*publish)
         pipe.execute()
