@@ -359,6 +359,15 @@ def _spec(
 ) -> tuple[ModelSpec, tuple[int, ...], int]:
     """The model, its versions and the one that would serve it; 404 for an unknown model
     (``taking_jobs``: 400 for one an operator unloaded)."""
+    spec = _resolved(request, model, version, taking_jobs)
+    known, active = request.app.state.versions.of(spec)
+    return spec, known, active
+
+
+def _resolved(request: Request, model: str, version: int | None, taking_jobs: bool) -> ModelSpec:
+    """The model (404 for an unknown one), without reading its versions unless ``version``
+    names one: an infer request has no use for them, and reading them re-reads the
+    repository and the database's activations every second on the event loop."""
     state = request.app.state
     try:
         spec, _ = services.resolve_model(
@@ -366,8 +375,7 @@ def _spec(
         )
     except services.UnknownModel as exc:
         raise ApiError(404, "not_found", exc.message) from exc
-    known, active = state.versions.of(spec)
-    return spec, known, active
+    return spec
 
 
 def _metadata(request: Request, model: str, version: int | None) -> dict[str, Any]:
@@ -396,7 +404,7 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
 async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
     state = request.app.state
     settings: Settings = state.settings
-    spec, _, active = _spec(request, model, version, taking_jobs=True)
+    spec = _resolved(request, model, version, taking_jobs=True)
     try:
         parsed = oip.parse_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
         oip.check_outputs(spec, parsed)  # before any job is made, not after they ran
@@ -434,9 +442,12 @@ async def _infer(request: Request, key: Any, model: str, version: int | None) ->
         )
     )
     outputs = [succeeded_output(job, f"row {index}") for index, job in enumerate(finished)]
+    # The version that ran the rows (none named when a switch split them between two).
+    ran = {job.model_version for job in finished}
+    ran_on = ran.pop() if len(ran) == 1 else None
     try:
         body, header_length = oip.encode_response(
-            spec.name, active, parsed, oip.output_tensors(spec, outputs)
+            spec.name, ran_on, parsed, oip.output_tensors(spec, outputs)
         )
     except oip.ProtocolError as exc:
         raise ApiError(exc.status, "invalid_request", exc.message) from exc

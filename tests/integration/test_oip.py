@@ -133,6 +133,7 @@ def test_minilm_in_binary_agrees_with_the_model_run_directly(
 ) -> None:
     result = client.infer("minilm", [texts_input(TEXTS)], headers=headers, request_id="r-17")
     assert result.get_response()["id"] == "r-17"
+    assert result.get_response()["model_version"] == "1"
     assert result.get_response()["outputs"][0]["parameters"]["binary_data_size"] == 4 * 384 * 4
     got = result.as_numpy("embedding")
     assert got is not None and got.shape == (4, 384) and got.dtype == np.float32
@@ -156,6 +157,7 @@ def test_json_tensors_in_and_out_on_sim(
     )  # fmt: skip
     tensor = result.get_response()["outputs"][0]
     assert tensor["shape"] == [3] and "parameters" not in tensor  # JSON, as asked
+    assert result.get_response()["model_version"] == "1"  # the version that ran the rows
     answers = [json.loads(item) for item in result.as_numpy("output")]
     with sessions() as session:
         jobs = session.scalars(select(Job).order_by(Job.created_at)).all()
