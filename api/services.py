@@ -100,6 +100,9 @@ def resolve_model(
     if version is None:
         return spec, None
     numbers, active = live.of(spec) if live is not None else (spec.versions, spec.active_version)
+    if live is not None and (version not in numbers or version != active):
+        # About to refuse on the last read, which may be up to a poll old: read again.
+        numbers, active = live.of(spec, fresh=True)
     if version not in numbers:
         versions = ", ".join(map(str, numbers))
         raise ApiError(

@@ -8,6 +8,7 @@ parameters, its input kind), each naming the file and the field.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ from core.inputs import input_spec
 from core.repository import ModelConfig, Problem, Repository, load_repository
 from core.settings import PER_MODEL, Settings, knob_problem
 from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR
+
+log = logging.getLogger(__name__)
 
 
 def repository_for(settings: Settings, only: str | None = None) -> Repository:
@@ -149,9 +152,16 @@ class LiveVersions:
 
     Re-read (the repository's version folders, the database's activations)
     at most every ``poll_s``, so a new version or an activation is seen by
-    the API as soon as by the workers. The unloaded models are read on their
-    own, by one small query at most every ``poll_s`` (every second when it is
-    0: workers take no part in an unload), in a thread of its own: every
+    the API as soon as by the workers: the first question (and the first
+    after :meth:`forget`) waits for the read; later ones answer from the last
+    read and, once it is a poll old, start the next in a thread of its own
+    (reading the repository's files and the database on the event loop
+    stalled every request for it once a second). A request about to be
+    refused on an old read asks again with ``fresh`` (read now).
+
+    The unloaded models are read on their own, by one small query at most
+    every ``poll_s`` (every second when it is 0: workers take no part in an
+    unload), in a thread of its own: every
     submission asks for them, on the event loop, which must not wait for the
     database (an outage would stall it for the connection's timeout).
     """
@@ -166,6 +176,10 @@ class LiveVersions:
         self._read_at = -float("inf")
         self._repository: Repository | None = None
         self._activated: dict[str, int] = {}
+        self._reading = False  # a read in its thread, not finished
+        self._started = 0  # reads begun; the latest begun that ended wins
+        self._applied = 0
+        self._as_of = -float("inf")  # when the read that is answered from began
         self._unloads_lock = threading.Lock()
         self._unloads_read_at = -float("inf")
         self._unloads_reading = False  # a read in its thread, not finished
@@ -174,23 +188,66 @@ class LiveVersions:
         self._unloaded: frozenset[str] | None = None  # None: never read
 
     def _refresh(self) -> None:
+        """Called holding ``_lock``: read now if never read (or forgotten), else start a
+        read in a thread when the last is a poll old."""
         now = time.monotonic()
-        # poll_s 0: workers never follow a change, so neither does the API.
-        fresh = self.poll_s == 0 or now - self._read_at < self.poll_s
-        if fresh and self._repository is not None:
+        if self._repository is None or self._read_at == -float("inf"):
+            self._read_at = now
+            self._started += 1
+            self._apply(self._started, now, *self._read())
             return
+        # poll_s 0: workers never follow a change, so neither does the API.
+        if self.poll_s == 0 or now - self._read_at < self.poll_s or self._reading:
+            return
+        # A failed read too: the last answer stands, and it is tried again a poll later.
         self._read_at = now
-        self._repository = repository_for(self.settings)
+        self._reading = True
+        self._started += 1
+        threading.Thread(
+            target=self._read_in_background, args=(self._started, now), name="versions",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _read(self) -> tuple[Repository, dict[str, int]]:
         from core.db import ModelActivation
 
+        repository = repository_for(self.settings)
         with self.sessions() as session:
             rows = session.execute(select(ModelActivation.model, ModelActivation.version)).all()
-        self._activated = {row.model: row.version for row in rows}
+        return repository, {row.model: row.version for row in rows}
 
-    def of(self, spec: ModelSpec) -> tuple[tuple[int, ...], int]:
-        """``(versions, active)`` of the model; the catalog's own if it cannot be read now."""
+    def _read_in_background(self, number: int, began: float) -> None:
+        try:
+            found: tuple[Repository, dict[str, int]] | None = self._read()
+        except (OSError, SQLAlchemyError, ValueError) as exc:
+            log.warning(
+                "model versions could not be read", extra={"error_type": type(exc).__name__}
+            )
+            found = None
+        with self._lock:
+            self._reading = False
+            if found is not None:
+                self._apply(number, began, *found)
+
+    def _apply(
+        self, number: int, began: float, repository: Repository, activated: dict[str, int]
+    ) -> None:
+        # A read begun before another that ended first must not undo what it saw.
+        if number > self._applied:
+            self._applied = number
+            self._as_of = began
+            self._repository = repository
+            self._activated = activated
+
+    def of(self, spec: ModelSpec, fresh: bool = False) -> tuple[tuple[int, ...], int]:
+        """``(versions, active)`` of the model; the catalog's own if it cannot be read now.
+
+        ``fresh``: read now unless the last read is under a poll old (before refusing a
+        request on what an earlier read said)."""
         with self._lock:
             try:
+                if fresh and self.poll_s and time.monotonic() - self._as_of >= self.poll_s:
+                    self._read_at = -float("inf")
                 self._refresh()
             except (OSError, SQLAlchemyError, ValueError):
                 return spec.versions, spec.active_version

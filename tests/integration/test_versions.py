@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -338,3 +339,41 @@ def test_a_failed_python_version_is_not_retried_because_its_bytecode_was_written
     assert signature(model, 2) == before
     (tmp_path / "models" / "echo" / "2" / "echo.py").write_text("class Echo: ...\n")
     assert signature(model, 2) != before  # a change of its own files is one
+
+
+def test_live_versions_answer_from_the_last_read_and_read_again_before_refusing(
+    settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """Past the first read, a question never waits for the repository or the database: it
+    is answered from the last read while the next runs in a thread (they were read on the
+    API's event loop once a second); a request about to be refused reads again first."""
+    from api.services import resolve_model
+    from backends.catalog import LiveVersions, build_catalog
+
+    model = echo(tmp_path)
+    served = settings.model_copy(
+        update={"model_repository": tmp_path / "models", "models": "echo",
+                "model_parameters": {}}
+    )  # fmt: skip
+    catalog = build_catalog(served)
+    spec = catalog["echo"]
+    opened: list[str] = []
+
+    def counted() -> Session:
+        opened.append(threading.current_thread().name)
+        return sessions()
+
+    live = LiveVersions(served, counted, poll_s=0.2)  # type: ignore[arg-type]
+    assert live.of(spec) == ((1, 2), 1)  # the first read: waited for, on the caller's thread
+    assert opened == [threading.current_thread().name]
+    with sessions() as session:
+        activate(session, model, 2)  # as another API process would
+    time.sleep(0.25)
+    assert live.of(spec) == ((1, 2), 1)  # a poll old: answered from it, the next read begun
+    until(lambda: live.of(spec) == ((1, 2), 2))
+    assert opened[1:] and all(name == "versions" for name in opened[1:])
+    with sessions() as session:
+        activate(session, model, 1)
+    time.sleep(0.25)
+    # The last read says 2 is active; before refusing echo@1 it reads again, and takes it.
+    assert resolve_model(catalog, "echo@1", live=live) == (spec, 1)
