@@ -13,6 +13,7 @@ suite turns that into a skip, or a failure under CI=true.
 - ``listener``: who the workers announced as recorded, and how many times.
 - ``submitting``: bursts of submissions that retry as a careful client would.
 - ``witness``: the transition log a trigger keeps in a test's database.
+- ``lm_witness``: what a causal LM in a worker process was fed, call by call.
 - ``accounting``: what a scenario submitted, completed, lost, computed and wrote twice,
   counted from the witnesses.
 - ``faults``: the fault suite's stack of separate processes around them all.

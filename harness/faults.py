@@ -156,10 +156,19 @@ class Stack(Processes):
             assert time.monotonic() < until, f"the API was not ready:\n{self.tail(proc)}"
             time.sleep(0.1)
 
-    def start_worker(self, name: str, supervised: bool = False, wait: bool = True) -> Proc:
-        proc = self.spawn(name, ["worker", "--model", MODEL, "--name", name], supervised)
+    def start_worker(
+        self,
+        name: str,
+        supervised: bool = False,
+        wait: bool = True,
+        model: str = MODEL,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        """A worker of ``model`` (the sim unless named), ``env`` added to its environment."""
+        args = ["worker", "--model", model, "--name", name]
+        proc = self.spawn(name, args, supervised, **(env or {}))
         if wait:
-            self.wait_worker(proc)
+            self.wait_worker(proc, model)
         return proc
 
     def start_workers(self, *names: str, supervised: bool = False) -> list[Proc]:
@@ -177,12 +186,12 @@ class Stack(Processes):
         self.wait_api(api)
         return started
 
-    def wait_worker(self, proc: Proc) -> None:
+    def wait_worker(self, proc: Proc, model: str = MODEL) -> None:
         """Until the worker's heartbeat is in Redis (it has joined the group and reads)."""
         until = time.monotonic() + START_TIMEOUT_S
         while True:
             with contextlib.suppress(redis.RedisError):
-                if self.redis.zscore(workers_key(self.prefix, MODEL), proc.name) is not None:
+                if self.redis.zscore(workers_key(self.prefix, model), proc.name) is not None:
                     return
             assert proc.supervised or proc.alive(), f"{proc.name} exited:\n{self.tail(proc)}"
             assert time.monotonic() < until, f"{proc.name} never beat:\n{self.tail(proc)}"
