@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from core.generation import prompt_token_ids
@@ -34,9 +35,11 @@ from core.streams import events_key
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.lm_witness import ENV, MIN_CALL_MS_ENV, Run, generations, read_calls, sitecustomize_dir
+from harness.ports import free_port
 from harness.processes import Proc, wait_for
 from harness.submitting import Submission
 from harness.witness import read_transitions, terminal_writes
+from tests.integration.gen_api import EventReader, Message
 from tests.integration.generation_worker import MODEL, greedy, repository
 
 pytestmark = pytest.mark.faults
@@ -261,9 +264,12 @@ def account(
 
 
 def _before(entry_id: str, other: str) -> bool:
+    return _entry_order(entry_id) < _entry_order(other)
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
     ms, seq = entry_id.split("-")
-    other_ms, other_seq = other.split("-")
-    return (int(ms), int(seq)) < (int(other_ms), int(other_seq))
+    return int(ms), int(seq)
 
 
 def kill_mid_generation(
@@ -385,3 +391,108 @@ def test_redis_restarted_empty_mid_generation_loses_no_job_and_starts_them_over(
     assert details["tokens_lost"] == details["tokens_generated_again"], details
     assert worker.alive() and worker.starts == 1
     assert celery_worker.alive() and beat.alive()
+
+
+@dataclass
+class StreamingClient:
+    """A client reading one job's events, reconnecting with Last-Event-ID."""
+
+    job_id: str
+    token: str
+    messages: list[Message] = field(default_factory=list)
+    connections: int = 0
+
+    def read(self, base: str) -> bool:
+        """Read the events from ``base`` after the last one seen; True once ``done`` came."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        seen = [m.id for m in self.messages if m.id is not None]
+        if seen:
+            headers["Last-Event-ID"] = seen[-1]
+        self.connections += 1
+        url = f"{base}/v1/jobs/{self.job_id}/events"
+        try:
+            with httpx.stream("GET", url, headers=headers, timeout=30) as response:
+                assert response.status_code == 200, response.read()
+                reader = EventReader(response)
+                while (message := reader.next()) is not None:
+                    self.messages.append(message)
+                    if message.event == "done":
+                        return True
+        except httpx.TransportError:
+            pass  # its API died mid-stream: what came whole is kept
+        return False
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return [m.data for m in self.messages if m.event == "token"]
+
+
+def read_all(clients: list[StreamingClient], base: str) -> list[bool]:
+    with ThreadPoolExecutor(len(clients), thread_name_prefix="sse") as pool:
+        return list(pool.map(lambda c: c.read(base), clients))
+
+
+def test_an_api_killed_mid_stream_the_client_goes_on_from_another_with_last_event_id(
+    make_stack: Callable[..., Stack], tmp_path: Path, record: Callable[[Figures], None]
+) -> None:
+    """kill -9 of the API a client streams a generation's events from: the client reconnects
+    to another API process with Last-Event-ID and sees every token once, in order."""
+    prompts = PROMPTS[:4]
+    stack = generation_stack(make_stack, tmp_path)
+    other_port = free_port()
+    other = stack.spawn("api-2", ["api"], FERRY_API_PORT=str(other_port))
+    reference = greedy_in_background(stack, prompts)
+    start_worker(stack, "w1")
+    other_base = f"http://127.0.0.1:{other_port}"
+    wait_for("the second API", lambda: _ready(other_base), 60)
+    started = time.monotonic()
+    submission = submit(stack, prompts)
+    clients = [StreamingClient(job_id, stack.token) for job_id in submission.accepted]
+    with ThreadPoolExecutor(len(clients), thread_name_prefix="sse") as pool:
+        first = pool.map(lambda c: c.read(stack.base), clients)
+        wait_for(
+            "every client to read 8 tokens",
+            lambda: min(len(c.tokens()) for c in clients) >= 8,
+            120,
+            0.01,
+        )
+        stack.kill(stack.procs["api"])
+        ended_early = list(first)
+    assert not any(ended_early), "a stream ended before its API was killed"
+    before_kill = {c.job_id: len(c.tokens()) for c in clients}
+    assert all(read_all(clients, other_base)), [c.messages[-3:] for c in clients]
+
+    repeated = gaps = 0
+    for client in clients:
+        indices = [t["index"] for t in client.tokens()]
+        repeated += len(indices) - len(set(indices))
+        gaps += len(set(range(MAX_TOKENS)) - set(indices))
+    figures, details, _ = account(
+        stack, "API killed mid-stream, client reconnects", submission, prompts, reference,
+        started, record,
+        client_tokens_before_kill=before_kill, client_saw_twice=repeated, client_gaps=gaps,
+        client_connections={c.job_id: c.connections for c in clients},
+    )  # fmt: skip
+    assert figures.lost == 0 and figures.written_twice == 0, details
+    assert repeated == 0 and gaps == 0, details
+    assert not details["differs_from_reference"], details
+    assert set(details["runs"].values()) == {1}, details  # the worker was not disturbed
+    rows = stack.rows(submission.accepted)
+    for client in clients:
+        row = rows[client.job_id]
+        assert row.status == "succeeded" and row.attempts == 1, row
+        tokens = client.tokens()
+        # Every token once, in order, across the two connections; the text is the output's.
+        assert [t["index"] for t in tokens] == list(range(MAX_TOKENS)), client.job_id
+        assert [t["token"] for t in tokens] == row.output["token_ids"], client.job_id
+        assert "".join(t["text"] for t in tokens) == row.output["text"], client.job_id
+        ids = [m.id for m in client.messages if m.id is not None]
+        assert ids == sorted(ids, key=_entry_order) and len(set(ids)) == len(ids), ids
+        assert client.messages[-1].data == {"status": "succeeded", "finish_reason": "length"}
+    assert other.alive()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
