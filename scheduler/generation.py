@@ -30,7 +30,22 @@ applies them:
    (nothing overtakes it), except that an urgent request that does not fit
    preempts running sequences of strictly lower lanes (lowest lane first,
    most recently admitted first) until it fits, when preempting them could
-   make it fit. Non-urgent lanes never preempt.
+   make it fit. Non-urgent lanes never preempt for their lane's sake.
+   Tenants share the engine by weight (each request's ``weight``, its key's):
+   while another tenant has a request waiting in the same or a higher lane,
+   a tenant is not admitted past its share (the pool's blocks and the
+   running slots times its weight over the weights of the tenants running
+   or waiting), unless it runs nothing (each may always run one) or the
+   request is urgent (it starts at the next step, whoever's it is). Such a
+   request is passed over, not a stop: the others' requests behind it are
+   admitted. What a tenant leaves idle is lent: one alone takes everything,
+   and once every request within its share is admitted, those passed over
+   are admitted in the same order with what is left.
+   A request within its tenant's share that does not fit takes the loan
+   back: it preempts running sequences of tenants over their share (of its
+   lane or lower ones, the lowest lane first, the most recently admitted
+   first, never a tenant's last one), as long as they stay over it, when
+   that can make it fit.
 5. A waiting request not admitted whose deadline comes before this step is
    predicted to end expires: its first step could not start in time.
 
@@ -99,6 +114,14 @@ class _Draft:
     moved: set[str] = field(default_factory=set)  # admitted or preempted: not moved again
 
 
+@dataclass(frozen=True)
+class _Shares:
+    """A step's tenants, each with its fraction of the engine: its weight over the weights
+    of the tenants running or waiting when the step is planned."""
+
+    fraction: dict[str, float]
+
+
 class GenerationScheduler:
     """One model instance's generation queue, running batch, KV pool and step-time fit.
 
@@ -120,6 +143,8 @@ class GenerationScheduler:
         self._released: list[str] = []  # since the last plan
         self._ended: dict[str, FinishReason] = {}  # since the last plan
         self._last_admitted: dict[str, int] = {}  # tenant -> its latest admission number
+        self._weights: dict[str, float] = {}  # tenant -> its weight, the latest request's
+        self._shares: _Shares | None = None  # this step's, while it is planned
         self._admissions = 0
         self._pending: StepPlan | None = None  # scheduled, not yet reported
 
@@ -188,6 +213,7 @@ class GenerationScheduler:
         if refusal is not None:
             raise ValueError(f"{request.id}: {refusal}")
         self._waiting.add(SequenceState(request, Lane(request.lane), generated=request.generated))
+        self._weights[request.tenant] = request.weight
 
     def reset(self) -> None:
         """Forget every request, waiting or running, and any plan not yet reported: the whole
@@ -244,6 +270,7 @@ class GenerationScheduler:
         expired = [s.id for s in self._waiting.due(now)]
         decoders = {s.id: s for s in self._running.values() if not s.prefilling}
         draft = _Draft(budget=self.limits.step_tokens - len(decoders), decoders=decoders)
+        self._shares = self._shares_now()
         self._continue_prefills(draft, urgent=True)
         admitting = self._admit(draft, urgent=True)
         self._continue_prefills(draft, urgent=False)
@@ -270,10 +297,15 @@ class GenerationScheduler:
         )
         self._released, self._ended = [], {}
         self._pending = plan
+        self._shares = None
         if len(self._last_admitted) > 2 * len(self._waiting) + 1000:
             # Forget tenants with nothing waiting: they come back as never admitted.
             waiting = self._waiting.tenants()
             self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in waiting}
+        if len(self._weights) > 2 * (len(self._waiting) + len(self._running)) + 1000:
+            live = self._waiting.tenants() | {s.request.tenant for s in self._running.values()}
+            live |= {s.request.tenant for s in self._waiting.values() if s.started}
+            self._weights = {t: w for t, w in self._weights.items() if t in live}
         return plan
 
     def _continue_prefills(self, draft: _Draft, urgent: bool) -> None:
@@ -287,20 +319,116 @@ class GenerationScheduler:
 
     def _admit(self, draft: _Draft, urgent: bool) -> bool:
         """Admit in waiting order (urgent ones only, or the others); False once one did not
-        fit, so that nothing behind it is admitted this step."""
-        for sequence in self._waiting.order(self._last_admitted):
+        fit, so that nothing behind it is admitted this step. Requests past their tenant's
+        share are passed over (rule 4); when everything else was admitted, they are lent
+        what is left, in the same order."""
+        passed: set[str] = set()  # tenants at their share this step
+        if not self._walk(draft, urgent, passed):
+            return False
+        return self._walk(draft, urgent, None) if passed else True
+
+    def _walk(self, draft: _Draft, urgent: bool, passed: set[str] | None) -> bool:
+        """One walk of the waiting order; ``passed`` None: shares are not looked at (lent)."""
+        for sequence in self._waiting.order(self._last_admitted, passed or frozenset()):
             if (sequence.lane is Lane.URGENT) != urgent:
                 if urgent:
                     return True  # the urgent lane comes first: no more urgent ones
                 continue
+            if passed is not None:
+                if sequence.request.tenant in passed:
+                    continue  # a preempted one of a tenant at its share
+                if self._past_share(sequence):
+                    passed.add(sequence.request.tenant)
+                    continue
             if sequence.id in draft.moved:
                 return False  # preempted this step: it heads its lane, and waits a step
-            if not self._fits(sequence, draft) and not (
-                urgent and self._evict_for(sequence, draft)
+            if (
+                not self._fits(sequence, draft)
+                and not (urgent and self._evict_for(sequence, draft))
+                and not (passed is not None and self._reclaim_for(sequence, draft))
             ):
                 return False
             self._start(sequence, draft)
         return True
+
+    # --- tenants' shares ------------------------------------------------------------
+
+    def _shares_now(self) -> _Shares:
+        waiting = self._waiting.tenants_by_rank()
+        tenants = set().union(*waiting) | {s.request.tenant for s in self._running.values()}
+        total = sum(self._weights.get(t, 1.0) for t in tenants) or 1.0
+        return _Shares({t: self._weights.get(t, 1.0) / total for t in tenants})
+
+    def _held(self, tenant: str) -> tuple[int, int]:
+        """The blocks and the running slots ``tenant`` holds."""
+        held = [s for s in self._running.values() if s.request.tenant == tenant]
+        return sum(len(s.blocks) for s in held), len(held)
+
+    def _over(self, tenant: str, blocks: int, slots: int) -> bool:
+        """Whether holding ``blocks`` and ``slots`` puts ``tenant`` past its share."""
+        shares = self._shares
+        fraction = shares.fraction.get(tenant, 1.0) if shares is not None else 1.0
+        return (
+            blocks > fraction * self.limits.kv_blocks or slots > fraction * self.limits.max_running
+        )
+
+    def _past_share(self, sequence: SequenceState) -> bool:
+        """Whether admitting ``sequence`` would take its tenant past its share while another
+        tenant waits in its lane or a higher one (a tenant that runs nothing may always run
+        one)."""
+        if sequence.lane is Lane.URGENT:
+            return False  # an urgent request starts at the next step, whoever's it is
+        if not self._waiting.others_waiting(sequence.request.tenant, sequence.rank):
+            return False
+        blocks, slots = self._held(sequence.request.tenant)
+        if slots == 0:
+            return False
+        need = self.limits.blocks_for(sequence.request.total_tokens)
+        return self._over(sequence.request.tenant, blocks + need, slots + 1)
+
+    def _reclaim_for(self, sequence: SequenceState, draft: _Draft) -> bool:
+        """Preempt running sequences of tenants past their share (of ``sequence``'s lane or
+        lower ones, the lowest lane first, the most recently admitted first, never a
+        tenant's last one), while they stay past it, until ``sequence`` fits; False (and
+        nothing preempted) when that cannot make it fit."""
+        limits = self.limits
+        tenant = sequence.request.tenant
+        held = {
+            t: self._held(t)
+            for t in {s.request.tenant for s in self._running.values()}
+            if t != tenant
+        }
+        victims: list[SequenceState] = []
+        blocks = self._pool.free
+        slots = limits.max_running - len(self._running)
+        budget = draft.budget
+        need = limits.blocks_for(sequence.request.total_tokens)
+        tokens = sequence.known if limits.prefill_chunk_tokens == 0 else 1
+        for victim in preemption_order(self._running.values(), sequence.rank - 1):
+            if blocks >= need and slots >= 1 and budget >= tokens:
+                break
+            owner = victim.request.tenant
+            if owner == tenant or victim.id in draft.moved:
+                continue
+            if limits.prefill_chunk_tokens == 0 and victim.known > limits.step_tokens:
+                continue  # with whole prompts only it could never be resumed
+            owned, running = held[owner]
+            if running <= 1 or not self._over(owner, owned, running):
+                continue
+            held[owner] = (owned - len(victim.blocks), running - 1)
+            victims.append(victim)
+            blocks += len(victim.blocks)
+            slots += 1
+            budget += 1 if victim.id in draft.decoders else 0
+            budget += sum(c.length for c in draft.chunks if c.id == victim.id)
+        if not victims or blocks < need or slots < 1 or budget < tokens:
+            return False
+        evicted = {s.id for s in victims}
+        if self._kept_apart(sequence, [s for s in self._running.values() if s.id not in evicted]):
+            return False
+        for victim in victims:
+            self._preempt(victim, draft)
+        return self._fits(sequence, draft)
 
     def _chunk_length(self, sequence: SequenceState, budget: int) -> int:
         todo = sequence.known - sequence.computed
@@ -363,6 +491,10 @@ class GenerationScheduler:
         return True
 
     def _preempt(self, sequence: SequenceState, draft: _Draft) -> None:
+        chunk = next((c for c in draft.chunks if c.id == sequence.id), None)
+        if chunk is not None:  # a prefill already planned this step: not any more
+            draft.chunks.remove(chunk)
+            draft.budget += chunk.length
         self._pool.give_back(sequence.id, sequence.blocks)
         sequence.blocks = ()
         sequence.computed = 0

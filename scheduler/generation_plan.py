@@ -50,6 +50,9 @@ class GenerationRequest:
     ``generated``: tokens it generated before, elsewhere (taken over after its
     worker died): they are prefilled with the prompt, and count towards
     ``max_tokens``.
+    ``weight``: its tenant's share of the engine against other tenants' (the
+    key's weight, default 1): while another tenant waits, a tenant holds at
+    most its weight's share of the KV blocks and of the running slots.
     """
 
     id: str
@@ -60,6 +63,7 @@ class GenerationRequest:
     deadline: float | None = None
     arrival: float = 0.0
     generated: int = 0
+    weight: float = 1.0
 
     @property
     def total_tokens(self) -> int:
@@ -123,6 +127,8 @@ class GenerationLimits:
             return "prompt_tokens and max_tokens must be at least 1"
         if not 0 <= request.generated < request.max_tokens:
             return "generated must be at least 0 and less than max_tokens"
+        if not (request.weight > 0 and math.isfinite(request.weight)):
+            return "weight must be a positive number"
         need = self.blocks_for(request.total_tokens)
         if need > self.kv_blocks:
             return (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 
 from scheduler.generation_state import NEVER, SequenceState
 from scheduler.vocabulary import LANES
@@ -101,13 +102,36 @@ class WaitingQueue:
         """The tenants with a request that was never admitted."""
         return {tenant for tenants in self._fresh.values() for tenant in tenants}
 
+    def tenants_by_rank(self) -> list[set[str]]:
+        """For each lane rank, the tenants with a sequence waiting in that lane (preempted
+        ones included)."""
+        found: list[set[str]] = [set() for _ in LANES]
+        for rank, tenants in self._fresh.items():
+            found[rank].update(tenants)
+        for rank, queue in self._resumed.items():
+            found[rank].update(sequence.request.tenant for sequence in queue)
+        return found
+
+    def others_waiting(self, tenant: str, up_to_rank: int) -> bool:
+        """Whether a tenant other than ``tenant`` has a sequence waiting in lane rank
+        ``up_to_rank`` or a higher lane (a lower rank)."""
+        for rank in range(up_to_rank + 1):
+            tenants = self._fresh.get(rank, {})
+            if len(tenants) > 1 or (tenants and tenant not in tenants):
+                return True
+            if any(s.request.tenant != tenant for s in self._resumed.get(rank, ())):
+                return True
+        return False
+
     def soonest_deadline(self) -> float:
         """The earliest deadline of a never-admitted sequence (inf: none)."""
         while self._deadlines and not self._holds(self._deadlines[0][2]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else float("inf")
 
-    def order(self, last_admitted: Mapping[str, int]) -> Iterator[SequenceState]:
+    def order(
+        self, last_admitted: Mapping[str, int], skip: AbstractSet[str] = frozenset()
+    ) -> Iterator[SequenceState]:
         """The waiting sequences in the order they are admitted, lazily.
 
         By lane (urgent, vip, normal, bulk). Within a lane, preempted
@@ -118,6 +142,8 @@ class WaitingQueue:
         admission number) first; within a tenant, and for ties, the earliest
         deadline, then arrival, then id. Each lane is read when the walk
         reaches it, so the caller may add and remove between items.
+        ``skip``: tenants whose requests are not wanted; the caller may add to it
+        during the walk, and their requests not yet reached are left out.
         """
         for rank in range(len(LANES)):
             yield from list(self._resumed.get(rank, ()))
@@ -125,6 +151,11 @@ class WaitingQueue:
             turn = 0
             while queues:
                 for queue in _by_turn(queues, turn, last_admitted):
-                    yield queue[turn]
+                    if queue[turn].request.tenant not in skip:
+                        yield queue[turn]
                 turn += 1
-                queues = [queue for queue in queues if len(queue) > turn]
+                queues = [
+                    queue
+                    for queue in queues
+                    if len(queue) > turn and queue[0].request.tenant not in skip
+                ]
