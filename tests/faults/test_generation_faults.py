@@ -19,6 +19,7 @@ scenario counts comes from witnesses the worker neither writes nor reads:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,6 +71,8 @@ def generation_stack(make_stack: Callable[..., Stack], tmp_path: Path, **env: st
         FERRY_MODELS=MODEL,
         FERRY_MODEL_REPOSITORY=str(folder),
         FERRY_VISIBILITY_TIMEOUT_S=str(VISIBILITY_TIMEOUT_S),
+        # The reference is computed on the CPU in fp32: so are the workers' steps.
+        FERRY_DEVICE="cpu",
         FERRY_CPU_THREADS="1",
         **env,
     )
@@ -85,7 +88,8 @@ def start_worker(stack: Stack, name: str, wait: bool = True) -> Proc:
     """A generation worker process, the model's witness installed in it (each step taking
     MIN_STEP_MS at least)."""
     site = sitecustomize_dir(stack.tmp, ROOT)
-    env = {"PYTHONPATH": str(site), ENV: str(witness_dir(stack)), MIN_CALL_MS_ENV: str(MIN_STEP_MS)}
+    path = os.pathsep.join(p for p in (str(site), stack.env.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, ENV: str(witness_dir(stack)), MIN_CALL_MS_ENV: str(MIN_STEP_MS)}
     return stack.start_worker(name, wait=wait, model=MODEL, env=env)
 
 
