@@ -13,6 +13,7 @@ from sqlalchemy import (
     JSON,
     DateTime,
     Engine,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -87,6 +88,8 @@ class ApiKey(Base):
     # The lane of this key's OpenAI-compatible embeddings when the request names
     # none (OpenAI's request has no field for it); None: normal.
     embeddings_lane: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # Its share of a generation engine against other keys' (scheduler.generation's rule 4).
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
 
 
 class Job(Base):

@@ -81,6 +81,23 @@ def set_embeddings_lane(session: Session, key_id: str, lane: str | None) -> ApiK
     return row
 
 
+# The heaviest weight a key may have, against the default 1.
+MAX_WEIGHT = 1000.0
+
+
+def set_weight(session: Session, key_id: str, weight: float) -> ApiKey | None:
+    """The key's share of a generation engine against other keys' (1: equal). None if there
+    is no such key; ValueError for a weight not in (0, MAX_WEIGHT]."""
+    if not (0 < weight <= MAX_WEIGHT):  # NaN fails this too
+        raise ValueError(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight}")
+    row = session.get(ApiKey, key_id, with_for_update=True)
+    if row is None:
+        return None
+    row.weight = weight
+    session.commit()
+    return row
+
+
 def list_keys(session: Session) -> list[ApiKey]:
     """Every key, oldest first (their hashes and secrets are the caller's to leave out)."""
     return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)))

@@ -163,6 +163,36 @@ def embeddings_lane(
     return 0
 
 
+@app.command("weight", help="a key's share of a generation engine against other keys'")
+def weight(
+    id: IdArgument,
+    value: Annotated[
+        float,
+        typer.Argument(
+            metavar="WEIGHT",
+            help="above 0, at most 1000; 1 is every key's by default (equal shares)",
+            show_default=False,
+        ),
+    ],
+) -> int:
+    from core.keys import set_weight
+
+    try:
+        with database_session() as session:
+            key = set_weight(session, id, value)
+    except ValueError as exc:
+        print(exc)
+        return 2
+    if key is None:
+        print(f"no API key {id!r}")
+        return 1
+    print(
+        f"API key {key.id} ({key.name}): weight {key.weight:g} (generation workers follow it "
+        "within their key cache's lifetime)"
+    )
+    return 0
+
+
 @app.command("rotate", help="a new token for a key; the old one stops")
 def rotate(id: IdArgument) -> int:
     from core.keys import rotate_key

@@ -50,6 +50,7 @@ class KeyInfo(BaseModel):
     scope: str
     created_at: dt.datetime
     revoked_at: dt.datetime | None
+    weight: float  # its share of a generation engine against other keys' (1: equal)
 
 
 class KeyList(BaseModel):
@@ -127,7 +128,7 @@ def queues(
 def _info(key: ApiKey) -> KeyInfo:
     return KeyInfo(
         id=key.id, name=key.name, scope=key.scope, created_at=key.created_at,
-        revoked_at=key.revoked_at,
+        revoked_at=key.revoked_at, weight=key.weight,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.db import ApiKey, make_engine, make_sessionmaker
-from core.keys import create_key, rotate_key
+from core.keys import create_key, rotate_key, set_weight
 from core.settings import Settings
 
 ADMIN_PATHS = [("GET", "/v1/admin/queues"), ("GET", "/v1/admin/keys"),
@@ -159,6 +159,45 @@ def test_the_keys_command_sets_a_keys_embeddings_lane(tmp_path: Path) -> None:
         assert bad.returncode == 2 and "invalid choice" in bad.stderr
     finally:
         engine.dispose()
+
+
+def test_the_keys_command_sets_a_keys_weight_and_the_admin_api_shows_it(
+    tmp_path: Path, client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env["FERRY_DATA_DIR"] = str(tmp_path)
+    made = _ferry(env, "create", "--name", "heavy")
+    assert made.returncode == 0, made.stderr
+    key_id = made.stdout.strip().splitlines()[-1].split("_")[1]
+    engine = make_engine(Settings(data_dir=tmp_path).sqlalchemy_url)
+
+    def weight() -> float:
+        with make_sessionmaker(engine)() as session:
+            key = session.get(ApiKey, key_id)
+            assert key is not None
+            return key.weight
+
+    try:
+        assert weight() == 1.0  # every key's, unless set
+        changed = _ferry(env, "weight", key_id, "3")
+        assert changed.returncode == 0 and "weight 3" in changed.stdout
+        assert weight() == 3.0
+        # (A negative number follows "--", or it reads as an option.)
+        for bad in (("0",), ("1001",), ("nan",), ("--", "-1")):
+            args = (bad[0], key_id, *bad[1:]) if bad[0] == "--" else (key_id, *bad)
+            refused = _ferry(env, "weight", *args)
+            assert refused.returncode == 2, bad
+            assert "weight must be above 0 and at most 1000" in refused.stdout, refused.stdout
+        assert weight() == 3.0
+        assert _ferry(env, "weight", "nonexistent", "2").returncode == 1
+    finally:
+        engine.dispose()
+    with sessions() as session:
+        admin = create_key(session, "ops", "admin").token
+        team = create_key(session, "team-w")
+        assert set_weight(session, team.id, 2.5) is not None
+    listed = client.get("/v1/admin/keys", headers=_bearer(admin)).json()["data"]
+    assert {k["id"]: k["weight"] for k in listed}[team.id] == 2.5
 
 
 def test_a_key_revoked_through_the_api_is_refused_at_once_by_that_process(

@@ -20,12 +20,14 @@ import pytest
 import redis
 import torch
 from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
+from core.keys import create_key, set_weight
 from core.settings import Settings
 from core.streams import cancels_key, events_key
 from tests.integration.generation_worker import (
@@ -459,6 +461,69 @@ def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
     assert done["status"] == "succeeded" and done["progress"] is None
     assert len(done["output"]["token_ids"]) == 200
     assert rclient.exists(key)
+
+
+def test_two_keys_share_the_running_slots_by_weight_and_a_preempted_job_loses_no_work(
+    gen_settings: Settings,
+    tmp_path: Path,
+    sessions: sessionmaker[Session],
+    worker: Callable[..., Worker],
+) -> None:
+    from api.app import create_app
+
+    with sessions() as session:
+        heavy_key, light_key = create_key(session, "heavy"), create_key(session, "light")
+        set_weight(session, heavy_key.id, 3)
+    heavy = {"Authorization": f"Bearer {heavy_key.token}"}
+    light = {"Authorization": f"Bearer {light_key.token}"}
+    four = generation_settings(gen_settings, tmp_path / "shares", max_running=4, eos=False)
+    with TestClient(create_app(four)) as client:
+        # Six of the heavy key's, all greedy on one prompt: whichever is preempted and
+        # resumed must still produce the same tokens as the others.
+        heavies = [
+            submit(client, heavy, prompt="the same words", max_tokens=80, temperature=0)
+            for _ in range(6)
+        ]
+        running = worker(settings=four)
+        scheduler = running.loop.engine.scheduler
+        runtime: Any = running.loop.engine.runtime
+        execute = runtime.execute
+        counts: list[tuple[int, int, int]] = []  # per step: heavy running, light running, waiting
+        preempted: list[str] = []
+        lights: list[str] = []
+
+        def slowed(plan: Any) -> Any:
+            preempted.extend(plan.preempted)
+            time.sleep(0.02)  # 80 steps of at least 20 ms: the light key's jobs come mid-run
+            result = execute(plan)
+            ids = set(scheduler.owned_blocks())
+            waiting = sum(1 for j in lights if scheduler.state_of(j) == "waiting")
+            counts.append((len(ids & set(heavies)), len(ids & set(lights)), waiting))
+            return result
+
+        runtime.execute = slowed
+        with running:
+            ends = time.monotonic() + 60
+            while not counts or counts[-1][0] < 4:
+                assert time.monotonic() < ends, "the heavy key's jobs never filled the slots"
+                time.sleep(0.01)
+            lights += [
+                submit(client, light, prompt=f"short {i}", max_tokens=8, temperature=0)
+                for i in range(2)
+            ]
+            done = {job_id: result(client, heavy, job_id, wait_s=120) for job_id in heavies}
+            done |= {job_id: result(client, light, job_id, wait_s=120) for job_id in lights}
+    assert all(job["status"] == "succeeded" for job in done.values()), done
+    outputs = {tuple(done[job_id]["output"]["token_ids"]) for job_id in heavies}
+    assert len(outputs) == 1 and len(next(iter(outputs))) == 80
+    # The light key took its share back from the heavy one's running jobs...
+    assert set(preempted) & set(heavies), preempted
+    # ... and held it by weight, 3 to 1 of the four slots: while a light job waited the heavy
+    # key ran its three and no more; the light key never ran two at once (by equal weights
+    # it would have had two slots).
+    contended = [heavy_running for heavy_running, _, waiting in counts if waiting]
+    assert contended and max(contended) == 3, counts
+    assert max(light_running for _, light_running, _ in counts) == 1, counts
 
 
 def test_redis_failing_between_a_steps_plan_and_its_output_loses_and_fails_nothing(

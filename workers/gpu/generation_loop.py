@@ -47,6 +47,7 @@ from scheduler.vocabulary import Lane
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.engine import GenerationEngine, StepEvents
 from workers.gpu.generation_signals import GenerationSignals
+from workers.gpu.key_weights import KeyWeights
 from workers.gpu.learned import Publisher
 from workers.gpu.recorder import Outcome, Recorder
 from workers.gpu.recording import utc_at
@@ -133,6 +134,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self.config = config
         self.kick = kick
         self.held: dict[str, _Held] = {}
+        self.weights = KeyWeights(recorder.sessions)
         # Pipelined: one thread writes what ended (result, done event, acknowledgement,
         # webhooks) while the loop's thread steps on.
         self._recording = (
@@ -373,6 +375,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                     deadline=message.deadline_at_ms / 1000.0 if message.deadline_at_ms else None,
                     arrival=message.enqueued_at_ms / 1000.0,
                     generated=len(job.resumed),
+                    weight=self.weights.of(message.tenant),
                 )
                 self.engine.add(request, job)
                 self.signals.job_read(request.prompt_tokens, request.max_tokens)
