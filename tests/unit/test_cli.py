@@ -13,7 +13,7 @@ from ferry.cli import main
 
 COMMANDS = ("up", "api", "worker", "celery", "flower", "keys", "backfill", "models", "jobs", "db")
 SUBCOMMANDS = {
-    "keys": ("create", "list", "revoke", "rotate", "embeddings-lane"),
+    "keys": ("create", "list", "revoke", "rotate", "embeddings-lane", "weight"),
     "backfill": ("submit", "status", "results", "cancel"),
     "models": ("list", "check", "repository", "activate", "build-lm", "build"),
     "jobs": ("submit", "get", "wait", "cancel", "list"),
