@@ -305,3 +305,83 @@ def test_a_bad_chat_line_fails_the_batch_naming_it(client: openai.OpenAI) -> Non
     assert batch.status == "failed" and batch.errors is not None
     (error,) = batch.errors.data or []
     assert (error.line, error.param) == (2, "body.logprobs")
+
+
+def test_a_batch_of_chat_lines_counts_lines_as_they_finish_and_a_cancel_keeps_them(
+    settings: Settings,
+    tmp_path: Path,
+    token: str,
+    sessions: sessionmaker[Session],
+    redis_client: redis.Redis,
+) -> None:
+    # Two slots, no end-of-sequence token: eight lines of 40 tokens finish two by two.
+    slow = generation_settings(settings, tmp_path / "slow", max_running=2, eos=False)
+    lines = [
+        {
+            "custom_id": f"line-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Q{n}"}],
+                "max_tokens": 40,
+                "temperature": 0,
+            },
+        }
+        for n in range(8)
+    ]
+    raw = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    running = start_worker(slow, "batch-progress-worker")
+    runtime: Any = running.loop.engine.runtime
+    execute = runtime.execute
+
+    def slowed(plan: Any) -> Any:
+        time.sleep(0.02)  # 40 steps of at least 20 ms a pair of lines
+        return execute(plan)
+
+    runtime.execute = slowed
+    seen: list[int] = []
+    with (
+        served(slow) as api,
+        openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as client,
+    ):
+        uploaded = client.files.create(file=("chat.jsonl", io.BytesIO(raw)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with running, RunningFeeder(make_feeder(sessions, redis_client, slow)):
+            until = time.monotonic() + 120
+            while True:
+                batch = client.batches.retrieve(batch.id)
+                assert batch.request_counts is not None
+                seen.append(batch.request_counts.completed)
+                if batch.request_counts.completed >= 2 or batch.status != "in_progress":
+                    break
+                assert time.monotonic() < until, "no line finished"
+                time.sleep(0.05)
+            assert batch.status == "in_progress", batch  # counted while the batch runs
+            client.batches.cancel(batch.id)
+            until = time.monotonic() + 120
+            while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
+                assert time.monotonic() < until, f"batch still {batch.status}"
+                time.sleep(0.1)
+        assert batch.request_counts is not None
+        counts = batch.request_counts
+        assert counts.total == 8 and counts.completed + counts.failed == 8
+        assert seen == sorted(seen) and counts.completed >= seen[-1] >= 2  # lines kept
+        assert counts.completed < 8  # the cancel came mid-run
+        assert batch.output_file_id is not None and batch.error_file_id is not None
+        finished = [
+            json.loads(line)
+            for line in client.files.content(batch.output_file_id).text.splitlines()
+        ]
+        errors = [
+            json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()
+        ]
+    assert len(finished) == counts.completed and len(errors) == counts.failed
+    for line in finished:
+        body = line["response"]["body"]
+        assert line["error"] is None and body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 40
+    ids = sorted(line["custom_id"] for line in finished + errors)
+    assert ids == sorted(f"line-{n}" for n in range(8))
