@@ -23,6 +23,7 @@ from core.job_events import JobEvent
 from core.redis_target import REDIS_ERRORS
 from core.resources import job_resource
 from core.streams import ProtocolError, events_key
+from core.webhooks import TERMINAL_EVENT_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ _JOB = select(*(prop.columns[0].label(prop.key) for prop in Job.__mapper__.colum
     Job.__table__.c.id.in_(bindparam("ids", expanding=True))
 )
 _DELIVERIES = select(WebhookDelivery.__table__).where(
-    WebhookDelivery.__table__.c.job_id.in_(bindparam("ids", expanding=True))
+    WebhookDelivery.__table__.c.job_id.in_(bindparam("ids", expanding=True)),
+    # A job's callback is its terminal event's (started and progress ones come before).
+    WebhookDelivery.__table__.c.event_type.in_(TERMINAL_EVENT_TYPES),
 )
 
 

@@ -7,7 +7,7 @@ import json
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from core.catalog import text_problem
 from scheduler.vocabulary import Lane
@@ -90,6 +90,14 @@ class JobCreate(BaseModel):
         "(said in the 202's max_tokens).",
     )
     callback_url: str | None = Field(default=None, max_length=2048)
+    callback_events: list[Literal["started", "progress", "terminal"]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=3,
+        description="The webhooks to send to callback_url (default: terminal only): started "
+        "(a worker began it, at each attempt) and progress (its tokens so far, at most every "
+        "FERRY_PROGRESS_EVERY_S) for a generation job, terminal (its outcome) for any.",
+    )
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
     metadata: dict[str, Any] | None = None
 
@@ -111,6 +119,17 @@ class JobCreate(BaseModel):
         problem = text_problem(value)
         if problem:
             raise ValueError(f"must not contain {problem}")
+        return value
+
+    @field_validator("callback_events")
+    @classmethod
+    def _events(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is None:
+            return None
+        if len(set(value)) != len(value):
+            raise ValueError("must not name an event twice")
+        if info.data.get("callback_url") is None:
+            raise ValueError("needs a callback_url to send them to")
         return value
 
     @field_validator("callback_url")

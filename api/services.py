@@ -43,7 +43,7 @@ from core.streams import cancels_key, done_channel
 from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.versions import ActivationError, activate, active_version
-from core.webhooks import add_job_deliveries
+from core.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
 
 Owned = TypeVar("Owned", Job, Backfill)
 
@@ -266,11 +266,15 @@ def cancel_and_announce(state: Any, key: ApiKey, job_id: str) -> tuple[JobResour
 
 
 def deliveries_of(session: Session, jobs: Sequence[Job]) -> dict[str, WebhookDelivery]:
-    """The webhook delivery of each of these jobs that has one, in one query."""
+    """The terminal webhook delivery of each of these jobs that has one, in one query."""
     ids = [job.id for job in jobs if job.callback_url and job.status in TERMINAL_STATUSES]
     if not ids:
         return {}
-    rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.job_id.in_(ids)))
+    rows = session.scalars(
+        select(WebhookDelivery).where(
+            WebhookDelivery.job_id.in_(ids), WebhookDelivery.event_type.in_(TERMINAL_EVENT_TYPES)
+        )
+    )
     return {row.job_id: row for row in rows if row.job_id is not None}
 
 
@@ -293,7 +297,8 @@ def job_deliveries(session: Session, key: ApiKey, job_id: str) -> list[DeliveryR
 
 
 def redeliver(session: Session, key: ApiKey, job_id: str, kick: Kick | None = None) -> str:
-    """Send the job's webhook again, from the start of the schedule, with the same webhook-id."""
+    """Send the job's terminal webhook again, from the start of the schedule, with the same
+    webhook-id (its started and progress ones are in its deliveries, not sent again)."""
     job = get_job(session, key, job_id)
     if not job.callback_url:
         raise ApiError(409, "conflict", f"job {job.id} has no callback_url")
@@ -303,7 +308,11 @@ def redeliver(session: Session, key: ApiKey, job_id: str, kick: Kick | None = No
         )
     now = utcnow()
     delivery = session.scalars(
-        select(WebhookDelivery).where(WebhookDelivery.job_id == job.id).with_for_update()
+        select(WebhookDelivery)
+        .where(
+            WebhookDelivery.job_id == job.id, WebhookDelivery.event_type.in_(TERMINAL_EVENT_TYPES)
+        )
+        .with_for_update()
     ).one_or_none()
     if delivery is None:  # purged, or the job ended before webhooks existed
         (delivery_id,) = add_job_deliveries(session, [job.id], now)

@@ -124,6 +124,15 @@ def prepare(
         raise ApiError(
             422, "invalid_request", "on_deadline: truncate applies to generation jobs only"
         )
+    if body.callback_events and _generation_tokens(validated.input) is None:
+        asked = [event for event in body.callback_events if event != "terminal"]
+        if asked:
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"callback_events: {' and '.join(asked)} apply to generation jobs only "
+                f"({spec.name}'s jobs send their terminal event only)",
+            )
     if body.idempotency_key and idempotency_key and body.idempotency_key != idempotency_key:
         raise ApiError(
             422, "invalid_request", "idempotency_key: differs from the Idempotency-Key header"
@@ -622,6 +631,7 @@ def _new_job(item: Submission) -> Job:
         if deadline_ms
         else None,
         callback_url=item.body.callback_url,
+        callback_events=",".join(item.body.callback_events) if item.body.callback_events else None,
         idempotency_key=item.idempotency_key,
         metadata_=item.body.metadata,
         request_id=item.request_id,
@@ -642,8 +652,8 @@ _INSERTS = {
 # backfill's) are left out, so they are SQL NULL, as the ORM left them.
 _INSERTED = (
     "id", "api_key_id", "model", "requested_version", "priority", "status", "input", "cost",
-    "attempts", "created_at", "deadline_at", "callback_url", "idempotency_key", "metadata_",
-    "request_id", "trace_context",
+    "attempts", "created_at", "deadline_at", "callback_url", "callback_events",
+    "idempotency_key", "metadata_", "request_id", "trace_context",
 )  # fmt: skip
 _COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
 _COLUMNS = {attr: _COLUMNS[attr] for attr in _INSERTED}

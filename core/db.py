@@ -117,6 +117,9 @@ class Job(Base):
     batch_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     inference_ms: Mapped[float | None] = mapped_column(nullable=True)
     callback_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The webhook events it asked for, comma-separated (core.webhooks.JOB_EVENTS); None:
+    # the terminal one only.
+    callback_events: Mapped[str | None] = mapped_column(String(32), nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     metadata_: Mapped[Any | None] = mapped_column("metadata", JSON, nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -316,6 +319,8 @@ class WebhookDelivery(Base):
     job_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     backfill_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     event_type: Mapped[str] = mapped_column(String(40))
+    # 0, but for a job's job.started (the attempt) and job.progress (its tokens so far).
+    ordinal: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     url: Mapped[str] = mapped_column(Text)
     payload: Mapped[str] = mapped_column(Text)
     # pending -> delivering -> delivered | retrying -> delivering ... | failed
@@ -333,7 +338,9 @@ class WebhookDelivery(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     __table_args__ = (
-        UniqueConstraint("job_id", "event_type", name="uq_deliveries_job_event"),
+        # One terminal delivery a job (ordinal 0); a started one an attempt, a progress one
+        # a token count (the ordinal).
+        UniqueConstraint("job_id", "event_type", "ordinal", name="uq_deliveries_job_event"),
         UniqueConstraint("backfill_id", "event_type", name="uq_deliveries_backfill_event"),
         Index("ix_deliveries_status_next", "status", "next_attempt_at"),
     )

@@ -186,6 +186,9 @@ class Settings(BaseSettings):
     events_ttl_s: float = Field(3600.0, gt=0)
     """How long a job's events stream (its tokens, for GET /v1/jobs/{id}/events) is kept after
     its last event; a client that comes back later reads the job's result instead."""
+    progress_every_s: float = Field(5.0, ge=0.5)
+    """A running generation whose job asked for progress webhooks (callback_events) gets one at
+    most this often, while it makes tokens."""
     reconcile_interval_s: float = Field(30.0, gt=0)
     """How often Celery beat runs the reconciler, which re-enqueues queued or running jobs that
     have no stream entry (Redis lost data)."""

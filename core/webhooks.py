@@ -37,8 +37,21 @@ def new_delivery_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
+# The events a job may ask for in ``callback_events``; without it, terminal only.
+JOB_EVENTS = ("started", "progress", "terminal")
+# What a terminal event is called: one a job, sent once.
+TERMINAL_EVENT_TYPES = tuple(f"job.{status}" for status in TERMINAL_STATUSES)
+
+
 def event_type(job: Job) -> str:
     return f"job.{job.status}"
+
+
+def wants(callback_events: str | None, event: str) -> bool:
+    """Whether a job whose ``callback_events`` column holds this asked for ``event``."""
+    if callback_events is None:
+        return event == "terminal"
+    return event in callback_events.split(",")
 
 
 def payload(kind: str, data: dict[str, Any], at: dt.datetime) -> str:
@@ -56,18 +69,22 @@ def add_job_deliveries(session: Session, job_ids: Sequence[str], now: dt.datetim
     terminal and has a callback URL (and has none yet). Returns the new ids."""
     if not job_ids:
         return []
-    jobs = session.scalars(
+    found = session.scalars(
         select(Job).where(
             Job.id.in_(job_ids),
             Job.callback_url.is_not(None),
             Job.status.in_(TERMINAL_STATUSES),
         )
     ).all()
+    jobs = [job for job in found if wants(job.callback_events, "terminal")]
     if not jobs:
         return []
     have = set(
         session.scalars(
-            select(WebhookDelivery.job_id).where(WebhookDelivery.job_id.in_([j.id for j in jobs]))
+            select(WebhookDelivery.job_id).where(
+                WebhookDelivery.job_id.in_([j.id for j in jobs]),
+                WebhookDelivery.event_type.in_(TERMINAL_EVENT_TYPES),
+            )
         )
     )
     created = []
@@ -78,6 +95,51 @@ def add_job_deliveries(session: Session, job_ids: Sequence[str], now: dt.datetim
         created.append(
             _add(session, job.api_key_id, job.callback_url, event_type(job), job_resource(job),
                  now, job_id=job.id)
+        )  # fmt: skip
+    return created
+
+
+def add_started_deliveries(
+    session: Session, jobs: Sequence[tuple[Any, int]], now: dt.datetime
+) -> list[str]:
+    """In the caller's transaction (the claim's): a ``job.started`` delivery for each of these
+    jobs (a row with ``id``, ``api_key_id``, ``model``, ``callback_url`` and
+    ``callback_events``, and the attempt it starts) that asked for it. One an attempt: a
+    job taken over after its worker died starts again."""
+    created = []
+    for job, attempt in jobs:
+        if job.callback_url and wants(job.callback_events, "started"):
+            data = {"id": job.id, "model": job.model, "status": "running",
+                    "attempt": attempt, "started_at": iso(now)}  # fmt: skip
+            created.append(
+                _add(session, job.api_key_id, job.callback_url, "job.started", data, now,
+                     ordinal=attempt, job_id=job.id)
+            )  # fmt: skip
+    return created
+
+
+def add_progress_deliveries(
+    session: Session, progress: dict[str, tuple[int, int]], now: dt.datetime
+) -> list[str]:
+    """In the caller's transaction: a ``job.progress`` delivery for each running job of
+    ``progress`` (job id: its tokens so far and its max_tokens) that asked for them."""
+    if not progress:
+        return []
+    jobs = session.execute(
+        select(Job.id, Job.api_key_id, Job.model, Job.callback_url, Job.callback_events).where(
+            Job.id.in_(list(progress)), Job.status == "running", Job.callback_url.is_not(None)
+        )
+    ).all()
+    created = []
+    for job in jobs:
+        if not wants(job.callback_events, "progress"):
+            continue
+        tokens, max_tokens = progress[job.id]
+        data = {"id": job.id, "model": job.model, "status": "running", "tokens": tokens,
+                "max_tokens": max_tokens}  # fmt: skip
+        created.append(
+            _add(session, job.api_key_id, job.callback_url, "job.progress", data, now,
+                 ordinal=tokens, job_id=job.id)
         )  # fmt: skip
     return created
 
@@ -107,6 +169,7 @@ def _add(
     kind: str,
     data: dict[str, Any],
     now: dt.datetime,
+    ordinal: int = 0,
     **subject: str,
 ) -> str:
     """A delivery due now, its body frozen; ``subject`` is job_id= or backfill_id=."""
@@ -114,6 +177,7 @@ def _add(
         id=new_delivery_id(),
         api_key_id=key_id,
         event_type=kind,
+        ordinal=ordinal,
         url=url,
         payload=payload(kind, data, now),
         status="pending",

@@ -620,3 +620,105 @@ def test_https_goes_to_the_checked_address_with_the_name_for_tls_and_host(
         assert requests == []
         assert delivery.last_error is not None
         assert "SSLCertVerificationError" in delivery.last_error
+
+
+def test_a_generation_sends_started_progress_and_terminal_webhooks_when_asked(
+    hook_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    resolver: dict[str, list[str]],
+    drive: Drive,
+) -> None:
+    from tests.integration.generation_worker import MODEL, generation_settings, start_worker
+
+    gen = generation_settings(hook_settings, tmp_path / "gen", eos=False).model_copy(
+        update={"progress_every_s": 0.5}
+    )
+    with TestClient(create_app(gen, resolve=fake_resolver(resolver))) as api:
+        secret = api.get("/v1/webhook-secret", headers=auth).json()["secret"]
+        with Receiver([secret]) as receiver:
+            every = {"prompt": "tell me", "max_tokens": 120, "temperature": 0}
+            asked = api.post(
+                "/v1/jobs",
+                json={"model": MODEL, "input": every, "callback_url": receiver.url,
+                      "callback_events": ["started", "progress", "terminal"]},
+                headers=auth,
+            )  # fmt: skip
+            plain = api.post(
+                "/v1/jobs",
+                json={"model": MODEL, "input": every, "callback_url": receiver.url},
+                headers=auth,
+            )
+            assert asked.status_code == plain.status_code == 202, (asked.text, plain.text)
+            running = start_worker(gen)
+            runtime: Any = running.loop.engine.runtime
+            execute = runtime.execute
+
+            def slowed(plan: Any) -> Any:
+                time.sleep(0.02)  # 120 steps of at least 20 ms: progress every 0.5 s
+                return execute(plan)
+
+            runtime.execute = slowed
+            with running:
+                for job_id in (asked.json()["id"], plain.json()["id"]):
+                    ends = time.monotonic() + 60
+                    while api.get(f"/v1/jobs/{job_id}?wait=5", headers=auth).json()["status"] in (
+                        "queued",
+                        "running",
+                    ):
+                        assert time.monotonic() < ends, "the generation did not end"
+            rows = drive()
+            receiver.wait_for(len(rows))
+            listed = api.get(f"/v1/jobs/{asked.json()['id']}/deliveries", headers=auth).json()
+            shown = api.get(f"/v1/jobs/{asked.json()['id']}", headers=auth).json()["callback"]
+    assert all(row.status == "delivered" for row in rows)
+    events = sorted(receiver.processed, key=lambda e: e["timestamp"])
+    mine = [e for e in events if e["data"]["id"] == asked.json()["id"]]
+    others = [e for e in events if e["data"]["id"] == plain.json()["id"]]
+    assert [e["type"] for e in others] == ["job.succeeded"]  # by default, the terminal one
+    kinds = [e["type"] for e in mine]
+    assert kinds[0] == "job.started" and kinds.count("job.started") == 1
+    assert mine[0]["data"]["attempt"] == 1
+    progress = [e["data"] for e in mine if e["type"] == "job.progress"]
+    assert len(progress) >= 2, kinds
+    tokens = [p["tokens"] for p in progress]
+    assert tokens == sorted(tokens) and tokens[0] > 0 and tokens[-1] <= 120
+    assert {p["max_tokens"] for p in progress} == {120}
+    assert kinds.count("job.succeeded") == 1
+    # Every event signed and in the job's deliveries; its callback is the terminal one's.
+    assert all(r.verified for r in receiver.requests)
+    assert sorted(d["type"] for d in listed["data"]) == sorted(kinds)
+    assert shown["status"] == "delivered"
+
+
+def test_callback_events_are_checked_before_anything_is_stored(
+    hook_settings: Settings,
+    tmp_path: Path,
+    auth: dict[str, str],
+    resolver: dict[str, list[str]],
+) -> None:
+    from tests.integration.generation_worker import MODEL, generation_settings
+
+    gen = generation_settings(hook_settings, tmp_path / "gen", beside=("sim",))
+    url = "http://127.0.0.1:9/hooks"
+    cases = [
+        ({"model": "sim", "input": {"cost": 1}, "callback_url": url,
+          "callback_events": ["started", "terminal"]},
+         "callback_events: started apply to generation jobs only"),
+        ({"model": MODEL, "input": {"prompt": "x"}, "callback_events": ["progress"]},
+         "needs a callback_url"),
+        ({"model": MODEL, "input": {"prompt": "x"}, "callback_url": url,
+          "callback_events": ["terminal", "terminal"]},
+         "must not name an event twice"),
+        ({"model": MODEL, "input": {"prompt": "x"}, "callback_url": url,
+          "callback_events": ["finished"]},
+         "callback_events"),
+        ({"model": MODEL, "input": {"prompt": "x"}, "callback_url": url, "callback_events": []},
+         "callback_events"),
+    ]  # fmt: skip
+    with TestClient(create_app(gen, resolve=fake_resolver(resolver))) as api:
+        for body, why in cases:
+            response = api.post("/v1/jobs", json=body, headers=auth)
+            assert response.status_code == 422, (body, response.text)
+            assert why in response.text, (why, response.text)
+        assert api.get("/v1/jobs", headers=auth).json()["data"] == []

@@ -34,6 +34,7 @@ from typing import Any, cast
 import redis
 import torch
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from backends.generation.runtime import Completion, GenerationInput, StepResult
 from backends.generation.sampling import SamplingParams
@@ -80,6 +81,10 @@ class _Held:
     streamed: int = 0  # tokens already in its events stream (written by a worker before)
     claimed: bool = False
     expiry_set_s: float | None = None  # when its events stream's expiry was last set
+    progress: bool = False  # it asked for progress webhooks
+    progress_s: float = 0.0  # when its last progress webhook was made (or it started)
+    progress_tokens: int = 0  # the tokens that one said
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class GenerationConfig:
     max_attempts: int = 3
     visibility_timeout_s: float = 120.0
     events_ttl_s: float = 3600.0
+    progress_every_s: float = 5.0  # a job's progress webhooks (when it asked), at most this often
     drain_s: float = 30.0  # stopping: how long the running generations may take to finish
     pipeline: bool = False  # record what ended on a thread of its own while the next steps run
 
@@ -378,6 +384,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                     weight=self.weights.of(message.tenant),
                 )
                 self.engine.add(request, job)
+                held.max_tokens = request.max_tokens
                 self.signals.job_read(request.prompt_tokens, request.max_tokens)
             except (ValueError, KeyError, TypeError) as exc:
                 refused.append(Outcome(message.job_id, "failed", error=f"cannot run: {exc}"))
@@ -544,9 +551,40 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 held.tokens += 1
             pipe.execute()
             self.tokens += len(events.emitted)
+            self._progress(now)
         if events.ended:
             outcomes = [self._outcome(job_id, c, now) for job_id, c in events.ended.items()]
             self._record([o for o in outcomes if o is not None], events.ended)
+
+    def _progress(self, now: float) -> None:
+        """Make the progress webhooks due (jobs that asked, every ``progress_every_s`` while
+        they make tokens), and hand them to Celery. A database that fails here delays them
+        to the next step: the generation goes on."""
+        every_s = self.config.progress_every_s
+        due = {
+            job_id: held
+            for job_id, held in self.held.items()
+            if held.progress
+            and held.claimed
+            and now - held.progress_s >= every_s
+            and held.tokens > held.progress_tokens
+        }
+        if not due:
+            return
+        tokens = {job_id: (held.tokens, held.max_tokens) for job_id, held in due.items()}
+        try:
+            self.recorder.progress(tokens, utc_at(now))
+        except SQLAlchemyError as exc:
+            log.warning(
+                "progress webhooks not made; tried again at the next step",
+                extra={"model": self.model, "error_type": type(exc).__name__},
+            )
+            return
+        for held in due.values():
+            held.progress_s, held.progress_tokens = now, held.tokens
+        deliveries = self.recorder.take_outbox()
+        if deliveries:
+            self._kick(deliveries)
 
     def _renew_expiry(self, pipe: redis.client.Pipeline, key: str, held: _Held, now: float) -> None:
         """Set the stream's expiry when it has none of ours yet or a quarter of it has passed."""
@@ -557,9 +595,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
 
     def _claim(self, job_ids: list[str], now: float) -> None:
         claimed, late, exhausted = self.recorder.claim(
-            job_ids, utc_at(now), self.config.max_attempts
+            job_ids, utc_at(now), self.config.max_attempts, webhooks=True
         )
         took = {c.job_id for c in claimed}
+        for job in claimed:
+            held = self.held[job.job_id]
+            held.progress, held.progress_s = job.progress, now
         pipe = self.client.pipeline(transaction=False)
         for job_id in took:
             held = self.held[job_id]
@@ -569,6 +610,9 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             pipe.xadd(key, JobEvent.running().encode())  # type: ignore[arg-type]
             self._renew_expiry(pipe, key, held, now)
         pipe.execute()
+        started = self.recorder.take_outbox()  # the job.started webhooks of the claim
+        if started:
+            self._kick(started)
         for job_id in job_ids:
             if job_id not in took:
                 # Late, exhausted, or ended meanwhile (cancelled while queued): stop it;

@@ -105,6 +105,7 @@ def build_generation_loop(
             max_attempts=own.max_attempts,
             visibility_timeout_s=own.visibility_timeout_s,
             events_ttl_s=own.events_ttl_s,
+            progress_every_s=own.progress_every_s,
             drain_s=own.worker_drain_s,
             pipeline=own.pipeline,
         ),

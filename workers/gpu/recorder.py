@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import TERMINAL_STATUSES, Job
 from core.terminal import after_terminal
+from core.webhooks import add_progress_deliveries, add_started_deliveries, wants
 
 _JOBS = cast(Table, Job.__table__)
 
@@ -67,6 +68,7 @@ class Claimed:
     job_id: str
     input: Any
     attempts: int
+    progress: bool = False  # it asked for progress webhooks (claimed with ``webhooks``)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Recorder:
         return taken
 
     def claim(
-        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int
+        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int, webhooks: bool = False
     ) -> tuple[list[Claimed], list[str], list[str]]:
         """Mark the jobs running.
 
@@ -102,11 +104,17 @@ class Recorder:
         already started ``max_attempts`` times (a job that keeps killing its
         worker must not be run forever). Jobs that are missing or already
         terminal (cancelled, say) are in no list: the caller acknowledges their
-        entries and drops them.
+        entries and drops them. ``webhooks`` (a generation worker's claim):
+        the ``job.started`` webhooks the claimed jobs asked for are added in the
+        same transaction (to :attr:`outbox`), and each says whether it asked
+        for progress ones.
         """
+        columns = [Job.id, Job.input, Job.attempts, Job.deadline_at]
+        if webhooks:
+            columns += [Job.api_key_id, Job.model, Job.callback_url, Job.callback_events]
         with self.sessions.begin() as session:
             rows = session.execute(
-                select(Job.id, Job.input, Job.attempts, Job.deadline_at)
+                select(*columns)
                 .where(Job.id.in_(job_ids), Job.status.not_in(TERMINAL_STATUSES))
                 .with_for_update()
             ).all()
@@ -127,7 +135,28 @@ class Recorder:
                         model_version=self.model_version,
                     )
                 )
-        return [Claimed(r.id, r.input, r.attempts + 1) for r in claimed], late, exhausted
+                if webhooks:
+                    starting = [(r, r.attempts + 1) for r in claimed if r.callback_url]
+                    deliveries = add_started_deliveries(session, starting, now)
+                    if deliveries:
+                        with self._outbox_lock:
+                            self.outbox += deliveries
+        return [
+            Claimed(
+                r.id, r.input, r.attempts + 1,
+                progress=webhooks and bool(r.callback_url) and wants(r.callback_events, "progress"),
+            )
+            for r in claimed
+        ], late, exhausted  # fmt: skip
+
+    def progress(self, tokens: dict[str, tuple[int, int]], now: dt.datetime) -> None:
+        """Add a ``job.progress`` webhook for each running job of ``tokens`` (its tokens so
+        far and its max_tokens), to :attr:`outbox`."""
+        with self.sessions.begin() as session:
+            deliveries = add_progress_deliveries(session, tokens, now)
+        if deliveries:
+            with self._outbox_lock:
+                self.outbox += deliveries
 
     def started_before(self, job_ids: Sequence[str]) -> set[str]:
         """The jobs among these that were started before and never finished."""
