@@ -258,6 +258,59 @@ def figures(rounds: list[dict[str, Any]], modes: Sequence[str] = MODES) -> dict[
     return out
 
 
+# Forward lengths the model's own cost per token is measured at: its slope between them.
+FLOOR_TOKENS = (64, 256)
+
+
+def compute_floor(setup: Setup, repeats: int = 5) -> dict[str, float]:
+    """The model's own cost on this device: the library's forward of one sequence of
+    FLOOR_TOKENS tokens (median of ``repeats``), as a fixed cost a call plus a cost a token.
+
+    A token costs any batching at least the per-token part, so a workload of N prompt and
+    output tokens takes at least N times it: what Ferry's ratios can reach on this device.
+    """
+    import statistics
+
+    import torch
+
+    def seconds(tokens: int) -> float:
+        ids = torch.tensor([setup.corpus_ids[:tokens]], device=setup.device)
+        times = []
+        with torch.inference_mode():
+            for number in range(repeats + 1):
+                began = time.perf_counter()
+                setup.reference(input_ids=ids, use_cache=False)
+                if setup.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                if number:  # the first warms up
+                    times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    short, long = FLOOR_TOKENS
+    short_s, long_s = seconds(short), seconds(long)
+    per_token_s = max(0.0, (long_s - short_s) / (long - short))
+    return {"per_token_ms": round(per_token_s * 1000, 4),
+            "fixed_ms": round(max(0.0, short_s - short * per_token_s) * 1000, 3)}  # fmt: skip
+
+
+def ceiling(
+    floor: dict[str, float], requests: Sequence[Request], rounds: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The best ratio over one at a time (and static batches) any batching could reach on the
+    offline workload: each round's span of theirs over the workload's tokens at the model's
+    own cost per token (every prompt token, and every output token but the last, goes through
+    the model once)."""
+    tokens = sum(len(r.prompt_ids) + r.max_tokens - 1 for r in requests)
+    floor_s = tokens * floor["per_token_ms"] / 1000.0
+    found: dict[str, Any] = {**floor, "tokens": tokens, "floor_s": round(floor_s, 3)}
+    for system in ("single", "static"):
+        spans = [r["offline"][system]["span_s"] for r in rounds]
+        found[f"vs_{system}"] = (
+            results.spread([span / floor_s for span in spans]) if floor_s else None
+        )
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shared_options(parser)
@@ -309,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             # Written after every round: a run cut short still leaves what it measured.
             results.write(args.out, report, settings=settings, head=head)
+        report["ceiling"] = ceiling(compute_floor(setup), offline, rounds)
+        print(f"ceiling: {report['ceiling']}", flush=True)
         if not args.no_profile:
             from bench.generation_profile import profile
 

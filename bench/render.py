@@ -1395,7 +1395,20 @@ def render_generation_targets(results: Results) -> list[str]:
             ]
         )
     header = ["target", "Ferry's ratio", "p99 TTFT same or better, every round, both arrivals"]
-    return table([*header, "verdict"], "lrll", rows)
+    lines = table([*header, "verdict"], "lrll", rows)
+    found = doc.get("ceiling")
+    if found and found.get("vs_single"):
+        best = Figure.summary(found["vs_single"]).text(times(), True)
+        lines += [
+            "",
+            f"What any batching could reach on this device: the model's own forward costs "
+            f"{found['fixed_ms']:g} ms a call plus {found['per_token_ms']:g} ms a token "
+            f"(one sequence of 64 and of 256 tokens), so the offline workload's "
+            f"{found['tokens']:,} tokens take at least {found['floor_s']:g} s, and one at a "
+            f"time's spans are {best} that floor: the most a scheduler that wastes nothing "
+            f"could gain over it here.",
+        ]
+    return lines
 
 
 def render_generation_chunked(results: Results) -> list[str]:
