@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import redis
+
 from core.streams import ProtocolError
 
 EventKind = Literal["status", "token", "done"]
@@ -93,6 +95,42 @@ class JobEvent:
         if self.finish_reason is not None:
             out["finish_reason"] = self.finish_reason
         return out
+
+
+# A token event is appended only where it comes next: right after the job's token before
+# it (the first, after none) and never after the job's end. A worker cut off from Redis
+# mid-step can have its writes arrive once the link is back (TCP sends them again, even
+# after the client gave up on them), when another worker has taken the job over and
+# streamed on, or finished it: the token would be in the stream twice, or after the end.
+# KEYS: the events stream; ARGV: the token's index, then the event's fields.
+_APPEND_TOKEN = """
+local newest, top = -1, '+'
+repeat
+  local page = redis.call('XREVRANGE', KEYS[1], top, '-', 'COUNT', 4)
+  local found = false
+  for _, entry in ipairs(page) do
+    local f, kind, index = entry[2], nil, nil
+    for i = 1, #f, 2 do
+      if f[i] == 'k' then kind = f[i + 1] elseif f[i] == 'i' then index = f[i + 1] end
+    end
+    if kind == 'done' then return 0 end
+    if kind == 'token' then newest, found = tonumber(index), true break end
+  end
+  if found or #page < 4 then break end
+  top = '(' .. page[#page][1]
+until false
+if newest ~= tonumber(ARGV[1]) - 1 then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+return 1
+"""
+
+
+def append_token(target: redis.Redis | redis.client.Pipeline, key: str, event: JobEvent) -> Any:
+    """Append a token's ``event`` to the events stream ``key`` where it comes next (1), else
+    nothing (0); on a pipeline, queued."""
+    assert event.kind == "token" and event.index is not None
+    fields = [part for pair in event.encode().items() for part in pair]
+    return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
 
 
 def _text(value: bytes | str) -> str:

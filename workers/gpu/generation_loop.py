@@ -41,7 +41,7 @@ from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent
+from core.job_events import JobEvent, append_token
 from core.streams import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
 from scheduler.vocabulary import Lane
@@ -261,8 +261,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         try:
             return self.engine.execute(step.plan)
         except Exception as exc:
-            if self.device.startswith("cuda"):
-                check_device(torch, self.device, exc)  # DeviceLost: the worker stops
+            # The error, not the device's name, tells a broken CUDA context: check_device
+            # probes after a CUDA error only, and raises DeviceLost (the worker stops) when
+            # the probe fails too; a step's own error isolates its sequences.
+            check_device(torch, self.device, exc)
             return exc
 
     def update_from_output(
@@ -546,7 +548,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 key = events_key(self.prefix, self.model, job_id)
                 if held.tokens >= held.streamed:  # not already streamed by a worker before
                     event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
-                    pipe.xadd(key, event.encode())  # type: ignore[arg-type]
+                    append_token(pipe, key, event)
                 self._renew_expiry(pipe, key, held, now)
                 held.tokens += 1
             pipe.execute()

@@ -1,0 +1,58 @@
+"""core.job_events.append_token on a real Redis: a token event lands only where it comes next.
+
+A worker cut off from Redis mid-step can have its token writes arrive late
+(TCP sends them again once the link is back), after another worker took the
+job over and streamed on, or finished it; those writes must change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from core.job_events import JobEvent, append_token
+from core.streams import events_key
+
+
+def indices(client: redis.Redis, key: str) -> list[int | None]:
+    entries: Any = client.xrange(key)
+    return [JobEvent.decode(fields).index for _id, fields in entries]
+
+
+def token(index: int) -> JobEvent:
+    return JobEvent.token_event(index, 100 + index, f"t{index}")
+
+
+def test_each_token_lands_once_in_order_and_a_late_one_changes_nothing(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    key = events_key(key_prefix, "tiny", "job")
+    redis_client.xadd(key, JobEvent.running().encode())  # type: ignore[arg-type]
+    assert [append_token(redis_client, key, token(i)) for i in (0, 1, 2)] == [1, 1, 1]
+    # A late copy of a token already there, one from the future, and one from the past.
+    assert [append_token(redis_client, key, token(i)) for i in (2, 4, 1)] == [0, 0, 0]
+    # Taken over: the taker's running events (several takeovers) come after the tokens,
+    # and it streams on from the next index.
+    for _ in range(5):
+        redis_client.xadd(key, JobEvent.running().encode())  # type: ignore[arg-type]
+    assert append_token(redis_client, key, token(2)) == 0
+    assert append_token(redis_client, key, token(3)) == 1
+    redis_client.xadd(key, JobEvent.done("succeeded", "length").encode())  # type: ignore[arg-type]
+    assert append_token(redis_client, key, token(4)) == 0  # nothing after the end
+    assert indices(redis_client, key) == [None, 0, 1, 2, *[None] * 5, 3, None]
+    events: Any = redis_client.xrange(key)
+    assert JobEvent.decode(events[-2][1]) == token(3)
+
+
+def test_in_a_pipeline_the_tokens_of_one_step_land_in_order(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    first, second = (events_key(key_prefix, "tiny", job) for job in ("a", "b"))
+    pipe = redis_client.pipeline(transaction=False)
+    for index in (0, 1, 1):
+        append_token(pipe, first, token(index))
+    append_token(pipe, second, token(3))  # a stream with no token yet takes only index 0
+    assert pipe.execute() == [1, 1, 0, 0]
+    assert indices(redis_client, first) == [0, 1]
+    assert redis_client.exists(second) == 0
