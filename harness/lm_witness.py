@@ -16,10 +16,17 @@ where a call fed the job's prompt from position 0, and goes on through the
 calls of that process that feed the job's next positions. A run that went
 on from a checkpoint prefills the prompt and the tokens before its first
 sample; one that started over samples first right after the prompt.
+
+It also injects a lost device when told (:data:`DEVICE_LOSS_ENV` names a
+file): the first process whose call finds the file there removes it, and from
+that call on every call it makes raises what CUDA raises once its context is
+broken, as does its device probe (``torch.cuda.synchronize``): the device is
+gone for that process alone, and a process started after it computes again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -34,6 +41,9 @@ ENV = "FERRY_TEST_LM_WITNESS_DIR"
 MIN_CALL_MS_ENV = "FERRY_TEST_LM_MIN_CALL_MS"
 # The keyword argument Ferry's step runtime passes its packed layout in.
 STEP_KWARG = "ferry_step"
+# A file whose appearance loses the device of the first process that sees it.
+DEVICE_LOSS_ENV = "FERRY_TEST_LM_DEVICE_LOSS_FILE"
+CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 
 def install() -> None:
@@ -49,10 +59,19 @@ def install() -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     original = LlamaForCausalLM.forward
     min_call_s = float(os.environ.get(MIN_CALL_MS_ENV, "0")) / 1000.0
+    loss = os.environ.get(DEVICE_LOSS_ENV)
     calls = 0
+    lost = False
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
+        nonlocal calls, lost
+        if loss and not lost:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(loss)  # one process wins the removal: its device is lost
+                lost = True
+                _lose_device()
+        if lost:
+            raise RuntimeError(CUDA_ERROR)
         began = time.monotonic()
         output = original(self, *args, **kwargs)
         time.sleep(max(0.0, min_call_s - (time.monotonic() - began)))
@@ -63,6 +82,16 @@ def install() -> None:
         return output
 
     LlamaForCausalLM.forward = forward  # type: ignore[method-assign]
+
+
+def _lose_device() -> None:
+    """Every later device probe of this process fails, as on a broken CUDA context."""
+    import torch
+
+    def synchronize(device: Any = None) -> None:
+        raise RuntimeError(CUDA_ERROR)
+
+    torch.cuda.synchronize = synchronize
 
 
 def _call(seq: int, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -11,10 +11,12 @@ from harness import POLL_S
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:port to a target; ``cut()`` refuses and severs, ``restore()`` heals."""
+    """Forwards ``host``:port (127.0.0.1 unless named) to a target; ``cut()`` refuses and
+    severs, ``restore()`` heals."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
+        self.host = host
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._closed = threading.Event()
@@ -25,9 +27,8 @@ class TcpProxy:
         self._thread = threading.Thread(target=self._accept_loop, name="db-proxy", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _listen(port: int) -> socket.socket:
-        listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+    def _listen(self, port: int) -> socket.socket:
+        listener = socket.create_server((self.host, port), reuse_port=False)
         listener.settimeout(0.1)
         return listener
 

@@ -84,13 +84,25 @@ def witness_dir(stack: Stack) -> Path:
     return stack.tmp / "lm-computations"
 
 
-def start_worker(stack: Stack, name: str, wait: bool = True) -> Proc:
-    """A generation worker process, the model's witness installed in it (each step taking
+def witness_env(stack: Stack) -> dict[str, str]:
+    """What a worker's environment needs for the model's witness (each step taking
     MIN_STEP_MS at least)."""
     site = sitecustomize_dir(stack.tmp, ROOT)
     path = os.pathsep.join(p for p in (str(site), stack.env.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, ENV: str(witness_dir(stack)), MIN_CALL_MS_ENV: str(MIN_STEP_MS)}
-    return stack.start_worker(name, wait=wait, model=MODEL, env=env)
+    return {"PYTHONPATH": path, ENV: str(witness_dir(stack)), MIN_CALL_MS_ENV: str(MIN_STEP_MS)}
+
+
+def start_worker(
+    stack: Stack,
+    name: str,
+    wait: bool = True,
+    supervised: bool = False,
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """A generation worker process, the model's witness installed in it, ``env`` added."""
+    return stack.start_worker(
+        name, supervised, wait=wait, model=MODEL, env={**witness_env(stack), **(env or {})}
+    )
 
 
 def folder_of(stack: Stack) -> Path:
