@@ -284,6 +284,15 @@ class Settings(BaseSettings):
     """Each retry delay is spread by up to this fraction either way."""
     webhook_timeout_s: float = Field(15.0, gt=0, le=300)
     """One attempt, connection to last byte read."""
+    webhook_receiver_concurrency: int = Field(2, ge=1, le=256)
+    """At most this many attempts at once to one receiver (a URL's host and port), across
+    every Celery worker: one receiver that never answers takes no more slots than this."""
+    webhook_receiver_failures: int = Field(3, ge=1, le=1000)
+    """A receiver whose attempts time out this many times in a row (connecting, or waiting for
+    its answer) is held off for FERRY_WEBHOOK_RECEIVER_HOLD_S: its deliveries wait, without
+    counting attempts."""
+    webhook_receiver_hold_s: float = Field(60.0, gt=0, le=86400)
+    """How long a receiver that stopped answering is held off before it is tried again."""
     webhook_lease_margin_s: float = Field(30.0, gt=0, le=3600)
     """An attempt owns its delivery for the timeout plus this: a Celery worker that dies
     mid-attempt leaves the delivery to be tried again once both have passed. Keep it above the

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -722,3 +723,135 @@ def test_callback_events_are_checked_before_anything_is_stored(
             assert response.status_code == 422, (body, response.text)
             assert why in response.text, (why, response.text)
         assert api.get("/v1/jobs", headers=auth).json()["data"] == []
+
+
+class Silent:
+    """A receiver that accepts every connection and never answers (a hung server, or a
+    middlebox that swallows the request); it counts the connections open at once."""
+
+    def __init__(self) -> None:
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.held: list[socket.socket] = []
+        self.open_at_once = 0
+        self.accepted = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/hooks/silent"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.accepted += 1
+                self.held = [c for c in self.held if _still_open(c)] + [connection]
+                self.open_at_once = max(self.open_at_once, len(self.held))
+
+    def __enter__(self) -> Silent:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.close()
+        for connection in self.held:
+            connection.close()
+
+
+def _still_open(connection: socket.socket) -> bool:
+    """Whether the sender still holds the connection (it closes it when it gives up): what
+    it sent is read and dropped until nothing is left (open) or the end (closed)."""
+    connection.setblocking(False)
+    try:
+        while connection.recv(65536):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def test_a_receiver_that_never_answers_is_held_off_and_holds_up_no_other(
+    api: TestClient,
+    auth: dict[str, str],
+    secret: str,
+    sim_worker: Callable[..., RunningLoop],
+    sessions: sessionmaker[Session],
+    hook_settings: Settings,
+    resolver: dict[str, list[str]],
+    redis_url: str,
+    key_prefix: str,
+) -> None:
+    import redis as redis_client
+
+    from workers.tasks.webhook_hosts import HostGate, receiver_of
+
+    gate = HostGate(
+        redis_client.Redis.from_url(redis_url, decode_responses=True), key_prefix,
+        concurrency=1, failures=2, hold_s=60.0, lease_s=5.0,
+    )  # fmt: skip
+    config = DeliveryConfig.from_settings(
+        hook_settings.model_copy(update={"webhook_timeout_s": 0.5})
+    )
+    resolve = fake_resolver(resolver)
+    with Silent() as silent, Receiver([secret]) as good:
+        worker = sim_worker()
+        with worker:
+            for url in [silent.url] * 8 + [good.url] * 8:
+                response = api.post(
+                    "/v1/jobs", json={"model": "sim", "input": {"cost": 1}, "callback_url": url},
+                    headers=auth,
+                )  # fmt: skip
+                assert response.status_code == 202, response.text
+            ends = time.monotonic() + 30
+            while api.get("/v1/jobs?status=queued", headers=auth).json()["data"]:
+                assert time.monotonic() < ends, "jobs still queued"
+                time.sleep(0.05)
+        with sessions() as session:
+            ids = {d.id: d.url for d in session.scalars(select(WebhookDelivery))}
+        held_key = gate._keys(receiver_of(silent.url))[1]
+        gauge = redis_client.Redis.from_url(redis_url)
+        # Two Celery slots; beat's dispatch every 50 ms, until the silent receiver is held
+        # off and the other one has every webhook.
+        with ThreadPoolExecutor(2) as slots:
+            ends = time.monotonic() + 30
+            while not (gauge.exists(held_key) and len(good.processed) == 8):
+                assert time.monotonic() < ends, (silent.accepted, len(good.processed))
+                dispatch_due(
+                    sessions,
+                    lambda i: slots.submit(
+                        attempt_delivery, sessions, i, config, resolve=resolve, gate=gate
+                    ),
+                    utcnow(),
+                    hold_s=0.2,
+                )
+                time.sleep(0.05)
+            # Those put back while it was busy come due again, and wait for the hold to end.
+            time.sleep(1.1)
+            dispatch_due(
+                sessions,
+                lambda i: attempt_delivery(sessions, i, config, resolve=resolve, gate=gate),
+                utcnow(),
+                hold_s=0.2,
+            )
+        with sessions() as session:
+            rows = {d.id: d for d in session.scalars(select(WebhookDelivery))}
+    order = list(ids)
+    mine = [rows[i] for i in order if ids[i] == silent.url]
+    others = [rows[i] for i in order if ids[i] == good.url]
+    # The other receiver got every webhook, on the first attempt, in the same pass.
+    assert all(d.status == "delivered" and d.attempts == 1 for d in others)
+    # The silent one took one slot at a time, and two attempts in a row timed out before it
+    # was held off: its other deliveries were put back without counting an attempt.
+    assert silent.open_at_once == 1 and silent.accepted == 2, silent.accepted
+    assert sum(d.attempts for d in mine) == 2
+    assert all(d.status in ("retrying", "pending") for d in mine)
+    due = [d.next_attempt_at for d in mine if d.next_attempt_at]
+    assert len(due) == 8 and min(due) >= utcnow() + dt.timedelta(seconds=50)  # the hold's end
+    redis_client.Redis.from_url(redis_url).delete(
+        *gate._keys(receiver_of(silent.url))  # this test's receiver only
+    )

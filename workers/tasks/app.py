@@ -36,6 +36,7 @@ from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
 from workers.tasks.reconcile import reconcile
+from workers.tasks.webhook_hosts import HostGate
 from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,16 @@ def create_celery(settings: Settings) -> Celery:
 
     database = Database(settings.sqlalchemy_url)
     config = DeliveryConfig.from_settings(settings)
+    # Per receiver, across every Celery worker: how many attempts at once, and a hold on one
+    # that stopped answering (its client connects at its first use).
+    gate = HostGate(
+        RedisTarget.of(settings).client(decode_responses=True),
+        settings.key_prefix,
+        concurrency=settings.webhook_receiver_concurrency,
+        failures=settings.webhook_receiver_failures,
+        hold_s=settings.webhook_receiver_hold_s,
+        lease_s=settings.webhook_timeout_s + settings.webhook_lease_margin_s,
+    )
     # A queued attempt is not queued again before this: long enough for a
     # backlog to drain, short enough that a lost task costs little.
     hold_s = max(60.0, 4 * settings.webhook_timeout_s)
@@ -205,7 +216,7 @@ def create_celery(settings: Settings) -> Celery:
     # those early, after its visibility timeout).
     @app.task(name=DELIVER_TASK, shared=False, ignore_result=True)
     def _deliver(delivery_id: str) -> str | None:
-        outcome = attempt_delivery(database.sessions(), delivery_id, config)
+        outcome = attempt_delivery(database.sessions(), delivery_id, config, gate=gate)
         if outcome is not None:
             WEBHOOK_ATTEMPTS.labels(outcome).inc()
         return outcome

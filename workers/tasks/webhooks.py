@@ -32,9 +32,11 @@ from standardwebhooks import Webhook
 from core import tracing
 from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.keys import signing_secrets
+from core.redis_target import REDIS_ERRORS
 from core.settings import Settings
 from core.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
 from core.webhooks import next_delay_s, parse_retry_after
+from workers.tasks.webhook_hosts import Entered, HostGate, receiver_of
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +261,39 @@ def _claim(
         )
 
 
+def _put_back(
+    sessions: sessionmaker[Session], delivery_id: str, claimed: _Claimed, due_at: dt.datetime
+) -> None:
+    """Undo a claim whose attempt was not made: due again at ``due_at``, no attempt counted."""
+    with sessions.begin() as session:
+        session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.status == "delivering",
+                WebhookDelivery.attempts == claimed.number,
+            )
+            .values(
+                status="pending" if claimed.number == 1 else "retrying",
+                attempts=claimed.number - 1,
+                next_attempt_at=due_at,
+                lease_until=None,
+                queued_until=None,
+            )
+        )
+
+
+def _enter(gate: HostGate | None, receiver: str) -> Entered | None:
+    """The gate's answer; None (go, unguarded) without a gate or while Redis cannot say."""
+    if gate is None:
+        return None
+    try:
+        return gate.enter(receiver)
+    except REDIS_ERRORS as exc:
+        log.warning("the receivers' gate is unreachable", extra={"error_type": type(exc).__name__})
+        return None
+
+
 def attempt_delivery(
     sessions: sessionmaker[Session],
     delivery_id: str,
@@ -268,16 +303,32 @@ def attempt_delivery(
     clock: Callable[[], dt.datetime] = utcnow,
     unit: Callable[[], float] = random.random,
     ssl_context: ssl.SSLContext | None = None,
+    gate: HostGate | None = None,
 ) -> str | None:
-    """One attempt if the delivery is due; returns its status after it (None: nothing done)."""
+    """One attempt if the delivery is due; returns its status after it (None: nothing done,
+    or not now: ``gate`` held its receiver back, and it is due again later)."""
     started_at = clock()
     claimed = _claim(sessions, delivery_id, started_at, config.timeout_s + config.lease_margin_s)
     if claimed is None:
+        return None
+    receiver = receiver_of(claimed.url)
+    entered = _enter(gate, receiver)
+    if entered is not None and entered.token is None:
+        assert entered.retry_at_s is not None
+        _put_back(
+            sessions, delivery_id, claimed, dt.datetime.fromtimestamp(entered.retry_at_s, dt.UTC)
+        )
+        log.info(
+            "webhook attempt held back",
+            extra={"delivery_id": delivery_id, "job_id": claimed.job_id,
+                   "why": "receiver held off" if entered.held else "receiver busy"},
+        )  # fmt: skip
         return None
     status_code: int | None = None
     error: str | None = None
     retry_after_s: float | None = None
     final = False
+    silent = False  # timed out: the receiver held the attempt's slot and did not answer
     began = time.perf_counter()
     span = tracing.start_span(
         "ferry.webhook.deliver",
@@ -312,13 +363,27 @@ def attempt_delivery(
         final = exc.permanent  # an address we may not call will not become one we may
     except AttemptTimeout as exc:
         error = f"timed out: {exc}"
+        silent = True
     except (OSError, http.client.HTTPException) as exc:
+        # Refused or reset at once: it held no slot for long, so it puts no hold on.
         error = f"connection failed: {type(exc).__name__}: {exc}"[:ERROR_MAX_CHARS]
     except Exception as exc:
         # Recorded like any failure, so a bug cannot leave the delivery
         # re-sent on every lease expiry without a trace.
         log.exception("webhook attempt failed unexpectedly", extra={"delivery_id": delivery_id})
         error = f"internal error ({type(exc).__name__})"
+    if gate is not None and entered is not None and entered.token is not None:
+        outcome = "answered" if status_code is not None else "silent" if silent else "other"
+        try:
+            if gate.leave(receiver, entered.token, outcome):
+                log.warning(
+                    "a webhook receiver stopped answering; held off",
+                    extra={"delivery_id": delivery_id, "hold_s": gate.hold_s},
+                )
+        except REDIS_ERRORS as exc:
+            log.warning(
+                "the receivers' gate is unreachable", extra={"error_type": type(exc).__name__}
+            )
     duration_ms = round((time.perf_counter() - began) * 1000.0, 2)
     if span is not None:
         if status_code is not None:
