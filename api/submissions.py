@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from redis.exceptions import OutOfMemoryError
 from sqlalchemy import Table, delete, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
@@ -329,6 +330,8 @@ class GroupWriter:
         self.bound = bound or QueueBound()
         self.views = views or QueueViews(client, prefix, bound=self.bound)
         self.scripts = Scripts(client)
+        # Until then (monotonic), Redis is taken to be at its maxmemory: refused unwritten.
+        self.memory_full_until = 0.0
 
     def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
         outcomes: list[Outcome | None] = [None] * len(group)
@@ -354,10 +357,13 @@ class GroupWriter:
 
     def _full(self, item: Submission, taken: dict[str, tuple[int, int]]) -> ApiError | None:
         """A 503 for a new job its model's queue has no room for (``taken``: the jobs and
-        bytes of this group already let in, by model, which the view does not count yet)."""
+        bytes of this group already let in, by model, which the view does not count yet),
+        or any while Redis was lately found at its maxmemory."""
+        name = item.spec.name
+        if time.monotonic() < self.memory_full_until:
+            return self._memory_full(name)
         if not self.bound.bounded:
             return None
-        name = item.spec.name
         if self.bound.never_fits(item.input_bytes):
             return ApiError(
                 413, "payload_too_large", f"input: {item.input_bytes} bytes exceed the whole "
@@ -562,28 +568,40 @@ class GroupWriter:
     ) -> None:
         """Redis is down: the committed jobs stay accepted (the reconciler enqueues them
         within ``requeue_within_s``), except those whose deadline is sooner: they are
-        taken back and refused with 503."""
-        short = [
-            i
-            for i in jobs
-            if group[i].body.deadline_ms is not None
-            and group[i].body.deadline_ms < self.requeue_within_s * 1000  # type: ignore[operator]
-        ]
+        taken back and refused with 503. Redis at its maxmemory: every one is taken back
+        and refused, as are the submissions of the next Retry-After seconds."""
+        if isinstance(exc, OutOfMemoryError):
+            # Room comes back only as workers acknowledge, and the reconciler could not
+            # enqueue either: accepting would only pile up jobs nobody can queue.
+            back = list(jobs)
+            refusals = {
+                model: self._memory_full(model) for model in {j.model for j in jobs.values()}
+            }
+            wait_s = max(int(r.headers["Retry-After"]) for r in refusals.values())
+            self.memory_full_until = time.monotonic() + wait_s
+        else:
+            back = [
+                i
+                for i in jobs
+                if group[i].body.deadline_ms is not None
+                and group[i].body.deadline_ms < self.requeue_within_s * 1000  # type: ignore[operator]
+            ]
+            unavailable = ApiError(
+                503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
+            )
+            refusals = {job.model: unavailable for job in jobs.values()}
         log.warning(
             "enqueue failed; the reconciler will enqueue the jobs",
-            extra={"jobs": len(jobs) - len(short), "refused": len(short),
+            extra={"jobs": len(jobs) - len(back), "refused": len(back),
                    "error_type": type(exc).__name__},
         )  # fmt: skip
         for i, job in jobs.items():
             outcomes[i] = Submitted(job, False, None)
-        if not short:
+        if not back:
             return
-        refused = ApiError(
-            503, "unavailable", "the queue is unavailable; retry shortly", {"Retry-After": "2"}
-        )
         try:
             with self.sessions() as session:
-                ids = [jobs[i].id for i in short]
+                ids = [jobs[i].id for i in back]
                 # Uncounted first (the rows must still be there to be counted),
                 # then only the rows no worker has taken meanwhile are deleted.
                 release_jobs(session, ids)
@@ -598,13 +616,27 @@ class GroupWriter:
                 session.commit()
         except SQLAlchemyError:
             # Still in the database: accepted after all, the reconciler enqueues them.
-            log.warning("short-deadline jobs could not be taken back; kept", exc_info=True)
+            log.warning("refused jobs could not be taken back; kept", exc_info=True)
             return
         for i, outcome in enumerate(outcomes):
             # The requests answered with a taken-back job (a repeat of its key in
             # this group included) are refused with it.
             if isinstance(outcome, Submitted) and outcome.job.id in deleted:
-                outcomes[i] = refused
+                outcomes[i] = refusals[outcome.job.model]
+
+    def _memory_full(self, model: str) -> ApiError:
+        """A 503 while Redis is at its maxmemory: come back when the model's workers have
+        acknowledged their next batch, which frees its entries."""
+        view = self.views.get(model)
+        with self.views.lock:
+            wait = retry_after_s(view.drain_s(1) if view is not None else None)
+        return ApiError(
+            503,
+            "queue_full",
+            f"model: the queue's Redis is at its maxmemory; retry in about {wait} s",
+            {"Retry-After": str(wait)},
+            bound="maxmemory",
+        )
 
 
 def _generation_tokens(value: Any) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ of another tenant's jobs (see ``workers.gpu.consumer``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,11 @@ def seq_key(prefix: str, model: str) -> str:
 # a worker pruning an empty tenant (PRUNE) can never drop one just added to.
 # A tenant new to the lane also gets a wake-up marker in the model's wake
 # stream, which blocked workers wait on beside the lanes: their reads do not
-# include the new stream yet. Markers nobody reads are trimmed.
+# include the new stream yet. Markers nobody reads are trimmed. Its stream (and
+# the wake stream) gets the workers' group there and then (an error if it has
+# one, ignored): a worker that finds the stream later may not be able to make
+# it, Redis at its maxmemory refusing XGROUP CREATE, and could then never read
+# what fills that memory.
 WAKE_FIELD = "wake"
 WAKE_MAXLEN = 1000
 _ENQUEUE = f"""
@@ -92,6 +96,8 @@ if #KEYS == 6 then redis.call('INCR', KEYS[6]) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], '{GROUP}', '0')
+  redis.pcall('XGROUP', 'CREATE', KEYS[3], '{GROUP}', '0')
 end
 return id
 """
@@ -117,11 +123,30 @@ if #KEYS == 6 then redis.call('INCRBY', KEYS[6], count) end
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], '{GROUP}', '0')
+  redis.pcall('XGROUP', 'CREATE', KEYS[3], '{GROUP}', '0')
 end
 return count
 """
 # At most this many messages in one script call: Redis runs nothing else meanwhile.
 ENQUEUE_MANY_MAX = 256
+# Acknowledge and delete entries, and take their input bytes off the model's count, at
+# once. KEYS: the queued bytes, then each stream; ARGV: the group, the bytes, then for
+# each stream the number of its ids followed by them. A script, not a MULTI: Redis at
+# maxmemory refuses every command queued in a MULTI, and an acknowledgement is what
+# frees its memory. A script that has written (XACK) may go on past maxmemory, so the
+# DECRBY is not refused either.
+_ACK = """
+local at = 3
+for k = 2, #KEYS do
+  local n = tonumber(ARGV[at])
+  redis.call('XACK', KEYS[k], ARGV[1], unpack(ARGV, at + 1, at + n))
+  redis.call('XDEL', KEYS[k], unpack(ARGV, at + 1, at + n))
+  at = at + n + 1
+end
+if tonumber(ARGV[2]) > 0 then redis.call('DECRBY', KEYS[1], ARGV[2]) end
+return 1
+"""
 # Forget a tenant whose stream is empty (entries are deleted when acknowledged,
 # so empty means nothing queued and nothing held by a worker).
 _PRUNE = """
@@ -160,6 +185,7 @@ class Scripts:
         self.enqueue_script = client.register_script(_ENQUEUE)
         self.enqueue_many_script = client.register_script(_ENQUEUE_MANY)
         self.prune_script = client.register_script(_PRUNE)
+        self.ack_script = client.register_script(_ACK)
 
     def execute(self, pipe: redis.client.Pipeline) -> list[Any]:
         """Run ``pipe`` (a pipeline of this client's); raise its first error, as
@@ -170,7 +196,12 @@ class Scripts:
         results = list(pipe.execute(raise_on_error=False))
         unknown = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if unknown:
-            for script in (self.enqueue_script, self.enqueue_many_script, self.prune_script):
+            for script in (
+                self.enqueue_script,
+                self.enqueue_many_script,
+                self.prune_script,
+                self.ack_script,
+            ):
                 script.sha = self.client.script_load(script.script)
             for i in unknown:
                 results[i] = self.client.execute_command(*queued[i])
@@ -259,6 +290,22 @@ class Scripts:
                     _enqueue_keys(prefix, model, lane, tenant),
                     args,
                 )
+
+    def ack(
+        self,
+        target: redis.Redis | redis.client.Pipeline,
+        prefix: str,
+        model: str,
+        entries: Mapping[str, Sequence[str]],
+        input_bytes: int,
+    ) -> Any:
+        """Acknowledge and delete each stream's entry ids, and take ``input_bytes`` off the
+        model's queued bytes, in one script call."""
+        keys = [queued_bytes_key(prefix, model), *entries]
+        args: list[str | int] = [GROUP, input_bytes]
+        for ids in entries.values():
+            args += [len(ids), *ids]
+        return self._run(self.ack_script, target, keys, args)
 
     def prune(
         self,

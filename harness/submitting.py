@@ -19,6 +19,8 @@ class Submission:
 
     ids: dict[int, str] = field(default_factory=dict)
     retried: Counter[str] = field(default_factory=Counter)  # 503s and transport errors
+    # Each 503's error type and Retry-After ("" when it had none).
+    unavailable: Counter[tuple[str, str]] = field(default_factory=Counter)
     rejected: list[tuple[int, int, str]] = field(default_factory=list)  # (index, status, body)
     seconds: float = 0.0  # how long submitting took
     # Retried after a 503 or a dropped connection, then answered with the job
@@ -79,6 +81,9 @@ class Submitter:
                     into.rejected.append((index, response.status_code, response.text[:500]))
                     return
                 into.retried["503"] += 1
+                into.unavailable[
+                    (_error_type(response), response.headers.get("Retry-After", ""))
+                ] += 1
             if time.monotonic() > until:
                 into.rejected.append((index, 0, "gave up retrying"))
                 return
@@ -117,3 +122,10 @@ class Submitter:
         done = runner.submit(all_of_them)
         runner.shutdown(wait=False)
         return submission, done
+
+
+def _error_type(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return ""

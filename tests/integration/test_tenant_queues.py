@@ -282,7 +282,7 @@ def test_a_pipelined_enqueue_asks_no_script_check_and_outlives_a_flushed_script_
         client.close()
     assert "cmdstat_script|exists" not in stats
     # Two groups of two tenants: four script calls, the first two refused (NOSCRIPT),
-    # sent again once the three scripts were loaded.
+    # sent again once the four scripts were loaded.
     assert stats["cmdstat_evalsha"]["calls"] == 6
     assert stats["cmdstat_evalsha"]["failed_calls"] == 2
-    assert stats["cmdstat_script|load"]["calls"] == 3
+    assert stats["cmdstat_script|load"]["calls"] == 4

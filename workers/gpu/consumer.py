@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from core.redis_target import is_cluster
 from core.streams import (
@@ -17,7 +18,6 @@ from core.streams import (
     Scripts,
     dead_letter_key,
     is_wake,
-    queued_bytes_key,
     seq_key,
     stream_key,
     tenants_key,
@@ -112,18 +112,36 @@ class StreamConsumer:
             self.lanes[lane] = streams
         for stream in [*self.streams, self.wake]:
             if stream not in self._grouped:
-                self._create_group(stream)
-                self._grouped.add(stream)
+                if self._create_group(stream):
+                    self._grouped.add(stream)
+                else:  # not read until it has the group
+                    for streams in self.lanes.values():
+                        if stream in streams:
+                            streams.remove(stream)
         if time.monotonic() - self._pruned_at >= PRUNE_S:
             self._prune(tenants)
 
-    def _create_group(self, stream: str) -> None:
+    def _create_group(self, stream: str) -> bool:
+        """Give ``stream`` the group (False: it has none, and cannot have it now)."""
         try:
             # From id 0, so entries added before any worker started are delivered.
             self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except OutOfMemoryError:
+            # Redis at its maxmemory refuses XGROUP CREATE even for a group that exists
+            # (the enqueue script gives each tenant's stream its group): look instead.
+            try:
+                groups: Any = self.client.xinfo_groups(stream)
+            except redis.ResponseError:
+                groups = []  # no such stream: nothing to read in it
+            if _group_named(groups) is not None:
+                return True
+            if stream == self.wake:
+                raise  # read at every wait: the worker waits for memory instead
+            return False
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        return True
 
     def _prune(self, tenants: dict[str, list[str]]) -> None:
         """Drop tenants whose stream is empty from the lanes' lists (their streams stay)."""
@@ -288,17 +306,15 @@ class StreamConsumer:
         if not by_stream and publish is None:
             return
         # Acknowledged entries are deleted at once, so the streams hold only
-        # live work and cannot grow without bound.
-        pipe = self.client.pipeline(transaction=True)
-        for stream, ids in by_stream.items():
-            pipe.xack(stream, GROUP, *ids)
-            pipe.xdel(stream, *ids)
-        # Their inputs leave the queue's byte count with them, in the same transaction.
-        if size := sum(entry.message.input_bytes for entry in entries):
-            pipe.decrby(queued_bytes_key(self.prefix, self.model), size)
+        # live work and cannot grow without bound; their inputs leave the queue's
+        # byte count with them, in the same script.
+        pipe = self.client.pipeline(transaction=False)
+        if by_stream:
+            size = sum(entry.message.input_bytes for entry in entries)
+            self.scripts.ack(pipe, self.prefix, self.model, by_stream, size)
         if publish is not None and not self._cluster:
             pipe.publish(*publish)
-        pipe.execute()
+        self.scripts.execute(pipe)
         if publish is not None and self._cluster:
             # A Cluster pipeline refuses PUBLISH; any node relays it to the whole cluster.
             self.client.publish(*publish)
@@ -360,7 +376,9 @@ class StreamConsumer:
         return entries
 
     def _discard(self, stream: str, entry_id: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        # No MULTI, which Redis at maxmemory refuses whole: a marker acknowledged but left
+        # undeleted is trimmed with the wake stream's oldest.
+        pipe = self.client.pipeline(transaction=False)
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
@@ -389,3 +407,11 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _group_named(groups: list[dict[Any, Any]]) -> dict[Any, Any] | None:
+    for group in groups:
+        name = group.get("name", group.get(b"name"))
+        if _text(name) == GROUP:
+            return group
+    return None

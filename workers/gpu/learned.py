@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from core.queues import HEARTBEAT_TTL_S
 from core.redis_target import REDIS_ERRORS
@@ -119,7 +120,13 @@ class Publisher:
         pipe.zadd(key, {self.consumer: wall})
         # Workers that died without saying so: forget them after a while.
         pipe.zremrangebyscore(key, "-inf", wall - 30 * HEARTBEAT_TTL_S)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except OutOfMemoryError:
+            # Redis at its maxmemory refuses the ZADD, but reads and acknowledgements go
+            # on, and they are what frees memory: the worker keeps working, unseen by the
+            # API's count of live workers until its next beat lands.
+            log.warning("heartbeat refused: Redis is at its maxmemory", extra={"model": self.model})
 
     def leave(self) -> None:
         """This worker stops: the API no longer counts it."""

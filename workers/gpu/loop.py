@@ -15,6 +15,7 @@ committed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from backends.base import DeviceLost, Runtime
 from core.settings import Settings
@@ -191,7 +193,10 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
 
     def join(self) -> None:
         self.consumer.ensure_groups()
-        self.publisher.publish(self.state)
+        # Redis at its maxmemory refuses the figures, not the reads and acknowledgements
+        # that free memory: a worker started then must not wait for a room it makes.
+        with contextlib.suppress(OutOfMemoryError):
+            self.publisher.publish(self.state)
 
     def begin(self) -> None:
         if self.versions is not None:
