@@ -18,12 +18,15 @@ row instead. Malformed entries raise :class:`ProtocolError`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+from redis.exceptions import NoScriptError
 
+from core.redis_target import is_cluster
 from core.streams import ProtocolError
 
 EventKind = Literal["status", "token", "done"]
@@ -125,12 +128,45 @@ return 1
 """
 
 
+_APPEND_TOKEN_SHA = hashlib.sha1(_APPEND_TOKEN.encode()).hexdigest()
+
+
 def append_token(target: redis.Redis | redis.client.Pipeline, key: str, event: JobEvent) -> Any:
     """Append a token's ``event`` to the events stream ``key`` where it comes next (1), else
-    nothing (0); on a pipeline, queued."""
+    nothing (0); on a pipeline, queued (run it with :func:`run_appends`).
+
+    Sent by the script's SHA (a step writes a token for every sequence: the script's
+    text each time would cost Redis its parse and the step its bytes), but whole to a
+    Cluster, whose nodes may not know it."""
     assert event.kind == "token" and event.index is not None
     fields = [part for pair in event.encode().items() for part in pair]
-    return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
+    if is_cluster(target):
+        return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
+    call = ("EVALSHA", _APPEND_TOKEN_SHA, 1, key, event.index, *fields)
+    if isinstance(target, redis.client.Pipeline):
+        return target.execute_command(*call)
+    try:
+        return target.execute_command(*call)
+    except NoScriptError:
+        return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
+
+
+def run_appends(client: redis.Redis, pipe: redis.client.Pipeline) -> list[Any]:
+    """Run a pipeline of ``client``'s holding :func:`append_token` calls; those Redis did not
+    know the script for (it restarted, failed over or was flushed) are sent again whole, in
+    order. Raises the first error, as ``pipe.execute()`` does."""
+    if is_cluster(pipe):
+        return list(pipe.execute())
+    queued = [args for args, _options in pipe.command_stack]
+    results = list(pipe.execute(raise_on_error=False))
+    for i, result in enumerate(results):
+        if isinstance(result, NoScriptError):
+            _, _sha, *rest = queued[i]
+            results[i] = client.execute_command("EVAL", _APPEND_TOKEN, *rest)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
 
 
 def _text(value: bytes | str) -> str:

@@ -7,12 +7,16 @@ job over and streamed on, or finished it; those writes must change nothing.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import redis
 
-from core.job_events import JobEvent, append_token
+from core.job_events import JobEvent, append_token, run_appends
 from core.streams import events_key
+from harness.ports import free_port
+from harness.processes import wait_for
+from harness.services import redis_server, redis_with_conf
 
 
 def indices(client: redis.Redis, key: str) -> list[int | None]:
@@ -56,3 +60,28 @@ def test_in_a_pipeline_the_tokens_of_one_step_land_in_order(
     assert pipe.execute() == [1, 1, 0, 0]
     assert indices(redis_client, first) == [0, 1]
     assert redis_client.exists(second) == 0
+
+
+def test_a_redis_that_forgot_the_script_still_takes_the_tokens(tmp_path: Path) -> None:
+    """Sent by the script's SHA: a Redis that restarted (or flushed its scripts) answers
+    NOSCRIPT, and the calls are sent again whole, in order."""
+    port = free_port()
+    server = redis_with_conf(redis_server(), tmp_path / "redis", port, [])
+    client = redis.Redis(port=port, decode_responses=True)
+    try:
+        wait_for("a Redis of the test's own", client.ping, 10, 0.05)
+        key = events_key("forgot", "tiny", "job")
+        assert append_token(client, key, token(0)) == 1  # alone: loaded by its first EVAL
+        client.script_flush()
+        pipe = client.pipeline(transaction=False)
+        for index in (1, 2, 2):
+            append_token(pipe, key, token(index))
+        pipe.xlen(key)
+        assert run_appends(client, pipe) == [1, 1, 0, 1]  # the XLEN ran before the retries
+        assert indices(client, key) == [0, 1, 2]
+        client.script_flush()
+        assert append_token(client, key, token(3)) == 1
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)

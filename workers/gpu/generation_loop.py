@@ -41,7 +41,7 @@ from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent, append_token
+from core.job_events import JobEvent, append_token, run_appends
 from core.streams import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
 from scheduler.vocabulary import Lane
@@ -551,7 +551,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                     append_token(pipe, key, event)
                 self._renew_expiry(pipe, key, held, now)
                 held.tokens += 1
-            pipe.execute()
+            run_appends(self.client, pipe)
             self.tokens += len(events.emitted)
             self._progress(now)
         if events.ended:
