@@ -119,6 +119,20 @@ def start_worker(settings: Settings, name: str = "gen-worker") -> Worker:
     return Worker(build_generation_loop(settings, config, "cpu", name))
 
 
+def slow_steps(running: Worker, step_s: float) -> Worker:
+    """Each of ``running``'s steps lasts at least ``step_s`` (a larger model's would): a test
+    can reach its jobs mid-generation however fast the machine."""
+    runtime: Any = running.loop.engine.runtime
+    execute = runtime.execute
+
+    def slowed(plan: Any) -> Any:
+        time.sleep(step_s)
+        return execute(plan)
+
+    runtime.execute = slowed
+    return running
+
+
 def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
     body: dict[str, Any] = {"model": MODEL, "input": input}
     for field in ("priority", "version"):  # the job's own fields, not its input's

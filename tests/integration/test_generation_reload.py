@@ -15,7 +15,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -33,6 +32,7 @@ from tests.integration.generation_worker import (
     generation_settings,
     greedy,
     result,
+    slow_steps,
     start_worker,
     submit,
 )
@@ -92,15 +92,8 @@ def test_a_running_generation_ends_on_its_version_and_the_next_jobs_run_on_the_n
         admin = {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
     rclient = redis.Redis.from_url(str(settings.redis_url), decode_responses=True)
     worker = start_worker(settings)
-    runtime: Any = worker.loop.engine.runtime
-    execute = runtime.execute
-
-    def slowed(plan: Any) -> Any:
-        # Version 1's steps take 20 ms more: the long job outlasts version 2's load.
-        time.sleep(0.02)
-        return execute(plan)
-
-    runtime.execute = slowed
+    # Version 1's steps take 20 ms more: the long job outlasts version 2's load.
+    slow_steps(worker, 0.02)
     with worker as loop:
         long = submit(client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
         key = events_key(settings.key_prefix, MODEL, long)
@@ -187,14 +180,7 @@ def test_a_rollback_before_the_switch_keeps_the_version_serving_and_its_jobs(
         assert response.status_code == 200, response.text
 
     worker = start_worker(settings)
-    runtime: Any = worker.loop.engine.runtime
-    execute = runtime.execute
-
-    def slowed(plan: Any) -> Any:
-        time.sleep(0.02)  # version 1's long job outlasts the load of 2 and the rollback
-        return execute(plan)
-
-    runtime.execute = slowed
+    slow_steps(worker, 0.02)  # version 1's long job outlasts the load of 2 and the rollback
     with worker as loop:
         long = submit(client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
         ends = time.monotonic() + 60

@@ -36,6 +36,7 @@ from tests.integration.generation_worker import (
     events,
     generation_settings,
     result,
+    slow_steps,
     start_worker,
     submit,
 )
@@ -344,14 +345,7 @@ def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_to
         job_id = response.json()["id"]
         following = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
         running = worker(settings=no_eos)
-        runtime: Any = running.loop.engine.runtime
-        execute = runtime.execute
-
-        def slowed(plan: Any) -> Any:
-            time.sleep(0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 1.5 s
-            return execute(plan)
-
-        runtime.execute = slowed
+        slow_steps(running, 0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 1.5 s
         with running as loop:
             job = result(client, auth, job_id)
             after = result(client, auth, following)
@@ -387,14 +381,7 @@ def test_a_generation_longer_than_the_events_ttl_keeps_its_whole_stream(
     with TestClient(create_app(short)) as client:
         job_id = submit(client, auth, prompt="a long run", max_tokens=150, temperature=0)
         running = worker(settings=short)
-        runtime: Any = running.loop.engine.runtime
-        execute = runtime.execute
-
-        def slowed(plan: Any) -> Any:
-            time.sleep(0.04)  # 150 steps of at least 40 ms: three times the TTL
-            return execute(plan)
-
-        runtime.execute = slowed
+        slow_steps(running, 0.04)  # 150 steps of at least 40 ms: three times the TTL
         with running:
             job = result(client, auth, job_id)
     assert job["status"] == "succeeded", job
@@ -425,14 +412,7 @@ def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
         queued = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
         assert queued["status"] == "queued" and queued["progress"] is None
         running = worker(settings=no_eos)
-        runtime: Any = running.loop.engine.runtime
-        execute = runtime.execute
-
-        def slowed(plan: Any) -> Any:
-            time.sleep(0.02)  # 200 steps of at least 20 ms: it is seen running
-            return execute(plan)
-
-        runtime.execute = slowed
+        slow_steps(running, 0.02)  # 200 steps of at least 20 ms: it is seen running
         key = events_key(no_eos.key_prefix, MODEL, job_id)
         seen: list[dict[str, Any]] = []
         with running:

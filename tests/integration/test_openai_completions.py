@@ -24,7 +24,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.settings import Settings
 from harness.served import Served, served
 from tests.integration.gen_api import EventReader, Message
-from tests.integration.generation_worker import MODEL, generation_settings, start_worker
+from tests.integration.generation_worker import (
+    MODEL,
+    generation_settings,
+    slow_steps,
+    start_worker,
+)
 from tests.integration.test_backfills import RunningFeeder, make_feeder
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
@@ -332,14 +337,7 @@ def test_a_batch_of_chat_lines_counts_lines_as_they_finish_and_a_cancel_keeps_th
     ]
     raw = "".join(json.dumps(line) + "\n" for line in lines).encode()
     running = start_worker(slow, "batch-progress-worker")
-    runtime: Any = running.loop.engine.runtime
-    execute = runtime.execute
-
-    def slowed(plan: Any) -> Any:
-        time.sleep(0.02)  # 40 steps of at least 20 ms a pair of lines
-        return execute(plan)
-
-    runtime.execute = slowed
+    slow_steps(running, 0.02)  # 40 steps of at least 20 ms a pair of lines
     seen: list[int] = []
     with (
         served(slow) as api,

@@ -630,7 +630,12 @@ def test_a_generation_sends_started_progress_and_terminal_webhooks_when_asked(
     resolver: dict[str, list[str]],
     drive: Drive,
 ) -> None:
-    from tests.integration.generation_worker import MODEL, generation_settings, start_worker
+    from tests.integration.generation_worker import (
+        MODEL,
+        generation_settings,
+        slow_steps,
+        start_worker,
+    )
 
     gen = generation_settings(hook_settings, tmp_path / "gen", eos=False).model_copy(
         update={"progress_every_s": 0.5}
@@ -652,14 +657,7 @@ def test_a_generation_sends_started_progress_and_terminal_webhooks_when_asked(
             )
             assert asked.status_code == plain.status_code == 202, (asked.text, plain.text)
             running = start_worker(gen)
-            runtime: Any = running.loop.engine.runtime
-            execute = runtime.execute
-
-            def slowed(plan: Any) -> Any:
-                time.sleep(0.02)  # 120 steps of at least 20 ms: progress every 0.5 s
-                return execute(plan)
-
-            runtime.execute = slowed
+            slow_steps(running, 0.02)  # 120 steps of at least 20 ms: progress every 0.5 s
             with running:
                 for job_id in (asked.json()["id"], plain.json()["id"]):
                     ends = time.monotonic() + 60
