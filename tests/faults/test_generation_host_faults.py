@@ -146,10 +146,12 @@ def test_a_generation_workers_host_cut_off_mid_generation_is_taken_over_and_writ
         wait_for("the cut-off worker to hold nothing", lambda: pending_of(stack, "w-cut") == 0, 60)
         log = host.log("worker", 10**7)
         records = json_logs(log)
-        # Its Redis reply timed out in the cut: it dropped what it held, to read its pending
-        # entries again, and found none left (taken over, acknowledged and deleted).
+        # Either its Redis reply timed out in the cut (it dropped what it held, to read its
+        # pending entries again, and found none left: taken over, acknowledged and deleted),
+        # or the link came back first and its call, sent into the cut, was answered late.
+        # It lives on either way.
         details["cut_worker_outages"] = sum(1 for r in records if r.get("msg") == OUTAGE)
-        assert cut.poll() is None and details["cut_worker_outages"] >= 1, log[-3000:]
+        assert cut.poll() is None, log[-3000:]
         # Nothing it did once back changed a job: no second terminal write, and no event
         # (the token writes it sent into the cut, which TCP delivers once the link is back,
         # are refused: their index is not the stream's next).

@@ -203,8 +203,15 @@ def test_versions_switch_and_roll_back_under_load_and_a_broken_one_never_serves(
         (tmp_path / "models" / "echo" / "3").mkdir()
         (tmp_path / "models" / "echo" / "3" / "echo.py").write_text(BROKEN_PY)
         activate(client, admin, "echo", 3)
-        # The API sees the activation within its poll interval, the workers' failure as it comes.
-        wait_until(lambda: versions(client, auth, "echo").get(3, {}).get("state") == "failed")
+
+        # The API sees the activation within its poll interval, the workers' failure as it comes
+        # (a worker still loading it shows as loading: each follows the activation at its own
+        # poll, so it is failed once both have refused it).
+        def refused_by_both() -> bool:
+            found = versions(client, auth, "echo").get(3, {})
+            return found.get("state") == "failed" and found.get("workers") == 2
+
+        wait_until(refused_by_both)
         wait_until(lambda: versions(client, auth, "echo")[3]["active"])
         broken = versions(client, auth, "echo")[3]
         assert "weights are corrupt: checksum mismatch" in (broken["reason"] or ""), broken
