@@ -12,6 +12,9 @@ from tests.conftest import pytest_xdist_make_scheduler, xdist_scope
 def test_a_grouped_file_s_tests_share_their_group_s_scope() -> None:
     assert xdist_scope("tests/faults/test_kill.py::test_a[sqlite]") == "faults"
     assert xdist_scope("tests/faults/test_stall.py::test_b") == "faults"
+    # The more particular prefix first: the generation scenarios are a group of their own.
+    for name in ("test_generation_faults.py", "test_generation_host_faults.py"):
+        assert xdist_scope(f"tests/faults/{name}::test_g") == "generation-faults"
     assert xdist_scope("tests/multihost/test_hosts.py::test_c") == "hosts"
     assert xdist_scope("tests/integration/test_cluster.py::test_d") == "hosts"
 
