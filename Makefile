@@ -23,14 +23,12 @@ TIMED = .ci/timed "$(STEPS)"
 
 .PHONY: run test test-report lint typecheck audit audit-soft docs unit clean
 
-# --no-compile: a module is byte-compiled when first imported instead of at install; most
-# of torch's and transformers' thousands are never imported (about 20 CPU-s saved).
 $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Ferry needs Python 3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt -e clients/python -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e clients/python -e '.[dev]'
 	touch $(STAMP)
 
 # The shipped tiny-llama is served beside the defaults (its first start builds
