@@ -86,7 +86,9 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         # Reads do not wait for company: a group is what queued during the last read.
         group_read: GroupRead = GroupStage(
             "group-read",
-            JobReader(reads, GenerationProgress(app.state.redis, settings.key_prefix)).read,
+            JobReader(
+                reads, GenerationProgress(app.state.redis, settings.key_prefix, writer.views)
+            ).read,
             max_items=settings.submit_group_max, wait_s=0,
             workers=2,
         )  # fmt: skip

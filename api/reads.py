@@ -58,10 +58,10 @@ class GenerationProgress:
     """Running generations' progress: their newest token in their events streams (one
     pipeline for a group of reads) and the decode step time their workers published."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str, views: QueueViews) -> None:
         self.client = client
         self.prefix = prefix
-        self.views = QueueViews(client, prefix)
+        self.views = views  # the submissions' own: one read of a model's estimates for both
 
     def of(self, jobs: Sequence[Job]) -> dict[str, Progress]:
         """Progress of each of ``jobs`` that is a running generation (none while Redis is

@@ -261,6 +261,15 @@ def _claim(
         )
 
 
+def _in_attempt(delivery_id: str, number: int) -> Any:
+    """The delivery, still in the attempt this sender claimed (its lease not taken over)."""
+    return and_(
+        WebhookDelivery.id == delivery_id,
+        WebhookDelivery.status == "delivering",
+        WebhookDelivery.attempts == number,
+    )
+
+
 def _put_back(
     sessions: sessionmaker[Session], delivery_id: str, claimed: _Claimed, due_at: dt.datetime
 ) -> None:
@@ -268,11 +277,7 @@ def _put_back(
     with sessions.begin() as session:
         session.execute(
             update(WebhookDelivery)
-            .where(
-                WebhookDelivery.id == delivery_id,
-                WebhookDelivery.status == "delivering",
-                WebhookDelivery.attempts == claimed.number,
-            )
+            .where(_in_attempt(delivery_id, claimed.number))
             .values(
                 status="pending" if claimed.number == 1 else "retrying",
                 attempts=claimed.number - 1,
@@ -416,11 +421,7 @@ def attempt_delivery(
         )
         session.execute(
             update(WebhookDelivery)
-            .where(
-                WebhookDelivery.id == delivery_id,
-                WebhookDelivery.status == "delivering",
-                WebhookDelivery.attempts == claimed.number,
-            )
+            .where(_in_attempt(delivery_id, claimed.number))
             .values(
                 status=status,
                 step=claimed.step + 1 if status == "retrying" else claimed.step,
