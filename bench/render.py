@@ -589,8 +589,10 @@ def render_clients(results: Results) -> list[str]:
         s = stack["summary"]
         best = stack["cpu_threads"] == doc.get("best_cpu_threads")
 
-        def ms(value: float) -> str:
-            return f"{value / 1000:.2f} s"
+        def ms(value: float | None) -> str:
+            # A round whose clients saw no job finish (a short smoke round on a busy
+            # machine) has no latency; its file holds null.
+            return "–" if value is None else f"{value / 1000:.2f} s"
 
         rows.append(
             [

@@ -116,3 +116,16 @@ def test_a_smoke_runs_file_is_never_rendered_into_the_documents(tmp_path: Path) 
     with pytest.raises(ValueError, match="smoke"):
         render.Results(tmp_path)["soak"]
     assert render.Results(tmp_path, smoke=True)["soak"] == {"smoke": True}
+
+
+def test_a_round_whose_clients_saw_no_job_finish_renders_without_a_latency(tmp_path: Path) -> None:
+    doc = json.loads((RESULTS / "clients.json").read_text())
+    stacks = [s for s in doc["stacks"] if not s.get("error")]
+    for stack in stacks:
+        for name in ("job_p50_ms", "job_p99_ms"):
+            stack["summary"][name] = {"median": None, "min": None, "max": None}
+    doc["smoke"] = True
+    (tmp_path / "clients.json").write_text(json.dumps(doc))
+    lines = render.render_clients(render.Results(tmp_path, smoke=True))
+    rows = [line for line in lines if line.startswith("| ") and "jobs/s" not in line]
+    assert len(rows) == len(stacks) and all("– / –" in row for row in rows)
