@@ -1,0 +1,296 @@
+"""A full disk mid-run, on a small filesystem (a tmpfs the test mounts; it needs root).
+
+Under Redis's append-only file: Redis refuses every write (``MISCONF Errors writing to the
+AOF file``), reads still work. The API takes jobs as it does while Redis is down (the
+database holds them, the reconciler queues them once Redis writes again); nothing
+accepted is lost. Space freed, Redis writes again by itself (it retries its AOF write: no
+BGREWRITEAOF, no restart) and every job completes once. That is ``appendfsync everysec``,
+as Ferry runs Redis; with ``always``, Redis exits at the first AOF write that fails.
+
+Under SQLite's database and its write-ahead log: every write fails (``database or disk is
+full``). The API refuses new jobs with a 503 and a Retry-After, never a 500 or a hang; a
+worker keeps the results it could not write and writes them once there is room. No
+reconciler runs: a job accepted and not queued would count as lost.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from harness.accounting import Figures
+from harness.faults import MODEL, Stack, sim_jobs, tagged
+from harness.processes import wait_for
+from harness.submitting import Submission
+
+pytestmark = pytest.mark.faults
+
+# Submissions arrive at a steady rate before, during and after the fault.
+JOBS = 2000
+RATE_PER_S = 80
+FULL_S = 5.0
+SIM = {
+    # A batch of 32 takes about half a second.
+    "FERRY_SIM_LATENCY_BASE_MS": "50",
+    "FERRY_SIM_LATENCY_PER_COST_MS": "5",
+    "FERRY_BATCH_MAX_SIZE": "32",
+    "FERRY_VISIBILITY_TIMEOUT_S": "10",
+}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``small_disk(name, size)``: a tmpfs of ``size`` mounted at ``tmp_path / name``, unmounted
+    at teardown, after the stack (ask for this fixture before ``make_stack``)."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"a small filesystem cannot be mounted here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """A file that takes every byte left on ``disk``; delete it to free them."""
+    filler = disk / "filler"
+    chunk = b"\0" * (1 << 16)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        while True:
+            os.write(fd, chunk)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
+    return filler
+
+
+Paced = Callable[[Stack, int, float], tuple[Submission, Future[None]]]
+
+
+@pytest.fixture
+def paced() -> Iterator[Paced]:
+    """``paced(stack, count, rate)``: ``count`` sim jobs submitted at ``rate`` a second, in the
+    background, each retried as a careful client does (503s and dropped connections, with
+    its idempotency key); submitting stops at teardown, before the stack's."""
+    stop = threading.Event()
+
+    def submit(stack: Stack, count: int, rate: float) -> tuple[Submission, Future[None]]:
+        bodies = tagged(sim_jobs(count))
+        submission = Submission()
+        pool = ThreadPoolExecutor(4)
+
+        def all_of_them() -> None:
+            started = time.monotonic()
+            futures = []
+            for index, body in enumerate(bodies):
+                if stop.wait(max(0.0, started + index / rate - time.monotonic())):
+                    break
+                futures.append(
+                    pool.submit(stack.submitter.submit_one, body, submission, index, 120)
+                )
+            for future in futures:
+                future.result()
+            pool.shutdown()
+            submission.seconds = time.monotonic() - started
+
+        runner = ThreadPoolExecutor(1)
+        done = runner.submit(all_of_them)
+        runner.shutdown(wait=False)
+        return submission, done
+
+    yield submit
+    stop.set()
+
+
+def aof_write_status(stack: Stack) -> str:
+    return str(stack.redis.info("persistence")["aof_last_write_status"])
+
+
+def redis_writes(stack: Stack) -> bool:
+    """Redis takes writes (a PING too is refused while it cannot write its AOF)."""
+    try:
+        return bool(stack.redis.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_by_itself(
+    small_disk: Callable[[str, str], Path],
+    make_stack: Callable[..., Stack],
+    paced: Paced,
+    record: Callable[[Figures], None],
+) -> None:
+    # The stack's Redis (appendonly yes, appendfsync everysec, as `ferry up` runs it) keeps
+    # its append-only file under redis-data.
+    disk = small_disk("redis-data", "16m")
+    stack = make_stack(FERRY_RECONCILE_INTERVAL_S="1", FERRY_RECONCILE_GRACE_S="2", **SIM)
+    assert stack.redis.config_get("appendonly")["appendonly"] == "yes"
+    assert Path(str(stack.redis.config_get("dir")["dir"])).is_relative_to(disk)
+    stack.start_api()
+    # The reconciler queues the jobs the API took while Redis refused writes. Celery's
+    # worker cannot reach its broker meanwhile; supervised, as `ferry up` runs it.
+    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
+    beat = stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+    (worker,) = stack.start_workers("w1")
+    started = time.monotonic()
+    submission, submitted = paced(stack, JOBS, RATE_PER_S)
+    wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
+
+    accepted_before = len(submission.ids)
+    filler = fill(disk)
+    wait_for("Redis to fail its AOF write", lambda: aof_write_status(stack) == "err", 30, 0.1)
+    full_at = time.monotonic()
+    accepted_at_full, done_at_full = len(submission.ids), stack.terminal_count()
+    # Every write refused, a PING too; reads still answered.
+    with pytest.raises(redis.ResponseError, match="MISCONF Errors writing to the AOF file"):
+        stack.redis.ping()
+    assert stack.redis.dbsize() > 0
+    time.sleep(FULL_S / 2)
+    # The API stays ready (Redis's state reported): its database holds what it takes.
+    ready = httpx.get(f"{stack.base}/readyz", timeout=10)
+    time.sleep(max(0.0, full_at + FULL_S - time.monotonic()))
+    accepted_while_full = len(submission.ids) - accepted_at_full
+    done_while_full = stack.terminal_count() - done_at_full
+    still_full = aof_write_status(stack) == "err"
+
+    filler.unlink()
+    freed_at = time.monotonic()
+    wait_for("Redis to write again", lambda: redis_writes(stack), 60, 0.1)
+    resumed_s = time.monotonic() - freed_at
+    accepted_at_freed = len(submission.ids)
+    submitted.result(timeout=180)
+
+    accounting = stack.account("Redis AOF on a full disk", submission, started, 120, record)
+    details = accounting.figures.details
+    details["full_s"] = round(freed_at - full_at, 1)
+    details["writes_again_after_s"] = round(resumed_s, 1)
+    details["accepted_before_fill"] = accepted_before
+    details["accepted_while_full"] = accepted_while_full
+    details["accepted_after_freed"] = len(submission.ids) - accepted_at_freed
+    details["done_while_full"] = done_while_full
+    details["readyz_while_full"] = (ready.status_code, ready.json()["checks"])
+    details["reenqueued"] = stack.reenqueued(celery_worker)
+    details["worker_retries"] = stack.count_logs(worker, "dependency error; retrying")
+    stack.assert_nothing_lost(accounting)
+    # No process died; a batch written while its acknowledgement was refused is found
+    # finished when read again, not run again: nothing is computed twice.
+    stack.assert_computed_once(accounting)
+    assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
+    assert len(submission.ids) == JOBS, details
+    # The fault held until the space was freed, and was felt: Redis refused the worker's
+    # reads and the reconciler queued what the API took meanwhile.
+    assert still_full, details
+    assert accepted_while_full > 0 and details["accepted_after_freed"] > 0, details
+    assert details["worker_retries"] > 0, details
+    assert details["reenqueued"] > 0, details
+    assert ready.status_code == 200, details
+    assert ready.json()["checks"]["redis"].startswith("unreachable"), details
+    # Every submission got its 202 at once: none was refused or timed out.
+    assert not submission.retried, details
+    assert all(p.alive() and p.starts == 1 for p in [worker, stack.procs["api"]]), details
+    assert beat.alive(), details
+
+
+def probe(stack: Stack) -> tuple[int, str, float, dict[str, Any]]:
+    """An untagged submission (refused, it leaves no row to count): status, Retry-After,
+    seconds, error."""
+    began = time.monotonic()
+    answer = httpx.post(
+        f"{stack.base}/v1/jobs",
+        json={"model": MODEL, "input": {"cost": 1}},
+        headers={"Authorization": f"Bearer {stack.token}"},
+        timeout=30,
+    )
+    seconds = time.monotonic() - began
+    return answer.status_code, answer.headers.get("Retry-After", ""), seconds, answer.json()
+
+
+def test_a_full_disk_under_sqlite_refuses_new_jobs_with_503_and_loses_no_accepted_job(
+    small_disk: Callable[[str, str], Path],
+    make_stack: Callable[..., Stack],
+    paced: Paced,
+    record: Callable[[Figures], None],
+) -> None:
+    disk = small_disk("data", "32m")  # the stack's data directory: its database and its WAL
+    stack = make_stack(url=f"sqlite:///{disk / 'ferry.db'}", FERRY_DATA_DIR=str(disk), **SIM)
+    workers = stack.start("w1", "w2")
+    started = time.monotonic()
+    submission, submitted = paced(stack, JOBS, RATE_PER_S)
+    wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
+
+    accepted_before = len(submission.ids)
+    filler = fill(disk)
+    wait_for("the API to refuse", lambda: submission.retried["503"] > 0, 30, 0.05)
+    full_at = time.monotonic()
+    accepted_at_full, done_at_full = len(submission.ids), stack.terminal_count()
+    refusal = probe(stack)
+    time.sleep(max(0.0, full_at + FULL_S - time.monotonic()))
+    accepted_while_full = len(submission.ids) - accepted_at_full
+    done_while_full = stack.terminal_count() - done_at_full
+    refusals_while_full = submission.retried["503"]
+
+    filler.unlink()
+    freed_at = time.monotonic()
+    resumed = len(submission.ids)
+    wait_for("a submission to be taken", lambda: len(submission.ids) > resumed, 60, 0.05)
+    resumed_s = time.monotonic() - freed_at
+    submitted.result(timeout=180)
+
+    accounting = stack.account("SQLite on a full disk", submission, started, 120, record)
+    details = accounting.figures.details
+    details["full_s"] = round(freed_at - full_at, 1)
+    details["taken_again_after_s"] = round(resumed_s, 1)
+    details["accepted_before_fill"] = accepted_before
+    details["accepted_while_full"] = accepted_while_full
+    details["done_while_full"] = done_while_full
+    details["refusals_while_full"] = refusals_while_full
+    details["refusals"] = {
+        f"{kind}, Retry-After {wait}": count
+        for (kind, wait), count in submission.unavailable.items()
+    }
+    details["probe_while_full"] = refusal
+    retries = {
+        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
+                                 "dependency error; retrying")
+        for w in workers
+    }  # fmt: skip
+    details["worker_retries"] = retries
+    stack.assert_nothing_lost(accounting)
+    # No process died: a worker that cannot write keeps its batch, nothing is computed twice.
+    stack.assert_computed_once(accounting)
+    assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
+    assert len(submission.ids) == JOBS, details
+    # Refused at once, with a 503 that says when to come back (never a 500, never a hang).
+    status, retry_after, seconds, body = refusal
+    assert (status, retry_after) == (503, "2"), details
+    assert body["error"]["type"] == "unavailable", details
+    assert seconds < 5, details
+    assert set(submission.retried) == {"503"}, details
+    assert set(submission.unavailable) == {("unavailable", "2")}, details
+    assert any(retries.values()), details
+    assert all(p.alive() and p.starts == 1 for p in [*workers, stack.procs["api"]]), details
