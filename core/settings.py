@@ -103,6 +103,12 @@ class Settings(BaseSettings):
     model_load_timeout_s: float = Field(900.0, gt=0)
     """A version that has not loaded (and warmed up) within this long is given up as failed, so
     that a load that hangs cannot block the next activation; the serving version goes on."""
+    rollback_after_failed_batches: int = Field(3, ge=0)
+    """A version just switched to whose first batches fail whole, this many in a row before
+    any of its batches succeeds, is rolled back: the worker serves the version before it again
+    (kept loaded until the new one has served a batch), marks it failed with the error, and runs
+    those batches' jobs again on the version before, so no job fails for a bad deploy (0: never;
+    the old version is dropped at the switch)."""
 
     # Batching (docs/architecture.md §5). Every knob in this block can be set per model
     # with FERRY_MODEL_SETTINGS, e.g. '{"minilm": {"batch_max_size": 64}}'.

@@ -366,3 +366,144 @@ def wait_until_one(probe: Callable[[], list[str]], timeout: float = 30.0) -> lis
             return found
         assert time.monotonic() < until, "timed out"
         time.sleep(0.02)
+
+
+FAILING_PY = """
+from pathlib import Path
+from typing import Any
+
+
+class Echo:
+    def __init__(self, files: Path, parameters: dict[str, Any], device: str) -> None:
+        self.version = int((files / "VERSION").read_text())
+
+    def predict(self, inputs: list[int]) -> list[dict[str, int]]:
+        # A deploy that builds and loads, then cannot compute (an op the device lacks).
+        raise RuntimeError("no kernel image is available for execution on the device")
+"""
+
+PICKY_PY = """
+from pathlib import Path
+from typing import Any
+
+
+class Echo:
+    def __init__(self, files: Path, parameters: dict[str, Any], device: str) -> None:
+        self.version = int((files / "VERSION").read_text())
+
+    def predict(self, inputs: list[int]) -> list[dict[str, int]]:
+        if any(x < 0 for x in inputs):
+            raise ValueError("negative input")
+        return [{"v": self.version, "x": x} for x in inputs]
+"""
+
+
+def add_version(root: Path, version: int, source: str) -> None:
+    folder = root / "models" / "echo" / str(version)
+    folder.mkdir()
+    (folder / "echo.py").write_text(textwrap.dedent(source))
+    (folder / "VERSION").write_text(str(version))
+
+
+def test_a_version_that_loads_and_fails_every_batch_is_rolled_back_and_no_job_fails(
+    reload_settings: Settings,
+    sessions: sessionmaker[Session],
+    auth: dict[str, str],
+    admin: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    echo_repository(tmp_path / "models")
+    settings = reload_settings.model_copy(update={"rollback_after_failed_batches": 3})
+    with ExitStack() as running:
+        client = running.enter_context(TestClient(create_app(settings)))
+        for n in (1, 2):
+            running.enter_context(RunningLoop(build_loop(settings, "echo", name=f"echo-{n}")))
+        wait_until(all_ready_on(settings, "echo", 1, 2))
+        load = Load(client, auth, "echo", lambda n: n).__enter__()
+        running.callback(load.__exit__)
+        wait_until(lambda: len(load.accepted) >= 100)
+
+        add_version(tmp_path, 3, FAILING_PY)
+        activated = time.monotonic()
+        activate(client, admin, "echo", 3)
+
+        def rolled_back_by_both() -> bool:
+            found = versions(client, auth, "echo").get(3, {})
+            return found.get("state") == "failed" and found.get("workers") == 2
+
+        wait_until(rolled_back_by_both)
+        rolled_back = time.monotonic()
+        wait_until(lambda: len(load.ids(after=rolled_back)) >= 100)
+        load.__exit__()
+        rows = wait_terminal(sessions, load.ids(), timeout=120)
+        bad = versions(client, auth, "echo")[3]
+        after = versions(client, auth, "echo")
+    assert not load.refused, load.refused[:3]
+    # No job failed for the bad deploy: every one ran on version 1, once or (the jobs of
+    # the batches version 3 failed) twice, the second time on version 1.
+    statuses = {r.status for r in rows.values()}
+    assert statuses == {"succeeded"}, {r.error for r in rows.values() if r.status != "succeeded"}
+    assert {r.model_version for r in rows.values()} == {1}
+    assert all((r.output or {}).get("v") == 1 for r in rows.values())
+    tried = [j for j, r in rows.items() if r.attempts == 2]
+    assert tried and {r.attempts for r in rows.values()} == {1, 2}
+    # Those are jobs accepted after the activation: the ones version 3 was given.
+    accepted_at = {j: at for at, j in load.accepted}
+    assert all(accepted_at[j] >= activated - 1.0 for j in tried)
+    # Failed, with what it failed on, and 1 serves again on both workers (3 stays active:
+    # the operator's activation is theirs to change).
+    assert bad["active"] and "no kernel image is available" in (bad["reason"] or ""), bad
+    assert "rolled back to version 1" in bad["reason"], bad
+    assert after[1]["state"] == "ready" and after[1]["workers"] == 2, after[1]
+
+
+def test_a_version_that_fails_some_inputs_only_is_kept_and_those_jobs_fail(
+    reload_settings: Settings,
+    sessions: sessionmaker[Session],
+    auth: dict[str, str],
+    admin: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    echo_repository(tmp_path / "models")
+    add_version(tmp_path, 3, PICKY_PY)
+    settings = reload_settings.model_copy(update={"rollback_after_failed_batches": 2})
+    with ExitStack() as running:
+        client = running.enter_context(TestClient(create_app(settings)))
+        running.enter_context(RunningLoop(build_loop(settings, "echo", name="echo-1")))
+        wait_until(all_ready_on(settings, "echo", 1, 1))
+        activate(client, admin, "echo", 3)
+        wait_until(lambda: versions(client, auth, "echo")[3]["state"] == "ready")
+
+        def submit(x: int) -> str:
+            response = client.post("/v1/jobs", json={"model": "echo", "input": x}, headers=auth)
+            job_id: str = response.json()["id"]
+            return job_id
+
+        def run(x: int) -> str:
+            job_id = submit(x)
+            wait_terminal(sessions, [job_id], timeout=30)
+            return job_id
+
+        def status(job_id: str) -> str:
+            with sessions() as session:
+                job = session.get(Job, job_id)
+                return job.status if job is not None else ""
+
+        # One batch failed whole (held, still running: one of the two that would roll the
+        # version back), then one that computes: the version is kept, and the held job's
+        # failure is recorded as its input's own.
+        on_trial = submit(-1)
+        wait_until(lambda: status(on_trial) == "running")
+        time.sleep(0.5)  # judged and held: it stays running
+        assert status(on_trial) == "running"
+        good = [run(x) for x in range(3)]
+        # Version 1, kept loaded during the trial, is dropped once it is over.
+        wait_until(all_ready_on(settings, "echo", 3, 1))
+        # Off trial, a batch failed whole is an input's failure as before.
+        bad_ids = [on_trial] + [run(x) for x in (-2, -3, -4)]
+        rows = wait_terminal(sessions, bad_ids + good, timeout=60)
+    assert {rows[j].status for j in bad_ids} == {"failed"}, [rows[j].error for j in bad_ids]
+    assert all("negative input" in (rows[j].error or "") for j in bad_ids)
+    assert {rows[j].status for j in good} == {"succeeded"}
+    assert {rows[j].model_version for j in bad_ids + good} == {3}
+    assert {rows[j].attempts for j in bad_ids + good} == {1}

@@ -40,6 +40,7 @@ from workers.gpu.executions import ExecutionLog
 from workers.gpu.intake import Intake, entry_key
 from workers.gpu.learned import LoopStats, Publisher
 from workers.gpu.observe import Metrics
+from workers.gpu.probation import Probation, Verdict
 from workers.gpu.recorder import Outcome, Recorder
 from workers.gpu.recording import Drain, Recording, utc_at
 from workers.gpu.versions import Loaded, VersionManager
@@ -62,6 +63,7 @@ class LoopConfig:
     pipeline: bool = False  # record batch N while batch N + 1 runs
     pipeline_prepare: bool = False  # prepare batch N + 1 while batch N computes
     execution_log_dir: Path | None = None  # where computed batches are recorded (tests)
+    rollback_after_failed_batches: int = 3  # a new version's whole-failed batches (0: never)
 
     @classmethod
     def of(cls, settings: Settings) -> LoopConfig:
@@ -73,6 +75,7 @@ class LoopConfig:
             pipeline=settings.pipeline,
             pipeline_prepare=settings.pipeline_prepare,
             execution_log_dir=settings.execution_log_dir,
+            rollback_after_failed_batches=settings.rollback_after_failed_batches,
         )
 
 
@@ -148,6 +151,8 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         self.model_settings: dict[str, Any] = {}
         # Hot reload: when set, the loop switches to the versions it loads.
         self.versions: VersionManager | None = None
+        # A version switched to, on trial until it computes a job (workers.gpu.probation).
+        self.probation: Probation | None = None
         self._pins_checked = 0.0
 
     @property
@@ -204,6 +209,8 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
 
     def forget(self) -> None:
         self._settle_recording()
+        if self.probation is not None:
+            self.probation.held.clear()  # read again with the rest: run once, from there
         self.intake.reread()
 
     def close(self) -> None:
@@ -227,6 +234,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             self.recording.wait()  # a recording that failed is heard of now, even when idle
         self.publisher.beat(self.state)
         self.intake.upkeep()
+        self._judge_version()
         self._follow_version()
 
     def read(self, block_ms: int | None) -> None:
@@ -284,9 +292,25 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
                            "memory_ceiling_bytes": round(self.state.memory_ceiling)},
                 )  # fmt: skip
             self.observers.batch_computed(computed.device_s)
+            if flight.claimed and self.probation is not None:
+                if self.probation.judge(flight, computed) is not Verdict.PASS:
+                    continue  # held: neither learned from nor recorded until the trial ends
+                landed += self._kept(self.probation)
             if flight.claimed:
                 self._learn(flight, computed)
             landed.append(Landed(flight, computed, self.state.window_s))
+        return landed
+
+    def _kept(self, trial: Probation) -> list[Landed]:
+        """The version on trial computed a job: the batches it failed whole failed on their
+        inputs (recorded as they came), and the version it replaced is dropped."""
+        landed = []
+        for held, computed in trial.ended():
+            self._learn(held, computed)
+            landed.append(Landed(held, computed, self.state.window_s))
+        if self.versions is not None:
+            self.versions.unloaded(trial.previous)
+        self.probation = None
         return landed
 
     def _learn(self, flight: InFlight, computed: Computed) -> None:
@@ -502,8 +526,43 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         if loaded.prepared is not None:
             self.batcher.learn_from(loaded.prepared)
         old = self.versions.switched(loaded)
-        # Its batches are all landed: nothing holds the old runtime once this returns.
-        self.versions.unloaded(old)
+        trial, self.probation = self.probation, None
+        if trial is not None:
+            # Another version before this one's trial ended: the one it ran is dropped, the
+            # one proven before stays the one to go back to, and the held jobs run on this.
+            self.versions.unloaded(old)
+            old = trial.previous
+            self._run_again([flight for flight, _ in trial.ended()])
+        if self.config.rollback_after_failed_batches > 0:
+            self.probation = Probation(old, self.config.rollback_after_failed_batches)
+        else:
+            # Its batches are all landed: nothing holds the old runtime once this returns.
+            self.versions.unloaded(old)
+
+    def _judge_version(self) -> None:
+        """Roll back a version whose trial failed; keep the batches it holds ours meanwhile."""
+        trial = self.probation
+        if trial is None or not trial.held:
+            return
+        if not trial.failed:
+            self.consumer.touch(trial.held_entries())
+            return
+        self._land()  # what the device holds is judged too
+        if self.probation is not trial or self.versions is None:
+            return  # it computed a job meanwhile: kept
+        self.probation = None
+        bad = self.versions.serving.version
+        self.device.runtime = trial.previous.runtime
+        self.recorder.model_version = trial.previous.version
+        if trial.previous.prepared is not None:
+            self.batcher.learn_from(trial.previous.prepared)
+        self.versions.rolled_back(trial.previous, trial.reason(bad))
+        self._run_again([flight for flight, _ in trial.ended()])
+
+    def _run_again(self, flights: list[InFlight]) -> None:
+        """Run held batches' jobs on the version now served (claimed again: an attempt each)."""
+        for flight in flights:
+            self._run_group(flight.entries, flight.decision)
 
     def _settle_unserved_pins(self) -> None:
         """Fail jobs pinned to a version this worker neither serves nor is going to serve."""

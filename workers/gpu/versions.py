@@ -229,6 +229,22 @@ class VersionManager:
         )
         return old
 
+    def rolled_back(self, previous: Loaded, reason: str) -> Loaded:
+        """The loop serves ``previous`` again: the version that replaced it failed its trial
+        (:mod:`workers.gpu.probation`). It is failed, and not loaded again as it is."""
+        with self._lock:
+            bad, self.serving = self.serving, previous
+            config = self.read_config()
+            self._failed[bad.version] = signature(config, bad.version) if config else ""
+        self._report(bad.version, "failed", reason)
+        self._report(previous.version, "ready")
+        log.error(
+            "version rolled back: its batches failed whole",
+            extra={"model": self.model, "version": bad.version, "serving": previous.version,
+                   "reason": reason},
+        )  # fmt: skip
+        return bad
+
     def unloaded(self, old: Loaded) -> None:
         """The old version's last batch is done: it is dropped."""
         self._report(old.version, None)
