@@ -135,5 +135,12 @@ bench-smoke: $(STAMP)
 mutation: $(STAMP)
 	FERRY_BENCH_MAKE="make mutation" $(BIN)/python -m bench.mutation $(MUTATION_ARGS)
 
+# The overload test at its full length (tests/faults/test_overload.py): a flood at ten
+# times the sim's capacity for 60 s beside urgent jobs (make test runs it for 20 s);
+# about 2 minutes. Prints the scenario's figures.
+.PHONY: overload
+overload: $(STAMP)
+	FERRY_OVERLOAD_S=60 $(BIN)/python -m pytest tests/faults/test_overload.py -p no:randomly -q -s
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from api.breaker import Breaker, BreakerPolicy
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
 from api.groups import GroupStage
@@ -74,6 +75,13 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             max_outstanding=settings.max_outstanding_jobs,
             requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
             bound=QueueBound(settings.queue_max_jobs, settings.queue_max_bytes),
+            breaker=Breaker(
+                BreakerPolicy(
+                    settings.breaker_latency_factor,
+                    settings.breaker_memory_fraction,
+                    settings.breaker_cool_s,
+                )
+            ),
         )
         group_commit: GroupCommit = GroupStage(
             "group-commit",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.breaker import SHED, Breaker, Load
 from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
@@ -45,6 +47,7 @@ from core.generation_estimates import (
     first_token_s,
     most_tokens_within,
 )
+from core.metrics import JOBS_REFUSED
 from core.queue_bounds import QueueBound, retry_after_s
 from core.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
 from core.redis_target import REDIS_ERRORS
@@ -189,6 +192,9 @@ def prepare_request(
     )
 
 
+# The statuses of a new job refused for the state of its model or its key (counted by why).
+REFUSALS = frozenset({413, 429, 503})
+
 # What a model's queue looks like is read at most once per VIEW_TTL_S per API
 # process and model, not at every submission.
 VIEW_TTL_S = 0.25
@@ -201,6 +207,7 @@ class QueueView:
     workers: int
     generation: GenerationEstimate | None = None  # what a generation model's workers publish
     queued_bytes: int = 0  # the input bytes of the model's stream entries
+    load: Load | None = None  # what the circuit breaker reads (api/breaker.py)
 
     @property
     def jobs(self) -> int:
@@ -289,7 +296,8 @@ class QueueViews:
         view: QueueView | None
         try:
             raw = stats_text(self.client, self.prefix, model)
-            estimate = ModelEstimate.from_hash(numeric_stats(raw))
+            stats = numeric_stats(raw)
+            estimate = ModelEstimate.from_hash(stats)
             generation = GenerationEstimate.from_hash(raw)
             if estimate is None and generation is None and not self.bound.bounded:
                 # No worker has published and nothing is bounded: spare the depth reads.
@@ -301,6 +309,7 @@ class QueueViews:
                     live_workers(self.client, self.prefix, model),
                     generation,
                     queued_bytes(self.client, self.prefix, model) if self.bound.max_bytes else 0,
+                    Load.from_stats(stats) if estimate is not None else None,
                 )
         except REDIS_ERRORS:
             view = None
@@ -321,8 +330,10 @@ class GroupWriter:
         requeue_within_s: float,
         views: QueueViews | None = None,
         bound: QueueBound | None = None,
+        breaker: Breaker | None = None,
     ) -> None:
         self.sessions = sessions
+        self.breaker = breaker
         self.client = client
         self.prefix = prefix
         self.max_outstanding = max_outstanding
@@ -353,7 +364,30 @@ class GroupWriter:
                 outcomes[i] = _database_error(exc)
             return [_done(outcome) for outcome in outcomes]
         self._enqueue(group, jobs, outcomes, estimates)
+        for item, outcome in zip(group, outcomes, strict=True):
+            if isinstance(outcome, ApiError) and outcome.status in REFUSALS:
+                JOBS_REFUSED.labels(item.spec.name, item.body.priority, outcome.type).inc()
         return [_done(outcome) for outcome in outcomes]
+
+    def _shed(self, item: Submission) -> ApiError | None:
+        """A 503 for a new job of a lane its model's circuit breaker sheds now."""
+        lane = item.body.priority
+        if self.breaker is None or lane not in SHED[-1]:
+            return None
+        name = item.spec.name
+        view = self.views.get(name)
+        why = self.breaker.sheds(name, lane, view.load if view is not None else None)
+        if why is None:
+            return None
+        wait = max(1, math.ceil(self.breaker.policy.cool_s))
+        return ApiError(
+            503,
+            "overloaded",
+            f"priority: {name} refuses new {lane} jobs while it is overloaded ({why}); retry "
+            f"in about {wait} s",
+            {"Retry-After": str(wait)},
+            shed=lane,
+        )
 
     def _full(self, item: Submission, taken: dict[str, tuple[int, int]]) -> ApiError | None:
         """A 503 for a new job its model's queue has no room for (``taken``: the jobs and
@@ -374,8 +408,8 @@ class GroupWriter:
             return None  # Redis unreadable: the enqueue decides (the reconciler catches up)
         jobs, size = taken.get(name, (0, 0))
         with self.views.lock:
-            excess = self.bound.excess(view.jobs + jobs, view.queued_bytes + size,
-                                       item.input_bytes)  # fmt: skip
+            bound = self.bound.for_lane(item.body.priority)
+            excess = bound.excess(view.jobs + jobs, view.queued_bytes + size, item.input_bytes)
             drain = view.drain_s(excess.jobs_to_finish) if excess is not None else None
         if excess is None:
             taken[name] = (jobs + 1, size + item.input_bytes)
@@ -467,7 +501,11 @@ class GroupWriter:
                     fresh.append(i)
             taken: dict[str, tuple[int, int]] = {}
             for i in list(fresh):
-                refused = self._refusal(group[i], i, estimates) or self._full(group[i], taken)
+                refused = (
+                    self._shed(group[i])
+                    or self._refusal(group[i], i, estimates)
+                    or self._full(group[i], taken)
+                )
                 if refused is not None:
                     outcomes[i] = refused
                     fresh.remove(i)

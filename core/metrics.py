@@ -40,6 +40,19 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 # The API.
 JOBS_ACCEPTED = Counter("ferry_jobs_accepted_total", "Jobs accepted (202).", ["model", "lane"])
+JOBS_REFUSED = Counter(
+    "ferry_jobs_refused_total",
+    "New jobs refused by the API, by why (the error's type: queue_full, overloaded, "
+    "deadline_unattainable, quota_exceeded, unavailable, ...).",
+    ["model", "lane", "reason"],
+)
+BREAKER_LEVEL = Gauge(
+    "ferry_breaker_level",
+    "The model's circuit breaker in this API process: 0 closed, 1 sheds bulk, 2 sheds bulk "
+    "and normal.",
+    ["model"],
+    multiprocess_mode="max",  # several API processes: the most shedding one's
+)
 HTTP_REQUESTS = Counter(
     "ferry_http_requests_total", "HTTP requests answered.", ["method", "route", "status"]
 )

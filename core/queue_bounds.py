@@ -19,6 +19,10 @@ from dataclasses import dataclass
 UNKNOWN_RATE_RETRY_AFTER_S = 5
 # A client told to come back later than this would rather be told to look again.
 MAX_RETRY_AFTER_S = 3600
+# Urgent and vip jobs may fill this share more than the bounds: a queue that normal and
+# bulk work keep full still takes them (the lanes then run them first).
+PRIORITY_HEADROOM = 0.1
+PRIORITY_LANES = frozenset({"urgent", "vip"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,12 @@ class QueueBound:
     @property
     def bounded(self) -> bool:
         return self.max_jobs > 0 or self.max_bytes > 0
+
+    def for_lane(self, lane: str) -> QueueBound:
+        """The bounds a job of ``lane`` is held to (urgent and vip: PRIORITY_HEADROOM more)."""
+        if lane not in PRIORITY_LANES or not self.bounded:
+            return self
+        return QueueBound(_with_headroom(self.max_jobs), _with_headroom(self.max_bytes))
 
     def never_fits(self, input_bytes: int) -> bool:
         """An input larger than the whole byte bound would wait for ever: refused at once."""
@@ -68,3 +78,7 @@ def retry_after_s(drain_s: float | None) -> int:
     if drain_s is None or not math.isfinite(drain_s):
         return UNKNOWN_RATE_RETRY_AFTER_S
     return min(MAX_RETRY_AFTER_S, max(1, math.ceil(drain_s)))
+
+
+def _with_headroom(limit: int) -> int:
+    return limit + max(1, math.ceil(limit * PRIORITY_HEADROOM)) if limit > 0 else 0

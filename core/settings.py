@@ -172,7 +172,8 @@ class Settings(BaseSettings):
     predicted to finish within this x a lone job's latency."""
     urgent_memory_s: float = Field(1.0, ge=0)
     """How long an urgent job's arrival holds batches to `FERRY_URGENT_GUARD` and
-    `FERRY_URGENT_BUDGET`."""
+    `FERRY_URGENT_BUDGET`, and keeps the worker from deciding its next batch before the
+    device is free (an urgent job that arrives meanwhile then waits for one batch, not two)."""
     batch_min_efficiency: float = Field(0.92, ge=0, le=1)
     """Padded models, while more is pending than one batch holds: the least share of a batch's
     computed tokens that are not padding."""
@@ -259,11 +260,27 @@ class Settings(BaseSettings):
     """Per model: jobs queued or held by a worker and not yet recorded (backfill lines fed to
     the queue included). A submission past it is refused with a 503 `queue_full` whose
     `Retry-After` is the time the model's workers are predicted to take to make room; nothing
-    accepted is dropped. 100,000 entries hold some 15 MiB of Redis (0: no bound)."""
+    accepted is dropped. Urgent and vip jobs may fill a tenth more, so that a queue normal and
+    bulk work keep full still takes them. 100,000 entries hold some 15 MiB of Redis (0: no
+    bound)."""
     queue_max_bytes: int = Field(2**30, ge=0)
     """Per model: the bytes of the queued jobs' inputs (their JSON, as the jobs table stores
     it), bounded like `FERRY_QUEUE_MAX_JOBS`; one input larger than the whole bound is a 413.
     Backfill lines and jobs the reconciler enqueues again count as jobs only (0: no bound)."""
+    breaker_latency_factor: float = Field(4.0, ge=0)
+    """Per model, the circuit breaker: while the p99 latency of its interactive jobs (urgent,
+    vip, normal; accepted to finished, over the last seconds, as its workers publish it)
+    passes this many times its latency target (`FERRY_LATENCY_TARGET_MS`: a model without one
+    is never shed for latency, its backlog is what its queue is for), new `bulk` jobs are
+    refused (503 `overloaded` with Retry-After); past twice this, `normal` ones too. Urgent
+    and vip jobs are never refused for it (0: never on latency)."""
+    breaker_memory_fraction: float = Field(0.9, gt=0)
+    """The breaker also sheds `bulk` while the model's last batch peaked over this share of
+    its memory budget, and `normal` too past halfway from this to all of it (1: never on
+    memory)."""
+    breaker_cool_s: float = Field(5.0, ge=0)
+    """The breaker opens at once and closes a level at a time, once its signal has stayed
+    below that level for this long."""
     max_outstanding_backfill_lines: int = Field(2_000_000, ge=1)
     """Per key: backfill lines not finished yet; an upload past it is refused whole (429)."""
     embeddings_max_inputs: int = Field(2048, ge=1, le=100_000)

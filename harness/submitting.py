@@ -41,7 +41,8 @@ class Submitter:
         self._stop = stop
         self._local = threading.local()  # one client per submitting thread
 
-    def _client(self) -> httpx.Client:
+    def client(self) -> httpx.Client:
+        """This thread's HTTP client (one per submitting thread)."""
         client: httpx.Client | None = getattr(self._local, "client", None)
         if client is None:
             client = httpx.Client(
@@ -66,7 +67,7 @@ class Submitter:
         pause = 0.1
         while not self._stop.is_set():
             try:
-                response = self._client().post(
+                response = self.client().post(
                     "/v1/jobs", json=body, headers={"Idempotency-Key": key}
                 )
             except httpx.TransportError as exc:

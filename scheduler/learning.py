@@ -368,6 +368,12 @@ class SchedulerState:
             **self._urgent_bounds(now),
         )
 
+    def urgent_about(self, now: float) -> bool:
+        """Whether urgent work arrived within ``urgent_memory_s``."""
+        return self.last_urgent_s is not None and now - self.last_urgent_s <= (
+            self.tuning.urgent_memory_s
+        )
+
     def _urgent_bounds(self, now: float) -> dict[str, float]:
         """``max_batch_s`` and ``urgent_latency_s`` while urgent traffic is about."""
         t = self.tuning

@@ -286,3 +286,30 @@ def test_a_pipelined_enqueue_asks_no_script_check_and_outlives_a_flushed_script_
     assert stats["cmdstat_evalsha"]["calls"] == 6
     assert stats["cmdstat_evalsha"]["failed_calls"] == 2
     assert stats["cmdstat_script|load"]["calls"] == 4
+
+
+def test_a_full_prefetch_still_reads_urgent_and_vip_entries_only(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    from scheduler import Batcher
+    from workers.gpu.events import Observers
+    from workers.gpu.intake import PRIORITY_ROOM, Intake
+
+    enqueue(redis_client, settings, "flood", 40)
+    consumer = reader(redis_client, settings)
+    loop = build_sim_loop(settings.model_copy(update={"prefetch": 16}))
+    batcher: Batcher[Any] = loop.batcher
+    intake = Intake(consumer, batcher, Observers(), prefetch=16, visibility_timeout_s=60)
+    intake.fill(None)
+    assert len(batcher) == 16  # full of normal entries
+    urgent = enqueue(redis_client, settings, "ops", 3, lane="urgent")
+    vip = enqueue(redis_client, settings, "vip", 2, lane="vip")
+    intake.fill(None)
+    held = [entry.message.job_id for entry in batcher.payloads()]
+    assert set(urgent + vip) <= set(held) and len(held) == 21  # no more normal ones
+    # At most PRIORITY_ROOM beyond the prefetch, however many arrive.
+    enqueue(redis_client, settings, "ops2", 20, lane="urgent")
+    for _ in range(3):
+        intake.fill(None)
+    lanes = [entry.message.lane for entry in batcher.payloads()]
+    assert lanes.count("normal") == 16 and len(lanes) == 16 + PRIORITY_ROOM

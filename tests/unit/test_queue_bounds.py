@@ -101,3 +101,14 @@ def test_a_view_counts_the_jobs_and_bytes_this_process_adds() -> None:
     queue.add("normal", "b", 120)
     queue.add("urgent", "a", 30)
     assert (queue.jobs, queue.queued_bytes) == (7, 150)
+
+
+def test_urgent_and_vip_jobs_may_fill_a_tenth_more_than_the_bound() -> None:
+    bound = QueueBound(max_jobs=300, max_bytes=1000)
+    assert bound.for_lane("normal") is bound and bound.for_lane("bulk") is bound
+    assert bound.for_lane("urgent") == QueueBound(330, 1100) == bound.for_lane("vip")
+    assert bound.excess(300, 0, 1) is not None
+    assert bound.for_lane("urgent").excess(300, 0, 1) is None
+    assert bound.for_lane("urgent").excess(330, 0, 1) is not None
+    assert QueueBound(5, 0).for_lane("urgent") == QueueBound(6, 0)  # one more at least
+    assert QueueBound().for_lane("urgent") == QueueBound()  # no bound stays none

@@ -207,6 +207,20 @@ class StreamConsumer:
                 return self.read(room, None)
         return []
 
+    def read_lanes(self, lanes: tuple[str, ...], room: int) -> list[Entry]:
+        """Up to ``room`` new entries of ``lanes`` only (never blocks): what a worker whose
+        prefetch is full of lower lanes still reads. Nothing while its backlog is read again
+        (that comes first, so that no entry is read twice)."""
+        self.refresh()
+        if self._reread or self._backlog:
+            return []
+        entries: list[Entry] = []
+        for lane in lanes:
+            if room - len(entries) <= 0:
+                break
+            entries.extend(self._read_lane(lane, room - len(entries)))
+        return entries
+
     def _read_lane(self, lane: str, room: int) -> list[Entry]:
         """Up to ``room`` new entries of the lane, an equal share from each of its streams.
 

@@ -17,6 +17,10 @@ from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.events import BatchObserver
 
 MIN_UPKEEP_S = 0.5
+# With the prefetch full of lower lanes, up to this many urgent and vip entries are still
+# held besides: read at every step, they run next instead of once the prefetch drains.
+PRIORITY_LANES = ("urgent", "vip")
+PRIORITY_ROOM = 8
 
 
 def entry_key(entry: Entry) -> str:
@@ -64,7 +68,10 @@ class Intake:
         """Read what fits, waiting up to ``block_ms`` for something to arrive."""
         room = self.prefetch - len(self.batcher)
         if room <= 0:
-            # Nothing may be read: wait as the policy asked rather than spin.
+            held = sum(1 for e in self.batcher.payloads() if e.message.lane in PRIORITY_LANES)
+            if held < PRIORITY_ROOM:
+                self.take(self.consumer.read_lanes(PRIORITY_LANES, PRIORITY_ROOM - held))
+            # Nothing else may be read: wait as the policy asked rather than spin.
             if block_ms:
                 time.sleep(block_ms / 1000.0)
             return

@@ -4,14 +4,20 @@ After its batches a worker publishes its model's fitted latency, usual batch
 and window (:class:`~core.estimates.ModelEstimate`, plus running averages)
 into the model's stats hash, which ``/v1/models`` and the API's wait
 estimates read; and it beats in the model's workers set, so the API knows
-how many workers share the queue.
+how many workers share the queue. With them go what the API's circuit
+breaker reads (api/breaker.py): the p99 latency of the jobs finished in the
+last :data:`LATENCY_WINDOW_S`, by lane, the latency target, and the share of
+the memory budget the last batch peaked at.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
@@ -21,6 +27,7 @@ from core.queues import HEARTBEAT_TTL_S
 from core.redis_target import REDIS_ERRORS
 from core.streams import stats_key, workers_key
 from scheduler.learning import BatchObservation, SchedulerState
+from scheduler.vocabulary import LANES
 from workers.gpu.scheduling import estimate_of
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,39 @@ HEARTBEAT_S = 2.0
 # What the worker learned is published at most this often: the API reads it at
 # most every 250 ms (api.submissions.VIEW_TTL_S), so a write per batch is waste.
 PUBLISH_S = 0.25
+# The jobs whose latency the published p99 is of: those finished in the last this many seconds.
+LATENCY_WINDOW_S = 10.0
+
+
+class RecentLatencies:
+    """The latencies of the jobs finished in the last ``window_s``, by lane."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: deque[tuple[float, str, float]] = deque()
+
+    def add(self, now: float, lanes: Sequence[str], latencies_s: Sequence[float]) -> None:
+        self._seen.extend((now, lane, s) for lane, s in zip(lanes, latencies_s, strict=True))
+
+    def expire(self, now: float) -> bool:
+        """Forget what left the window; whether anything did."""
+        expired = False
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            self._seen.popleft()
+            expired = True
+        return expired
+
+    def p99_ms(self, lanes: tuple[str, ...]) -> dict[str, float]:
+        """Each lane's p99 in milliseconds (0 for a lane with no job in the window)."""
+        by_lane: dict[str, list[float]] = {lane: [] for lane in lanes}
+        for _at, lane, seconds in self._seen:
+            by_lane.setdefault(lane, []).append(seconds)
+        found = {}
+        for lane, values in by_lane.items():
+            values.sort()
+            rank = max(0, math.ceil(0.99 * len(values)) - 1)
+            found[lane] = round(values[rank] * 1000.0, 1) if values else 0.0
+        return found
 
 
 @dataclass
@@ -63,6 +103,8 @@ class Publisher:
         self.model = model
         self.consumer = consumer
         self.stats = LoopStats()
+        self.recent = RecentLatencies()
+        self.memory_fraction: float | None = None
         self._published_at = 0.0
         self._unpublished = False
         self._last_beat = 0.0
@@ -70,6 +112,10 @@ class Publisher:
     def learned(self, state: SchedulerState, seen: BatchObservation, eff: float) -> None:
         """A batch was learned from (``state`` already holds it)."""
         self.stats.add(seen.size, seen.cost, seen.work, seen.latency_s * 1000.0, eff)
+        self.recent.add(time.monotonic(), seen.lanes, seen.job_latency_s)
+        budget = state.tuning.memory_budget_bytes
+        if seen.peak_memory_bytes is not None and budget:
+            self.memory_fraction = seen.peak_memory_bytes / budget
         if time.monotonic() - self._published_at < PUBLISH_S:
             self._unpublished = True  # the heartbeat publishes it once PUBLISH_S has passed
             return
@@ -90,6 +136,14 @@ class Publisher:
             state, stats.mean_cost, stats.pad_ratio if state.tuning.padded else 1.0
         )
         mapping = estimate.to_hash()
+        self.recent.expire(time.monotonic())
+        mapping |= {f"p99_ms_{lane}": f"{ms:.1f}" for lane, ms in self.recent.p99_ms(LANES).items()}
+        # The breaker's latency signal is for a model given a target (its SLA); without one,
+        # a backlog is what a queue is for ("0" also clears one published before).
+        target_ms = state.tuning.latency_target_ms
+        mapping["latency_target_ms"] = f"{target_ms:.1f}" if target_ms is not None else "0"
+        if self.memory_fraction is not None:
+            mapping["memory_fraction"] = f"{self.memory_fraction:.4f}"
         if stats.batches:
             mapping |= {
                 "avg_batch_ms": f"{stats.avg_batch_ms:.3f}",
@@ -103,6 +157,8 @@ class Publisher:
     def beat(self, state: SchedulerState) -> None:
         """Publish what a burst's last batches taught, and say this worker is alive."""
         now = time.monotonic()
+        if self.recent.expire(now):
+            self._unpublished = True  # the p99 of an emptier window: the breaker may close
         if self._unpublished and now - self._published_at >= PUBLISH_S:
             with contextlib.suppress(*REDIS_ERRORS):
                 self.publish(state)

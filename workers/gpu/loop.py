@@ -252,6 +252,12 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         flight = self.device.in_flight
         if flight is None:
             return BatchPlan(self.batcher.schedule(now, runnable=self._runnable))
+        if self.state.urgent_about(now):
+            # Urgent work comes and goes: the next batch is decided once the device is free,
+            # with what arrived by then, so that an urgent job waits for one batch at most
+            # rather than for the one decided ahead too (the overlap of its preparation is
+            # what that costs, while urgent traffic lasts).
+            return BatchPlan(None)
         ahead = self.batcher.schedule(now, busy_until=flight.ends_s, runnable=self._runnable)
         return BatchPlan(ahead if ahead.run else None)
 
