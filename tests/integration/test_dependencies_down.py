@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,43 @@ def test_a_process_stopped_inside_a_transaction_loses_it_and_its_locks(
     finally:
         stopped_engine.dispose()
         other_engine.dispose()
+
+
+def test_a_batch_recorded_and_not_acknowledged_is_said_so_and_not_run_again(
+    settings: Settings,
+    token: str,
+    sessions: sessionmaker[Session],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loop = build_sim_loop(settings)
+    consumer = loop.intake.consumer
+    acknowledge = consumer.ack
+    refused: list[int] = []
+
+    def ack_refused_once(*args: object, **kwargs: object) -> None:
+        if not refused:
+            refused.append(1)
+            raise redis.ConnectionError("Redis went away during the acknowledgement")
+        acknowledge(*args, **kwargs)  # type: ignore[arg-type]
+
+    consumer.ack = ack_refused_once  # type: ignore[method-assign]
+    with TestClient(create_app(settings)) as client:
+        response = client.post(
+            "/v1/jobs",
+            json={"model": "sim", "input": {"cost": 1}},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    job_id = response.json()["id"]
+    with caplog.at_level("WARNING"), RunningLoop(loop):
+        wait_terminal(sessions, [job_id])
+        # The loop hears of the refusal, reads its entry again, finds the job finished.
+        until = time.monotonic() + 15
+        while loop.held_count or not refused:
+            assert time.monotonic() < until, "the entry was never acknowledged"
+            time.sleep(0.05)
+    rows = wait_terminal(sessions, [job_id])
+    assert refused and rows[job_id].status == "succeeded" and rows[job_id].attempts == 1
+    # Whichever path hears of it (the step, or the settling before a re-read or a stop),
+    # nothing says the results were lost: they were committed.
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "were not recorded" in m], said

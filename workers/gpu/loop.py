@@ -42,7 +42,7 @@ from workers.gpu.learned import LoopStats, Publisher
 from workers.gpu.observe import Metrics
 from workers.gpu.probation import Probation, Verdict
 from workers.gpu.recorder import Outcome, Recorder
-from workers.gpu.recording import Drain, Recording, utc_at
+from workers.gpu.recording import Drain, Recording, acknowledge_failed, utc_at
 from workers.gpu.versions import Loaded, VersionManager
 from workers.gpu.worker_loop import MAX_BLOCK_MS, OUTAGES, WorkerLoop
 
@@ -486,7 +486,10 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
                 lost = exc
             except OUTAGES as exc:
                 log.warning(
-                    "a batch's results were not recorded; its jobs run again",
+                    "a batch's entries were not acknowledged; read again, its jobs are found "
+                    "finished"
+                    if acknowledge_failed(exc)
+                    else "a batch's results were not recorded; its jobs run again",
                     extra={"model": self.model, "error_type": type(exc).__name__},
                 )
             except Exception:

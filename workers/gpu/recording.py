@@ -30,6 +30,8 @@ from workers.gpu.intake import Intake
 from workers.gpu.recorder import Claimed, Outcome, Recorder
 
 log = logging.getLogger(__name__)
+# The note an acknowledgement's error carries: the batch's results were committed.
+ACKNOWLEDGE_FAILED = "the results were recorded; their entries were not acknowledged"
 
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
@@ -236,7 +238,12 @@ class Recording:
         # The long-polls of the finished jobs are woken in the same round trip.
         done = (done_channel(self.prefix), ",".join(written)) if written else None
         began = time.perf_counter()
-        self.intake.acknowledge(entries, publish=done)
+        try:
+            self.intake.acknowledge(entries, publish=done)
+        except Exception as exc:
+            # Whoever logs it says so: the results are committed, only the entries stay.
+            exc.add_note(ACKNOWLEDGE_FAILED)
+            raise
         self.observer.stage_timed("acknowledge", time.perf_counter() - began, batch_id)
         by_job = {e.message.job_id: e.message for e in entries}
         finished = [
@@ -286,6 +293,11 @@ class Recording:
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+
+
+def acknowledge_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised acknowledging a batch whose results were committed."""
+    return ACKNOWLEDGE_FAILED in getattr(exc, "__notes__", ())
 
 
 def utc_at(epoch_s: float) -> dt.datetime:
