@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench.corpus import CACHE_ENV
 from bench.results import MAKE_ENV, RESULTS, SMOKE_ENV
+from harness.stack import SMOKE_SETTINGS
 
 ROOT = RESULTS.parent.parent
 
@@ -54,24 +55,24 @@ class Bench:
 
 
 BENCHES = (
-    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5, smoke_s=3),
+    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5, smoke_s=2),
     Bench(
         "e2e", "bench.e2e", (),
         ("--jobs", "8", "--concurrency", "4", "--rounds", "1", "--raw-sizes", "1,8",
          "--modes", "none,ferry", "--one-stack"),
-        10, smoke_s=35,
+        10, smoke_s=26,
     ),
     Bench(
         "api", "bench.api", (),
-        ("--duration", "1", "--rounds", "1", "--warmup", "0", "--databases", "sqlite",
-         "--api-processes", "1"),
-        7, ("wrk",), smoke_s=20,
+        ("--duration", "1", "--rounds", "1", "--warmup", "0", "--connections", "4",
+         "--databases", "sqlite", "--api-processes", "1"),
+        7, ("wrk",), smoke_s=14,
     ),
     Bench(
         "clients", "bench.clients", (),
-        ("--duration", "1", "--rounds", "1", "--warmup", "1", "--threads", "1", "--texts", "32",
-         "--raw-sizes", "16"),
-        8, ("wrk",), smoke_s=30,
+        ("--duration", "1", "--rounds", "1", "--warmup", "0", "--clients", "4", "--threads", "1",
+         "--texts", "32", "--raw-sizes", "16"),
+        8, ("wrk",), smoke_s=18,
     ),
     Bench(
         "peers", "bench.peers", (),
@@ -81,50 +82,50 @@ BENCHES = (
     ),
     Bench(
         "backfill", "bench.backfill", (),
-        ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4, smoke_s=22,
+        ("--window", "2", "--alone", "1", "--lines", "1000", "--repeats", "1"), 4, smoke_s=20,
     ),
     Bench(
         "fairness", "bench.fairness", (),
-        ("--seconds", "1", "--flood", "50", "--repeats", "1"), 15, smoke_s=21,
+        ("--seconds", "1", "--flood", "20", "--repeats", "1"), 15, smoke_s=17,
     ),
     Bench(
         "pipeline", "bench.pipeline", ("--postgres",),
-        ("--jobs", "200", "--rounds", "1", "--modes", "plain,three-stage", "--one-stack"), 18,
-        smoke_s=19,
+        ("--jobs", "64", "--rounds", "1", "--modes", "plain,three-stage", "--one-stack"), 18,
+        smoke_s=11,
     ),
     Bench(
         "recording", "bench.recording", ("--postgres",), ("--size", "16", "--batches", "2"), 1,
-        smoke_s=2,
+        smoke_s=1,
     ),
     # torch.compile's compile alone takes longer than the whole smoke should: left out there.
     Bench(
         "backends", "bench.backends", (),
         ("--quick", "--repeats", "1", "--texts", "16", "--arrival-texts", "16",
          "--backends", "onnx"),
-        4, smoke_s=11,
+        4, smoke_s=8,
     ),
     Bench(
         "soak", "bench.soak",
         ("--minutes", "30", "--rate", "30", "--kill-every", "60", "--sample-every", "30"),
-        ("--minutes", "0.1", "--rate", "20", "--kill-every", "4", "--sample-every", "2"),
-        31, smoke_s=22,
+        ("--minutes", "0.05", "--rate", "20", "--kill-every", "2", "--sample-every", "1"),
+        31, smoke_s=14,
     ),
     Bench(
         "capacity", "bench.capacity", (),
         ("--jobs", "100", "--rounds", "1", "--clients", "4", "--enqueue-messages", "512",
          "--idle-s", "1"),
-        5, smoke_s=15,
+        5, smoke_s=12,
     ),
     Bench(
         "sentinel", "bench.sentinel", (),
-        ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2, smoke_s=20,
+        ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"), 2, smoke_s=17,
     ),
-    Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1, smoke_s=6),
-    Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=8),
-    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=20),
+    Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1, smoke_s=4),
+    Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=6),
+    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=14),
     Bench(
         "oip", "bench.oip", (),
-        ("--clients", "4", "--warmup", "0.5", "--duration", "2", "--rounds", "1"), 2, smoke_s=22,
+        ("--clients", "4", "--warmup", "0", "--duration", "1", "--rounds", "1"), 2, smoke_s=13,
     ),
     Bench(
         "gpu", "bench.gpu", ("--jobs", "10000", "--seconds", "10"), ("--quick",), 6, ("cuda",),
@@ -162,7 +163,7 @@ def run_one(bench: Bench, out: Path, smoke: bool, corpus: Path | None = None) ->
     why = missing(bench)
     if why:
         return Outcome(bench, "skipped", why=why)
-    env = {**os.environ, SMOKE_ENV: "1" if smoke else "0"}
+    env = {**os.environ, SMOKE_ENV: "1" if smoke else "0", **(SMOKE_SETTINGS if smoke else {})}
     if corpus is not None:
         env[CACHE_ENV] = str(corpus)
     env.setdefault(MAKE_ENV, "make bench-smoke" if smoke else "make bench")

@@ -530,7 +530,7 @@ def _measure_stack(
     root: Path,
     settings: dict[str, str],
 ) -> StackResult:
-    stack = FerryUp(root, **settings)
+    stack = FerryUp(root, celery=False, **settings)
     try:
         stack.start(timeout_s=180)
         assert stack.process is not None

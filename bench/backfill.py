@@ -163,7 +163,8 @@ class Bench:
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.args = args
         self.settings = {**STACK, **dict(_pair(s) for s in args.set)}
-        self.stack = FerryUp(root, **self.settings)
+        # Celery's beat and worker feed the backfill to the queue.
+        self.stack = FerryUp(root, celery=True, **self.settings)
         self.client: httpx.Client | None = None
 
     def start(self) -> None:

@@ -333,7 +333,7 @@ def started_ferry(
     exception leaving it carries the stack's last output as a note."""
     watched = Watched()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        stack = FerryUp(Path(tmp), **settings)
+        stack = FerryUp(Path(tmp), celery=False, **settings)
         started = time.monotonic()
         try:
             stack.start(timeout_s=180)

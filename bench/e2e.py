@@ -120,7 +120,9 @@ class Stack(FerryUp):
     """``ferry up`` with no workers, plus a minilm worker started on demand."""
 
     def __init__(self, mode: str, root: Path) -> None:
-        super().__init__(root, FERRY_MODELS="", FERRY_SCHEDULER=mode, FERRY_PREFETCH="256")
+        super().__init__(
+            root, celery=False, FERRY_MODELS="", FERRY_SCHEDULER=mode, FERRY_PREFETCH="256"
+        )
         self.worker: subprocess.Popen[str] | None = None
 
     def start_worker(self, mode: str) -> None:

@@ -168,7 +168,7 @@ def run(seconds: float, rate: float, flood_jobs: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="ferry-bench-fairness-") as tmp:
         # No worker from ferry up: the benchmark starts and stops its own.
         stack = FerryUp(
-            Path(tmp), FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
+            Path(tmp), celery=False, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
             FERRY_MAX_OUTSTANDING_JOBS="100000", **SIM,
         )  # fmt: skip
         worker: subprocess.Popen[str] | None = None

@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         drawn = draw_workload(corpus_ids, args.requests, args.seed, prompt_lengths, output_lengths)
         prompts = prompts_as_text(model.folder, drawn)
         stack = FerryUp(
-            Path(tmp), FERRY_MODEL_REPOSITORY=str(model.repository), FERRY_MODELS=MODEL,
+            Path(tmp), celery=False, FERRY_MODEL_REPOSITORY=str(model.repository),
+            FERRY_MODELS=MODEL,
             FERRY_FLOWER_PORT="0", FERRY_CPU_THREADS=str(args.threads), FERRY_DEVICE="cpu",
             **LIMITS,
         )  # fmt: skip

@@ -190,7 +190,7 @@ def stack(
     if os.environ.get("FERRY_MODEL_REPOSITORY"):
         settings["FERRY_MODEL_REPOSITORY"] = os.environ["FERRY_MODEL_REPOSITORY"]
     with tempfile.TemporaryDirectory(prefix=f"ferry-bench-gpu-{model}-") as tmp:
-        up = FerryUp(Path(tmp), **settings)
+        up = FerryUp(Path(tmp), celery=False, **settings)
         worker = None
         try:
             up.start()

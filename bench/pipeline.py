@@ -80,7 +80,7 @@ def started_stack(database_url: str | None) -> Iterator[tuple[FerryUp, sqlalchem
         url = database_url or f"sqlite:///{root / 'ferry.db'}"
         extra = {"FERRY_DATABASE_URL": database_url} if database_url else {}
         stack = FerryUp(
-            root, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
+            root, celery=False, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
             FERRY_MAX_OUTSTANDING_JOBS="100000", **SIM, **extra,
         )  # fmt: skip
         engine = sqlalchemy.create_engine(url)

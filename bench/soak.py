@@ -44,6 +44,7 @@ class Soak:
         self.args = args
         self.stack = FerryUp(
             root,
+            celery=False,
             FERRY_MODELS="sim",
             FERRY_SIM_LATENCY_BASE_MS="20",
             FERRY_SIM_LATENCY_PER_COST_MS="0.2",

@@ -406,6 +406,10 @@ class Settings(BaseSettings):
     """`ferry_model_desired_workers`: the longest a model's queue may take to drain when no
     deadline in it is nearer."""
 
+    up_celery: bool = True
+    """`ferry up` starts the Celery worker and beat. Off only for a stack that uses no
+    webhook, no backfill and no reconciler (they all run on Celery): a benchmark's short
+    smoke stack, which then starts seconds sooner and spends less CPU."""
     # Flower (`ferry up` starts it; `ferry flower` alone).
     flower_host: str = "127.0.0.1"
     """Flower's bind address."""

@@ -2,10 +2,11 @@
 
 Builds the files of a served model that is built from a recipe (ferry.built_models),
 starts (or uses) Redis, migrates the database, then runs the API, one worker per
-model, the Celery worker and beat, and Flower as child processes. Ctrl-C or SIGTERM stops
-them in order: the API first (no new work), then the workers (each finishes
-its batch), then Celery and Flower, then the embedded Redis. A child that dies on its own
-is restarted with backoff; one that dies five times in a minute stops the stack.
+model, the Celery worker and beat (unless FERRY_UP_CELERY=0), and Flower as child
+processes. Ctrl-C or SIGTERM stops them in order: the API first (no new work), then the
+workers (each finishes its batch), then Celery and Flower, then the embedded Redis. A
+child that dies on its own is restarted with backoff; one that dies five times in a minute
+stops the stack.
 """
 
 from __future__ import annotations
@@ -213,12 +214,14 @@ def up(settings: Settings) -> int:
                     own_env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {},
                 )
             )
-        children.append(
-            Child(
-                "celery-worker", [*python, "celery", "worker", *_port_arg(ports, "celery-worker")]
+        if settings.up_celery:
+            children.append(
+                Child(
+                    "celery-worker",
+                    [*python, "celery", "worker", *_port_arg(ports, "celery-worker")],
+                )
             )
-        )
-        children.append(Child("celery-beat", [*python, "celery", "beat"]))
+            children.append(Child("celery-beat", [*python, "celery", "beat"]))
         password = None
         if settings.flower_port:
             password = flower_password(settings, data_dir)
@@ -281,7 +284,8 @@ def metrics_ports(
     """The /metrics port of each process `ferry up` starts besides the API (which has its own)."""
     if not settings.metrics_port_base:
         return {}
-    names = [name for name, _model, _gpu in worker_plan(settings, visible)] + ["celery-worker"]
+    names = [name for name, _model, _gpu in worker_plan(settings, visible)]
+    names += ["celery-worker"] if settings.up_celery else []
     return {name: settings.metrics_port_base + i for i, name in enumerate(names)}
 
 
@@ -374,6 +378,11 @@ def _banner(
         f"  Models    {', '.join(served)}",
         f"  API key   {token}",
         f"  Webhooks  signed with the secret at GET {base}/v1/webhook-secret",
+        *(
+            []
+            if settings.up_celery
+            else ["  Celery    not started (FERRY_UP_CELERY=0): no webhook, backfill or reconciler"]
+        ),
         *flower,
         "  Metrics   "
         + ", ".join(

@@ -16,29 +16,45 @@ from harness.ports import free_port
 
 # Set to 1 by `python -m bench all --smoke` for the benchmarks it starts.
 SMOKE_ENV = "FERRY_BENCH_SMOKE"
+# What a smoke run sets besides, in its benchmarks' processes and in their stacks: minilm
+# reads at most 64 tokens a text (its own limit is 256), so a worker's start-up calibration
+# (a batch of 16 texts that long) and every batch take a fraction of the CPU.
+SMOKE_SETTINGS = {"FERRY_MINILM_MAX_TOKENS": "64"}
 
 
 class FerryUp:
-    """Starts ``ferry up`` with ``settings`` (FERRY_* variables) and reads its banner."""
+    """Starts ``ferry up`` with ``settings`` (FERRY_* variables) and reads its banner.
 
-    def __init__(self, root: Path, **settings: str) -> None:
+    ``celery``: whether the stack needs Celery's worker and beat (webhooks, backfills, the
+    reconciler). A benchmark's smoke stack that says it does not starts without them;
+    every other stack starts them.
+    """
+
+    def __init__(self, root: Path, *, celery: bool = True, **settings: str) -> None:
         self.root = root
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        smoke = os.environ.get(SMOKE_ENV) == "1"
         self.env.update(
             FERRY_DATA_DIR=str(root),
             FERRY_API_PORT=str(self.port),
             # Each stack's workers serve /metrics from a port of their own.
             FERRY_METRICS_PORT_BASE=str(free_port()),
             # A benchmark's smoke run proves its own code runs, which never looks at Flower.
-            FERRY_FLOWER_PORT="0" if os.environ.get(SMOKE_ENV) == "1" else str(free_port()),
+            FERRY_FLOWER_PORT="0" if smoke else str(free_port()),
             FERRY_LOG_LEVEL=os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
             # No load balancer is in front of these stacks to notice /readyz go 503:
             # stopping skips the wait for one (a test of the wait sets its own).
             FERRY_API_SHUTDOWN_DELAY_S="0",
             PYTHONUNBUFFERED="1",
         )
+        if smoke:
+            # Nor at the Celery events the workers send for Flower.
+            self.env["FERRY_WORKER_EVENTS"] = "false"
+            self.env.update(SMOKE_SETTINGS)
+            if not celery:
+                self.env["FERRY_UP_CELERY"] = "0"
         self.env.update(settings)
         self.output: list[str] = []
         self.process: subprocess.Popen[str] | None = None
