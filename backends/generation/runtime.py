@@ -40,6 +40,11 @@ class GenerationInput:
     # Tokens it generated before, elsewhere (a generation taken over after its
     # worker died): it goes on from them, and they count towards max_tokens.
     resumed: tuple[int, ...] = ()
+    # The token after ``resumed`` that a client was already shown (the last one the stream
+    # holds): computed again, as the sequence may end there, and kept as it was shown, as
+    # the computation (from a prefill where it came from a decode) may round otherwise in
+    # reduced precision.
+    shown: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class _Sequence:
         self.table: list[int] = []
         self.table_tensor: torch.Tensor | None = None
         self.finish: FinishReason | None = None
+        self.shown = job.shown
 
 
 class StepRuntime:
@@ -214,6 +220,8 @@ class StepRuntime:
         emitted: dict[str, Emitted] = {}
         for id, token in zip(sampled_by, chosen, strict=True):
             sequence = self._sequences[id]
+            if sequence.shown is not None:
+                token, sequence.shown = sequence.shown, None
             sampled[id] = token
             sequence.tokens.append(token)
             sequence.generated.append(token)

@@ -340,3 +340,27 @@ def test_half_precision_keeps_weights_and_kv_in_that_type_at_half_the_bytes(
         tokens = ended[str(i)].token_ids
         assert 1 <= len(tokens) <= prompt.max_tokens
         assert all(0 <= t < vocab for t in tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_job_taken_over_keeps_the_token_its_stream_showed_whatever_is_computed(
+    arch: str,
+) -> None:
+    """A takeover computes the stream's last token again and keeps the one shown: the same
+    in full precision (the output is generate()'s), and the stream's where a reduced
+    precision would have rounded otherwise (here: a token generate() would not pick)."""
+    prompt = Prompt(prompts(arch, 40, seed=9)[0].ids[:30], 24)
+    ref = reference(arch, prompt)
+    assert len(ref) > 8, "the reference ended too soon to resume in it"
+    vocab = library_model(arch).config.vocab_size
+    eos = loaded(arch).runner.eos_ids
+    other = next(t for t in range(ref[5] + 1, ref[5] + vocab) if t % vocab not in eos) % vocab
+    jobs = []
+    for name, shown in (("same", ref[5]), ("other", other)):
+        request = GenerationRequest(name, len(prompt.ids), prompt.max_tokens, generated=5)
+        job = GenerationInput(prompt.ids, prompt.max_tokens, resumed=tuple(ref[:5]), shown=shown)
+        jobs.append((request, job))
+    ended = run(engine(arch), jobs, iter([2] + [0] * 10_000))
+    assert list(ended["same"].token_ids) == ref
+    after = reference(arch, Prompt((*prompt.ids, *ref[:5], other), prompt.max_tokens - 6))
+    assert list(ended["other"].token_ids) == [*ref[:5], other, *after]

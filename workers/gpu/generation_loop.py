@@ -399,11 +399,14 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
 
         Every token a worker produced went to the stream in the step that
         produced it, so the stream is the generation's checkpoint, to the
-        token. The last one is computed again rather than trusted (it may be
-        the end of the sequence, which a resumed one must find for itself); it
-        is the same token, from the same logits and the same draw, and it is
-        not streamed twice. A runtime that cannot go on from tokens runs the
-        job again from its prompt; what is already streamed is not repeated.
+        token. The last one is computed again (it may be the end of the
+        sequence, which a resumed one must find for itself) and kept as it was
+        shown: in full precision it is the same token, from the same logits
+        and the same draw; in reduced precision a prefill may round otherwise
+        than the decode step that made it, and the stream's token stands. It
+        is not streamed twice. A runtime that cannot go on from tokens runs
+        the job again from its prompt; what is already streamed is not
+        repeated.
         """
         key = events_key(self.prefix, self.model, held.entry.message.job_id)
         tokens: list[int] = []
@@ -418,16 +421,17 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         held.streamed = len(tokens)
         if first_ms is not None:
             held.first_token_s = first_ms / 1000.0
-        if not self.engine.runtime.resumable or len(tokens) < 2:
+        if not self.engine.runtime.resumable or not tokens:
             return job
         kept = tuple(tokens[: min(len(tokens), job.max_tokens) - 1])
+        shown = tokens[len(kept)]
         held.tokens = len(kept)
         log.info(
             "generation taken over from its checkpoint",
             extra={"model": self.model, "job_id": held.entry.message.job_id,
                    "tokens": len(kept)},
         )  # fmt: skip
-        return replace(job, resumed=kept)
+        return replace(job, resumed=kept, shown=shown)
 
     def _upkeep(self) -> None:
         now = time.monotonic()
