@@ -149,7 +149,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             else None
         )
         self._recorded: Future[list[str]] | None = None
-        self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer)
+        self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer, clock)
         self.tokens = 0
         self._last_touch = time.monotonic()
         self._last_cancel_check = 0.0

@@ -28,7 +28,7 @@ from workers.gpu.main import DEVICE_LOST_EXIT_CODE, read_model
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager
-from workers.gpu.worker_loop import worker_redis
+from workers.gpu.worker_loop import ServerClock, worker_redis
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ def build_generation_loop(
             pipeline=own.pipeline,
         ),
         kick=DeliveryKicker(target, own.key_prefix),
+        clock=ServerClock(client),
     )
     if own.model_poll_s > 0:
         name = config.name

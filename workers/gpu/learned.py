@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -97,8 +97,16 @@ class LoopStats:
 class Publisher:
     """Publishes what ``state`` has learned (at most every PUBLISH_S) and the heartbeat."""
 
-    def __init__(self, client: redis.Redis, prefix: str, model: str, consumer: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        model: str,
+        consumer: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.client = client
+        self.clock = clock  # the wall clock of the heartbeat's score
         self.prefix = prefix
         self.model = model
         self.consumer = consumer
@@ -171,7 +179,7 @@ class Publisher:
             return
         self._last_beat = now
         key = workers_key(self.prefix, self.model)
-        wall = time.time()
+        wall = self.clock()
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(key, {self.consumer: wall})
         # Workers that died without saying so: forget them after a while.

@@ -141,7 +141,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             model, recorder, self.intake, self.observers, self.drain, prefix=prefix,
             max_attempts=config.max_attempts, pipeline=config.pipeline, clock=clock,
         )  # fmt: skip
-        self.publisher = Publisher(client, prefix, model, consumer.consumer)
+        self.publisher = Publisher(client, prefix, model, consumer.consumer, clock)
         self.executions = (
             ExecutionLog(config.execution_log_dir, consumer.consumer)
             if config.execution_log_dir is not None

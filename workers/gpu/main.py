@@ -29,7 +29,7 @@ from workers.gpu.recorder import Recorder
 from workers.gpu.scheduling import build_batcher
 from workers.gpu.tracing import Tracing
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
-from workers.gpu.worker_loop import worker_redis
+from workers.gpu.worker_loop import ServerClock, worker_redis
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -120,6 +120,7 @@ def build_loop(
             KickDeliveries(DeliveryKicker(target, settings.key_prefix)),
             *([Tracing(model)] if tracing.on() else []),
         ],
+        clock=ServerClock(client),
     )
     loop.model_settings = dict(config.settings)
     if settings.model_poll_s > 0:

@@ -1,0 +1,59 @@
+"""One process's wall clock stepped, as an NTP step moves a host's: libfaketime preloaded.
+
+libfaketime (``LD_PRELOAD``) answers the process's ``clock_gettime`` and
+``gettimeofday`` with the real time plus the offset a file holds; with
+``FAKETIME_NO_CACHE`` the file is read again on every call, so rewriting it
+steps the clock of the running process (``+300``: five minutes ahead; ``+0``:
+back). ``DONT_FAKE_MONOTONIC`` leaves ``CLOCK_MONOTONIC`` alone, as a step of
+``CLOCK_REALTIME`` does: Python's ``time.time()`` and ``datetime.now()``
+jump, ``time.monotonic()`` does not.
+
+The library comes from the ``libfaketime`` package on PyPI (it bundles
+``libfaketime.so.1``), or from Debian's ``faketime`` package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+DEBIAN_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def library() -> Path | None:
+    """The libfaketime shared object to preload, or None when neither source is installed."""
+    with contextlib.suppress(ImportError):
+        import libfaketime
+
+        bundled = Path(libfaketime.__file__).parent / "vendor/libfaketime/src/libfaketime.so.1"
+        if bundled.is_file():
+            return bundled
+    return DEBIAN_LIBRARY if DEBIAN_LIBRARY.is_file() else None
+
+
+class SteppedClock:
+    """A wall clock offset by what ``file`` holds, for the processes given :meth:`env`."""
+
+    def __init__(self, folder: Path, so: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = folder / "faketime"
+        self.so = so
+        self.offset_s = 0.0
+        self.step(0)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "LD_PRELOAD": str(self.so),
+            "FAKETIME_TIMESTAMP_FILE": str(self.file),
+            "FAKETIME_NO_CACHE": "1",
+            "DONT_FAKE_MONOTONIC": "1",
+        }
+
+    def step(self, offset_s: float) -> None:
+        """From now on the clock reads the real time plus ``offset_s`` (written whole: a
+        rename, so that no read finds the file half written)."""
+        staged = self.file.with_suffix(".new")
+        staged.write_text(f"{offset_s:+.0f}\n")
+        os.replace(staged, self.file)
+        self.offset_s = offset_s
