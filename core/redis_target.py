@@ -14,6 +14,7 @@ redis-py (sync and asyncio), Celery's broker (kombu's ``sentinel://``, or
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, TypeGuard, cast
 from urllib.parse import quote, unquote, urlsplit
@@ -32,6 +33,51 @@ from core.settings import Settings
 # What a Redis that fails raises: redis-py's errors, and the Cluster client's own (not
 # one of them) when no node serves a key's slot or none can be reached.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+
+# How often a ServerClock reads the Redis server's clock again.
+SERVER_CLOCK_RESYNC_S = 10.0
+
+
+class ServerClock:
+    """The wall-clock time by the Redis server's clock (``TIME``), carried between readings
+    by this host's monotonic clock: the clock of the workers (deadlines, claims, the times
+    they record, their heartbeats) and of webhook deliveries (their schedule, leases and
+    signatures' timestamps).
+
+    A deadline is a time on the clock of the system, not of the host that meets it: a
+    worker whose host's clock was stepped (an NTP step, a VM resumed) would expire jobs
+    that are not late, or run late ones, and write start and end times off by the step;
+    a Celery worker's would sign deliveries receivers refuse as too new or too old.
+    Read again every ``resync_s``; while Redis cannot answer, the last reading carries
+    on (this host's wall clock until the first).
+    """
+
+    def __init__(self, client: redis.Redis, resync_s: float = SERVER_CLOCK_RESYNC_S) -> None:
+        self.client = client
+        self.resync_s = resync_s
+        self._offset: float | None = None  # the server's time less this host's monotonic
+        self._read_at = float("-inf")
+
+    def __call__(self) -> float:
+        if time.monotonic() - self._read_at >= self.resync_s:
+            self._read()
+        if self._offset is None:
+            return time.time()
+        return time.monotonic() + self._offset
+
+    def _read(self) -> None:
+        self._read_at = time.monotonic()  # a failed reading waits resync_s too
+        try:
+            before = time.monotonic()
+            reply: Any = self.client.time()
+            after = time.monotonic()
+        except REDIS_ERRORS:
+            return
+        if isinstance(reply, dict):  # a cluster client's: one node's
+            reply = next(iter(reply.values()))
+        seconds, micros = reply
+        self._offset = seconds + micros / 1e6 - (before + after) / 2
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,12 @@ The library comes from the ``libfaketime`` package on PyPI (it bundles
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import json
 import os
 from pathlib import Path
+
+from harness.processes import Proc
 
 DEBIAN_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
@@ -57,3 +61,12 @@ class SteppedClock:
         staged.write_text(f"{offset_s:+.0f}\n")
         os.replace(staged, self.file)
         self.offset_s = offset_s
+
+
+def logged_times(proc: Proc) -> list[dt.datetime]:
+    """The times a Ferry process's own log lines carry (its wall clock, as it stood)."""
+    times = []
+    for line in proc.log.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            times.append(dt.datetime.fromisoformat(json.loads(line)["ts"]))
+    return times

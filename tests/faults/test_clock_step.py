@@ -4,9 +4,7 @@ taken over, the heartbeats stay true and so do the times recorded."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +18,9 @@ from core.db import Job
 from core.queues import live_workers
 from core.streams import workers_key
 from harness.accounting import Figures
-from harness.clock_step import SteppedClock, library
+from harness.clock_step import SteppedClock, library, logged_times
 from harness.faults import MODEL, Stack, sim_jobs, tagged
-from harness.processes import Proc, wait_for
+from harness.processes import wait_for
 from harness.submitting import Submission
 from workers.gpu.executions import read_executions
 
@@ -111,15 +109,6 @@ class Presence:
 
     def fewest_live(self) -> int:
         return min((live for _, _, live in self.samples), default=0)
-
-
-def logged_times(proc: Proc) -> list[dt.datetime]:
-    """The times a process's own log lines carry (its wall clock, as it stood)."""
-    times = []
-    for line in proc.log.read_text().splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            times.append(dt.datetime.fromisoformat(json.loads(line)["ts"]))
-    return times
 
 
 def created_and_deadlines(

@@ -13,7 +13,7 @@ from backends.generation import CausalLMRuntime
 from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
 from core.health import serve
-from core.redis_target import RedisTarget
+from core.redis_target import RedisTarget, ServerClock
 from core.repository import ModelConfig
 from core.settings import Settings
 from core.versions import active_version
@@ -28,7 +28,7 @@ from workers.gpu.main import DEVICE_LOST_EXIT_CODE, read_model
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager
-from workers.gpu.worker_loop import ServerClock, worker_redis
+from workers.gpu.worker_loop import worker_redis
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from core import tracing
 from core.broker import celery_for_events
 from core.db import make_engine, make_sessionmaker
 from core.health import serve
-from core.redis_target import RedisTarget
+from core.redis_target import RedisTarget, ServerClock
 from core.repository import ModelConfig
 from core.settings import Settings
 from core.versions import active_version
@@ -29,7 +29,7 @@ from workers.gpu.recorder import Recorder
 from workers.gpu.scheduling import build_batcher
 from workers.gpu.tracing import Tracing
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
-from workers.gpu.worker_loop import ServerClock, worker_redis
+from workers.gpu.worker_loop import worker_redis
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75

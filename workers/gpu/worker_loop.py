@@ -35,7 +35,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import redis
 from sqlalchemy.exc import SQLAlchemyError
@@ -69,49 +69,6 @@ def worker_redis(
         socket_timeout=reply_timeout_s,
         socket_connect_timeout=min(REDIS_CONNECT_TIMEOUT_S, reply_timeout_s),
     )
-
-
-# How often a worker's clock is read again from the Redis server (ServerClock).
-SERVER_CLOCK_RESYNC_S = 10.0
-
-
-class ServerClock:
-    """The wall-clock time by the Redis server's clock (``TIME``), carried between readings
-    by this host's monotonic clock: the worker's clock (deadlines, claims, the times it
-    records, its heartbeat).
-
-    A deadline is a time on the clock of the system, not of the host that meets it: a
-    worker whose host's clock was stepped (an NTP step, a VM resumed) would expire jobs
-    that are not late, or run late ones, and write start and end times off by the step.
-    Read again every ``resync_s``; while Redis cannot answer, the last reading carries
-    on (this host's wall clock until the first).
-    """
-
-    def __init__(self, client: redis.Redis, resync_s: float = SERVER_CLOCK_RESYNC_S) -> None:
-        self.client = client
-        self.resync_s = resync_s
-        self._offset: float | None = None  # the server's time less this host's monotonic
-        self._read_at = float("-inf")
-
-    def __call__(self) -> float:
-        if time.monotonic() - self._read_at >= self.resync_s:
-            self._read()
-        if self._offset is None:
-            return time.time()
-        return time.monotonic() + self._offset
-
-    def _read(self) -> None:
-        self._read_at = time.monotonic()  # a failed reading waits resync_s too
-        try:
-            before = time.monotonic()
-            reply: Any = self.client.time()
-            after = time.monotonic()
-        except REDIS_ERRORS:
-            return
-        if isinstance(reply, dict):  # a cluster client's: one node's
-            reply = next(iter(reply.values()))
-        seconds, micros = reply
-        self._offset = seconds + micros / 1e6 - (before + after) / 2
 
 
 PlanT = TypeVar("PlanT")

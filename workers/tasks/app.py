@@ -31,7 +31,7 @@ from core.db import (
     make_sessionmaker,
 )
 from core.metrics import WEBHOOK_ATTEMPTS
-from core.redis_target import RedisTarget
+from core.redis_target import RedisTarget, ServerClock
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
@@ -197,6 +197,14 @@ def create_celery(settings: Settings) -> Celery:
 
     database = Database(settings.sqlalchemy_url)
     config = DeliveryConfig.from_settings(settings)
+    # Deliveries are due, leased, held and signed by the Redis server's clock, not this
+    # host's: a host clock stepped ahead would sign what receivers refuse as too new, and
+    # put every retry off by the step.
+    server_clock = ServerClock(RedisTarget.of(settings).client(decode_responses=True))
+
+    def now() -> dt.datetime:
+        return dt.datetime.fromtimestamp(server_clock(), dt.UTC)
+
     # Per receiver, across every Celery worker: how many attempts at once, and a hold on one
     # that stopped answering (its client connects at its first use).
     gate = HostGate(
@@ -206,6 +214,7 @@ def create_celery(settings: Settings) -> Celery:
         failures=settings.webhook_receiver_failures,
         hold_s=settings.webhook_receiver_hold_s,
         lease_s=settings.webhook_timeout_s + settings.webhook_lease_margin_s,
+        clock=server_clock,
     )
     # A queued attempt is not queued again before this: long enough for a
     # backlog to drain, short enough that a lost task costs little.
@@ -216,7 +225,7 @@ def create_celery(settings: Settings) -> Celery:
     # those early, after its visibility timeout).
     @app.task(name=DELIVER_TASK, shared=False, ignore_result=True)
     def _deliver(delivery_id: str) -> str | None:
-        outcome = attempt_delivery(database.sessions(), delivery_id, config, gate=gate)
+        outcome = attempt_delivery(database.sessions(), delivery_id, config, gate=gate, clock=now)
         if outcome is not None:
             WEBHOOK_ATTEMPTS.labels(outcome).inc()
         return outcome
@@ -226,7 +235,7 @@ def create_celery(settings: Settings) -> Celery:
         return dispatch_due(
             database.sessions(),
             lambda delivery_id: _deliver.apply_async(args=[delivery_id], retry=False),
-            dt.datetime.now(dt.UTC),
+            now(),
             hold_s,
         )
 
