@@ -103,17 +103,28 @@ class Submitter:
         return submission
 
     def submit_in_background(
-        self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
+        self,
+        bodies: list[dict[str, Any]],
+        threads: int = 6,
+        retry_s: float = 60.0,
+        rate_per_s: float | None = None,
+        stop: threading.Event | None = None,
     ) -> tuple[Submission, Future[None]]:
+        """Submit ``bodies`` on a thread of their own, all at once or, with ``rate_per_s``,
+        each at its time (until ``stop`` is set: those not sent by then never are)."""
         submission = Submission()
         pool = ThreadPoolExecutor(threads)
+        halt = stop or threading.Event()
 
         def all_of_them() -> None:
             started = time.monotonic()
-            futures = [
-                pool.submit(self.submit_one, body, submission, index, retry_s)
-                for index, body in enumerate(bodies)
-            ]
+            futures = []
+            for index, body in enumerate(bodies):
+                if rate_per_s is not None:
+                    due = started + index / rate_per_s - time.monotonic()
+                    if halt.wait(max(0.0, due)):
+                        break
+                futures.append(pool.submit(self.submit_one, body, submission, index, retry_s))
             for future in futures:
                 future.result()
             pool.shutdown()

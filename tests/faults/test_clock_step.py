@@ -8,7 +8,7 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -55,25 +55,9 @@ def stop() -> Iterator[threading.Event]:
 
 def paced(stack: Stack, stop: threading.Event) -> tuple[Submission, Future[None]]:
     """The jobs submitted at RATE_PER_S, in the background, each retried as a careful client."""
-    submission = Submission()
-    pool = ThreadPoolExecutor(4)
-
-    def all_of_them() -> None:
-        started = time.monotonic()
-        futures = []
-        for index, body in enumerate(bodies()):
-            if stop.wait(max(0.0, started + index / RATE_PER_S - time.monotonic())):
-                break
-            futures.append(pool.submit(stack.submitter.submit_one, body, submission, index, 60))
-        for future in futures:
-            future.result()
-        pool.shutdown()
-        submission.seconds = time.monotonic() - started
-
-    runner = ThreadPoolExecutor(1)
-    done = runner.submit(all_of_them)
-    runner.shutdown(wait=False)
-    return submission, done
+    return stack.submitter.submit_in_background(
+        bodies(), threads=4, retry_s=60, rate_per_s=RATE_PER_S, stop=stop
+    )
 
 
 class Presence:

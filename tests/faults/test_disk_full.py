@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -100,28 +100,9 @@ def paced() -> Iterator[Paced]:
     stop = threading.Event()
 
     def submit(stack: Stack, count: int, rate: float) -> tuple[Submission, Future[None]]:
-        bodies = tagged(sim_jobs(count))
-        submission = Submission()
-        pool = ThreadPoolExecutor(4)
-
-        def all_of_them() -> None:
-            started = time.monotonic()
-            futures = []
-            for index, body in enumerate(bodies):
-                if stop.wait(max(0.0, started + index / rate - time.monotonic())):
-                    break
-                futures.append(
-                    pool.submit(stack.submitter.submit_one, body, submission, index, 120)
-                )
-            for future in futures:
-                future.result()
-            pool.shutdown()
-            submission.seconds = time.monotonic() - started
-
-        runner = ThreadPoolExecutor(1)
-        done = runner.submit(all_of_them)
-        runner.shutdown(wait=False)
-        return submission, done
+        return stack.submitter.submit_in_background(
+            tagged(sim_jobs(count)), threads=4, retry_s=120, rate_per_s=rate, stop=stop
+        )
 
     yield submit
     stop.set()
