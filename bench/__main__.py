@@ -82,7 +82,7 @@ BENCHES = (
     ),
     Bench(
         "backfill", "bench.backfill", (),
-        ("--window", "2", "--alone", "1", "--lines", "1000", "--repeats", "1"), 4, smoke_s=20,
+        ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"), 4, smoke_s=20,
     ),
     Bench(
         "fairness", "bench.fairness", (),
