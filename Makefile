@@ -135,6 +135,15 @@ bench-smoke: $(STAMP)
 mutation: $(STAMP)
 	FERRY_BENCH_MAKE="make mutation" $(BIN)/python -m bench.mutation $(MUTATION_ARGS)
 
+# The fault-injection suite alone (tests/faults, as make test runs it), its figures
+# written to bench/results/faults.json and rendered into docs/reliability.md's fault
+# tables: about 8 minutes on 2 cores.
+.PHONY: faults
+faults: $(STAMP)
+	FERRY_FAULTS_RESULTS=bench/results/faults.json $(BIN)/python -m pytest tests/faults \
+		-n $(TEST_WORKERS) --dist loadgroup -p no:randomly -q
+	$(BIN)/python -m bench.render
+
 # The overload test at its full length (tests/faults/test_overload.py): a flood at ten
 # times the sim's capacity for 60 s beside urgent jobs (make test runs it for 20 s);
 # about 2 minutes. Prints the scenario's figures.

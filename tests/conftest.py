@@ -44,6 +44,13 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # others, so that the fault suite is not one worker's twelve minutes.
 XDIST_GROUPS = {
     "tests/faults/test_generation": "generation-faults",
+    # The longest of the others (a flood, a full disk, clocks stepped, a backfill killed):
+    # a second group beside the first, so that neither is a worker's ten minutes.
+    "tests/faults/test_backfill_kill": "faults-2",
+    "tests/faults/test_disk_full": "faults-2",
+    "tests/faults/test_overload": "faults-2",
+    "tests/faults/test_clock_step": "faults-2",
+    "tests/faults/test_api_crash": "faults-2",
     "tests/faults/": "faults",
     "tests/multihost/": "hosts",
     "tests/integration/test_cluster.py": "hosts",

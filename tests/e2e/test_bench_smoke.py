@@ -58,6 +58,8 @@ def test_every_benchmark_runs_for_seconds_and_renders(
     absent = {f"(no results file: {b.name}.json)" for b in BENCHES if b not in ran}
     # make mutation writes its own file (minutes of mutmut, never a smoke run).
     absent.add("(no results file: mutation.json)")
+    # make faults writes its own (the fault suite, never a smoke run).
+    absent.add("(no results file: faults.json)")
     # bench/gpu_check.sh's generation run writes its own, on a GPU (never a smoke run).
     absent.add("(no results file: generation_gpu.json)")
     for line in rendered.splitlines():

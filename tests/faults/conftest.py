@@ -25,7 +25,9 @@ tests in other processes.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
+import os
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -42,6 +44,8 @@ from harness.services import migrated_postgres_database, redis_server
 from harness.witness import install_transition_witness
 
 FIGURES_PROPERTY = "fault_figures"
+# Where `make faults` has the figures written as a results file (bench/results/faults.json).
+RESULTS_ENV = "FERRY_FAULTS_RESULTS"
 # What this process's tests counted (the JSON file), and what the reports it
 # received carried (the table: a pytest-xdist controller runs no test itself).
 COUNTED: list[Figures] = []
@@ -55,6 +59,27 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for name, value in report.user_properties:
         if name == FIGURES_PROPERTY:
             REPORTED.append(Figures(**json.loads(str(value))))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With FERRY_FAULTS_RESULTS set (`make faults`), every scenario's figures as a results
+    file, which bench/render.py renders into docs/reliability.md's fault tables."""
+    path = os.environ.get(RESULTS_ENV)
+    if not path or not REPORTED or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from bench.results import git_state, machine
+
+    failed = session.testsfailed
+    report = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": "make faults",
+        "smoke": False,
+        "git": git_state(),
+        "machine": machine(),
+        "settings": {"tests_failed": failed},
+        "scenarios": [asdict(f) for f in REPORTED],
+    }
+    Path(path).write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -93,6 +118,7 @@ def record(
     mine: list[Figures] = []
 
     def keep(figures: Figures) -> None:
+        figures.details["test"] = request.node.nodeid  # the rendered table's order
         mine.append(figures)
         print(f"\n{HEADER}\n{figures.row()}")
 

@@ -15,6 +15,8 @@ def test_a_grouped_file_s_tests_share_their_group_s_scope() -> None:
     # The more particular prefix first: the generation scenarios are a group of their own.
     for name in ("test_generation_faults.py", "test_generation_host_faults.py"):
         assert xdist_scope(f"tests/faults/{name}::test_g") == "generation-faults"
+    for name in ("test_overload.py", "test_disk_full.py", "test_clock_step_webhook.py"):
+        assert xdist_scope(f"tests/faults/{name}::test_h") == "faults-2"
     assert xdist_scope("tests/multihost/test_hosts.py::test_c") == "hosts"
     assert xdist_scope("tests/integration/test_cluster.py::test_d") == "hosts"
 
