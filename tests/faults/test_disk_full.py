@@ -177,7 +177,15 @@ def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_b
     details["readyz_while_full"] = (ready.status_code, ready.json()["checks"])
     details["reenqueued"] = stack.reenqueued(celery_worker)
     details["worker_retries"] = stack.count_logs(worker, "dependency error; retrying")
-    stack.assert_nothing_lost(accounting)
+    try:
+        stack.assert_nothing_lost(accounting)
+    except AssertionError as exc:
+        # The reconciler's side whole (its starts, connections, tasks), not only its errors.
+        celery = stack.tail(celery_worker, 6000)
+        raise AssertionError(
+            f"{exc}\n---- celery-worker ----\n{celery}\n---- celery-beat ----\n"
+            f"{stack.tail(beat, 3000)}"
+        ) from None
     # No process died; a batch written while its acknowledgement was refused is found
     # finished when read again, not run again: nothing is computed twice.
     stack.assert_computed_once(accounting)
