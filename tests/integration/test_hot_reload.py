@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from core.db import Job
+from core.db import Job, ModelActivation
 from core.keys import create_key
 from core.settings import Settings
 from core.versions import version_states
@@ -452,7 +452,10 @@ def test_a_version_that_loads_and_fails_every_batch_is_rolled_back_and_no_job_fa
     assert all(accepted_at[j] >= activated - 1.0 for j in tried)
     # Failed, with what it failed on, and 1 serves again on both workers (3 stays active:
     # the operator's activation is theirs to change).
-    assert bad["active"] and "no kernel image is available" in (bad["reason"] or ""), bad
+    with sessions() as session:
+        activated = session.get(ModelActivation, "echo")
+    assert activated is not None and activated.version == 3
+    assert "no kernel image is available" in (bad["reason"] or ""), bad
     assert "rolled back to version 1" in bad["reason"], bad
     assert after[1]["state"] == "ready" and after[1]["workers"] == 2, after[1]
 
