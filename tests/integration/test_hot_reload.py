@@ -453,8 +453,8 @@ def test_a_version_that_loads_and_fails_every_batch_is_rolled_back_and_no_job_fa
     # Failed, with what it failed on, and 1 serves again on both workers (3 stays active:
     # the operator's activation is theirs to change).
     with sessions() as session:
-        activated = session.get(ModelActivation, "echo")
-    assert activated is not None and activated.version == 3
+        activation = session.get(ModelActivation, "echo")
+    assert activation is not None and activation.version == 3
     assert "no kernel image is available" in (bad["reason"] or ""), bad
     assert "rolled back to version 1" in bad["reason"], bad
     assert after[1]["state"] == "ready" and after[1]["workers"] == 2, after[1]
