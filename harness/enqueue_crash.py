@@ -18,6 +18,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from harness import processes
+
 ENV = "FERRY_TEST_CRASH_BEFORE_ENQUEUE"
 
 
@@ -63,12 +65,6 @@ def committed_ids(trigger: Path) -> list[str] | None:
 
 def sitecustomize_dir(root: Path, repository_root: Path) -> Path:
     """A folder holding a sitecustomize that installs the crash; put it on PYTHONPATH."""
-    folder = root / "enqueue-crash-site"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        "import sys\n"
-        f"sys.path.append({str(repository_root)!r})\n"
-        "from harness.enqueue_crash import install\n\n"
-        "install()\n"
+    return processes.sitecustomize_dir(
+        root / "enqueue-crash-site", repository_root, "harness.enqueue_crash"
     )
-    return folder

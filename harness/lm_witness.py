@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import processes
+
 ENV = "FERRY_TEST_LM_WITNESS_DIR"
 # A call takes at least this long (as a larger model's would), so that a fault the
 # test aims at a generation lands while it runs, however fast the machine.
@@ -109,15 +111,9 @@ def _call(seq: int, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def sitecustomize_dir(root: Path, repository_root: Path) -> Path:
     """A folder holding a sitecustomize that installs the witness; put it on PYTHONPATH."""
-    folder = root / "lm-witness-site"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        "import sys\n"
-        f"sys.path.append({str(repository_root)!r})\n"
-        "from harness.lm_witness import install\n\n"
-        "install()\n"
+    return processes.sitecustomize_dir(
+        root / "lm-witness-site", repository_root, "harness.lm_witness"
     )
-    return folder
 
 
 @dataclass(frozen=True)

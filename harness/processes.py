@@ -136,6 +136,15 @@ class Processes:
     def count_logs(self, proc: Proc, *messages: str) -> int:
         return sum(1 for record in self.log_lines(proc) if record.get("msg") in messages)
 
+    def write_retries(self, workers: list[Proc]) -> dict[str, int]:
+        """By worker, the times it retried a result write or a step while the database was away."""
+        return {
+            w.name: self.count_logs(
+                w, "database unavailable; retrying the result write", "dependency error; retrying"
+            )
+            for w in workers
+        }
+
     def reenqueued(self, proc: Proc) -> int:
         """How many jobs the reconciler (in this Celery worker) re-enqueued."""
         return sum(
@@ -189,3 +198,16 @@ def wait_for(
     while not condition():
         assert time.monotonic() < until, f"timed out waiting for {what}"
         time.sleep(poll)
+
+
+def sitecustomize_dir(folder: Path, repository_root: Path, module: str) -> Path:
+    """``folder`` holding a sitecustomize that calls ``module``'s ``install()`` at the start of
+    every Python process whose PYTHONPATH it is on (a hook the code under test never sees)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"sys.path.append({str(repository_root)!r})\n"
+        f"from {module} import install\n\n"
+        "install()\n"
+    )
+    return folder

@@ -76,10 +76,5 @@ def test_a_database_outage_mid_run_loses_nothing_and_records_nothing_twice(
     assert proxy.severed > 0, details
     assert still_submitting and details["retried"], details
     assert stack.procs["api"].alive()
-    retries = {
-        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
-                                 "dependency error; retrying")
-        for w in workers
-    }  # fmt: skip
-    details["worker_retries"] = retries
+    details["worker_retries"] = retries = stack.write_retries(workers)
     assert all(retries.values()), f"the outage missed a worker: {retries}"

@@ -77,12 +77,7 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     details["submitting_at_kill"] = still_submitting
     details["answers_while_down"] = answers
     details["reenqueued"] = stack.reenqueued(celery_worker)
-    retries = {
-        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
-                                 "dependency error; retrying")
-        for w in workers
-    }  # fmt: skip
-    details["worker_retries"] = retries
+    details["worker_retries"] = retries = stack.write_retries(workers)
     # Everything was read from the promoted replica, the old primary being down.
     assert not primary.running()
     assert replica.query("SELECT pg_is_in_recovery()") == [(False,)]

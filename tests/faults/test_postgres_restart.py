@@ -72,12 +72,7 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     details["submitting_at_stop"] = still_submitting
     details["answers_while_down"] = answers
     details["reenqueued"] = stack.reenqueued(celery_worker)
-    retries = {
-        w.name: stack.count_logs(w, "database unavailable; retrying the result write",
-                                 "dependency error; retrying")
-        for w in workers
-    }  # fmt: skip
-    details["worker_retries"] = retries
+    details["worker_retries"] = retries = stack.write_retries(workers)
     stack.assert_nothing_lost(accounting)
     # No process died: a worker that waits for the database keeps its batch, so
     # nothing is computed twice.
