@@ -22,6 +22,12 @@ applies them:
    still prefilling, then urgent admissions, then the other sequences still
    prefilling, then the other admissions. A chunk holds at most
    ``prefill_chunk_tokens`` (0: a whole prompt, which must fit what is left).
+   The step's tokens are shared by weight too: while another tenant has a
+   request waiting in its lane or a higher one, a tenant's continuing
+   prefills take at most its share of what is left for prefills (see rule 4
+   for shares), so a flood of long prompts cannot crowd the others'
+   admissions out of a step; what the admissions leave is lent back to the
+   prefills held back, before the requests passed over in rule 4.
 4. Admission in waiting order (:meth:`~scheduler.generation_queue.WaitingQueue.order`:
    lane, preempted first, tenants in turn, deadline, arrival), each one only
    when a running slot, its chunk and *every block it can ever need*
@@ -273,9 +279,11 @@ class GenerationScheduler:
         self._shares = self._shares_now()
         self._continue_prefills(draft, urgent=True)
         admitting = self._admit(draft, urgent=True)
-        self._continue_prefills(draft, urgent=False)
+        held_back = self._continue_prefills(draft, urgent=False, shared=True)
         if admitting:
-            self._admit(draft, urgent=False)
+            self._admit(draft, urgent=False, held_back=held_back)
+        elif held_back:
+            self._continue_prefills(draft, urgent=False)
         tokens = sum(chunk.length for chunk in draft.chunks) + len(draft.decoders)
         predicted_s = self.predicted_step_s(tokens)
         # Not admitted now, its first step cannot start before this one ends.
@@ -308,22 +316,53 @@ class GenerationScheduler:
             self._weights = {t: w for t, w in self._weights.items() if t in live}
         return plan
 
-    def _continue_prefills(self, draft: _Draft, urgent: bool) -> None:
+    def _continue_prefills(self, draft: _Draft, urgent: bool, shared: bool = False) -> bool:
+        """Plan the next chunk of each running sequence still prefilling (urgent ones, or
+        the others); a sequence that has a chunk already is given more of what is left.
+
+        ``shared``: while another tenant has a request waiting in its lane or a higher
+        one, a tenant's chunks take at most its share of the budget left for prefills
+        (rule 3), so that a flood of long prompts cannot crowd the others' admissions out
+        of the step. True when a chunk was held back by that (it is lent what is left
+        once the admissions are planned)."""
+        shares = self._shares
+        available = draft.budget
+        taken: dict[str, int] = {}  # tenant -> prefill tokens this pass, while shared
+        held_back = False
         for sequence in self._running.values():
             if (
-                sequence.prefilling
-                and (sequence.lane is Lane.URGENT) == urgent
-                and sequence.id not in draft.moved
+                not sequence.prefilling
+                or (sequence.lane is Lane.URGENT) != urgent
+                or sequence.id in draft.moved  # admitted this step: it has its chunk
             ):
+                continue
+            tenant = sequence.request.tenant
+            if (
+                shared
+                and shares is not None
+                and self._waiting.others_waiting(tenant, sequence.rank)
+            ):
+                share = max(1, int(shares.fraction.get(tenant, 1.0) * available))
+                cap = max(0, share - taken.get(tenant, 0))
+                whole = self._chunk_length(sequence, draft.budget) - self._planned(sequence, draft)
+                made = self._chunk(sequence, draft, cap)
+                taken[tenant] = taken.get(tenant, 0) + made
+                held_back |= made < whole
+            else:
                 self._chunk(sequence, draft)
+        return held_back
 
-    def _admit(self, draft: _Draft, urgent: bool) -> bool:
+    def _admit(self, draft: _Draft, urgent: bool, held_back: bool = False) -> bool:
         """Admit in waiting order (urgent ones only, or the others); False once one did not
         fit, so that nothing behind it is admitted this step. Requests past their tenant's
-        share are passed over (rule 4); when everything else was admitted, they are lent
-        what is left, in the same order."""
+        share are passed over (rule 4); when everything else was admitted, prefills
+        ``held_back`` at their tenant's share of the step (rule 3) are lent what is left,
+        then the requests passed over, in the same order."""
         passed: set[str] = set()  # tenants at their share this step
-        if not self._walk(draft, urgent, passed):
+        admitted = self._walk(draft, urgent, passed)
+        if held_back:
+            self._continue_prefills(draft, urgent)
+        if not admitted:
             return False
         return self._walk(draft, urgent, None) if passed else True
 
@@ -440,13 +479,37 @@ class GenerationScheduler:
             return todo if todo <= budget else 0
         return min(todo, self.limits.prefill_chunk_tokens, budget)
 
-    def _chunk(self, sequence: SequenceState, draft: _Draft) -> None:
-        length = self._chunk_length(sequence, draft.budget)
-        if length <= 0:
-            return
-        last = sequence.computed + length == sequence.known
-        draft.chunks.append(Chunk(sequence.id, sequence.computed, length, last))
-        draft.budget -= length
+    @staticmethod
+    def _planned(sequence: SequenceState, draft: _Draft) -> int:
+        """Tokens of ``sequence``'s chunk planned in this step so far."""
+        return next((c.length for c in draft.chunks if c.id == sequence.id), 0)
+
+    def _chunk(self, sequence: SequenceState, draft: _Draft, cap: int | None = None) -> int:
+        """Plan ``sequence``'s chunk of this step, or lengthen the one it has, taking at
+        most ``cap`` more tokens of the budget (None: the budget); the tokens it took."""
+        budget = draft.budget if cap is None else min(cap, draft.budget)
+        index = next((i for i, c in enumerate(draft.chunks) if c.id == sequence.id), None)
+        if index is None:
+            length = self._chunk_length(sequence, budget)
+            if length <= 0:
+                return 0
+            last = sequence.computed + length == sequence.known
+            draft.chunks.append(Chunk(sequence.id, sequence.computed, length, last))
+            draft.budget -= length
+            return length
+        chunk = draft.chunks[index]
+        if self.limits.prefill_chunk_tokens == 0:
+            return 0  # whole prompts: its chunk is whole already
+        more = min(
+            sequence.known - chunk.end, self.limits.prefill_chunk_tokens - chunk.length, budget
+        )
+        if more <= 0:
+            return 0
+        end = chunk.end + more
+        draft.chunks[index] = Chunk(chunk.id, chunk.start, chunk.length + more,
+                                    end == sequence.known)  # fmt: skip
+        draft.budget -= more
+        return more
 
     def _fits(self, sequence: SequenceState, draft: _Draft) -> bool:
         return (

@@ -660,8 +660,13 @@ def test_the_queue_walks_the_waiting_order(seed: int) -> None:
     queue = WaitingQueue()
     for n in range(300):
         deadline = rng.choice([None, float(rng.randrange(5))])
-        request = req(f"r{n}", lane=rng.choice([U, V, N, B]), tenant=rng.choice("abcd"),
-                      deadline=deadline, arrival=float(rng.randrange(20)))  # fmt: skip
+        request = req(
+            f"r{n}",
+            lane=rng.choice([U, V, N, B]),
+            tenant=rng.choice("abcd"),
+            deadline=deadline,
+            arrival=float(rng.randrange(20)),
+        )
         sequence = SequenceState(request, request.lane)
         if rng.random() < 0.1:  # preempted: it ran before
             sequence.first_admitted = sequence.admitted_at = rng.randrange(1000)
@@ -785,6 +790,31 @@ def test_a_tenants_first_tokens_under_anothers_flood_come_as_when_the_engine_is_
     assert flooded[-1] <= 1.5 * idle[-1] + 1, (idle, flooded)
 
 
+@pytest.mark.parametrize("flood_prompt", [8, 120], ids=["short-prompts", "long-prompts"])
+def test_a_tenants_first_tokens_stay_near_idle_under_a_flood_at_fifty_times_its_rate(
+    flood_prompt: int,
+) -> None:
+    # "b" sends a short generation every 25 steps; "a" two long ones every step, 50 times
+    # b's rate (with long prompts, a's prefills alone would fill every step).
+    short = {50 + 25 * i: [req(f"b{i}", prompt=8, max_tokens=8, tenant="b")] for i in range(12)}
+    flood: dict[int, list[GenerationRequest]] = {
+        step: [
+            req(f"a{step}-{k}", prompt=flood_prompt, max_tokens=40, tenant="a") for k in range(2)
+        ]
+        for step in range(400)
+    }
+    limits = FAIR | {"kv_blocks": 256}
+
+    def ttft(arrivals: Mapping[int, list[GenerationRequest]]) -> list[int]:
+        arrived, first, _ = drive(make(**limits), arrivals, 400)
+        return sorted(first[id] - arrived[id] for id in arrived if id.startswith("b"))
+
+    idle = ttft(short)
+    flooded = ttft({step: short.get(step, []) + flood[step] for step in range(400)})
+    assert len(flooded) == len(idle) == 12
+    assert flooded[-1] <= 1.5 * idle[-1], (idle, flooded)
+
+
 def test_two_flooding_tenants_hold_the_pool_by_their_weights() -> None:
     # Both flood at once, "a" with weight 3 and "b" with 1: while both wait, a holds about
     # three quarters of the blocks held (48 of 64: three requests of 16 blocks to b's one).
@@ -800,3 +830,31 @@ def test_two_flooding_tenants_hold_the_pool_by_their_weights() -> None:
     shares = [h.get("a", 0) / sum(h.values()) for h in held[10:400] if sum(h.values())]
     mean = sum(shares) / len(shares)
     assert abs(mean - 0.75) <= 0.1 * 0.75, mean
+
+
+def test_a_floods_long_prompts_take_only_its_share_of_a_step_while_another_tenant_waits() -> None:
+    # "a" runs four sequences prefilling 200-token prompts, 32 a chunk: they fill a 128-token
+    # step. "b" arrives with a 16-token prompt: by equal weights a's prefills are held to half
+    # of the step while b waits, so b is admitted and prefilled in the very next step, and
+    # nothing of a's is preempted for it (a holds less than its share of blocks and slots).
+    scheduler = make(kv_blocks=1000, max_running=16, step_tokens=128, prefill_chunk_tokens=32)
+    four = tuple(req(f"a{i}", prompt=200, tenant="a") for i in range(4))
+    plan = run(scheduler, (Step(add=four),))
+    assert len(plan.admitted) == 4 and plan.tokens == 128
+    plan = run(scheduler, (Step(now=1.0, add=(req("b0", prompt=16, tenant="b"),)),))
+    assert plan.admitted == ("b0",) and plan.sampling == ("b0",)  # its first token, at once
+    assert not plan.preempted
+    by_tenant = {t: sum(c.length for c in plan.prefill if c.id[0] == t) for t in "ab"}
+    # a's 64, then what b left of the step lent back to a's prefills: the step is full.
+    assert by_tenant == {"a": 112, "b": 16}, plan.prefill
+    assert all(c.length <= 32 for c in plan.prefill)
+
+
+def test_with_nobody_else_waiting_a_tenants_prefills_take_the_whole_step() -> None:
+    scheduler = make(kv_blocks=400, max_running=16, step_tokens=128, prefill_chunk_tokens=32)
+    run(scheduler, (Step(add=tuple(req(f"a{i}", prompt=200, tenant="a") for i in range(4))),))
+    run(scheduler, (Step(now=1.0, add=(req("b0", prompt=4, max_tokens=50, tenant="b"),)),))
+    # b runs (nothing of its waits): a's prefills are not held to a share.
+    plan = run(scheduler, (Step(now=2.0),))
+    assert plan.decode == ("b0",)
+    assert sum(c.length for c in plan.prefill) == 127
