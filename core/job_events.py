@@ -19,7 +19,7 @@ row instead. Malformed entries raise :class:`ProtocolError`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,30 +105,56 @@ class JobEvent:
 # mid-step can have its writes arrive once the link is back (TCP sends them again, even
 # after the client gave up on them), when another worker has taken the job over and
 # streamed on, or finished it: the token would be in the stream twice, or after the end.
-# KEYS: the events stream; ARGV: the token's index, then the event's fields.
-_APPEND_TOKEN = """
-local newest, top = -1, '+'
-repeat
-  local page = redis.call('XREVRANGE', KEYS[1], top, '-', 'COUNT', 4)
-  local found = false
-  for _, entry in ipairs(page) do
-    local f, kind, index = entry[2], nil, nil
-    for i = 1, #f, 2 do
-      if f[i] == 'k' then kind = f[i + 1] elseif f[i] == 'i' then index = f[i + 1] end
+# newest(key): the index of the stream's last token (-1: none yet), nil once it ended.
+_NEWEST = """
+local function newest(key)
+  local top = '+'
+  repeat
+    local page = redis.call('XREVRANGE', key, top, '-', 'COUNT', 4)
+    for _, entry in ipairs(page) do
+      local f, kind, index = entry[2], nil, nil
+      for i = 1, #f, 2 do
+        if f[i] == 'k' then kind = f[i + 1] elseif f[i] == 'i' then index = f[i + 1] end
+      end
+      if kind == 'done' then return nil end
+      if kind == 'token' then return tonumber(index) end
     end
-    if kind == 'done' then return 0 end
-    if kind == 'token' then newest, found = tonumber(index), true break end
-  end
-  if found or #page < 4 then break end
-  top = '(' .. page[#page][1]
-until false
-if newest ~= tonumber(ARGV[1]) - 1 then return 0 end
+    if #page < 4 then return -1 end
+    top = '(' .. page[#page][1]
+  until false
+end
+"""
+# KEYS: the events stream; ARGV: the token's index, then the event's fields.
+_APPEND_TOKEN = (
+    _NEWEST
+    + """
+if newest(KEYS[1]) ~= tonumber(ARGV[1]) - 1 then return 0 end
 redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
 return 1
 """
-
-
-_APPEND_TOKEN_SHA = hashlib.sha1(_APPEND_TOKEN.encode()).hexdigest()
+)
+# A step's tokens in one call. KEYS: the events streams; ARGV: for each, the token's index,
+# the token and its text. For each, 1 if appended, else 0.
+_APPEND_TOKENS = (
+    _NEWEST
+    + """
+local appended = {}
+for n = 1, #KEYS do
+  local index, token, text = ARGV[3 * n - 2], ARGV[3 * n - 1], ARGV[3 * n]
+  if newest(KEYS[n]) == tonumber(index) - 1 then
+    redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text)
+    appended[n] = 1
+  else
+    appended[n] = 0
+  end
+end
+return appended
+"""
+)
+_SCRIPTS = {
+    hashlib.sha1(script.encode()).hexdigest(): script for script in (_APPEND_TOKEN, _APPEND_TOKENS)
+}
+_APPEND_TOKEN_SHA, _APPEND_TOKENS_SHA = _SCRIPTS
 
 
 def append_token(target: redis.Redis | redis.client.Pipeline, key: str, event: JobEvent) -> Any:
@@ -140,29 +166,53 @@ def append_token(target: redis.Redis | redis.client.Pipeline, key: str, event: J
     Cluster, whose nodes may not know it."""
     assert event.kind == "token" and event.index is not None
     fields = [part for pair in event.encode().items() for part in pair]
+    return _call(target, _APPEND_TOKEN_SHA, [key], [event.index, *fields])
+
+
+def append_tokens(
+    target: redis.Redis | redis.client.Pipeline, tokens: Sequence[tuple[str, JobEvent]]
+) -> Any:
+    """Append each ``(key, event)`` token as :func:`append_token` does, a step's in one
+    script call (a list of 1 and 0); on a pipeline, queued. To a Cluster, one call each
+    (the keys of one call must share a slot)."""
+    if not tokens:
+        return []
     if is_cluster(target):
-        return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
-    call = ("EVALSHA", _APPEND_TOKEN_SHA, 1, key, event.index, *fields)
+        return [append_token(target, key, event) for key, event in tokens]
+    keys, args = [], []
+    for key, event in tokens:
+        assert event.kind == "token" and event.index is not None
+        keys.append(key)
+        args += [event.index, event.token, event.text or ""]
+    return _call(target, _APPEND_TOKENS_SHA, keys, args)
+
+
+def _call(
+    target: redis.Redis | redis.client.Pipeline, sha: str, keys: list[str], args: list[Any]
+) -> Any:
+    if is_cluster(target):
+        return target.execute_command("EVAL", _SCRIPTS[sha], len(keys), *keys, *args)
     if isinstance(target, redis.client.Pipeline):
-        return target.execute_command(*call)
+        return target.execute_command("EVALSHA", sha, len(keys), *keys, *args)
     try:
-        return target.execute_command(*call)
+        return target.execute_command("EVALSHA", sha, len(keys), *keys, *args)
     except NoScriptError:
-        return target.execute_command("EVAL", _APPEND_TOKEN, 1, key, event.index, *fields)
+        return target.execute_command("EVAL", _SCRIPTS[sha], len(keys), *keys, *args)
 
 
 def run_appends(client: redis.Redis, pipe: redis.client.Pipeline) -> list[Any]:
-    """Run a pipeline of ``client``'s holding :func:`append_token` calls; those Redis did not
-    know the script for (it restarted, failed over or was flushed) are sent again whole, in
-    order. Raises the first error, as ``pipe.execute()`` does."""
+    """Run a pipeline of ``client``'s holding :func:`append_token` or :func:`append_tokens`
+    calls; those Redis did not know the script for (it restarted, failed over or was
+    flushed) are sent again whole, in order. Raises the first error, as ``pipe.execute()``
+    does."""
     if is_cluster(pipe):
         return list(pipe.execute())
     queued = [args for args, _options in pipe.command_stack]
     results = list(pipe.execute(raise_on_error=False))
     for i, result in enumerate(results):
         if isinstance(result, NoScriptError):
-            _, _sha, *rest = queued[i]
-            results[i] = client.execute_command("EVAL", _APPEND_TOKEN, *rest)
+            _, sha, *rest = queued[i]
+            results[i] = client.execute_command("EVAL", _SCRIPTS[sha], *rest)
     for result in results:
         if isinstance(result, Exception):
             raise result

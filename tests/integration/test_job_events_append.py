@@ -1,4 +1,4 @@
-"""core.job_events.append_token on a real Redis: a token event lands only where it comes next.
+"""core.job_events.append_token(s) on a real Redis: a token event lands only where it comes next.
 
 A worker cut off from Redis mid-step can have its token writes arrive late
 (TCP sends them again once the link is back), after another worker took the
@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from core.job_events import JobEvent, append_token, run_appends
+from core.job_events import JobEvent, append_token, append_tokens, run_appends
 from core.streams import events_key
 from harness.ports import free_port
 from harness.processes import wait_for
@@ -81,6 +81,45 @@ def test_a_redis_that_forgot_the_script_still_takes_the_tokens(tmp_path: Path) -
         assert indices(client, key) == [0, 1, 2]
         client.script_flush()
         assert append_token(client, key, token(3)) == 1
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_steps_tokens_in_one_call_land_as_each_alone_would(
+    redis_client: redis.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    first, second, ended = (events_key(key_prefix, "tiny", job) for job in ("a", "b", "c"))
+    redis_client.xadd(ended, JobEvent.done("cancelled", "cancelled").encode())  # type: ignore[arg-type]
+    # Two of a's in order, a duplicate of the second, b's from the future, a token after c's end.
+    calls = [(first, token(0)), (first, token(1)), (first, token(1)), (second, token(2)),
+             (ended, token(0))]  # fmt: skip
+    assert append_tokens(redis_client, calls) == [1, 1, 0, 0, 0]
+    assert indices(redis_client, first) == [0, 1]
+    assert redis_client.exists(second) == 0 and redis_client.xlen(ended) == 1
+    events: Any = redis_client.xrange(first)
+    assert [JobEvent.decode(f) for _, f in events] == [token(0), token(1)]  # fields as one's
+    assert append_tokens(redis_client, []) == []
+
+
+def test_a_redis_that_forgot_the_steps_script_still_takes_its_tokens(tmp_path: Path) -> None:
+    port = free_port()
+    server = redis_with_conf(redis_server(), tmp_path / "redis", port, [])
+    client = redis.Redis(port=port, decode_responses=True)
+    try:
+        wait_for("a Redis of the test's own", client.ping, 10, 0.05)
+        key = events_key("forgot", "tiny", "job")
+        pipe = client.pipeline(transaction=False)
+        append_tokens(pipe, [(key, token(0)), (key, token(1))])
+        pipe.xlen(key)
+        # Never loaded: NOSCRIPT, sent again whole after the pipeline (the XLEN ran before).
+        assert run_appends(client, pipe) == [[1, 1], 0]
+        client.script_flush()
+        pipe = client.pipeline(transaction=False)
+        append_tokens(pipe, [(key, token(2)), (key, token(2))])
+        assert run_appends(client, pipe) == [[1, 0]]
+        assert indices(client, key) == [0, 1, 2]
     finally:
         client.close()
         server.terminate()
