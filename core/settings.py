@@ -193,6 +193,15 @@ class Settings(BaseSettings):
     events_ttl_s: float = Field(3600.0, gt=0)
     """How long a job's events stream (its tokens, for GET /v1/jobs/{id}/events) is kept after
     its last event; a client that comes back later reads the job's result instead."""
+    checkpoint_every_tokens: int = Field(1, ge=1)
+    """A running generation's tokens go to its events stream (what a streaming client reads,
+    and its checkpoint: a worker taking the job over goes on from it) once it has this many not
+    yet written, or `checkpoint_every_ms` after the last write, whichever comes first; a job's
+    first token and its last go at once. A worker that dies loses at most the tokens not yet
+    written. 1: every step's tokens in that step."""
+    checkpoint_every_ms: float = Field(0.0, ge=0)
+    """See `checkpoint_every_tokens`: with, say, 1000 tokens and 50 ms, a worker writes its
+    tokens every 50 ms, one call for all of them, and streaming clients get them that often."""
     progress_every_s: float = Field(5.0, ge=0.5)
     """A running generation whose job asked for progress webhooks (callback_events) gets one at
     most this often, while it makes tokens."""

@@ -41,10 +41,11 @@ from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent, append_token, run_appends
+from core.job_events import JobEvent
 from core.streams import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
 from scheduler.vocabulary import Lane
+from workers.gpu.checkpoint import TokenWriter
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.engine import GenerationEngine, StepEvents
 from workers.gpu.generation_signals import GenerationSignals
@@ -96,6 +97,8 @@ class GenerationConfig:
     progress_every_s: float = 5.0  # a job's progress webhooks (when it asked), at most this often
     drain_s: float = 30.0  # stopping: how long the running generations may take to finish
     pipeline: bool = False  # record what ended on a thread of its own while the next steps run
+    checkpoint_every_tokens: int = 1  # a job's tokens to its stream once it has this many
+    checkpoint_every_ms: float = 0.0  # ... or this long after the last write
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,19 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             else None
         )
         self._recorded: Future[list[str]] | None = None
+        # The tokens to their events streams (the checkpoint): pipelined, on a thread of
+        # their own while the next step computes.
+        self.writer = TokenWriter(
+            client,
+            config.checkpoint_every_tokens,
+            config.checkpoint_every_ms,
+            config.pipeline,
+            consumer.model,
+        )
         self.publisher = Publisher(client, prefix, consumer.model, consumer.consumer, clock)
         self.tokens = 0
         self._last_touch = time.monotonic()
+        self._took_over = False  # the last upkeep took entries over: read without waiting
         self._last_cancel_check = 0.0
         self._stopping = False
         # Hot reload: when set, the loop switches to the versions it loads.
@@ -218,7 +231,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
 
     def close(self) -> None:
         """What ended is recorded before the worker stops."""
+        with contextlib.suppress(*OUTAGES):
+            self.writer.write()  # the tokens of generations still held, for whoever goes on
         self._settle_recording()
+        self.writer.close()
         if self._recording is not None:
             self._recording.shutdown(wait=True)
         if self.versions is not None:
@@ -229,7 +245,9 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         # a job read again before its result is committed would run again.
         self._settle_recording()
         # Whatever the failure interrupted (a plan scheduled and not reported, a claim
-        # half done), the engine starts afresh: everything held is read again.
+        # half done), the engine starts afresh: everything held is read again, and goes
+        # on from its stream (tokens not yet written are made again).
+        self.writer.discard()
         self.engine.reset()
         self.held.clear()
         self.consumer.reread_pending()
@@ -237,13 +255,15 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     # --- a step ----------------------------------------------------------------
 
     def upkeep(self) -> None:
-        if self._recorded is not None and self._recorded.done():
-            self._wait_recorded()  # a recording that failed is heard of now, even when idle
+        if self.writer.done() or (self._recorded is not None and self._recorded.done()):
+            self._wait_recorded()  # a write that failed is heard of now, even when idle
         self.publisher.heartbeat()
         self._upkeep()
         self._follow_version()
 
     def read(self, block_ms: int | None) -> None:
+        if self._took_over:
+            block_ms, self._took_over = None, False
         if not self._stopping and self._switching is None:
             self._read(block_ms)
 
@@ -444,7 +464,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.held.pop(entry.message.job_id, None)
         room = self.config.prefetch - len(self.held)
         if room > 0 and self._switching is None:
+            before = len(self.held)
             self._take(self.consumer.reclaim(int(self.config.visibility_timeout_s * 1000), room))
+            # Taken over: it runs this step, not after the idle wait the last step set.
+            self._took_over = len(self.held) > before
 
     # --- versions ------------------------------------------------------------------
 
@@ -541,21 +564,23 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     def _apply(self, events: StepEvents) -> None:
         now = self.clock()
         if events.emitted:
-            pipe = self.client.pipeline(transaction=False)
+            first = False
             for job_id, emitted in events.emitted.items():
                 held = self.held.get(job_id)
                 if held is None or not held.claimed:
                     continue  # not this worker's to stream (its claim was refused)
                 if held.first_token_s is None:
                     held.first_token_s = now
+                    first = True  # its client waits for it: written in this step
                 held.last_token_s = now
                 key = events_key(self.prefix, self.model, job_id)
                 if held.tokens >= held.streamed:  # not already streamed by a worker before
                     event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
-                    append_token(pipe, key, event)
-                self._renew_expiry(pipe, key, held, now)
+                    self.writer.add(key, event)
+                if self._expiry_due(held, now):
+                    self.writer.expire(key, max(1, int(self.config.events_ttl_s)))
                 held.tokens += 1
-            run_appends(self.client, pipe)
+            self.writer.step(urgent=first)
             self.tokens += len(events.emitted)
             self._progress(now)
         if events.ended:
@@ -592,12 +617,14 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         if deliveries:
             self._kick(deliveries)
 
-    def _renew_expiry(self, pipe: redis.client.Pipeline, key: str, held: _Held, now: float) -> None:
-        """Set the stream's expiry when it has none of ours yet or a quarter of it has passed."""
+    def _expiry_due(self, held: _Held, now: float) -> bool:
+        """Whether the job's stream is due its expiry: none of ours yet, or a quarter of it
+        has passed (then it counts as set now)."""
         ttl_s = self.config.events_ttl_s
         if held.expiry_set_s is None or now - held.expiry_set_s >= ttl_s * TTL_RENEW_FRACTION:
-            pipe.expire(key, max(1, int(ttl_s)))
             held.expiry_set_s = now
+            return True
+        return False
 
     def _claim(self, job_ids: list[str], now: float) -> None:
         claimed, late, exhausted = self.recorder.claim(
@@ -614,7 +641,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             held.started_s = now
             key = events_key(self.prefix, self.model, job_id)
             pipe.xadd(key, JobEvent.running().encode())  # type: ignore[arg-type]
-            self._renew_expiry(pipe, key, held, now)
+            if self._expiry_due(held, now):
+                pipe.expire(key, max(1, int(self.config.events_ttl_s)))
         pipe.execute()
         started = self.recorder.take_outbox()  # the job.started webhooks of the claim
         if started:
@@ -685,21 +713,32 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.held.pop(job_id, None)
         if not outcomes:
             return
+        self.writer.write()  # a job's done event follows its last tokens
         if self._recording is None:
             self._write(outcomes, entries)
             return
         try:
-            self._wait_recorded()
+            self._wait_recording()
         finally:
             # Handed over even when the last recording failed: these jobs ended, and
-            # their own recording may well succeed.
-            self._recorded = self._recording.submit(self._write, outcomes, entries)
+            # their own recording may well succeed. Their last tokens may still be on
+            # their way to the streams: the recording waits for them.
+            self._recorded = self._recording.submit(
+                self._write, outcomes, entries, self.writer.in_flight
+            )
 
-    def _wait_recorded(self) -> None:
-        """Until the recording in flight is done; re-raises what it raised."""
+    def _wait_recording(self) -> None:
         if self._recorded is not None:
             recorded, self._recorded = self._recorded, None
             recorded.result()
+
+    def _wait_recorded(self) -> None:
+        """Until the appends and the recording in flight are done; re-raises what they
+        raised."""
+        try:
+            self.writer.wait()
+        finally:
+            self._wait_recording()
 
     def _settle_recording(self) -> None:
         """Wait for the recording in flight; one that failed leaves its jobs to run again."""
@@ -711,8 +750,13 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 extra={"model": self.model, "error_type": type(exc).__name__},
             )
 
-    def _write(self, outcomes: list[Outcome], entries: list[Entry]) -> list[str]:
-        """Commit the outcomes, write their done events, acknowledge, announce."""
+    def _write(
+        self, outcomes: list[Outcome], entries: list[Entry], after: Future[Any] | None = None
+    ) -> list[str]:
+        """Commit the outcomes, write their done events, acknowledge, announce; ``after``:
+        the appends of the jobs' last tokens, done first (a done event follows the tokens)."""
+        if after is not None:
+            after.result()
         written = self.recorder.finish(outcomes, utc_at(self.clock()), None, None)
         won = set(written)
         pipe = self.client.pipeline(transaction=False)

@@ -108,6 +108,8 @@ def build_generation_loop(
             progress_every_s=own.progress_every_s,
             drain_s=own.worker_drain_s,
             pipeline=own.pipeline,
+            checkpoint_every_tokens=own.checkpoint_every_tokens,
+            checkpoint_every_ms=own.checkpoint_every_ms,
         ),
         kick=DeliveryKicker(target, own.key_prefix),
         clock=ServerClock(client),
