@@ -123,6 +123,8 @@ BENCHES = (
     Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1, smoke_s=4),
     Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=6),
     Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=14),
+    Bench("generation_promises", "bench.generation_promises", (), ("--smoke",), 6, smoke_s=10),
+    Bench("generation_resume", "bench.generation_resume", (), ("--smoke",), 1, smoke_s=21),
     Bench(
         "oip", "bench.oip", (),
         ("--clients", "4", "--warmup", "0", "--duration", "1", "--rounds", "1"), 2, smoke_s=13,

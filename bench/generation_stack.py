@@ -114,7 +114,9 @@ def build(args: argparse.Namespace, root: Path) -> tuple[Model, int]:
 class InProcess:
     """The folder loaded here as the worker loads it, stepped by the engine."""
 
-    def __init__(self, model: Model, threads: int) -> None:
+    def __init__(
+        self, model: Model, threads: int, device: str = "cpu", precision: str = "fp32"
+    ) -> None:
         from backends.base import RuntimeOptions
         from backends.generation import CausalLMRuntime, GenerationSettings
 
@@ -124,7 +126,7 @@ class InProcess:
             prefill_chunk_tokens=model.prefill_chunk_tokens,
             kv_cache_bytes=model.kv_cache_bytes,
         )
-        options = RuntimeOptions(device="cpu", precision="fp32", cpu_threads=threads)
+        options = RuntimeOptions(device=device, precision=precision, cpu_threads=threads)
         self.runtime = CausalLMRuntime(MODEL, model.folder, settings, options)
         self.runtime.load()
         if self.runtime.execution != "step" or self.runtime.runner.eos_ids:

@@ -1510,6 +1510,116 @@ def render_generation_stack(results: Results) -> list[str]:
     ]  # fmt: skip
 
 
+def render_generation_promises(results: Results) -> list[str]:
+    doc = results["generation_promises"]
+    s, m, shape = doc["settings"], doc["settings"]["model"], doc["settings"]["shape"]
+    ms = number(0, " ms")
+
+    def fig(name: str, fmt: Fmt, *keys: str, bold: bool = False) -> str:
+        found: Any = doc[name]
+        for key in keys:
+            found = found[key]
+        return Figure.summary(found).text(fmt, bold)
+
+    gain = Figure.summary(doc["urgent_ttft_gain"])
+    ratio = Figure.summary(doc["light_ttft_p99_ratio"])
+    share = Figure.summary(doc["heavy_kv_share"])
+    cost = Figure.summary(doc["checkpoint_cost"])
+    spaced = Figure.summary(doc["checkpoint_cost_every_50_ms"])
+    preempted = doc["preempted_jobs"]
+    rows = [
+        [
+            f"urgent TTFT p99, the running batch full of bulk generations "
+            f"({shape['bulk_running']} of {shape['bulk']}, {shape['bulk_tokens']} tokens each)",
+            f"{fig('urgent_ttft_p99_ms', ms, 'preemption', bold=True)} with preemption, "
+            f"{fig('urgent_ttft_p99_ms', ms, 'no_preemption')} without: "
+            f"{gain.text(times(1))} sooner",
+            "within a few steps",
+        ],
+        [
+            "the bulk jobs it preempted",
+            f"{preempted} preempted in all, each ended {fig('preempted_delay_p50_ms', ms)} "
+            f"later at the median; {doc['preempted_outputs_equal']} of {preempted} with the "
+            f"tokens they make unpreempted, {doc['restarted_from_zero']} restarted from zero"
+            if preempted
+            else "none was preempted",
+            "same tokens, 0 restarted",
+        ],
+        [
+            f"a light key's TTFT p99 beside a flood at {shape['flood_factor']:g}× its rate "
+            f"({shape['flood_tokens']}-token generations)",
+            f"{fig('light_ttft_p99_ms', ms, 'idle')} idle, "
+            f"{fig('light_ttft_p99_ms', ms, 'flood')} flooded: "
+            f"{ratio.text(times(2), bold=True)} (in steps: "
+            f"{fig('light_ttft_p99_steps', number(), 'idle')} and "
+            f"{fig('light_ttft_p99_steps', number(), 'flood')}; a flooded step takes "
+            f"{fig('step_ms_ratio', times(1))} an idle one)",
+            f"≤ 1.5× ({'met' if ratio.meets(1.5, False) else 'not met'})",
+        ],
+        [
+            "the heavier key's share of the KV blocks held, weights 3 and 1, both backlogged",
+            f"{share.text(percent(1), bold=True)} (of the step tokens: "
+            f"{fig('heavy_token_share', percent(1))})",
+            f"75 % ± 10 % ({'met' if share.low >= 0.675 and share.high <= 0.825 else 'not met'})",
+        ],
+        [
+            "the checkpoint's writes (the tokens to their events streams), in tokens/s",
+            f"{cost.text(percent(1), bold=True)} fewer by default (every step's, on the "
+            f"writer's thread), {fig('checkpoint_cost_in_loop', percent(1))} in the loop, "
+            f"{spaced.text(percent(1), bold=True)} every 50 ms",
+            f"≤ 5 % (by default: {'met' if cost.meets(0.05, False) else 'not met'}; "
+            f"every 50 ms: {'met' if spaced.meets(0.05, False) else 'not met'})",
+        ],
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(len(doc['rounds']), 'repeat', 'repeats')} (min–max). A {m['arch']}-shaped "
+        f"model of {m['layers']} layers, hidden {m['hidden']} (random weights), "
+        f"{s['precision']} on `{s['device']}`, stepped by the worker's engine in one process; "
+        f"max_running {s['limits']['max_running']}, step_tokens {s['limits']['step_tokens']}, "
+        f"prefill_chunk_tokens {s['limits']['prefill_chunk_tokens']}.",
+        "",
+        *table(["promise", "measured", "target"], "lll", rows),
+    ]
+
+
+def render_generation_resume(results: Results) -> list[str]:
+    doc = results["generation_resume"]
+    s, checks = doc["settings"], doc["checks"]
+    sec = number(2, " s")
+
+    def fig(name: str, fmt: Fmt = sec, bold: bool = False) -> str:
+        return Figure.summary(doc[name]).text(fmt, bold)
+
+    visibility = f"{s['visibility_timeout_s']:g} s"
+    rows = [
+        ["the job uninterrupted", fig("uninterrupted_s")],
+        [f"its worker killed after {s['kill_at_tokens']} tokens", fig("killed_s")],
+        ["extra latency", fig("extra_s", bold=True)],
+        [f"of which past the visibility timeout ({visibility})", fig("extra_less_visibility_s")],
+        ["kill → another worker takes the entry over", fig("kill_to_takeover_s")],
+        ["takeover → the job running again", fig("takeover_to_resume_s")],
+        ["running again → its first new token", fig("resume_to_first_token_s")],
+        ["tokens lost per crash", fig("tokens_lost", number(), bold=True)],
+        ["tokens generated again (the last streamed, recomputed)",
+         fig("tokens_generated_again", number())],
+    ]  # fmt: skip
+    n = checks["repeats"]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(n, 'repeat', 'repeats')} (min–max). {s['workers']} generation workers "
+        f"on `{s['device']}` ({s['stack']}); one greedy job of {s['max_tokens']} tokens, "
+        f"each step held to {s['min_step_ms']} ms at least; latency is "
+        f"{s['latency']}.",
+        "",
+        *table(["", "seconds or tokens"], "lr", rows),
+        "",
+        f"Output equal to the uninterrupted run's, token for token: {checks['output_equal']} "
+        f"of {n}; every token index once in the stream: {checks['every_index_once']} of {n}; "
+        f"taken over exactly once: {checks['taken_over_once']} of {n}.",
+    ]
+
+
 # --- the README's headline ------------------------------------------------------------------
 
 
@@ -1881,6 +1991,8 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "generation-chunked": render_generation_chunked,
     "generation-profile": render_generation_profile,
     "generation_stack": render_generation_stack,
+    "generation_promises": render_generation_promises,
+    "generation_resume": render_generation_resume,
     "generation_gpu": render_generation_gpu,
     "oip": render_oip,
     "gpu": render_gpu,
