@@ -1521,6 +1521,10 @@ def render_generation_promises(results: Results) -> list[str]:
             found = found[key]
         return Figure.summary(found).text(fmt, bold)
 
+    def steps(way: str) -> str:
+        per_round = [r["preemption"]["urgent_ttft_steps"][way]["p99"] for r in doc["rounds"]]
+        return Figure.of(per_round if len(set(per_round)) > 1 else per_round[:1]).text(number())
+
     gain = Figure.summary(doc["urgent_ttft_gain"])
     ratio = Figure.summary(doc["light_ttft_p99_ratio"])
     share = Figure.summary(doc["heavy_kv_share"])
@@ -1533,7 +1537,8 @@ def render_generation_promises(results: Results) -> list[str]:
             f"({shape['bulk_running']} of {shape['bulk']}, {shape['bulk_tokens']} tokens each)",
             f"{fig('urgent_ttft_p99_ms', ms, 'preemption', bold=True)} with preemption, "
             f"{fig('urgent_ttft_p99_ms', ms, 'no_preemption')} without: "
-            f"{gain.text(times(1))} sooner",
+            f"{gain.text(times(1))} sooner (in steps: {steps('preemption')} and "
+            f"{steps('no_preemption')})",
             "within a few steps",
         ],
         [
