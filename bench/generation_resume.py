@@ -68,7 +68,7 @@ from bench.generation_workload import ratio_spread
 from core.job_events import JobEvent
 from core.streams import GROUP, events_key
 from harness.faults import Stack
-from harness.lm_witness import ENV, MIN_CALL_MS_ENV, Run, generations, read_calls
+from harness.lm_witness import ENV, MIN_CALL_MS_ENV, PROMPTS, Run, generations, read_calls
 from harness.lm_witness import sitecustomize_dir as witness_site
 from harness.processes import Proc, wait_for
 
@@ -80,17 +80,6 @@ VISIBILITY_TIMEOUT_S = 2.0
 MIN_STEP_MS = 20
 SMOKE_MAX_TOKENS = 16
 WARM_MAX_TOKENS = 4
-# Distinct first words: the model's witness tells the jobs apart by their prompts.
-PROMPTS = (
-    "alpha when does the ferry leave",
-    "bravo the stream is the checkpoint",
-    "charlie a worker reads",
-    "delta every token goes to the events stream of the job",
-    "echo queue",
-    "foxtrot the reconciler puts lost entries back",
-    "golf tokens",
-    "hotel what a generation survives",
-)
 TAKEOVER_LOG = "generation taken over from its checkpoint"
 WARM_PROMPT = "kilo a first step"
 WARM_JOBS_MAX = 12

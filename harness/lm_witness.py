@@ -48,6 +48,20 @@ DEVICE_LOSS_ENV = "FERRY_TEST_LM_DEVICE_LOSS_FILE"
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 
+# Prompts for the jobs of one run, each with its own first words: a run of the model is
+# told apart from another by the prompt it was fed.
+PROMPTS = (
+    "alpha when does the ferry leave",
+    "bravo the stream is the checkpoint",
+    "charlie a worker reads",
+    "delta every token goes to the events stream of the job",
+    "echo queue",
+    "foxtrot the reconciler puts lost entries back",
+    "golf tokens",
+    "hotel what a generation survives",
+)
+
+
 def install() -> None:
     """Wrap LlamaForCausalLM.forward to record each call (when ENV names a folder), each
     taking at least MIN_CALL_MS_ENV milliseconds."""

@@ -36,7 +36,15 @@ from core.job_events import JobEvent
 from core.streams import events_key
 from harness.accounting import Figures
 from harness.faults import Stack
-from harness.lm_witness import ENV, MIN_CALL_MS_ENV, Run, generations, read_calls, sitecustomize_dir
+from harness.lm_witness import (
+    ENV,
+    MIN_CALL_MS_ENV,
+    PROMPTS,
+    Run,
+    generations,
+    read_calls,
+    sitecustomize_dir,
+)
 from harness.ports import free_port
 from harness.processes import Proc, wait_for
 from harness.submitting import Submission
@@ -52,17 +60,6 @@ VISIBILITY_TIMEOUT_S = 2.0
 # at it once it has streamed a few tokens (8) lands while it runs, even on a loaded machine.
 MAX_TOKENS = 64
 MIN_STEP_MS = 20
-# Distinct first words: the model's witness tells the jobs apart by their prompts.
-PROMPTS = (
-    "alpha when does the ferry leave",
-    "bravo the stream is the checkpoint",
-    "charlie a worker reads",
-    "delta every token goes to the events stream of the job",
-    "echo queue",
-    "foxtrot the reconciler puts lost entries back",
-    "golf tokens",
-    "hotel what a generation survives",
-)
 
 
 def generation_stack(make_stack: Callable[..., Stack], tmp_path: Path, **env: str) -> Stack:
