@@ -151,5 +151,14 @@ faults: $(STAMP)
 overload: $(STAMP)
 	FERRY_OVERLOAD_S=60 $(BIN)/python -m pytest tests/faults/test_overload.py -p no:randomly -q -s
 
+# The one-hour soak (bench/soak.py): steady load while a sim worker, an API process and
+# Redis are killed on a schedule, counted from the witnesses, every process's memory
+# sampled; writes bench/results/soak.json and soak.svg, then renders the documents
+# (whatever the soak found: it exits 1 on a job lost, written twice or run twice).
+.PHONY: soak
+soak: $(STAMP)
+	FERRY_BENCH_MAKE="make soak" $(BIN)/python -m bench.soak --minutes 60; \
+		status=$$?; $(BIN)/python -m bench.render && exit $$status
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

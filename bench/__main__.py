@@ -105,10 +105,10 @@ BENCHES = (
         4, smoke_s=8,
     ),
     Bench(
-        "soak", "bench.soak",
-        ("--minutes", "30", "--rate", "30", "--kill-every", "60", "--sample-every", "30"),
-        ("--minutes", "0.05", "--rate", "20", "--kill-every", "2", "--sample-every", "1"),
-        31, smoke_s=14,
+        "soak", "bench.soak", ("--minutes", "60"),
+        ("--minutes", "0.1", "--rate", "20", "--kill-worker-every", "2", "--kill-api-every", "3",
+         "--kill-redis-every", "4", "--sample-every", "1"),
+        63, smoke_s=30,
     ),
     Bench(
         "capacity", "bench.capacity", (),
