@@ -1,4 +1,4 @@
-"""The Celery app: webhook deliveries, maintenance (purge, reconciler); backfill feeding later.
+"""The Celery app: webhook deliveries, maintenance (purge, reconciler) and backfill feeding.
 
 Built by :func:`create_celery` from the settings; ``ferry celery worker`` and
 ``ferry celery beat`` start it, so nothing is configured at import time.
@@ -35,6 +35,7 @@ from core.redis_target import RedisTarget, ServerClock
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
+from workers.tasks.locks import release
 from workers.tasks.reconcile import reconcile
 from workers.tasks.webhook_hosts import HostGate
 from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
@@ -45,10 +46,6 @@ PURGE_TASK = "ferry.maintenance.purge_results"
 FEED_TASK = "ferry.backfills.feed"
 RECONCILE_TASK = "ferry.maintenance.reconcile"
 RECONCILE_LOCK_S = 600
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
 class Database:
@@ -81,7 +78,7 @@ def reconcile_streams(settings: Settings) -> int:
                 make_sessionmaker(engine), client, settings.key_prefix, settings.reconcile_grace_s
             )
         finally:
-            client.eval(_RELEASE, 1, lock, token)
+            release(client, lock, token)
     finally:
         engine.dispose()
         client.close()

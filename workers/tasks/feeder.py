@@ -37,6 +37,7 @@ from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts, done_channel
 from core.webhooks import add_backfill_delivery
 from scheduler.vocabulary import Lane
+from workers.tasks.locks import release, renew
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ SETTLED_BECAUSE = {
 LOCK_S = 15.0  # renewed every loop; a dead feeder's lock is free this soon
 SWEEP_EVERY_S = 30.0
 CANCEL_CHUNK = 5000
-_RENEW = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('pexpire', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
 class Feeder:
@@ -98,12 +89,12 @@ class Feeder:
                 queued += fed
                 if not active or time.monotonic() >= until:
                     return queued
-                if not self.client.eval(_RENEW, 1, lock, token, int(LOCK_S * 1000)):
+                if not renew(self.client, lock, token, int(LOCK_S * 1000)):
                     return queued  # our lock expired and another run took over
                 if not fed:
                     time.sleep(poll_s)
         finally:
-            self.client.eval(_RELEASE, 1, lock, token)
+            release(self.client, lock, token)
 
     def step(self) -> tuple[bool, int]:
         """One pass: feed, cancel, finish. Returns (any backfill active, jobs queued)."""
