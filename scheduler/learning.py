@@ -207,6 +207,13 @@ class BatchObservation:
 
 @dataclass
 class SchedulerState:
+    """What one model's batcher has learned and counts, beside its ``tuning``: the latency
+    and memory fits over a batch's work, the wait window and target cost they set, the
+    memory ceiling (lowered by each out-of-memory, raised again after clean batches), the
+    arrivals since the running batch started, and when an urgent item was last seen. The
+    ``observe_*`` methods update it; :meth:`profile` turns it into the policy's
+    :class:`~scheduler.policy.Profile`."""
+
     tuning: Tuning
     latency: OnlineFit = field(default_factory=OnlineFit)
     memory: OnlineFit = field(default_factory=OnlineFit)

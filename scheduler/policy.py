@@ -198,6 +198,11 @@ def efficiency(costs: Sequence[int]) -> float:
 
 
 def decide(pending: Iterable[PendingItem], profile: Profile, now: float) -> BatchDecision:
+    """What to do with ``pending`` at ``now``: the items whose deadline even a batch of one
+    could not meet expire; of the rest, a batch is chosen in fair order (lanes, then tenants
+    in turn) up to the profile's limits, and it runs now when something closes it (an urgent
+    item, a limit reached, the target cost, the earliest deadline's slack, or the wait
+    window), otherwise the decision says how long to wait before asking again."""
     expire: list[PendingItem] = []
     live: list[PendingItem] = []
     for item in pending:
