@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 
 from bench import results
+from bench.quantiles import nearest_rank
 from harness.stack import FerryUp
 
 # The lane mix of bench/simulate.py (5 % urgent, 15 % vip, 80 % normal).
@@ -380,9 +381,9 @@ def summarize(sent: list[Sent], jobs: dict[str, dict[str, Any]], seconds: float)
         refused=refused,
         seconds=round(seconds, 2),
         rate_per_s=round(len(sent) / seconds, 1),
-        send_lag_p99_ms=round(_quantile(lags, 0.99), 1),
-        post_p50_ms=round(_quantile(posts, 0.50), 1),
-        post_p99_ms=round(_quantile(posts, 0.99), 1),
+        send_lag_p99_ms=round(nearest_rank(lags, 0.99), 1),
+        post_p50_ms=round(nearest_rank(posts, 0.50), 1),
+        post_p99_ms=round(nearest_rank(posts, 0.99), 1),
         statuses=statuses,
         overall=latency(list(jobs.values())),
         lanes={name: latency(found) for name, found in by_lane.items()},
@@ -396,8 +397,8 @@ def latency(jobs: list[dict[str, Any]]) -> Latency:
     inference = [j["timings"]["inference_ms"] for j in done if j["timings"]["inference_ms"]]
     return Latency(
         jobs=len(done),
-        p50_ms=round(_quantile(totals, 0.50), 1),
-        p99_ms=round(_quantile(totals, 0.99), 1),
+        p50_ms=round(nearest_rank(totals, 0.50), 1),
+        p99_ms=round(nearest_rank(totals, 0.99), 1),
         max_ms=round(totals[-1], 1) if totals else float("nan"),
         mean_batch_size=round(statistics.fmean(sizes), 1) if sizes else float("nan"),
         mean_inference_ms=round(statistics.fmean(inference), 1) if inference else float("nan"),
@@ -609,12 +610,6 @@ def _loadavg() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ from bench.api import (
     wait_drained,
     working_tree,
 )
+from bench.quantiles import nearest_rank
 from harness.stack import FerryUp
 
 MODEL = "minilm"
@@ -512,9 +513,7 @@ def summarise(rounds: list[Round]) -> dict[str, Any]:
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:
-    if not ordered:
-        return None
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+    return round(nearest_rank(ordered, q), 1) if ordered else None
 
 
 def _line(r: Round) -> str:

@@ -48,6 +48,7 @@ import httpx
 
 from bench import results
 from bench.corpus import load_corpus
+from bench.quantiles import nearest_rank
 from harness.stack import FerryUp
 from scheduler.vocabulary import batch_work
 
@@ -200,8 +201,8 @@ def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
         jobs=len(rows),
         seconds=round(seconds, 3),
         jobs_per_s=round(len(rows) / seconds, 2),
-        p50_ms=round(_quantile(latencies, 0.50), 1),
-        p99_ms=round(_quantile(latencies, 0.99), 1),
+        p50_ms=round(nearest_rank(latencies, 0.50), 1),
+        p99_ms=round(nearest_rank(latencies, 0.99), 1),
         batches=len(batches),
         mean_batch_size=round(statistics.fmean(len(c) for c in batches.values()), 2),
         efficiency=round(sum(sum(c) for c in batches.values()) / padded, 3),
@@ -351,12 +352,6 @@ def _ts(value: str) -> float:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=dt.UTC)
     return parsed.timestamp()
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from pathlib import Path
 import httpx
 
 from bench import results
-from bench.e2e import _quantile, _ts, wait_done
+from bench.e2e import _ts, wait_done
+from bench.quantiles import nearest_rank
 from harness.stack import FerryUp
 
 MODEL = "sim"
@@ -145,14 +146,14 @@ def phase(
     return PhaseResult(
         name=name,
         jobs=len(rows),
-        p50_ms=round(_quantile(latencies, 0.50), 1),
-        p99_ms=round(_quantile(latencies, 0.99), 1),
+        p50_ms=round(nearest_rank(latencies, 0.50), 1),
+        p99_ms=round(nearest_rank(latencies, 0.99), 1),
         max_ms=round(latencies[-1], 1),
         flood_jobs_finished=sum(1 for (f,) in flood_finished if f and begin <= _ts(f) < end),
-        batches_ahead_p99=int(_quantile([float(n) for n in ahead], 0.99)),
+        batches_ahead_p99=int(nearest_rank([float(n) for n in ahead], 0.99)),
         batches_ahead_max=ahead[-1],
-        batch_p50_ms=round(_quantile(spans, 0.50), 1) if spans else None,
-        batch_p99_ms=round(_quantile(spans, 0.99), 1) if spans else None,
+        batch_p50_ms=round(nearest_rank(spans, 0.50), 1) if spans else None,
+        batch_p99_ms=round(nearest_rank(spans, 0.99), 1) if spans else None,
     )
 
 

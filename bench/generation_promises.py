@@ -60,9 +60,9 @@ from bench.generation_workload import (
     Lengths,
     add_shared_options,
     draw_workload,
-    quantile,
     ratio_spread,
 )
+from bench.quantiles import quantile
 from scheduler.generation import (
     FinishReason,
     GenerationLimits,

@@ -23,9 +23,11 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from bench.quantiles import quantile
 
 
 @dataclass(frozen=True)
@@ -122,17 +124,6 @@ class Record:
         if self.tokens < 2:
             return None
         return (self.last_s - self.first_s) / (self.tokens - 1)
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile, linear between the nearest ranks (NaN of nothing)."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    position = q * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def summary(records: Sequence[Record]) -> dict[str, float]:

@@ -46,7 +46,8 @@ import httpx
 
 from bench import results
 from bench.corpus import load_corpus
-from bench.e2e import _quantile, _ts, wait_done
+from bench.e2e import _ts, wait_done
+from bench.quantiles import nearest_rank
 from ferry.local_redis import free_port
 from harness.stack import FerryUp, batch_figures, compute_seconds
 
@@ -214,8 +215,8 @@ def stack(
                     (json.dumps(sent),),
                 ).fetchall()
             latencies = sorted((_ts(f) - _ts(c)) * 1000.0 for c, f in rows)
-            result.p50_ms = round(_quantile(latencies, 0.5), 1)
-            result.p99_ms = round(_quantile(latencies, 0.99), 1)
+            result.p50_ms = round(nearest_rank(latencies, 0.5), 1)
+            result.p99_ms = round(nearest_rank(latencies, 0.99), 1)
             print(f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
                   f"p99 {result.p99_ms} ms", flush=True)  # fmt: skip
             result.phase_s["load"] = round(time.monotonic() - began, 1)

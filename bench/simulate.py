@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results, svgplot
+from bench.quantiles import quantile
 from scheduler import LANES, BatchDecision, Batcher, PendingItem, PolicyKind
 from scheduler.learning import BatchObservation, SchedulerState, Tuning
 from scheduler.vocabulary import batch_work
@@ -510,16 +511,6 @@ def simulate(
 # --- metrics ------------------------------------------------------------------
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = q * (len(ordered) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
 def _cv(values: Sequence[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -555,8 +546,8 @@ def summarize(result: RunResult, warmup: float = 0.1) -> dict[str, Any]:
         expired = sum(result.outcome[j.index] == EXPIRED for j in mine)
         lanes[lane] = {
             "jobs": len(mine),
-            "p50_ms": _quantile(done, 0.50),
-            "p99_ms": _quantile(done, 0.99),
+            "p50_ms": quantile(done, 0.50),
+            "p99_ms": quantile(done, 0.99),
             "late": late,
             "expired": expired,
             "miss_rate": (late + expired) / len(mine),
@@ -582,8 +573,8 @@ def summarize(result: RunResult, warmup: float = 0.1) -> dict[str, Any]:
         "offered_per_s": len(jobs) / t_end if t_end > 0 else math.nan,
         "completed_per_s": completed_by_end / t_end if t_end > 0 else math.nan,
         "completed_share": completed_by_end / len(jobs),
-        "p50_ms": _quantile(all_latency, 0.50),
-        "p99_ms": _quantile(all_latency, 0.99),
+        "p50_ms": quantile(all_latency, 0.50),
+        "p99_ms": quantile(all_latency, 0.99),
         "lanes": lanes,
         "miss_rate": missed / with_deadline if with_deadline else 0.0,
         "expired": sum(result.outcome[j.index] == EXPIRED for j in measured),
@@ -1084,7 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "texts": len(costs),
             "mean_tokens": statistics.fmean(costs),
             "quantiles_tokens": {
-                f"p{round(q * 100)}": _quantile(costs, q) for q in (0.1, 0.5, 0.9, 0.99)
+                f"p{round(q * 100)}": quantile(costs, q) for q in (0.1, 0.5, 0.9, 0.99)
             },
             "max_tokens": max(costs),
         },

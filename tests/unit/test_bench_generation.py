@@ -20,11 +20,11 @@ from bench.generation_workload import (
     draw_workload,
     gaps_ms,
     poisson_arrivals,
-    quantile,
     ratio_spread,
     static_batches,
     summary,
 )
+from bench.quantiles import quantile
 
 CORPUS = list(range(5000))  # token i at position i: a prompt's window is easy to check
 
