@@ -97,9 +97,10 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             JobReader(
                 reads, GenerationProgress(app.state.redis, settings.key_prefix, writer.views)
             ).read,
-            max_items=settings.submit_group_max, wait_s=0,
+            max_items=settings.submit_group_max,
+            wait_s=0,
             workers=2,
-        )  # fmt: skip
+        )
         app.state.group_read = group_read
         group_read.start()
         app.state.group_commit = group_commit

@@ -208,8 +208,18 @@ def _last_chunks(asked: GenerationRequest, job: JobResource, created: int) -> li
     output = job.output
     if job.status not in WITH_OUTPUT or not is_generation_output(output):
         error = _failure(job)
-        return [_data({"error": {"message": error.message, "type": "server_error",
-                                 "param": None, "code": error.type}})]  # fmt: skip
+        return [
+            _data(
+                {
+                    "error": {
+                        "message": error.message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": error.type,
+                    }
+                }
+            )
+        ]
     last = [
         _data(
             chunk_object(

@@ -175,6 +175,8 @@ def install_error_handlers(app: FastAPI) -> None:
             extra={"request_id": getattr(request.state, "request_id", None)},
         )
         return error_response(
-            422, "invalid_request", "a value in the request cannot be stored (check for NUL "
+            422,
+            "invalid_request",
+            "a value in the request cannot be stored (check for NUL "
             "characters and non-finite numbers)",
-        )  # fmt: skip
+        )

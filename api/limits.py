@@ -228,9 +228,13 @@ class RequestLimits:
         # Short timeouts: a hung Redis must cost a request little, and only once.
         uri, options = target.limits_uri()
         self.storage = storage_from_string(
-            uri, implementation="redispy", key_prefix=f"{prefix}:limits",
-            socket_timeout=0.25, socket_connect_timeout=0.25, **options,
-        )  # fmt: skip
+            uri,
+            implementation="redispy",
+            key_prefix=f"{prefix}:limits",
+            socket_timeout=0.25,
+            socket_connect_timeout=0.25,
+            **options,
+        )
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._skip_until = 0.0
         # Addresses this process saw fail lately: only they are looked up in Redis

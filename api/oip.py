@@ -44,16 +44,32 @@ from scheduler.vocabulary import Lane
 
 # Numeric datatypes and their struct codes (little-endian in the binary extension).
 NUMERIC = {
-    "BOOL": "?", "UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q",
-    "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q",
-    "FP16": "e", "FP32": "f", "FP64": "d",
-}  # fmt: skip
+    "BOOL": "?",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "FP16": "e",
+    "FP32": "f",
+    "FP64": "d",
+}
 DATATYPES = frozenset({*NUMERIC, "BYTES"})
 # A tensor model's declared dtypes (model.toml) as the protocol's datatypes.
 FROM_DTYPE = {
-    "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
-}  # fmt: skip
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "float32": "FP32",
+    "float64": "FP64",
+}
 # The largest finite value of the narrower float datatypes: a JSON number past it would
 # become infinite on the way to the model.
 FLOAT_MAX = {"FP16": 65504.0, "FP32": 3.4028234663852886e38}
@@ -467,8 +483,10 @@ def encode_response(
     described, binary = [], []
     for tensor in outputs:
         entry: dict[str, Any] = {
-            "name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
-        }  # fmt: skip
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
         if request.binary(tensor.name):
             raw = _to_binary(tensor)
             entry["parameters"] = {"binary_data_size": len(raw)}

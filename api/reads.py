@@ -85,9 +85,10 @@ class GenerationProgress:
             for (job, max_tokens), entries in zip(running, newest, strict=True):
                 tokens = _tokens_so_far(entries)
                 out[job.id] = Progress(
-                    tokens=tokens, max_tokens=max_tokens,
+                    tokens=tokens,
+                    max_tokens=max_tokens,
                     eta_ms=self._eta_ms(job.model, max_tokens, max_tokens - tokens),
-                )  # fmt: skip
+                )
             return out
         except REDIS_ERRORS as exc:
             log.warning("progress reads failed", extra={"error_type": type(exc).__name__})
@@ -141,9 +142,11 @@ class JobReader:
         except SQLAlchemyError as exc:
             log.warning("job reads failed", extra={"error_type": type(exc).__name__})
             unavailable = ApiError(
-                503, "unavailable", "the database is unavailable; retry shortly",
+                503,
+                "unavailable",
+                "the database is unavailable; retry shortly",
                 {"Retry-After": "2"},
-            )  # fmt: skip
+            )
             return [unavailable] * len(group)
         # The rows carry every column under its attribute's name: read as Jobs.
         progress = self.progress.of([cast(Job, r) for r in rows.values()]) if self.progress else {}

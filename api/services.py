@@ -146,8 +146,9 @@ def activate_version(session: Session, model: ModelConfig, version: int) -> int:
         activate(session, model, version)
     except ActivationError as exc:
         raise ApiError(422, "invalid_request", f"version: {exc}") from None
-    log.info("version activated", extra={"model": model.name, "version": version,
-                                         "previous": previous})  # fmt: skip
+    log.info(
+        "version activated", extra={"model": model.name, "version": version, "previous": previous}
+    )
     return previous
 
 

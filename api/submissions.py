@@ -220,8 +220,13 @@ class QueueView:
         ahead = max(jobs - 1, 0)
         if self.generation is not None:
             est = self.generation
-            return finish_s(est, ahead, max(1, round(est.mean_prompt_tokens)),
-                            max(1, round(est.mean_max_tokens)), self.workers)  # fmt: skip
+            return finish_s(
+                est,
+                ahead,
+                max(1, round(est.mean_prompt_tokens)),
+                max(1, round(est.mean_max_tokens)),
+                self.workers,
+            )
         if self.estimate is not None:
             cost = max(1, round(self.estimate.mean_cost))
             return estimate_wait_s(self.estimate, ahead, cost, self.workers)
@@ -400,9 +405,11 @@ class GroupWriter:
             return None
         if self.bound.never_fits(item.input_bytes):
             return ApiError(
-                413, "payload_too_large", f"input: {item.input_bytes} bytes exceed the whole "
+                413,
+                "payload_too_large",
+                f"input: {item.input_bytes} bytes exceed the whole "
                 f"of {name}'s queue (FERRY_QUEUE_MAX_BYTES, {self.bound.max_bytes} bytes)",
-            )  # fmt: skip
+            )
         view = self.views.get(name)
         if view is None:
             return None  # Redis unreadable: the enqueue decides (the reconciler catches up)
@@ -537,10 +544,12 @@ class GroupWriter:
                         _replay(found, group[i])
                         if found is not None
                         else ApiError(
-                            503, "unavailable", "the job with this idempotency_key is being "
-                            "taken back; retry shortly", {"Retry-After": "2"},
+                            503,
+                            "unavailable",
+                            "the job with this idempotency_key is being taken back; retry shortly",
+                            {"Retry-After": "2"},
                         )
-                    )  # fmt: skip
+                    )
             release(session, raced)  # reserved, but replays after all
             session.commit()  # durable before anything is queued or answered
         for i, earlier in repeats:
@@ -630,9 +639,12 @@ class GroupWriter:
             refusals = {job.model: unavailable for job in jobs.values()}
         log.warning(
             "enqueue failed; the reconciler will enqueue the jobs",
-            extra={"jobs": len(jobs) - len(back), "refused": len(back),
-                   "error_type": type(exc).__name__},
-        )  # fmt: skip
+            extra={
+                "jobs": len(jobs) - len(back),
+                "refused": len(back),
+                "error_type": type(exc).__name__,
+            },
+        )
         for i, job in jobs.items():
             outcomes[i] = Submitted(job, False, None)
         if not back:
@@ -721,10 +733,24 @@ _INSERTS = {
 # ("metadata_" -> "metadata"). The others (output, timings, the batch, a
 # backfill's) are left out, so they are SQL NULL, as the ORM left them.
 _INSERTED = (
-    "id", "api_key_id", "model", "requested_version", "priority", "status", "input", "cost",
-    "attempts", "created_at", "deadline_at", "callback_url", "callback_events",
-    "idempotency_key", "metadata_", "request_id", "trace_context",
-)  # fmt: skip
+    "id",
+    "api_key_id",
+    "model",
+    "requested_version",
+    "priority",
+    "status",
+    "input",
+    "cost",
+    "attempts",
+    "created_at",
+    "deadline_at",
+    "callback_url",
+    "callback_events",
+    "idempotency_key",
+    "metadata_",
+    "request_id",
+    "trace_context",
+)
 _COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
 _COLUMNS = {attr: _COLUMNS[attr] for attr in _INSERTED}
 
@@ -771,9 +797,11 @@ def _database_error(exc: SQLAlchemyError) -> ApiError:
     log.warning("group commit failed", extra={"error_type": type(exc).__name__})
     if isinstance(exc, DataError):
         return ApiError(
-            422, "invalid_request", "a value in the request cannot be stored (check for NUL "
+            422,
+            "invalid_request",
+            "a value in the request cannot be stored (check for NUL "
             "characters and non-finite numbers)",
-        )  # fmt: skip
+        )
     return ApiError(
         503, "unavailable", "the database is unavailable; retry shortly", {"Retry-After": "2"}
     )

@@ -204,9 +204,11 @@ class LiveVersions:
         self._reading = True
         self._started += 1
         threading.Thread(
-            target=self._read_in_background, args=(self._started, now), name="versions",
+            target=self._read_in_background,
+            args=(self._started, now),
+            name="versions",
             daemon=True,
-        ).start()  # fmt: skip
+        ).start()
 
     def _read(self) -> tuple[Repository, dict[str, int]]:
         from core.db import ModelActivation

@@ -91,8 +91,16 @@ SIM = {"FERRY_SIM_LATENCY_BASE_MS": "5", "FERRY_SIM_LATENCY_PER_COST_MS": "0.1"}
 LIMITS = {"FERRY_RATE_LIMIT": "1000000/second", "FERRY_MAX_OUTSTANDING_JOBS": "100000000"}
 # Roles of the processes whose CPU time is measured, in the order reported.
 ROLES = (
-    "api", "worker", "redis", "postgres", "celery", "supervisor", "postgres_all", "bare", "wrk",
-)  # fmt: skip
+    "api",
+    "worker",
+    "redis",
+    "postgres",
+    "celery",
+    "supervisor",
+    "postgres_all",
+    "bare",
+    "wrk",
+)
 # What the stack's CPU per job adds up (postgres_all is the whole server, shared).
 STACK_ROLES = ("api", "worker", "redis", "postgres", "celery", "supervisor")
 CLOCK_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
@@ -304,9 +312,17 @@ def run_wrk(
     round_: int,
 ) -> Run:
     args = [
-        "wrk", "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "30s", "--latency",
-        "-s", str(WRK_DIR / script), url,
-    ]  # fmt: skip
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{duration_s}s",
+        "--timeout",
+        "30s",
+        "--latency",
+        "-s",
+        str(WRK_DIR / script),
+        url,
+    ]
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     before = watched.snapshot()
     done = subprocess.run(
@@ -328,11 +344,13 @@ def run_wrk(
     cpu.ms["wrk"] = round(
         1000.0
         * (
-            children_after.ru_utime + children_after.ru_stime
-            - children_before.ru_utime - children_before.ru_stime
+            children_after.ru_utime
+            + children_after.ru_stime
+            - children_before.ru_utime
+            - children_before.ru_stime
         ),
         1,
-    )  # fmt: skip
+    )
     seconds = summary["duration_us"] / 1e6
     statuses = {str(k): int(v) for k, v in sorted(summary["statuses"].items())}
     jobs = int(summary["completed"])
@@ -505,9 +523,13 @@ def run_stack(
 ) -> StackResult:
     with contextlib.ExitStack() as scope:
         settings = {
-            "FERRY_MODELS": "sim", "FERRY_FLOWER_PORT": "0", "FERRY_API_SHUTDOWN_DELAY_S": "0",
-            "FERRY_API_PROCESSES": str(api_processes), **LIMITS, **SIM,
-        }  # fmt: skip
+            "FERRY_MODELS": "sim",
+            "FERRY_FLOWER_PORT": "0",
+            "FERRY_API_SHUTDOWN_DELAY_S": "0",
+            "FERRY_API_PROCESSES": str(api_processes),
+            **LIMITS,
+            **SIM,
+        }
         watched.database = None
         if database == "postgresql":
             from sqlalchemy.engine import make_url
@@ -558,19 +580,36 @@ def _measure_stack(
         print(f"{label}{f' ({note})' if note else ''}: up, {stack.base}", flush=True)
         token = {"FERRY_BENCH_TOKEN": stack.token}
         scripts: dict[str, tuple[str, str, dict[str, str]]] = {
-            "bare": (bare_url, "request.lua",
-                     {"FERRY_BENCH_METHOD": "POST", "FERRY_BENCH_PATH": "/v1/jobs",
-                      "FERRY_BENCH_BODY": body}),
-            "submit": (stack.base, "request.lua",
-                       {**token, "FERRY_BENCH_METHOD": "POST", "FERRY_BENCH_PATH": "/v1/jobs",
-                        "FERRY_BENCH_BODY": body}),
-            "get": (stack.base, "request.lua",
-                    {**token, "FERRY_BENCH_METHOD": "GET",
-                     "FERRY_BENCH_PATH": f"/v1/jobs/{job_id}"}),
-            "longpoll": (stack.base, "longpoll.lua",
-                         {**token, "FERRY_BENCH_BODY": body,
-                          "FERRY_BENCH_WAIT": str(options.wait_s)}),
-        }  # fmt: skip
+            "bare": (
+                bare_url,
+                "request.lua",
+                {
+                    "FERRY_BENCH_METHOD": "POST",
+                    "FERRY_BENCH_PATH": "/v1/jobs",
+                    "FERRY_BENCH_BODY": body,
+                },
+            ),
+            "submit": (
+                stack.base,
+                "request.lua",
+                {
+                    **token,
+                    "FERRY_BENCH_METHOD": "POST",
+                    "FERRY_BENCH_PATH": "/v1/jobs",
+                    "FERRY_BENCH_BODY": body,
+                },
+            ),
+            "get": (
+                stack.base,
+                "request.lua",
+                {**token, "FERRY_BENCH_METHOD": "GET", "FERRY_BENCH_PATH": f"/v1/jobs/{job_id}"},
+            ),
+            "longpoll": (
+                stack.base,
+                "longpoll.lua",
+                {**token, "FERRY_BENCH_BODY": body, "FERRY_BENCH_WAIT": str(options.wait_s)},
+            ),
+        }
         database_url = stack.env["FERRY_DATABASE_URL"]
 
         def run(scenario: str, seconds: int, round_: int) -> Run:
@@ -789,8 +828,10 @@ def bare_server() -> Iterator[tuple[str, int]]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.api", "--serve-bare", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         import httpx
 
@@ -864,10 +905,19 @@ def main(argv: list[str] | None = None) -> int:
     with bare_server() as (bare_url, bare_pid):
         watched.bare_pid = bare_pid
         # The bare server's first requests (imports, first parse) out of the way.
-        run_wrk(bare_url, "request.lua", {
-            "FERRY_BENCH_METHOD": "POST", "FERRY_BENCH_PATH": "/v1/jobs",
-            "FERRY_BENCH_BODY": json.dumps(options.body),
-        }, 1, args.connections, watched, 0)  # fmt: skip
+        run_wrk(
+            bare_url,
+            "request.lua",
+            {
+                "FERRY_BENCH_METHOD": "POST",
+                "FERRY_BENCH_PATH": "/v1/jobs",
+                "FERRY_BENCH_BODY": json.dumps(options.body),
+            },
+            1,
+            args.connections,
+            watched,
+            0,
+        )
         for database in args.databases.split(","):
             for count in (int(n) for n in args.api_processes.split(",")):
                 try:

@@ -414,9 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs, each on a fresh stack")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="FERRY_NAME=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="FERRY_NAME=VALUE",
         help="another stack setting (repeatable); recorded in the report",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/backfill.json"))
     args = parser.parse_args(argv)
     if not (0 < args.rate <= 200 and 0 < args.window <= 120 and 0 < args.alone <= 120):

@@ -378,9 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--enqueue-messages", type=int, default=8192)
     parser.add_argument(
-        "--idle-s", type=float, default=3.0,
+        "--idle-s",
+        type=float,
+        default=3.0,
         help="seconds of doing nothing before each phase, whose cost is taken off it",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=results.RESULTS / "capacity.json")
     args = parser.parse_args(argv)
     head = results.provenance("capacity", argv)

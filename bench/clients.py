@@ -367,8 +367,11 @@ def run_stack(
             assert stack.process is not None
             result.working_tree = working_tree()[:12]
             result.startup_s = up.startup_s
-            print(f"FERRY_CPU_THREADS={threads}: up, first job done after "
-                  f"{result.startup_s:.0f} s, {stack.base}", flush=True)  # fmt: skip
+            print(
+                f"FERRY_CPU_THREADS={threads}: up, first job done after "
+                f"{result.startup_s:.0f} s, {stack.base}",
+                flush=True,
+            )
             database_url = stack.env["FERRY_DATABASE_URL"]
             env = {
                 "FERRY_BENCH_TOKEN": stack.token,
@@ -382,9 +385,14 @@ def run_stack(
                 nonlocal offset
                 busy, own, wall = machine_busy_ms(), own_ms(), time.monotonic()
                 run = run_wrk(
-                    stack.base, "clients.lua", {**env, "FERRY_BENCH_OFFSET": str(offset)},
-                    seconds, options.clients, watched, round_,
-                )  # fmt: skip
+                    stack.base,
+                    "clients.lua",
+                    {**env, "FERRY_BENCH_OFFSET": str(offset)},
+                    seconds,
+                    options.clients,
+                    watched,
+                    round_,
+                )
                 spent = Spent(machine_busy_ms() - busy, own_ms() - own, time.monotonic() - wall)
                 extra_line = _clients_line(run)
                 offset = (offset + int(extra_line["submitted"])) % body_count
@@ -542,8 +550,10 @@ def _range(figure: dict[str, float], digits: int = 1, scale: float = 1.0) -> str
 
 def print_tables(raw: Raw, results: list[StackResult], options: Options) -> None:
     sizes = sorted({s for rates in raw.by_threads.values() for s in rates})
-    print(f"\nraw model ceiling: minilm alone, {raw.texts} texts sorted by tokens "
-          f"(mean {raw.tokens_mean} tokens), texts/s")  # fmt: skip
+    print(
+        f"\nraw model ceiling: minilm alone, {raw.texts} texts sorted by tokens "
+        f"(mean {raw.tokens_mean} tokens), texts/s"
+    )
     print(
         f"{'threads':>7} "
         + " ".join(f"{'batch ' + str(s):>10}" for s in sizes)
@@ -559,8 +569,10 @@ def print_tables(raw: Raw, results: list[StackResult], options: Options) -> None
         if raw.again is not None
         else ""
     )
-    print(f"ceiling: {raw.ceiling:.1f} texts/s ({raw.ceiling_threads} thread(s), batch "
-          f"{raw.ceiling_batch}){again}")  # fmt: skip
+    print(
+        f"ceiling: {raw.ceiling:.1f} texts/s ({raw.ceiling_threads} thread(s), batch "
+        f"{raw.ceiling_batch}){again}"
+    )
     print(
         f"\nFerry: {options.clients} closed-loop clients (wrk -t1 -c{options.clients}), "
         f"{options.rounds} x {options.duration_s} s per stack; median (min-max) of the rounds; "
@@ -623,8 +635,10 @@ def flags(results: list[StackResult], quiet: dict[str, Any] | None) -> list[str]
             if failed:
                 found.append(f"{where}, round {r.round}: terminal but not succeeded: {failed}")
             if "none" in r.batch_sizes:
-                found.append(f"{where}, round {r.round}: {r.batch_sizes['none']} terminal jobs "
-                             "without a batch (failed or expired before they ran?)")  # fmt: skip
+                found.append(
+                    f"{where}, round {r.round}: {r.batch_sizes['none']} terminal jobs "
+                    "without a batch (failed or expired before they ran?)"
+                )
             if r.other_cpu_share > 0.1:
                 found.append(
                     f"{where}, round {r.round}: other processes took "
@@ -661,8 +675,13 @@ def main(argv: list[str] | None = None) -> int:
         "--quiet-below", type=float, default=0.0, help="first wait for a 1-min load below this"
     )
     parser.add_argument("--quiet-timeout", type=float, default=2400.0)
-    parser.add_argument("--set", action="append", default=[], metavar="FERRY_X=VALUE",
-                        help="another setting for both stacks (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FERRY_X=VALUE",
+        help="another setting for both stacks (repeatable)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/clients.json"))
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
@@ -721,12 +740,17 @@ def _run(
         "tokens_p50": statistics.median(costs),
         "tokens_max": max(costs),
     }
-    print(f"{len(texts)} texts of the corpus, mean {report['sample']['tokens_mean']} tokens",
-          flush=True)  # fmt: skip
+    print(
+        f"{len(texts)} texts of the corpus, mean {report['sample']['tokens_mean']} tokens",
+        flush=True,
+    )
     model = RawModel(max(threads))
     raw = measure_raw(model, texts, costs, threads, sizes)
-    print(f"ceiling {raw.ceiling:.1f} texts/s ({raw.ceiling_threads} thread(s), batch "
-          f"{raw.ceiling_batch})", flush=True)  # fmt: skip
+    print(
+        f"ceiling {raw.ceiling:.1f} texts/s ({raw.ceiling_threads} thread(s), batch "
+        f"{raw.ceiling_batch})",
+        flush=True,
+    )
     stacks: list[StackResult] = []
     with tempfile.TemporaryDirectory(prefix="ferry-bench-clients-bodies-") as tmp:
         bodies = Path(tmp) / "bodies.jsonl"
@@ -740,9 +764,7 @@ def _run(
     report["stacks"] = [asdict(r) for r in stacks]
     best = best_threads(stacks)
     report["best_cpu_threads"] = best
-    report["ratios"] = {
-        str(r.cpu_threads): r.summary.get("ratio") for r in stacks if r.summary
-    }  # fmt: skip
+    report["ratios"] = {str(r.cpu_threads): r.summary.get("ratio") for r in stacks if r.summary}
     report["flags"] = flags(stacks, quiet)
     if working_tree() != tree_at_start:
         # Others edited the code meanwhile: the stacks may not have run the same code.
@@ -752,11 +774,15 @@ def _run(
     print_tables(raw, stacks, options)
     if best is not None:
         chosen = next(r for r in stacks if r.cpu_threads == best)
-        print(f"best for Ferry: FERRY_CPU_THREADS={best}, "
-              f"{100 * chosen.summary['ratio']['median']:.1f} % of the ceiling "
-              "(median of the rounds)")  # fmt: skip
-    print(f"load average at start {report['load_average']['at_start']}, "
-          f"at end {report['load_average']['at_end']}")  # fmt: skip
+        print(
+            f"best for Ferry: FERRY_CPU_THREADS={best}, "
+            f"{100 * chosen.summary['ratio']['median']:.1f} % of the ceiling "
+            "(median of the rounds)"
+        )
+    print(
+        f"load average at start {report['load_average']['at_start']}, "
+        f"at end {report['load_average']['at_end']}"
+    )
     for flag in report["flags"]:
         print(f"FLAG: {flag}")
     results.write(args.out, report, settings=settings, head=head)

@@ -44,9 +44,14 @@ def cpu_s(port: int) -> float:
 
 
 def one_pass(
-    target: RedisTarget, ports: list[int], prefix: str, models: list[str], jobs: int,
-    group: int, batch: int,
-) -> dict[str, Any]:  # fmt: skip
+    target: RedisTarget,
+    ports: list[int],
+    prefix: str,
+    models: list[str],
+    jobs: int,
+    group: int,
+    batch: int,
+) -> dict[str, Any]:
     """Enqueue ``jobs`` jobs and drain them; each node's CPU seconds, by port."""
     client = target.client()
     scripts = Scripts(client)
@@ -135,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("one", "cluster")
     }
     settings = {
-        "jobs": args.jobs, "group": args.group, "batch": args.batch, "models": len(models),
-        "primaries": len(cluster.ports), "tenants": TENANTS,
-    }  # fmt: skip
+        "jobs": args.jobs,
+        "group": args.group,
+        "batch": args.batch,
+        "models": len(models),
+        "primaries": len(cluster.ports),
+        "tenants": TENANTS,
+    }
     results.write(
         args.out,
         {"runs": rounds, **summary, "ratio": results.spread([r["ratio"] for r in rounds])},

@@ -278,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw-sizes", default="1,8,16,32,64", help="the raw model's batch sizes")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument(
-        "--one-stack", action="store_true",
+        "--one-stack",
+        action="store_true",
         help="every policy on one stack (quicker; the figures are not comparable)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
     args = parser.parse_args(argv)
     head = results.provenance("e2e", argv)

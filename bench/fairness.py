@@ -160,8 +160,13 @@ def phase(
 def create_key(stack: FerryUp, name: str) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "ferry", "keys", "create", "--name", name],
-        cwd=stack.root, env=stack.env, capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        cwd=stack.root,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -169,9 +174,13 @@ def run(seconds: float, rate: float, flood_jobs: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="ferry-bench-fairness-") as tmp:
         # No worker from ferry up: the benchmark starts and stops its own.
         stack = FerryUp(
-            Path(tmp), celery=False, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
-            FERRY_MAX_OUTSTANDING_JOBS="100000", **SIM,
-        )  # fmt: skip
+            Path(tmp),
+            celery=False,
+            FERRY_MODELS="",
+            FERRY_RATE_LIMIT="100000/second",
+            FERRY_MAX_OUTSTANDING_JOBS="100000",
+            **SIM,
+        )
         worker: subprocess.Popen[str] | None = None
         try:
             stack.start()

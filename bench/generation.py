@@ -62,8 +62,9 @@ FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p9
 TARGETS = {"static": 2.0, "single": 5.0}
 SMOKE_PROMPTS = Lengths(median=24.0, sigma=1.0, low=4, high=200)
 SMOKE_OUTPUTS = Lengths(median=8.0, sigma=0.5, low=4, high=32)
-SMOKE_CHUNKED = ChunkedLoad(decoders=4, decoder_tokens=24, long_prompts=2, long_prompt=300,
-                            long_tokens=4, every_s=0.05)  # fmt: skip
+SMOKE_CHUNKED = ChunkedLoad(
+    decoders=4, decoder_tokens=24, long_prompts=2, long_prompt=300, long_tokens=4, every_s=0.05
+)
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,10 @@ def compute_floor(setup: Setup, repeats: int = 5) -> dict[str, float]:
     short, long = FLOOR_TOKENS
     short_s, long_s = seconds(short), seconds(long)
     per_token_s = max(0.0, (long_s - short_s) / (long - short))
-    return {"per_token_ms": round(per_token_s * 1000, 4),
-            "fixed_ms": round(max(0.0, short_s - short * per_token_s) * 1000, 3)}  # fmt: skip
+    return {
+        "per_token_ms": round(per_token_s * 1000, 4),
+        "fixed_ms": round(max(0.0, short_s - short * per_token_s) * 1000, 3),
+    }
 
 
 def ceiling(

@@ -317,11 +317,16 @@ class ResumeStack:
         migrate.upgrade(url)
         self.max_tokens = max_tokens
         self.stack = Stack(
-            root, url,
-            {"FERRY_MODELS": MODEL, "FERRY_MODEL_REPOSITORY": str(repository),
-             "FERRY_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
-             "FERRY_DEVICE": "cpu", "FERRY_CPU_THREADS": "1"},
-        )  # fmt: skip
+            root,
+            url,
+            {
+                "FERRY_MODELS": MODEL,
+                "FERRY_MODEL_REPOSITORY": str(repository),
+                "FERRY_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S),
+                "FERRY_DEVICE": "cpu",
+                "FERRY_CPU_THREADS": "1",
+            },
+        )
         self.folder = repository / MODEL / "1"
         self.witness = root / "lm-computations"
         self.workers: list[Proc] = []
@@ -377,9 +382,10 @@ class ResumeStack:
 
         with self.stack.engine.connect() as conn:
             return conn.execute(
-                select(Job.status, Job.attempts, Job.output, Job.created_at, Job.finished_at)
-                .where(Job.id == job_id)
-            ).one()  # fmt: skip
+                select(Job.status, Job.attempts, Job.output, Job.created_at, Job.finished_at).where(
+                    Job.id == job_id
+                )
+            ).one()
 
     def finished(self, job_id: str) -> tuple[float, list[int], int]:
         """The job's latency (created -> finished), output tokens and attempts; it must

@@ -99,8 +99,9 @@ def build(args: argparse.Namespace, root: Path) -> tuple[Model, int]:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         kv_cache_bytes=int(args.kv_mib * 2**20),
     )
-    build_lm(model.folder, "llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
-             seed=0)  # fmt: skip
+    build_lm(
+        model.folder, "llama", layers=args.layers, hidden=args.hidden, heads=args.heads, seed=0
+    )
     # No end-of-sequence token: every request runs to its max_tokens, both ways.
     config_path = model.folder / "generation_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -261,11 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         drawn = draw_workload(corpus_ids, args.requests, args.seed, prompt_lengths, output_lengths)
         prompts = prompts_as_text(model.folder, drawn)
         stack = FerryUp(
-            Path(tmp), celery=False, FERRY_MODEL_REPOSITORY=str(model.repository),
+            Path(tmp),
+            celery=False,
+            FERRY_MODEL_REPOSITORY=str(model.repository),
             FERRY_MODELS=MODEL,
-            FERRY_FLOWER_PORT="0", FERRY_CPU_THREADS=str(args.threads), FERRY_DEVICE="cpu",
+            FERRY_FLOWER_PORT="0",
+            FERRY_CPU_THREADS=str(args.threads),
+            FERRY_DEVICE="cpu",
             **LIMITS,
-        )  # fmt: skip
+        )
         settings = run_settings(args, smoke, context, local)
         workload = workload_facts([r for r, _ in prompts], prompt_lengths, output_lengths)
         rounds: list[dict[str, Any]] = []
@@ -304,8 +309,13 @@ def run_settings(
     limits = local.runtime.limits
     return {
         "smoke": smoke,
-        "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden,
-                  "heads": args.heads, "context_tokens": context},
+        "model": {
+            "arch": "llama",
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "context_tokens": context,
+        },
         "device": "cpu",
         "precision": "fp32",
         "threads": args.threads,
@@ -321,7 +331,7 @@ def run_settings(
             "block_size": limits.block_size,
         },
         "stack": "ferry up: its own Redis and SQLite, the API, one worker, no Flower",
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -114,9 +114,11 @@ def raw(
     from core.settings import Settings
 
     settings = Settings(
-        device=device, precision=precision, batch_max_size=max(sizes),
+        device=device,
+        precision=precision,
+        batch_max_size=max(sizes),
         model_parameters={"resnet50": {"random_weights": True, "decode_threads": DECODE_THREADS}},
-    )  # fmt: skip
+    )
     runtime: Any = load_runtime(repository_for(settings)[model], settings)
     data = inputs_for(model, items)
     if model == "minilm":
@@ -173,9 +175,13 @@ def paced(base: str, token: str, model: str, data: list[Any], rate: float) -> li
 
 
 def stack(
-    model: str, precision: str, jobs: int, seconds: float, result: ModelResult,
+    model: str,
+    precision: str,
+    jobs: int,
+    seconds: float,
+    result: ModelResult,
     save: Callable[[], None],
-) -> None:  # fmt: skip
+) -> None:
     settings = {
         "FERRY_MODELS": "",
         "FERRY_RATE_LIMIT": "1000000/second",
@@ -217,16 +223,22 @@ def stack(
             latencies = sorted((_ts(f) - _ts(c)) * 1000.0 for c, f in rows)
             result.p50_ms = round(nearest_rank(latencies, 0.5), 1)
             result.p99_ms = round(nearest_rank(latencies, 0.99), 1)
-            print(f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
-                  f"p99 {result.p99_ms} ms", flush=True)  # fmt: skip
+            print(
+                f"  {model} stack, {result.load_per_s}/s: p50 {result.p50_ms} ms, "
+                f"p99 {result.p99_ms} ms",
+                flush=True,
+            )
             result.phase_s["load"] = round(time.monotonic() - began, 1)
             save()
             began = time.monotonic()
             up.stop(worker, 60)
             rate, idle, worker, result.plain_batches = saturate(
-                up, model, inputs_for(model, max(1, jobs // 2)),
-                FERRY_PIPELINE="false", FERRY_PIPELINE_PREPARE="false",
-            )  # fmt: skip
+                up,
+                model,
+                inputs_for(model, max(1, jobs // 2)),
+                FERRY_PIPELINE="false",
+                FERRY_PIPELINE_PREPARE="false",
+            )
             result.phase_s["plain"] = round(time.monotonic() - began, 1)
             result.plain_jobs_per_s, result.plain_device_idle = rate, idle
             print(f"  {model} stack, plain worker: {rate} jobs/s, GPU idle {idle:.1%}", flush=True)
@@ -249,9 +261,8 @@ def saturate(
     up.env = {**stack_env, **worker_settings}
     try:
         worker = up.spawn(
-            [sys.executable, "-m", "ferry", "worker", "--model", model,
-             "--metrics-port", str(port)]
-        )  # fmt: skip
+            [sys.executable, "-m", "ferry", "worker", "--model", model, "--metrics-port", str(port)]
+        )
     finally:
         up.env = stack_env
     wait_done(up.root / "ferry.db", queued, timeout_s=600)
@@ -314,10 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         stack(model, precision, jobs if model == "minilm" else jobs // 4, seconds, result, save)
         save()
     for r in measured:
-        print(f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
-              f"({r.stack_share_of_raw:.0%} of raw, GPU idle {r.stack_device_idle:.1%}; "
-              f"plain worker {r.plain_jobs_per_s}/s, idle {r.plain_device_idle:.1%}); "
-              f"at {r.load_per_s}/s p50 {r.p50_ms} ms, p99 {r.p99_ms} ms")  # fmt: skip
+        print(
+            f"{r.model}: raw best {r.raw_best}/s; stack {r.stack_jobs_per_s}/s "
+            f"({r.stack_share_of_raw:.0%} of raw, GPU idle {r.stack_device_idle:.1%}; "
+            f"plain worker {r.plain_jobs_per_s}/s, idle {r.plain_device_idle:.1%}); "
+            f"at {r.load_per_s}/s p50 {r.p50_ms} ms, p99 {r.p99_ms} ms"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -113,8 +113,10 @@ def tree_files() -> list[str]:
     """The working tree as git sees it: tracked files and untracked ones it does not ignore."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode()  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return [p for p in listed.split("\0") if p and not p.startswith("bench/results/")]
 
 
@@ -175,8 +177,12 @@ def run(target: Target, max_children: int) -> Outcome:
     with log.open("w") as sink:
         done = subprocess.run(
             [str(MUTMUT), "run", "--max-children", str(max_children), *target.functions],
-            cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, check=False,
-        )  # fmt: skip
+            cwd=work,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     outcome = Outcome(target, round(time.monotonic() - started, 1))
     if done.returncode != 0:
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-20:]
@@ -285,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         "--target", choices=[*TARGETS, "all"], default="all", help="what to mutate (default all)"
     )
     parser.add_argument(
-        "--max-children", type=int, default=len(os.sched_getaffinity(0)),
+        "--max-children",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
         help="mutants tested at once (default: the cores this process may use)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=results.RESULTS / "mutation.json")
     args = parser.parse_args(argv)
     if not MUTMUT.exists():

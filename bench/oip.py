@@ -55,9 +55,11 @@ def infer_call(token: str) -> Callable[[Any], Call]:
         def call(text: str) -> int | None:
             data = text.encode()
             tensor = {
-                "name": "text", "datatype": "BYTES", "shape": [1, 1],
+                "name": "text",
+                "datatype": "BYTES",
+                "shape": [1, 1],
                 "parameters": {"binary_data_size": 4 + len(data)},
-            }  # fmt: skip
+            }
             header = json.dumps(
                 {"inputs": [tensor], "parameters": {"binary_data_output": True}}
             ).encode()
@@ -91,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     head = results.provenance("oip", argv)
     load = Load(args.clients, args.warmup, args.duration)
     texts = load_corpus().texts[:1000]
-    settings = {"clients": args.clients, "warmup_s": args.warmup, "duration_s": args.duration,
-                "rounds": args.rounds, "threads": args.threads, "texts": len(texts)}  # fmt: skip
+    settings = {
+        "clients": args.clients,
+        "warmup_s": args.warmup,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "texts": len(texts),
+    }
     rounds: list[dict[str, Any]] = []
     first = {"model": MODEL, "input": texts[0]}
     with started_ferry(ferry_settings(args.threads, {}), first, "ferry-bench-oip-") as up:
@@ -118,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
                     round(spent["api"] / measured.requests, 3) if measured.requests else None
                 )
                 found[way] = figures
-                print(f"  round {number + 1}, {way:5}: {measured.per_s:7.1f}/s  p50 "
-                      f"{measured.p50_ms} ms  p99 {measured.p99_ms} ms  API CPU "
-                      f"{figures['api_cpu_ms_per_request']} ms a request"
-                      + (f"  !! {measured.errors} errors" if measured.errors else ""),
-                      flush=True)  # fmt: skip
+                print(
+                    f"  round {number + 1}, {way:5}: {measured.per_s:7.1f}/s  p50 "
+                    f"{measured.p50_ms} ms  p99 {measured.p99_ms} ms  API CPU "
+                    f"{figures['api_cpu_ms_per_request']} ms a request"
+                    + (f"  !! {measured.errors} errors" if measured.errors else ""),
+                    flush=True,
+                )
             wait, infer = found["wait"], found["infer"]
             found["ratios"] = {
                 "per_s": round(infer["per_s"] / wait["per_s"], 3) if wait["per_s"] else None,
@@ -135,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(found)
             results.write(args.out, summary(rounds), settings=settings, head=head)
     report = summary(rounds)
-    print(f"infer over wait: requests/s {report['ratios']['per_s']}, API CPU per request "
-          f"{report['ratios']['api_cpu']}; target met: {report['target']['met']}")  # fmt: skip
+    print(
+        f"infer over wait: requests/s {report['ratios']['per_s']}, API CPU per request "
+        f"{report['ratios']['api_cpu']}; target met: {report['target']['met']}"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -414,9 +414,18 @@ def celery_worker() -> None:
 
     worker_process_init.connect(load, weak=False)
     app.worker_main(
-        ["worker", "--pool", "prefork", "--concurrency", os.environ["FERRY_PEERS_CONCURRENCY"],
-         "--loglevel", "WARNING", "--without-gossip", "--without-mingle"]
-    )  # fmt: skip
+        [
+            "worker",
+            "--pool",
+            "prefork",
+            "--concurrency",
+            os.environ["FERRY_PEERS_CONCURRENCY"],
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
 
 
 @contextlib.contextmanager
@@ -453,8 +462,11 @@ def celery_worker_running(broker: str, options: Options) -> Iterator[Path]:
         with log.open("w") as sink:
             process = subprocess.Popen(
                 [sys.executable, "-c", "from bench.peers import celery_worker; celery_worker()"],
-                env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         try:
             yield log
         finally:
@@ -659,8 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--celery-concurrency", type=int, default=2, help="worker children")
     parser.add_argument("--wait", type=int, default=30, help="Ferry's long-poll, seconds")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of them")
-    parser.add_argument("--set", action="append", default=[], metavar="FERRY_X=VALUE",
-                        help="another setting for the Ferry stacks (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FERRY_X=VALUE",
+        help="another setting for the Ferry stacks (repeatable)",
+    )
     parser.add_argument(
         "--quiet-below", type=float, default=0.0, help="first wait for a 1-min load below this"
     )
@@ -751,9 +768,11 @@ def run(args: argparse.Namespace, argv: list[str] | None, systems: list[str]) ->
     }
     print("\nmedian (min-max) of the repeats:")
     for name, s in summary.items():
-        print(f"  {name:15} {s['per_s']['median']:7.1f}/s  {100 * s['ratio']['median']:5.1f} % "
-              f"of raw  p50 {s['p50_ms']['median']} ms  p99 {s['p99_ms']['median']} ms  "
-              f"({s['repeats']} repeats, {s['failed']} failed)")  # fmt: skip
+        print(
+            f"  {name:15} {s['per_s']['median']:7.1f}/s  {100 * s['ratio']['median']:5.1f} % "
+            f"of raw  p50 {s['p50_ms']['median']} ms  p99 {s['p99_ms']['median']} ms  "
+            f"({s['repeats']} repeats, {s['failed']} failed)"
+        )
     for flag in report["flags"]:
         print(f"FLAG: {flag}")
     results.write(args.out, report, settings=settings, head=head)

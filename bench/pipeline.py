@@ -80,9 +80,14 @@ def started_stack(database_url: str | None) -> Iterator[tuple[FerryUp, sqlalchem
         url = database_url or f"sqlite:///{root / 'ferry.db'}"
         extra = {"FERRY_DATABASE_URL": database_url} if database_url else {}
         stack = FerryUp(
-            root, celery=False, FERRY_MODELS="", FERRY_RATE_LIMIT="100000/second",
-            FERRY_MAX_OUTSTANDING_JOBS="100000", **SIM, **extra,
-        )  # fmt: skip
+            root,
+            celery=False,
+            FERRY_MODELS="",
+            FERRY_RATE_LIMIT="100000/second",
+            FERRY_MAX_OUTSTANDING_JOBS="100000",
+            **SIM,
+            **extra,
+        )
         engine = sqlalchemy.create_engine(url)
         try:
             stack.start()
@@ -164,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=6000)
     parser.add_argument(
-        "--postgres", action="store_true",
+        "--postgres",
+        action="store_true",
         help="also run on a scratch database of the PostgreSQL at 127.0.0.1:5432",
-    )  # fmt: skip
+    )
     parser.add_argument("--rounds", type=int, default=3, help="repeats of every run")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
-        "--one-stack", action="store_true",
+        "--one-stack",
+        action="store_true",
         help="every mode of a round on one stack (quicker; the figures are not comparable)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline.json"))
     args = parser.parse_args(argv)
     head = results.provenance("pipeline", argv)
@@ -192,13 +199,18 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {asdict(modes[-1])}", flush=True)
     summary = {database: against_plain(modes, database) for database in databases}
     settings = {
-        "jobs": args.jobs, "cost": COST, "rounds": args.rounds, "one_stack": args.one_stack,
+        "jobs": args.jobs,
+        "cost": COST,
+        "rounds": args.rounds,
+        "one_stack": args.one_stack,
         "sim": SIM,
-    }  # fmt: skip
+    }
     results.write(
-        args.out, {"modes": [asdict(m) for m in modes], "summary": summary},
-        settings=settings, head=head,
-    )  # fmt: skip
+        args.out,
+        {"modes": [asdict(m) for m in modes], "summary": summary},
+        settings=settings,
+        head=head,
+    )
     print(
         f"{'database':11} {'mode':12} {'round':>5} {'jobs/s':>8} {'device idle':>12} {'batch':>6}"
     )

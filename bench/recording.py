@@ -63,12 +63,18 @@ def measure(url: str, size: int, batches: int) -> dict[tuple[str, str], list[flo
                         session.execute(
                             insert(Job),
                             [
-                                {"id": job_id, "api_key_id": key, "model": "minilm",
-                                 "priority": "normal", "input": "x", "cost": 1,
-                                 "status": "running"}
+                                {
+                                    "id": job_id,
+                                    "api_key_id": key,
+                                    "model": "minilm",
+                                    "priority": "normal",
+                                    "input": "x",
+                                    "cost": 1,
+                                    "status": "running",
+                                }
                                 for job_id in ids
                             ],
-                        )  # fmt: skip
+                        )
                     outcomes = [
                         Outcome(i, "succeeded", output=output, inference_ms=3.0) for i in ids
                     ]

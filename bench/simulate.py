@@ -243,9 +243,12 @@ def ferry_policy(tuning: Tuning, name: str = "ferry") -> Policy:
 # The window bound is the one these figures were measured with (the shipped
 # default, FERRY_BATCH_WINDOW_MAX_MS, is 20 ms).
 FERRY_TUNING = Tuning(
-    batch_max_size=256, batch_max_cost=8192, padded=True, batch_window_max_ms=50.0,
+    batch_max_size=256,
+    batch_max_cost=8192,
+    padded=True,
+    batch_window_max_ms=50.0,
     bulk_ride_factor=math.inf,
-)  # fmt: skip
+)
 # Ferry told to keep batches at least this efficient once more is pending than
 # one batch holds (Tuning.batch_min_efficiency): efficiency bought with capacity and
 # latency. The report shows the trade-off; 0 is no floor at all.
@@ -974,9 +977,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny traces (seconds): proves it runs, nothing more"
     )
     parser.add_argument(
-        "--repeats", type=int, default=3,
+        "--repeats",
+        type=int,
+        default=3,
         help="seeds the targets are judged over (seed, seed + 1, ...): median and range",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/scheduler.json"))
     parser.add_argument(

@@ -37,7 +37,9 @@ def celery_for_events(settings: Settings) -> Celery:
         broker_connection_retry=False,
         broker_transport_options={
             **app.conf.broker_transport_options,
-            "max_retries": 0, "socket_timeout": 2.0, "socket_connect_timeout": 2.0,
+            "max_retries": 0,
+            "socket_timeout": 2.0,
+            "socket_connect_timeout": 2.0,
         },
-    )  # fmt: skip
+    )
     return app

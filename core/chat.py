@@ -34,8 +34,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # What transformers passes a template of the tokenizer's special tokens.
 SPECIAL_TOKENS = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-)  # fmt: skip
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):

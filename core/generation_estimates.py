@@ -82,8 +82,16 @@ class GenerationEstimate:
             }
         except (KeyError, ValueError):
             return None
-        ints = {"kv_blocks", "block_size", "bytes_per_block", "max_running", "step_tokens",
-                "prefill_chunk_tokens", "running", "waiting"}  # fmt: skip
+        ints = {
+            "kv_blocks",
+            "block_size",
+            "bytes_per_block",
+            "max_running",
+            "step_tokens",
+            "prefill_chunk_tokens",
+            "running",
+            "waiting",
+        }
         values = {name: int(v) if name in ints else v for name, v in numbers.items()}
         for name in ("kv_blocks", "block_size", "max_running", "step_tokens"):
             values[name] = max(1, values[name])

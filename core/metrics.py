@@ -32,8 +32,23 @@ from core.settings import Settings
 from scheduler.vocabulary import Lane
 
 LATENCY_BUCKETS_S = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 COST_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -89,9 +104,11 @@ JOB_QUEUE_WAIT = Histogram(
 # Batches (GPU workers).
 BATCH_SIZE = Histogram("ferry_batch_size", "Jobs per batch.", ["model"], buckets=SIZE_BUCKETS)
 BATCH_COST = Histogram(
-    "ferry_batch_cost", "Summed job cost per batch (tokens for minilm).", ["model"],
+    "ferry_batch_cost",
+    "Summed job cost per batch (tokens for minilm).",
+    ["model"],
     buckets=COST_BUCKETS,
-)  # fmt: skip
+)
 BATCH_EFFICIENCY = Histogram(
     "ferry_batch_efficiency_ratio",
     "Sum of costs / (jobs x largest cost): the share of computed work that is not padding.",
@@ -99,9 +116,11 @@ BATCH_EFFICIENCY = Histogram(
     buckets=RATIO_BUCKETS,
 )
 BATCH_LATENCY = Histogram(
-    "ferry_batch_latency_seconds", "Observed time to run a batch.", ["model"],
+    "ferry_batch_latency_seconds",
+    "Observed time to run a batch.",
+    ["model"],
     buckets=LATENCY_BUCKETS_S,
-)  # fmt: skip
+)
 BATCH_PREDICTED = Histogram(
     "ferry_batch_predicted_latency_seconds",
     "The scheduler's prediction of the same batches' latency.",
@@ -147,20 +166,37 @@ GPU_MEMORY_RECLAIMS = Counter(
 
 # Generation workers: observed once per step, and once per job as it ends.
 TOKEN_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.035,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 GENERATION_TOKENS = Counter(
-    "ferry_generation_tokens_total", "Tokens generated (sampled) by a generation worker.",
+    "ferry_generation_tokens_total",
+    "Tokens generated (sampled) by a generation worker.",
     ["model"],
-)  # fmt: skip
+)
 GENERATION_STEPS = Counter(
-    "ferry_generation_steps_total", "Steps a generation worker ran (each a forward pass).",
+    "ferry_generation_steps_total",
+    "Steps a generation worker ran (each a forward pass).",
     ["model"],
-)  # fmt: skip
+)
 GENERATION_STEP_SECONDS = Histogram(
-    "ferry_generation_step_seconds", "Device time of one generation step.", ["model"],
+    "ferry_generation_step_seconds",
+    "Device time of one generation step.",
+    ["model"],
     buckets=LATENCY_BUCKETS_S,
-)  # fmt: skip
+)
 GENERATION_TTFT = Histogram(
     "ferry_generation_time_to_first_token_seconds",
     "Accepted to a generation job's first token.",
@@ -257,17 +293,23 @@ def queue_metrics(
     ``scalers``, per model: live workers, arrivals, and the workers it wants."""
     registry = CollectorRegistry()
     depth = Gauge(
-        "ferry_queue_depth", "Entries not yet acknowledged (queued or running).",
-        ["model", "lane"], registry=registry,
-    )  # fmt: skip
+        "ferry_queue_depth",
+        "Entries not yet acknowledged (queued or running).",
+        ["model", "lane"],
+        registry=registry,
+    )
     lag = Gauge(
-        "ferry_queue_lag", "Entries no worker has read yet (consumer-group lag).",
-        ["model", "lane"], registry=registry,
-    )  # fmt: skip
+        "ferry_queue_lag",
+        "Entries no worker has read yet (consumer-group lag).",
+        ["model", "lane"],
+        registry=registry,
+    )
     pending = Gauge(
-        "ferry_queue_pending_entries", "Entries read by a worker and not acknowledged yet.",
-        ["model", "lane"], registry=registry,
-    )  # fmt: skip
+        "ferry_queue_pending_entries",
+        "Entries read by a worker and not acknowledged yet.",
+        ["model", "lane"],
+        registry=registry,
+    )
     scaling = None if scalers is None else _scaling_gauges(registry)
     now = time.time()
     for model in models:
@@ -300,21 +342,28 @@ def _scaling_gauges(registry: CollectorRegistry) -> dict[str, Gauge]:
             "ferry_model_desired_workers",
             "Workers the model wants: its arrivals at the target utilisation, plus its queue "
             "drained before the nearest deadline in it; falls only after the cool-down.",
-            ["model"], registry=registry,
+            ["model"],
+            registry=registry,
         ),
         "workers": Gauge(
-            "ferry_model_workers", "Live workers of the model (heartbeat within 10 s).",
-            ["model"], registry=registry,
+            "ferry_model_workers",
+            "Live workers of the model (heartbeat within 10 s).",
+            ["model"],
+            registry=registry,
         ),
         "arrivals": Gauge(
-            "ferry_model_arrival_rate", "Jobs enqueued per second for the model, over the "
-            "autoscale window.", ["model"], registry=registry,
+            "ferry_model_arrival_rate",
+            "Jobs enqueued per second for the model, over the autoscale window.",
+            ["model"],
+            registry=registry,
         ),
         "per_worker": Gauge(
-            "ferry_model_worker_throughput", "Jobs per second one worker finishes (learned "
-            "from its batches).", ["model"], registry=registry,
+            "ferry_model_worker_throughput",
+            "Jobs per second one worker finishes (learned from its batches).",
+            ["model"],
+            registry=registry,
         ),
-    }  # fmt: skip
+    }
 
 
 def token_matches(expected: str | None, authorization: str | None) -> bool:

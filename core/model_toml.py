@@ -39,18 +39,33 @@ TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 # [batching] and [memory] take the scheduler's per-model settings by their
 # names in core.settings, checked there.
 TOP_LEVEL = {
-    "name", "backend", "description", "active_version", "precision", "input", "cost",
-    "batching", "memory", "instances", "parameters", "embeddings",
-}  # fmt: skip
+    "name",
+    "backend",
+    "description",
+    "active_version",
+    "precision",
+    "input",
+    "cost",
+    "batching",
+    "memory",
+    "instances",
+    "parameters",
+    "embeddings",
+}
 INPUT_KEYS = {
     "text": {"kind", "max_chars", "max_tokens", "overlength", "tokenizer"},
     "image": {"kind", "image_size", "max_image_bytes", "max_pixels"},
     "json": {"kind", "schema"},
     "tensor": {"kind", "tensors"},
     "generation": {
-        "kind", "max_chars", "tokenizer", "context_tokens", "default_max_tokens", "chat_template",
+        "kind",
+        "max_chars",
+        "tokenizer",
+        "context_tokens",
+        "default_max_tokens",
+        "chat_template",
     },
-}  # fmt: skip
+}
 COST_KEYS = {"function", "field", "max", "value"}
 INSTANCE_KEYS = {"device", "count"}
 EMBEDDINGS_KEYS = {"dimensions", "truncatable"}
@@ -490,9 +505,10 @@ class _Reader:
             number = int(path.name)
             if number < 1 or path.name != str(number):
                 self.problem(
-                    "", "is not a version's name (versions are named 1, 2, 3 ...)",
+                    "",
+                    "is not a version's name (versions are named 1, 2, 3 ...)",
                     relative(self.root, path),
-                )  # fmt: skip
+                )
                 continue
             files = self.version_files(path)
             if files is not None:

@@ -330,8 +330,14 @@ def file_lines(
 ) -> Iterator[bytes]:
     """A batch's output or error file, in input order, a page of lines at a time."""
     columns = (
-        Job.id, Job.custom_id, Job.output, Job.error, Job.cost, Job.metadata_, Job.created_at,
-    )  # fmt: skip
+        Job.id,
+        Job.custom_id,
+        Job.output,
+        Job.error,
+        Job.cost,
+        Job.metadata_,
+        Job.created_at,
+    )
     for rows in terminal_rows(sessions, backfill_id, columns):
         lines = [
             json.dumps(

@@ -34,16 +34,34 @@ WEBHOOK_SCHEDULE_S = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0
 # The settings FERRY_MODEL_SETTINGS may override for one model.
 PER_MODEL = frozenset(
     {
-        "scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
-        "batch_window_max_ms", "latency_target_ms", "memory_budget_bytes",
-        "memory_threshold", "bulk_share", "bulk_ride_factor", "fixed_max_delay_ms",
-        "batch_window_start_factor", "batch_window_shrink", "batch_window_grow",
-        "latency_high_factor", "latency_low_factor", "batch_cost_history_weight",
-        "idle_queue_max", "learning_forget", "oom_backoff", "urgent_guard",
-        "urgent_budget", "urgent_memory_s", "batch_min_efficiency", "precision",
+        "scheduler",
+        "batch_max_size",
+        "batch_max_cost",
+        "batch_window_min_ms",
+        "batch_window_max_ms",
+        "latency_target_ms",
+        "memory_budget_bytes",
+        "memory_threshold",
+        "bulk_share",
+        "bulk_ride_factor",
+        "fixed_max_delay_ms",
+        "batch_window_start_factor",
+        "batch_window_shrink",
+        "batch_window_grow",
+        "latency_high_factor",
+        "latency_low_factor",
+        "batch_cost_history_weight",
+        "idle_queue_max",
+        "learning_forget",
+        "oom_backoff",
+        "urgent_guard",
+        "urgent_budget",
+        "urgent_memory_s",
+        "batch_min_efficiency",
+        "precision",
         "gpu_memory_fraction",
     }
-)  # fmt: skip
+)
 
 
 class Settings(BaseSettings):
@@ -444,9 +462,14 @@ class Settings(BaseSettings):
     """The log level; logs are one JSON object per line."""
 
     @field_validator(
-        "redis_url", "database_url", "flower_password", "metrics_token", "model_repository",
-        "celery_broker_url", mode="before",
-    )  # fmt: skip
+        "redis_url",
+        "database_url",
+        "flower_password",
+        "metrics_token",
+        "model_repository",
+        "celery_broker_url",
+        mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
@@ -568,9 +591,10 @@ class Settings(BaseSettings):
         given explicitly (FERRY_BATCH_MAX_SIZE); ``model_settings`` overrides both.
         """
         file_settings = {
-            name: value for name, value in (defaults or {}).items()
+            name: value
+            for name, value in (defaults or {}).items()
             if name not in self.model_fields_set
-        }  # fmt: skip
+        }
         overrides = self.model_settings.get(model)
         if not overrides and not file_settings:
             return self

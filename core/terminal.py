@@ -25,9 +25,10 @@ def after_terminal(session: Session, job_ids: Sequence[str], now: dt.datetime) -
     if not job_ids:
         return []
     rows = session.execute(
-        select(Job.id, Job.api_key_id, Job.backfill_id, Job.status, Job.callback_url)
-        .where(Job.id.in_(job_ids))
-    ).all()  # fmt: skip
+        select(Job.id, Job.api_key_id, Job.backfill_id, Job.status, Job.callback_url).where(
+            Job.id.in_(job_ids)
+        )
+    ).all()
     count_outcomes(session, Counter((r.backfill_id, r.status) for r in rows if r.backfill_id))
     release(session, Counter(r.api_key_id for r in rows if r.backfill_id is None))
     called = [r.id for r in rows if r.callback_url]

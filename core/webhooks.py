@@ -93,9 +93,16 @@ def add_job_deliveries(session: Session, job_ids: Sequence[str], now: dt.datetim
             continue
         assert job.callback_url is not None
         created.append(
-            _add(session, job.api_key_id, job.callback_url, event_type(job), job_resource(job),
-                 now, job_id=job.id)
-        )  # fmt: skip
+            _add(
+                session,
+                job.api_key_id,
+                job.callback_url,
+                event_type(job),
+                job_resource(job),
+                now,
+                job_id=job.id,
+            )
+        )
     return created
 
 
@@ -109,12 +116,25 @@ def add_started_deliveries(
     created = []
     for job, attempt in jobs:
         if job.callback_url and wants(job.callback_events, "started"):
-            data = {"id": job.id, "model": job.model, "status": "running",
-                    "attempt": attempt, "started_at": iso(now)}  # fmt: skip
+            data = {
+                "id": job.id,
+                "model": job.model,
+                "status": "running",
+                "attempt": attempt,
+                "started_at": iso(now),
+            }
             created.append(
-                _add(session, job.api_key_id, job.callback_url, "job.started", data, now,
-                     ordinal=attempt, job_id=job.id)
-            )  # fmt: skip
+                _add(
+                    session,
+                    job.api_key_id,
+                    job.callback_url,
+                    "job.started",
+                    data,
+                    now,
+                    ordinal=attempt,
+                    job_id=job.id,
+                )
+            )
     return created
 
 
@@ -135,12 +155,25 @@ def add_progress_deliveries(
         if not wants(job.callback_events, "progress"):
             continue
         tokens, max_tokens = progress[job.id]
-        data = {"id": job.id, "model": job.model, "status": "running", "tokens": tokens,
-                "max_tokens": max_tokens}  # fmt: skip
+        data = {
+            "id": job.id,
+            "model": job.model,
+            "status": "running",
+            "tokens": tokens,
+            "max_tokens": max_tokens,
+        }
         created.append(
-            _add(session, job.api_key_id, job.callback_url, "job.progress", data, now,
-                 ordinal=tokens, job_id=job.id)
-        )  # fmt: skip
+            _add(
+                session,
+                job.api_key_id,
+                job.callback_url,
+                "job.progress",
+                data,
+                now,
+                ordinal=tokens,
+                job_id=job.id,
+            )
+        )
     return created
 
 
@@ -157,9 +190,14 @@ def add_backfill_delivery(session: Session, backfill: Backfill, now: dt.datetime
     if exists is not None:
         return None
     return _add(
-        session, backfill.api_key_id, backfill.callback_url, kind, backfill_resource(backfill),
-        now, backfill_id=backfill.id,
-    )  # fmt: skip
+        session,
+        backfill.api_key_id,
+        backfill.callback_url,
+        kind,
+        backfill_resource(backfill),
+        now,
+        backfill_id=backfill.id,
+    )
 
 
 def _add(

@@ -49,10 +49,25 @@ def json_input(ctx: typer.Context, text: str) -> Any:
 
 # A job's fields in the order a person reads them (--json prints them all, as the API does).
 FIELDS = (
-    "id", "model", "status", "priority", "model_version", "requested_version", "created_at",
-    "started_at", "finished_at", "deadline_at", "attempts", "estimated_wait_ms", "error",
-    "output", "metadata", "batch", "timings", "callback",
-)  # fmt: skip
+    "id",
+    "model",
+    "status",
+    "priority",
+    "model_version",
+    "requested_version",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "deadline_at",
+    "attempts",
+    "estimated_wait_ms",
+    "error",
+    "output",
+    "metadata",
+    "batch",
+    "timings",
+    "callback",
+)
 
 
 def show_job(job: Job, as_json: bool) -> None:

@@ -45,16 +45,25 @@ def start_redis(data_dir: Path, port: int | None = None) -> tuple[subprocess.Pop
     # Durability as docs/architecture.md §4 requires: AOF, fsync every second, never evict.
     args = [
         find_redis_server(),
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(redis_dir),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--maxmemory-policy", "noeviction",
-        "--save", "",
-        "--protected-mode", "yes",
-        "--logfile", str(redis_dir / "redis.log"),
-    ]  # fmt: skip
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(redis_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--maxmemory-policy",
+        "noeviction",
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+        "--logfile",
+        str(redis_dir / "redis.log"),
+    ]
     # Own session: a Ctrl-C at the terminal must not stop Redis before the
     # processes that drain into it (`ferry up` stops it last).
     process = subprocess.Popen(

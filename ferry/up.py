@@ -96,8 +96,10 @@ class Child:
         code = self.process.returncode
         if len(self.crashes) >= CRASH_LIMIT:
             if not self.critical:
-                _say(f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; "
-                     "it stays stopped, the rest of Ferry runs on")  # fmt: skip
+                _say(
+                    f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; "
+                    "it stays stopped, the rest of Ferry runs on"
+                )
                 self.given_up = True
                 return True
             _say(f"{self.name} exited with code {code} {CRASH_LIMIT} times in a minute; stopping")

@@ -82,10 +82,15 @@ class ClusterRedis:
 
     def _start(self, port: int) -> None:
         self.processes[port] = redis_with_conf(
-            self.program, self.tmp / f"redis-{port}", port,
-            ["cluster-enabled yes", "cluster-config-file nodes.conf",
-             f"cluster-node-timeout {NODE_TIMEOUT_MS}"],
-        )  # fmt: skip
+            self.program,
+            self.tmp / f"redis-{port}",
+            port,
+            [
+                "cluster-enabled yes",
+                "cluster-config-file nodes.conf",
+                f"cluster-node-timeout {NODE_TIMEOUT_MS}",
+            ],
+        )
 
     def __enter__(self) -> ClusterRedis:
         for port in self.ports:

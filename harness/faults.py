@@ -237,10 +237,17 @@ class Stack(Processes):
                 chunk = ids[start : start + 1000]
                 for row in conn.execute(
                     select(
-                        Job.id, Job.status, Job.attempts, Job.error, Job.input, Job.output,
-                        Job.batch_size, Job.started_at, Job.finished_at,
+                        Job.id,
+                        Job.status,
+                        Job.attempts,
+                        Job.error,
+                        Job.input,
+                        Job.output,
+                        Job.batch_size,
+                        Job.started_at,
+                        Job.finished_at,
                     ).where(Job.id.in_(chunk))
-                ):  # fmt: skip
+                ):
                     found[row.id] = row
         return found
 
@@ -316,14 +323,21 @@ class Stack(Processes):
         computations = self.computations(rows)
         own_record = self.executions()
         figures = tally(
-            scenario, submission, rows, transitions, computations, seconds, self.max_attempts,
-            published=published, record=own_record,
+            scenario,
+            submission,
+            rows,
+            transitions,
+            computations,
+            seconds,
+            self.max_attempts,
+            published=published,
+            record=own_record,
             stream_entries_left=left,
             # Rows no 202 answered for (a request that failed after its commit
             # and was not retried): work nobody knows was accepted.
             orphan_rows=self.row_count() - len(rows),
             restarts={p.name: p.exits for p in self.procs.values() if p.exits},
-        )  # fmt: skip
+        )
         record(figures)
         return Accounting(figures, rows, published, computations, own_record, transitions)
 

@@ -278,10 +278,21 @@ class Deployment:
 
     def start_redis(self) -> None:
         self.redis.spawn(
-            ["redis-server", "--bind", self.redis.address, "--port", "6379", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
+            [
+                "redis-server",
+                "--bind",
+                self.redis.address,
+                "--port",
+                "6379",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
             log="redis",
-        )  # fmt: skip
+        )
 
     def start_postgres(self) -> None:
         # Its own folder: the postgres user must reach it, and test folders are root's alone.
@@ -295,22 +306,36 @@ class Deployment:
         with (data / "pg_hba.conf").open("a") as hba:
             hba.write(f"host all all {self.net.subnet}.0/{PREFIX} trust\n")
         self.postgres.spawn(
-            ["postgres", "-D", str(data), "-h", self.postgres.address, "-p", "5432",
-             "-k", str(data), "-c", "fsync=off"],
-            user="postgres", log="postgres",
-        )  # fmt: skip
+            [
+                "postgres",
+                "-D",
+                str(data),
+                "-h",
+                self.postgres.address,
+                "-p",
+                "5432",
+                "-k",
+                str(data),
+                "-c",
+                "fsync=off",
+            ],
+            user="postgres",
+            log="postgres",
+        )
 
     def start_api(self, host: Host) -> None:
         host.spawn(
             [self.python, "-m", "ferry", "api", "--host", host.address, "--port", "8000"],
-            self.env(host), log="api",
-        )  # fmt: skip
+            self.env(host),
+            log="api",
+        )
 
     def start_worker(self, host: Host) -> subprocess.Popen[bytes]:
         process = host.spawn(
             [self.python, "-m", "ferry", "worker", "--model", "sim", "--name", host.name],
-            self.env(host), log="worker",
-        )  # fmt: skip
+            self.env(host),
+            log="worker",
+        )
         self.worker_processes[host.name] = process
         return process
 

@@ -117,8 +117,10 @@ class PostgresServer:
     def running(self) -> bool:
         status = subprocess.run(
             [_program("pg_ctl"), "-D", str(self.data), "status"],
-            user=self.user, capture_output=True, check=False,
-        )  # fmt: skip
+            user=self.user,
+            capture_output=True,
+            check=False,
+        )
         return status.returncode == 0
 
     def query(self, statement: str, database: str = "postgres") -> list[Any]:
@@ -156,9 +158,17 @@ class PostgresServers:
         """A new cluster (initdb, trust authentication), started."""
         server = self._new(name)
         server.run(
-            _program("initdb"), "-D", str(server.data), "-U", "postgres", "--auth=trust",
-            "--no-sync", "-E", "UTF8", "--locale=C",
-        )  # fmt: skip
+            _program("initdb"),
+            "-D",
+            str(server.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        )
         with (server.data / "postgresql.conf").open("a") as conf:
             conf.write("\n".join(SETTINGS) + "\n")
         server.start()
@@ -176,10 +186,22 @@ class PostgresServers:
         """
         server = self._new(name)
         server.run(
-            _program("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port),
-            "-U", "postgres", "-D", str(server.data), "-R", "-X", "stream",
-            "-c", "fast", "--no-sync",  # a checkpoint now, not one spread over minutes
-        )  # fmt: skip
+            _program("pg_basebackup"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            "postgres",
+            "-D",
+            str(server.data),
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",  # a checkpoint now, not one spread over minutes
+        )
         with (server.data / "postgresql.auto.conf").open("a") as conf:
             conf.write(f"cluster_name = '{name}'\nsynchronous_standby_names = ''\n")
         server.start()

@@ -44,9 +44,12 @@ class SentinelRedis:
 
     def _start(self, port: int, lines: list[str], sentinel: bool = False) -> None:
         self.processes[port] = redis_with_conf(
-            self.program, self.tmp / f"redis-{port}", port, lines,
+            self.program,
+            self.tmp / f"redis-{port}",
+            port,
+            lines,
             *(["--sentinel"] if sentinel else []),
-        )  # fmt: skip
+        )
 
     def __enter__(self) -> SentinelRedis:
         primary, replica = self.ports["primary"], self.ports["replica"]

@@ -58,8 +58,14 @@ def redis_with_conf(
     persistence, data and log in ``home``)."""
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
-    common = [f"port {port}", "bind 127.0.0.1", f'dir "{home}"', 'save ""',
-              "appendonly no", "protected-mode no"]  # fmt: skip
+    common = [
+        f"port {port}",
+        "bind 127.0.0.1",
+        f'dir "{home}"',
+        'save ""',
+        "appendonly no",
+        "protected-mode no",
+    ]
     conf.write_text("\n".join(common + lines) + "\n")
     return subprocess.Popen(
         [program, str(conf), *args], stdout=(home / "log").open("wb"), stderr=subprocess.STDOUT

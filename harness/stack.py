@@ -76,9 +76,13 @@ class FerryUp:
     def spawn(self, args: list[str]) -> subprocess.Popen[str]:
         """A process with the stack's settings, its output collected with the stack's."""
         process = subprocess.Popen(
-            args, cwd=self.root, env=self.env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            args,
+            cwd=self.root,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self._read, args=(process,), daemon=True).start()
         return process
 

@@ -506,8 +506,9 @@ class GenerationScheduler:
         if more <= 0:
             return 0
         end = chunk.end + more
-        draft.chunks[index] = Chunk(chunk.id, chunk.start, chunk.length + more,
-                                    end == sequence.known)  # fmt: skip
+        draft.chunks[index] = Chunk(
+            chunk.id, chunk.start, chunk.length + more, end == sequence.known
+        )
         draft.budget -= more
         return more
 

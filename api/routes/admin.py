@@ -73,9 +73,13 @@ class Activated(BaseModel):
     responses=error_responses(400, 401, 403, 404, 413, 415, 503),
 )
 def activate_version(
-    name: str, body: Activation, _admin: AdminDep, session: SessionDep, request: Request,
+    name: str,
+    body: Activation,
+    _admin: AdminDep,
+    session: SessionDep,
+    request: Request,
     catalog: CatalogDep,
-) -> Activated:  # fmt: skip
+) -> Activated:
     """Make a version the active one: every worker loads it, switches, and drops the old.
 
     Activating an older version is a rollback. A version whose files the
@@ -127,9 +131,13 @@ def queues(
 
 def _info(key: ApiKey) -> KeyInfo:
     return KeyInfo(
-        id=key.id, name=key.name, scope=key.scope, created_at=key.created_at,
-        revoked_at=key.revoked_at, weight=key.weight,
-    )  # fmt: skip
+        id=key.id,
+        name=key.name,
+        scope=key.scope,
+        created_at=key.created_at,
+        revoked_at=key.revoked_at,
+        weight=key.weight,
+    )
 
 
 @router.get("/keys", response_model=KeyList, responses=error_responses(401, 403))

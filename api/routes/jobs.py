@@ -85,9 +85,13 @@ async def create_job(
         JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
         log.info(
             "job accepted",
-            extra={"job_id": submitted.job.id, "request_id": request.state.request_id,
-                   "model": submitted.job.model, "lane": submitted.job.priority},
-        )  # fmt: skip
+            extra={
+                "job_id": submitted.job.id,
+                "request_id": request.state.request_id,
+                "model": submitted.job.model,
+                "lane": submitted.job.priority,
+            },
+        )
     resource = services.to_resource(submitted.job, submitted.estimated_wait_ms)
     resource.max_tokens = submitted.max_tokens
     if wait > 0:

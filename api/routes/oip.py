@@ -122,11 +122,13 @@ INDEX_ENTRY = {
     "properties": {
         "name": {"type": "string"},
         "version": {"type": "string"},
-        "state": {"type": "string", "enum": [oip.READY, oip.UNAVAILABLE, oip.LOADING,
-                                             oip.UNLOADING]},
+        "state": {
+            "type": "string",
+            "enum": [oip.READY, oip.UNAVAILABLE, oip.LOADING, oip.UNLOADING],
+        },
         "reason": {"type": "string", "description": "Why it is in that state (empty: READY)."},
     },
-}  # fmt: skip
+}
 INDEX_BODY = {
     "required": False,
     "description": "May be empty.",

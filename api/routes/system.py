@@ -163,9 +163,11 @@ def _ms(seconds: float | None, digits: int = 3) -> float | None:
 
 
 @router.get(
-    "/metrics", tags=["health"], response_class=PlainTextResponse,
+    "/metrics",
+    tags=["health"],
+    response_class=PlainTextResponse,
     responses=error_responses(401),
-)  # fmt: skip
+)
 def metrics(
     request: Request, client: RedisDep, catalog: CatalogDep, settings: SettingsDep
 ) -> PlainTextResponse:

@@ -339,9 +339,11 @@ class StreamConsumer:
         for entry in entries:
             fields = {**entry.message.encode(), "source": entry.stream, "reason": "max_attempts"}
             pipe.xadd(
-                dead_letter_key(self.prefix, self.model), cast(Any, fields),
-                maxlen=DEAD_LETTER_MAXLEN, approximate=True,
-            )  # fmt: skip
+                dead_letter_key(self.prefix, self.model),
+                cast(Any, fields),
+                maxlen=DEAD_LETTER_MAXLEN,
+                approximate=True,
+            )
         pipe.execute()
 
     def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
@@ -353,10 +355,18 @@ class StreamConsumer:
             # the node is named. A MOVED or ASK reply is still followed within the call.
             block = ["BLOCK", block_ms] if block_ms is not None else []
             reply = self.client.execute_command(
-                "XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block,
-                "STREAMS", *streams, *streams.values(),
+                "XREADGROUP",
+                "GROUP",
+                GROUP,
+                self.consumer,
+                "COUNT",
+                count,
+                *block,
+                "STREAMS",
+                *streams,
+                *streams.values(),
                 target_nodes=cast(Any, self.client).get_node_from_key(next(iter(streams))),
-            )  # fmt: skip
+            )
         else:
             reply = self.client.xreadgroup(
                 GROUP, self.consumer, cast(Any, streams), count=count, block=block_ms

@@ -31,8 +31,19 @@ log = logging.getLogger(__name__)
 
 DRAIN_S = 0.5
 RETRY_S = 2.0
-INSPECTIONS = ("ping", "stats", "active_queues", "registered", "active", "reserved",
-               "scheduled", "revoked", "conf", "report", "clock")  # fmt: skip
+INSPECTIONS = (
+    "ping",
+    "stats",
+    "active_queues",
+    "registered",
+    "active",
+    "reserved",
+    "scheduled",
+    "revoked",
+    "conf",
+    "report",
+    "clock",
+)
 
 
 class Handlers(dict[str, Callable[..., Any]]):
@@ -139,8 +150,15 @@ class ControlResponder:
         batch = self.presence.current
         if batch is None:
             return []
-        return [{**batch, "hostname": self.hostname, "acknowledged": False,
-                 "worker_pid": os.getpid(), "type": batch["name"]}]  # fmt: skip
+        return [
+            {
+                **batch,
+                "hostname": self.hostname,
+                "acknowledged": False,
+                "worker_pid": os.getpid(),
+                "type": batch["name"],
+            }
+        ]
 
     def _reserved(self) -> list[Any]:
         return []

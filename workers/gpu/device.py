@@ -170,10 +170,12 @@ class DevicePipeline:
             computed = self._collect(flight)
         except BaseException as exc:
             self.observer.batch_failed(
-                flight.batch_id, time.perf_counter() - flight.started, len(flight.claimed),
+                flight.batch_id,
+                time.perf_counter() - flight.started,
+                len(flight.claimed),
                 f"{type(exc).__name__} while running or recording it "
                 "(jobs not acknowledged run again)",
-            )  # fmt: skip
+            )
             raise
         self._landed.append((flight, computed))
 
@@ -195,9 +197,12 @@ class DevicePipeline:
                     for output in outputs
                 ]
                 return Computed(
-                    results, batch_s, launched.device_s, efficiency(flight.costs),
+                    results,
+                    batch_s,
+                    launched.device_s,
+                    efficiency(flight.costs),
                     launched.peak_memory_bytes,
-                )  # fmt: skip
+                )
         return self.compute(flight, failed=failed)
 
     def compute(self, flight: InFlight, failed: Exception | None = None) -> Computed:
@@ -213,11 +218,17 @@ class DevicePipeline:
 
         began = time.perf_counter()
         results = run_isolating(
-            self.runtime.run, [c.input for c in flight.claimed], on_oom=out_of_memory,
+            self.runtime.run,
+            [c.input for c in flight.claimed],
+            on_oom=out_of_memory,
             failed=failed,
-        )  # fmt: skip
+        )
         batch_s = time.perf_counter() - began
         return Computed(
-            results, batch_s, batch_s, efficiency(costs), self.runtime.peak_memory_bytes,
+            results,
+            batch_s,
+            batch_s,
+            efficiency(costs),
+            self.runtime.peak_memory_bytes,
             tuple(ooms),
-        )  # fmt: skip
+        )

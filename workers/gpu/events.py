@@ -106,9 +106,9 @@ class Observers(BatchObserver):
                 call(observer)
             except Exception:
                 log.exception(
-                    "a batch observer failed", extra={"observer": type(observer).__name__,
-                                                      "hook": hook},
-                )  # fmt: skip
+                    "a batch observer failed",
+                    extra={"observer": type(observer).__name__, "hook": hook},
+                )
 
     def batch_started(self, batch: BatchStarted) -> None:
         self._each("batch_started", lambda o: o.batch_started(batch))
@@ -169,10 +169,15 @@ class BatchLog(BatchObserver):
             if job.request_id:
                 log.info(
                     "job finished",
-                    extra={"job_id": job.job_id, "request_id": job.request_id,
-                           "batch_id": batch_id, "model": self.model, "lane": job.lane,
-                           "status": finished.status},
-                )  # fmt: skip
+                    extra={
+                        "job_id": job.job_id,
+                        "request_id": job.request_id,
+                        "batch_id": batch_id,
+                        "model": self.model,
+                        "lane": job.lane,
+                        "status": finished.status,
+                    },
+                )
 
 
 class KickDeliveries(BatchObserver):

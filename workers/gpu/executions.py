@@ -55,10 +55,15 @@ class ExecutionLog:
         """Record a computed batch; returns once the line is the kernel's."""
         self._seq += 1
         line = json.dumps(
-            {"worker": self.worker, "pid": self.pid, "seq": self._seq, "batch": batch_id,
-             "jobs": [[job_id, attempt] for job_id, attempt in jobs]},
+            {
+                "worker": self.worker,
+                "pid": self.pid,
+                "seq": self._seq,
+                "batch": batch_id,
+                "jobs": [[job_id, attempt] for job_id, attempt in jobs],
+            },
             separators=(",", ":"),
-        )  # fmt: skip
+        )
         data = (line + "\n").encode()
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -321,9 +321,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         else:
             log.warning(
                 "a generation step failed; its sequences run again, each alone",
-                extra={"model": self.model, "sequences": len(aborted),
-                       "error_type": type(error).__name__},
-            )  # fmt: skip
+                extra={
+                    "model": self.model,
+                    "sequences": len(aborted),
+                    "error_type": type(error).__name__,
+                },
+            )
 
     def apply(self, events: StepEvents) -> None:
         self._apply(events)
@@ -448,9 +451,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         held.tokens = len(kept)
         log.info(
             "generation taken over from its checkpoint",
-            extra={"model": self.model, "job_id": held.entry.message.job_id,
-                   "tokens": len(kept)},
-        )  # fmt: skip
+            extra={"model": self.model, "job_id": held.entry.message.job_id, "tokens": len(kept)},
+        )
         return replace(job, resumed=kept, shown=shown)
 
     def _upkeep(self) -> None:

@@ -60,10 +60,14 @@ def load_generation(
         },
     )
     signals = GenerationSignals(
-        client, own.key_prefix, config.name, runtime.limits,
-        "step" if runtime.execution == "step" else "generate", runtime.why or "",
+        client,
+        own.key_prefix,
+        config.name,
+        runtime.limits,
+        "step" if runtime.execution == "step" else "generate",
+        runtime.why or "",
         runtime.bytes_per_block,
-    )  # fmt: skip
+    )
     serving = GenerationServing(
         GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner),
         tokenizer,
@@ -142,9 +146,11 @@ def run_generation_worker(
     loops: list[GenerationLoop] = []
     if metrics_port:
         serve(
-            settings.metrics_host, metrics_port,
-            lambda: bool(loops) and loops[0].ready.is_set(), settings.metrics_bearer,
-        )  # fmt: skip
+            settings.metrics_host,
+            metrics_port,
+            lambda: bool(loops) and loops[0].ready.is_set(),
+            settings.metrics_bearer,
+        )
     loop = build_generation_loop(settings, config, device, consumer_name)
     loops.append(loop)
     presence = control = None
@@ -156,9 +162,12 @@ def run_generation_worker(
         presence = CeleryPresence(app, model, consumer_name)
         presence.start()
         control = ControlResponder(
-            app, presence, settings.key_prefix, lambda: generation_facts(loop),
+            app,
+            presence,
+            settings.key_prefix,
+            lambda: generation_facts(loop),
             generation_conf(loop),
-        )  # fmt: skip
+        )
         control.start()
     stop = stop_on_signals(loop.request_stop, "stopping")
     loop.stop_event = stop

@@ -34,14 +34,22 @@ class GpuCollector(Collector):
             log.debug("nvml read failed", extra={"error_type": type(exc).__name__})
             return
         families = (
-            ("ferry_gpu_utilization_ratio",
-             "Share of the last sample period the GPU was running a kernel (NVML).",
-             busy.gpu / 100.0),
-            ("ferry_gpu_memory_used_bytes",
-             "GPU memory in use by every process on the device (NVML).", float(memory.used)),
-            ("ferry_gpu_memory_total_bytes", "GPU memory on the device (NVML).",
-             float(memory.total)),
-        )  # fmt: skip
+            (
+                "ferry_gpu_utilization_ratio",
+                "Share of the last sample period the GPU was running a kernel (NVML).",
+                busy.gpu / 100.0,
+            ),
+            (
+                "ferry_gpu_memory_used_bytes",
+                "GPU memory in use by every process on the device (NVML).",
+                float(memory.used),
+            ),
+            (
+                "ferry_gpu_memory_total_bytes",
+                "GPU memory on the device (NVML).",
+                float(memory.total),
+            ),
+        )
         for name, doc, value in families:
             family = GaugeMetricFamily(name, doc, labels=["model", "gpu"])
             family.add_metric(self.labels, value)

@@ -131,16 +131,27 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             self.observers.add(observer)
         self.drain = Drain(config.worker_drain_s)
         self.intake = Intake(
-            consumer, batcher, self.observers, prefetch=config.prefetch,
-            visibility_timeout_s=config.visibility_timeout_s, clock=clock,
-        )  # fmt: skip
+            consumer,
+            batcher,
+            self.observers,
+            prefetch=config.prefetch,
+            visibility_timeout_s=config.visibility_timeout_s,
+            clock=clock,
+        )
         self.device = DevicePipeline(
             model, runtime, self.observers, launch_ahead=config.pipeline_prepare, clock=clock
         )
         self.recording = Recording(
-            model, recorder, self.intake, self.observers, self.drain, prefix=prefix,
-            max_attempts=config.max_attempts, pipeline=config.pipeline, clock=clock,
-        )  # fmt: skip
+            model,
+            recorder,
+            self.intake,
+            self.observers,
+            self.drain,
+            prefix=prefix,
+            max_attempts=config.max_attempts,
+            pipeline=config.pipeline,
+            clock=clock,
+        )
         self.publisher = Publisher(client, prefix, model, consumer.consumer, clock)
         self.executions = (
             ExecutionLog(config.execution_log_dir, consumer.consumer)
@@ -294,9 +305,13 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
                 self.batcher.out_of_memory(list(costs))
                 log.warning(
                     "out of memory; memory ceiling lowered",
-                    extra={"model": self.model, "batch_id": flight.batch_id, "size": len(costs),
-                           "memory_ceiling_bytes": round(self.state.memory_ceiling)},
-                )  # fmt: skip
+                    extra={
+                        "model": self.model,
+                        "batch_id": flight.batch_id,
+                        "size": len(costs),
+                        "memory_ceiling_bytes": round(self.state.memory_ceiling),
+                    },
+                )
             self.observers.batch_computed(computed.device_s)
             if flight.claimed and self.probation is not None:
                 if self.probation.judge(flight, computed) is not Verdict.PASS:
@@ -439,17 +454,22 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
                 for job, result in zip(flight.claimed, results, strict=True)
             ]
             written = flight.written + self.recording.record(
-                outcomes, utc_at(self.clock()), flight.batch_id, len(flight.claimed) or None,
+                outcomes,
+                utc_at(self.clock()),
+                flight.batch_id,
+                len(flight.claimed) or None,
                 flight.entries,
-            )  # fmt: skip
+            )
             self.recording.acknowledge(flight.entries, written, flight.batch_id)
         except BaseException as exc:
             if flight.claimed:
                 self.observers.batch_failed(
-                    flight.batch_id, time.perf_counter() - flight.started, len(flight.claimed),
+                    flight.batch_id,
+                    time.perf_counter() - flight.started,
+                    len(flight.claimed),
                     f"{type(exc).__name__} while running or recording it "
                     "(jobs not acknowledged run again)",
-                )  # fmt: skip
+                )
             raise
         if not flight.claimed:
             return

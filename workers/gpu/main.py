@@ -95,9 +95,13 @@ def build_loop(
         why = f"does not load even alone: {(str(exc) or type(exc).__name__).splitlines()[0]}"
         log.error(
             "the active version failed to load; serving model.toml's",
-            extra={"model": model, "version": version, "error": why[:500],
-                   "serving": config.active_version},
-        )  # fmt: skip
+            extra={
+                "model": model,
+                "version": version,
+                "error": why[:500],
+                "serving": config.active_version,
+            },
+        )
         unloadable[version] = (signature(config, version), why[:500])
         first = prepare(config, config.active_version)
     runtime = first.runtime
@@ -170,9 +174,11 @@ def run_worker(
     loops: list[BatchLoop] = []
     if metrics_port:
         serve(
-            settings.metrics_host, metrics_port,
-            lambda: bool(loops) and loops[0].ready.is_set(), settings.metrics_bearer,
-        )  # fmt: skip
+            settings.metrics_host,
+            metrics_port,
+            lambda: bool(loops) and loops[0].ready.is_set(),
+            settings.metrics_bearer,
+        )
     loop = build_loop(settings, model, device, name, instance)
     loops.append(loop)
     if metrics_port:
@@ -184,9 +190,12 @@ def run_worker(
         loop.observers.add(presence)
         presence.start()
         control = ControlResponder(
-            app, presence, settings.key_prefix, lambda: worker_facts(loop),
+            app,
+            presence,
+            settings.key_prefix,
+            lambda: worker_facts(loop),
             worker_conf(settings.for_model(model, loop.model_settings), loop),
-        )  # fmt: skip
+        )
         control.start()
     stop = stop_on_signals(loop.request_stop, "stopping after the current batch")
     try:
@@ -231,7 +240,17 @@ def worker_facts(loop: BatchLoop) -> dict[str, Any]:
 
 def worker_conf(settings: Settings, loop: BatchLoop) -> dict[str, Any]:
     """The batching settings in force (no URLs, no secrets)."""
-    names = ("scheduler", "batch_max_size", "batch_max_cost", "batch_window_min_ms",
-             "batch_window_max_ms", "latency_target_ms", "memory_threshold", "bulk_share",
-             "max_attempts", "visibility_timeout_s", "worker_drain_s")  # fmt: skip
+    names = (
+        "scheduler",
+        "batch_max_size",
+        "batch_max_cost",
+        "batch_window_min_ms",
+        "batch_window_max_ms",
+        "latency_target_ms",
+        "memory_threshold",
+        "bulk_share",
+        "max_attempts",
+        "visibility_timeout_s",
+        "worker_drain_s",
+    )
     return {"prefetch": loop.prefetch} | {name: getattr(settings, name) for name in names}

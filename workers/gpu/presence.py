@@ -102,9 +102,12 @@ class CeleryPresence(BatchObserver):
         }
         with self._counts:
             self.current = {
-                "id": batch_id, "name": task_name(self.model), "args": "()",
-                "kwargs": repr(kwargs), "time_start": now,
-            }  # fmt: skip
+                "id": batch_id,
+                "name": task_name(self.model),
+                "args": "()",
+                "kwargs": repr(kwargs),
+                "time_start": now,
+            }
         self._put(
             "task-received",
             uuid=batch_id,
@@ -136,15 +139,22 @@ class CeleryPresence(BatchObserver):
             error = f"JobsFailed('{failed} of {size} jobs failed')"
         if error is not None:
             self._put(
-                "task-failed", uuid=batch_id, exception=error, traceback="", runtime=runtime_s,
+                "task-failed",
+                uuid=batch_id,
+                exception=error,
+                traceback="",
+                runtime=runtime_s,
                 timestamp=now,
-            )  # fmt: skip
+            )
         else:
             result = {"succeeded": size}
             self._put(
-                "task-succeeded", uuid=batch_id, result=repr(result), runtime=runtime_s,
+                "task-succeeded",
+                uuid=batch_id,
+                result=repr(result),
+                runtime=runtime_s,
                 timestamp=now,
-            )  # fmt: skip
+            )
 
     def _put(self, kind: str, **fields: Any) -> None:
         try:

@@ -141,13 +141,21 @@ class Recorder:
                     if deliveries:
                         with self._outbox_lock:
                             self.outbox += deliveries
-        return [
-            Claimed(
-                r.id, r.input, r.attempts + 1,
-                progress=webhooks and bool(r.callback_url) and wants(r.callback_events, "progress"),
-            )
-            for r in claimed
-        ], late, exhausted  # fmt: skip
+        return (
+            [
+                Claimed(
+                    r.id,
+                    r.input,
+                    r.attempts + 1,
+                    progress=webhooks
+                    and bool(r.callback_url)
+                    and wants(r.callback_events, "progress"),
+                )
+                for r in claimed
+            ],
+            late,
+            exhausted,
+        )
 
     def progress(self, tokens: dict[str, tuple[int, int]], now: dt.datetime) -> None:
         """Add a ``job.progress`` webhook for each running job of ``tokens`` (its tokens so

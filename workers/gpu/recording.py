@@ -187,9 +187,12 @@ class Recording:
             if len(outcomes) == 1:
                 log.error(
                     "result could not be stored; the job fails",
-                    extra={"model": self.model, "job_id": outcomes[0].job_id,
-                           "error_type": type(exc).__name__},
-                )  # fmt: skip
+                    extra={
+                        "model": self.model,
+                        "job_id": outcomes[0].job_id,
+                        "error_type": type(exc).__name__,
+                    },
+                )
                 failed = Outcome(
                     outcomes[0].job_id,
                     "failed",
@@ -223,9 +226,12 @@ class Recording:
                     raise
                 log.warning(
                     "database unavailable; retrying the result write",
-                    extra={"model": self.model, "error_type": type(exc).__name__,
-                           "retry_in_s": backoff_s},
-                )  # fmt: skip
+                    extra={
+                        "model": self.model,
+                        "error_type": type(exc).__name__,
+                        "retry_in_s": backoff_s,
+                    },
+                )
                 self.drain.stop.wait(backoff_s if left_s is None else min(backoff_s, left_s))
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 with contextlib.suppress(*REDIS_ERRORS):

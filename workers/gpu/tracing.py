@@ -66,8 +66,12 @@ class Tracing(BatchObserver):
             parent = tracing.context_of(job.trace_context)
             if parent is None:
                 continue
-            attributes = {"ferry.model": self.model, "ferry.job_id": job.job_id,
-                          "ferry.lane": job.lane, "ferry.batch_id": batch.batch_id}  # fmt: skip
+            attributes = {
+                "ferry.model": self.model,
+                "ferry.job_id": job.job_id,
+                "ferry.lane": job.lane,
+                "ferry.batch_id": batch.batch_id,
+            }
             wait = tracer.start_span(
                 "ferry.queue_wait",
                 context=parent,

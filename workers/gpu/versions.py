@@ -176,9 +176,12 @@ class VersionManager:
                 self._report(version, "failed", reason)
                 log.error(
                     "version load timed out; the one serving goes on",
-                    extra={"model": self.model, "version": version,
-                           "serving": self.serving.version},
-                )  # fmt: skip
+                    extra={
+                        "model": self.model,
+                        "version": version,
+                        "serving": self.serving.version,
+                    },
+                )
             return None
         self._loading = None
         try:
@@ -199,9 +202,13 @@ class VersionManager:
             self._report(version, "failed", reason)
             log.error(
                 "version failed to load; the one serving goes on",
-                extra={"model": self.model, "version": version, "reason": reason,
-                       "serving": self.serving.version},
-            )  # fmt: skip
+                extra={
+                    "model": self.model,
+                    "version": version,
+                    "reason": reason,
+                    "serving": self.serving.version,
+                },
+            )
             return None
         return loaded
 
@@ -240,9 +247,13 @@ class VersionManager:
         self._report(previous.version, "ready")
         log.error(
             "version rolled back: its batches failed whole",
-            extra={"model": self.model, "version": bad.version, "serving": previous.version,
-                   "reason": reason},
-        )  # fmt: skip
+            extra={
+                "model": self.model,
+                "version": bad.version,
+                "serving": previous.version,
+                "reason": reason,
+            },
+        )
         return bad
 
     def unloaded(self, old: Loaded) -> None:

@@ -196,9 +196,12 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
                     self.ready.clear()  # it can run nothing until Redis and the database are back
                     log.warning(
                         "dependency error; retrying",
-                        extra={"model": self.model, "error_type": type(exc).__name__,
-                               "retry_in_s": backoff_s},
-                    )  # fmt: skip
+                        extra={
+                            "model": self.model,
+                            "error_type": type(exc).__name__,
+                            "retry_in_s": backoff_s,
+                        },
+                    )
                     self.forget()
                     stop.wait(backoff_s)
                     if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
@@ -233,8 +236,7 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
                 action()
                 return
             except REDIS_ERRORS as exc:
-                log.warning("redis unavailable; retrying",
-                            extra={"error_type": type(exc).__name__})  # fmt: skip
+                log.warning("redis unavailable; retrying", extra={"error_type": type(exc).__name__})
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)
 

@@ -139,9 +139,12 @@ def purge_openai_files(
     files = select(StoredFile.id).where(
         StoredFile.batch_id.in_(batch_ids)
         | (StoredFile.expires_at.is_not(None) & (StoredFile.expires_at < now))
-        | ((StoredFile.purpose == "batch") & StoredFile.bytes.is_(None)
-           & (StoredFile.created_at < stale))
-    )  # fmt: skip
+        | (
+            (StoredFile.purpose == "batch")
+            & StoredFile.bytes.is_(None)
+            & (StoredFile.created_at < stale)
+        )
+    )
     file_ids = list(session.scalars(files))
     if file_ids:
         session.execute(delete(FilePart).where(FilePart.file_id.in_(file_ids)))

@@ -281,9 +281,12 @@ class Feeder:
             delivery = add_backfill_delivery(session, backfill, now)
             log.info(
                 "backfill finished",
-                extra={"backfill_id": backfill.id, "status": backfill.status,
-                       "total": backfill.total},
-            )  # fmt: skip
+                extra={
+                    "backfill_id": backfill.id,
+                    "status": backfill.status,
+                    "total": backfill.total,
+                },
+            )
         if delivery and self.kick is not None:
             self.kick([delivery])
 

@@ -325,9 +325,12 @@ def attempt_delivery(
         )
         log.info(
             "webhook attempt held back",
-            extra={"delivery_id": delivery_id, "job_id": claimed.job_id,
-                   "why": "receiver held off" if entered.held else "receiver busy"},
-        )  # fmt: skip
+            extra={
+                "delivery_id": delivery_id,
+                "job_id": claimed.job_id,
+                "why": "receiver held off" if entered.held else "receiver busy",
+            },
+        )
         return None
     status_code: int | None = None
     error: str | None = None
