@@ -103,8 +103,14 @@ def shipped_source_mib() -> float:
     text = (ROOT / "Dockerfile").read_text()
     stage = text.split(" AS source", 1)[1].split("\nFROM ", 1)[0]
     copied = [m.group(1) for m in re.finditer(r"^COPY (\S+) \S+$", stage, re.MULTILINE)]
-    return round(sum(tree_bytes(ROOT / p) if (ROOT / p).is_dir() else (ROOT / p).stat().st_size
-                     for p in copied) / MIB, 1)  # fmt: skip
+    return round(
+        sum(
+            tree_bytes(ROOT / p) if (ROOT / p).is_dir() else (ROOT / p).stat().st_size
+            for p in copied
+        )
+        / MIB,
+        1,
+    )
 
 
 def run(torch_spec: str, torch_index: str | None) -> dict[str, Any]:

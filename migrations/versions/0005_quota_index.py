@@ -24,9 +24,12 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         with op.get_context().autocommit_block():
             op.create_index(
-                "ix_jobs_key_outstanding", "jobs", ["api_key_id", "status"],
-                postgresql_where=WHERE, postgresql_concurrently=True,
-            )  # fmt: skip
+                "ix_jobs_key_outstanding",
+                "jobs",
+                ["api_key_id", "status"],
+                postgresql_where=WHERE,
+                postgresql_concurrently=True,
+            )
     else:
         op.create_index(
             "ix_jobs_key_outstanding", "jobs", ["api_key_id", "status"], sqlite_where=WHERE

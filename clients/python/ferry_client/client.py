@@ -325,13 +325,19 @@ class Client:
         return Job.model_validate(
             self._waiting(
                 lambda s: _Requests.submit(
-                    model, input, priority=priority, deadline_ms=deadline_ms,
-                    callback_url=callback_url, metadata=metadata, version=version,
-                    idempotency_key=key, wait_s=s,
+                    model,
+                    input,
+                    priority=priority,
+                    deadline_ms=deadline_ms,
+                    callback_url=callback_url,
+                    metadata=metadata,
+                    version=version,
+                    idempotency_key=key,
+                    wait_s=s,
                 ),
                 wait_s,
             )
-        )  # fmt: skip
+        )
 
     def get(self, job_id: str, *, wait_s: float | None = None) -> Job:
         """The job now, or once it ends within ``wait_s`` (one long-poll)."""
@@ -513,13 +519,19 @@ class AsyncClient:
         return Job.model_validate(
             await self._waiting(
                 lambda s: _Requests.submit(
-                    model, input, priority=priority, deadline_ms=deadline_ms,
-                    callback_url=callback_url, metadata=metadata, version=version,
-                    idempotency_key=key, wait_s=s,
+                    model,
+                    input,
+                    priority=priority,
+                    deadline_ms=deadline_ms,
+                    callback_url=callback_url,
+                    metadata=metadata,
+                    version=version,
+                    idempotency_key=key,
+                    wait_s=s,
                 ),
                 wait_s,
             )
-        )  # fmt: skip
+        )
 
     async def get(self, job_id: str, *, wait_s: float | None = None) -> Job:
         return Job.model_validate(await self._waiting(lambda s: _Requests.get(job_id, s), wait_s))
