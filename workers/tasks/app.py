@@ -35,7 +35,7 @@ from core.redis_target import RedisTarget, ServerClock
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
-from workers.tasks.locks import release
+from workers.tasks.locks import first_in, release
 from workers.tasks.reconcile import reconcile
 from workers.tasks.webhook_hosts import HostGate
 from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
@@ -46,6 +46,12 @@ PURGE_TASK = "ferry.maintenance.purge_results"
 FEED_TASK = "ferry.backfills.feed"
 RECONCILE_TASK = "ferry.maintenance.reconcile"
 RECONCILE_LOCK_S = 600
+# Beat sends its ticks with an expiry that the receiving worker judges by its own clock: a
+# short one drops every tick at a worker whose clock is ahead by more (an NTP step, a
+# drifting host), and due webhooks wait for that clock. This one tolerates a host minutes
+# off and still bounds what piles up while no worker runs (a quarter of an hour of ticks);
+# a dispatch that finds another ran within half its interval returns at once.
+BEAT_EXPIRES_S = 900.0
 
 
 class Database:
@@ -170,13 +176,12 @@ def create_celery(settings: Settings) -> Celery:
             "feed-backfills": {
                 "task": FEED_TASK,
                 "schedule": settings.backfill_feed_interval_s,
-                "options": {"expires": max(settings.backfill_feed_interval_s, 1.0)},
+                "options": {"expires": max(settings.backfill_feed_interval_s, BEAT_EXPIRES_S)},
             },
             "dispatch-webhooks": {
                 "task": DISPATCH_TASK,
                 "schedule": settings.webhook_dispatch_interval_s,
-                # While no worker runs, stale dispatches are dropped, not piled up.
-                "options": {"expires": max(settings.webhook_dispatch_interval_s, 1.0)},
+                "options": {"expires": max(settings.webhook_dispatch_interval_s, BEAT_EXPIRES_S)},
             },
             "purge-results": {"task": PURGE_TASK, "schedule": settings.purge_interval_s},
             "reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_interval_s},
@@ -219,6 +224,10 @@ def create_celery(settings: Settings) -> Celery:
     # A queued attempt is not queued again before this: long enough for a
     # backlog to drain, short enough that a lost task costs little.
     hold_s = max(60.0, 4 * settings.webhook_timeout_s)
+    # One dispatch per half interval, however many beat ticks waited in the queue.
+    ticks = RedisTarget.of(settings).client(decode_responses=True)
+    dispatched_key = f"{settings.key_prefix}:webhooks:dispatched"
+    dispatch_gap_ms = max(1, int(settings.webhook_dispatch_interval_s * 500))
 
     # Each task is one attempt; retries are rows in the database that beat
     # dispatches when due, never Celery countdowns (Redis would redeliver
@@ -232,6 +241,8 @@ def create_celery(settings: Settings) -> Celery:
 
     @app.task(name=DISPATCH_TASK, shared=False, ignore_result=True)
     def _dispatch() -> int:
+        if not first_in(ticks, dispatched_key, dispatch_gap_ms):
+            return 0  # a tick that waited in the queue: another dispatch just ran
         return dispatch_due(
             database.sessions(),
             lambda delivery_id: _deliver.apply_async(args=[delivery_id], retry=False),
