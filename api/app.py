@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -30,11 +32,18 @@ from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker, read_only
 from core.metrics import Scalers
 from core.queue_bounds import QueueBound
-from core.redis_target import RedisTarget
+from core.redis_target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
 from core.settings import Settings
 from core.streams import done_channel
 from core.urlguard import Resolver, UrlPolicy, system_resolver
 from core.webhooks import DeliveryKicker
+
+
+async def _follow_server_clock(clock: ServerClock) -> None:
+    """Read the Redis server's clock every SERVER_CLOCK_RESYNC_S, off the event loop."""
+    while True:
+        await asyncio.to_thread(clock.resync)
+        await asyncio.sleep(SERVER_CLOCK_RESYNC_S)
 
 
 def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastAPI:
@@ -110,9 +119,17 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         app.state.check_callback = callback_checker(
             UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks), resolve
         )
+        # Jobs are stamped (created_at, deadline_at) by the Redis server's clock, as workers
+        # time their deadlines: a step of this host's clock would move every deadline it
+        # promises. Read in the background: a submission never waits on Redis for it.
+        app.state.clock = ServerClock(app.state.redis)
+        clock_task = asyncio.create_task(_follow_server_clock(app.state.clock))
         try:
             yield
         finally:
+            clock_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await clock_task
             await group_commit.stop()
             await group_read.stop()
             await app.state.limits.stop()

@@ -110,8 +110,10 @@ def prepare(
     live: LiveVersions | None,
     resolve: Callable[..., tuple[ModelSpec, int | None]],
     trace_context: str | None = None,
+    received_at: dt.datetime | None = None,
 ) -> Submission:
-    """Everything about one submission that needs neither the database nor Redis."""
+    """Everything about one submission that needs neither the database nor Redis;
+    ``received_at``: when it came (None: now by this host's clock)."""
     spec, requested_version = resolve(catalog, body.model, body.version, live)
     for field, value in (("input", body.input), ("metadata", body.metadata)):
         problem = nesting_problem(value, max_json_depth)
@@ -150,7 +152,7 @@ def prepare(
         cost=validated.cost,
         idempotency_key=body.idempotency_key or idempotency_key,
         request_id=request_id,
-        received_at=utcnow(),
+        received_at=received_at or utcnow(),
         trace_context=trace_context,
         input_bytes=input_size(validated.input),
     )
@@ -189,6 +191,7 @@ def prepare_request(
         live=state.versions,
         resolve=resolve_model,
         trace_context=tracing.traceparent(),
+        received_at=dt.datetime.fromtimestamp(state.clock.cached(), dt.UTC),
     )
 
 

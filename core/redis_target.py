@@ -42,8 +42,9 @@ SERVER_CLOCK_RESYNC_S = 10.0
 class ServerClock:
     """The wall-clock time by the Redis server's clock (``TIME``), carried between readings
     by this host's monotonic clock: the clock of the workers (deadlines, claims, the times
-    they record, their heartbeats) and of webhook deliveries (their schedule, leases and
-    signatures' timestamps).
+    they record, their heartbeats), of webhook deliveries (their schedule, leases and
+    signatures' timestamps) and of the API's submissions (a job's ``created_at`` and the
+    ``deadline_at`` it promises).
 
     A deadline is a time on the clock of the system, not of the host that meets it: a
     worker whose host's clock was stepped (an NTP step, a VM resumed) would expire jobs
@@ -62,9 +63,19 @@ class ServerClock:
     def __call__(self) -> float:
         if time.monotonic() - self._read_at >= self.resync_s:
             self._read()
+        return self.cached()
+
+    def cached(self) -> float:
+        """The time by the last reading, never asking Redis (this host's wall clock until the
+        first): for a caller that must not wait on Redis, which calls :meth:`resync` on a
+        schedule of its own."""
         if self._offset is None:
             return time.time()
         return time.monotonic() + self._offset
+
+    def resync(self) -> None:
+        """Read the server's clock now."""
+        self._read()
 
     def _read(self) -> None:
         self._read_at = time.monotonic()  # a failed reading waits resync_s too

@@ -139,8 +139,8 @@ class Stack(Processes):
 
     # -- Ferry's processes ------------------------------------------------
 
-    def start_api(self, wait: bool = True) -> Proc:
-        proc = self.spawn("api", ["api"])
+    def start_api(self, wait: bool = True, env: dict[str, str] | None = None) -> Proc:
+        proc = self.spawn("api", ["api"], False, **(env or {}))
         if wait:
             self.wait_api(proc)
         return proc

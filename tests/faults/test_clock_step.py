@@ -226,3 +226,53 @@ def test_a_worker_clock_stepped_ahead_and_back_expires_no_meetable_deadline(
     assert details["with_deadline_claimed_while_stepped"] > 0, details
     assert details["run_by_steady"] > 0, details
     assert all(p.alive() and p.starts == 1 for p in [steady, stepped, stack.procs["api"]])
+
+
+API_JOBS = 300
+
+
+def test_an_api_clock_behind_stamps_jobs_and_their_deadlines_by_the_system_clock(
+    make_stack: Callable[..., Stack], record: Callable[[Figures], None], tmp_path: Any
+) -> None:
+    """The API's host five minutes behind: jobs are stamped by the Redis server's clock, so a
+    120 s deadline is 120 s from when the job truly came (stamped by the host's, every such
+    deadline would be three minutes past already, and every job would expire)."""
+    so = library() or missing_service("libfaketime is not installed (the dev extra's wheel)")
+    clock = SteppedClock(tmp_path / "clock", so)
+    clock.step(-STEP_S)
+    stack = make_stack()
+    api = stack.start_api(wait=False, env=clock.env())
+    worker = stack.start_worker("w1", wait=False)
+    stack.wait_worker(worker)
+    stack.wait_api(api)
+    began = dt.datetime.now(dt.UTC)
+    started = time.monotonic()
+    jobs = sim_jobs(API_JOBS)
+    for body in jobs:
+        body["deadline_ms"] = DEADLINE_MS
+    submission = stack.submit(jobs)
+    accounting = stack.account("API clock behind", submission, started, 60, record)
+    ended = dt.datetime.now(dt.UTC)
+    rows = accounting.rows
+    created, deadlines = created_and_deadlines(stack, list(rows))
+    slack = dt.timedelta(seconds=SLACK_S)
+    details = accounting.figures.details
+    details.update(
+        step_s=-STEP_S,
+        expired=sum(1 for r in rows.values() if r.status == "expired"),
+        created_off=sum(1 for t in created.values() if not began - slack <= t <= ended + slack),
+        deadline_not_120_s=sum(
+            1
+            for j, d in deadlines.items()
+            if d is None or abs((d - created[j]).total_seconds() - DEADLINE_MS / 1000) > 0.01
+        ),
+        logged_behind=sum(
+            1 for t in logged_times(api) if t < began - dt.timedelta(seconds=STEP_S - 60)
+        ),
+    )
+    stack.assert_nothing_lost(accounting)
+    stack.assert_computed_once(accounting)
+    assert details["logged_behind"] > 0, details  # the API's own log: its clock was behind
+    assert details["created_off"] == 0 and details["deadline_not_120_s"] == 0, details
+    assert details["expired"] == 0, details
+    assert {r.status for r in rows.values()} == {"succeeded"}, details

@@ -186,8 +186,8 @@ def job_statements(statements: list[str]) -> list[str]:
 # workers' presence, versions, wake-ups; a connection's HELLO; the worker's reads while
 # it waits (a read per step, however many jobs it brings); the API's look at a model's
 # queue for the wait it quotes and the queue's bounds (its streams' lengths and queued
-# bytes, at most every 250 ms per model); a worker's reading of the server's clock (TIME,
-# every 10 s: core.redis_target.ServerClock).
+# bytes, at most every 250 ms per model); a worker's or an API process's reading of the
+# server's clock (TIME, every 10 s: core.redis_target.ServerClock).
 CLOCKED_KEYS = (":limits:", ":stats", ":workers", ":versions", ":restarting", ":wake")
 WAITING_READS = {"hello", "xreadgroup", "zrange", "get", "xgroup", "xlen", "time"}
 # A transaction's own brackets: what it holds is counted.
