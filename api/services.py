@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
@@ -30,6 +30,7 @@ from core.db import (
     ApiKey,
     Backfill,
     Job,
+    ModelActivation,
     WebhookAttempt,
     WebhookDelivery,
     utcnow,
@@ -193,6 +194,32 @@ class Cancel:
 
     job: Job
     requested: bool = False
+
+
+def activations(session: Session, model: str | None = None) -> dict[str, tuple[int, float]]:
+    """Each activated model's version and when it was activated (Unix seconds); ``model``:
+    that one's only."""
+    query = select(ModelActivation.model, ModelActivation.version, ModelActivation.updated_at)
+    if model is not None:
+        query = query.where(ModelActivation.model == model)
+    rows = session.execute(query).all()
+    return {row.model: (row.version, row.updated_at.timestamp()) for row in rows}
+
+
+def ping(session: Session) -> None:
+    """A round trip to the database; raises what the database raises."""
+    session.execute(text("SELECT 1"))
+
+
+def outstanding_by_tenant(session: Session) -> list[tuple[str, str, str, str, int]]:
+    """Jobs not yet ended, counted by model, key (its id and name) and status."""
+    rows = session.execute(
+        select(Job.model, Job.api_key_id, ApiKey.name, Job.status, func.count())
+        .join(ApiKey, ApiKey.id == Job.api_key_id)
+        .where(Job.status.not_in(TERMINAL_STATUSES))
+        .group_by(Job.model, Job.api_key_id, ApiKey.name, Job.status)
+    ).all()
+    return [(model, key_id, name, status, int(n)) for model, key_id, name, status, n in rows]
 
 
 def is_generation(catalog: dict[str, ModelSpec], model: str) -> bool:

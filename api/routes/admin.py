@@ -7,13 +7,12 @@ import datetime as dt
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
-from sqlalchemy import func, select
 
 from api import services
 from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import error_responses
-from core.db import TERMINAL_STATUSES, ApiKey, Job
+from core.db import ApiKey
 from core.keys import list_keys, revoke_key
 from core.queues import lane_states, live_workers
 
@@ -100,14 +99,8 @@ def queues(
     settings: SettingsDep,
 ) -> QueueOverview:
     """Per model: live workers, each lane's stream, and what each tenant has outstanding."""
-    rows = session.execute(
-        select(Job.model, Job.api_key_id, ApiKey.name, Job.status, func.count())
-        .join(ApiKey, ApiKey.id == Job.api_key_id)
-        .where(Job.status.not_in(TERMINAL_STATUSES))
-        .group_by(Job.model, Job.api_key_id, ApiKey.name, Job.status)
-    ).all()
     tenants: dict[str, dict[str, TenantLoad]] = {}
-    for model, key_id, name, status, count in rows:
+    for model, key_id, name, status, count in services.outstanding_by_tenant(session):
         by_key = tenants.setdefault(model, {})
         load = by_key.setdefault(key_id, TenantLoad(key_id=key_id, name=name))
         if status in ("waiting", "queued", "running"):

@@ -16,15 +16,14 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from sqlalchemy import select, text
 
+from api import services
 from api.deps import CatalogDep, KeyDep, RedisDep, SettingsDep
 from api.errors import ApiError
 from api.openai_errors import openai_error
 from api.routes.openai import OPENAI_ERRORS
 from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
 from core.catalog import ModelSpec
-from core.db import ModelActivation
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
 from core.metrics import queue_metrics, token_matches
@@ -83,12 +82,8 @@ def retrieve_model(
 
 def _activations(request: Request, model: str | None = None) -> dict[str, tuple[int, float]]:
     """Each activated model's version and when it was activated (Unix seconds)."""
-    query = select(ModelActivation.model, ModelActivation.version, ModelActivation.updated_at)
-    if model is not None:
-        query = query.where(ModelActivation.model == model)
     with request.app.state.sessions() as session:
-        rows = session.execute(query).all()
-    return {row.model: (row.version, row.updated_at.timestamp()) for row in rows}
+        return services.activations(session, model)
 
 
 def _model_info(
@@ -213,7 +208,7 @@ def readyz(request: Request, client: RedisDep) -> JSONResponse:
         checks["redis"] = f"unreachable ({type(exc).__name__})"
     try:
         with request.app.state.sessions() as session:
-            session.execute(text("SELECT 1"))
+            services.ping(session)
         checks["database"] = "ok"
     except Exception as exc:
         checks["database"] = f"unreachable ({type(exc).__name__})"

@@ -104,3 +104,11 @@ def test_the_vocabulary_imports_nothing_of_ours() -> None:
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m.split(".")[0] for m in modules} & OURS, modules
+
+
+def test_no_route_holds_sql() -> None:
+    # A route parses, authorises and answers; what it reads or writes is a service's.
+    routes = sorted((ROOT / "api" / "routes").glob("*.py"))
+    assert routes
+    for path in routes:
+        assert "sqlalchemy" not in imports_of(path), path.name
