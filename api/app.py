@@ -27,6 +27,7 @@ from api.openai_errors import DialectErrorMiddleware
 from api.reads import GenerationProgress, GroupRead, JobReader
 from api.routes import admin, backfills, jobs, oip, openai, openai_batches, system, webhooks
 from api.services import callback_checker
+from api.state import AppState, install
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.db import make_engine, make_sessionmaker, read_only
@@ -55,31 +56,21 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(settings.sqlalchemy_url)
-        app.state.settings = settings
-        app.state.engine = engine
-        app.state.sessions = make_sessionmaker(engine)
+        sessions = make_sessionmaker(engine)
         reads = read_only(engine)  # one pool with the engine; reads without transactions
-        app.state.reads = make_sessionmaker(reads)
-        app.state.keys = KeyCache(settings.key_cache_s)
-        app.state.scalers = Scalers(settings)
-        app.state.catalog = catalog
-        app.state.versions = LiveVersions(settings, app.state.sessions, settings.model_poll_s)
-        app.state.redis = target.client(
-            decode_responses=True, socket_timeout=5, socket_connect_timeout=2
-        )
+        client = target.client(decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
         hub = CompletionHub(
             target.async_client(decode_responses=True),
             done_channel(settings.key_prefix),
         )
-        app.state.hub = hub
-        app.state.limits = RequestLimits(
+        limits = RequestLimits(
             target, settings.key_prefix, settings.rate_limit, settings.auth_failure_limit
         )
         hub.start()
-        app.state.limits.start()
+        limits.start()
         writer = GroupWriter(
-            app.state.sessions,
-            app.state.redis,
+            sessions,
+            client,
             settings.key_prefix,
             max_outstanding=settings.max_outstanding_jobs,
             requeue_within_s=settings.reconcile_grace_s + settings.reconcile_interval_s,
@@ -103,27 +94,43 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         # Reads do not wait for company: a group is what queued during the last read.
         group_read: GroupRead = GroupStage(
             "group-read",
-            JobReader(
-                reads, GenerationProgress(app.state.redis, settings.key_prefix, writer.views)
-            ).read,
+            JobReader(reads, GenerationProgress(client, settings.key_prefix, writer.views)).read,
             max_items=settings.submit_group_max,
             wait_s=0,
             workers=2,
         )
-        app.state.group_read = group_read
         group_read.start()
-        app.state.group_commit = group_commit
         group_commit.start()
         kicker = DeliveryKicker(target, settings.key_prefix)
-        app.state.kick = kicker
-        app.state.check_callback = callback_checker(
-            UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks), resolve
-        )
         # Jobs are stamped (created_at, deadline_at) by the Redis server's clock, as workers
         # time their deadlines: a step of this host's clock would move every deadline it
         # promises. Read in the background: a submission never waits on Redis for it.
-        app.state.clock = ServerClock(app.state.redis)
-        clock_task = asyncio.create_task(_follow_server_clock(app.state.clock))
+        clock = ServerClock(client)
+        clock_task = asyncio.create_task(_follow_server_clock(clock))
+        install(
+            app,
+            AppState(
+                settings=settings,
+                engine=engine,
+                sessions=sessions,
+                reads=make_sessionmaker(reads),
+                keys=KeyCache(settings.key_cache_s),
+                scalers=Scalers(settings),
+                catalog=catalog,
+                versions=LiveVersions(settings, sessions, settings.model_poll_s),
+                redis=client,
+                hub=hub,
+                limits=limits,
+                clock=clock,
+                group_read=group_read,
+                group_commit=group_commit,
+                kick=kicker,
+                check_callback=callback_checker(
+                    UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks),
+                    resolve,
+                ),
+            ),
+        )
         try:
             yield
         finally:
@@ -132,10 +139,10 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 await clock_task
             await group_commit.stop()
             await group_read.stop()
-            await app.state.limits.stop()
+            await limits.stop()
             kicker.close()
             await hub.stop()
-            app.state.redis.close()
+            client.close()
             engine.dispose()
 
     app = FastAPI(

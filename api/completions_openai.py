@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -26,6 +26,7 @@ from api.errors import ApiError
 from api.events import KEEP_ALIVE, EventStreamResponse, follow
 from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobCreate, JobResource
+from api.state import app_state
 from api.submissions import GroupCommit, Submitted, prepare_request
 from core.db import ApiKey
 from core.metrics import JOBS_ACCEPTED
@@ -42,6 +43,9 @@ from core.openai_generation import (
 )
 from scheduler.vocabulary import Lane
 
+if TYPE_CHECKING:
+    from api.state import AppState
+
 DONE = b"data: [DONE]\n\n"
 # A job cancelled while running answers with what it made, under this reason.
 WITH_OUTPUT = ("succeeded", "cancelled")
@@ -56,7 +60,7 @@ async def complete(
     idempotency_key: str | None,
 ) -> Response:
     """Submit the request's job, then answer with its completion or stream it."""
-    state = request.app.state
+    state = app_state(request)
     try:
         asked = parse_request(endpoint, body)
     except ParamError as exc:
@@ -72,7 +76,7 @@ async def complete(
     return JSONResponse(_finished(asked, found, headers), headers=headers)
 
 
-def _check_model(state: Any, model: str) -> None:
+def _check_model(state: AppState, model: str) -> None:
     try:
         spec, _ = services.resolve_model(state.catalog, model, None, state.versions)
     except services.UnknownModel as exc:
@@ -114,7 +118,7 @@ async def _submit(
         submission = prepare_request(request, key, job, idempotency_key)
     except ApiError as exc:
         raise _named(asked, exc) from exc
-    commit: GroupCommit = request.app.state.group_commit
+    commit: GroupCommit = app_state(request).group_commit
     submitted = await commit.submit(submission)
     if not submitted.replayed:
         JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
@@ -171,7 +175,7 @@ def _data(value: Any) -> bytes:
 
 
 def _stream(
-    state: Any,
+    state: AppState,
     key: ApiKey,
     asked: GenerationRequest,
     job: JobResource,
@@ -233,6 +237,6 @@ def _last_chunks(asked: GenerationRequest, job: JobResource, created: int) -> li
     return last
 
 
-def _cancel_quietly(state: Any, key: ApiKey, job_id: str) -> None:
+def _cancel_quietly(state: AppState, key: ApiKey, job_id: str) -> None:
     with contextlib.suppress(ApiError):  # it ended meanwhile: nothing to stop
         services.cancel_and_announce(state, key, job_id)

@@ -19,6 +19,7 @@ from api.errors import ApiError
 from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.reads import GroupRead
+from api.state import app_state
 from core.catalog import ModelSpec
 from core.db import ApiKey
 from core.keys import verify_token
@@ -26,33 +27,33 @@ from core.settings import Settings
 
 
 async def get_settings_dep(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
+    settings: Settings = app_state(request).settings
     return settings
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    sessions: sessionmaker[Session] = request.app.state.sessions
+    sessions: sessionmaker[Session] = app_state(request).sessions
     with sessions() as session:
         yield session
 
 
 async def get_redis(request: Request) -> redis.Redis:
-    client: redis.Redis = request.app.state.redis
+    client: redis.Redis = app_state(request).redis
     return client
 
 
 async def get_catalog(request: Request) -> dict[str, ModelSpec]:
-    catalog: dict[str, ModelSpec] = request.app.state.catalog
+    catalog: dict[str, ModelSpec] = app_state(request).catalog
     return catalog
 
 
 async def get_group_read(request: Request) -> GroupRead:
-    reads: GroupRead = request.app.state.group_read
+    reads: GroupRead = app_state(request).group_read
     return reads
 
 
 async def get_hub(request: Request) -> CompletionHub:
-    hub: CompletionHub = request.app.state.hub
+    hub: CompletionHub = app_state(request).hub
     return hub
 
 
@@ -65,12 +66,12 @@ GroupReadDep = Annotated[GroupRead, Depends(get_group_read)]
 
 
 async def get_kick(request: Request) -> Callable[[Sequence[str]], None]:
-    kick: Callable[[Sequence[str]], None] = request.app.state.kick
+    kick: Callable[[Sequence[str]], None] = app_state(request).kick
     return kick
 
 
 async def get_check_callback(request: Request) -> Callable[[str], None]:
-    check: Callable[[str], None] = request.app.state.check_callback
+    check: Callable[[str], None] = app_state(request).check_callback
     return check
 
 
@@ -91,15 +92,15 @@ async def current_key(request: Request) -> ApiKey:
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("Authorization header must be: Bearer <api key>")
     token = token.strip()
-    limits: RequestLimits = request.app.state.limits
-    cache: KeyCache = request.app.state.keys
+    limits: RequestLimits = app_state(request).limits
+    cache: KeyCache = app_state(request).keys
     key = cache.get(token)
     if key is None:
         # Guessing keys costs a database lookup each: an address that keeps
         # failing is refused before the lookup.
         address = request.client.host if request.client else "unknown"
         await limits.refuse_if_failing(address)
-        key = await run_in_threadpool(_lookup, request.app.state.reads, token)
+        key = await run_in_threadpool(_lookup, app_state(request).reads, token)
         if key is None:
             await limits.failed(address)
             raise _unauthorized("invalid or revoked API key")

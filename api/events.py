@@ -23,7 +23,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import redis.asyncio as aioredis
@@ -37,6 +37,9 @@ from api.schemas import JobResource
 from core.job_events import JobEvent
 from core.redis_target import RedisTarget
 from core.streams import ProtocolError, events_key
+
+if TYPE_CHECKING:
+    from api.state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ def done_of(job: JobResource) -> JobEvent:
     return JobEvent.done(job.status, reason if isinstance(reason, str) else None)
 
 
-def open_client(state: Any, job_id: str, block_ms: int) -> aioredis.Redis:
+def open_client(state: AppState, job_id: str, block_ms: int) -> aioredis.Redis:
     """A client for one reader: its own connection (named, so an operator can see it)."""
     return RedisTarget.of(state.settings).async_client(
         decode_responses=True,
@@ -98,7 +101,7 @@ def open_client(state: Any, job_id: str, block_ms: int) -> aioredis.Redis:
 
 
 async def follow(
-    state: Any,
+    state: AppState,
     key_id: str,
     job: JobResource,
     *,
@@ -131,11 +134,11 @@ async def follow(
 
 
 async def _until_done(
-    state: Any, key_id: str, job: JobResource, heartbeat_s: float
+    state: AppState, key_id: str, job: JobResource, heartbeat_s: float
 ) -> AsyncIterator[Seen | None]:
     found = job
     while not is_terminal(found):
-        if getattr(state, "draining", False):
+        if state.draining:
             return
         found = await until_terminal(state, JobRead(key_id, job.id), heartbeat_s)
         if not is_terminal(found):
@@ -144,7 +147,7 @@ async def _until_done(
 
 
 async def _read(
-    state: Any,
+    state: AppState,
     key_id: str,
     job: JobResource,
     client: aioredis.Redis,
@@ -183,7 +186,7 @@ async def _read(
                 woken.clear()
                 found = await state.group_read.submit(JobRead(key_id, job.id))
                 finished = found if is_terminal(found) else None
-            if getattr(state, "draining", False):
+            if state.draining:
                 return
             if clock() - quiet_since >= heartbeat_s:
                 quiet_since = clock()

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 from sqlalchemy import Engine, bindparam, select
@@ -24,6 +24,9 @@ from core.redis_target import REDIS_ERRORS
 from core.resources import job_resource
 from core.streams import ProtocolError, events_key
 from core.webhooks import TERMINAL_EVENT_TYPES
+
+if TYPE_CHECKING:
+    from api.state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +191,7 @@ def succeeded_output(job: JobResource, where: str) -> Any:
 DRAIN_CHECK_S = 1.0
 
 
-async def until_terminal(state: Any, wanted: JobRead, wait: float) -> JobResource:
+async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobResource:
     """The job once it is terminal, or as it is after ``wait`` seconds (or when draining).
 
     ``state``: the app's state (its completion hub and its group read).
@@ -201,7 +204,7 @@ async def until_terminal(state: Any, wanted: JobRead, wait: float) -> JobResourc
         found = await reads.submit(wanted)
         while not is_terminal(found):
             remaining = until - loop.time()
-            if remaining <= 0 or getattr(state, "draining", False):
+            if remaining <= 0 or state.draining:
                 break  # timed out, or the API is stopping: answer with the state now
             try:
                 # The row is read again only when woken (the woken of one

@@ -10,7 +10,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import redis
 from sqlalchemy import and_, func, or_, select, text, update
@@ -45,6 +45,9 @@ from core.terminal import after_terminal
 from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.versions import ActivationError, activate, active_version
 from core.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
+
+if TYPE_CHECKING:
+    from api.state import AppState
 
 Owned = TypeVar("Owned", Job, Backfill)
 
@@ -278,7 +281,7 @@ def cancel_job(
     return Cancel(job)
 
 
-def cancel_and_announce(state: Any, key: ApiKey, job_id: str) -> tuple[JobResource, bool]:
+def cancel_and_announce(state: AppState, key: ApiKey, job_id: str) -> tuple[JobResource, bool]:
     """DELETE /v1/jobs/{id} on the app's parts (a thread's work): the job as it is after,
     and whether its worker was asked to stop it (it is still running then)."""
     settings = state.settings

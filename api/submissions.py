@@ -36,6 +36,7 @@ from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
+from api.state import app_state
 from backends.catalog import LiveVersions
 from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
@@ -178,7 +179,7 @@ def prepare_request(
     request: Any, key: ApiKey, body: JobCreate, idempotency_key: str | None
 ) -> Submission:
     """:func:`prepare` with the app's catalog, live versions and limits, as every route needs."""
-    state = request.app.state
+    state = app_state(request)
     settings = state.settings
     return prepare(
         state.catalog,

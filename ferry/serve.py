@@ -31,6 +31,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from api.state import mark_draining
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.app.state.draining = True
+        mark_draining(self.app)
         if self._draining:
             self.force_exit = True  # a second signal: stop now
             self.should_exit = True

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from sqlalchemy import event
 
 from api.app import create_app
+from api.state import app_state
 from core.settings import Settings
 from harness.ports import free_port
 
@@ -43,7 +44,7 @@ class Served:
             assert self.thread.is_alive() and time.monotonic() < until, "uvicorn did not start"
             time.sleep(0.02)
 
-        @event.listens_for(self.app.state.engine, "before_cursor_execute")
+        @event.listens_for(app_state(self.app).engine, "before_cursor_execute")
         def _count(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
             self.statements.append(statement)
 

@@ -12,6 +12,7 @@ from api import services
 from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import error_responses
+from api.state import app_state
 from core.db import ApiKey
 from core.keys import list_keys, revoke_key
 from core.queues import lane_states, live_workers
@@ -85,7 +86,7 @@ def activate_version(
     backend finds a problem with is refused here; one that fails to load in
     a worker leaves the old one serving (GET /v1/models says why).
     """
-    _, model = services.served_model(catalog, request.app.state.versions, name)
+    _, model = services.served_model(catalog, app_state(request).versions, name)
     previous = services.activate_version(session, model, body.version)
     return Activated(model=name, version=body.version, previous=previous)
 
@@ -145,7 +146,7 @@ def keys(_admin: AdminDep, session: SessionDep) -> KeyList:
 async def revoke(key_id: str, request: Request, _admin: AdminDep) -> KeyInfo:
     """Revoke a key now: its next request to this API process is a 401, and to every other
     process within FERRY_KEY_CACHE_S (how long a process keeps a key it has checked)."""
-    sessions = request.app.state.sessions
+    sessions = app_state(request).sessions
 
     def revoked() -> KeyInfo | None:
         with sessions() as session:
@@ -156,5 +157,5 @@ async def revoke(key_id: str, request: Request, _admin: AdminDep) -> KeyInfo:
     if info is None:
         raise ApiError(404, "not_found", f"no API key {key_id!r}")
     # On the event loop, where the cache is used: no thread changes it meanwhile.
-    request.app.state.keys.forget(key_id)
+    app_state(request).keys.forget(key_id)
     return info

@@ -13,6 +13,7 @@ from api.deps import CatalogDep, CheckCallbackDep, KeyDep, RedisDep, SessionDep,
 from api.errors import ApiError
 from api.schemas import BackfillList, BackfillResource, error_responses
 from api.services import resolve_model
+from api.state import app_state
 from core.backfills import result_lines
 from core.catalog import text_problem
 
@@ -52,7 +53,7 @@ async def create_backfill(
     The body is read as it arrives. A line that cannot be taken refuses the
     whole file, with its line number, and nothing of it is kept.
     """
-    spec, version = resolve_model(catalog, model, None, request.app.state.versions)
+    spec, version = resolve_model(catalog, model, None, app_state(request).versions)
     if version is not None:
         raise ApiError(
             422,
@@ -64,7 +65,7 @@ async def create_backfill(
         if problem:
             raise ApiError(422, "invalid_request", f"callback_url: must not contain {problem}")
         await run_in_threadpool(check_callback, callback_url)
-    sessions = request.app.state.sessions
+    sessions = app_state(request).sessions
     backfill_id = await services.upload(
         request.stream(), sessions, key, spec, callback_url, settings
     )
@@ -116,7 +117,7 @@ def read_backfill(
 def read_results(backfill_id: str, request: Request, key: KeyDep, session: SessionDep) -> Response:
     backfill = services.get_backfill(session, key, backfill_id)
     return StreamingResponse(
-        result_lines(request.app.state.sessions, backfill.id),
+        result_lines(app_state(request).sessions, backfill.id),
         media_type="application/x-ndjson",
     )
 

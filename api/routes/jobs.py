@@ -30,6 +30,7 @@ from api.schemas import (
     JobStatus,
     error_responses,
 )
+from api.state import app_state
 from api.submissions import GroupCommit, prepare_request
 from core import tracing
 from core.metrics import JOBS_ACCEPTED
@@ -66,7 +67,7 @@ async def create_job(
     if it ends within that many seconds (else the same 202: it runs all the same)."""
     # The process's parts straight from the app's state, not as dependencies:
     # each dependency costs every submission its resolution.
-    state = request.app.state
+    state = app_state(request)
     settings: Settings = state.settings
     _check_wait(wait, settings)
     submission = prepare_request(request, key, body, idempotency_key)
@@ -99,7 +100,7 @@ async def create_job(
         found = (
             resource
             if is_terminal(resource)
-            else await until_terminal(request.app.state, JobRead(key.id, resource.id), wait)
+            else await until_terminal(app_state(request), JobRead(key.id, resource.id), wait)
         )
         if is_terminal(found):
             return _json(found, 200, headers)
@@ -139,7 +140,7 @@ async def read_job(
     wanted = JobRead(key.id, job_id)
     if wait <= 0:
         return _json(await reads.submit(wanted))
-    return _json(await until_terminal(request.app.state, wanted, wait))
+    return _json(await until_terminal(app_state(request), wanted, wait))
 
 
 @router.delete(
@@ -156,7 +157,7 @@ async def read_job(
 async def cancel_job(job_id: str, request: Request, key: KeyDep) -> Response:
     """Cancel a queued job (200, ``cancelled``), or stop a running generation (202, still
     ``running``, ``cancel_requested``: it ends ``cancelled`` with the tokens it made)."""
-    state = request.app.state
+    state = app_state(request)
     resource, requested = await run_in_threadpool(services.cancel_and_announce, state, key, job_id)
     if requested:
         body = CancelRequested(**resource.model_dump())
@@ -190,7 +191,7 @@ async def job_events(
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     after = resume_after(last_event_id)
     job = await reads.submit(JobRead(key.id, job_id))
-    state = request.app.state
+    state = app_state(request)
     generation = services.is_generation(state.catalog, job.model)
 
     async def chunks() -> AsyncIterator[bytes]:

@@ -31,6 +31,7 @@ from api.deps import AdminDep, KeyDep, RedisDep
 from api.errors import ApiError
 from api.reads import JobRead, succeeded_output, until_terminal
 from api.routes.system import readyz
+from api.state import app_state
 from api.submissions import GroupCommit, Submitted, job_create, prepare_request
 from core.catalog import ModelSpec
 from core.metrics import JOBS_ACCEPTED
@@ -303,8 +304,8 @@ def _parsed(parse: Callable[[bytes], Parsed], body: bytes) -> Parsed:
 
 
 def _index(request: Request, client: Any) -> list[dict[str, str]]:
-    catalog: dict[str, ModelSpec] = request.app.state.catalog
-    repository = request.app.state.versions.models()
+    catalog: dict[str, ModelSpec] = app_state(request).catalog
+    repository = app_state(request).versions.models()
     entries = []
     for name in sorted(set(catalog) | set(repository)):
         spec = catalog.get(name)
@@ -316,8 +317,8 @@ def _index(request: Request, client: Any) -> list[dict[str, str]]:
 
 
 def _entries(request: Request, client: Any, spec: ModelSpec) -> list[dict[str, str]]:
-    live = request.app.state.versions
-    settings: Settings = request.app.state.settings
+    live = app_state(request).versions
+    settings: Settings = app_state(request).settings
     known, active = live.of(spec)
     states = version_states(client, settings.key_prefix, spec.name)
     return oip.repository_entries(spec.name, known, active, states, live.unloaded(spec.name))
@@ -326,7 +327,7 @@ def _entries(request: Request, client: Any, spec: ModelSpec) -> list[dict[str, s
 def _served(request: Request, model: str) -> tuple[ModelSpec, ModelConfig]:
     """The model load and unload act on: 404 if the repository has none of that name, 400
     if the API does not serve it."""
-    state = request.app.state
+    state = app_state(request)
     if model not in state.catalog and model in state.versions.models():
         message = f"model {model!r} is in the repository but not served: {oip.UNSERVED}"
         raise ApiError(400, "invalid_request", message)
@@ -334,7 +335,7 @@ def _served(request: Request, model: str) -> tuple[ModelSpec, ModelConfig]:
 
 
 def _load(request: Request, client: Any, model: str, version: int | None) -> list[dict[str, str]]:
-    state = request.app.state
+    state = app_state(request)
     spec, config = _served(request, model)
     with state.sessions() as session:
         if version is not None:
@@ -347,7 +348,7 @@ def _load(request: Request, client: Any, model: str, version: int | None) -> lis
 
 
 def _unload(request: Request, client: Any, model: str) -> list[dict[str, str]]:
-    state = request.app.state
+    state = app_state(request)
     spec, _ = _served(request, model)
     with state.sessions() as session:
         unload(session, model)
@@ -362,7 +363,7 @@ def _spec(
     """The model, its versions and the one that would serve it; 404 for an unknown model
     (``taking_jobs``: 400 for one an operator unloaded)."""
     spec = _resolved(request, model, version, taking_jobs)
-    known, active = request.app.state.versions.of(spec)
+    known, active = app_state(request).versions.of(spec)
     return spec, known, active
 
 
@@ -370,7 +371,7 @@ def _resolved(request: Request, model: str, version: int | None, taking_jobs: bo
     """The model (404 for an unknown one), without reading its versions unless ``version``
     names one: an infer request has no use for them, and reading them re-reads the
     repository and the database's activations every second on the event loop."""
-    state = request.app.state
+    state = app_state(request)
     try:
         spec, _ = services.resolve_model(
             state.catalog, model, version, state.versions, taking_jobs=taking_jobs
@@ -392,10 +393,10 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
     """200 when a live worker serves the model's active version; 400 (the protocol's 4xx
     for false) otherwise, saying why."""
     spec, _, active = _spec(request, model, version)
-    if request.app.state.versions.unloaded(spec.name):
+    if app_state(request).versions.unloaded(spec.name):
         why = "it is unloaded (it takes no new jobs until an operator loads it)"
         return JSONResponse({"error": f"model {spec.name!r} is not ready: {why}"}, 400)
-    settings: Settings = request.app.state.settings
+    settings: Settings = app_state(request).settings
     state = version_states(client, settings.key_prefix, spec.name).get(active)
     if state is not None and state.state == "ready":
         return JSONResponse({"name": spec.name, "ready": True})
@@ -404,7 +405,7 @@ def _ready(request: Request, client: Any, model: str, version: int | None) -> Re
 
 
 async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
-    state = request.app.state
+    state = app_state(request)
     settings: Settings = state.settings
     spec = _resolved(request, model, version, taking_jobs=True)
     try:

@@ -30,6 +30,7 @@ from api.generation_schemas import (
 )
 from api.reads import JobRead, succeeded_output, until_terminal
 from api.schemas import JobResource
+from api.state import app_state
 from api.submissions import GroupCommit, Submission, job_create, prepare_request
 from core.db import ApiKey
 from core.embeddings import as_vector, cut, dimensions_problem, encoded
@@ -110,7 +111,7 @@ async def create_embeddings(
         ),
     ] = None,
 ) -> EmbeddingsResponse:
-    state = request.app.state
+    state = app_state(request)
     settings: Settings = state.settings
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:

@@ -25,6 +25,7 @@ from api import openai_batch_services as services
 from api.deps import KeyDep
 from api.errors import ApiError
 from api.routes.openai import OPENAI_ERRORS
+from api.state import app_state
 from core.db import utcnow
 from core.settings import Settings
 
@@ -182,7 +183,7 @@ FILE_BODY = {
 @router.post("/v1/files", response_model=FileObject, openapi_extra=FILE_BODY)
 async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
     """Upload a batch input file (JSONL: one request per line); checked when a batch uses it."""
-    settings: Settings = request.app.state.settings
+    settings: Settings = app_state(request).settings
     if "content-length" not in request.headers:
         # The size must be known before the upload is taken: the limit is checked on it
         # before a byte is read (a chunked body could not be refused until spooled).
@@ -212,7 +213,7 @@ async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
         )
         stored = await run_in_threadpool(
             services.store_upload,
-            request.app.state.sessions,
+            app_state(request).sessions,
             key,
             upload.file,
             filename,
@@ -221,7 +222,7 @@ async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
         )
     finally:
         await form.close()
-    return services.file_object(request.app.state.sessions, stored)
+    return services.file_object(app_state(request).sessions, stored)
 
 
 def _expires_at(anchor: Any, seconds: Any) -> dt.datetime | None:
@@ -252,13 +253,13 @@ def list_files(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
     return services.list_files(
-        request.app.state.sessions, key, purpose, limit, after, ascending=order == "asc"
+        app_state(request).sessions, key, purpose, limit, after, ascending=order == "asc"
     )
 
 
 @router.get("/v1/files/{file_id}", response_model=FileObject)
 def read_file(file_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
-    sessions = request.app.state.sessions
+    sessions = app_state(request).sessions
     with sessions() as session:
         stored = services.get_file(session, key, file_id)
     return services.file_object(sessions, stored)
@@ -271,7 +272,7 @@ def read_file(file_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
     },
 )
 def read_file_content(file_id: str, request: Request, key: KeyDep) -> StreamingResponse:
-    sessions = request.app.state.sessions
+    sessions = app_state(request).sessions
     with sessions() as session:
         stored = services.get_file(session, key, file_id)
     return StreamingResponse(
@@ -281,7 +282,7 @@ def read_file_content(file_id: str, request: Request, key: KeyDep) -> StreamingR
 
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted)
 def delete_file(file_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
-    return services.delete_file(request.app.state.sessions, key, file_id)
+    return services.delete_file(app_state(request).sessions, key, file_id)
 
 
 @router.post("/v1/batches", response_model=BatchObject)
@@ -291,7 +292,7 @@ def create_batch(body: BatchCreate, request: Request, key: KeyDep) -> dict[str, 
     The file is checked as the batch is made: the answer is the batch in
     progress, or failed with its ``errors`` (each with its line, field and why).
     """
-    state = request.app.state
+    state = app_state(request)
     batch_id = services.create_batch(
         state.sessions, key, body, state.catalog, state.versions, state.settings
     )
@@ -307,12 +308,12 @@ def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, Query(max_length=64)] = None,
 ) -> dict[str, Any]:
-    return services.list_batches(request.app.state.sessions, key, limit, after)
+    return services.list_batches(app_state(request).sessions, key, limit, after)
 
 
 @router.get("/v1/batches/{batch_id}", response_model=BatchObject)
 def read_batch(batch_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
-    sessions = request.app.state.sessions
+    sessions = app_state(request).sessions
     with sessions() as session:
         batch = services.get_batch(session, key, batch_id)
     return services.batch_view(sessions, batch)
@@ -322,4 +323,4 @@ def read_batch(batch_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
 def cancel_batch(batch_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
     """Stop the batch: requests not started are cancelled (in the error file), running ones
     finish."""
-    return services.cancel_batch(request.app.state.sessions, key, batch_id)
+    return services.cancel_batch(app_state(request).sessions, key, batch_id)

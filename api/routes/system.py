@@ -23,6 +23,7 @@ from api.errors import ApiError
 from api.openai_errors import openai_error
 from api.routes.openai import OPENAI_ERRORS
 from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
+from api.state import app_state
 from core.catalog import ModelSpec
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
@@ -82,7 +83,7 @@ def retrieve_model(
 
 def _activations(request: Request, model: str | None = None) -> dict[str, tuple[int, float]]:
     """Each activated model's version and when it was activated (Unix seconds)."""
-    with request.app.state.sessions() as session:
+    with app_state(request).sessions() as session:
         return services.activations(session, model)
 
 
@@ -95,7 +96,7 @@ def _model_info(
 ) -> ModelInfo:
     raw = stats_text(client, settings.key_prefix, spec.name)
     stats = numeric_stats(raw)
-    known, active = request.app.state.versions.of(spec)
+    known, active = app_state(request).versions.of(spec)
     states = version_states(client, settings.key_prefix, spec.name)
     activated = activations.get(spec.name)
     if activated is not None and activated[0] == active:
@@ -176,7 +177,7 @@ def metrics(
         )
     body = generate_latest(_registry())
     try:
-        body += queue_metrics(client, settings.key_prefix, catalog, request.app.state.scalers)
+        body += queue_metrics(client, settings.key_prefix, catalog, app_state(request).scalers)
     except REDIS_ERRORS as exc:
         log.warning("queue metrics unavailable", extra={"error_type": type(exc).__name__})
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
@@ -199,7 +200,7 @@ def healthz() -> dict[str, str]:
 @router.get("/readyz", tags=["health"])
 def readyz(request: Request, client: RedisDep) -> JSONResponse:
     checks: dict[str, str] = {}
-    if getattr(request.app.state, "draining", False):
+    if app_state(request).draining:
         checks["api"] = "shutting down"
     try:
         client.ping()
@@ -207,7 +208,7 @@ def readyz(request: Request, client: RedisDep) -> JSONResponse:
     except REDIS_ERRORS as exc:
         checks["redis"] = f"unreachable ({type(exc).__name__})"
     try:
-        with request.app.state.sessions() as session:
+        with app_state(request).sessions() as session:
             services.ping(session)
         checks["database"] = "ok"
     except Exception as exc:

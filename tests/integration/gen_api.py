@@ -23,6 +23,7 @@ import redis
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.state import app_state
 from core.db import Job, utcnow
 from core.job_events import JobEvent
 from core.repository import load_repository
@@ -47,7 +48,7 @@ def generation_api(settings: Settings, tmp_path: Path) -> Iterator[Served]:
     )
     with served(changed) as running:
         model = load_repository(root, environ={})[MODEL]
-        running.app.state.catalog[MODEL] = catalog_spec(model)
+        app_state(running.app).catalog[MODEL] = catalog_spec(model)
         yield running
 
 

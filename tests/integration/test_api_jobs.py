@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import services
+from api.state import app_state
 from core.db import Job
 from core.settings import Settings
 from core.streams import stream_key
@@ -214,7 +215,7 @@ def test_an_unexpected_error_is_a_bare_500_with_the_request_id(
 
 def test_a_long_poll_holds_no_database_connection(client: TestClient, auth: dict[str, str]) -> None:
     job = submit(client, auth, model="sim", input={"cost": 1}).json()
-    engine = client.app.state.engine  # type: ignore[attr-defined]
+    engine = app_state(client.app).engine
     poll = threading.Thread(
         target=client.get, args=(f"/v1/jobs/{job['id']}",),
         kwargs={"params": {"wait": 2}, "headers": auth},
@@ -223,7 +224,7 @@ def test_a_long_poll_holds_no_database_connection(client: TestClient, auth: dict
     samples = []
     for _ in range(3):
         time.sleep(0.25)
-        samples.append(engine.pool.checkedout())
+        samples.append(engine.pool.checkedout())  # type: ignore[attr-defined]
     poll.join(10)
     assert samples == [0, 0, 0]
 

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from api.state import app_state
 from core.db import Job
 from core.repository import load_repository
 from core.settings import Settings
@@ -34,7 +35,7 @@ def client(settings: Settings, tmp_path: Path) -> Iterator[TestClient]:
     )
     with TestClient(create_app(changed)) as test_client:
         model = load_repository(root, environ={})["tiny-lm"]
-        test_client.app.state.catalog["tiny-lm"] = catalog_spec(model)  # type: ignore[attr-defined]
+        app_state(test_client.app).catalog["tiny-lm"] = catalog_spec(model)
         yield test_client
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.state import app_state
 from backends.catalog import build_catalog
 from core.db import ModelActivation
 from core.repository import load_repository
@@ -108,7 +109,7 @@ def test_a_generation_model_says_its_context(
     with served(changed) as api:
         # Its spec as the catalog builds it: the API must not need the backend to describe it.
         for name in ("tiny-lm", "plain-lm"):
-            api.app.state.catalog[name] = catalog_spec(repository[name])
+            app_state(api.app).catalog[name] = catalog_spec(repository[name])
         with openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as client:
             tiny = client.models.retrieve("tiny-lm").model_extra or {}
             plain = next(m for m in client.models.list() if m.id == "plain-lm").model_extra or {}
