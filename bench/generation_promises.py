@@ -53,7 +53,7 @@ from typing import Any
 
 from backends.generation.runtime import GenerationInput
 from bench import results
-from bench.generation_stack import InProcess, Model, build, corpus_tokens
+from bench.generation_stack import InProcess, Model, build, corpus_tokens, model_settings
 from bench.generation_workload import (
     OUTPUTS,
     PROMPTS,
@@ -622,26 +622,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ferry-bench-promises-") as tmp:
         model, context = build(args, Path(tmp))
         local = InProcess(model, args.threads, args.device, args.precision)
-        limits = local.runtime.limits
         settings = {
             "smoke": smoke,
             "device": args.device,
             "precision": args.precision,
             "threads": args.threads,
-            "model": {
-                "arch": "llama",
-                "layers": args.layers,
-                "hidden": args.hidden,
-                "heads": args.heads,
-                "context_tokens": context,
-            },
-            "limits": {
-                "max_running": limits.max_running,
-                "step_tokens": limits.step_tokens,
-                "prefill_chunk_tokens": limits.prefill_chunk_tokens,
-                "kv_blocks": limits.kv_blocks,
-                "block_size": limits.block_size,
-            },
+            **model_settings(args, context, local),
             "shape": asdict(shape),
             "repeats": args.repeats,
             "seed": args.seed,

@@ -303,12 +303,10 @@ def corpus_tokens(local: InProcess) -> list[int]:
     return list(local.runtime.runner.tokenizer.encode(corpus_text()).ids)
 
 
-def run_settings(
-    args: argparse.Namespace, smoke: bool, context: int, local: InProcess
-) -> dict[str, Any]:
+def model_settings(args: argparse.Namespace, context: int, local: InProcess) -> dict[str, Any]:
+    """What a results file says of the model and of the engine's limits."""
     limits = local.runtime.limits
     return {
-        "smoke": smoke,
         "model": {
             "arch": "llama",
             "layers": args.layers,
@@ -316,13 +314,6 @@ def run_settings(
             "heads": args.heads,
             "context_tokens": context,
         },
-        "device": "cpu",
-        "precision": "fp32",
-        "threads": args.threads,
-        "requests": args.requests,
-        "rounds": args.rounds,
-        "seed": args.seed,
-        "eos": "none: every request generates exactly its max_tokens",
         "limits": {
             "max_running": limits.max_running,
             "step_tokens": limits.step_tokens,
@@ -330,6 +321,22 @@ def run_settings(
             "kv_blocks": limits.kv_blocks,
             "block_size": limits.block_size,
         },
+    }
+
+
+def run_settings(
+    args: argparse.Namespace, smoke: bool, context: int, local: InProcess
+) -> dict[str, Any]:
+    return {
+        "smoke": smoke,
+        **model_settings(args, context, local),
+        "device": "cpu",
+        "precision": "fp32",
+        "threads": args.threads,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "eos": "none: every request generates exactly its max_tokens",
         "stack": "ferry up: its own Redis and SQLite, the API, one worker, no Flower",
     }
 
