@@ -228,7 +228,7 @@ def test_a_worker_clock_stepped_ahead_and_back_expires_no_meetable_deadline(
     assert all(p.alive() and p.starts == 1 for p in [steady, stepped, stack.procs["api"]])
 
 
-API_JOBS = 300
+API_JOBS = 100
 
 
 def test_an_api_clock_behind_stamps_jobs_and_their_deadlines_by_the_system_clock(
