@@ -1536,8 +1536,22 @@ def render_generation_stack(results: Results) -> list[str]:
     ]  # fmt: skip
 
 
+def _nan_for_none(value: Any) -> Any:
+    """A results file's figures with NaN where it wrote null (a figure of nothing measured,
+    as a smoke run on a busy machine may leave)."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, dict):
+        return {k: _nan_for_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_for_none(v) for v in value]
+    return value
+
+
 def render_generation_promises(results: Results) -> list[str]:
-    doc = results["generation_promises"]
+    raw = results["generation_promises"]
+    about = ("date", "command", "via_make", "smoke", "git", "machine", "settings")
+    doc = {k: v if k in about else _nan_for_none(v) for k, v in raw.items()}
     s, m, shape = doc["settings"], doc["settings"]["model"], doc["settings"]["shape"]
     ms = number(0, " ms")
 

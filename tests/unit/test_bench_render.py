@@ -129,3 +129,14 @@ def test_a_round_whose_clients_saw_no_job_finish_renders_without_a_latency(tmp_p
     lines = render.render_clients(render.Results(tmp_path, smoke=True))
     rows = [line for line in lines if line.startswith("| ") and "jobs/s" not in line]
     assert len(rows) == len(stacks) and all("– / –" in row for row in rows)
+
+
+def test_a_generation_promises_file_with_figures_of_nothing_still_renders(tmp_path: Path) -> None:
+    # A smoke run on a busy machine may measure nothing for a figure: the file says null.
+    doc = json.loads((ROOT / "bench/results/generation_promises.json").read_text())
+    doc["smoke"] = True
+    doc["urgent_ttft_gain"] = {"median": None, "min": None, "max": None}
+    doc["rounds"][0]["preemption"]["urgent_ttft_steps"]["preemption"]["p99"] = None
+    (tmp_path / "generation_promises.json").write_text(json.dumps(doc))
+    text = "\n".join(render.render_generation_promises(render.Results(tmp_path, smoke=True)))
+    assert "nan× (nan–nan) sooner" in text and "no GPU" in text
