@@ -248,17 +248,7 @@ class Client(Submitter):
     """The careful client, with a new connection a request: each is spread over the API
     processes (SO_REUSEPORT hashes connections, not requests) as a load balancer would."""
 
-    def client(self) -> httpx.Client:
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = httpx.Client(
-                base_url=self.base,
-                headers={"Authorization": f"Bearer {self.token}"},
-                timeout=httpx.Timeout(10.0, connect=2.0),
-                limits=httpx.Limits(max_keepalive_connections=0),
-            )
-            self._local.client = client
-        return client
+    keepalive = False
 
 
 class Soak:

@@ -35,6 +35,10 @@ class Submission:
 class Submitter:
     """Submits jobs to the API at ``base`` with ``token``, until ``stop`` is set."""
 
+    # False: a new connection a request, so that requests spread over API processes that
+    # share a port (SO_REUSEPORT hashes connections, not requests), as a load balancer's.
+    keepalive = True
+
     def __init__(self, base: str, token: str, stop: threading.Event) -> None:
         self.base = base
         self.token = token
@@ -49,6 +53,10 @@ class Submitter:
                 base_url=self.base,
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=httpx.Timeout(10.0, connect=2.0),
+                # httpx's own limits, less the kept connections where asked.
+                limits=httpx.Limits(
+                    max_connections=100, max_keepalive_connections=20 if self.keepalive else 0
+                ),
             )
             self._local.client = client
         return client
