@@ -76,6 +76,7 @@ from core.db import make_engine
 from harness.accounting import Figures
 from harness.faults import MODEL, Stack, tagged
 from harness.ports import free_port
+from harness.processes import process_table
 from harness.services import postgres_database
 from harness.submitting import Submission, Submitter
 from harness.witness import install_transition_witness
@@ -311,7 +312,7 @@ class Soak:
         if self.stack.redis_process is not None:
             sessions[self.stack.redis_process.pid] = "redis"
         rss: dict[str, float] = {}
-        for pid, session in _processes():
+        for pid, _, session in process_table():
             if session in sessions:
                 name = sessions[session]
                 rss[name] = rss.get(name, 0.0) + _rss_mib(pid)
@@ -442,17 +443,6 @@ def main(argv: list[str] | None = None) -> int:
               f"peak {m['peak_mib']:7.1f}, {m['lives']} lives")  # fmt: skip
     print(f"wrote {args.out} and {plot}" + (f"; PROBLEMS: {', '.join(found)}" if found else ""))
     return 1 if found else 0
-
-
-def _processes() -> Iterator[tuple[int, int]]:
-    """Every process on the machine, with its session."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            yield int(entry), int(stat.rsplit(")", 1)[1].split()[3])
 
 
 def _rss_mib(pid: int) -> float:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,3 +211,16 @@ def sitecustomize_dir(folder: Path, repository_root: Path, module: str) -> Path:
         "install()\n"
     )
     return folder
+
+
+def process_table() -> Iterator[tuple[int, int, int]]:
+    """Every process on the machine: its pid, its parent's and its session's (from
+    /proc/PID/stat; one that ends while it is read is left out)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after the command, which may hold ")"
+            yield int(entry), int(fields[1]), int(fields[3])

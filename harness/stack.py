@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.ports import free_port
+from harness.processes import process_table
 
 # Set to 1 by `python -m bench all --smoke` for the benchmarks it starts.
 SMOKE_ENV = "FERRY_BENCH_SMOKE"
@@ -89,16 +90,7 @@ class FerryUp:
     def children(self) -> list[int]:
         """The pids of the processes ``ferry up`` started."""
         assert self.process is not None
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == self.process.pid:
-                    found.append(int(entry))
-        return found
+        return [pid for pid, parent, _ in process_table() if parent == self.process.pid]
 
     @staticmethod
     def stop(process: subprocess.Popen[str] | None, timeout_s: float = 90.0) -> None:
