@@ -26,6 +26,7 @@ AHEAD_S = 360
 RETRY_S = 0.5  # the retry schedule's delay after the first attempt
 AHEAD_FOR_S = 8.0  # how long the retry is given while the clock is ahead
 DISCARDED = "Discarding revoked task: ferry.webhooks.dispatch"
+DISPATCHED = "Task ferry.webhooks.dispatch["
 
 
 def test_a_celery_worker_clock_ahead_signs_deliveries_receivers_accept(
@@ -46,6 +47,16 @@ def test_a_celery_worker_clock_ahead_signs_deliveries_receivers_accept(
     # The only Celery worker, its clock six minutes ahead; beat's and the sim worker's true.
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"], False, **clock.env())
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+
+    def dispatched() -> bool:
+        return any(
+            str(line.get("msg", "")).startswith(DISPATCHED) and "succeeded" in line["msg"]
+            for line in stack.log_lines(celery_worker)
+        )
+
+    # Beat ticking and its dispatches run on the worker ahead before the job goes in, so
+    # that the time the retry is given is not spent starting beat on a busy machine.
+    wait_for("a dispatch run on the worker ahead", dispatched, 90, 0.25)
     client = httpx.Client(
         base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=10
     )
