@@ -40,9 +40,10 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     make_stack: Callable[..., Stack], victim: str
 ) -> None:
     stack = make_stack(
-        # Batches long enough (about 35 ms) for the probe to catch one running.
-        FERRY_SIM_LATENCY_BASE_MS="20",
-        FERRY_SIM_LATENCY_PER_COST_MS="0.02",
+        # Batches long enough (60 ms and more; about 100 ms when full) for the probe to
+        # catch one running on a busy machine, where reading what w1 holds takes tens of ms.
+        FERRY_SIM_LATENCY_BASE_MS="60",
+        FERRY_SIM_LATENCY_PER_COST_MS="0.05",
         FERRY_BATCH_MAX_SIZE="256",
         FERRY_VISIBILITY_TIMEOUT_S="3",
         FERRY_RECONCILE_INTERVAL_S="1",
@@ -76,7 +77,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         caught: list[str] = []
 
         def mid_batch() -> bool:
-            caught[:] = fresh_batch_of(stack, "w1", max_age_s=0.03)
+            caught[:] = fresh_batch_of(stack, "w1", max_age_s=0.045)
             return bool(caught)
 
         wait_for("w1 to start a batch", mid_batch, 60, 0.002)
