@@ -6,6 +6,7 @@ import datetime as dt
 import time
 from typing import Any
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,7 +19,7 @@ from tests.integration.test_worker import submit, wait_terminal
 from tests.streams import forget_model, lane_pending, model_messages
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.recorder import Outcome
-from workers.tasks.app import RECONCILE_TASK, create_celery, reconcile_streams
+from workers.tasks.app import RECONCILE_LOCK_S, RECONCILE_TASK, create_celery, reconcile_streams
 from workers.tasks.reconcile import reconcile
 
 
@@ -122,6 +123,53 @@ def test_the_reconciler_is_scheduled_and_runs_one_at_a_time(
     assert not redis_client.exists(f"{settings.key_prefix}:reconcile:lock")
     redis_client.set(f"{settings.key_prefix}:reconcile:lock", "1", ex=30)
     assert reconcile_streams(settings) == 0  # another run holds the lock: skipped
+
+
+def test_a_reconcile_run_that_lost_its_lock_stops_before_the_next_model(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    redis_client: redis.Redis,
+) -> None:
+    lost = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
+    forget_model(redis_client, settings.key_prefix, "sim")
+    asked: list[int] = []
+
+    def lost_the_lock() -> bool:
+        asked.append(1)
+        return False
+
+    # Another run took the lock over: this one enqueues nothing more.
+    assert (
+        reconcile(sessions, redis_client, settings.key_prefix, 60, later(120), lost_the_lock) == 0
+    )
+    assert asked and stream_jobs(redis_client, settings) == []
+    assert reconcile(sessions, redis_client, settings.key_prefix, 60, later(120)) == 3
+    assert sorted(stream_jobs(redis_client, settings)) == sorted(lost)
+
+
+def test_the_reconcilers_lock_is_short_and_renewed_while_the_run_goes_on(
+    settings: Settings, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that dies holding the lock (its worker killed; its Redis failing over after the
+    lock reached the replica) holds the next runs off for seconds, not minutes."""
+    lock = f"{settings.key_prefix}:reconcile:lock"
+    seen: list[tuple[int, bool, int]] = []
+
+    def run(sessions: object, client: redis.Redis, prefix: str, grace_s: float, **kw: Any) -> int:
+        first = int(redis_client.pttl(lock))
+        time.sleep(1.0)
+        kept = kw["held"]()
+        seen.append((first, kept, int(redis_client.pttl(lock))))
+        return 0
+
+    monkeypatch.setattr("workers.tasks.app.reconcile", run)
+    assert reconcile_streams(settings) == 0
+    ((first, kept, renewed),) = seen
+    assert 0 < first <= RECONCILE_LOCK_S * 1000
+    assert kept and renewed > first - 500  # renewed to its full term, not left to run down
+    assert not redis_client.exists(lock)
 
 
 def test_a_result_the_database_refuses_fails_that_job_alone(

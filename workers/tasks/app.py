@@ -35,7 +35,7 @@ from core.redis_target import RedisTarget, ServerClock
 from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
-from workers.tasks.locks import first_in, release
+from workers.tasks.locks import first_in, release, renew
 from workers.tasks.reconcile import reconcile
 from workers.tasks.webhook_hosts import HostGate
 from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 PURGE_TASK = "ferry.maintenance.purge_results"
 FEED_TASK = "ferry.backfills.feed"
 RECONCILE_TASK = "ferry.maintenance.reconcile"
-RECONCILE_LOCK_S = 600
+# Renewed before each model and each page: a run that dies (its worker killed, or its
+# Redis failing over after the lock had reached the replica) holds the reconciler off only
+# this long, which matters most just after a failover, the entries it lost waiting on it.
+RECONCILE_LOCK_S = 15
 # Beat sends its ticks with an expiry that the receiving worker judges by its own clock: a
 # short one drops every tick at a worker whose clock is ahead by more (an NTP step, a
 # drifting host), and due webhooks wait for that clock. This one tolerates a host minutes
@@ -76,12 +79,16 @@ def reconcile_streams(settings: Settings) -> int:
     lock = f"{settings.key_prefix}:reconcile:lock"
     token = uuid.uuid4().hex
     try:
-        # Held well past a slow run, and released only by its holder.
+        # Kept while the run goes on, and released only by its holder.
         if not client.set(lock, token, nx=True, ex=RECONCILE_LOCK_S):
             return 0  # another run is in progress
         try:
             return reconcile(
-                make_sessionmaker(engine), client, settings.key_prefix, settings.reconcile_grace_s
+                make_sessionmaker(engine),
+                client,
+                settings.key_prefix,
+                settings.reconcile_grace_s,
+                held=lambda: renew(client, lock, token, RECONCILE_LOCK_S * 1000),
             )
         finally:
             release(client, lock, token)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -41,8 +42,11 @@ def reconcile(
     prefix: str,
     grace_s: float,
     now: dt.datetime | None = None,
+    held: Callable[[], bool] = lambda: True,
 ) -> int:
-    """Re-enqueue lost entries; returns how many jobs were re-enqueued."""
+    """Re-enqueue lost entries; returns how many jobs were re-enqueued. ``held`` is asked
+    before each model and each page (it renews the run's lock): False, and the run stops
+    there, another having taken over."""
     cutoff = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(seconds=grace_s)
     with sessions() as session:
         models = list(
@@ -54,12 +58,16 @@ def reconcile(
         )
     total = 0
     for model in models:
+        if not held():
+            return total
         # The streams first, then the rows: a job finished in between is then
         # terminal in the rows, never mistaken for a lost one.
         present = _job_ids_in_streams(client, prefix, model)
         missing = [row for row in _open_rows(sessions, model, cutoff) if row.id not in present]
         scripts = Scripts(client)
         for start in range(0, len(missing), PAGE):
+            if start and not held():
+                return total + start
             pipe = client.pipeline(transaction=False)
             scripts.enqueue_all(
                 pipe,
