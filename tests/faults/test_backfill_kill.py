@@ -40,10 +40,10 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     make_stack: Callable[..., Stack], victim: str
 ) -> None:
     stack = make_stack(
-        # Batches long enough (60 ms and more; about 100 ms when full) for the probe to
-        # catch one running on a busy machine, where reading what w1 holds takes tens of ms.
-        FERRY_SIM_LATENCY_BASE_MS="60",
-        FERRY_SIM_LATENCY_PER_COST_MS="0.05",
+        # Batches long enough (200 ms and more) for the kill to land in the one the probe
+        # saw start, on a busy machine where reading what w1 holds takes tens of ms.
+        FERRY_SIM_LATENCY_BASE_MS="200",
+        FERRY_SIM_LATENCY_PER_COST_MS="0.02",
         FERRY_BATCH_MAX_SIZE="256",
         FERRY_VISIBILITY_TIMEOUT_S="3",
         FERRY_RECONCILE_INTERVAL_S="1",
@@ -75,9 +75,15 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         stack.spawn("celery-worker-2", ["celery", "worker"])
     else:
         caught: list[str] = []
+        # A batch is caught as it starts: jobs w1 runs that the probe before did not see
+        # running. No clock is compared (a job's started_at is the worker's reading of the
+        # Redis server's clock, off from this process's by up to a round trip under load).
+        seen: set[str] = set(fresh_batch_of(stack, "w1", max_age_s=float("inf")))
 
         def mid_batch() -> bool:
-            caught[:] = fresh_batch_of(stack, "w1", max_age_s=0.045)
+            running = fresh_batch_of(stack, "w1", max_age_s=float("inf"))
+            caught[:] = [job for job in running if job not in seen]
+            seen.update(running)
             return bool(caught)
 
         wait_for("w1 to start a batch", mid_batch, 60, 0.002)
