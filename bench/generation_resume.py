@@ -510,7 +510,6 @@ def one_repeat(stack: ResumeStack, prompt: str) -> dict[str, Any]:
         f"every index once {found['every_index_once']}",
         flush=True,
     )
-    stack.replace_killed()
     return found
 
 
@@ -555,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             for number, prompt in enumerate(PROMPTS[: args.repeats], start=1):
                 print(f"repeat {number} of {args.repeats}", flush=True)
                 repeats.append(one_repeat(stack, prompt))
+                if number < args.repeats:  # the last needs no worker in place of its victim
+                    stack.replace_killed()
                 report = {"repeats": repeats, **figures(repeats)}
                 # Written after every repeat: a run cut short still leaves what it measured.
                 results.write(args.out, report, settings=settings, head=head)
