@@ -20,7 +20,7 @@ from core.db import Backfill, Job
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from harness.witness import read_transitions, terminal_writes
-from tests.faults.test_kill import fresh_batch_of
+from tests.faults.test_kill import caught_mid_batch
 
 pytestmark = pytest.mark.faults
 
@@ -74,19 +74,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         details["fed_at_kill"] = fed_through()
         stack.spawn("celery-worker-2", ["celery", "worker"])
     else:
-        caught: list[str] = []
-        # A batch is caught as it starts: jobs w1 runs that the probe before did not see
-        # running. No clock is compared (a job's started_at is the worker's reading of the
-        # Redis server's clock, off from this process's by up to a round trip under load).
-        seen: set[str] = set(fresh_batch_of(stack, "w1", max_age_s=float("inf")))
-
-        def mid_batch() -> bool:
-            running = fresh_batch_of(stack, "w1", max_age_s=float("inf"))
-            caught[:] = [job for job in running if job not in seen]
-            seen.update(running)
-            return bool(caught)
-
-        wait_for("w1 to start a batch", mid_batch, 60, 0.002)
+        caught = caught_mid_batch(stack, "w1", timeout_s=60)
         stack.kill(workers[0])  # not restarted: w2 takes its entries over
         details["caught"] = len(caught)
 

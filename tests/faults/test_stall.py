@@ -35,7 +35,7 @@ def test_a_worker_stalled_past_the_visibility_timeout_is_seen_computing_its_batc
     stack, stalled, _other = two_workers(make_stack, VISIBILITY_TIMEOUT_S, BATCH_BASE_MS)
     started = time.monotonic()
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
-    caught = caught_mid_batch(stack, stalled)
+    caught = caught_mid_batch(stack, stalled.name)
     stack.signal(stalled, signal.SIGSTOP)
     # Until w2 has claimed the batch again (its second attempt). The stop may land
     # inside the transaction that records the stalled worker's batch before, whose
