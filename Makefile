@@ -17,6 +17,10 @@ TEST_WORKERS ?= 3
 # make test's report (ignored by git): pytest's JUnit XML and durations, and the
 # wall time of each other step (steps.tsv); make test-report prints it.
 REPORT := .ferry/test-report
+# Compiled once before pytest, so that the few hundred processes the suite starts read
+# their bytecode instead of compiling every module again (where PYTHONDONTWRITEBYTECODE
+# is set, none of them would write it).
+SOURCES := api backends bench core ferry harness scheduler workers clients/python
 # Set by make test: where each step's wall time is appended (.ci/timed); empty, nothing is.
 STEPS ?=
 TIMED = .ci/timed "$(STEPS)"
@@ -75,6 +79,7 @@ test:
 	@( .ci/timed $(REPORT)/steps.tsv checks $(MAKE) --no-print-directory -j4 --output-sync=target \
 		STEPS=$(REPORT)/steps.tsv lint typecheck audit-soft docs > $(REPORT)/checks.log 2>&1; \
 		echo $$? > $(REPORT)/checks.status; printf '\n'; cat $(REPORT)/checks.log ) & \
+	.ci/timed $(REPORT)/steps.tsv compile $(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null; \
 	.ci/timed $(REPORT)/steps.tsv pytest $(BIN)/python -m pytest -n $(TEST_WORKERS) \
 		--dist loadgroup --durations=50 --junitxml=$(REPORT)/junit.xml $(PYTEST_ARGS); \
 	tests=$$?; wait; checks=$$(cat $(REPORT)/checks.status); \
