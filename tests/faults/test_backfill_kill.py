@@ -40,9 +40,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     make_stack: Callable[..., Stack], victim: str
 ) -> None:
     stack = make_stack(
-        # Batches long enough (200 ms and more) for the kill to land in the one the probe
-        # saw start, on a busy machine where reading what w1 holds takes tens of ms.
-        FERRY_SIM_LATENCY_BASE_MS="200",
+        FERRY_SIM_LATENCY_BASE_MS="20",
         FERRY_SIM_LATENCY_PER_COST_MS="0.02",
         FERRY_BATCH_MAX_SIZE="256",
         FERRY_VISIBILITY_TIMEOUT_S="3",
@@ -51,7 +49,15 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         FERRY_BACKFILL_FEED_CHUNK="500",
         FERRY_BACKFILL_OUTSTANDING="2000",
     )
-    workers = stack.start("w1", "w2")
+    # w1, the GPU worker killed, runs batches long enough (200 ms and more) for the kill to
+    # land in the one the probe saw start, on a busy machine where reading what w1 holds
+    # takes tens of ms; w2, which then runs the rest of the file alone, runs short ones.
+    api = stack.start_api(wait=False)
+    slow = {"FERRY_SIM_LATENCY_BASE_MS": "200"} if victim == "gpu-worker" else {}
+    workers = [stack.start_worker("w1", wait=False, env=slow), stack.start_worker("w2", wait=False)]
+    for worker in workers:
+        stack.wait_worker(worker)
+    stack.wait_api(api)
     celery = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     client = httpx.Client(
