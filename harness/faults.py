@@ -171,18 +171,32 @@ class Stack(Processes):
             self.wait_worker(proc, model)
         return proc
 
-    def start_workers(self, *names: str, supervised: bool = False) -> list[Proc]:
+    def start_workers(
+        self,
+        *names: str,
+        supervised: bool = False,
+        envs: dict[str, dict[str, str]] | None = None,
+    ) -> list[Proc]:
         """A worker per name, all started before any is waited for: each one's start
-        (its imports, its model) takes seconds, which they then spend side by side."""
-        workers = [self.start_worker(name, supervised, wait=False) for name in names]
+        (its imports, its model) takes seconds, which they then spend side by side.
+        ``envs``: what a worker's environment adds, by its name."""
+        envs = envs or {}
+        workers = [
+            self.start_worker(name, supervised, wait=False, env=envs.get(name)) for name in names
+        ]
         for worker in workers:
             self.wait_worker(worker)
         return workers
 
-    def start(self, *workers: str, supervised: bool = False) -> list[Proc]:
+    def start(
+        self,
+        *workers: str,
+        supervised: bool = False,
+        envs: dict[str, dict[str, str]] | None = None,
+    ) -> list[Proc]:
         """The API and a worker per name, started side by side, then each waited for."""
         api = self.start_api(wait=False)
-        started = self.start_workers(*workers, supervised=supervised)
+        started = self.start_workers(*workers, supervised=supervised, envs=envs)
         self.wait_api(api)
         return started
 

@@ -52,12 +52,8 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     # w1, the GPU worker killed, runs batches long enough (200 ms and more) for the kill to
     # land in the one the probe saw start, on a busy machine where reading what w1 holds
     # takes tens of ms; w2, which then runs the rest of the file alone, runs short ones.
-    api = stack.start_api(wait=False)
-    slow = {"FERRY_SIM_LATENCY_BASE_MS": "200"} if victim == "gpu-worker" else {}
-    workers = [stack.start_worker("w1", wait=False, env=slow), stack.start_worker("w2", wait=False)]
-    for worker in workers:
-        stack.wait_worker(worker)
-    stack.wait_api(api)
+    slow = {"w1": {"FERRY_SIM_LATENCY_BASE_MS": "200"}} if victim == "gpu-worker" else {}
+    workers = stack.start("w1", "w2", envs=slow)
     celery = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     client = httpx.Client(
