@@ -30,9 +30,18 @@ TIMED = .ci/timed "$(STEPS)"
 $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Ferry needs Python 3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e clients/python -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt --upgrade pip setuptools
+	@# With the pinned torch: every pin of constraints.txt, three pips side by side (.ci/install-pinned),
+	@# then Ferry with nothing more to fetch, and pip check for anything missing or at odds.
+	@# Another torch (a CUDA build's index, another version) brings what it needs itself.
+	if [ -z "$(TORCH_INDEX)" ] && grep -qx "$(TORCH_SPEC)" constraints.txt; then \
+		.ci/install-pinned $(BIN)/python constraints.txt && \
+		$(BIN)/python -m pip install --quiet --no-deps -e clients/python -e '.[dev]' && \
+		$(BIN)/python -m pip check; \
+	else \
+		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" && \
+		$(BIN)/python -m pip install --quiet -c constraints.txt -e clients/python -e '.[dev]'; \
+	fi
 	touch $(STAMP)
 
 # The shipped tiny-llama is served beside the defaults (its first start builds
