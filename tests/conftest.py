@@ -140,6 +140,10 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object
         started = item.stash.get(CPU_AT, None)
         if started is not None:
             item.user_properties.append(("cpu_s", round(cpu_s() - started, 1)))
+        # Which worker ran it and when it ended (the epoch's seconds): make test-report
+        # shows each worker's span, and how long the last ones ran on while others idled.
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")))
+        item.user_properties.append(("ended_at", round(time.time(), 2)))
 
 
 @pytest.hookimpl(wrapper=True)

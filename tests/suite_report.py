@@ -129,6 +129,45 @@ def slowest_tests(cases: list[Case], count: int = 20) -> list[Case]:
     return sorted(cases, key=lambda case: (-case.time_s, case.file, case.name))[:count]
 
 
+@dataclass(frozen=True)
+class WorkerSpan:
+    """One pytest-xdist worker's tests: from its first test's start to its last's end."""
+
+    worker: str
+    started_s: float  # since the first test of the run started
+    ended_s: float
+    busy_s: float  # its tests' seconds, summed
+    tests: int
+
+
+def _property(case: Case, name: str) -> str | None:
+    return next((v for k, v in case.properties if k == name), None)
+
+
+def worker_spans(cases: list[Case]) -> list[WorkerSpan]:
+    """Each worker's span (tests/conftest.py records the worker and when each test
+    ended), the one that ended first first; empty where the report has neither."""
+    runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for case in cases:
+        worker, ended = _property(case, "worker"), _property(case, "ended_at")
+        if worker is not None and ended is not None:
+            runs[worker].append((float(ended) - case.time_s, float(ended)))
+    if not runs:
+        return []
+    zero = min(start for spans in runs.values() for start, _ in spans)
+    found = [
+        WorkerSpan(
+            worker,
+            round(min(start for start, _ in spans) - zero, 1),
+            round(max(end for _, end in spans) - zero, 1),
+            round(sum(end - start for start, end in spans), 1),
+            len(spans),
+        )
+        for worker, spans in runs.items()
+    ]
+    return sorted(found, key=lambda span: (span.ended_s, span.worker))
+
+
 def outcomes(cases: list[Case]) -> Counter[str]:
     return Counter(case.outcome for case in cases)
 
@@ -154,6 +193,19 @@ def render(cases: list[Case], steps: list[Step], count: int = 20) -> str:
         + f"), {sum(case.time_s for case in cases):.1f} s in all, "
         + f"{sum(cpu_of(case) for case in cases):.1f} CPU s"
     )
+    spans = worker_spans(cases)
+    if spans:
+        lines.append("workers (started, ended and busy seconds from the first test's start):")
+        lines.extend(
+            f"  {span.worker:<6} {span.started_s:7.1f} {span.ended_s:7.1f} {span.busy_s:7.1f}"
+            f"  {span.tests:5d} tests"
+            for span in spans
+        )
+        lines.append(
+            f"  the last worker ran on alone for {spans[-1].ended_s - spans[-2].ended_s:.1f} s"
+            if len(spans) > 1
+            else "  one worker"
+        )
     lines.append(f"slowest {count} files (seconds, tests):")
     ranked = slowest_files(cases, count)
     lines.extend(f"  {total_s:8.1f} {tests:5d}  {file}" for file, total_s, tests in ranked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from tests.suite_report import (
     Case,
     Step,
+    WorkerSpan,
     before_pytest_s,
     busiest_files,
     cpu_of,
@@ -19,6 +21,7 @@ from tests.suite_report import (
     render,
     slowest_files,
     slowest_tests,
+    worker_spans,
 )
 
 pytest_plugins = ["pytester"]
@@ -158,3 +161,23 @@ def test_idles():
     cpu = {c.name: cpu_of(c) for c in parse_junit((pytester.path / "junit.xml").read_text())}
     assert cpu["test_spins"] >= 0.25 and cpu["test_a_child_spins"] >= 0.25, cpu
     assert cpu["test_idles"] < 0.2, cpu
+    # Each case also says which worker ran it (the one running this test, or pytest's
+    # own process) and when it ended.
+    spans = worker_spans(parse_junit((pytester.path / "junit.xml").read_text()))
+    here = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    assert [(s.worker, s.tests) for s in spans] == [(here, 3)], spans
+    assert spans[0].ended_s >= 0.9, spans  # three tests of 0.3 s one after the other
+
+
+def test_worker_spans_say_when_each_worker_ended_and_how_long_the_last_ran_alone() -> None:
+    def case(worker: str, ended_at: float, time_s: float) -> Case:
+        props = (("worker", worker), ("ended_at", str(ended_at)))
+        return Case("tests/a.py", f"t{ended_at}", time_s, "passed", props)
+
+    cases = [case("gw0", 110.0, 10.0), case("gw0", 130.0, 20.0), case("gw1", 105.0, 5.0),
+             case("gw1", 400.0, 200.0), Case("tests/b.py", "untimed", 3.0, "passed")]  # fmt: skip
+    assert worker_spans(cases) == [WorkerSpan("gw0", 0.0, 30.0, 30.0, 2),
+                                   WorkerSpan("gw1", 0.0, 300.0, 205.0, 2)]  # fmt: skip
+    text = render(cases, [])
+    assert "the last worker ran on alone for 270.0 s" in text
+    assert worker_spans(cases[-1:]) == []  # a report without the properties: no spans
