@@ -78,6 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bench import results
 from bench.results import spread
+from harness import webclient
 from harness.stack import FerryUp
 
 SCENARIOS = ("bare", "submit", "get", "longpoll")
@@ -432,10 +433,9 @@ def wait_drained(database_url: str, timeout_s: float) -> tuple[int, float]:
 
 def finished_job(base: str, token: str, body: dict[str, Any]) -> str:
     """Submits one job and waits for it: its id (the job the ``get`` scenario reads)."""
-    import httpx
 
     headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
+    with webclient.client(base_url=base, headers=headers, timeout=30) as client:
         response = client.post("/v1/jobs", json=body)
         if response.status_code != 202:
             raise RuntimeError(
@@ -841,7 +841,7 @@ def bare_server() -> Iterator[tuple[str, int]]:
                 error = process.stderr.read() if process.stderr else ""
                 raise RuntimeError(f"the bare server exited: {error[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"http://127.0.0.1:{port}/docs", timeout=2)
+                webclient.get(f"http://127.0.0.1:{port}/docs", timeout=2)
                 break
             if time.monotonic() > until:
                 raise RuntimeError("the bare server did not answer within 60 s")

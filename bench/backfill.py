@@ -57,6 +57,7 @@ import httpx
 
 from bench import results
 from bench.quantiles import nearest_rank
+from harness import webclient
 from harness.stack import FerryUp
 
 # The lane mix of bench/simulate.py (5 % urgent, 15 % vip, 80 % normal).
@@ -172,7 +173,7 @@ class Bench:
         self.stack.start()
         if not self.stack.base.startswith("http://127.0.0.1:"):
             raise RuntimeError(f"refusing to talk to {self.stack.base}")
-        self.client = httpx.Client(
+        self.client = webclient.client(
             base_url=self.stack.base,
             headers={"Authorization": f"Bearer {self.stack.token}"},
             timeout=30,

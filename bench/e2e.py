@@ -44,11 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
-
 from bench import results
 from bench.corpus import load_corpus
 from bench.quantiles import nearest_rank
+from harness import webclient
 from harness.stack import FerryUp
 from scheduler.vocabulary import batch_work
 
@@ -147,7 +146,7 @@ def submit_all(stack: Stack, texts: list[str], concurrency: int) -> tuple[list[s
 
     def run(chunk: list[str]) -> list[str]:
         ids = []
-        with httpx.Client(base_url=stack.base, headers=headers, timeout=60) as client:
+        with webclient.client(base_url=stack.base, headers=headers, timeout=60) as client:
             for text in chunk:
                 response = client.post("/v1/jobs", json={"model": "minilm", "input": text})
                 if response.status_code != 202:

@@ -39,11 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 from bench import results
 from bench.e2e import _ts, wait_done
 from bench.quantiles import nearest_rank
+from harness import webclient
 from harness.stack import FerryUp
 
 MODEL = "sim"
@@ -82,7 +81,7 @@ def submit_many(base: str, token: str, count: int, threads: int = 8, cost: int =
 
     def send(share: int) -> list[str]:
         ids = []
-        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+        with webclient.client(base_url=base, headers=headers, timeout=60) as client:
             for _ in range(share):
                 response = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": cost}})
                 if response.status_code != 202:
@@ -103,7 +102,7 @@ def steady(base: str, token: str, rate: float, seconds: float) -> list[str]:
 
     def send(number: int) -> str:
         time.sleep(max(0.0, begin + number / rate - time.monotonic()))
-        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+        with webclient.client(base_url=base, headers=headers, timeout=60) as client:
             response = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": COST}})
         if response.status_code != 202:
             raise RuntimeError(f"steady job refused: {response.status_code} {response.text}")
@@ -220,7 +219,7 @@ def _wait_ready(stack: FerryUp, timeout_s: float = 120.0) -> None:
     """Until the worker has published its heartbeat (GET /v1/models lists it live)."""
     headers = {"Authorization": f"Bearer {stack.token}"}
     until = time.monotonic() + timeout_s
-    with httpx.Client(base_url=stack.base, headers=headers, timeout=30) as client:
+    with webclient.client(base_url=stack.base, headers=headers, timeout=30) as client:
         while time.monotonic() < until:
             models = client.get("/v1/models").json()["data"]
             if next(m for m in models if m["name"] == MODEL).get("workers"):

@@ -52,6 +52,7 @@ from bench.generation_workload import (
     summary,
     workload_facts,
 )
+from harness import webclient
 from harness.stack import FerryUp
 
 MODEL = "bench-lm"
@@ -180,7 +181,9 @@ def through_stack(stack: FerryUp, prompts: Sequence[tuple[Request, str]]) -> dic
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     records: list[Record] = []
     lock = threading.Lock()
-    with httpx.Client(base_url=stack.base, headers=headers, limits=limits, timeout=60) as client:
+    with webclient.client(
+        base_url=stack.base, headers=headers, limits=limits, timeout=60
+    ) as client:
         start = time.perf_counter()
 
         def one(request: Request, text: str) -> None:

@@ -42,13 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench import results
 from bench.corpus import load_corpus
 from bench.e2e import _ts, wait_done
 from bench.quantiles import nearest_rank
 from ferry.local_redis import free_port
+from harness import webclient
 from harness.stack import FerryUp, batch_figures, compute_seconds
 
 DECODE_THREADS = min(16, os.cpu_count() or 4)
@@ -139,7 +138,7 @@ def submit(base: str, token: str, model: str, data: list[Any], threads: int = 16
 
     def send(chunk: list[Any]) -> list[str]:
         ids = []
-        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+        with webclient.client(base_url=base, headers=headers, timeout=60) as client:
             for item in chunk:
                 response = client.post("/v1/jobs", json={"model": model, "input": item})
                 if response.status_code != 202:
@@ -162,7 +161,7 @@ def paced(base: str, token: str, model: str, data: list[Any], rate: float) -> li
     def send(number: int) -> str:
         time.sleep(max(0.0, begin + number / rate - time.monotonic()))
         if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=base, headers=headers, timeout=60)
+            local.client = webclient.client(base_url=base, headers=headers, timeout=60)
         response = local.client.post(
             "/v1/jobs", json={"model": model, "input": data[number % len(data)]}
         )

@@ -95,6 +95,7 @@ from bench.clients import (
     started_ferry,
     wait_quiet,
 )
+from harness import webclient
 from harness.stack import FerryUp
 
 DIMENSIONS = 384  # all-MiniLM-L6-v2's embedding
@@ -234,9 +235,8 @@ def http_connect(make: Callable[[Any], Call], timeout_s: float, base: str = "") 
     """Each client thread with an HTTP connection of its own, kept alive."""
 
     def connect() -> tuple[Call, Callable[[], None]]:
-        import httpx
 
-        client = httpx.Client(base_url=base, timeout=timeout_s)
+        client = webclient.client(base_url=base, timeout=timeout_s)
         return make(client), client.close
 
     return connect

@@ -73,6 +73,7 @@ import httpx
 from bench import results, svgplot
 from core import migrate
 from core.db import make_engine
+from harness import webclient
 from harness.accounting import Figures
 from harness.faults import MODEL, Stack, tagged
 from harness.ports import free_port
@@ -361,7 +362,7 @@ class Soak:
     def flower_events(self) -> int | None:
         """The Celery events Flower took in (each batch of a worker sends some): it was fed."""
         try:
-            text = httpx.get(
+            text = webclient.get(
                 f"http://127.0.0.1:{self.flower_port}/metrics",
                 auth=("ferry", self.flower_password),
                 timeout=10,

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import redis
 from redis.cluster import key_slot
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,6 +26,7 @@ from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
 from core.streams import stream_key
+from harness import webclient
 from harness.ports import free_port
 from harness.served import served
 from harness.services import redis_server, redis_with_conf, stop_all
@@ -245,7 +245,7 @@ def reshard_under_load(
             stack.enter_context(running_worker(settings, model, f"{model}-worker"))
         stack.enter_context(reconciling(settings))
         started = time.monotonic()
-        with httpx.Client(
+        with webclient.client(
             base_url=api.base, headers={"Authorization": f"Bearer {token}"}, timeout=30
         ) as client:
             while (elapsed := time.monotonic() - started) < load_s:

@@ -35,7 +35,7 @@ from core.keys import create_key
 from core.queues import lane_depths
 from core.streams import dead_letter_key, done_channel, workers_key
 from ferry.local_redis import start_redis
-from harness import POLL_S
+from harness import POLL_S, webclient
 from harness.accounting import (
     Accounting,
     Computations,
@@ -150,7 +150,7 @@ class Stack(Processes):
         until = time.monotonic() + START_TIMEOUT_S
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                if webclient.get(f"{self.base}/readyz", timeout=2).status_code == 200:
                     return
             assert proc.alive(), f"the API exited at start:\n{self.tail(proc)}"
             assert time.monotonic() < until, f"the API was not ready:\n{self.tail(proc)}"

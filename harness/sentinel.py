@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
+from harness import webclient
 from harness.ports import free_port
 from harness.served import served
 from harness.services import redis_server, redis_with_conf, stop_all
@@ -181,7 +181,7 @@ def failover_under_load(
         reconciling(settings) as requeued,
     ):
         started = time.monotonic()
-        with httpx.Client(
+        with webclient.client(
             base_url=api.base, headers={"Authorization": f"Bearer {token}"}, timeout=30
         ) as client:
             while (elapsed := time.monotonic() - started) < load_s:

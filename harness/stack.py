@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import webclient
 from harness.ports import free_port
 from harness.processes import process_table
 
@@ -109,9 +110,8 @@ class FerryUp:
 
 def compute_seconds(port: int, model: str) -> float:
     """A worker's device time so far (``ferry_worker_compute_seconds_total`` on its port)."""
-    import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = webclient.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     pattern = rf'^ferry_worker_compute_seconds_total\{{model="{re.escape(model)}"\}} (\S+)$'
     match = re.search(pattern, text, re.M)
     if match is None:
@@ -122,9 +122,10 @@ def compute_seconds(port: int, model: str) -> float:
 def batch_figures(port: int, model: str) -> dict[str, Any]:
     """A worker's batches so far, from its /metrics: how many, their mean size, and the
     mean seconds a batch spent in each stage (prepare, compute, record, acknowledge)."""
-    import httpx
 
-    return batch_figures_of(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, model)
+    return batch_figures_of(
+        webclient.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, model
+    )
 
 
 def batch_figures_of(text: str, model: str) -> dict[str, Any]:

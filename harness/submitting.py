@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from harness import webclient
+
 
 @dataclass
 class Submission:
@@ -49,7 +51,7 @@ class Submitter:
         """This thread's HTTP client (one per submitting thread)."""
         client: httpx.Client | None = getattr(self._local, "client", None)
         if client is None:
-            client = httpx.Client(
+            client = webclient.client(
                 base_url=self.base,
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=httpx.Timeout(10.0, connect=2.0),

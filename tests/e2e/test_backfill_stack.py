@@ -10,10 +10,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import webclient
 from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def bulk_finished(stack: FerryUp) -> float:
     """The sim worker's count of bulk jobs succeeded, from its own /metrics (the first
     port `ferry up` hands out)."""
     base = int(stack.env["FERRY_METRICS_PORT_BASE"])
-    worker = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
+    worker = webclient.get(f"http://127.0.0.1:{base}/metrics", timeout=10).text
     finished = {
         tuple(sorted(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(worker)
@@ -92,7 +92,7 @@ def test_a_100k_line_file_comes_back_one_result_per_line_in_order(
     # The sim worker counted every line.
     assert bulk_finished(stack) - before == LINES
     base = int(stack.env["FERRY_METRICS_PORT_BASE"])
-    celery = httpx.get(f"http://127.0.0.1:{base + 1}/metrics", timeout=10)
+    celery = webclient.get(f"http://127.0.0.1:{base + 1}/metrics", timeout=10)
     assert celery.status_code == 200 and "python_info" in celery.text
     assert f"worker-sim :{base}" in "".join(stack.output)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import webclient
 from harness.processes import wait_for
 from harness.stack import FerryUp
 from tests.dashboard import families_used, family
@@ -118,7 +118,7 @@ def _shoot(driver: webdriver.Chrome, directory: Path, name: str) -> None:
 
 
 def _submit(stack: FerryUp, body: dict[str, Any]) -> str:
-    response = httpx.post(
+    response = webclient.post(
         f"{stack.base}/v1/jobs",
         json={"model": "sim", **body},
         headers={"Authorization": f"Bearer {stack.token}"},
@@ -152,7 +152,7 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
     # Without credentials Flower answers 401 and shows nothing.
     browser.get(f"{flower.url}/workers")
     assert "ferry-" not in browser.page_source
-    assert httpx.get(f"{flower.url}/workers", timeout=10).status_code == 401
+    assert webclient.get(f"{flower.url}/workers", timeout=10).status_code == 401
 
     # Log in: every request the browser makes carries the basic-auth credentials.
     token = base64.b64encode(f"{flower.user}:{flower.password}".encode()).decode()
@@ -168,7 +168,7 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda body: _submit(stack, body), bodies))
     for job_id in ids:
-        httpx.get(
+        webclient.get(
             f"{stack.base}/v1/jobs/{job_id}?wait=20",
             headers={"Authorization": f"Bearer {stack.token}"},
             timeout=30,
@@ -277,7 +277,7 @@ def test_flower_shows_the_gpu_workers_and_their_batches(
 
 
 def _ready(port: int) -> bool:
-    return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).is_success
+    return webclient.get(f"http://127.0.0.1:{port}/readyz", timeout=10).is_success
 
 
 def test_every_process_is_ready_and_the_dashboard_metrics_exist(
@@ -286,17 +286,17 @@ def test_every_process_is_ready_and_the_dashboard_metrics_exist(
     """What the Grafana dashboard asks for is exported by the running stack (GPU ones need NVML)."""
     base = int(stack.env["FERRY_METRICS_PORT_BASE"])
     ports = {"worker-sim": base, "celery-worker": base + 1}  # ferry up's order: models, Celery
-    pages = [httpx.get(f"{stack.base}/metrics", timeout=10).text]
+    pages = [webclient.get(f"{stack.base}/metrics", timeout=10).text]
     for name, port in ports.items():
-        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        assert webclient.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
         # `ferry up` says it is up once the API is ready; a worker may still be starting
         # (Celery's is ready at its worker_ready signal), so its readiness is waited for.
         wait_for(f"{name} to be ready", functools.partial(_ready, port), 120)
-        pages.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+        pages.append(webclient.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
     # Flower's /metrics asks for its login too (no metrics token in this stack).
-    assert httpx.get(f"{flower.url}/metrics", timeout=10).status_code == 401
+    assert webclient.get(f"{flower.url}/metrics", timeout=10).status_code == 401
     pages.append(
-        httpx.get(f"{flower.url}/metrics", auth=(flower.user, flower.password), timeout=10).text
+        webclient.get(f"{flower.url}/metrics", auth=(flower.user, flower.password), timeout=10).text
     )
     exported = {
         family(parsed.name) for page in pages for parsed in text_string_to_metric_families(page)

@@ -8,10 +8,10 @@ import re
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import webclient
 from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
 
 def _batches_seen(url: str, auth: tuple[str, str]) -> int:
     """The sim batches Flower has heard end, from its own counter (which no bound trims)."""
-    page = httpx.get(f"{url}/metrics", auth=auth, timeout=10).text
+    page = webclient.get(f"{url}/metrics", auth=auth, timeout=10).text
     return int(
         sum(
             sample.value
@@ -61,12 +61,12 @@ def test_flower_holds_at_most_its_bound_of_tasks(stack: FerryUp) -> None:
     for sent in range(BATCHES):
         if sent == BATCHES - BOUND:
             halfway = time.time()  # at least BOUND more tasks are received after this
-        response = httpx.post(
+        response = webclient.post(
             f"{stack.base}/v1/jobs", json={"model": "sim", "input": {"cost": 1}},
             headers=headers, timeout=30,
         )  # fmt: skip
         assert response.status_code == 202, response.text
-        done = httpx.get(
+        done = webclient.get(
             f"{stack.base}/v1/jobs/{response.json()['id']}?wait=30", headers=headers, timeout=40
         )
         assert done.json()["status"] == "succeeded", done.text
@@ -77,7 +77,7 @@ def test_flower_holds_at_most_its_bound_of_tasks(stack: FerryUp) -> None:
         assert time.monotonic() < deadline, f"Flower heard {seen} of {BATCHES} batches end"
         time.sleep(0.5)
 
-    tasks = httpx.get(f"{url}/api/tasks", auth=auth, timeout=10)
+    tasks = webclient.get(f"{url}/api/tasks", auth=auth, timeout=10)
     assert tasks.status_code == 200, tasks.text
     held = tasks.json()
     # The beat's feeder adds its own tasks beside the batches: the bound holds all of them.

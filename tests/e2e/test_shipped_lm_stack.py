@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from harness import webclient
 from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
@@ -49,12 +50,12 @@ def _auth(stack: FerryUp) -> dict[str, str]:
 
 def _run(stack: FerryUp, generation: dict[str, Any]) -> dict[str, Any]:
     body = {"model": "tiny-llama", "input": generation}
-    submitted = httpx.post(f"{stack.base}/v1/jobs", json=body, headers=_auth(stack), timeout=30)
+    submitted = webclient.post(f"{stack.base}/v1/jobs", json=body, headers=_auth(stack), timeout=30)
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["id"]
     until = time.monotonic() + 120
     while time.monotonic() < until:
-        job = httpx.get(
+        job = webclient.get(
             f"{stack.base}/v1/jobs/{job_id}", params={"wait": 10}, headers=_auth(stack), timeout=30
         ).json()
         if job["status"] not in ("queued", "running"):

@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
+from harness import webclient
 from harness.ports import free_port
 from tests.conftest import run_ferry
 from tests.models import minilm_files
@@ -107,7 +108,9 @@ def _wait_for_workers(stack: Stack, until: float) -> None:
     # The models ferry up starts by default (resnet50 needs weights), or those asked for.
     served = stack.env.get("FERRY_MODELS", "minilm,sim").split(",")
     while True:
-        models = httpx.get(f"{stack.base}/v1/models", headers=stack.headers(), timeout=10).json()
+        models = webclient.get(
+            f"{stack.base}/v1/models", headers=stack.headers(), timeout=10
+        ).json()
         if all(m["workers"] >= 1 for m in models["data"] if m["name"] in served):
             return
         assert stack.process.poll() is None, "".join(stack.output)[-3000:]
@@ -116,7 +119,9 @@ def _wait_for_workers(stack: Stack, until: float) -> None:
 
 
 def _submit(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(f"{stack.base}/v1/jobs", json=body, headers=stack.headers(), timeout=30)
+    response = webclient.post(
+        f"{stack.base}/v1/jobs", json=body, headers=stack.headers(), timeout=30
+    )
     assert response.status_code == 202, response.text
     return dict(response.json())
 
@@ -124,7 +129,7 @@ def _submit(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
 def _result(stack: Stack, job_id: str) -> dict[str, Any]:
     until = time.monotonic() + 60
     while True:
-        response = httpx.get(
+        response = webclient.get(
             f"{stack.base}/v1/jobs/{job_id}", params={"wait": 10}, headers=stack.headers(),
             timeout=30,
         )  # fmt: skip
@@ -169,13 +174,13 @@ def test_keys_create_prints_a_working_key_on_its_last_line(stack: Stack) -> None
     output = run_ferry(["keys", "create", "--name", "e2e"], stack.cwd, stack.env)
     token = output.strip().splitlines()[-1]
     assert token.startswith("fy_") and " " not in token
-    response = httpx.get(
+    response = webclient.get(
         f"{stack.base}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=10
     )
     assert response.status_code == 200
     assert response.json()["data"] == []  # a new key sees none of the other key's jobs
     printed = next(line for line in output.splitlines() if "signing secret" in line).split()[-1]
-    shown = httpx.get(
+    shown = webclient.get(
         f"{stack.base}/v1/webhook-secret", headers={"Authorization": f"Bearer {token}"}, timeout=10
     ).json()["secret"]
     assert printed == shown and shown.startswith("whsec_")
@@ -208,7 +213,7 @@ def test_a_worker_killed_mid_batch_is_restarted_and_loses_nothing(stack: Stack) 
     # below still holds); only a worker that never runs anything reaches the timeout.
     until = time.monotonic() + 120
     while True:
-        page = httpx.get(
+        page = webclient.get(
             f"{stack.base}/v1/jobs", params={"model": "sim", "limit": 100},
             headers=stack.headers(), timeout=10,
         ).json()  # fmt: skip
@@ -241,5 +246,5 @@ def test_sigterm_stops_the_whole_stack(tmp_path: Path) -> None:
         stack.process.send_signal(signal.SIGTERM)
         assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{stack.base}/healthz", timeout=2)
+            webclient.get(f"{stack.base}/healthz", timeout=2)
         assert any(line.strip() == "stopped" for line in stack.output)

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from harness import webclient
 from harness.stack import FerryUp
 from tests.webhook_receiver import Answer, Receiver, loopback_only
 
@@ -34,12 +34,16 @@ class Stack(FerryUp):
         return {"Authorization": f"Bearer {self.token}"}
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"{self.base}/v1/jobs", json=body, headers=self.headers(), timeout=30)
+        response = webclient.post(
+            f"{self.base}/v1/jobs", json=body, headers=self.headers(), timeout=30
+        )
         assert response.status_code == 202, response.text
         return dict(response.json())
 
     def job(self, job_id: str) -> dict[str, Any]:
-        response = httpx.get(f"{self.base}/v1/jobs/{job_id}", headers=self.headers(), timeout=30)
+        response = webclient.get(
+            f"{self.base}/v1/jobs/{job_id}", headers=self.headers(), timeout=30
+        )
         return dict(response.json())
 
     def wait_for_callback(self, job_id: str, statuses: set[str]) -> dict[str, Any]:
@@ -49,7 +53,7 @@ class Stack(FerryUp):
             if job["callback"] and job["callback"]["status"] in statuses:
                 return job
             if time.monotonic() > until:
-                deliveries = httpx.get(
+                deliveries = webclient.get(
                     f"{self.base}/v1/jobs/{job_id}/deliveries", headers=self.headers(), timeout=10
                 ).json()
                 raise AssertionError(f"{job['callback']}\n{deliveries}")
@@ -86,7 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def test_outcomes_reach_a_real_receiver_through_celery_and_beat(stack: Stack) -> None:
-    secret = httpx.get(
+    secret = webclient.get(
         f"{stack.base}/v1/webhook-secret", headers=stack.headers(), timeout=10
     ).json()["secret"]
     flaky = [Answer(500), Answer(500), Answer(500), Answer(200)]
@@ -123,7 +127,7 @@ def test_outcomes_reach_a_real_receiver_through_celery_and_beat(stack: Stack) ->
         assert len(gone.requests) == 1
         assert escaped == []
 
-    deliveries = httpx.get(
+    deliveries = webclient.get(
         f"{stack.base}/v1/jobs/{ok['id']}/deliveries", headers=stack.headers(), timeout=10
     ).json()["data"]
     assert [a["status_code"] for a in deliveries[0]["attempt_log"]] == [500, 500, 500, 200]

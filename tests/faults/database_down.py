@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 
@@ -19,7 +20,7 @@ def assert_unavailable(stack: Stack, job_id: str) -> dict[str, Any]:
     an untagged row or computation would be counted against the scenario.
     """
     seen: dict[str, Any] = {}
-    with httpx.Client(
+    with webclient.client(
         base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=30
     ) as client:
         submitted = client.post("/v1/jobs", json={"model": MODEL, "input": {"cost": 1}})
@@ -46,7 +47,7 @@ def wait_ready(stack: Stack, timeout_s: float = 60) -> None:
 
     def ready() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"{stack.base}/readyz", timeout=5).status_code == 200
+            return webclient.get(f"{stack.base}/readyz", timeout=5).status_code == 200
         return False
 
     wait_for("the API to be ready again", ready, timeout_s, 0.2)

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import func, select
 
 from core.db import Backfill, Job
+from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from harness.witness import read_transitions, terminal_writes
@@ -56,7 +56,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     workers = stack.start("w1", "w2", envs=slow)
     celery = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
-    client = httpx.Client(
+    client = webclient.client(
         base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=120
     )
     response = client.post("/v1/backfills", params={"model": MODEL}, content=body())

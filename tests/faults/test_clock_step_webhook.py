@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
+from harness import webclient
 from harness.clock_step import SteppedClock, library, logged_times
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
@@ -60,7 +60,7 @@ def test_a_celery_worker_clock_ahead_signs_deliveries_receivers_accept(
     # Beat ticking and its dispatches run on the worker ahead before the job goes in, so
     # that the time the retry is given is not spent starting beat on a busy machine.
     wait_for("a dispatch run on the worker ahead", dispatched, 90, 0.25)
-    client = httpx.Client(
+    client = webclient.client(
         base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=10
     )
     secret = client.get("/v1/webhook-secret").json()["secret"]

@@ -25,10 +25,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 
+from harness import webclient
 from harness.accounting import Figures
 from harness.faults import MODEL, Stack, sim_jobs, tagged
 from harness.processes import wait_for
@@ -155,7 +155,7 @@ def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_b
     assert stack.redis.dbsize() > 0
     time.sleep(FULL_S / 2)
     # The API stays ready (Redis's state reported): its database holds what it takes.
-    ready = httpx.get(f"{stack.base}/readyz", timeout=10)
+    ready = webclient.get(f"{stack.base}/readyz", timeout=10)
     time.sleep(max(0.0, full_at + FULL_S - time.monotonic()))
     accepted_while_full = len(submission.ids) - accepted_at_full
     done_while_full = stack.terminal_count() - done_at_full
@@ -211,7 +211,7 @@ def probe(stack: Stack) -> tuple[int, str, float, dict[str, Any]]:
     """An untagged submission (refused, it leaves no row to count): status, Retry-After,
     seconds, error."""
     began = time.monotonic()
-    answer = httpx.post(
+    answer = webclient.post(
         f"{stack.base}/v1/jobs",
         json={"model": MODEL, "input": {"cost": 1}},
         headers={"Authorization": f"Bearer {stack.token}"},

@@ -34,6 +34,7 @@ import pytest
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.streams import events_key
+from harness import webclient
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.lm_witness import (
@@ -521,6 +522,6 @@ def test_an_api_killed_mid_stream_the_client_goes_on_from_another_with_last_even
 
 def _ready(base: str) -> bool:
     try:
-        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+        return webclient.get(f"{base}/readyz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False

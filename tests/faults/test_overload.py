@@ -22,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 
+from harness import webclient
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.overload import Answers, Client, latencies_ms, paced, summary_ms
@@ -123,7 +123,7 @@ def test_a_flood_at_ten_times_capacity_degrades_and_recovers_by_itself(
         submission, started, 180, record,
     )  # fmt: skip
     urgent_ms = summary_ms(list(latencies_ms(stack.engine, urgent.ids()).values()))
-    metrics = httpx.get(f"{stack.base}/metrics", timeout=10).text
+    metrics = webclient.get(f"{stack.base}/metrics", timeout=10).text
     figures = accounting.figures
     figures.details.update(
         capacity_jobs_per_s=round(capacity, 1),

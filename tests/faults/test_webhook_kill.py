@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 
+from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from tests.webhook_receiver import Answer, Receiver, loopback_only
@@ -40,7 +40,7 @@ def test_a_celery_worker_killed_mid_attempt_still_delivers_once(
     stack.start("w1")
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"])
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
-    client = httpx.Client(
+    client = webclient.client(
         base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=10
     )
     secret = client.get("/v1/webhook-secret").json()["secret"]

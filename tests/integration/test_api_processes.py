@@ -17,6 +17,7 @@ import pytest
 
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
+from harness import webclient
 from harness.ports import free_port
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
@@ -57,7 +58,7 @@ def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
 
         def submit(_: int) -> int:
             # A connection of its own each: the kernel spreads them over both processes.
-            with httpx.Client(base_url=base, timeout=30) as client:
+            with webclient.client(base_url=base, timeout=30) as client:
                 return client.post(
                     "/v1/jobs",
                     json={"model": "sim", "input": {"cost": 1}},
@@ -68,7 +69,7 @@ def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
             assert list(pool.map(submit, range(40))) == [202] * 40
         # Whichever process answers /metrics, it counts every process's jobs.
         for _ in range(4):
-            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            metrics = webclient.get(f"{base}/metrics", timeout=10).text
             counted = re.search(
                 r'ferry_jobs_accepted_total\{lane="normal",model="sim"\} (\S+)', metrics
             )
@@ -84,6 +85,6 @@ def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
 
 def _ready(base: str) -> bool:
     try:
-        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+        return webclient.get(f"{base}/readyz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False

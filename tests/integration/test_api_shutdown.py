@@ -16,6 +16,7 @@ import pytest
 
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
+from harness import webclient
 from harness.ports import free_port
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
@@ -44,7 +45,7 @@ def api(
     until = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            if webclient.get(f"{base}/readyz", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -63,7 +64,7 @@ def test_sigterm_turns_not_ready_then_finishes_long_polls_and_exits_0(
 ) -> None:
     process, base, token = api
     headers = {"Authorization": f"Bearer {token}"}
-    job = httpx.post(
+    job = webclient.post(
         f"{base}/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=headers
     ).json()
     with ThreadPoolExecutor(1) as pool:
@@ -75,7 +76,7 @@ def test_sigterm_turns_not_ready_then_finishes_long_polls_and_exits_0(
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        ready = httpx.get(f"{base}/readyz", timeout=5)
+        ready = webclient.get(f"{base}/readyz", timeout=5)
         assert ready.status_code == 503
         assert ready.json()["checks"]["api"] == "shutting down"
         answered = polling.result(timeout=30)

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.settings import Settings
+from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 
@@ -24,7 +25,7 @@ PHASE_S = 8.0
 
 def scrape(base: str) -> dict[str, float]:
     """The sim model's scaling gauges from the API's /metrics."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    text = webclient.get(f"{base}/metrics", timeout=10).text
     found = {}
     for family in text_string_to_metric_families(text):
         if family.name.startswith("ferry_model_"):
@@ -43,7 +44,7 @@ def submit_at(base: str, token: str, rate: float, seconds: float) -> int:
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     with (
-        httpx.Client(base_url=base, headers=headers, limits=limits, timeout=30) as client,
+        webclient.client(base_url=base, headers=headers, limits=limits, timeout=30) as client,
         ThreadPoolExecutor(32) as pool,
     ):
 

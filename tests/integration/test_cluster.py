@@ -22,6 +22,7 @@ from core.keys import create_key
 from core.redis_target import REDIS_ERRORS, RedisTarget, is_cluster
 from core.settings import Settings
 from core.streams import stream_key
+from harness import webclient
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository
 from harness.served import served
 from harness.services import started_redis
@@ -160,7 +161,7 @@ def test_every_part_of_the_job_path_works_on_the_cluster(
         api = stack.enter_context(served(settings))
         for model in models:
             stack.enter_context(running_worker(settings, model, f"{model}-worker"))
-        client = stack.enter_context(httpx.Client(base_url=api.base, headers=auth, timeout=30))
+        client = stack.enter_context(webclient.client(base_url=api.base, headers=auth, timeout=30))
         # The worker's PUBLISH wakes the API's subscription; the feeder's scripts feed.
         jobs_and_a_backfill(client, models, 300, feeder.step, timeout_s=60)
         assert client.get("/readyz").status_code == 200
@@ -209,7 +210,7 @@ def test_ferry_up_on_a_cluster_runs_every_part(
     )
     try:
         stack.start()
-        with httpx.Client(
+        with webclient.client(
             base_url=stack.base, headers={"Authorization": f"Bearer {stack.token}"}, timeout=40
         ) as client:
             # Fed by the Celery worker and beat.
@@ -223,8 +224,10 @@ def test_ferry_up_on_a_cluster_runs_every_part(
         wanted = {f"ferry-{model}@" for model in models} | {"ferry-celery@"}
         until = time.monotonic() + 60
         while True:
-            seen = set(httpx.get(f"{url}/api/workers", auth=(user, password), timeout=10).json())
-            tasks = httpx.get(f"{url}/api/tasks", auth=(user, password), timeout=10).json()
+            seen = set(
+                webclient.get(f"{url}/api/workers", auth=(user, password), timeout=10).json()
+            )
+            tasks = webclient.get(f"{url}/api/tasks", auth=(user, password), timeout=10).json()
             seen |= {str(task.get("worker")) for task in tasks.values()}
             missing = {w for w in wanted if not any(name.startswith(w) for name in seen)}
             if not missing:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.db import Job, utcnow
 from core.settings import Settings
 from core.streams import cancels_key, events_key
+from harness import webclient
 from harness.served import Served
 from tests.integration.conftest import RunningLoop
 from tests.integration.gen_api import MODEL, EventReader, Message, PlayedWorker, generation_api
@@ -33,7 +34,7 @@ def api(settings: Settings, tmp_path: Path) -> Iterator[Served]:
 
 @pytest.fixture
 def http(api: Served, auth: dict[str, str]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=api.base, headers=auth, timeout=20) as client:
+    with webclient.client(base_url=api.base, headers=auth, timeout=20) as client:
         yield client
 
 
@@ -226,7 +227,7 @@ def test_another_keys_job_and_a_bad_last_event_id(
 ) -> None:
     job_id = submit()
     other = {"Authorization": f"Bearer {make_token('other')}"}
-    assert httpx.get(f"{api.base}/v1/jobs/{job_id}/events", headers=other).status_code == 404
+    assert webclient.get(f"{api.base}/v1/jobs/{job_id}/events", headers=other).status_code == 404
     bad = http.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"})
     assert bad.status_code == 422 and "Last-Event-ID" in bad.json()["error"]["message"]
 

@@ -27,6 +27,7 @@ from core.db import ApiKey, Job, KeyUsage, make_engine, make_sessionmaker, utcno
 from core.keys import create_key, revoke_key
 from core.settings import Settings
 from core.streams import done_channel, stream_key
+from harness import webclient
 from harness.served import Served, served
 from harness.services import started_redis
 
@@ -101,7 +102,7 @@ def test_idempotency_keys_hold_exactly_under_200_concurrent_submissions(
     ]
     with served(settings) as api:
         responses = post_all(api.base, bodies, [auth] * 200, lambda _r: None)
-        conflict = httpx.post(
+        conflict = webclient.post(
             f"{api.base}/v1/jobs",
             json={"model": "sim", "input": {"cost": 3}, "idempotency_key": "same-0"},
             headers=auth,
@@ -133,7 +134,7 @@ def test_the_outstanding_quota_holds_exactly_under_200_concurrent_submissions(
         assert {r.json()["error"]["type"] for r in refused} == {"quota_exceeded"}
         # Cancelling gives room back, exactly as much as was cancelled.
         for job_id in accepted[:10]:
-            assert httpx.delete(f"{api.base}/v1/jobs/{job_id}", headers=auth).status_code == 200
+            assert webclient.delete(f"{api.base}/v1/jobs/{job_id}", headers=auth).status_code == 200
         more = post_all(api.base, bodies[:11], [auth] * 11, lambda _r: None)
     assert sorted(r.status_code for r in more) == [202] * 10 + [429]
     with sessions() as session:
@@ -205,14 +206,14 @@ def test_a_revoked_key_is_refused_within_the_key_cache_time(
     with served(settings, key_cache_s=1.0) as api:
         # The key is cached while this request is answered: not before this moment.
         cached_after = time.monotonic()
-        assert httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
+        assert webclient.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
         with sessions() as session:  # revoked by another process: the database, directly
             revoke_key(session, created.id)
         revoked_at = time.monotonic()
         lookups_before = api.count("SELECT API_KEYS")
         # Kept by this process for now (no lookup), then refused once the cache time is over.
-        assert httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
-        while (status := httpx.get(f"{api.base}/v1/jobs", headers=auth).status_code) == 200:
+        assert webclient.get(f"{api.base}/v1/jobs", headers=auth).status_code == 200
+        while (status := webclient.get(f"{api.base}/v1/jobs", headers=auth).status_code) == 200:
             # Generous: only a key never looked up again gets there, however slow the machine.
             assert time.monotonic() - revoked_at < 30, "still accepted past FERRY_KEY_CACHE_S"
             time.sleep(0.05)
@@ -241,7 +242,7 @@ class LongPoll(threading.Thread):
         super().__init__()
         self.url = f"{api.base}/v1/jobs"
         self.auth = auth
-        self.job_id = httpx.post(
+        self.job_id = webclient.post(
             self.url, json={"model": "sim", "input": {"cost": 1}}, headers=auth
         ).json()["id"]
         self.started_at = self.answered_at = 0.0
@@ -249,7 +250,7 @@ class LongPoll(threading.Thread):
 
     def run(self) -> None:
         self.started_at = time.monotonic()
-        self.response = httpx.get(
+        self.response = webclient.get(
             f"{self.url}/{self.job_id}?wait=10", headers=self.auth, timeout=20
         )
         self.answered_at = time.monotonic()

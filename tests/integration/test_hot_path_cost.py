@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 from sqlalchemy import event, select
@@ -33,6 +32,7 @@ from sqlalchemy.engine import Engine
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.settings import Settings
+from harness import webclient
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis
 from harness.worker import running_worker
@@ -125,7 +125,7 @@ def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
     with sessions() as session:
         token = create_key(session, "cost").token
     headers = {"Authorization": f"Bearer {token}"}
-    with served(settings) as api, httpx.Client(base_url=api.base, headers=headers) as http:
+    with served(settings) as api, webclient.client(base_url=api.base, headers=headers) as http:
         http.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}})  # warm caches
         ids: list[str] = []
         with count.phase() as submit:

@@ -8,7 +8,6 @@ import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
@@ -18,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from core.db import Job
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.models import runtime
@@ -224,7 +224,7 @@ def test_the_async_extension_answers_202_with_jobs_the_job_api_reads(
         "inputs": [{"name": "input", "datatype": "BYTES", "shape": [2],
                     "data": ['{"cost": 5}', '{"cost": 6}']}],
     }  # fmt: skip
-    with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=headers, timeout=30) as http:
         accepted = http.post("/v2/models/sim/infer", json=body)
         assert accepted.status_code == 202, accepted.text
         answer = accepted.json()
@@ -268,7 +268,7 @@ def test_an_image_model_takes_the_files_bytes_in_binary(
         as_uint8.set_data_from_numpy(np.frombuffer(images[0], dtype=np.uint8).reshape(1, -1))
         again = client.infer("resnet50", [as_uint8], headers=dict(headers))
         # The same files as Ferry's own jobs (base64 in JSON): the same answers.
-        with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
+        with webclient.client(base_url=api.base, headers=headers, timeout=30) as http:
             direct = [
                 http.post(
                     "/v1/jobs",
@@ -308,7 +308,7 @@ def test_values_ferry_cannot_keep_are_400s_and_make_no_job(
 
     with sessions() as session:
         before = len(session.scalars(select(Job.id)).all())
-    with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=headers, timeout=30) as http:
         for body, said in (
             (one(id="a\u0000b"), "id must not contain NUL characters"),
             (one(parameters={"timeout": 10**15}), "parameters.timeout: at most"),

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from core.db import ModelActivation, ModelUnload
 from core.keys import create_key
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_hot_reload import ECHO, echo_repository, wait_until
@@ -116,7 +117,7 @@ def test_the_index_lists_every_version_and_its_state(
     }  # fmt: skip
     with (
         RunningLoop(build_loop(repository_settings, "echo", name="oip-echo")),
-        httpx.Client(base_url=api.base, headers=admin, timeout=30) as http,
+        webclient.client(base_url=api.base, headers=admin, timeout=30) as http,
     ):
         wait_until(lambda: state(client, admin, "echo/1") == "READY")
         assert index(client, admin)["echo/1"]["reason"] == ""
@@ -134,7 +135,7 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
     sessions: sessionmaker[Session],
     repository_settings: Settings,
 ) -> None:
-    with httpx.Client(base_url=api.base, headers=headers, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=headers, timeout=30) as http:
         # Accepted before the unload (no worker yet): it runs all the same.
         before = http.post("/v1/jobs", json={"model": "echo", "input": 7})
         assert before.status_code == 202, before.text
@@ -183,7 +184,7 @@ def test_load_with_a_version_activates_it_and_a_refused_one_changes_nothing(
     echo: None,
 ) -> None:
     wait_until(lambda: state(client, admin, "echo/1") == "READY")
-    with httpx.Client(base_url=api.base, headers=admin, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=admin, timeout=30) as http:
         client.unload_model("echo", headers=dict(admin))
         # A version the repository lacks: a 400, and the model stays unloaded on version 1.
         missing = http.post("/v2/repository/models/echo/load", json={"parameters": {"version": 9}})
@@ -248,7 +249,7 @@ def test_only_admin_keys_reach_the_repository_and_bad_requests_change_nothing(
     config = refused(lambda: client.load_model("echo", headers=dict(admin), config="{}"))
     assert config.status() == "400"
     assert config.message().startswith("parameters.config: Ferry serves the models of its")
-    with httpx.Client(base_url=api.base, headers=admin, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=admin, timeout=30) as http:
         for path, body, said in (
             ("/v2/repository/index", b"{", "the request is not valid JSON"),
             ("/v2/repository/index", b'{"ready": 1}', "ready must be true or false"),
@@ -278,7 +279,7 @@ def test_another_api_process_follows_an_unload_and_a_load_within_its_poll(
 
     with (
         served(repository_settings) as other,
-        httpx.Client(base_url=other.base, headers=headers, timeout=30) as http,
+        webclient.client(base_url=other.base, headers=headers, timeout=30) as http,
     ):
         assert status(http) == 202  # it has read the unloads: none
         client.unload_model("echo", headers=dict(admin))

@@ -9,7 +9,6 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from sqlalchemy import select
@@ -19,6 +18,7 @@ from backends.catalog import build_catalog
 from core.db import Job
 from core.inputs import count_tokens
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 from tests.vectors import cosine
@@ -125,7 +125,7 @@ def test_a_missing_or_wrong_key_is_refused(api: Served) -> None:
     ):
         client.embeddings.create(model="minilm", input="x")
     assert refused.value.status_code == 401
-    bare = httpx.post(f"{api.base}/v1/embeddings", json={"model": "minilm", "input": "x"})
+    bare = webclient.post(f"{api.base}/v1/embeddings", json={"model": "minilm", "input": "x"})
     assert bare.status_code == 401
     error = bare.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

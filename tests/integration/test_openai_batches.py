@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
@@ -24,6 +23,7 @@ from core.db import Backfill, FilePart, Job, OpenAIBatch, utcnow
 from core.inputs import count_tokens
 from core.keys import create_key
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_backfills import RunningFeeder, make_feeder
@@ -464,7 +464,7 @@ def test_an_upload_of_unknown_size_is_refused_before_it_is_read(api: Served, tok
     def body() -> Iterator[bytes]:  # sent chunked: no Content-Length
         yield b'--x\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--x--\r\n'
 
-    answer = httpx.post(
+    answer = webclient.post(
         f"{api.base}/v1/files",
         content=body(),
         headers={
@@ -474,7 +474,7 @@ def test_an_upload_of_unknown_size_is_refused_before_it_is_read(api: Served, tok
     )
     assert answer.status_code == 411, answer.text
     assert answer.json()["error"]["param"] == "file"
-    garbled = httpx.post(
+    garbled = webclient.post(
         f"{api.base}/v1/files",
         content=b"not multipart at all",
         headers={

@@ -22,6 +22,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.integration.gen_api import EventReader, Message
 from tests.integration.generation_worker import (
@@ -68,7 +69,7 @@ def client(api: Served, token: str) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture
 def http(api: Served, auth: dict[str, str]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=api.base, headers=auth, timeout=60) as made:
+    with webclient.client(base_url=api.base, headers=auth, timeout=60) as made:
         yield made
 
 

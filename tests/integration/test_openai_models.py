@@ -7,7 +7,6 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,6 +16,7 @@ from backends.catalog import build_catalog
 from core.db import ModelActivation
 from core.repository import load_repository
 from core.settings import Settings
+from harness import webclient
 from harness.served import Served, served
 from tests.causal_lm_files import catalog_spec, write_model
 from tests.models import REPOSITORY
@@ -66,7 +66,9 @@ def test_retrieve_one_and_an_unknown_one(client: openai.OpenAI, api: Served, tok
     assert missing.value.code == "model_not_found"
     assert "unknown model 'gpt-4o'" in missing.value.message
     # The same body to a plain client: OpenAI's error object, its type and message too.
-    answer = httpx.get(f"{api.base}/v1/models/gpt-4o", headers={"Authorization": f"Bearer {token}"})
+    answer = webclient.get(
+        f"{api.base}/v1/models/gpt-4o", headers={"Authorization": f"Bearer {token}"}
+    )
     assert answer.status_code == 404
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert answer.json()["error"]["param"] == "model"

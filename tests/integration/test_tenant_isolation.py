@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job
 from core.settings import Settings
+from harness import webclient
 from harness.served import served
 from tests.integration.test_group_commit import post_all
 from tests.integration.test_tenancy import _headers
@@ -35,7 +36,7 @@ def test_one_idempotency_key_used_by_two_tenants_makes_a_job_for_each(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
     alice, mallory = _headers(sessions, "alice"), _headers(sessions, "mallory")
-    with served(settings) as api, httpx.Client(base_url=api.base, timeout=30) as http:
+    with served(settings) as api, webclient.client(base_url=api.base, timeout=30) as http:
 
         def submit(auth: dict[str, str], key: str, body: dict[str, Any]) -> httpx.Response:
             return http.post("/v1/jobs", json=body, headers={**auth, "Idempotency-Key": key})
@@ -78,7 +79,7 @@ def test_the_long_poll_and_the_event_stream_refuse_another_tenants_job_as_missin
 ) -> None:
     alice, mallory = _headers(sessions, "alice"), _headers(sessions, "mallory")
     missing = str(uuid.uuid4())
-    with served(settings) as api, httpx.Client(base_url=api.base, timeout=30) as http:
+    with served(settings) as api, webclient.client(base_url=api.base, timeout=30) as http:
         job = http.post("/v1/jobs", json=BODY, headers=alice).json()["id"]
         for path in ("/v1/jobs/{id}?wait=5", "/v1/jobs/{id}/events"):
             began = time.monotonic()

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -23,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import tracing
 from core.db import Job, WebhookDelivery, utcnow
 from core.settings import Settings
+from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.webhook_receiver import Receiver
@@ -148,9 +148,9 @@ def test_a_jobs_trace_runs_from_its_request_to_its_webhook(
     client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
     with served(hooks) as api:
         headers = {"Authorization": f"Bearer {token}"}
-        secret = httpx.get(f"{api.base}/v1/webhook-secret", headers=headers).json()["secret"]
+        secret = webclient.get(f"{api.base}/v1/webhook-secret", headers=headers).json()["secret"]
         with Receiver([secret]) as receiver, RunningLoop(build_sim_loop(hooks, "traced")):
-            answer = httpx.post(
+            answer = webclient.post(
                 f"{api.base}/v1/jobs?wait=10",
                 json={"model": "sim", "input": {"cost": 3}, "callback_url": receiver.url},
                 headers={**headers, "traceparent": f"00-{client_trace}-{client_span}-01"},
@@ -219,7 +219,7 @@ def test_a_batch_links_to_the_trace_of_every_job_it_ran(
         headers = {"Authorization": f"Bearer {token}"}
         for _ in range(6):
             trace = secrets.token_hex(16)
-            answer = httpx.post(
+            answer = webclient.post(
                 f"{api.base}/v1/jobs",
                 json={"model": "sim", "input": {"cost": 1}},
                 headers={**headers, "traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"},
@@ -228,7 +228,7 @@ def test_a_batch_links_to_the_trace_of_every_job_it_ran(
             contexts[answer.json()["id"]] = trace
         with RunningLoop(build_sim_loop(settings, "traced-batch")):
             for job_id in contexts:
-                done = httpx.get(f"{api.base}/v1/jobs/{job_id}?wait=10", headers=headers)
+                done = webclient.get(f"{api.base}/v1/jobs/{job_id}?wait=10", headers=headers)
                 assert done.json()["status"] == "succeeded", done.text
     tracing.shutdown()  # sends what is buffered
 

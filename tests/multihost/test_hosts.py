@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 from sqlalchemy import create_engine, func, select, text
@@ -25,7 +24,7 @@ from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
 from core.queues import model_streams
 from core.streams import GROUP, done_channel
-from harness import netns
+from harness import netns, webclient
 from harness.listener import DoneListener
 from harness.netns import Deployment, Host, Network, wait_until
 from workers.gpu.executions import read_executions
@@ -78,7 +77,9 @@ def deploy(tmp_path: Path) -> Iterator[Deploy]:
             for api in hosts.apis:
                 wait_until(
                     f"{api.name} to be ready",
-                    lambda url=hosts.api_url(api): httpx.get(f"{url}/readyz", timeout=2).is_success,
+                    lambda url=hosts.api_url(api): (
+                        webclient.get(f"{url}/readyz", timeout=2).is_success
+                    ),
                     90,
                 )
             return hosts
@@ -90,7 +91,7 @@ def submit(hosts: Deployment, engine: Engine, api: Host, count: int, cost: int =
     with make_sessionmaker(engine)() as session:
         token = create_key(session, f"key-{api.name}").token
     ids = []
-    with httpx.Client(
+    with webclient.client(
         base_url=hosts.api_url(api), headers={"Authorization": f"Bearer {token}"}, timeout=30
     ) as client:
         for _ in range(count):
@@ -298,7 +299,7 @@ def test_the_postgresql_host_stopped_for_10_s_under_load_loses_nothing(deploy: D
         with contextlib.ExitStack() as clients:
             sessions = [
                 clients.enter_context(
-                    httpx.Client(
+                    webclient.client(
                         base_url=hosts.api_url(api),
                         headers={"Authorization": f"Bearer {token}"},
                         timeout=30,

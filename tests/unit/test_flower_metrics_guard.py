@@ -8,13 +8,13 @@ import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import tornado.httpserver
 import tornado.web
 from flower.views.monitor import Metrics
 
 from ferry.cli import guard_flower_metrics
+from harness import webclient
 from harness.ports import free_port
 
 
@@ -55,17 +55,17 @@ def served() -> Iterator[str]:
 
 def test_with_a_token_only_the_bearer_token_is_let_in(served: str) -> None:
     guard_flower_metrics("tok3n")
-    assert httpx.get(served).status_code == 401
-    assert httpx.get(served, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(served, auth=("ferry", "secret")).status_code == 401
-    page = httpx.get(served, headers={"Authorization": "Bearer tok3n"})
+    assert webclient.get(served).status_code == 401
+    assert webclient.get(served, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert webclient.get(served, auth=("ferry", "secret")).status_code == 401
+    page = webclient.get(served, headers={"Authorization": "Bearer tok3n"})
     assert page.status_code == 200 and "python_info" in page.text
 
 
 def test_without_a_token_flowers_own_login_is_asked_for(served: str) -> None:
     guard_flower_metrics(None)
     guard_flower_metrics(None)  # twice: still one check, not a check of a check
-    assert httpx.get(served).status_code == 401
-    assert httpx.get(served, auth=("ferry", "wrong")).status_code == 401
+    assert webclient.get(served).status_code == 401
+    assert webclient.get(served, auth=("ferry", "wrong")).status_code == 401
     basic = base64.b64encode(b"ferry:secret").decode()
-    assert httpx.get(served, headers={"Authorization": f"Basic {basic}"}).status_code == 200
+    assert webclient.get(served, headers={"Authorization": f"Basic {basic}"}).status_code == 200

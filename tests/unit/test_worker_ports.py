@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +20,7 @@ from core.health import serve
 from core.metrics import token_matches
 from core.settings import Settings
 from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
+from harness import webclient
 from harness.ports import free_port
 from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.versions import RESTART_EXIT_CODE
@@ -45,18 +45,18 @@ def test_readyz_follows_the_worker_and_healthz_the_process(
     port: int, ready: threading.Event
 ) -> None:
     base = f"http://127.0.0.1:{port}"
-    assert httpx.get(f"{base}/healthz").status_code == 200
-    assert httpx.get(f"{base}/readyz").status_code == 503
+    assert webclient.get(f"{base}/healthz").status_code == 200
+    assert webclient.get(f"{base}/readyz").status_code == 503
     ready.set()
-    assert httpx.get(f"{base}/readyz").status_code == 200
+    assert webclient.get(f"{base}/readyz").status_code == 200
     ready.clear()  # stopping
-    assert httpx.get(f"{base}/readyz").status_code == 503
-    assert httpx.get(f"{base}/nothing").status_code == 404
+    assert webclient.get(f"{base}/readyz").status_code == 503
+    assert webclient.get(f"{base}/nothing").status_code == 404
 
 
 def test_metrics_are_served_in_the_prometheus_format(port: int) -> None:
     assert core.metrics.BATCH_SIZE  # registered in the default registry on import
-    response = httpx.get(f"http://127.0.0.1:{port}/metrics")
+    response = webclient.get(f"http://127.0.0.1:{port}/metrics")
     assert response.status_code == 200
     names = {family.name for family in text_string_to_metric_families(response.text)}
     assert "ferry_batch_size" in names
@@ -207,13 +207,13 @@ def test_with_a_token_metrics_ask_for_it_and_health_stays_open() -> None:
     assert server is not None
     try:
         base = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{base}/metrics").status_code == 401
-        wrong = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer nope"})
+        assert webclient.get(f"{base}/metrics").status_code == 401
+        wrong = webclient.get(f"{base}/metrics", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        right = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer s3cret"})
+        right = webclient.get(f"{base}/metrics", headers={"Authorization": "Bearer s3cret"})
         assert right.status_code == 200 and "ferry_" in right.text
-        assert httpx.get(f"{base}/healthz").status_code == 200
-        assert httpx.get(f"{base}/readyz").status_code == 200
+        assert webclient.get(f"{base}/healthz").status_code == 200
+        assert webclient.get(f"{base}/readyz").status_code == 200
     finally:
         server.shutdown()
         server.server_close()

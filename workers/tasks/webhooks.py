@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import http.client
 import logging
 import random
@@ -82,6 +83,14 @@ class AttemptTimeout(TimeoutError):
     pass
 
 
+@functools.cache
+def system_trust() -> ssl.SSLContext:
+    """The system's trust store, loaded once per process: loading it is milliseconds of
+    CPU, which every HTTPS delivery would otherwise pay (a context is safe to share
+    between the worker's threads). A changed store is read at the next start."""
+    return ssl.create_default_context()
+
+
 def post(
     target: Target,
     body: bytes,
@@ -109,7 +118,7 @@ def post(
     watchdog.start()
     try:
         if target.scheme == "https":
-            context = ssl_context or ssl.create_default_context()
+            context = ssl_context or system_trust()
             sock = context.wrap_socket(sock, server_hostname=target.host)
         connection = http.client.HTTPConnection(target.host, target.port)
         connection.sock = sock  # already connected to the address that was checked
