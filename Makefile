@@ -32,11 +32,12 @@ $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt --upgrade pip setuptools
 	@# With the pinned torch: every pin of constraints.txt, three pips side by side (.ci/install-pinned),
-	@# then Ferry with nothing more to fetch, and pip check for anything missing or at odds.
-	@# Another torch (a CUDA build's index, another version) brings what it needs itself.
+	@# then Ferry with its dependencies (what a pin needs beyond the file comes then: the CUDA
+	@# libraries of a torch taken from PyPI), and pip check for anything missing or at odds.
+	@# Another torch (a CUDA build's index, another version) is installed first, as it is.
 	if [ -z "$(TORCH_INDEX)" ] && grep -qx "$(TORCH_SPEC)" constraints.txt; then \
 		.ci/install-pinned $(BIN)/python constraints.txt && \
-		$(BIN)/python -m pip install --quiet --no-deps -e clients/python -e '.[dev]' && \
+		$(BIN)/python -m pip install --quiet -c constraints.txt -e clients/python -e '.[dev]' && \
 		$(BIN)/python -m pip check; \
 	else \
 		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" && \
