@@ -52,3 +52,42 @@ def test_calling_it_reads_again_after_resync_s_and_a_failed_reading_keeps_the_la
     server.down = True
     assert c() == pytest.approx(time.time() + 1000.0, abs=0.5)  # carried on
     assert server.calls == 2
+
+
+class SlowFirst(Server):
+    """A TIME whose first call waits before the server reads its clock, as a fresh
+    connection's does while it is made: the server's time then lies near the end of that
+    round trip, not at its midpoint."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__()
+        self.wait_s = wait_s
+
+    def time(self) -> tuple[int, int]:
+        if self.calls == 0:
+            time.sleep(self.wait_s)
+        return super().time()
+
+
+def test_a_reading_slowed_by_its_connection_is_read_again_and_the_shortest_round_trip_kept() -> (
+    None
+):
+    server = SlowFirst(wait_s=0.4)
+    c = clock(server)
+    c.resync()
+    assert server.calls == 2
+    # Off by 0.2 s (half the slow round trip) had the first reading been kept.
+    assert c.cached() - time.time() == pytest.approx(1000.0, abs=0.05)
+
+
+def test_readings_that_stay_slow_keep_the_shortest_and_stop_after_three() -> None:
+    class Slow(Server):
+        def time(self) -> tuple[int, int]:
+            time.sleep(0.01)
+            return super().time()
+
+    server = Slow()
+    c = clock(server)
+    c.resync()
+    assert server.calls == 3
+    assert c.cached() - time.time() == pytest.approx(1000.0, abs=0.05)
