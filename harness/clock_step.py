@@ -1,10 +1,13 @@
 """One process's wall clock stepped, as an NTP step moves a host's: libfaketime preloaded.
 
 libfaketime (``LD_PRELOAD``) answers the process's ``clock_gettime`` and
-``gettimeofday`` with the real time plus the offset a file holds; with
-``FAKETIME_NO_CACHE`` the file is read again on every call, so rewriting it
-steps the clock of the running process (``+300``: five minutes ahead; ``+0``:
-back). ``DONT_FAKE_MONOTONIC`` leaves ``CLOCK_MONOTONIC`` alone, as a step of
+``gettimeofday`` with the real time plus the offset a file holds, read again
+once a second (``FAKETIME_CACHE_DURATION``), so rewriting it steps the clock of
+the running process within a second (``+300``: five minutes ahead; ``+0``:
+back). Not at every call (``FAKETIME_NO_CACHE``): that opens and reads the file
+at each of the thousands of clock readings a second a busy API makes, under a
+lock its threads queue on, and on some hosts made a 10 s scenario take minutes.
+``DONT_FAKE_MONOTONIC`` leaves ``CLOCK_MONOTONIC`` alone, as a step of
 ``CLOCK_REALTIME`` does: Python's ``time.time()`` and ``datetime.now()``
 jump, ``time.monotonic()`` does not.
 
@@ -39,6 +42,8 @@ def library() -> Path | None:
 class SteppedClock:
     """A wall clock offset by what ``file`` holds, for the processes given :meth:`env`."""
 
+    LAG_S = 1  # the most a step takes to reach them (whole seconds, as libfaketime reads it)
+
     def __init__(self, folder: Path, so: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.file = folder / "faketime"
@@ -50,13 +55,13 @@ class SteppedClock:
         return {
             "LD_PRELOAD": str(self.so),
             "FAKETIME_TIMESTAMP_FILE": str(self.file),
-            "FAKETIME_NO_CACHE": "1",
+            "FAKETIME_CACHE_DURATION": str(self.LAG_S),
             "DONT_FAKE_MONOTONIC": "1",
         }
 
     def step(self, offset_s: float) -> None:
-        """From now on the clock reads the real time plus ``offset_s`` (written whole: a
-        rename, so that no read finds the file half written)."""
+        """Within ``LAG_S`` the clock reads the real time plus ``offset_s`` (written whole:
+        a rename, so that no read finds the file half written)."""
         staged = self.file.with_suffix(".new")
         staged.write_text(f"{offset_s:+.0f}\n")
         os.replace(staged, self.file)

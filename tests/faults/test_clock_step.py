@@ -143,8 +143,8 @@ def test_a_worker_clock_stepped_ahead_and_back_expires_no_meetable_deadline(
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
     windows: list[tuple[dt.datetime, dt.datetime]] = []  # when the clock was off, truly
     for offset_s, for_s in PHASES:
-        at = dt.datetime.now(dt.UTC)
         clock.step(offset_s)
+        at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=clock.LAG_S)  # by then, surely
         time.sleep(for_s)
         if offset_s:
             windows.append((at, dt.datetime.now(dt.UTC)))
