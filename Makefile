@@ -1,6 +1,10 @@
 # The two commands: `make run` and `make test`. Both create .venv here and
 # install Ferry with the CPU build of PyTorch (pinned) unless told otherwise.
-PYTHON ?= python3
+# The interpreter .venv is made from: the distribution's python3 where it will do, else
+# python3 from the PATH (.ci/pick-python says why); PYTHON=... chooses another.
+ifndef PYTHON
+PYTHON := $(shell .ci/pick-python)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 # GPU users: make run TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
