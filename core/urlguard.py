@@ -170,8 +170,11 @@ def refusal(address: IPAddress, policy: UrlPolicy) -> str | None:
         ("is_link_local", "a link-local address"),
         ("is_multicast", "a multicast address"),
         ("is_unspecified", "an unspecified address"),
-        ("is_private", "a private address"),
+        # Reserved before private: Python's table of private networks has changed between
+        # patch releases (64:ff9b:1::/48 was private in 3.11.2, not in 3.11.7), its
+        # reserved ones have not, and the reason given must not depend on the interpreter.
         ("is_reserved", "a reserved address"),
+        ("is_private", "a private address"),
         # fec0::/10, deprecated but still routed inside some networks.
         ("is_site_local", "a site-local address"),
     ):

@@ -81,7 +81,7 @@ def refused(url: str, policy: UrlPolicy, resolve: Resolver = never_resolve) -> U
         ("https://0.0.0.0", ("unspecified",)),
         # 240/4 is "reserved for future use"; Python's ipaddress also counts it
         # private, and the guard tests is_private first, so that is the word.
-        ("https://240.0.0.1", ("240.0.0.1", "private")),
+        ("https://240.0.0.1", ("240.0.0.1", "reserved")),  # 240.0.0.0/4: reserved for future use
         # IPv6
         ("https://[::1]", ("::1", "loopback")),
         ("https://[::]", ("unspecified",)),
