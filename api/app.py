@@ -131,9 +131,18 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 ),
             ),
         )
+        grpc_server = None
+        if settings.grpc_port:
+            # Imported only here: an API without gRPC never loads grpcio.
+            from api.oip_grpc import start_server
+
+            grpc_server = await start_server(app, settings)
         try:
             yield
         finally:
+            if grpc_server is not None:
+                # Calls in flight get as long as HTTP's long-polls to finish.
+                await grpc_server.stop(settings.max_wait_s)
             clock_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await clock_task

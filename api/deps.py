@@ -19,7 +19,7 @@ from api.errors import ApiError
 from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.reads import GroupRead
-from api.state import app_state
+from api.state import AppState, app_state
 from core.catalog import ModelSpec
 from core.db import ApiKey
 from core.keys import verify_token
@@ -85,22 +85,27 @@ async def current_key(request: Request) -> ApiKey:
     Not the request's session: a long-poll must not hold a pooled connection
     for its whole wait.
     """
-    header = request.headers.get("authorization", "")
+    address = request.client.host if request.client else "unknown"
+    return await authenticate(app_state(request), request.headers.get("authorization", ""), address)
+
+
+async def authenticate(state: AppState, header: str, address: str) -> ApiKey:
+    """The key an ``Authorization`` value (``Bearer <key>``) names, for a caller at
+    ``address``: 401 if none, 429 over its limits (HTTP and gRPC alike)."""
     scheme, _, token = header.partition(" ")
     if not header:
         raise _unauthorized("missing Authorization header (expected: Bearer <api key>)")
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("Authorization header must be: Bearer <api key>")
     token = token.strip()
-    limits: RequestLimits = app_state(request).limits
-    cache: KeyCache = app_state(request).keys
+    limits: RequestLimits = state.limits
+    cache: KeyCache = state.keys
     key = cache.get(token)
     if key is None:
         # Guessing keys costs a database lookup each: an address that keeps
         # failing is refused before the lookup.
-        address = request.client.host if request.client else "unknown"
         await limits.refuse_if_failing(address)
-        key = await run_in_threadpool(_lookup, app_state(request).reads, token)
+        key = await run_in_threadpool(_lookup, state.reads, token)
         if key is None:
             await limits.failed(address)
             raise _unauthorized("invalid or revoked API key")

@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
+def request_id_for(supplied: str) -> str:
+    """The client's request id if it is sane (letters, digits, a few marks), else a new one."""
+    return supplied if _REQUEST_ID.match(supplied) else uuid.uuid4().hex
+
+
 class RequestIdMiddleware:
     """Every response carries ``X-Request-ID``: the client's (if sane) or a new one.
 
@@ -35,7 +40,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         supplied = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = supplied if _REQUEST_ID.match(supplied) else uuid.uuid4().hex
+        request_id = request_id_for(supplied)
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 

@@ -230,7 +230,31 @@ def _input(raw: Any, where: str, binary: memoryview) -> tuple[Tensor, int]:
     """One input tensor and how many bytes of the binary part it took."""
     if not isinstance(raw, dict):
         raise ProtocolError(f"{where} must be an object")
-    name, datatype, shape = raw.get("name"), raw.get("datatype"), raw.get("shape")
+    name, datatype, shape, where, count = described(
+        raw.get("name"), raw.get("datatype"), raw.get("shape"), where
+    )
+    parameters = _parameters(raw.get("parameters"), f"{where}.parameters")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
+            raise ProtocolError(f"{where}: binary_data_size {size!r} is more than the body holds")
+        if "data" in raw:
+            raise ProtocolError(f"{where}: data and binary_data_size both given")
+        data = from_binary(bytes(binary[:size]), datatype, count, where)
+        return Tensor(name, datatype, tuple(shape), data), size
+    if "data" not in raw:
+        raise ProtocolError(f"{where}: no data (nor binary_data_size)")
+    data = _flat(raw["data"], datatype, where)
+    if len(data) != count:
+        raise ProtocolError(f"{where}: shape {shape} holds {count} elements, data has {len(data)}")
+    return Tensor(name, datatype, tuple(shape), data), 0
+
+
+def described(
+    name: Any, datatype: Any, shape: Any, where: str
+) -> tuple[str, str, list[int], str, int]:
+    """An input tensor's name, datatype and shape, checked; then how errors name it from
+    now on, and how many elements its shape holds."""
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where}.name must be a non-empty string")
     where = f"input {name!r}"
@@ -242,22 +266,7 @@ def _input(raw: Any, where: str, binary: memoryview) -> tuple[Tensor, int]:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise ProtocolError(f"{where}: shape must be a non-empty array of sizes (0 or more)")
-    count = math.prod(shape)
-    parameters = _parameters(raw.get("parameters"), f"{where}.parameters")
-    size = parameters.get("binary_data_size")
-    if size is not None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
-            raise ProtocolError(f"{where}: binary_data_size {size!r} is more than the body holds")
-        if "data" in raw:
-            raise ProtocolError(f"{where}: data and binary_data_size both given")
-        data = _from_binary(bytes(binary[:size]), datatype, count, where)
-        return Tensor(name, datatype, tuple(shape), data), size
-    if "data" not in raw:
-        raise ProtocolError(f"{where}: no data (nor binary_data_size)")
-    data = _flat(raw["data"], datatype, where)
-    if len(data) != count:
-        raise ProtocolError(f"{where}: shape {shape} holds {count} elements, data has {len(data)}")
-    return Tensor(name, datatype, tuple(shape), data), 0
+    return name, datatype, shape, where, math.prod(shape)
 
 
 def _flat(data: Any, datatype: str, where: str) -> list[Any]:
@@ -269,11 +278,11 @@ def _flat(data: Any, datatype: str, where: str) -> list[Any]:
         if isinstance(item, list):
             stack.extend(reversed(item))
         else:
-            flat.append(_element(item, datatype, where))
+            flat.append(element(item, datatype, where))
     return flat
 
 
-def _element(item: Any, datatype: str, where: str) -> Any:
+def element(item: Any, datatype: str, where: str) -> Any:
     if datatype == "BYTES":
         if not isinstance(item, str):
             raise ProtocolError(f"{where}: a BYTES element in JSON must be a string")
@@ -305,7 +314,7 @@ def _integer_range(datatype: str) -> tuple[int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
-def _from_binary(raw: bytes, datatype: str, count: int, where: str) -> list[Any]:
+def from_binary(raw: bytes, datatype: str, count: int, where: str) -> list[Any]:
     if datatype == "BYTES":
         items, at = [], 0
         while at < len(raw):
@@ -488,7 +497,7 @@ def encode_response(
             "shape": list(tensor.shape),
         }
         if request.binary(tensor.name):
-            raw = _to_binary(tensor)
+            raw = to_binary(tensor)
             entry["parameters"] = {"binary_data_size": len(raw)}
             binary.append(raw)
         elif tensor.datatype == "BYTES":
@@ -507,7 +516,7 @@ def encode_response(
     return b"".join([text, *binary]), len(text)
 
 
-def _to_binary(tensor: Tensor) -> bytes:
+def to_binary(tensor: Tensor) -> bytes:
     if tensor.datatype == "BYTES":
         return b"".join(struct.pack("<I", len(item)) + item for item in tensor.data)
     return struct.pack(f"<{len(tensor.data)}{NUMERIC[tensor.datatype]}", *tensor.data)
@@ -539,7 +548,11 @@ def parse_index_request(body: bytes) -> bool:
 
 def parse_load_request(body: bytes) -> int | None:
     """The version a load request activates (``parameters.version``), if it names one."""
-    parameters = _repository_parameters(body, LOAD_PARAMETERS, "load")
+    return load_version(_repository_parameters(body, LOAD_PARAMETERS, "load"))
+
+
+def load_version(parameters: dict[str, Any]) -> int | None:
+    """The version a load's checked parameters activate, if they name one."""
     version = parameters.get("version")
     if version is not None and version < 1:
         raise ProtocolError("parameters.version must be a version number (1 or more)")
@@ -573,6 +586,13 @@ def _repository_parameters(body: bytes, allowed: Mapping[str, type], what: str) 
     parameters = _parameters(
         _repository_request(body, {"parameters"}).get("parameters"), "parameters"
     )
+    return checked_repository_parameters(parameters, allowed, what)
+
+
+def checked_repository_parameters(
+    parameters: dict[str, Any], allowed: Mapping[str, type], what: str
+) -> dict[str, Any]:
+    """A load's or an unload's parameters, each one ``allowed`` and of its type."""
     for name, value in parameters.items():
         if name == "config" or name.startswith("file:"):
             raise ProtocolError(

@@ -36,7 +36,7 @@ from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
-from api.state import app_state
+from api.state import AppState, app_state
 from backends.catalog import LiveVersions
 from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
@@ -179,14 +179,21 @@ def prepare_request(
     request: Any, key: ApiKey, body: JobCreate, idempotency_key: str | None
 ) -> Submission:
     """:func:`prepare` with the app's catalog, live versions and limits, as every route needs."""
-    state = app_state(request)
+    return prepare_in(app_state(request), key, body, idempotency_key, request.state.request_id)
+
+
+def prepare_in(
+    state: AppState, key: ApiKey, body: JobCreate, idempotency_key: str | None, request_id: str
+) -> Submission:
+    """:func:`prepare` with ``state``'s catalog, live versions and limits (a request's, or
+    the gRPC service's, which has no HTTP request)."""
     settings = state.settings
     return prepare(
         state.catalog,
         key,
         body,
         idempotency_key,
-        request.state.request_id,
+        request_id,
         max_metadata_bytes=settings.max_metadata_bytes,
         max_json_depth=settings.max_json_depth,
         live=state.versions,

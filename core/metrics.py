@@ -77,6 +77,17 @@ HTTP_DURATION = Histogram(
     ["method", "route"],
     buckets=LATENCY_BUCKETS_S,
 )
+GRPC_REQUESTS = Counter(
+    "ferry_grpc_requests_total",
+    "Inference protocol gRPC calls answered, by method and status code.",
+    ["method", "code"],
+)
+GRPC_DURATION = Histogram(
+    "ferry_grpc_request_duration_seconds",
+    "Time to answer an inference protocol gRPC call (an infer counts its jobs' wait).",
+    ["method"],
+    buckets=LATENCY_BUCKETS_S,
+)
 
 # Jobs reaching a terminal state: succeeded, failed, expired (workers),
 # cancelled (API, backfill feeder).

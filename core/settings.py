@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     """The API's bind address."""
     api_port: int = Field(8000, ge=1, le=65535)
     """The API's port."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """The port of the inference protocol's gRPC form (Triton's `GRPCInferenceService`; Triton
+    uses 8001), served by each API process beside HTTP on the API's bind address. 0: none."""
     redis_url: str | None = None
     """The Redis to use (7.0 or newer; Ferry uses no command newer than 7.0). Unset: `ferry up`
     starts its own with its data under `FERRY_DATA_DIR/redis`: the `redis-server` on the PATH,

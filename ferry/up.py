@@ -378,6 +378,11 @@ def _banner(
         "",
         "Ferry is up.",
         f"  API       {base}   (docs: {base}/docs)",
+        *(
+            [f"  gRPC      {settings.api_host}:{settings.grpc_port}   (the inference protocol)"]
+            if settings.grpc_port
+            else []
+        ),
         f"  Redis     {redis}",
         f"  Database  {settings.sqlalchemy_url}",
         f"  Models    {', '.join(served)}",

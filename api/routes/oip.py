@@ -32,7 +32,7 @@ from api.errors import ApiError
 from api.reads import JobRead, succeeded_output, until_terminal
 from api.routes.system import readyz
 from api.state import app_state
-from api.submissions import GroupCommit, Submitted, job_create, prepare_request
+from api.submissions import GroupCommit, Submitted, job_create, prepare_in
 from core.catalog import ModelSpec
 from core.metrics import JOBS_ACCEPTED
 from core.repository import ModelConfig
@@ -215,14 +215,14 @@ def ready(request: Request, client: RedisDep) -> JSONResponse:
 
 @router.get("/models/{model}", responses=errors(400, 401, 404))
 def model_metadata(model: str, request: Request, _key: KeyDep) -> dict[str, Any]:
-    return _metadata(request, model, None)
+    return metadata_of(request, model, None)
 
 
 @router.get("/models/{model}/versions/{version}", responses=errors(400, 401, 404))
 def model_version_metadata(
     model: str, version: VersionPath, request: Request, _key: KeyDep
 ) -> dict[str, Any]:
-    return _metadata(request, model, version)
+    return metadata_of(request, model, version)
 
 
 @router.get("/models/{model}/ready", responses=errors(400, 401, 404))
@@ -265,7 +265,7 @@ async def infer_version(
 async def repository_index(request: Request, client: RedisDep, _admin: AdminDep) -> JSONResponse:
     """Every version of every model in the repository, its state, and why (admin keys)."""
     ready = _parsed(oip.parse_index_request, await request.body())
-    entries = await run_in_threadpool(_index, request, client)
+    entries = await run_in_threadpool(index_entries, request, client)
     return JSONResponse([e for e in entries if e["state"] == oip.READY] if ready else entries)
 
 
@@ -280,7 +280,7 @@ async def repository_load(
     """The model takes jobs again (after an unload), on ``parameters.version`` if it names
     one: activated as ``POST /v1/admin/models/{model}/activate`` does (admin keys)."""
     version = _parsed(oip.parse_load_request, await request.body())
-    return JSONResponse(await run_in_threadpool(_load, request, client, model, version))
+    return JSONResponse(await run_in_threadpool(load_model, request, client, model, version))
 
 
 @router.post(
@@ -293,7 +293,7 @@ async def repository_unload(
 ) -> JSONResponse:
     """The model takes no new jobs until loaded; those accepted run as ever (admin keys)."""
     _parsed(oip.parse_unload_request, await request.body())
-    return JSONResponse(await run_in_threadpool(_unload, request, client, model))
+    return JSONResponse(await run_in_threadpool(unload_model, request, client, model))
 
 
 def _parsed(parse: Callable[[bytes], Parsed], body: bytes) -> Parsed:
@@ -303,40 +303,40 @@ def _parsed(parse: Callable[[bytes], Parsed], body: bytes) -> Parsed:
         raise ApiError(exc.status, "invalid_request", exc.message) from exc
 
 
-def _index(request: Request, client: Any) -> list[dict[str, str]]:
-    catalog: dict[str, ModelSpec] = app_state(request).catalog
-    repository = app_state(request).versions.models()
+def index_entries(owner: Any, client: Any) -> list[dict[str, str]]:
+    catalog: dict[str, ModelSpec] = app_state(owner).catalog
+    repository = app_state(owner).versions.models()
     entries = []
     for name in sorted(set(catalog) | set(repository)):
         spec = catalog.get(name)
         if spec is None:
             entries += oip.unserved_entries(name, sorted(repository[name].versions))
         else:
-            entries += _entries(request, client, spec)
+            entries += model_entries(owner, client, spec)
     return entries
 
 
-def _entries(request: Request, client: Any, spec: ModelSpec) -> list[dict[str, str]]:
-    live = app_state(request).versions
-    settings: Settings = app_state(request).settings
+def model_entries(owner: Any, client: Any, spec: ModelSpec) -> list[dict[str, str]]:
+    live = app_state(owner).versions
+    settings: Settings = app_state(owner).settings
     known, active = live.of(spec)
     states = version_states(client, settings.key_prefix, spec.name)
     return oip.repository_entries(spec.name, known, active, states, live.unloaded(spec.name))
 
 
-def _served(request: Request, model: str) -> tuple[ModelSpec, ModelConfig]:
+def served_model(owner: Any, model: str) -> tuple[ModelSpec, ModelConfig]:
     """The model load and unload act on: 404 if the repository has none of that name, 400
     if the API does not serve it."""
-    state = app_state(request)
+    state = app_state(owner)
     if model not in state.catalog and model in state.versions.models():
         message = f"model {model!r} is in the repository but not served: {oip.UNSERVED}"
         raise ApiError(400, "invalid_request", message)
     return services.served_model(state.catalog, state.versions, model)
 
 
-def _load(request: Request, client: Any, model: str, version: int | None) -> list[dict[str, str]]:
-    state = app_state(request)
-    spec, config = _served(request, model)
+def load_model(owner: Any, client: Any, model: str, version: int | None) -> list[dict[str, str]]:
+    state = app_state(owner)
+    spec, config = served_model(owner, model)
     with state.sessions() as session:
         if version is not None:
             # A version it refuses is a 400 here, before the model takes jobs again.
@@ -344,34 +344,34 @@ def _load(request: Request, client: Any, model: str, version: int | None) -> lis
         load(session, model)
     state.versions.forget()
     log.info("model loaded", extra={"model": model, "version": version})
-    return _entries(request, client, spec)
+    return model_entries(owner, client, spec)
 
 
-def _unload(request: Request, client: Any, model: str) -> list[dict[str, str]]:
-    state = app_state(request)
-    spec, _ = _served(request, model)
+def unload_model(owner: Any, client: Any, model: str) -> list[dict[str, str]]:
+    state = app_state(owner)
+    spec, _ = served_model(owner, model)
     with state.sessions() as session:
         unload(session, model)
     state.versions.forget()
     log.info("model unloaded", extra={"model": model})
-    return _entries(request, client, spec)
+    return model_entries(owner, client, spec)
 
 
-def _spec(
-    request: Request, model: str, version: int | None, taking_jobs: bool = False
+def model_spec(
+    owner: Any, model: str, version: int | None, taking_jobs: bool = False
 ) -> tuple[ModelSpec, tuple[int, ...], int]:
     """The model, its versions and the one that would serve it; 404 for an unknown model
     (``taking_jobs``: 400 for one an operator unloaded)."""
-    spec = _resolved(request, model, version, taking_jobs)
-    known, active = app_state(request).versions.of(spec)
+    spec = resolved(owner, model, version, taking_jobs)
+    known, active = app_state(owner).versions.of(spec)
     return spec, known, active
 
 
-def _resolved(request: Request, model: str, version: int | None, taking_jobs: bool) -> ModelSpec:
+def resolved(owner: Any, model: str, version: int | None, taking_jobs: bool) -> ModelSpec:
     """The model (404 for an unknown one), without reading its versions unless ``version``
     names one: an infer request has no use for them, and reading them re-reads the
     repository and the database's activations every second on the event loop."""
-    state = app_state(request)
+    state = app_state(owner)
     try:
         spec, _ = services.resolve_model(
             state.catalog, model, version, state.versions, taking_jobs=taking_jobs
@@ -381,8 +381,8 @@ def _resolved(request: Request, model: str, version: int | None, taking_jobs: bo
     return spec
 
 
-def _metadata(request: Request, model: str, version: int | None) -> dict[str, Any]:
-    spec, known, active = _spec(request, model, version)
+def metadata_of(owner: Any, model: str, version: int | None) -> dict[str, Any]:
+    spec, known, active = model_spec(owner, model, version)
     try:
         return oip.model_metadata(spec, known if version is None else [active])
     except oip.ProtocolError as exc:
@@ -392,24 +392,65 @@ def _metadata(request: Request, model: str, version: int | None) -> dict[str, An
 def _ready(request: Request, client: Any, model: str, version: int | None) -> Response:
     """200 when a live worker serves the model's active version; 400 (the protocol's 4xx
     for false) otherwise, saying why."""
-    spec, _, active = _spec(request, model, version)
-    if app_state(request).versions.unloaded(spec.name):
+    name, why = not_ready(request, client, model, version)
+    if why is not None:
+        return JSONResponse({"error": why}, 400)
+    return JSONResponse({"name": name, "ready": True})
+
+
+def not_ready(owner: Any, client: Any, model: str, version: int | None) -> tuple[str, str | None]:
+    """The model's name, and why it is not ready (None: a live worker serves its active
+    version). ``owner``: a request or the app (blocking: a thread)."""
+    spec, _, active = model_spec(owner, model, version)
+    if app_state(owner).versions.unloaded(spec.name):
         why = "it is unloaded (it takes no new jobs until an operator loads it)"
-        return JSONResponse({"error": f"model {spec.name!r} is not ready: {why}"}, 400)
-    settings: Settings = app_state(request).settings
+        return spec.name, f"model {spec.name!r} is not ready: {why}"
+    settings: Settings = app_state(owner).settings
     state = version_states(client, settings.key_prefix, spec.name).get(active)
     if state is not None and state.state == "ready":
-        return JSONResponse({"name": spec.name, "ready": True})
+        return spec.name, None
     why = "no live worker serves it" if state is None else state.state
-    return JSONResponse({"error": f"model {spec.name!r} version {active} is not ready: {why}"}, 400)
+    return spec.name, f"model {spec.name!r} version {active} is not ready: {why}"
 
 
 async def _infer(request: Request, key: Any, model: str, version: int | None) -> Response:
-    state = app_state(request)
-    settings: Settings = state.settings
-    spec = _resolved(request, model, version, taking_jobs=True)
+    spec = resolved(request, model, version, taking_jobs=True)
     try:
         parsed = oip.parse_request(await request.body(), request.headers.get(oip.HEADER_LENGTH))
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+    submitted = await submit_rows(request, key, request.state.request_id, spec, version, parsed)
+    if parsed.parameters.get("async") is True:
+        return _accepted(spec, parsed, submitted)
+    ran_on, outputs = await outputs_of(request, key, spec, submitted)
+    try:
+        body, header_length = oip.encode_response(spec.name, ran_on, parsed, outputs)
+    except oip.ProtocolError as exc:
+        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+    if header_length is None:
+        return Response(body, 200, media_type="application/json")
+    return Response(
+        body,
+        200,
+        headers={oip.HEADER_LENGTH: str(header_length)},
+        media_type="application/octet-stream",
+    )
+
+
+async def submit_rows(
+    owner: Any,
+    key: Any,
+    request_id: str,
+    spec: ModelSpec,
+    version: int | None,
+    parsed: oip.InferRequest,
+) -> list[Submitted]:
+    """An infer request's rows as jobs, one a row, through the group commit (REST and gRPC
+    alike; ``owner``: a request or the app). 400 for a request the model refuses, before
+    any job is made."""
+    state = app_state(owner)
+    settings: Settings = state.settings
+    try:
         oip.check_outputs(spec, parsed)  # before any job is made, not after they ran
         rows = oip.rows(spec, parsed.inputs, settings.embeddings_max_inputs)
         lane, deadline_ms = oip.lane_and_deadline(parsed.parameters)
@@ -426,7 +467,7 @@ async def _infer(request: Request, key: Any, model: str, version: int | None) ->
                 deadline_ms=deadline_ms,
                 metadata={"protocol": "v2", **({"request_id": parsed.id} if parsed.id else {})},
             )
-            submissions.append(prepare_request(request, key, job, None))
+            submissions.append(prepare_in(state, key, job, None, request_id))
         except ApiError as exc:
             # The input's own check names "input"; say which row.
             if exc.message.startswith("input"):
@@ -436,32 +477,32 @@ async def _infer(request: Request, key: Any, model: str, version: int | None) ->
     submitted = list(await asyncio.gather(*(commit.submit(s) for s in submissions)))
     for done in submitted:
         JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
-    if parsed.parameters.get("async") is True:
-        return _accepted(spec, parsed, submitted)
+    return submitted
+
+
+async def outputs_of(
+    owner: Any,
+    key: Any,
+    spec: ModelSpec,
+    submitted: list[Submitted],
+    wait_s: float | None = None,
+) -> tuple[int | None, list[oip.Tensor]]:
+    """The rows' outputs once their jobs have ended, as the model's output tensors, and the
+    version that ran them (None when a switch split them between two). Waits at most
+    ``wait_s`` (the longest long-poll when None): 504 past it, 500 for a failed row."""
+    state = app_state(owner)
+    settings: Settings = state.settings
+    wait = settings.max_wait_s if wait_s is None else min(wait_s, settings.max_wait_s)
     finished = await asyncio.gather(
-        *(
-            until_terminal(state, JobRead(key.id, done.job.id), settings.max_wait_s)
-            for done in submitted
-        )
+        *(until_terminal(state, JobRead(key.id, done.job.id), wait) for done in submitted)
     )
     outputs = [succeeded_output(job, f"row {index}") for index, job in enumerate(finished)]
-    # The version that ran the rows (none named when a switch split them between two).
     ran = {job.model_version for job in finished}
     ran_on = ran.pop() if len(ran) == 1 else None
     try:
-        body, header_length = oip.encode_response(
-            spec.name, ran_on, parsed, oip.output_tensors(spec, outputs)
-        )
+        return ran_on, oip.output_tensors(spec, outputs)
     except oip.ProtocolError as exc:
         raise ApiError(exc.status, "invalid_request", exc.message) from exc
-    if header_length is None:
-        return Response(body, 200, media_type="application/json")
-    return Response(
-        body,
-        200,
-        headers={oip.HEADER_LENGTH: str(header_length)},
-        media_type="application/octet-stream",
-    )
 
 
 def _accepted(spec: ModelSpec, parsed: oip.InferRequest, submitted: list[Submitted]) -> Response:

@@ -23,7 +23,7 @@ from api.errors import ApiError
 from api.openai_errors import openai_error
 from api.routes.openai import OPENAI_ERRORS
 from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
-from api.state import app_state
+from api.state import AppState, app_state
 from core.catalog import ModelSpec
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
@@ -199,8 +199,19 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz", tags=["health"])
 def readyz(request: Request, client: RedisDep) -> JSONResponse:
+    ready, checks = readiness(app_state(request), client)
+    headers = None if ready else {"Retry-After": "5"}
+    return JSONResponse(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status_code=200 if ready else 503,
+        headers=headers,
+    )
+
+
+def readiness(state: AppState, client: redis.Redis) -> tuple[bool, dict[str, str]]:
+    """Whether the API is ready for traffic, and each check's finding (blocking: a thread)."""
     checks: dict[str, str] = {}
-    if app_state(request).draining:
+    if state.draining:
         checks["api"] = "shutting down"
     try:
         client.ping()
@@ -208,7 +219,7 @@ def readyz(request: Request, client: RedisDep) -> JSONResponse:
     except REDIS_ERRORS as exc:
         checks["redis"] = f"unreachable ({type(exc).__name__})"
     try:
-        with app_state(request).sessions() as session:
+        with state.sessions() as session:
             services.ping(session)
         checks["database"] = "ok"
     except Exception as exc:
@@ -216,10 +227,4 @@ def readyz(request: Request, client: RedisDep) -> JSONResponse:
     # Jobs are accepted while Redis is down (the database holds them until the
     # reconciler enqueues them), so only the database and a stop make the API
     # not ready; Redis's state is reported.
-    ready = checks["database"] == "ok" and "api" not in checks
-    headers = None if ready else {"Retry-After": "5"}
-    return JSONResponse(
-        {"status": "ready" if ready else "not_ready", "checks": checks},
-        status_code=200 if ready else 503,
-        headers=headers,
-    )
+    return checks["database"] == "ok" and "api" not in checks, checks

@@ -147,6 +147,15 @@ def test_the_banner_shows_where_flower_is_and_how_to_log_in(
     assert "Flower" not in capsys.readouterr().out
 
 
+def test_the_banner_shows_the_grpc_port_only_when_one_is_served(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _banner(Settings(grpc_port=8001), "http://127.0.0.1:8000", "redis://x", "fy_token", None)
+    assert "gRPC      127.0.0.1:8001   (the inference protocol)" in capsys.readouterr().out
+    _banner(Settings(), "http://127.0.0.1:8000", "redis://x", "fy_token", None)
+    assert "gRPC" not in capsys.readouterr().out
+
+
 def test_an_existing_password_file_is_kept_private(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
     path = tmp_path / "flower-password"
