@@ -3,10 +3,12 @@ protoc's output kept current (the calls themselves: tests/integration/test_oip_g
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import grpc
 import pytest
+from fastapi import FastAPI
 
 from api import oip
 from api.oip_grpc import (
@@ -17,10 +19,13 @@ from api.oip_grpc import (
     infer_request,
     infer_response,
     model_version,
+    start_server,
 )
 from api.oip_proto import generate
 from api.oip_proto import grpc_service_pb2 as pb
 from api.routes.oip import _MEANINGS
+from core.settings import Settings
+from harness.ports import free_port
 
 
 def request_with(*tensors: tuple[str, str, list[int]]) -> pb.ModelInferRequest:
@@ -175,3 +180,24 @@ def test_versions_addresses_and_codes() -> None:
 
 def test_the_generated_modules_are_what_protoc_writes_from_the_protos() -> None:
     assert generate.stale() == [], f"run: {generate.COMMAND}"
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_one_api_process_binds_the_grpc_port_alone_several_share_it(processes: int) -> None:
+    settings = Settings(grpc_port=free_port(), api_processes=processes)
+
+    async def two_servers() -> bool:
+        first = await start_server(FastAPI(), settings)
+        try:
+            second = await start_server(FastAPI(), settings)
+        except RuntimeError as exc:
+            assert f"could not listen on 127.0.0.1:{settings.grpc_port}" in str(exc)
+            return False
+        finally:
+            await first.stop(0)
+        await second.stop(0)
+        return True
+
+    # Alone, a second server on the port is an error, not a silent split of the calls;
+    # FERRY_API_PROCESSES' processes share it as they share HTTP's (SO_REUSEPORT).
+    assert asyncio.run(two_servers()) is (processes > 1)
