@@ -437,7 +437,9 @@ def test_probes_ask_the_routes_each_process_serves(objects: list[Object]) -> Non
         if not port:
             assert "readinessProbe" not in container and "livenessProbe" not in container, name
             continue
-        assert [p["containerPort"] for p in container["ports"]] == [port], name
+        # The serving port, and beside the API's HTTP its gRPC (the inference protocol).
+        served = [p["containerPort"] for p in container["ports"] if p.get("name") != "grpc"]
+        assert served == [port], name
         for kind in ("readinessProbe", "livenessProbe"):
             probe = container[kind]["httpGet"]
             assert _port_number(container, probe["port"]) == port, (name, kind)
