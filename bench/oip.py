@@ -10,16 +10,20 @@ same stack:
   JSON, the job resource (and its 384 numbers) back in JSON;
 * **infer**: the protocol's, as ``tritonclient`` sends it by default: the text
   as one ``BYTES`` row in the binary tensor data extension, the ``FP32``
-  embedding back in binary.
+  embedding back in binary;
+* **grpc**: the protocol's gRPC form (the stack's ``FERRY_GRPC_PORT``), as
+  ``tritonclient.grpc`` sends it: the text in ``raw_input_contents``, the
+  embedding back in ``raw_output_contents``, one channel a client thread.
 
-``--rounds`` rounds, each running both ways (``--warmup`` s, then
-``--duration`` s measured), in an order that alternates round by round. Per
+``--rounds`` rounds, each running every way (``--warmup`` s, then
+``--duration`` s measured), in an order that rotates round by round. Per
 round and way: requests/s answered in the measured window, p50 and p99, and
 the API processes' CPU per request over the window (from /proc,
-``bench/api.py``'s accounting); per round, infer over wait for both. The
-figures are the median of the rounds and their range. Target: the protocol
-costs no more than 10 % more: a rate of at least 0.9 times and API CPU of at
-most 1.1 times the one round trip's.
+``bench/api.py``'s accounting); per round, each protocol way over wait for
+both. The figures are the median of the rounds and their range. Target: the
+protocol costs no more than 10 % more: a rate of at least 0.9 times and API
+CPU of at most 1.1 times the one round trip's, each way. The stack serves
+gRPC in every round, so the REST ways are measured with it listening.
 
     python -m bench.oip [--clients 32] [--warmup 3] [--duration 10] [--rounds 5]
                         [--threads 1] [--out bench/results/oip.json]
@@ -39,9 +43,19 @@ from bench import results
 from bench.api import cpu_delta
 from bench.clients import MODEL, ferry_settings, started_ferry
 from bench.corpus import load_corpus
-from bench.peers import DIMENSIONS, Call, Load, closed_loop, ferry_call, http_connect
+from bench.peers import (
+    DIMENSIONS,
+    Call,
+    Connect,
+    Load,
+    closed_loop,
+    ferry_call,
+    http_connect,
+)
+from harness.ports import free_port
 
-WAYS = ("wait", "infer")
+WAYS = ("wait", "infer", "grpc")
+PROTOCOL_WAYS = ("infer", "grpc")  # each against wait
 HEADER_LENGTH = "Inference-Header-Content-Length"
 TARGET_RATE = 0.9  # infer's requests/s over wait's, at least
 TARGET_CPU = 1.1  # infer's API CPU per request over wait's, at most
@@ -80,6 +94,30 @@ def infer_call(token: str) -> Callable[[Any], Call]:
     return make
 
 
+def grpc_connect(address: str, token: str, timeout_s: float) -> Connect:
+    """Each client thread with a gRPC channel of its own, sending as tritonclient.grpc does."""
+    import numpy as np
+    import tritonclient.grpc as triton
+
+    headers = {"authorization": f"Bearer {token}"}
+
+    def connect() -> tuple[Call, Callable[[], None]]:
+        client = triton.InferenceServerClient(address)
+
+        def call(text: str) -> int | None:
+            tensor = triton.InferInput("text", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([text.encode()], dtype=object))
+            result = client.infer(MODEL, [tensor], headers=headers, client_timeout=timeout_s)
+            found = result.as_numpy("embedding")
+            if found is None or found.shape != (1, DIMENSIONS):
+                raise ValueError(f"not a {DIMENSIONS}-number embedding")
+            return None  # the protocol's answer does not say the batch
+
+        return call, client.close
+
+    return connect
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -103,14 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     rounds: list[dict[str, Any]] = []
     first = {"model": MODEL, "input": texts[0]}
-    with started_ferry(ferry_settings(args.threads, {}), first, "ferry-bench-oip-") as up:
+    grpc_port = free_port()
+    extra = {"FERRY_GRPC_PORT": str(grpc_port)}
+    with started_ferry(ferry_settings(args.threads, extra), first, "ferry-bench-oip-") as up:
         print(f"Ferry up after {up.startup_s:.0f} s, {up.stack.base}", flush=True)
-        makers = {
-            "wait": ferry_call(up.stack.token, args.wait, one_trip=True),
-            "infer": infer_call(up.stack.token),
+        connects = {
+            "wait": http_connect(
+                ferry_call(up.stack.token, args.wait, one_trip=True), args.wait + 30, up.stack.base
+            ),
+            "infer": http_connect(infer_call(up.stack.token), args.wait + 30, up.stack.base),
+            "grpc": grpc_connect(f"127.0.0.1:{grpc_port}", up.stack.token, args.wait + 30),
         }
         for number in range(args.rounds):
-            order = list(WAYS if number % 2 == 0 else reversed(WAYS))
+            turn = number % len(WAYS)
+            order = list(WAYS[turn:] + WAYS[:turn])
             found: dict[str, Any] = {"round": number + 1, "order": order}
             for way in order:
                 snapshots: dict[str, Any] = {}
@@ -118,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 def window(moment: str, into: dict[str, Any] = snapshots) -> None:
                     into[moment] = up.watched.snapshot()
 
-                connect = http_connect(makers[way], args.wait + 30, up.stack.base)
-                measured = closed_loop(way, connect, texts, load, window)
+                measured = closed_loop(way, connects[way], texts, load, window)
                 spent = cpu_delta(snapshots["begin"], snapshots["end"]).ms
                 figures = asdict(measured)
                 figures["api_cpu_ms_per_request"] = (
@@ -133,24 +176,27 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"  !! {measured.errors} errors" if measured.errors else ""),
                     flush=True,
                 )
-            wait, infer = found["wait"], found["infer"]
-            found["ratios"] = {
-                "per_s": round(infer["per_s"] / wait["per_s"], 3) if wait["per_s"] else None,
-                "api_cpu": (
-                    round(infer["api_cpu_ms_per_request"] / wait["api_cpu_ms_per_request"], 3)
-                    if infer["api_cpu_ms_per_request"] and wait["api_cpu_ms_per_request"]
-                    else None
-                ),
-            }
+            found["ratios"] = {way: over_wait(found["wait"], found[way]) for way in PROTOCOL_WAYS}
             rounds.append(found)
             results.write(args.out, summary(rounds), settings=settings, head=head)
     report = summary(rounds)
-    print(
-        f"infer over wait: requests/s {report['ratios']['per_s']}, API CPU per request "
-        f"{report['ratios']['api_cpu']}; target met: {report['target']['met']}"
-    )
+    for way in PROTOCOL_WAYS:
+        print(
+            f"{way} over wait: requests/s {report['ratios'][way]['per_s']}, API CPU per "
+            f"request {report['ratios'][way]['api_cpu']}; target met: "
+            f"{report['target'][way]['met']}"
+        )
     print(f"wrote {args.out}")
     return 0
+
+
+def over_wait(wait: dict[str, Any], way: dict[str, Any]) -> dict[str, float | None]:
+    """A round's rate and API CPU a request of ``way`` over the one round trip's."""
+    cpu, wait_cpu = way["api_cpu_ms_per_request"], wait["api_cpu_ms_per_request"]
+    return {
+        "per_s": round(way["per_s"] / wait["per_s"], 3) if wait["per_s"] else None,
+        "api_cpu": round(cpu / wait_cpu, 3) if cpu and wait_cpu else None,
+    }
 
 
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -158,12 +204,16 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[way][key] for r in rounds if r[way].get(key) is not None]
         return results.spread([float(v) for v in values])
 
-    def ratios(key: str) -> dict[str, float]:
-        return results.spread([float(r["ratios"][key]) for r in rounds if r["ratios"][key]])
+    def ratios(way: str, key: str) -> dict[str, float]:
+        found = [r["ratios"][way][key] for r in rounds]
+        return results.spread([float(v) for v in found if v])
 
-    found = {key: ratios(key) for key in ("per_s", "api_cpu")}
-    rate_met = all(r["ratios"]["per_s"] and r["ratios"]["per_s"] >= TARGET_RATE for r in rounds)
-    cpu_met = all(r["ratios"]["api_cpu"] and r["ratios"]["api_cpu"] <= TARGET_CPU for r in rounds)
+    def target(way: str) -> dict[str, Any]:
+        found = [r["ratios"][way] for r in rounds]
+        rate_met = all(f["per_s"] and f["per_s"] >= TARGET_RATE for f in found)
+        cpu_met = all(f["api_cpu"] and f["api_cpu"] <= TARGET_CPU for f in found)
+        return {"per_s_met": rate_met, "api_cpu_met": cpu_met, "met": rate_met and cpu_met}
+
     return {
         "rounds": rounds,
         "ways": {
@@ -173,13 +223,13 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for way in WAYS
         },
-        "ratios": found,
+        "ratios": {
+            way: {key: ratios(way, key) for key in ("per_s", "api_cpu")} for way in PROTOCOL_WAYS
+        },
         "target": {
             "per_s_at_least": TARGET_RATE,
             "api_cpu_at_most": TARGET_CPU,
-            "per_s_met": rate_met,
-            "api_cpu_met": cpu_met,
-            "met": rate_met and cpu_met,
+            **{way: target(way) for way in PROTOCOL_WAYS},
         },
     }
 

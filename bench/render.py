@@ -1831,6 +1831,7 @@ def headline_backends(doc: Doc) -> list[str]:
 OIP_WAYS = {
     "wait": "`POST /v1/jobs?wait=` (JSON)",
     "infer": "`POST /v2/models/minilm/infer` (binary tensors)",
+    "grpc": "gRPC `ModelInfer` (raw tensors)",
 }
 
 
@@ -1842,25 +1843,31 @@ def render_oip(results: Results) -> list[str]:
     for way, name in OIP_WAYS.items():
         f = {k: Figure.summary(v) for k, v in doc["ways"][way].items()}
         rows.append(
-            [name, f["per_s"].text(number(1), way == "infer")]
+            [name, f["per_s"].text(number(1), way != "wait")]
             + [f[k].text(number(0, " ms")) for k in ("p50_ms", "p99_ms")]
             + [f["api_cpu_ms_per_request"].text(ms)]
         )
     target = doc["target"]
-    rate = Figure.summary(doc["ratios"]["per_s"]).text(times(), True)
-    cpu = Figure.summary(doc["ratios"]["api_cpu"]).text(times())
+    verdicts = []
+    for way, name in (("infer", "REST's infer"), ("grpc", "gRPC's")):
+        rate = Figure.summary(doc["ratios"][way]["per_s"]).text(times(), True)
+        cpu = Figure.summary(doc["ratios"][way]["api_cpu"]).text(times())
+        met = target[way]
+        verdicts.append(
+            f"{name}: requests/s {rate} (target ≥ {target['per_s_at_least']:g}×: "
+            f"{verdict(met['per_s_met'])}), API CPU a request {cpu} (target ≤ "
+            f"{target['api_cpu_at_most']:g}×: {verdict(met['api_cpu_met'])})"
+        )
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; minilm, "
         f"{s['clients']} closed-loop clients, {s['duration_s']:g} s measured after "
         f"{s['warmup_s']:g} s of warm-up, each way in each of "
-        f"{counted(s['rounds'], 'round', 'rounds')} (median, min–max):",
+        f"{counted(s['rounds'], 'round', 'rounds')} (median, min–max); the stack serves "
+        "gRPC throughout:",
         "",
         *table(["way", "requests/s", "p50", "p99", "API CPU a request"], "lrrrr", rows),
         "",
-        f"The protocol over the one round trip, round by round: requests/s {rate} (target "
-        f"≥ {target['per_s_at_least']:g}×: {verdict(target['per_s_met'])}), API CPU a "
-        f"request {cpu} (target ≤ {target['api_cpu_at_most']:g}×: "
-        f"{verdict(target['api_cpu_met'])}).",
+        "The protocol over the one round trip, round by round: " + "; ".join(verdicts) + ".",
     ]
 
 
