@@ -244,7 +244,12 @@ def test_sigterm_stops_the_whole_stack(tmp_path: Path) -> None:
     # run), with the sim model only: what stops is the same set of processes.
     with started_stack(tmp_path, FERRY_MODELS="sim") as stack:
         stack.process.send_signal(signal.SIGTERM)
-        assert stack.process.wait(timeout=90) == 0, "".join(stack.output)[-3000:]
+        code = stack.process.wait(timeout=90)
+        # The tail of the output, and every traceback frame any process logged on the way
+        # (Celery's redirected stderr logs a traceback a line at a time, its frames first).
+        frames = [line for line in stack.output if "Traceback" in line or 'File \\"' in line]
+        said = "".join(stack.output)[-3000:] + "\n-- frames --\n" + "".join(frames[-40:])
+        assert code == 0, said
         with pytest.raises(httpx.ConnectError):
             webclient.get(f"{stack.base}/healthz", timeout=2)
         assert any(line.strip() == "stopped" for line in stack.output)
