@@ -173,9 +173,10 @@ def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
     assert job_driven(poll.commands) == [], why
 
 
-# Statements on a clock: the worker's look at the model's activated version
-# (FERRY_MODEL_POLL_S), the API's look at a key past FERRY_KEY_CACHE_S.
-CLOCKED_TABLES = ("model_activations", "api_keys")
+# Statements on a clock: the worker's look at the model's activated version and the
+# API's at the models an operator unloaded (both every FERRY_MODEL_POLL_S), the API's
+# look at a key past FERRY_KEY_CACHE_S.
+CLOCKED_TABLES = ("model_activations", "model_unloads", "api_keys")
 
 
 def job_statements(statements: list[str]) -> list[str]:
