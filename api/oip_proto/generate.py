@@ -22,6 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROTOS = ("grpc_service.proto", "model_config.proto")
 COMMAND = "python -m api.oip_proto.generate --write"
+# What protoc's gRPC plugin writes for a .proto without a service: nothing to import.
+SERVICELESS = frozenset({"model_config_pb2_grpc.py"})
 # protoc's imports of one generated module from another, in .py and .pyi.
 _IMPORT = re.compile(r"^import (grpc_service_pb2|model_config_pb2) as ", re.M)
 
@@ -45,6 +47,8 @@ def generated() -> dict[str, str]:
             raise RuntimeError(f"protoc failed (exit {status})")
         texts = {}
         for path in sorted(Path(out).iterdir()):
+            if path.name in SERVICELESS:
+                continue
             text = _IMPORT.sub(r"from api.oip_proto import \1 as ", path.read_text())
             texts[path.name] = text
         return texts

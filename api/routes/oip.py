@@ -34,6 +34,7 @@ from api.routes.system import readyz
 from api.state import app_state
 from api.submissions import GroupCommit, Submitted, job_create, prepare_in
 from core.catalog import ModelSpec
+from core.db import ApiKey
 from core.metrics import JOBS_ACCEPTED
 from core.repository import ModelConfig
 from core.settings import Settings
@@ -423,10 +424,7 @@ async def _infer(request: Request, key: Any, model: str, version: int | None) ->
     if parsed.parameters.get("async") is True:
         return _accepted(spec, parsed, submitted)
     ran_on, outputs = await outputs_of(request, key, spec, submitted)
-    try:
-        body, header_length = oip.encode_response(spec.name, ran_on, parsed, outputs)
-    except oip.ProtocolError as exc:
-        raise ApiError(exc.status, "invalid_request", exc.message) from exc
+    body, header_length = oip.encode_response(spec.name, ran_on, parsed, outputs)
     if header_length is None:
         return Response(body, 200, media_type="application/json")
     return Response(
@@ -439,7 +437,7 @@ async def _infer(request: Request, key: Any, model: str, version: int | None) ->
 
 async def submit_rows(
     owner: Any,
-    key: Any,
+    key: ApiKey,
     request_id: str,
     spec: ModelSpec,
     version: int | None,
@@ -482,7 +480,7 @@ async def submit_rows(
 
 async def outputs_of(
     owner: Any,
-    key: Any,
+    key: ApiKey,
     spec: ModelSpec,
     submitted: list[Submitted],
     wait_s: float | None = None,

@@ -201,3 +201,30 @@ def test_one_api_process_binds_the_grpc_port_alone_several_share_it(processes: i
     # Alone, a second server on the port is an error, not a silent split of the calls;
     # FERRY_API_PROCESSES' processes share it as they share HTTP's (SO_REUSEPORT).
     assert asyncio.run(two_servers()) is (processes > 1)
+
+
+def test_a_message_over_the_body_limit_is_refused_before_any_handler_runs() -> None:
+    settings = Settings(grpc_port=free_port(), max_body_bytes=2048)
+
+    async def call(size: int) -> grpc.StatusCode:
+        # No app state: a call that reached the handler would end INTERNAL, not this.
+        server = await start_server(FastAPI(), settings)
+        try:
+            request = pb.ModelInferRequest(model_name="m")
+            request.raw_input_contents.append(b"x" * size)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
+                infer = channel.unary_unary(
+                    "/inference.GRPCInferenceService/ModelInfer",
+                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                    response_deserializer=pb.ModelInferResponse.FromString,
+                )
+                try:
+                    await infer(request, timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(call(4096)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert asyncio.run(call(100)) == grpc.StatusCode.INTERNAL  # under it: the handler ran
