@@ -155,7 +155,9 @@ def _celery(
     else:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         schedule = settings.data_dir / "celerybeat-schedule"
-        celery_app.start(["beat", "--loglevel", settings.log_level, "--schedule", str(schedule)])
+        from workers.tasks.beat import run_beat
+
+        run_beat(celery_app, settings.log_level, schedule)
     return 0
 
 
