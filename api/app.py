@@ -30,11 +30,11 @@ from api.services import callback_checker
 from api.state import AppState, install
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
+from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker, read_only
 from core.metrics import Scalers
 from core.queue_bounds import QueueBound
 from core.redis_target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
-from core.settings import Settings
 from core.streams import done_channel
 from core.urlguard import Resolver, UrlPolicy, system_resolver
 from core.webhooks import DeliveryKicker

@@ -14,10 +14,10 @@ from api.schemas import BackfillResource
 from api.services import owned
 from core import backfills
 from core.catalog import ModelSpec
+from core.config.settings import Settings
 from core.db import ApiKey, Backfill, utcnow
 from core.queues import live_workers, model_stats
 from core.redis_target import REDIS_ERRORS
-from core.settings import Settings
 
 # Lines handed to the database at a time (each chunk is one transaction).
 CHUNK_LINES = 2000

@@ -21,9 +21,9 @@ from api.limits import RequestLimits
 from api.reads import GroupRead
 from api.state import AppState, app_state
 from core.catalog import ModelSpec
+from core.config.settings import Settings
 from core.db import ApiKey
 from core.keys import verify_token
-from core.settings import Settings
 
 
 async def get_settings_dep(request: Request) -> Settings:

@@ -58,9 +58,9 @@ from api.routes.system import readiness
 from api.state import AppState, app_state
 from api.submissions import Submitted
 from core.catalog import text_problem
+from core.config.settings import Settings
 from core.db import ApiKey
 from core.metrics import GRPC_DURATION, GRPC_REQUESTS
-from core.settings import Settings
 
 log = logging.getLogger(__name__)
 Reply = TypeVar("Reply")

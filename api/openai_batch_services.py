@@ -24,9 +24,9 @@ from api.services import UnknownModel, resolve_model
 from backends.catalog import LiveVersions
 from core import backfills, openai_batches
 from core.catalog import ModelSpec
+from core.config.settings import Settings
 from core.db import BACKFILL_DONE, ApiKey, Backfill, FilePart, OpenAIBatch, StoredFile, utcnow
 from core.openai_batches import ERROR, OUTPUT
-from core.settings import Settings
 
 PART_BYTES = 1 << 20
 PARTS_PER_TRANSACTION = 8

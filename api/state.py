@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from api.submissions import GroupCommit
     from backends.catalog import LiveVersions
     from core.catalog import ModelSpec
+    from core.config.settings import Settings
     from core.metrics import Scalers
     from core.redis_target import ServerClock
-    from core.settings import Settings
     from core.webhooks import DeliveryKicker
 
 # Where the lifespan puts it on Starlette's ``app.state``.

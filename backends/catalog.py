@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from backends import UnknownBackend, get_backend
 from backends.base import Runtime, RuntimeOptions, resolve_device
 from core.catalog import ModelSpec
+from core.config.settings import PER_MODEL, Settings, knob_problem
 from core.inputs import input_spec
 from core.repository import ModelConfig, Problem, Repository, load_repository
-from core.settings import PER_MODEL, Settings, knob_problem
 from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR
 
 log = logging.getLogger(__name__)

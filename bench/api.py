@@ -388,7 +388,7 @@ def run_wrk(
 
 
 def api_processes_supported() -> bool:
-    from core.settings import Settings
+    from core.config.settings import Settings
 
     return "api_processes" in Settings.model_fields
 
@@ -895,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         "databases": args.databases.split(","),
         "api_processes": [int(n) for n in args.api_processes.split(",")],
         "ferry": {"FERRY_MODELS": "sim", "FERRY_FLOWER_PORT": "0", **LIMITS, **SIM},
-        # Whether core.settings has FERRY_API_PROCESSES (`ferry up` may still ignore it).
+        # Whether core.config.settings has FERRY_API_PROCESSES (`ferry up` may still ignore it).
         "api_processes_setting_known": api_processes_supported(),
     }
     report: dict[str, Any] = {}

@@ -132,8 +132,8 @@ def candidates(root: Path) -> list[tuple[str, str, Callable[[], Embed]]]:
     """(name, how it runs, a loader returning its embed function), eager first."""
     from backends import get_backend
     from backends.base import RuntimeOptions
+    from core.config.settings import PER_MODEL
     from core.repository import load_repository
-    from core.settings import PER_MODEL
 
     repo = load_repository(root / "models", environ={}, known_settings=PER_MODEL)
     if repo.problems:

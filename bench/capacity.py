@@ -45,9 +45,9 @@ from sqlalchemy import event, select, text
 from sqlalchemy.engine import Engine
 
 from bench import results
+from core.config.settings import Settings
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.settings import Settings
 from core.streams import JobMessage, Scripts
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis

@@ -141,7 +141,7 @@ class RawModel:
 
     def __init__(self, threads: int) -> None:
         from backends.catalog import load_runtime, repository_for
-        from core.settings import Settings
+        from core.config.settings import Settings
 
         settings = Settings(device=os.environ.get("FERRY_DEVICE", "auto"), cpu_threads=threads)
         self.runtime = load_runtime(repository_for(settings)[MODEL], settings)
@@ -308,7 +308,7 @@ class Options:
 def ferry_settings(threads: int, extra: dict[str, str]) -> dict[str, str]:
     return {
         "FERRY_MODELS": MODEL,
-        "FERRY_FLOWER_PORT": "0",  # no Flower (core.settings has no FERRY_FLOWER_ENABLED)
+        "FERRY_FLOWER_PORT": "0",  # no Flower (core.config.settings has no FERRY_FLOWER_ENABLED)
         "FERRY_API_SHUTDOWN_DELAY_S": "0",
         "FERRY_CPU_THREADS": str(threads),
         **LIMITS,
@@ -707,7 +707,7 @@ def _run(
     options: Options,
 ) -> int:
     from bench.corpus import load_corpus
-    from core.settings import Settings
+    from core.config.settings import Settings
 
     quiet = wait_quiet(args.quiet_below, args.quiet_timeout) if args.quiet_below else None
     started = time.monotonic()
@@ -723,7 +723,7 @@ def _run(
         "threads": threads,
         "raw_batch_sizes": sizes,
         "ferry": {str(t): ferry_settings(t, extra) for t in threads},
-        # Whether core.settings knows FERRY_CPU_THREADS (else the stacks ignore it).
+        # Whether core.config.settings knows FERRY_CPU_THREADS (else the stacks ignore it).
         "cpu_threads_setting_known": "cpu_threads" in Settings.model_fields,
     }
     report: dict[str, Any] = {

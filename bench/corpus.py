@@ -140,8 +140,8 @@ def read_texts(seed: int = 0, max_files: int | None = None) -> list[str]:
 
 def token_costs(texts: list[str]) -> list[int]:
     from backends.catalog import repository_for
+    from core.config.settings import Settings
     from core.inputs import count_tokens
-    from core.settings import Settings
 
     tokenizer = repository_for(Settings())["minilm"].tokenizer_path()
     assert tokenizer is not None

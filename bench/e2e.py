@@ -101,7 +101,7 @@ class Report:
 def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
     """Texts per second of the model alone, inputs sorted by length, per batch size."""
     from backends.catalog import load_runtime, repository_for
-    from core.settings import Settings
+    from core.config.settings import Settings
 
     settings = Settings(device=os.environ.get("FERRY_DEVICE", "auto"))
     runtime = load_runtime(repository_for(settings)["minilm"], settings)

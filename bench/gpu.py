@@ -110,7 +110,7 @@ def raw(
     model: str, device: str, precision: str, sizes: tuple[int, ...], items: int
 ) -> dict[int, float]:
     from backends.catalog import load_runtime, repository_for
-    from core.settings import Settings
+    from core.config.settings import Settings
 
     settings = Settings(
         device=device,

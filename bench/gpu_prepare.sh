@@ -113,7 +113,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from backends.catalog import repository_for
-from core.settings import Settings
+from core.config.settings import Settings
 
 source, target = repository_for(Settings())["minilm"].version().files, Path(sys.argv[1])
 shutil.copytree(source, target, ignore=shutil.ignore_patterns("model.safetensors", "*.md"))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
-from core.settings import Settings
+from core.config.settings import Settings
 from harness.sentinel import DOWN_AFTER_MS, SentinelRedis, failover_under_load
 from harness.services import migrated_postgres_database
 

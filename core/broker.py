@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from celery import Celery
 
+from core.config.settings import Settings
 from core.redis_target import RedisTarget
-from core.settings import Settings
 
 
 def celery_on_broker(settings: Settings) -> Celery:

@@ -19,6 +19,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from core.autoscale import DesiredWorkers
+from core.config.settings import Settings
 from core.estimates import ModelEstimate
 from core.queues import (
     arrivals,
@@ -28,7 +29,6 @@ from core.queues import (
     nearest_deadline_ms,
     tenant_depths,
 )
-from core.settings import Settings
 from scheduler.vocabulary import Lane
 
 LATENCY_BUCKETS_S = (

@@ -28,7 +28,7 @@ from redis.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-from core.settings import Settings
+from core.config.settings import Settings
 
 # What a Redis that fails raises: redis-py's errors, and the Cluster client's own (not
 # one of them) when no node serves a key's slot or none can be reached.

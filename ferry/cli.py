@@ -41,7 +41,7 @@ MetricsPortOption = Annotated[
 
 @app.command("up", help="run the whole stack in the foreground")
 def _up() -> int:
-    from core.settings import get_settings
+    from core.config.settings import get_settings
     from ferry.up import up
 
     return up(get_settings())
@@ -60,8 +60,8 @@ def _api(
     ] = False,
 ) -> int:
     from core import tracing
+    from core.config.settings import get_settings
     from core.logs import configure_logging
-    from core.settings import get_settings
 
     settings = get_settings()
     configure_logging(settings.log_level, "api")
@@ -95,8 +95,8 @@ def _worker(
     metrics_port: MetricsPortOption = None,
 ) -> int:
     from core import tracing
+    from core.config.settings import get_settings
     from core.logs import configure_logging
-    from core.settings import get_settings
     from workers.gpu.main import run_worker
 
     settings = get_settings()
@@ -127,8 +127,8 @@ def _celery(
     ] = None,
 ) -> int:
     from core import tracing
+    from core.config.settings import get_settings
     from core.logs import configure_logging
-    from core.settings import get_settings
     from workers.tasks.app import create_celery
 
     settings = get_settings()
@@ -184,8 +184,8 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
 
 @app.command("flower", help="run Flower (every worker and batch) with basic auth")
 def _flower() -> int:
+    from core.config.settings import get_settings
     from core.logs import configure_logging
-    from core.settings import get_settings
     from workers.tasks.app import create_celery
 
     settings = get_settings()
@@ -240,7 +240,7 @@ def guard_flower_metrics(token: str | None) -> None:
 @db_app.command("upgrade", help="migrate to the newest revision")
 def db_upgrade(revision: Annotated[str, typer.Option("--revision")] = "head") -> int:
     from core import migrate
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     settings = get_settings()
     if settings.database_url is None:

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 def database_session() -> Iterator[Session]:
     """A session on the configured database, migrated to the newest revision first."""
     from core import migrate
+    from core.config.settings import get_settings
     from core.db import make_engine, make_sessionmaker
-    from core.settings import get_settings
 
     settings = get_settings()
     if settings.database_url is None:

@@ -76,7 +76,7 @@ def check_repository(
 ) -> int:
     # The repository's modules only for the commands that read it: `ferry models` starts faster.
     from backends.catalog import check, repository_for
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     settings = get_settings()
     if path is not None:
@@ -156,7 +156,7 @@ def _plain_repository(columns: Sequence[str], rows: Sequence[Row]) -> list[str]:
 @app.command("repository", help="the repository's models, versions and active versions")
 def repository_models() -> int:
     from backends.catalog import repository_for
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     settings = get_settings()
     repository = repository_for(settings)
@@ -194,7 +194,7 @@ def activate_version(
     version: Annotated[int, typer.Argument(metavar="VERSION", show_default=False)],
 ) -> int:
     from backends.catalog import model_problems, repository_for
-    from core.settings import get_settings
+    from core.config.settings import get_settings
     from core.versions import ActivationError, activate, active_version
     from ferry.keys_cli import database_session
 
@@ -341,7 +341,7 @@ def build_models(
 ) -> int:
     import time
 
-    from core.settings import get_settings
+    from core.config.settings import get_settings
     from ferry.built_models import RecipeError, build, built_versions
 
     root = repository_path or get_settings().model_repository_path

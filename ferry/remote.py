@@ -59,7 +59,7 @@ def given(ctx: typer.Context) -> Target:
 def default_key() -> str:
     if os.environ.get("FERRY_API_KEY"):
         return os.environ["FERRY_API_KEY"]
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     path = get_settings().data_dir / "api-key"
     if path.exists():
@@ -70,7 +70,7 @@ def default_key() -> str:
 def default_api() -> str:
     if os.environ.get("FERRY_API_URL"):
         return os.environ["FERRY_API_URL"]
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     settings = get_settings()
     host = "127.0.0.1" if settings.api_host in ("0.0.0.0", "::") else settings.api_host

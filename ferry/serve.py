@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.state import mark_draining
-from core.settings import Settings
+from core.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ import httpx
 
 from backends.catalog import check, repository_for
 from core import migrate
+from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key, verify_token
 from core.redis_target import RedisTarget
 from core.repository import Repository
-from core.settings import Settings
 from ferry.built_models import build_missing
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE

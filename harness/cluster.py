@@ -22,9 +22,9 @@ import redis
 from redis.cluster import key_slot
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.settings import Settings
 from core.streams import stream_key
 from harness import webclient
 from harness.ports import free_port

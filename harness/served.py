@@ -19,7 +19,7 @@ from sqlalchemy import event
 
 from api.app import create_app
 from api.state import app_state
-from core.settings import Settings
+from core.config.settings import Settings
 from harness.ports import free_port
 
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from workers.tasks.app import reconcile_streams
 
 

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from core.settings import Settings
+from core.config.settings import Settings
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
 

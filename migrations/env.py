@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
+from core.config.settings import get_settings
 from core.db import Base, make_engine
-from core.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

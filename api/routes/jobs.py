@@ -33,8 +33,8 @@ from api.schemas import (
 from api.state import app_state
 from api.submissions import GroupCommit, prepare_request
 from core import tracing
+from core.config.settings import Settings
 from core.metrics import JOBS_ACCEPTED
-from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from api.routes.system import readyz
 from api.state import app_state
 from api.submissions import GroupCommit, Submitted, job_create, prepare_in
 from core.catalog import ModelSpec
+from core.config.settings import Settings
 from core.db import ApiKey
 from core.metrics import JOBS_ACCEPTED
 from core.repository import ModelConfig
-from core.settings import Settings
 from core.versions import load, unload, version_states
 from scheduler.vocabulary import Lane
 

@@ -32,10 +32,10 @@ from api.reads import JobRead, succeeded_output, until_terminal
 from api.schemas import JobResource
 from api.state import app_state
 from api.submissions import GroupCommit, Submission, job_create, prepare_request
+from core.config.settings import Settings
 from core.db import ApiKey
 from core.embeddings import as_vector, cut, dimensions_problem, encoded
 from core.metrics import JOBS_ACCEPTED
-from core.settings import Settings
 from scheduler.vocabulary import Lane
 
 router = APIRouter(tags=["openai"])

@@ -26,8 +26,8 @@ from api.deps import KeyDep
 from api.errors import ApiError
 from api.routes.openai import OPENAI_ERRORS
 from api.state import app_state
+from core.config.settings import Settings
 from core.db import utcnow
-from core.settings import Settings
 
 router = APIRouter(tags=["openai"], responses=OPENAI_ERRORS)
 

@@ -25,12 +25,12 @@ from api.routes.openai import OPENAI_ERRORS
 from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
 from api.state import AppState, app_state
 from core.catalog import ModelSpec
+from core.config.settings import Settings
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
 from core.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, numeric_stats, stats_text
 from core.redis_target import REDIS_ERRORS
-from core.settings import Settings
 from core.versions import version_states
 
 log = logging.getLogger(__name__)

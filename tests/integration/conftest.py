@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
-from core.settings import Settings
 from harness.services import migrated_postgres_database
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop

@@ -24,10 +24,10 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.state import app_state
+from core.config.settings import Settings
 from core.db import Job, utcnow
 from core.job_events import JobEvent
 from core.repository import load_repository
-from core.settings import Settings
 from core.streams import done_channel, events_key
 from core.terminal import after_terminal
 from harness.served import Served, served

@@ -19,8 +19,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from backends.catalog import repository_for
+from core.config.settings import Settings
 from core.job_events import JobEvent
-from core.settings import Settings
 from core.streams import events_key
 from tests.lm import lm_folder
 from tests.models import REPOSITORY

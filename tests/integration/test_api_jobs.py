@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api import services
 from api.state import app_state
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from core.streams import stream_key
 from tests.integration.conftest import RunningLoop
 from tests.streams import lane_messages

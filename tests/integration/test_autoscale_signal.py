@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.settings import Settings
+from core.config.settings import Settings
 from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop

@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Backfill, Job, WebhookDelivery
 from core.queues import lane_depths
-from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 from workers.tasks.feeder import Feeder
 

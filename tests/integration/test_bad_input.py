@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 
 JSON = {"Content-Type": "application/json"}
 OK = {"model": "sim", "input": {"cost": 1}}

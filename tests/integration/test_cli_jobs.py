@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from core.settings import Settings
+from core.config.settings import Settings
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from redis.cluster import RedisCluster
 
+from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
 from core.redis_target import REDIS_ERRORS, RedisTarget, is_cluster
-from core.settings import Settings
 from core.streams import stream_key
 from harness import webclient
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository

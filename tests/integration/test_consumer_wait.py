@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from core.settings import Settings
+from core.config.settings import Settings
 from core.streams import JobMessage, Scripts
 from workers.gpu.consumer import PRECISE_BELOW_MS, StreamConsumer
 

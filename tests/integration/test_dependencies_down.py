@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core import db
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from ferry.local_redis import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import wait_terminal

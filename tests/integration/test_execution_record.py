@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.db import Job
 from core.queues import lane_depths
-from core.settings import Settings
 from core.streams import JobMessage, Scripts, done_channel
 from harness.accounting import count_executions
 from harness.processes import wait_for

@@ -27,9 +27,9 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from api.app import create_app
 from core import migrate
+from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
-from core.settings import Settings
 
 
 @schemathesis.serializer("application/x-ndjson")

@@ -15,8 +15,8 @@ import redis
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job, utcnow
-from core.settings import Settings
 from core.streams import cancels_key, events_key
 from harness import webclient
 from harness.served import Served

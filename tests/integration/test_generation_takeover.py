@@ -24,9 +24,9 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job
 from core.job_events import JobEvent
-from core.settings import Settings
 from tests.integration.generation_worker import (
     MODEL,
     events,

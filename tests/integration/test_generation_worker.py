@@ -25,10 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
+from core.config.settings import Settings
 from core.generation import prompt_token_ids
 from core.job_events import JobEvent
 from core.keys import create_key, set_weight
-from core.settings import Settings
 from core.streams import cancels_key, events_key
 from tests.integration.generation_worker import (
     MODEL,

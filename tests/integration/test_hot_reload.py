@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.db import Job, ModelActivation
 from core.keys import create_key
-from core.settings import Settings
 from core.versions import version_states
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import wait_terminal

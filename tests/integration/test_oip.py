@@ -15,8 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop, build_sim_loop

@@ -20,9 +20,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
+from core.config.settings import Settings
 from core.db import ModelActivation, ModelUnload
 from core.keys import create_key
-from core.settings import Settings
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

@@ -13,8 +13,8 @@ from backends.base import RuntimeOptions
 from backends.onnx import BACKENDS
 from backends.onnx_export import main as export_main
 from bench.corpus import load_texts
+from core.config.settings import PER_MODEL
 from core.repository import ModelConfig, load_repository
-from core.settings import PER_MODEL
 from tests.vectors import cosine
 
 MODEL_TOML = textwrap.dedent("""\

@@ -15,9 +15,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.catalog import build_catalog
+from core.config.settings import Settings
 from core.db import Job
 from core.inputs import count_tokens
-from core.settings import Settings
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

@@ -21,7 +21,7 @@ import pytest
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.settings import Settings
+from core.config.settings import Settings
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.gen_api import EventReader, Message

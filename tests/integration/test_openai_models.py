@@ -13,9 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.state import app_state
 from backends.catalog import build_catalog
+from core.config.settings import Settings
 from core.db import ModelActivation
 from core.repository import load_repository
-from core.settings import Settings
 from harness import webclient
 from harness.served import Served, served
 from tests.causal_lm_files import catalog_spec, write_model

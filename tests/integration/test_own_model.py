@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.repository import RepositoryError
-from core.settings import Settings
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
 from workers.gpu.main import build_loop

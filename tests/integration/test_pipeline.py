@@ -10,7 +10,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.settings import Settings
+from core.config.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.streams import lane_pending

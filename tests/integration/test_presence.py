@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from core.broker import celery_for_events
-from core.settings import Settings
+from core.config.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from workers.gpu.control import ControlResponder
 from workers.gpu.loop import BatchLoop

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.submissions import QueueView, input_size
+from core.config.settings import Settings
 from core.estimates import ModelEstimate
 from core.queue_bounds import UNKNOWN_RATE_RETRY_AFTER_S, retry_after_s
 from core.queues import live_workers, model_stats, tenant_depths
-from core.settings import Settings
 from core.streams import queued_bytes_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 

@@ -15,7 +15,7 @@ from PIL import Image
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.torchvision import TorchvisionRuntime, build_resnet50
-from core.settings import Settings
+from core.config.settings import Settings
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import runtime as shipped_runtime

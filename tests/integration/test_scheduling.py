@@ -12,8 +12,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr, ValidationError
 
 from api.app import create_app
-from core.settings import Settings
+from core.config.settings import Settings
 
 ORIGIN = "https://app.example.com"
 STRICT_CSP = "default-src 'none'; frame-ancestors 'none'"

@@ -12,8 +12,8 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job
-from core.settings import Settings
 from harness import webclient
 from harness.served import served
 from tests.integration.test_group_commit import post_all

@@ -13,8 +13,8 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.queues import arrivals, lane_depths, lane_tenants
-from core.settings import Settings
 from core.streams import JobMessage, Scripts, bulk_seq_key, stream_key
 from harness.services import started_redis
 from tests.integration.conftest import RunningLoop, build_sim_loop

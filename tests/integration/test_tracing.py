@@ -20,8 +20,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import tracing
+from core.config.settings import Settings
 from core.db import Job, WebhookDelivery, utcnow
-from core.settings import Settings
 from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop

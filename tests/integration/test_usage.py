@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job, KeyUsage
-from core.settings import Settings
 from core.usage import rebuild, reserve
 from tests.integration.conftest import RunningLoop
 from workers.tasks.reconcile import reconcile

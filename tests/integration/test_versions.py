@@ -10,8 +10,8 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import HostRuntime
+from core.config.settings import Settings
 from core.repository import ModelConfig
-from core.settings import Settings
 from core.streams import workers_key
 from core.versions import activate, active_version, report, version_states
 from tests.integration.test_hot_reload import echo_repository

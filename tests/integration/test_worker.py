@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.config.settings import Settings
 from core.db import Job, utcnow
-from core.settings import Settings
 from core.streams import JobMessage, dead_letter_key, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.streams import lane_pending, lane_stream_names

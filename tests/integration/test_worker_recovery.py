@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from core.settings import Settings
+from core.config.settings import Settings
 from ferry.local_redis import start_redis
 from harness.ports import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop

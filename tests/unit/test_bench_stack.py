@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
+from core.config.settings import Settings
 from ferry.up import metrics_ports
 from harness.stack import SMOKE_ENV, FerryUp
 

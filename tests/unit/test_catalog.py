@@ -12,9 +12,9 @@ from tokenizers import Tokenizer
 
 from backends.catalog import build_catalog
 from core.catalog import InputError, ModelSpec, Validated
+from core.config.settings import Settings
 from core.inputs import TextSpec
 from core.repository import CostConfig
-from core.settings import Settings
 from tests.models import REPOSITORY, minilm_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def test_the_catalog_checks_inputs_without_importing_torch() -> None:
     # What the API does: the repository checked with every backend, each input priced.
     code = (
         "import sys; from backends.catalog import build_catalog; "
-        "from core.settings import Settings; "
+        "from core.config.settings import Settings; "
         "c = build_catalog(Settings(models='minilm,resnet50,sim', "
         "model_parameters={'resnet50': {'random_weights': True}})); "
         "assert c['minilm'].validate('hello world').cost == 4; "

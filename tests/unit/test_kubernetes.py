@@ -38,8 +38,8 @@ from tornado.web import URLSpec
 
 from api.app import create_app
 from core import migrate
+from core.config.settings import Settings
 from core.health import health_app
-from core.settings import Settings
 from tests.conftest import dev_tool
 from tests.kustomize import KustomizeError, Object, build, pod_containers, split_image
 from tests.promtool import promtool

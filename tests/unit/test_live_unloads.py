@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 
 from backends.catalog import LiveVersions
-from core.settings import Settings
+from core.config.settings import Settings
 
 POLL_S = 0.05
 

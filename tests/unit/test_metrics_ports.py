@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
+from core.config.settings import Settings
 from ferry.up import metrics_ports, visible_gpus, worker_plan
 
 

@@ -24,7 +24,7 @@ from api.oip_grpc import (
 from api.oip_proto import generate
 from api.oip_proto import grpc_service_pb2 as pb
 from api.routes.oip import _MEANINGS
-from core.settings import Settings
+from core.config.settings import Settings
 from harness.ports import free_port
 
 

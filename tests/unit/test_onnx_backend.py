@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from backends import get_backend
 from backends.base import RuntimeOptions
 from backends.onnx import BACKENDS, OnnxRuntime, session_providers
+from core.config.settings import PER_MODEL
 from core.repository import ModelConfig, Problem, load_repository
-from core.settings import PER_MODEL
 
 TENSOR_TOML = """\
 name = "{name}"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from backends.catalog import check, model_problems
+from core.config.settings import PER_MODEL
 from core.repository import Problem, Repository, env_name, load_repository
-from core.settings import PER_MODEL
 from ferry.cli import main
 from tests.models import REPOSITORY
 
@@ -312,7 +312,7 @@ def test_ferry_models_check_exits_non_zero_and_names_the_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("FERRY_MODELS", raising=False)
-    from core.settings import get_settings
+    from core.config.settings import get_settings
 
     get_settings.cache_clear()
     write(repo(tmp_path), "good", SIM_LIKE)

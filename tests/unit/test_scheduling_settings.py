@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from core.settings import Settings
+from core.config.settings import Settings
 from scheduler import policy_for
 from scheduler.learning import KNOBS as KNOBS_OF_TUNING
 from scheduler.learning import Tuning
@@ -85,6 +85,6 @@ def test_each_knob_has_the_name_and_the_default_of_its_setting() -> None:
 
 
 def test_every_knob_can_be_set_per_model() -> None:
-    from core.settings import PER_MODEL
+    from core.config.settings import PER_MODEL
 
     assert set(KNOBS_OF_TUNING) <= PER_MODEL

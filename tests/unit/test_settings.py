@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from core.settings import Settings, get_settings
+from core.config.settings import Settings, get_settings
 
 
 @pytest.fixture(autouse=True)

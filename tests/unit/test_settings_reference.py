@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from core import settings_reference
-from core.settings import PER_MODEL, Settings
-from core.settings_reference import COMMAND, PAGE, render
+from core.config import reference as settings_reference
+from core.config.reference import COMMAND, PAGE, render
+from core.config.settings import PER_MODEL, Settings
 
 
 def rows() -> dict[str, tuple[str, str, str]]:
@@ -31,8 +31,8 @@ def test_every_setting_has_a_description() -> None:
 
 def test_the_page_is_the_rendering_of_the_settings() -> None:
     assert PAGE.read_text(encoding="utf-8") == render(), (
-        f"docs/settings.md differs from the settings in core/settings.py: regenerate it with "
-        f"`{COMMAND}`"
+        "docs/settings.md differs from the settings in core/config/settings.py: regenerate it "
+        f"with `{COMMAND}`"
     )
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from backends.catalog import check
+from core.config.settings import PER_MODEL, Settings
 from core.generation import generation_spec
 from core.inputs import InputError
 from core.repository import Repository, load_repository
-from core.settings import PER_MODEL, Settings
 from ferry.built_models import (
     FILES,
     RECIPE,

@@ -8,9 +8,9 @@ import json
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from core.config.settings import WEBHOOK_SCHEDULE_S, Settings
 from core.db import ApiKey
 from core.keys import new_webhook_secret, signing_secrets
-from core.settings import WEBHOOK_SCHEDULE_S, Settings
 from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhooks import USER_AGENT, signed_headers
 

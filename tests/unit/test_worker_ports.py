@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import core.metrics
+from core.config.settings import Settings
 from core.health import serve
 from core.metrics import token_matches
-from core.settings import Settings
 from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
 from harness import webclient
 from harness.ports import free_port

@@ -30,7 +30,7 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from backends.base import DeviceLost, Runtime
-from core.settings import Settings
+from core.config.settings import Settings
 from scheduler import BatchDecision, Batcher
 from scheduler.learning import BatchObservation, SchedulerState
 from workers.gpu.consumer import Entry, StreamConsumer

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from backends.base import Runtime
+from core.config.settings import Settings
 from core.estimates import ModelEstimate
-from core.settings import Settings
 from scheduler import Batcher
 from scheduler.learning import KNOBS, SchedulerState, Tuning
 from scheduler.policy import LinearFit

@@ -16,6 +16,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.broker import celery_on_broker
+from core.config.settings import Settings
 from core.db import (
     BACKFILL_DONE,
     DELIVERY_DONE,
@@ -32,7 +33,6 @@ from core.db import (
 )
 from core.metrics import WEBHOOK_ATTEMPTS
 from core.redis_target import RedisTarget, ServerClock
-from core.settings import Settings
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
 from workers.tasks.locks import first_in, release, renew

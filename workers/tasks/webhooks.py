@@ -31,10 +31,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
 from core import tracing
+from core.config.settings import Settings
 from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.keys import signing_secrets
 from core.redis_target import REDIS_ERRORS
-from core.settings import Settings
 from core.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
 from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhook_hosts import Entered, HostGate, receiver_of

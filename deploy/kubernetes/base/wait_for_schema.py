@@ -18,9 +18,9 @@ import time
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from core.config.settings import get_settings
 from core.db import make_engine
 from core.migrate import alembic_config
-from core.settings import get_settings
 
 POLL_S = 2.0
 

@@ -1,11 +1,11 @@
 """The settings reference, docs/settings.md, rendered from the settings themselves.
 
 Every setting is documented once, in the docstring under its field in
-:class:`core.settings.Settings`; this module turns the fields (name, type,
+:class:`core.config.settings.Settings`; this module turns the fields (name, type,
 bounds, default, description, whether it can be set per model) into one table
 per group. After changing a setting, regenerate the page:
 
-    python -m core.settings_reference --write
+    python -m core.config.reference --write
 
 ``tests/unit/test_settings_reference.py`` fails while the page is stale.
 """
@@ -25,10 +25,10 @@ import annotated_types
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
-from core.settings import PER_MODEL, Settings
+from core.config.settings import PER_MODEL, Settings
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
-COMMAND = "python -m core.settings_reference --write"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+COMMAND = "python -m core.config.reference --write"
 
 # Each group starts at its first field, in the order Settings declares them.
 GROUPS = (
@@ -48,14 +48,14 @@ GROUPS = (
 )
 
 INTRO = f"""\
-<!-- Generated from core/settings.py by `{COMMAND}`: edit the docstrings there. -->
+<!-- Generated from core/config/settings.py by `{COMMAND}`: edit the docstrings there. -->
 
 # Settings
 
 Every setting is an environment variable with the `FERRY_` prefix, read when a
 process starts (`FERRY_API_PORT=8080 ferry api`); lists and objects are JSON.
 This page is generated from the settings' own descriptions in
-`core/settings.py`.
+`core/config/settings.py`.
 
 The settings marked *per model* can also be set for one model: in the
 `[batching]` and `[memory]` tables (and `precision`) of its model.toml (see
@@ -182,7 +182,7 @@ def _number(value: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m core.settings_reference",
+        prog="python -m core.config.reference",
         description="Print the settings reference (docs/settings.md), or write it.",
     )
     parser.add_argument("--write", action="store_true", help=f"write {PAGE.name} in docs/")

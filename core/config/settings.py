@@ -66,7 +66,7 @@ PER_MODEL = frozenset(
 
 class Settings(BaseSettings):
     # Each field's docstring is its description: the settings reference
-    # (docs/settings.md) is rendered from them by core.settings_reference.
+    # (docs/settings.md) is rendered from them by core.config.reference.
     model_config = SettingsConfigDict(
         env_prefix="FERRY_", extra="ignore", use_attribute_docstrings=True
     )
@@ -626,7 +626,7 @@ class Settings(BaseSettings):
         here = Path("models")
         if here.is_dir():
             return here
-        return Path(__file__).resolve().parents[1] / "models"
+        return Path(__file__).resolve().parents[2] / "models"
 
     @property
     def sqlalchemy_url(self) -> str:

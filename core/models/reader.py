@@ -37,7 +37,7 @@ TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 # What each table of model.toml may hold besides its own keys (checked below);
 # [batching] and [memory] take the scheduler's per-model settings by their
-# names in core.settings, checked there.
+# names in core.config.settings, checked there.
 TOP_LEVEL = {
     "name",
     "backend",

@@ -125,7 +125,7 @@ class ModelConfig:
     versions: Mapping[int, ModelVersion]
     active_version: int
     precision: str | None = None
-    # Per-model scheduler settings by their core.settings names ([batching], [memory]).
+    # Per-model scheduler settings by their core.config.settings names ([batching], [memory]).
     settings: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"  # auto | gpu | cpu | none
     count: int = 1  # workers per GPU, or in all without GPUs
