@@ -32,11 +32,11 @@ from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker, read_only
-from core.metrics import Scalers
+from core.ops.metrics import Scalers
+from core.ops.urlguard import Resolver, UrlPolicy, system_resolver
 from core.queue_bounds import QueueBound
 from core.redis_target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
 from core.streams import done_channel
-from core.urlguard import Resolver, UrlPolicy, system_resolver
 from core.webhooks import DeliveryKicker
 
 

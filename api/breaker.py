@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.metrics import BREAKER_LEVEL
+from core.ops.metrics import BREAKER_LEVEL
 
 # What each level sheds, in the order it sheds them.
 SHED: tuple[frozenset[str], ...] = (frozenset(), frozenset({"bulk"}), frozenset({"bulk", "normal"}))

@@ -29,7 +29,6 @@ from api.schemas import JobCreate, JobResource
 from api.state import app_state
 from api.submissions import GroupCommit, Submitted, prepare_request
 from core.db import ApiKey
-from core.metrics import JOBS_ACCEPTED
 from core.openai_generation import (
     Endpoint,
     GenerationRequest,
@@ -41,6 +40,7 @@ from core.openai_generation import (
     usage_chunk,
     usage_of,
 )
+from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
-from core import tracing
-from core.metrics import HTTP_DURATION, HTTP_REQUESTS
+from core.ops import tracing
+from core.ops.metrics import HTTP_DURATION, HTTP_REQUESTS
 
 log = logging.getLogger(__name__)
 

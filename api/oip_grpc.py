@@ -60,7 +60,7 @@ from api.submissions import Submitted
 from core.catalog import text_problem
 from core.config.settings import Settings
 from core.db import ApiKey
-from core.metrics import GRPC_DURATION, GRPC_REQUESTS
+from core.ops.metrics import GRPC_DURATION, GRPC_REQUESTS
 
 log = logging.getLogger(__name__)
 Reply = TypeVar("Reply")

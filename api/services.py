@@ -36,13 +36,13 @@ from core.db import (
     utcnow,
 )
 from core.keys import new_webhook_secret, rotate_webhook_secret
-from core.metrics import JOBS_FINISHED
+from core.ops.metrics import JOBS_FINISHED
+from core.ops.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.redis_target import REDIS_ERRORS
 from core.repository import ModelConfig
 from core.resources import job_resource
 from core.streams import cancels_key, done_channel
 from core.terminal import after_terminal
-from core.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.versions import ActivationError, activate, active_version
 from core.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from backends.catalog import LiveVersions
     from core.catalog import ModelSpec
     from core.config.settings import Settings
-    from core.metrics import Scalers
+    from core.ops.metrics import Scalers
     from core.redis_target import ServerClock
     from core.webhooks import DeliveryKicker
 

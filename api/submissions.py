@@ -38,7 +38,6 @@ from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
 from api.state import AppState, app_state
 from backends.catalog import LiveVersions
-from core import tracing
 from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db import ApiKey, Job, utcnow
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
@@ -48,7 +47,8 @@ from core.generation_estimates import (
     first_token_s,
     most_tokens_within,
 )
-from core.metrics import JOBS_REFUSED
+from core.ops import tracing
+from core.ops.metrics import JOBS_REFUSED
 from core.queue_bounds import QueueBound, retry_after_s
 from core.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
 from core.redis_target import REDIS_ERRORS

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import DeviceLost, OutOfMemory, RuntimeOptions
-from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
+from core.ops.metrics import GPU_MEMORY_RECLAIMS, MEMORY
 
 log = logging.getLogger(__name__)
 

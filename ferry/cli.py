@@ -59,9 +59,9 @@ def _api(
         ),
     ] = False,
 ) -> int:
-    from core import tracing
     from core.config.settings import get_settings
-    from core.logs import configure_logging
+    from core.ops import tracing
+    from core.ops.logs import configure_logging
 
     settings = get_settings()
     configure_logging(settings.log_level, "api")
@@ -94,9 +94,9 @@ def _worker(
     ] = None,
     metrics_port: MetricsPortOption = None,
 ) -> int:
-    from core import tracing
     from core.config.settings import get_settings
-    from core.logs import configure_logging
+    from core.ops import tracing
+    from core.ops.logs import configure_logging
     from workers.gpu.main import run_worker
 
     settings = get_settings()
@@ -126,9 +126,9 @@ def _celery(
         ),
     ] = None,
 ) -> int:
-    from core import tracing
     from core.config.settings import get_settings
-    from core.logs import configure_logging
+    from core.ops import tracing
+    from core.ops.logs import configure_logging
     from workers.tasks.app import create_celery
 
     settings = get_settings()
@@ -167,7 +167,7 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
 
     from celery.signals import worker_ready, worker_shutting_down
 
-    from core.health import serve
+    from core.ops.health import serve
 
     ready = threading.Event()
 
@@ -185,7 +185,7 @@ def _serve_celery_health(host: str, port: int, token: str | None) -> None:
 @app.command("flower", help="run Flower (every worker and batch) with basic auth")
 def _flower() -> int:
     from core.config.settings import get_settings
-    from core.logs import configure_logging
+    from core.ops.logs import configure_logging
     from workers.tasks.app import create_celery
 
     settings = get_settings()
@@ -220,7 +220,7 @@ def guard_flower_metrics(token: str | None) -> None:
     import tornado.web
     from flower.views.monitor import Metrics
 
-    from core.metrics import token_matches
+    from core.ops.metrics import token_matches
 
     unguarded = getattr(Metrics, "_ferry_unguarded", Metrics.get)
 

@@ -20,7 +20,7 @@ import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from core.urlguard import UrlPolicy, UrlRefused, check_url, system_resolver
+from core.ops.urlguard import UrlPolicy, UrlRefused, check_url, system_resolver
 from workers.tasks.webhooks import post
 
 

@@ -230,7 +230,7 @@ def loopback_only() -> Iterator[list[str]]:
 
 
 def fake_resolver(names: dict[str, list[str]]) -> Callable[[str, int], list[str]]:
-    from core.urlguard import ResolutionError
+    from core.ops.urlguard import ResolutionError
 
     def resolve(host: str, _port: int) -> list[str]:
         if host not in names:

@@ -32,9 +32,9 @@ from api.schemas import (
 )
 from api.state import app_state
 from api.submissions import GroupCommit, prepare_request
-from core import tracing
 from core.config.settings import Settings
-from core.metrics import JOBS_ACCEPTED
+from core.ops import tracing
+from core.ops.metrics import JOBS_ACCEPTED
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from api.submissions import GroupCommit, Submitted, job_create, prepare_in
 from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db import ApiKey
-from core.metrics import JOBS_ACCEPTED
+from core.ops.metrics import JOBS_ACCEPTED
 from core.repository import ModelConfig
 from core.versions import load, unload, version_states
 from scheduler.vocabulary import Lane

@@ -35,7 +35,7 @@ from api.submissions import GroupCommit, Submission, job_create, prepare_request
 from core.config.settings import Settings
 from core.db import ApiKey
 from core.embeddings import as_vector, cut, dimensions_problem, encoded
-from core.metrics import JOBS_ACCEPTED
+from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane
 
 router = APIRouter(tags=["openai"])

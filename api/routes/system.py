@@ -28,7 +28,7 @@ from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
-from core.metrics import queue_metrics, token_matches
+from core.ops.metrics import queue_metrics, token_matches
 from core.queues import lane_depths, live_workers, numeric_stats, stats_text
 from core.redis_target import REDIS_ERRORS
 from core.versions import version_states

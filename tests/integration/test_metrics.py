@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.logs import JsonFormatter
+from core.ops.logs import JsonFormatter
 from tests.integration.conftest import RunningLoop
 
 # The database is not this module's subject: it runs on PostgreSQL only (both

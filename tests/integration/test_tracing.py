@@ -19,9 +19,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import tracing
 from core.config.settings import Settings
 from core.db import Job, WebhookDelivery, utcnow
+from core.ops import tracing
 from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.autoscale import Demand, DesiredWorkers, workers_needed
+from core.ops.autoscale import Demand, DesiredWorkers, workers_needed
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 
 from backends.base import DeviceLost
 from backends.torch_runtime import DeviceMemory, PinnedStager, check_device, configure_allocator
-from core.metrics import GPU_MEMORY_RECLAIMS, MEMORY
+from core.ops.metrics import GPU_MEMORY_RECLAIMS, MEMORY
 
 
 def test_staging_reuses_one_buffer_and_grows_only_for_a_larger_batch() -> None:

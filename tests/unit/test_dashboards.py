@@ -12,8 +12,8 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-import core.metrics
-from core.metrics import queue_metrics
+import core.ops.metrics
+from core.ops.metrics import queue_metrics
 from tests.dashboard import (
     HISTOGRAM_PARTS,
     METRIC,
@@ -32,9 +32,9 @@ DURATION = re.compile(r"^\d+(ms|s|m|h|d)$")
 
 def _families() -> dict[str, tuple[str, set[str]]]:
     """Every family Ferry exports: its type and its label names."""
-    assert core.metrics  # registered on import
+    assert core.ops.metrics  # registered on import
     known: dict[str, tuple[str, set[str]]] = {}
-    for value in vars(core.metrics).values():
+    for value in vars(core.ops.metrics).values():
         names = getattr(value, "_labelnames", None)
         name = getattr(value, "_name", None)
         kind = getattr(value, "_type", None)

@@ -39,7 +39,7 @@ from tornado.web import URLSpec
 from api.app import create_app
 from core import migrate
 from core.config.settings import Settings
-from core.health import health_app
+from core.ops.health import health_app
 from tests.conftest import dev_tool
 from tests.kustomize import KustomizeError, Object, build, pod_containers, split_image
 from tests.promtool import promtool
@@ -384,7 +384,7 @@ def test_every_model_has_a_worker_deployment_and_a_scaled_object(objects: list[O
 
 
 def test_the_scaling_signal_is_a_metric_ferry_exports() -> None:
-    assert '"ferry_model_desired_workers"' in (ROOT / "core" / "metrics.py").read_text()
+    assert '"ferry_model_desired_workers"' in (ROOT / "core" / "ops" / "metrics.py").read_text()
 
 
 def _serving_port(objects: list[Object], container: dict[str, Any]) -> tuple[int, set[str]]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from core.logs import configure_logging, stop_logging
+from core.ops.logs import configure_logging, stop_logging
 
 
 class StalledSink(io.StringIO):

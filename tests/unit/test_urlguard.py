@@ -10,7 +10,7 @@ import ipaddress
 
 import pytest
 
-from core.urlguard import (
+from core.ops.urlguard import (
     ResolutionError,
     Resolver,
     Target,

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import core.metrics
+import core.ops.metrics
 from core.config.settings import Settings
-from core.health import serve
-from core.metrics import token_matches
+from core.ops.health import serve
+from core.ops.metrics import token_matches
 from ferry.up import CRASH_LIMIT, RELOAD_LIMIT, Child, _banner, flower_password
 from harness import webclient
 from harness.ports import free_port
@@ -55,7 +55,7 @@ def test_readyz_follows_the_worker_and_healthz_the_process(
 
 
 def test_metrics_are_served_in_the_prometheus_format(port: int) -> None:
-    assert core.metrics.BATCH_SIZE  # registered in the default registry on import
+    assert core.ops.metrics.BATCH_SIZE  # registered in the default registry on import
     response = webclient.get(f"http://127.0.0.1:{port}/metrics")
     assert response.status_code == 200
     names = {family.name for family in text_string_to_metric_families(response.text)}

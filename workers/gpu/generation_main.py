@@ -13,7 +13,7 @@ from backends.generation import CausalLMRuntime
 from core.broker import celery_for_events
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
-from core.health import serve
+from core.ops.health import serve
 from core.redis_target import RedisTarget, ServerClock
 from core.repository import ModelConfig
 from core.versions import active_version

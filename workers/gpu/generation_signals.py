@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from core.generation_estimates import Execution, GenerationEstimate
-from core.metrics import (
+from core.ops.metrics import (
     GENERATION_JOBS_ENDED,
     GENERATION_KV_BLOCKS_BUDGET,
     GENERATION_KV_BLOCKS_IN_USE,

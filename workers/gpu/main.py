@@ -10,11 +10,11 @@ from typing import Any
 from backends.base import DeviceLost, resolve_device
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
-from core import tracing
 from core.broker import celery_for_events
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
-from core.health import serve
+from core.ops import tracing
+from core.ops.health import serve
 from core.redis_target import RedisTarget, ServerClock
 from core.repository import ModelConfig
 from core.versions import active_version

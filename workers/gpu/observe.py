@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from core.metrics import (
+from core.ops.metrics import (
     BATCH_COST,
     BATCH_EFFICIENCY,
     BATCH_LATENCY,

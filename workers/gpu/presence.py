@@ -28,7 +28,7 @@ from typing import Any
 import celery
 from celery import Celery
 
-from core.metrics import EVENTS_DROPPED
+from core.ops.metrics import EVENTS_DROPPED
 from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
-from core import tracing
+from core.ops import tracing
 from core.streams import JobMessage
 from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted, JobDone
 

@@ -31,7 +31,7 @@ from core.db import (
     make_engine,
     make_sessionmaker,
 )
-from core.metrics import WEBHOOK_ATTEMPTS
+from core.ops.metrics import WEBHOOK_ATTEMPTS
 from core.redis_target import RedisTarget, ServerClock
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.backfills import count_outcomes, discard
 from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
-from core.metrics import JOBS_FINISHED
+from core.ops.metrics import JOBS_FINISHED
 from core.queues import tenant_depths
 from core.redis_target import REDIS_ERRORS
 from core.streams import JobMessage, Scripts, done_channel

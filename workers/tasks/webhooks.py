@@ -30,12 +30,12 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from core import tracing
 from core.config.settings import Settings
 from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.keys import signing_secrets
+from core.ops import tracing
+from core.ops.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
 from core.redis_target import REDIS_ERRORS
-from core.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
 from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhook_hosts import Entered, HostGate, receiver_of
 

@@ -17,7 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from core.metrics import token_matches
+from core.ops.metrics import token_matches
 
 log = logging.getLogger(__name__)
 

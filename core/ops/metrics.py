@@ -18,9 +18,9 @@ from collections.abc import Iterable
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from core.autoscale import DesiredWorkers
 from core.config.settings import Settings
 from core.estimates import ModelEstimate
+from core.ops.autoscale import DesiredWorkers
 from core.queues import (
     arrivals,
     lane_states,
