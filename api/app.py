@@ -34,9 +34,9 @@ from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker, read_only
 from core.ops.metrics import Scalers
 from core.ops.urlguard import Resolver, UrlPolicy, system_resolver
-from core.queue_bounds import QueueBound
-from core.redis_target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
-from core.streams import done_channel
+from core.streams.bounds import QueueBound
+from core.streams.protocol import done_channel
+from core.streams.target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
 from core.webhooks import DeliveryKicker
 
 

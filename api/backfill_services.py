@@ -16,8 +16,8 @@ from core import backfills
 from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db import ApiKey, Backfill, utcnow
-from core.queues import live_workers, model_stats
-from core.redis_target import REDIS_ERRORS
+from core.streams.queues import live_workers, model_stats
+from core.streams.target import REDIS_ERRORS
 
 # Lines handed to the database at a time (each chunk is one transaction).
 CHUNK_LINES = 2000

@@ -32,7 +32,7 @@ INTERACTIVE = ("urgent", "vip", "normal")
 
 @dataclass(frozen=True)
 class Load:
-    """What a model's workers published of their load (core.queues' stats hash)."""
+    """What a model's workers published of their load (core.streams.queues' stats hash)."""
 
     p99_ms: dict[str, float]  # by lane, of the jobs finished in the last seconds
     latency_target_ms: float | None

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from api.background import close_client, stop_task
-from core.redis_target import is_cluster
+from core.streams.target import is_cluster
 
 log = logging.getLogger(__name__)
 

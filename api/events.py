@@ -2,7 +2,7 @@
 routes' ``stream: true`` read.
 
 A generation's worker writes its events to the job's events stream
-(``core.streams.events_key``, entries of ``core.job_events.JobEvent``);
+(``core.streams.protocol.events_key``, entries of ``core.streams.events.JobEvent``);
 :func:`follow` reads that stream with XREAD BLOCK on a Redis connection of
 its own, from the start or after the last event a client saw (the entry ids
 are the events' ids), until the ``done`` event. A job that ends without
@@ -34,9 +34,9 @@ from api.background import close_client
 from api.errors import ApiError
 from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobResource
-from core.job_events import JobEvent
-from core.redis_target import RedisTarget
-from core.streams import ProtocolError, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import ProtocolError, events_key
+from core.streams.target import RedisTarget
 
 if TYPE_CHECKING:
     from api.state import AppState

@@ -35,7 +35,7 @@ from limits.util import WindowStats
 
 from api.background import close_client, stop_task
 from api.errors import ApiError
-from core.redis_target import REDIS_ERRORS, RedisTarget
+from core.streams.target import REDIS_ERRORS, RedisTarget
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from api.schemas import JobResource, Progress
 from api.submissions import QueueViews
 from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
 from core.generation_estimates import decode_step_s
-from core.job_events import JobEvent
-from core.redis_target import REDIS_ERRORS
 from core.resources import job_resource
-from core.streams import ProtocolError, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import ProtocolError, events_key
+from core.streams.target import REDIS_ERRORS
 from core.webhooks import TERMINAL_EVENT_TYPES
 
 if TYPE_CHECKING:

@@ -38,10 +38,10 @@ from core.db import (
 from core.keys import new_webhook_secret, rotate_webhook_secret
 from core.ops.metrics import JOBS_FINISHED
 from core.ops.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
-from core.redis_target import REDIS_ERRORS
 from core.repository import ModelConfig
 from core.resources import job_resource
-from core.streams import cancels_key, done_channel
+from core.streams.protocol import cancels_key, done_channel
+from core.streams.target import REDIS_ERRORS
 from core.terminal import after_terminal
 from core.versions import ActivationError, activate, active_version
 from core.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
@@ -193,7 +193,8 @@ CANCEL_TTL_S = 600
 @dataclass(frozen=True)
 class Cancel:
     """What DELETE did: ``job`` cancelled at once (it was queued), or, ``requested``, the
-    worker running it asked to stop it (a running generation: ``core.streams.cancels_key``)."""
+    worker running it asked to stop it (a running generation:
+    ``core.streams.protocol.cancels_key``)."""
 
     job: Job
     requested: bool = False

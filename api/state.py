@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from core.catalog import ModelSpec
     from core.config.settings import Settings
     from core.ops.metrics import Scalers
-    from core.redis_target import ServerClock
+    from core.streams.target import ServerClock
     from core.webhooks import DeliveryKicker
 
 # Where the lifespan puts it on Starlette's ``app.state``.

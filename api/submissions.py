@@ -49,10 +49,10 @@ from core.generation_estimates import (
 )
 from core.ops import tracing
 from core.ops.metrics import JOBS_REFUSED
-from core.queue_bounds import QueueBound, retry_after_s
-from core.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
-from core.redis_target import REDIS_ERRORS
-from core.streams import JobMessage, Scripts
+from core.streams.bounds import QueueBound, retry_after_s
+from core.streams.protocol import JobMessage, Scripts
+from core.streams.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
+from core.streams.target import REDIS_ERRORS
 from core.usage import release, release_jobs, reserve
 from scheduler.vocabulary import LANES
 

@@ -48,7 +48,7 @@ from bench import results
 from core.config.settings import Settings
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.streams import JobMessage, Scripts
+from core.streams.protocol import JobMessage, Scripts
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis
 from harness.worker import running_worker

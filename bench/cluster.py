@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import redis
 
 from bench import results
-from core.redis_target import RedisTarget
-from core.streams import JobMessage, Scripts, done_channel
+from core.streams.protocol import JobMessage, Scripts, done_channel
+from core.streams.target import RedisTarget
 from harness.cluster import ClusterRedis, models_on_every_shard
 from harness.services import started_redis
 from workers.gpu.consumer import StreamConsumer

@@ -430,7 +430,7 @@ class Checkpoint:
         self.appended = 0
 
     def __call__(self, events: StepEvents) -> None:
-        from core.job_events import JobEvent
+        from core.streams.events import JobEvent
 
         first = False
         for id, emitted in events.emitted.items():

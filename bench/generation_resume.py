@@ -65,8 +65,8 @@ from sqlalchemy import select
 
 from bench import results
 from bench.generation_workload import ratio_spread
-from core.job_events import JobEvent
-from core.streams import GROUP, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import GROUP, events_key
 from harness.faults import Stack
 from harness.lm_witness import ENV, MIN_CALL_MS_ENV, PROMPTS, Run, generations, read_calls
 from harness.lm_witness import sitecustomize_dir as witness_site
@@ -407,7 +407,7 @@ class ResumeStack:
 
     def holder(self) -> str | None:
         """The consumer the group's pending entry names (one job in flight)."""
-        from core.queues import model_streams
+        from core.streams.queues import model_streams
 
         for stream in model_streams(self.stack.redis, self.stack.prefix, MODEL):
             pending: Any = self.stack.redis.xpending_range(stream, GROUP, "-", "+", 10)

@@ -29,9 +29,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import ModelActivation, ModelUnload, utcnow
-from core.queues import HEARTBEAT_TTL_S
 from core.repository import ModelConfig
-from core.streams import versions_key, workers_key
+from core.streams.protocol import versions_key, workers_key
+from core.streams.queues import HEARTBEAT_TTL_S
 
 STATES = ("loading", "ready", "draining", "failed")
 # A failed load is shown this long after the worker that tried it is gone.

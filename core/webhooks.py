@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 
 from core.backfills import backfill_resource
 from core.db import TERMINAL_STATUSES, Backfill, Job, WebhookDelivery
-from core.redis_target import RedisTarget
 from core.resources import iso, job_resource
+from core.streams.target import RedisTarget
 
 log = logging.getLogger(__name__)
 

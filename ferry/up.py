@@ -32,8 +32,8 @@ from core import migrate
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key, verify_token
-from core.redis_target import RedisTarget
 from core.repository import Repository
+from core.streams.target import RedisTarget
 from ferry.built_models import build_missing
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE

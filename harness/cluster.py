@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.config.settings import Settings
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.streams import stream_key
+from core.streams.protocol import stream_key
 from harness import webclient
 from harness.ports import free_port
 from harness.served import served

@@ -32,8 +32,8 @@ from sqlalchemy.engine import make_url
 from backends.sim import read_witness
 from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.queues import lane_depths
-from core.streams import dead_letter_key, done_channel, workers_key
+from core.streams.protocol import dead_letter_key, done_channel, workers_key
+from core.streams.queues import lane_depths
 from ferry.local_redis import start_redis
 from harness import POLL_S, webclient
 from harness.accounting import (

@@ -6,8 +6,8 @@ from typing import Any
 
 import redis
 
-from core.queues import lane_tenants
-from core.streams import GROUP, JobMessage, is_wake, stream_key
+from core.streams.protocol import GROUP, JobMessage, is_wake, stream_key
+from core.streams.queues import lane_tenants
 from scheduler.vocabulary import LANES
 
 

@@ -15,7 +15,7 @@ from api.schemas import error_responses
 from api.state import app_state
 from core.db import ApiKey
 from core.keys import list_keys, revoke_key
-from core.queues import lane_states, live_workers
+from core.streams.queues import lane_states, live_workers
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

@@ -29,8 +29,8 @@ from core.config.settings import Settings
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
 from core.ops.metrics import queue_metrics, token_matches
-from core.queues import lane_depths, live_workers, numeric_stats, stats_text
-from core.redis_target import REDIS_ERRORS
+from core.streams.queues import lane_depths, live_workers, numeric_stats, stats_text
+from core.streams.target import REDIS_ERRORS
 from core.versions import version_states
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from core.config.settings import Settings
 from core.estimates import ModelEstimate
 from core.ops.autoscale import DesiredWorkers
-from core.queues import (
+from core.streams.queues import (
     arrivals,
     lane_states,
     live_workers,

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import select
 
 from core.db import Job
-from core.queues import live_workers
-from core.streams import workers_key
+from core.streams.protocol import workers_key
+from core.streams.queues import live_workers
 from harness.accounting import Figures
 from harness.clock_step import SteppedClock, library, logged_times
 from harness.faults import MODEL, Stack, sim_jobs, tagged

@@ -32,8 +32,8 @@ import httpx
 import pytest
 
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent
-from core.streams import events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import events_key
 from harness import webclient
 from harness.accounting import Figures
 from harness.faults import Stack

@@ -21,7 +21,7 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
-from core.streams import GROUP, workers_key
+from core.streams.protocol import GROUP, workers_key
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.lm_witness import CUDA_ERROR, DEVICE_LOSS_ENV

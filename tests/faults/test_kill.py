@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from core.streams import GROUP
+from core.streams.protocol import GROUP
 from harness.accounting import RECORDING_DEPTH, Figures
 from harness.faults import MODEL, Stack, sim_jobs
 from harness.processes import Proc, wait_for

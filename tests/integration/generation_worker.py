@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from backends.catalog import repository_for
 from core.config.settings import Settings
-from core.job_events import JobEvent
-from core.streams import events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import events_key
 from tests.lm import lm_folder
 from tests.models import REPOSITORY
 from workers.gpu.generation_loop import GenerationLoop

@@ -17,7 +17,7 @@ from api import services
 from api.state import app_state
 from core.config.settings import Settings
 from core.db import Job
-from core.streams import stream_key
+from core.streams.protocol import stream_key
 from tests.integration.conftest import RunningLoop
 from tests.streams import lane_messages
 

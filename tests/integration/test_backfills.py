@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db import Backfill, Job, WebhookDelivery
-from core.queues import lane_depths
+from core.streams.queues import lane_depths
 from tests.integration.conftest import RunningLoop
 from workers.tasks.feeder import Feeder
 

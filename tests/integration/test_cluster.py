@@ -20,8 +20,8 @@ from redis.cluster import RedisCluster
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.keys import create_key
-from core.redis_target import REDIS_ERRORS, RedisTarget, is_cluster
-from core.streams import stream_key
+from core.streams.protocol import stream_key
+from core.streams.target import REDIS_ERRORS, RedisTarget, is_cluster
 from harness import webclient
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository
 from harness.served import served

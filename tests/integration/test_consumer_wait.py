@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from core.config.settings import Settings
-from core.streams import JobMessage, Scripts
+from core.streams.protocol import JobMessage, Scripts
 from workers.gpu.consumer import PRECISE_BELOW_MS, StreamConsumer
 
 # The database is not this module's subject: it runs on PostgreSQL only (both

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.config.settings import Settings
 from core.db import Job
-from core.queues import lane_depths
-from core.streams import JobMessage, Scripts, done_channel
+from core.streams.protocol import JobMessage, Scripts, done_channel
+from core.streams.queues import lane_depths
 from harness.accounting import count_executions
 from harness.processes import wait_for
 from tests.integration.conftest import RunningLoop, build_sim_loop

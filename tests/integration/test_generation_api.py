@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db import Job, utcnow
-from core.streams import cancels_key, events_key
+from core.streams.protocol import cancels_key, events_key
 from harness import webclient
 from harness.served import Served
 from tests.integration.conftest import RunningLoop

@@ -15,10 +15,10 @@ from celery import Celery
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-from core.broker import celery_for_events
 from core.config.settings import Settings
 from core.generation_estimates import GenerationEstimate
-from core.queues import stats_text
+from core.streams.broker import celery_for_events
+from core.streams.queues import stats_text
 from tests.integration.generation_worker import (
     MODEL,
     Worker,

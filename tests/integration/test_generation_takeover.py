@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db import Job
-from core.job_events import JobEvent
+from core.streams.events import JobEvent
 from tests.integration.generation_worker import (
     MODEL,
     events,

@@ -27,9 +27,9 @@ from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
 from core.config.settings import Settings
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent
 from core.keys import create_key, set_weight
-from core.streams import cancels_key, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import cancels_key, events_key
 from tests.integration.generation_worker import (
     MODEL,
     Worker,

@@ -26,7 +26,7 @@ from backends.catalog import build_catalog
 from core.config.settings import Settings
 from core.db import ApiKey, Job, KeyUsage, make_engine, make_sessionmaker, utcnow
 from core.keys import create_key, revoke_key
-from core.streams import done_channel, stream_key
+from core.streams.protocol import done_channel, stream_key
 from harness import webclient
 from harness.served import Served, served
 from harness.services import started_redis

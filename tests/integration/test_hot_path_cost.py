@@ -188,7 +188,7 @@ def job_statements(statements: list[str]) -> list[str]:
 # it waits (a read per step, however many jobs it brings); the API's look at a model's
 # queue for the wait it quotes and the queue's bounds (its streams' lengths and queued
 # bytes, at most every 250 ms per model); a worker's or an API process's reading of the
-# server's clock (TIME, every 10 s: core.redis_target.ServerClock).
+# server's clock (TIME, every 10 s: core.streams.target.ServerClock).
 CLOCKED_KEYS = (":limits:", ":stats", ":workers", ":versions", ":restarting", ":wake")
 WAITING_READS = {"hello", "xreadgroup", "zrange", "get", "xgroup", "xlen", "time"}
 # A transaction's own brackets: what it holds is counted.

@@ -1,4 +1,5 @@
-"""core.job_events.append_token(s) on a real Redis: a token event lands only where it comes next.
+"""core.streams.events.append_token(s) on a real Redis: a token event lands only where it
+comes next.
 
 A worker cut off from Redis mid-step can have its token writes arrive late
 (TCP sends them again once the link is back), after another worker took the
@@ -12,8 +13,8 @@ from typing import Any
 
 import redis
 
-from core.job_events import JobEvent, append_token, append_tokens, run_appends
-from core.streams import events_key
+from core.streams.events import JobEvent, append_token, append_tokens, run_appends
+from core.streams.protocol import events_key
 from harness.ports import free_port
 from harness.processes import wait_for
 from harness.services import redis_server, redis_with_conf

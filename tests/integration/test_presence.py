@@ -18,8 +18,8 @@ from celery.events.state import State
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-from core.broker import celery_for_events
 from core.config.settings import Settings
+from core.streams.broker import celery_for_events
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from workers.gpu.control import ControlResponder
 from workers.gpu.loop import BatchLoop

@@ -16,9 +16,9 @@ from api.app import create_app
 from api.submissions import QueueView, input_size
 from core.config.settings import Settings
 from core.estimates import ModelEstimate
-from core.queue_bounds import UNKNOWN_RATE_RETRY_AFTER_S, retry_after_s
-from core.queues import live_workers, model_stats, tenant_depths
-from core.streams import queued_bytes_key
+from core.streams.bounds import UNKNOWN_RATE_RETRY_AFTER_S, retry_after_s
+from core.streams.protocol import queued_bytes_key
+from core.streams.queues import live_workers, model_stats, tenant_depths
 from tests.integration.conftest import RunningLoop, build_sim_loop
 
 BATCH_S = 1.5  # the sim's batch: slow enough that its drain time is seconds

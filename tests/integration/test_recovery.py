@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db import Job
-from core.streams import GROUP, stream_key
+from core.streams.protocol import GROUP, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.streams import forget_model, lane_pending, model_messages

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from core.broker import celery_on_broker
 from core.config.settings import Settings
-from core.redis_target import RedisTarget
+from core.streams.broker import celery_on_broker
+from core.streams.target import RedisTarget
 from harness.sentinel import SentinelRedis, failover_under_load
 
 

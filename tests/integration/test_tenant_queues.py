@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.queues import arrivals, lane_depths, lane_tenants
-from core.streams import JobMessage, Scripts, bulk_seq_key, stream_key
+from core.streams.protocol import JobMessage, Scripts, bulk_seq_key, stream_key
+from core.streams.queues import arrivals, lane_depths, lane_tenants
 from harness.services import started_redis
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal

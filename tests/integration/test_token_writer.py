@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from core.job_events import JobEvent
-from core.streams import events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import events_key
 from harness.ports import free_port
 from harness.processes import wait_for
 from harness.services import redis_server, redis_with_conf

@@ -22,8 +22,8 @@ from sqlalchemy.engine import Engine
 from core import migrate
 from core.db import Job, make_engine, make_sessionmaker
 from core.keys import create_key
-from core.queues import model_streams
-from core.streams import GROUP, done_channel
+from core.streams.protocol import GROUP, done_channel
+from core.streams.queues import model_streams
 from harness import netns, webclient
 from harness.listener import DoneListener
 from harness.netns import Deployment, Host, Network, wait_until

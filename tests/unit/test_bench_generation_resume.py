@@ -20,7 +20,7 @@ from bench.generation_resume import (
     tokens_generated_again,
     tokens_lost,
 )
-from core.job_events import JobEvent
+from core.streams.events import JobEvent
 from harness.lm_witness import Run
 
 PROMPT = 5  # tokens: a run's first sample right after the prompt is at position 4

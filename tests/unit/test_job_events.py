@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.job_events import JobEvent
-from core.streams import ProtocolError, cancels_key, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import ProtocolError, cancels_key, events_key
 
 
 @pytest.mark.parametrize(

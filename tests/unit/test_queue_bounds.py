@@ -8,7 +8,7 @@ import pytest
 
 from api.submissions import QueueView
 from core.estimates import ModelEstimate
-from core.queue_bounds import (
+from core.streams.bounds import (
     MAX_RETRY_AFTER_S,
     UNKNOWN_RATE_RETRY_AFTER_S,
     Excess,

@@ -1,4 +1,4 @@
-"""core.redis_target.ServerClock: the Redis server's time, read now and then, carried between
+"""core.streams.target.ServerClock: the Redis server's time, read now and then, carried between
 readings by the monotonic clock; ``cached`` never asks Redis."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from core.redis_target import ServerClock
+from core.streams.target import ServerClock
 
 
 class Server:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import pytest
 from redis.crc import key_slot
 
-from core.streams import (
+from core.streams.protocol import (
     PROTOCOL_VERSION,
     JobMessage,
     ProtocolError,

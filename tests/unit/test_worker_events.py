@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from core.streams import JobMessage
+from core.streams.protocol import JobMessage
 from workers.gpu.events import BatchObserver, JobDone, KickDeliveries, Observers
 
 

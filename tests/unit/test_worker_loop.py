@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from core.redis_target import RedisTarget
+from core.streams.target import RedisTarget
 from workers.gpu.worker_loop import MAX_BLOCK_MS, OUTAGES, WorkerLoop, worker_redis
 
 

@@ -1,7 +1,7 @@
 """A generation worker's token writes: each job's tokens to its events stream, its checkpoint.
 
 The events stream is both what a streaming client reads and what a worker
-taking a job over goes on from (``core.job_events``). :class:`TokenWriter`
+taking a job over goes on from (``core.streams.events``). :class:`TokenWriter`
 holds the tokens a step produced and writes them, in one script call
 (``append_tokens``) with the streams' expiries, when they are due: once a job
 has ``every_tokens`` tokens not yet written, or ``every_ms`` after the last
@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from core.job_events import JobEvent, append_tokens, run_appends
+from core.streams.events import JobEvent, append_tokens, run_appends
 
 
 class TokenWriter:

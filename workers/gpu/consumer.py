@@ -10,8 +10,7 @@ from typing import Any, cast
 import redis
 from redis.exceptions import OutOfMemoryError
 
-from core.redis_target import is_cluster
-from core.streams import (
+from core.streams.protocol import (
     GROUP,
     JobMessage,
     ProtocolError,
@@ -23,6 +22,7 @@ from core.streams import (
     tenants_key,
     wake_key,
 )
+from core.streams.target import is_cluster
 from scheduler.vocabulary import LANES
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class StreamConsumer:
     """One consumer in the model's group, reading the most urgent lane first.
 
     Within a lane it reads the tenants' streams in turn, an equal share of
-    the room from each (see ``core.streams``), so a tenant with a backlog
+    the room from each (see ``core.streams.protocol``), so a tenant with a backlog
     takes no more of a read than one that has a single job waiting.
     """
 

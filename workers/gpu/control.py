@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from core.streams import stream_key
+from core.streams.protocol import stream_key
 from scheduler.vocabulary import LANES
 from workers.gpu.presence import CeleryPresence, task_name
 

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from core.streams import JobMessage
+from core.streams.protocol import JobMessage
 
 log = logging.getLogger(__name__)
 

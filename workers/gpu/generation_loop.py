@@ -7,7 +7,7 @@ the engine, stops the jobs clients cancelled, takes the scheduler's plan
 attempts + 1), has the runtime decode one token for every running sequence
 (and prefill the chunks the plan names), reports the output to the
 scheduler, and then applies what the step did here and only here: every
-new token goes to its job's events stream (``core.job_events``), and every
+new token goes to its job's events stream (``core.streams.events``), and every
 job that ended is recorded, then acknowledged and announced on the done
 channel. An entry is acknowledged only after its job's outcome is
 committed, as for encoders; a worker that dies leaves its entries to be
@@ -41,8 +41,8 @@ from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db import TERMINAL_STATUSES, Job
 from core.generation import prompt_token_ids
-from core.job_events import JobEvent
-from core.streams import cancels_key, done_channel, events_key
+from core.streams.events import JobEvent
+from core.streams.protocol import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
 from scheduler.vocabulary import Lane
 from workers.gpu.checkpoint import TokenWriter

@@ -10,12 +10,12 @@ import redis
 from backends.base import DeviceLost, Runtime
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
-from core.broker import celery_for_events
 from core.config.settings import Settings
 from core.db import make_engine, make_sessionmaker
 from core.ops.health import serve
-from core.redis_target import RedisTarget, ServerClock
 from core.repository import ModelConfig
+from core.streams.broker import celery_for_events
+from core.streams.target import RedisTarget, ServerClock
 from core.versions import active_version
 from core.webhooks import DeliveryKicker
 from scheduler.generation import GenerationScheduler

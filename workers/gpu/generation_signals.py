@@ -30,8 +30,8 @@ from core.ops.metrics import (
     GENERATION_TPOT,
     GENERATION_TTFT,
 )
-from core.redis_target import REDIS_ERRORS
-from core.streams import stats_key
+from core.streams.protocol import stats_key
+from core.streams.target import REDIS_ERRORS
 from scheduler.generation import GenerationLimits, GenerationScheduler
 from workers.gpu.engine import StepEvents
 from workers.gpu.learned import PUBLISH_S

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from core.streams import JobMessage
+from core.streams.protocol import JobMessage
 from scheduler import Batcher, PendingItem
 from workers.gpu.consumer import Entry, StreamConsumer
 from workers.gpu.events import BatchObserver

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import redis
 from redis.exceptions import OutOfMemoryError
 
-from core.queues import HEARTBEAT_TTL_S
-from core.redis_target import REDIS_ERRORS
-from core.streams import stats_key, workers_key
+from core.streams.protocol import stats_key, workers_key
+from core.streams.queues import HEARTBEAT_TTL_S
+from core.streams.target import REDIS_ERRORS
 from scheduler.learning import BatchObservation, SchedulerState
 from scheduler.vocabulary import LANES
 from workers.gpu.scheduling import estimate_of

@@ -21,7 +21,7 @@ from core.ops.metrics import (
     JOBS_FINISHED,
     MEMORY,
 )
-from core.streams import JobMessage
+from core.streams.protocol import JobMessage
 from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted, JobDone
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

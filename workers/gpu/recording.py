@@ -22,8 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from core.redis_target import REDIS_ERRORS
-from core.streams import done_channel
+from core.streams.protocol import done_channel
+from core.streams.target import REDIS_ERRORS
 from workers.gpu.consumer import Entry
 from workers.gpu.events import BatchObserver, JobDone
 from workers.gpu.intake import Intake

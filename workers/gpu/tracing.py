@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
 from core.ops import tracing
-from core.streams import JobMessage
+from core.streams.protocol import JobMessage
 from workers.gpu.events import BatchFinished, BatchObserver, BatchStarted, JobDone
 
 

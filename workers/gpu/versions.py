@@ -28,8 +28,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import OutOfMemory, Runtime
-from core.redis_target import REDIS_ERRORS
 from core.repository import ModelConfig
+from core.streams.target import REDIS_ERRORS
 from core.versions import active_version, report
 
 log = logging.getLogger(__name__)

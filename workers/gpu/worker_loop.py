@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from core.redis_target import REDIS_ERRORS, RedisTarget
+from core.streams.target import REDIS_ERRORS, RedisTarget
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.learned import Publisher
 from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S

@@ -15,7 +15,6 @@ from celery import Celery
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.broker import celery_on_broker
 from core.config.settings import Settings
 from core.db import (
     BACKFILL_DONE,
@@ -32,7 +31,8 @@ from core.db import (
     make_sessionmaker,
 )
 from core.ops.metrics import WEBHOOK_ATTEMPTS
-from core.redis_target import RedisTarget, ServerClock
+from core.streams.broker import celery_on_broker
+from core.streams.target import RedisTarget, ServerClock
 from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
 from workers.tasks.locks import first_in, release, renew

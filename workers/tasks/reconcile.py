@@ -27,8 +27,8 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import Job
-from core.queues import model_streams
-from core.streams import JobMessage, Scripts
+from core.streams.protocol import JobMessage, Scripts
+from core.streams.queues import model_streams
 from core.usage import rebuild
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.keys import signing_secrets
 from core.ops import tracing
 from core.ops.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
-from core.redis_target import REDIS_ERRORS
+from core.streams.target import REDIS_ERRORS
 from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhook_hosts import Entered, HostGate, receiver_of
 

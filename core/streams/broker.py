@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import Celery
 
 from core.config.settings import Settings
-from core.redis_target import RedisTarget
+from core.streams.target import RedisTarget
 
 
 def celery_on_broker(settings: Settings) -> Celery:

@@ -20,7 +20,7 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from core.redis_target import is_cluster, is_pipeline
+from core.streams.target import is_cluster, is_pipeline
 from scheduler.vocabulary import LANES, Lane
 
 PROTOCOL_VERSION = 1
@@ -330,7 +330,7 @@ def events_key(prefix: str, model: str, job_id: str) -> str:
     Written by the worker that runs the job, read by any API process serving
     ``GET /v1/jobs/{id}/events``; an entry's id is the Server-Sent Event's id,
     so a client resumes after exactly the last event it saw
-    (``core.job_events``).
+    (``core.streams.events``).
     """
     return f"{prefix}:{{{model}}}:events:{job_id}"
 

@@ -1,6 +1,6 @@
 """A job's events, as its worker writes them and ``GET /v1/jobs/{id}/events`` streams them.
 
-Each event is one entry of the job's events stream (``core.streams.events_key``):
+Each event is one entry of the job's events stream (``core.streams.protocol.events_key``):
 
 - ``status``: the job changed state (``running`` when a worker starts it);
 - ``token``: a generation produced its token number ``index`` (0-based), with
@@ -26,8 +26,8 @@ from typing import Any, Literal
 import redis
 from redis.exceptions import NoScriptError
 
-from core.redis_target import is_cluster
-from core.streams import ProtocolError
+from core.streams.protocol import ProtocolError
+from core.streams.target import is_cluster
 
 EventKind = Literal["status", "token", "done"]
 KINDS = ("status", "token", "done")

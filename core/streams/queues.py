@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from core.streams import (
+from core.streams.protocol import (
     GROUP,
     bulk_seq_key,
     queued_bytes_key,

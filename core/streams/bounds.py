@@ -62,7 +62,7 @@ class QueueBound:
         jobs holding ``queued_bytes``; None when it fits."""
         if self.max_jobs > 0 and jobs + 1 > self.max_jobs:
             return Excess("FERRY_QUEUE_MAX_JOBS", self.max_jobs, jobs, jobs + 1 - self.max_jobs)
-        # An empty queue holds no bytes, whatever its counter says (core.streams).
+        # An empty queue holds no bytes, whatever its counter says (core.streams.protocol).
         if self.max_bytes > 0 and jobs > 0 and queued_bytes + input_bytes > self.max_bytes:
             over = queued_bytes + input_bytes - self.max_bytes
             # The queued jobs leave with their bytes, about the mean each.
