@@ -31,13 +31,13 @@ from api.state import AppState, install
 from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker, read_only
+from core.db.schema import make_engine, make_sessionmaker, read_only
+from core.db.webhooks import DeliveryKicker
 from core.ops.metrics import Scalers
 from core.ops.urlguard import Resolver, UrlPolicy, system_resolver
 from core.streams.bounds import QueueBound
 from core.streams.protocol import done_channel
 from core.streams.target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
-from core.webhooks import DeliveryKicker
 
 
 async def _follow_server_clock(clock: ServerClock) -> None:

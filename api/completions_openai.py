@@ -28,7 +28,7 @@ from api.reads import JobRead, is_terminal, until_terminal
 from api.schemas import JobCreate, JobResource
 from api.state import app_state
 from api.submissions import GroupCommit, Submitted, prepare_request
-from core.db import ApiKey
+from core.db.schema import ApiKey
 from core.openai_generation import (
     Endpoint,
     GenerationRequest,

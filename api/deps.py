@@ -22,8 +22,8 @@ from api.reads import GroupRead
 from api.state import AppState, app_state
 from core.catalog import ModelSpec
 from core.config.settings import Settings
-from core.db import ApiKey
-from core.keys import verify_token
+from core.db.keys import verify_token
+from core.db.schema import ApiKey
 
 
 async def get_settings_dep(request: Request) -> Settings:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 
-from core.db import ApiKey
+from core.db.schema import ApiKey
 
 MAX_KEYS = 10_000
 

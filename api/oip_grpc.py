@@ -59,7 +59,7 @@ from api.state import AppState, app_state
 from api.submissions import Submitted
 from core.catalog import text_problem
 from core.config.settings import Settings
-from core.db import ApiKey
+from core.db.schema import ApiKey
 from core.ops.metrics import GRPC_DURATION, GRPC_REQUESTS
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 An uploaded file keeps its bytes in ``file_parts``, a part per row, written a
 few parts per transaction so a long upload never holds the database's write
 lock. Creating a batch reads the file back line by line into a backfill
-(:class:`core.backfills.Ingest` with :class:`core.openai_batches.RequestLines`):
+(:class:`core.db.backfills.Ingest` with :class:`core.openai_batches.RequestLines`):
 the answer is the batch in progress, or failed with the errors of the file.
 """
 
@@ -22,10 +22,19 @@ from api import backfill_services
 from api.errors import ApiError
 from api.services import UnknownModel, resolve_model
 from backends.catalog import LiveVersions
-from core import backfills, openai_batches
+from core import openai_batches
 from core.catalog import ModelSpec
 from core.config.settings import Settings
-from core.db import BACKFILL_DONE, ApiKey, Backfill, FilePart, OpenAIBatch, StoredFile, utcnow
+from core.db import backfills
+from core.db.schema import (
+    BACKFILL_DONE,
+    ApiKey,
+    Backfill,
+    FilePart,
+    OpenAIBatch,
+    StoredFile,
+    utcnow,
+)
 from core.openai_batches import ERROR, OUTPUT
 
 PART_BYTES = 1 << 20

@@ -17,13 +17,13 @@ from api.errors import ApiError
 from api.groups import GroupStage
 from api.schemas import JobResource, Progress
 from api.submissions import QueueViews
-from core.db import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.db.resources import job_resource
+from core.db.schema import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.db.webhooks import TERMINAL_EVENT_TYPES
 from core.generation_estimates import decode_step_s
-from core.resources import job_resource
 from core.streams.events import JobEvent
 from core.streams.protocol import ProtocolError, events_key
 from core.streams.target import REDIS_ERRORS
-from core.webhooks import TERMINAL_EVENT_TYPES
 
 if TYPE_CHECKING:
     from api.state import AppState

@@ -25,7 +25,9 @@ from api.schemas import (
 )
 from backends.catalog import LiveVersions, model_problems
 from core.catalog import ModelSpec
-from core.db import (
+from core.db.keys import new_webhook_secret, rotate_webhook_secret
+from core.db.resources import job_resource
+from core.db.schema import (
     TERMINAL_STATUSES,
     ApiKey,
     Backfill,
@@ -35,23 +37,21 @@ from core.db import (
     WebhookDelivery,
     utcnow,
 )
-from core.keys import new_webhook_secret, rotate_webhook_secret
+from core.db.terminal import after_terminal
+from core.db.versions import ActivationError, activate, active_version
+from core.db.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
 from core.ops.metrics import JOBS_FINISHED
 from core.ops.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
 from core.repository import ModelConfig
-from core.resources import job_resource
 from core.streams.protocol import cancels_key, done_channel
 from core.streams.target import REDIS_ERRORS
-from core.terminal import after_terminal
-from core.versions import ActivationError, activate, active_version
-from core.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
 
 if TYPE_CHECKING:
     from api.state import AppState
 
 Owned = TypeVar("Owned", Job, Backfill)
 
-# Hands new webhook deliveries to Celery (see core.webhooks.DeliveryKicker).
+# Hands new webhook deliveries to Celery (see core.db.webhooks.DeliveryKicker).
 Kick = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from backends.catalog import LiveVersions
     from core.catalog import ModelSpec
     from core.config.settings import Settings
+    from core.db.webhooks import DeliveryKicker
     from core.ops.metrics import Scalers
     from core.streams.target import ServerClock
-    from core.webhooks import DeliveryKicker
 
 # Where the lifespan puts it on Starlette's ``app.state``.
 _NAME = "ferry"

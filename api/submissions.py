@@ -5,7 +5,7 @@ process's group commit (``api.groups.GroupStage``) for the submissions that
 arrive with it. Each group is written by :class:`GroupWriter` in one thread
 hop: the idempotency
 keys looked up in one query, the keys' outstanding-jobs counters moved
-(``core.usage``), one multi-row INSERT and one COMMIT; then the group's stream
+(``core.db.usage``), one multi-row INSERT and one COMMIT; then the group's stream
 entries go to Redis in one pipeline, and only then is each request answered.
 A 202 still means the job is committed (docs/architecture.md §4).
 """
@@ -39,7 +39,8 @@ from api.services import resolve_model
 from api.state import AppState, app_state
 from backends.catalog import LiveVersions
 from core.catalog import InputError, ModelSpec, nesting_problem
-from core.db import ApiKey, Job, utcnow
+from core.db.schema import ApiKey, Job, utcnow
+from core.db.usage import release, release_jobs, reserve
 from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
 from core.generation_estimates import (
     GenerationEstimate,
@@ -53,7 +54,6 @@ from core.streams.bounds import QueueBound, retry_after_s
 from core.streams.protocol import JobMessage, Scripts
 from core.streams.queues import live_workers, numeric_stats, queued_bytes, stats_text, tenant_depths
 from core.streams.target import REDIS_ERRORS
-from core.usage import release, release_jobs, reserve
 from scheduler.vocabulary import LANES
 
 log = logging.getLogger(__name__)

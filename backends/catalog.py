@@ -211,7 +211,7 @@ class LiveVersions:
         ).start()
 
     def _read(self) -> tuple[Repository, dict[str, int]]:
-        from core.db import ModelActivation
+        from core.db.schema import ModelActivation
 
         repository = repository_for(self.settings)
         with self.sessions() as session:
@@ -289,7 +289,7 @@ class LiveVersions:
         return name in unloaded
 
     def _read_unloads(self, background: bool = False) -> None:
-        from core.versions import unloaded_models
+        from core.db.versions import unloaded_models
 
         with self._unloads_lock:
             self._unloads_started += 1

@@ -46,8 +46,8 @@ from sqlalchemy.engine import Engine
 
 from bench import results
 from core.config.settings import Settings
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from core.streams.protocol import JobMessage, Scripts
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis

@@ -311,7 +311,7 @@ class ResumeStack:
     """The stack, its two workers (the witness in each), and the jobs it runs one by one."""
 
     def __init__(self, root: Path, repository: Path, max_tokens: int) -> None:
-        from core import migrate
+        from core.db import migrate
 
         url = f"sqlite:///{root / 'ferry.db'}"
         migrate.upgrade(url)
@@ -378,7 +378,7 @@ class ResumeStack:
             raise RuntimeError(f"job {job_id} did not end in {timeout:.0f} s")
 
     def row(self, job_id: str) -> Any:
-        from core.db import Job
+        from core.db.schema import Job
 
         with self.stack.engine.connect() as conn:
             return conn.execute(

@@ -89,7 +89,7 @@ RECORDER = Target(
         "test_a_batch_is_written_in_one_statement_as_one_per_job_would_write_it",
         "tests/integration/test_worker.py::test_a_job_that_keeps_killing_its_worker_is_dead_lettered",
         "tests/integration/test_recovery.py::test_a_result_the_database_refuses_fails_that_job_alone",
-        # What the same transaction does for the jobs written (core/terminal.py).
+        # What the same transaction does for the jobs written (core/db/terminal.py).
         "tests/integration/test_usage.py::test_the_counter_follows_submissions_results_and_cancellations",
         "tests/integration/test_backfills.py::test_failed_items_are_counted_and_reported",
         "tests/integration/test_webhooks.py::test_the_delivery_row_is_committed_with_the_outcome",

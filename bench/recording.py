@@ -26,9 +26,9 @@ from unittest import mock
 from sqlalchemy import insert
 
 from bench import results
-from core import migrate
-from core.db import Job, make_engine, make_sessionmaker, utcnow
-from core.keys import create_key
+from core.db import migrate
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker, utcnow
 from harness.services import postgres_database
 from workers.gpu.recorder import Outcome, Recorder
 

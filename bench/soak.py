@@ -71,8 +71,8 @@ from typing import Any
 import httpx
 
 from bench import results, svgplot
-from core import migrate
-from core.db import make_engine
+from core.db import migrate
+from core.db.schema import make_engine
 from harness import webclient
 from harness.accounting import Figures
 from harness.faults import MODEL, Stack, tagged

@@ -239,8 +239,8 @@ def guard_flower_metrics(token: str | None) -> None:
 
 @db_app.command("upgrade", help="migrate to the newest revision")
 def db_upgrade(revision: Annotated[str, typer.Option("--revision")] = "head") -> int:
-    from core import migrate
     from core.config.settings import get_settings
+    from core.db import migrate
 
     settings = get_settings()
     if settings.database_url is None:

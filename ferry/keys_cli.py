@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 @contextlib.contextmanager
 def database_session() -> Iterator[Session]:
     """A session on the configured database, migrated to the newest revision first."""
-    from core import migrate
     from core.config.settings import get_settings
-    from core.db import make_engine, make_sessionmaker
+    from core.db import migrate
+    from core.db.schema import make_engine, make_sessionmaker
 
     settings = get_settings()
     if settings.database_url is None:
@@ -42,8 +42,8 @@ app = typer.Typer(help="API keys", no_args_is_help=True)
 
 
 def _scopes() -> list[str]:
-    # core.keys (and SQLAlchemy's ORM) only when a key is made: `ferry jobs` starts faster.
-    from core.keys import SCOPES
+    # core.db.keys (and SQLAlchemy's ORM) only when a key is made: `ferry jobs` starts faster.
+    from core.db.keys import SCOPES
 
     return list(SCOPES)
 
@@ -82,7 +82,7 @@ def create(
         ),
     ] = None,
 ) -> int:
-    from core.keys import create_key
+    from core.db.keys import create_key
 
     with database_session() as session:
         key = create_key(session, name, scope, embeddings_lane)
@@ -105,7 +105,7 @@ def _plain_keys(columns: Sequence[str], rows: Sequence[Row]) -> list[str]:
 
 @app.command("list", help="every key, without secrets")
 def list_() -> int:
-    from core.keys import list_keys
+    from core.db.keys import list_keys
 
     with database_session() as session:
         rows = [
@@ -124,7 +124,7 @@ def list_() -> int:
 
 @app.command("revoke", help="refuse a key's token from now on")
 def revoke(id: IdArgument) -> int:
-    from core.keys import revoke_key
+    from core.db.keys import revoke_key
 
     with database_session() as session:
         key = revoke_key(session, id)
@@ -149,7 +149,7 @@ def embeddings_lane(
         ),
     ],
 ) -> int:
-    from core.keys import set_embeddings_lane
+    from core.db.keys import set_embeddings_lane
 
     with database_session() as session:
         key = set_embeddings_lane(session, id, None if lane == "default" else lane)
@@ -175,7 +175,7 @@ def weight(
         ),
     ],
 ) -> int:
-    from core.keys import set_weight
+    from core.db.keys import set_weight
 
     try:
         with database_session() as session:
@@ -195,7 +195,7 @@ def weight(
 
 @app.command("rotate", help="a new token for a key; the old one stops")
 def rotate(id: IdArgument) -> int:
-    from core.keys import rotate_key
+    from core.db.keys import rotate_key
 
     with database_session() as session:
         key = rotate_key(session, id)

@@ -163,7 +163,7 @@ def repository_models() -> int:
     served = set(settings.model_names)
     active = {name: model.active_version for name, model in repository.models.items()}
     try:  # an operator's activations, where the database can be reached
-        from core.versions import active_version
+        from core.db.versions import active_version
         from ferry.keys_cli import database_session
 
         with database_session() as session:
@@ -195,7 +195,7 @@ def activate_version(
 ) -> int:
     from backends.catalog import model_problems, repository_for
     from core.config.settings import get_settings
-    from core.versions import ActivationError, activate, active_version
+    from core.db.versions import ActivationError, activate, active_version
     from ferry.keys_cli import database_session
 
     settings = get_settings()

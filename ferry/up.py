@@ -28,10 +28,10 @@ from types import FrameType
 import httpx
 
 from backends.catalog import check, repository_for
-from core import migrate
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key, verify_token
+from core.db import migrate
+from core.db.keys import create_key, verify_token
+from core.db.schema import make_engine, make_sessionmaker
 from core.repository import Repository
 from core.streams.target import RedisTarget
 from ferry.built_models import build_missing

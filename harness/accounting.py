@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.sim import Witnessed
-from core.db import TERMINAL_STATUSES
+from core.db.schema import TERMINAL_STATUSES
 from harness.submitting import Submission
 from harness.witness import Transition, terminal_writes
 from workers.gpu.executions import Execution

@@ -23,8 +23,8 @@ from redis.cluster import key_slot
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from core.streams.protocol import stream_key
 from harness import webclient
 from harness.ports import free_port

@@ -30,8 +30,8 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.engine import make_url
 
 from backends.sim import read_witness
-from core.db import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import TERMINAL_STATUSES, Job, make_engine, make_sessionmaker
 from core.streams.protocol import dead_letter_key, done_channel, workers_key
 from core.streams.queues import lane_depths
 from ferry.local_redis import start_redis

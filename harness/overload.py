@@ -25,7 +25,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from core.db import Job
+from core.db.schema import Job
 from harness.submitting import Submitter
 
 

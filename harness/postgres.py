@@ -31,7 +31,7 @@ from harness.services import ServiceMissing
 
 PG_CTL_WAIT_S = 60
 # What the servers differ in from initdb's defaults. Ferry's processes hold
-# up to 40 connections each (core.db's pool); the small shared_buffers leaves
+# up to 40 connections each (core.db.schema's pool); the small shared_buffers leaves
 # the memory to the test's other processes.
 SETTINGS = [
     "listen_addresses = '127.0.0.1'",

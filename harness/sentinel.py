@@ -14,8 +14,8 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from harness import webclient
 from harness.ports import free_port
 from harness.served import served

@@ -17,7 +17,7 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from core import migrate
+from core.db import migrate
 from ferry.local_redis import find_redis_server, start_redis
 from harness.ports import free_port
 

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from workers.tasks.app import reconcile_streams
 
 

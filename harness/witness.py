@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, text
 
-from core.db import TERMINAL_STATUSES
+from core.db.schema import TERMINAL_STATUSES
 
 TABLE = "witness_transitions"
 _TERMINAL = ", ".join(f"'{status}'" for status in TERMINAL_STATUSES)

@@ -6,7 +6,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from core.config.settings import get_settings
-from core.db import Base, make_engine
+from core.db.schema import Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata

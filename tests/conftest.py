@@ -23,8 +23,8 @@ import pytest
 import redis
 from sqlalchemy import delete
 
-from core import migrate
-from core.db import Base, make_engine
+from core.db import migrate
+from core.db.schema import Base, make_engine
 
 # The harness asserts on the tests' behalf: its failures read as a test's own do.
 pytest.register_assert_rewrite("harness")

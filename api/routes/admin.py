@@ -13,8 +13,8 @@ from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import error_responses
 from api.state import app_state
-from core.db import ApiKey
-from core.keys import list_keys, revoke_key
+from core.db.keys import list_keys, revoke_key
+from core.db.schema import ApiKey
 from core.streams.queues import lane_states, live_workers
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])

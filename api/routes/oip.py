@@ -35,10 +35,10 @@ from api.state import app_state
 from api.submissions import GroupCommit, Submitted, job_create, prepare_in
 from core.catalog import ModelSpec
 from core.config.settings import Settings
-from core.db import ApiKey
+from core.db.schema import ApiKey
+from core.db.versions import load, unload, version_states
 from core.ops.metrics import JOBS_ACCEPTED
 from core.repository import ModelConfig
-from core.versions import load, unload, version_states
 from scheduler.vocabulary import Lane
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from api.schemas import JobResource
 from api.state import app_state
 from api.submissions import GroupCommit, Submission, job_create, prepare_request
 from core.config.settings import Settings
-from core.db import ApiKey
+from core.db.schema import ApiKey
 from core.embeddings import as_vector, cut, dimensions_problem, encoded
 from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane

@@ -27,7 +27,7 @@ from api.errors import ApiError
 from api.routes.openai import OPENAI_ERRORS
 from api.state import app_state
 from core.config.settings import Settings
-from core.db import utcnow
+from core.db.schema import utcnow
 
 router = APIRouter(tags=["openai"], responses=OPENAI_ERRORS)
 

@@ -26,12 +26,12 @@ from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error
 from api.state import AppState, app_state
 from core.catalog import ModelSpec
 from core.config.settings import Settings
+from core.db.versions import version_states
 from core.generation import GenerationSpec
 from core.generation_estimates import GenerationEstimate
 from core.ops.metrics import queue_metrics, token_matches
 from core.streams.queues import lane_depths, live_workers, numeric_stats, stats_text
 from core.streams.target import REDIS_ERRORS
-from core.versions import version_states
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Create Date: 2026-11-29
 import sqlalchemy as sa
 from alembic import op
 
-from core.db import UTCDateTime
+from core.db.schema import UTCDateTime
 
 revision = "0001"
 down_revision = None

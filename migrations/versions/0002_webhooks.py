@@ -11,7 +11,7 @@ import secrets
 import sqlalchemy as sa
 from alembic import op
 
-from core.db import UTCDateTime
+from core.db.schema import UTCDateTime
 
 revision = "0002"
 down_revision = "0001"

@@ -8,7 +8,7 @@ Create Date: 2026-11-30
 import sqlalchemy as sa
 from alembic import op
 
-from core.db import UTCDateTime
+from core.db.schema import UTCDateTime
 
 revision = "0003"
 down_revision = "0002"

@@ -8,7 +8,7 @@ Create Date: 2026-12-02
 import sqlalchemy as sa
 from alembic import op
 
-from core.db import UTCDateTime
+from core.db.schema import UTCDateTime
 
 revision = "0008"
 down_revision = "0007"

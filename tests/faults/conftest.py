@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from core import migrate
-from core.db import make_engine
+from core.db import migrate
+from core.db.schema import make_engine
 from harness.accounting import HEADER, Figures
 from harness.faults import Stack
 from harness.postgres import PostgresServers, postgres_servers

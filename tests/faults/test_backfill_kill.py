@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from core.db import Backfill, Job
+from core.db.schema import Backfill, Job
 from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for

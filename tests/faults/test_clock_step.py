@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from core.db import Job
+from core.db.schema import Job
 from core.streams.protocol import workers_key
 from core.streams.queues import live_workers
 from harness.accounting import Figures

@@ -41,7 +41,7 @@ def test_a_worker_stalled_past_the_visibility_timeout_is_seen_computing_its_batc
     # inside the transaction that records the stalled worker's batch before, whose
     # row locks (the key's outstanding count) hold up every other write of the key,
     # w2's and the API's, until PostgreSQL ends the idle transaction
-    # (core.db.IDLE_IN_TRANSACTION_S); so w2 may take it over only after that.
+    # (core.db.schema.IDLE_IN_TRANSACTION_S); so w2 may take it over only after that.
     wait_for(
         "w2 to take the batch over",
         lambda: all(row.attempts >= 2 for row in stack.rows(caught).values()),

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import update
 
 from backends.sim import SimRuntime
-from core.db import Job
+from core.db.schema import Job
 from harness.accounting import Figures
 from harness.faults import Stack, sim_jobs
 

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import make_engine, make_sessionmaker
 from harness.services import migrated_postgres_database
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop

@@ -25,11 +25,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.state import app_state
 from core.config.settings import Settings
-from core.db import Job, utcnow
+from core.db.schema import Job, utcnow
+from core.db.terminal import after_terminal
 from core.repository import load_repository
 from core.streams.events import JobEvent
 from core.streams.protocol import done_channel, events_key
-from core.terminal import after_terminal
 from harness.served import Served, served
 from tests.causal_lm_files import catalog_spec, write_model
 from tests.models import REPOSITORY

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import ApiKey, make_engine, make_sessionmaker
-from core.keys import create_key, rotate_key, set_weight
+from core.db.keys import create_key, rotate_key, set_weight
+from core.db.schema import ApiKey, make_engine, make_sessionmaker
 
 ADMIN_PATHS = [("GET", "/v1/admin/queues"), ("GET", "/v1/admin/keys"),
                ("POST", "/v1/admin/keys/0123456789abcdef/revoke")]  # fmt: skip

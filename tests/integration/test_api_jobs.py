@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import services
 from api.state import app_state
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from core.streams.protocol import stream_key
 from tests.integration.conftest import RunningLoop
 from tests.streams import lane_messages

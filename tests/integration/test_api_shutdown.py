@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import make_engine, make_sessionmaker
 from harness import webclient
 from harness.ports import free_port
 

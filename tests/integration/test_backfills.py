@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Backfill, Job, WebhookDelivery
+from core.db.schema import Backfill, Job, WebhookDelivery
 from core.streams.queues import lane_depths
 from tests.integration.conftest import RunningLoop
 from workers.tasks.feeder import Feeder

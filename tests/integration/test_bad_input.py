@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 
 JSON = {"Content-Type": "application/json"}
 OK = {"model": "sim", "input": {"cost": 1}}

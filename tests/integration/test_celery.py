@@ -14,8 +14,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Backfill, Job, WebhookDelivery, utcnow
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Backfill, Job, WebhookDelivery, utcnow
 from tests.integration.conftest import RunningLoop
 from workers.tasks.app import FEED_TASK, PURGE_TASK, create_celery, purge_results
 

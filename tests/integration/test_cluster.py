@@ -18,8 +18,8 @@ import pytest
 from redis.cluster import RedisCluster
 
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import make_engine, make_sessionmaker
 from core.streams.protocol import stream_key
 from core.streams.target import REDIS_ERRORS, RedisTarget, is_cluster
 from harness import webclient

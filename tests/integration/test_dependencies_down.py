@@ -14,9 +14,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from core import db
 from core.config.settings import Settings
-from core.db import Job
+from core.db import schema as db
+from core.db.schema import Job
 from ferry.local_redis import free_port
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import wait_terminal

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from core.streams.protocol import JobMessage, Scripts, done_channel
 from core.streams.queues import lane_depths
 from harness.accounting import count_executions

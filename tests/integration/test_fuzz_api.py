@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from api.app import create_app
-from core import migrate
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db import migrate
+from core.db.keys import create_key
+from core.db.schema import make_engine, make_sessionmaker
 
 
 @schemathesis.serializer("application/x-ndjson")

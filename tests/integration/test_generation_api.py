@@ -16,7 +16,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, utcnow
+from core.db.schema import Job, utcnow
 from core.streams.protocol import cancels_key, events_key
 from harness import webclient
 from harness.served import Served

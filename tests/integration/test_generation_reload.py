@@ -22,10 +22,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.versions import version_states
 from core.streams.events import JobEvent
 from core.streams.protocol import events_key
-from core.versions import version_states
 from tests.integration.generation_worker import (
     MODEL,
     events,

@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from core.streams.events import JobEvent
 from tests.integration.generation_worker import (
     MODEL,

@@ -26,8 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
 from core.config.settings import Settings
+from core.db.keys import create_key, set_weight
 from core.generation import prompt_token_ids
-from core.keys import create_key, set_weight
 from core.streams.events import JobEvent
 from core.streams.protocol import cancels_key, events_key
 from tests.integration.generation_worker import (

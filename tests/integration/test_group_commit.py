@@ -24,8 +24,8 @@ from api.services import resolve_model
 from api.submissions import GroupCommit, GroupWriter, Submission, prepare
 from backends.catalog import build_catalog
 from core.config.settings import Settings
-from core.db import ApiKey, Job, KeyUsage, make_engine, make_sessionmaker, utcnow
-from core.keys import create_key, revoke_key
+from core.db.keys import create_key, revoke_key
+from core.db.schema import ApiKey, Job, KeyUsage, make_engine, make_sessionmaker, utcnow
 from core.streams.protocol import done_channel, stream_key
 from harness import webclient
 from harness.served import Served, served

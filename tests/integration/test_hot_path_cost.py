@@ -30,8 +30,8 @@ from sqlalchemy import event, select
 from sqlalchemy.engine import Engine
 
 from core.config.settings import Settings
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from harness import webclient
 from harness.served import served
 from harness.services import migrated_postgres_database, started_redis

@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import Job, ModelActivation
-from core.keys import create_key
-from core.versions import version_states
+from core.db.keys import create_key
+from core.db.schema import Job, ModelActivation
+from core.db.versions import version_states
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import wait_terminal
 from tests.models import minilm_files

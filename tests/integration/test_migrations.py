@@ -10,9 +10,9 @@ from alembic import command
 from sqlalchemy import inspect, select, text
 from sqlalchemy.orm import Session
 
-from core import migrate
-from core.db import ApiKey, Base, make_engine
-from core.keys import create_key
+from core.db import migrate
+from core.db.keys import create_key
+from core.db.schema import ApiKey, Base, make_engine
 from tests.conftest import run_ferry
 
 

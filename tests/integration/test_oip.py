@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop, build_sim_loop

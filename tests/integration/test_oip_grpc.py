@@ -23,8 +23,8 @@ from api.oip_proto import grpc_service_pb2 as pb
 from api.oip_proto import grpc_service_pb2_grpc as pb_grpc
 from api.state import app_state
 from core.config.settings import Settings
-from core.db import Job, ModelUnload
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, ModelUnload
 from harness import webclient
 from harness.ports import free_port
 from harness.served import Served, served

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
 from core.config.settings import Settings
-from core.db import ModelActivation, ModelUnload
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import ModelActivation, ModelUnload
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends.catalog import build_catalog
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from core.inputs import count_tokens
 from harness import webclient
 from harness.served import Served, served

@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends.catalog import build_catalog
 from core.config.settings import Settings
-from core.db import Backfill, FilePart, Job, OpenAIBatch, utcnow
+from core.db.keys import create_key
+from core.db.schema import Backfill, FilePart, Job, OpenAIBatch, utcnow
 from core.inputs import count_tokens
-from core.keys import create_key
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

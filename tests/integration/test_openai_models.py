@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.state import app_state
 from backends.catalog import build_catalog
 from core.config.settings import Settings
-from core.db import ModelActivation
+from core.db.schema import ModelActivation
 from core.repository import load_repository
 from harness import webclient
 from harness.served import Served, served

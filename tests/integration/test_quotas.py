@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from backends.catalog import build_catalog
-from core import backfills
 from core.config.settings import Settings
-from core.keys import create_key
+from core.db import backfills
+from core.db.keys import create_key
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_backfills import ndjson
 

@@ -15,7 +15,7 @@ from api.app import create_app
 from api.errors import ApiError
 from api.limits import RequestLimits
 from core.config.settings import Settings
-from core.keys import create_key
+from core.db.keys import create_key
 from tests.integration.conftest import RunningLoop
 
 # The database is not this module's subject: it runs on PostgreSQL only (both

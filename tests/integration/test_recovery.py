@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from core.streams.protocol import GROUP, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_worker import submit, wait_terminal
 from tests.models import with_parameters

@@ -26,8 +26,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from harness.proxy import TcpProxy
 from harness.served import Served, served
 from harness.services import migrated_postgres_database

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.keys import create_key
+from core.db.keys import create_key
 from tests.integration.test_backfills import ndjson
 
 JOB_PATHS = [

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job
+from core.db.schema import Job
 from harness import webclient
 from harness.served import served
 from tests.integration.test_group_commit import post_all

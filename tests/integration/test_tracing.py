@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, WebhookDelivery, utcnow
+from core.db.schema import Job, WebhookDelivery, utcnow
 from core.ops import tracing
 from harness import webclient
 from harness.served import served

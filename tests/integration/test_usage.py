@@ -12,8 +12,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, KeyUsage
-from core.usage import rebuild, reserve
+from core.db.schema import Job, KeyUsage
+from core.db.usage import rebuild, reserve
 from tests.integration.conftest import RunningLoop
 from workers.tasks.reconcile import reconcile
 
@@ -84,7 +84,7 @@ def test_the_reconciler_repairs_a_counter_changed_by_hand_and_logs_it(
         session.execute(update(KeyUsage).values(outstanding=0))
         session.commit()
     client_redis = redis.Redis.from_url(settings.redis_url or "", decode_responses=True)
-    with caplog.at_level(logging.WARNING, logger="core.usage"):
+    with caplog.at_level(logging.WARNING, logger="core.db.usage"):
         reconcile(sessions, client_redis, settings.key_prefix, grace_s=60)
     assert list(_outstanding(sessions).values()) == [3]
     assert "outstanding-jobs counter repaired" in caplog.text

@@ -11,9 +11,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import HostRuntime
 from core.config.settings import Settings
+from core.db.versions import activate, active_version, report, version_states
 from core.repository import ModelConfig
 from core.streams.protocol import workers_key
-from core.versions import activate, active_version, report, version_states
 from tests.integration.test_hot_reload import echo_repository
 from workers.gpu.versions import Loaded, VersionManager
 

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db import WebhookDelivery, utcnow
+from core.db.schema import WebhookDelivery, utcnow
 from core.ops.urlguard import Target
 from tests.integration.conftest import RunningLoop
 from tests.webhook_receiver import (

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import Job, utcnow
+from core.db.schema import Job, utcnow
 from core.streams.protocol import JobMessage, dead_letter_key, stream_key
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.streams import lane_pending, lane_stream_names

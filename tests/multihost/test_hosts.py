@@ -19,9 +19,9 @@ import redis
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine
 
-from core import migrate
-from core.db import Job, make_engine, make_sessionmaker
-from core.keys import create_key
+from core.db import migrate
+from core.db.keys import create_key
+from core.db.schema import Job, make_engine, make_sessionmaker
 from core.streams.protocol import GROUP, done_channel
 from core.streams.queues import model_streams
 from harness import netns, webclient

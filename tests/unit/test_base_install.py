@@ -27,7 +27,7 @@ from PIL import Image
 
 from api.app import create_app
 from backends.catalog import build_catalog
-from core import migrate
+from core.db import migrate
 from core.config.settings import Settings
 from ferry.cli import guard_flower_metrics, main
 from workers.gpu.main import build_loop

@@ -86,7 +86,7 @@ def test_a_file_of_another_commit_or_none_or_a_dirty_tree_is_named() -> None:
         "soak": _head("b" * 40),
         "fairness": {"date": "2026-11-30"},
         "backends": {"commit": "a" * 40},
-        "clients": _head("a" * 40, [" M core/db.py"]),
+        "clients": _head("a" * 40, [" M core/db/schema.py"]),
     }
     assert commit_of(docs["backends"]) == "a" * 40
     assert mixed_commits(docs) == [

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from core.db import ApiKey, Base, utcnow
-from core.keys import create_key, parse_token, verify_token
+from core.db.keys import create_key, parse_token, verify_token
+from core.db.schema import ApiKey, Base, utcnow
 
 ID = "0123456789abcdef"
 

@@ -37,8 +37,8 @@ from starlette.testclient import TestClient
 from tornado.web import URLSpec
 
 from api.app import create_app
-from core import migrate
 from core.config.settings import Settings
+from core.db import migrate
 from core.ops.health import health_app
 from tests.conftest import dev_tool
 from tests.kustomize import KustomizeError, Object, build, pod_containers, split_image

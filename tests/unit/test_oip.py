@@ -10,9 +10,9 @@ import pytest
 
 from api import oip
 from core.catalog import ModelSpec
+from core.db.versions import VersionState
 from core.inputs import TensorInputSpec, input_spec
 from core.repository import CostConfig, EmbeddingsConfig, TensorSpec
-from core.versions import VersionState
 from scheduler.vocabulary import Lane
 from tests.models import shipped
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from core.backfills import LineError
 from core.catalog import ModelSpec
+from core.db.backfills import LineError
 from core.openai_batches import ERROR, OUTPUT, RequestLines, request_line, role_of
 from core.repository import load_repository
 from tests.causal_lm_files import catalog_spec, write_model

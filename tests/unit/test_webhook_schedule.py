@@ -9,9 +9,9 @@ import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from core.config.settings import WEBHOOK_SCHEDULE_S, Settings
-from core.db import ApiKey
-from core.keys import new_webhook_secret, signing_secrets
-from core.webhooks import next_delay_s, parse_retry_after
+from core.db.keys import new_webhook_secret, signing_secrets
+from core.db.schema import ApiKey
+from core.db.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhooks import USER_AGENT, signed_headers
 
 SCHEDULE = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)

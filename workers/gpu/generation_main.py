@@ -11,13 +11,13 @@ from backends.base import DeviceLost, Runtime
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
+from core.db.schema import make_engine, make_sessionmaker
+from core.db.versions import active_version
+from core.db.webhooks import DeliveryKicker
 from core.ops.health import serve
 from core.repository import ModelConfig
 from core.streams.broker import celery_for_events
 from core.streams.target import RedisTarget, ServerClock
-from core.versions import active_version
-from core.webhooks import DeliveryKicker
 from scheduler.generation import GenerationScheduler
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder, stop_on_signals

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import ApiKey
+from core.db.schema import ApiKey
 
 log = logging.getLogger(__name__)
 

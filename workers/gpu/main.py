@@ -11,14 +11,14 @@ from backends.base import DeviceLost, resolve_device
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
 from core.config.settings import Settings
-from core.db import make_engine, make_sessionmaker
+from core.db.schema import make_engine, make_sessionmaker
+from core.db.versions import active_version
+from core.db.webhooks import DeliveryKicker
 from core.ops import tracing
 from core.ops.health import serve
 from core.repository import ModelConfig
 from core.streams.broker import celery_for_events
 from core.streams.target import RedisTarget, ServerClock
-from core.versions import active_version
-from core.webhooks import DeliveryKicker
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.events import KickDeliveries

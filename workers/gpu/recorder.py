@@ -17,9 +17,9 @@ from typing import Any, cast
 from sqlalchemy import Table, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import TERMINAL_STATUSES, Job
-from core.terminal import after_terminal
-from core.webhooks import add_progress_deliveries, add_started_deliveries, wants
+from core.db.schema import TERMINAL_STATUSES, Job
+from core.db.terminal import after_terminal
+from core.db.webhooks import add_progress_deliveries, add_started_deliveries, wants
 
 _JOBS = cast(Table, Job.__table__)
 

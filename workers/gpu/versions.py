@@ -28,9 +28,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import OutOfMemory, Runtime
+from core.db.versions import active_version, report
 from core.repository import ModelConfig
 from core.streams.target import REDIS_ERRORS
-from core.versions import active_version, report
 
 log = logging.getLogger(__name__)
 

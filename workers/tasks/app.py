@@ -16,7 +16,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db import (
+from core.db.schema import (
     BACKFILL_DONE,
     DELIVERY_DONE,
     TERMINAL_STATUSES,
@@ -30,10 +30,10 @@ from core.db import (
     make_engine,
     make_sessionmaker,
 )
+from core.db.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from core.ops.metrics import WEBHOOK_ATTEMPTS
 from core.streams.broker import celery_on_broker
 from core.streams.target import RedisTarget, ServerClock
-from core.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from workers.tasks.feeder import Feeder
 from workers.tasks.locks import first_in, release, renew
 from workers.tasks.reconcile import reconcile

@@ -29,13 +29,13 @@ import redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.backfills import count_outcomes, discard
-from core.db import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
+from core.db.backfills import count_outcomes, discard
+from core.db.schema import BACKFILL_ACTIVE, WAITING, Backfill, Job, utcnow
+from core.db.webhooks import add_backfill_delivery
 from core.ops.metrics import JOBS_FINISHED
 from core.streams.protocol import JobMessage, Scripts, done_channel
 from core.streams.queues import tenant_depths
 from core.streams.target import REDIS_ERRORS
-from core.webhooks import add_backfill_delivery
 from scheduler.vocabulary import Lane
 from workers.tasks.locks import release, renew
 

@@ -12,7 +12,7 @@ second entry is read can be computed a second time, which the fault suite's
 execution record counts (``tests/faults``, "computed twice").
 
 Each run also checks every key's outstanding-jobs counter against the rows
-(``core.usage.rebuild``).
+(``core.db.usage.rebuild``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import redis
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import Job
+from core.db.schema import Job
+from core.db.usage import rebuild
 from core.streams.protocol import JobMessage, Scripts
 from core.streams.queues import model_streams
-from core.usage import rebuild
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
 from core.config.settings import Settings
-from core.db import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
-from core.keys import signing_secrets
+from core.db.keys import signing_secrets
+from core.db.schema import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
+from core.db.webhooks import next_delay_s, parse_retry_after
 from core.ops import tracing
 from core.ops.urlguard import Resolver, Target, UrlPolicy, UrlRefused, check_url, system_resolver
 from core.streams.target import REDIS_ERRORS
-from core.webhooks import next_delay_s, parse_retry_after
 from workers.tasks.webhook_hosts import Entered, HostGate, receiver_of
 
 log = logging.getLogger(__name__)

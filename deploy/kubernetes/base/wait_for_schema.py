@@ -19,8 +19,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from core.config.settings import get_settings
-from core.db import make_engine
-from core.migrate import alembic_config
+from core.db.migrate import alembic_config
+from core.db.schema import make_engine
 
 POLL_S = 2.0
 

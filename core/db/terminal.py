@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.backfills import count_outcomes
-from core.db import Job
-from core.usage import release
-from core.webhooks import add_job_deliveries
+from core.db.backfills import count_outcomes
+from core.db.schema import Job
+from core.db.usage import release
+from core.db.webhooks import add_job_deliveries
 
 
 def after_terminal(session: Session, job_ids: Sequence[str], now: dt.datetime) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.db import ApiKey, utcnow
+from core.db.schema import ApiKey, utcnow
 from scheduler.vocabulary import Lane
 
 PREFIX = "fy"

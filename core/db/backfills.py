@@ -24,7 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
-from core.db import (
+from core.db.resources import iso
+from core.db.schema import (
     BACKFILL_ACTIVE,
     BACKFILL_DONE,
     TERMINAL_STATUSES,
@@ -34,7 +35,6 @@ from core.db import (
     Job,
     utcnow,
 )
-from core.resources import iso
 from scheduler.vocabulary import Lane
 
 MAX_CUSTOM_ID_CHARS = 255

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from core.db import Job, WebhookDelivery
+from core.db.schema import Job, WebhookDelivery
 
 
 def iso(moment: dt.datetime | None) -> str | None:

@@ -117,7 +117,7 @@ class Job(Base):
     batch_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     inference_ms: Mapped[float | None] = mapped_column(nullable=True)
     callback_url: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # The webhook events it asked for, comma-separated (core.webhooks.JOB_EVENTS); None:
+    # The webhook events it asked for, comma-separated (core.db.webhooks.JOB_EVENTS); None:
     # the terminal one only.
     callback_events: Mapped[str | None] = mapped_column(String(32), nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
@@ -152,7 +152,7 @@ class KeyUsage(Base):
     """A key's jobs queued or running (backfill items not counted), for its quota.
 
     Moved in the same transaction as the rows it counts: up when jobs are
-    inserted, down at their terminal write (``core.usage``), so the quota
+    inserted, down at their terminal write (``core.db.usage``), so the quota
     costs no count per submission however long the key's history.
     """
 

@@ -28,7 +28,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from core.db import ModelActivation, ModelUnload, utcnow
+from core.db.schema import ModelActivation, ModelUnload, utcnow
 from core.repository import ModelConfig
 from core.streams.protocol import versions_key, workers_key
 from core.streams.queues import HEARTBEAT_TTL_S

@@ -3,7 +3,7 @@
 The quota on them is checked against a counter, ``key_usage.outstanding``,
 that moves in the same transaction as the rows it counts: :func:`reserve` when
 jobs are inserted, :func:`release` at their terminal write (through
-``core.terminal.after_terminal``), when a refused job is taken back, or when
+``core.db.terminal.after_terminal``), when a refused job is taken back, or when
 a reserved job turns out to be a replay. So it
 is exact without counting anything per submission, and :func:`rebuild` (the
 reconciler runs it) only repairs what was changed by hand.
@@ -18,7 +18,7 @@ from sqlalchemy import case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from core.db import Job, KeyUsage
+from core.db.schema import Job, KeyUsage
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Webhook events: the delivery rows, their payloads, and the retry schedule.
 
 When a job reaches a terminal state and has a ``callback_url``, the same
-transaction that writes the outcome adds a :class:`~core.db.WebhookDelivery`
+transaction that writes the outcome adds a :class:`~core.db.schema.WebhookDelivery`
 row (an outbox): a crash right after the commit cannot lose the event. The
 Celery worker sends it (``workers/tasks/webhooks.py``); the schedule of its retries
 is stored on the row and walked by Celery beat.
@@ -22,9 +22,9 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.backfills import backfill_resource
-from core.db import TERMINAL_STATUSES, Backfill, Job, WebhookDelivery
-from core.resources import iso, job_resource
+from core.db.backfills import backfill_resource
+from core.db.resources import iso, job_resource
+from core.db.schema import TERMINAL_STATUSES, Backfill, Job, WebhookDelivery
 from core.streams.target import RedisTarget
 
 log = logging.getLogger(__name__)
