@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.errors import ApiError
 from api.schemas import BackfillResource
 from api.services import owned
-from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db import backfills
 from core.db.schema import ApiKey, Backfill, utcnow
+from core.models.catalog import ModelSpec
 from core.streams.queues import live_workers, model_stats
 from core.streams.target import REDIS_ERRORS
 

@@ -20,10 +20,10 @@ from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.reads import GroupRead
 from api.state import AppState, app_state
-from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db.keys import verify_token
 from core.db.schema import ApiKey
+from core.models.catalog import ModelSpec
 
 
 async def get_settings_dep(request: Request) -> Settings:

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.schemas import MAX_DEADLINE_MS
-from core.catalog import ModelSpec, text_problem
 from core.db.versions import VersionState
 from core.embeddings import as_vector
+from core.models.catalog import ModelSpec, text_problem
 from scheduler.vocabulary import Lane
 
 # Numeric datatypes and their struct codes (little-endian in the binary extension).

@@ -57,9 +57,9 @@ from api.routes.oip import (
 from api.routes.system import readiness
 from api.state import AppState, app_state
 from api.submissions import Submitted
-from core.catalog import text_problem
 from core.config.settings import Settings
 from core.db.schema import ApiKey
+from core.models.catalog import text_problem
 from core.ops.metrics import GRPC_DURATION, GRPC_REQUESTS
 
 log = logging.getLogger(__name__)

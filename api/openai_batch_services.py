@@ -23,7 +23,6 @@ from api.errors import ApiError
 from api.services import UnknownModel, resolve_model
 from backends.catalog import LiveVersions
 from core import openai_batches
-from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db import backfills
 from core.db.schema import (
@@ -35,6 +34,7 @@ from core.db.schema import (
     StoredFile,
     utcnow,
 )
+from core.models.catalog import ModelSpec
 from core.openai_batches import ERROR, OUTPUT
 
 PART_BYTES = 1 << 20

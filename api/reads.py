@@ -20,7 +20,7 @@ from api.submissions import QueueViews
 from core.db.resources import job_resource
 from core.db.schema import TERMINAL_STATUSES, Job, WebhookDelivery
 from core.db.webhooks import TERMINAL_EVENT_TYPES
-from core.generation_estimates import decode_step_s
+from core.models.generation_estimates import decode_step_s
 from core.streams.events import JobEvent
 from core.streams.protocol import ProtocolError, events_key
 from core.streams.target import REDIS_ERRORS

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from core.catalog import text_problem
+from core.models.catalog import text_problem
 from scheduler.vocabulary import Lane
 
 JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]

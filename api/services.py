@@ -24,7 +24,6 @@ from api.schemas import (
     WebhookSecret,
 )
 from backends.catalog import LiveVersions, model_problems
-from core.catalog import ModelSpec
 from core.db.keys import new_webhook_secret, rotate_webhook_secret
 from core.db.resources import job_resource
 from core.db.schema import (
@@ -40,9 +39,10 @@ from core.db.schema import (
 from core.db.terminal import after_terminal
 from core.db.versions import ActivationError, activate, active_version
 from core.db.webhooks import TERMINAL_EVENT_TYPES, add_job_deliveries
+from core.models.catalog import ModelSpec
+from core.models.repository import ModelConfig
 from core.ops.metrics import JOBS_FINISHED
 from core.ops.urlguard import Resolver, UrlPolicy, UrlRefused, check_url
-from core.repository import ModelConfig
 from core.streams.protocol import cancels_key, done_channel
 from core.streams.target import REDIS_ERRORS
 

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from api.reads import GroupRead
     from api.submissions import GroupCommit
     from backends.catalog import LiveVersions
-    from core.catalog import ModelSpec
     from core.config.settings import Settings
     from core.db.webhooks import DeliveryKicker
+    from core.models.catalog import ModelSpec
     from core.ops.metrics import Scalers
     from core.streams.target import ServerClock
 

@@ -38,11 +38,11 @@ from api.schemas import JobCreate, metadata_problem
 from api.services import resolve_model
 from api.state import AppState, app_state
 from backends.catalog import LiveVersions
-from core.catalog import InputError, ModelSpec, nesting_problem
 from core.db.schema import ApiKey, Job, utcnow
 from core.db.usage import release, release_jobs, reserve
-from core.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
-from core.generation_estimates import (
+from core.models.catalog import InputError, ModelSpec, nesting_problem
+from core.models.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
+from core.models.generation_estimates import (
     GenerationEstimate,
     finish_s,
     first_token_s,

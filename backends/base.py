@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 
 @dataclass(frozen=True)

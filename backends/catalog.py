@@ -2,7 +2,7 @@
 
 ``check`` is what ``ferry models check`` prints and what ``ferry up``, the
 API and the workers refuse to start on: every problem of the repository's
-files (core.repository) and of each model's backend (its files, its
+files (core.models.repository) and of each model's backend (its files, its
 parameters, its input kind), each naming the file and the field.
 """
 
@@ -21,10 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends import UnknownBackend, get_backend
 from backends.base import Runtime, RuntimeOptions, resolve_device
-from core.catalog import ModelSpec
 from core.config.settings import PER_MODEL, Settings, knob_problem
-from core.inputs import input_spec
-from core.repository import ModelConfig, Problem, Repository, load_repository
+from core.models.catalog import ModelSpec, input_spec
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig, Problem, Repository
 from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
     The API takes jobs for all of them, with or without a worker running
     (they wait in the queue for one). A model with a problem is left out;
     one that FERRY_MODELS lists makes this raise
-    core.repository.RepositoryError, as any problem of the repository itself does.
+    core.models.repository.RepositoryError, as any problem of the repository itself does.
     """
-    from core.repository import RepositoryError
+    from core.models.repository import RepositoryError
 
     repository = repository or repository_for(settings)
     served = settings.model_names
@@ -341,10 +341,10 @@ def load_runtime(
     """Build and load ``model``'s runtime for ``version`` (None: the active one).
 
     ``settings`` must carry the model's own (``Settings.for_model``). Raises
-    core.repository.RepositoryError when the model's backend finds a problem,
+    core.models.repository.RepositoryError when the model's backend finds a problem,
     before anything is loaded.
     """
-    from core.repository import RepositoryError
+    from core.models.repository import RepositoryError
 
     number = model.active_version if version is None else version
     errors = model_problems(model, [number])

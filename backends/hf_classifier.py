@@ -29,7 +29,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, file_problems, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, calibrate_text, staged
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {"top_k": int}
 DEFAULT_TOP_K = 5

@@ -60,7 +60,7 @@ from backends.base import (
     file_problems,
     parameter_problems,
 )
-from core.repository import ModelConfig, ModelVersion, Problem, TensorSpec
+from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from backends.base import HostRuntime, RuntimeOptions
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 
 class PythonModel(Protocol):

@@ -21,7 +21,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, file_problems, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, calibrate_text, staged
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 TRANSFORMER = "sentence_transformers.models.Transformer"
 POOLING = "sentence_transformers.models.Pooling"

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import OutOfMemory, RuntimeOptions, parameter_problems
-from core.repository import InputConfig, ModelConfig, ModelVersion, Problem
+from core.models.repository import InputConfig, ModelConfig, ModelVersion, Problem
 
 SIM_MEMORY_BUDGET_BYTES = 8 * 2**30
 CRASH_EXIT_CODE = 70  # the simulated device's memory unless told otherwise

@@ -46,7 +46,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, staged
-from core.repository import ModelConfig, ModelVersion, Problem, TensorSpec
+from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {"file": str, "outputs": list}
 # Activations per input value, a deliberate over-estimate (about what
@@ -242,7 +242,7 @@ class TorchModuleBackend:
 
 
 def input_cost(model: ModelConfig) -> int:
-    """One input's cost, as the API prices it (core.inputs.TensorInputSpec)."""
+    """One input's cost, as the API prices it (core.models.inputs.TensorInputSpec)."""
     if model.cost.function == "constant":
         return model.cost.value
     return sum(math.prod(spec.shape) for spec in model.input.tensors)

@@ -28,7 +28,7 @@ from typing import Any
 
 from backends.base import RuntimeOptions, autocast, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 # Activations per input pixel, a deliberate over-estimate (about 100 MB per
 # 224 x 224 image in fp32) used where peak memory cannot be measured.
@@ -102,7 +102,7 @@ class TorchvisionBackend:
 
 
 def _env_hint(model: ModelConfig) -> str:
-    from core.repository import env_name
+    from core.models.repository import env_name
 
     return env_name(model.name, "weights")
 

@@ -133,7 +133,7 @@ def candidates(root: Path) -> list[tuple[str, str, Callable[[], Embed]]]:
     from backends import get_backend
     from backends.base import RuntimeOptions
     from core.config.settings import PER_MODEL
-    from core.repository import load_repository
+    from core.models.reader import load_repository
 
     repo = load_repository(root / "models", environ={}, known_settings=PER_MODEL)
     if repo.problems:

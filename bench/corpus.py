@@ -5,7 +5,7 @@ Nothing is downloaded. The standard library's modules are parsed with
 paragraphs, and the paragraphs that read as prose (no code examples, mostly
 letters, a capital first letter, a final full stop) are kept, deduplicated and
 shuffled with a seed. Each text's cost is its all-MiniLM-L6-v2 token count
-(:func:`core.catalog.count_tokens`, the tokenizer that ships with the model),
+(:func:`core.models.catalog.count_tokens`, the tokenizer that ships with the model),
 capped at 256 tokens, the model's input limit.
 
 The result depends only on the Python version's standard library and the seed.
@@ -141,7 +141,7 @@ def read_texts(seed: int = 0, max_files: int | None = None) -> list[str]:
 def token_costs(texts: list[str]) -> list[int]:
     from backends.catalog import repository_for
     from core.config.settings import Settings
-    from core.inputs import count_tokens
+    from core.models.inputs import count_tokens
 
     tokenizer = repository_for(Settings())["minilm"].tokenizer_path()
     assert tokenizer is not None

@@ -418,7 +418,7 @@ class ResumeStack:
     def runs(self, prompt: str, tokens: list[int], since: float) -> tuple[list[Run], int]:
         """The witness's runs of the job (calls made since ``since``), and its prompt's
         length in tokens."""
-        from core.generation import prompt_token_ids
+        from core.models.generation import prompt_token_ids
 
         prompt_ids = prompt_token_ids({"prompt": prompt}, self.folder / "tokenizer.json")
         calls = [c for c in read_calls(self.witness) if c.at >= since]

@@ -144,8 +144,8 @@ class InProcess:
 def prompts_as_text(folder: Path, requests: Sequence[Request]) -> list[tuple[Request, str]]:
     """Each request's prompt as the text a client sends, and the request with the prompt's
     ids as the API counts that text (the same ids, for a byte-level BPE, but never assumed)."""
-    from core.generation import prompt_token_ids
-    from core.inputs import load_tokenizer
+    from core.models.generation import prompt_token_ids
+    from core.models.inputs import load_tokenizer
 
     tokenizer = folder / "tokenizer.json"
     decoded = []

@@ -7,7 +7,7 @@ import math
 import struct
 from typing import Any, Literal
 
-from core.repository import EmbeddingsConfig
+from core.models.repository import EmbeddingsConfig
 
 EncodingFormat = Literal["float", "base64"]
 

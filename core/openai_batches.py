@@ -29,10 +29,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.db.backfills import Item, LineError, checked_item, custom_id, decode_line, terminal_rows
 from core.db.schema import Backfill, Job, OpenAIBatch
 from core.embeddings import EncodingFormat, as_vector, cut, dimensions_problem, encoded
+from core.models.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.openai_generation import PATHS as GENERATION_PATHS
 from core.openai_generation import (
     ParamError,

@@ -2,7 +2,7 @@
 
 :func:`parse_request` turns a ``POST /v1/completions`` or
 ``POST /v1/chat/completions`` body (or a Batch API line's body) into the
-generation input of a job (``core.generation`` checks it further) and the
+generation input of a job (``core.models.generation`` checks it further) and the
 options that shape the answer; every refusal is a :class:`ParamError`
 naming OpenAI's parameter. A parameter OpenAI defines that Ferry does not
 honour (``logprobs``, ``n`` above 1, ``tools`` ...) is refused, not ignored;
@@ -29,7 +29,7 @@ ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 MAX_USER_CHARS = 256
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
-# Passed on to the generation input as they are (core.generation checks them).
+# Passed on to the generation input as they are (core.models.generation checks them).
 SAMPLING = ("temperature", "top_p", "stop", "seed")
 COMMON = frozenset({"model", "n", "user", "stream", "stream_options", *SAMPLING, "max_tokens"})
 TAKEN: dict[Endpoint, frozenset[str]] = {
@@ -219,7 +219,7 @@ def _prompt(value: Any) -> str:
 
 def _messages(value: Any) -> Any:
     """The messages, with OpenAI's text parts joined and its developer role as system;
-    anything else is left to core.generation's check, which names the member."""
+    anything else is left to core.models.generation's check, which names the member."""
     if value is None:
         raise ParamError("messages", "is required")
     if not isinstance(value, list):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.repository import relative
+from core.models.repository import relative
 from ferry.lm_build import Shape, build_lm, shape_for
 
 RECIPE = "lm-build.toml"

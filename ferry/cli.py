@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     # Typer carries its own Click: this is what its usage errors are.
     from typer._click.exceptions import ClickException
 
-    from core.repository import RepositoryError
+    from core.models.repository import RepositoryError
 
     # Help and usage errors in plain text off a terminal (scripts, logs), Rich on one.
     app.rich_markup_mode = "rich" if on_terminal() else None

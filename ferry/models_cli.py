@@ -33,7 +33,7 @@ from ferry.console import Row, one_of, print_json, show_table
 from ferry.remote import ApiOption, JsonOption, KeyOption, connect, given, remember, reported
 
 if TYPE_CHECKING:
-    from core.repository import Problem
+    from core.models.repository import Problem
 
 app = typer.Typer(help="the models the API serves, and the model repository")
 
@@ -118,7 +118,7 @@ def say_unbuilt(
     False when a served model's recipe cannot be read (printed as an error; a
     model not served gets a warning).
     """
-    from core.repository import relative
+    from core.models.repository import relative
     from ferry.built_models import RecipeError, built_versions
 
     read = True

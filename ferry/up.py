@@ -32,7 +32,7 @@ from core.config.settings import Settings
 from core.db import migrate
 from core.db.keys import create_key, verify_token
 from core.db.schema import make_engine, make_sessionmaker
-from core.repository import Repository
+from core.models.repository import Repository
 from core.streams.target import RedisTarget
 from ferry.built_models import build_missing
 from ferry.local_redis import start_redis

@@ -14,9 +14,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from core.catalog import ModelSpec
-from core.inputs import input_spec
-from core.repository import ModelConfig
+from core.models.catalog import ModelSpec, input_spec
+from core.models.repository import ModelConfig
 
 SPECIAL = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["system", "user", "assistant", "hello", "world", "the", "cat", "sat", "on", "mat"]

@@ -9,7 +9,8 @@ from typing import Any
 from backends import get_backend
 from backends.base import Runtime, RuntimeOptions
 from core.config.settings import PER_MODEL, Settings
-from core.repository import ModelConfig, load_repository
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig
 
 # The shipped one, or a copy FERRY_MODEL_REPOSITORY names (the GPU check's, in fp16).
 REPOSITORY = Path(

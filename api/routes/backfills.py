@@ -14,8 +14,8 @@ from api.errors import ApiError
 from api.schemas import BackfillList, BackfillResource, error_responses
 from api.services import resolve_model
 from api.state import app_state
-from core.catalog import text_problem
 from core.db.backfills import result_lines
+from core.models.catalog import text_problem
 
 router = APIRouter(
     prefix="/v1/backfills", tags=["backfills"], responses=error_responses(401, 422, 503)

@@ -33,12 +33,12 @@ from api.reads import JobRead, succeeded_output, until_terminal
 from api.routes.system import readyz
 from api.state import app_state
 from api.submissions import GroupCommit, Submitted, job_create, prepare_in
-from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db.schema import ApiKey
 from core.db.versions import load, unload, version_states
+from core.models.catalog import ModelSpec
+from core.models.repository import ModelConfig
 from core.ops.metrics import JOBS_ACCEPTED
-from core.repository import ModelConfig
 from scheduler.vocabulary import Lane
 
 log = logging.getLogger(__name__)

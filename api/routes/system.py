@@ -24,11 +24,11 @@ from api.openai_errors import openai_error
 from api.routes.openai import OPENAI_ERRORS
 from api.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo, error_responses
 from api.state import AppState, app_state
-from core.catalog import ModelSpec
 from core.config.settings import Settings
 from core.db.versions import version_states
-from core.generation import GenerationSpec
-from core.generation_estimates import GenerationEstimate
+from core.models.catalog import ModelSpec
+from core.models.generation import GenerationSpec
+from core.models.generation_estimates import GenerationEstimate
 from core.ops.metrics import queue_metrics, token_matches
 from core.streams.queues import lane_depths, live_workers, numeric_stats, stats_text
 from core.streams.target import REDIS_ERRORS

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import RuntimeOptions, file_problems, parameter_problems
-from core.repository import ModelConfig, ModelVersion, Problem
+from core.models.repository import ModelConfig, ModelVersion, Problem
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "block_size": int,

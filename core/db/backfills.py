@@ -23,7 +23,6 @@ from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from core.db.resources import iso
 from core.db.schema import (
     BACKFILL_ACTIVE,
@@ -35,6 +34,7 @@ from core.db.schema import (
     Job,
     utcnow,
 )
+from core.models.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 from scheduler.vocabulary import Lane
 
 MAX_CUSTOM_ID_CHARS = 255

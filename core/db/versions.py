@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db.schema import ModelActivation, ModelUnload, utcnow
-from core.repository import ModelConfig
+from core.models.repository import ModelConfig
 from core.streams.protocol import versions_key, workers_key
 from core.streams.queues import HEARTBEAT_TTL_S
 

@@ -1,8 +1,9 @@
 """The catalog: what the API knows of each model it takes jobs for.
 
-Built from the model repository (core.repository) by backends.catalog; a
-spec checks an input and prices it (core.inputs) without torch, and says
-which versions the model has.
+Built from the model repository (core.models.repository) by backends.catalog; a
+spec checks an input and prices it without torch (``input_spec`` picks a model's
+from core.models.inputs or core.models.generation), and says which versions the
+model has.
 """
 
 from __future__ import annotations
@@ -10,10 +11,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.inputs import InputError, Validated
-from core.repository import EmbeddingsConfig
+from core.models.generation import generation_spec
+from core.models.inputs import (
+    ImageSpec,
+    InputError,
+    JsonSpec,
+    TensorInputSpec,
+    TextSpec,
+    Validated,
+)
+from core.models.repository import EmbeddingsConfig, InputConfig, ModelConfig
 
-__all__ = ["InputError", "ModelSpec", "Validated", "nesting_problem", "text_problem"]
+__all__ = [
+    "InputError",
+    "ModelSpec",
+    "Validated",
+    "input_spec",
+    "nesting_problem",
+    "text_problem",
+]
+
+
+def input_spec(model: ModelConfig) -> Any:
+    """The API's check and price for ``model``'s inputs, from its [input] and [cost]."""
+    config: InputConfig = model.input
+    if config.kind == "text":
+        return TextSpec(
+            name=model.name,
+            max_chars=config.max_chars,
+            max_tokens=config.max_tokens,
+            overlength=config.overlength,
+            tokenizer=model.tokenizer_path(),
+            cost=model.cost,
+        )
+    if config.kind == "image":
+        return ImageSpec(config.image_size, config.max_image_bytes, config.max_pixels, model.cost)
+    if config.kind == "json":
+        return JsonSpec(config.schema or {}, model.cost)
+    if config.kind == "generation":
+        return generation_spec(model)
+    return TensorInputSpec(config.tensors, model.cost)
 
 
 @dataclass(frozen=True)
@@ -26,7 +63,7 @@ class ModelSpec:
     active_version: int
     versions: tuple[int, ...]
     max_batch_size: int
-    input: Any  # a core.inputs spec: validate(value) -> Validated, input_schema
+    input: Any  # a core.models.inputs spec: validate(value) -> Validated, input_schema
     embeddings: EmbeddingsConfig | None = None  # served on POST /v1/embeddings
 
     @property

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from core.chat import (
+from core.models.chat import (
     TOKENIZER_CONFIG,
     ChatTemplate,
     ChatTemplateError,
@@ -27,8 +27,8 @@ from core.chat import (
     load_template,
     template_source,
 )
-from core.inputs import InputError, Validated, json_type, load_tokenizer
-from core.repository import InputConfig, ModelConfig
+from core.models.inputs import InputError, Validated, json_type, load_tokenizer
+from core.models.repository import InputConfig, ModelConfig
 
 ROLES = ("system", "user", "assistant")
 MEMBERS = ("prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed")
@@ -328,7 +328,7 @@ def generation_spec(model: ModelConfig, number: int | None = None) -> Generation
     """``model``'s check for ``number``'s version (None: the active one).
 
     Reads the version's config.json when model.toml gives no context_tokens,
-    and compiles its chat template (core.model_toml checked both already).
+    and compiles its chat template (core.models.reader checked both already).
     """
     config = model.input
     files = model.version(number).files

@@ -1,7 +1,7 @@
 """What a generation model's workers learned, and the wait the API quotes from it.
 
 A generation worker publishes into its model's stats hash (the one encoder
-workers fill with :class:`~core.estimates.ModelEstimate`) its learned step
+workers fill with :class:`~core.models.estimates.ModelEstimate`) its learned step
 time (seconds ~ a + b x a step's tokens), its KV pool, its per-step budgets,
 the sizes of the jobs it saw lately and how it runs the model
 (:class:`GenerationEstimate`, its own fields: an encoder's hash never has

@@ -1,7 +1,8 @@
 """Input kinds: how the API checks one job's input and prices it, without torch.
 
-A model's ``[input]`` and ``[cost]`` tables (core.repository) choose one of
-these (``generation``'s is in core.generation). Each check raises
+A model's ``[input]`` and ``[cost]`` tables (core.models.repository) choose one of
+these (``generation``'s is in core.models.generation; core.models.catalog's
+``input_spec`` picks). Each check raises
 :class:`InputError` naming the field, before anything is stored; the cost is
 what the scheduler budgets a batch in (tokens, pixels, a member of the input,
 or a constant).
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from core.repository import CostConfig, InputConfig, ModelConfig
+from core.models.repository import CostConfig
 
 
 class InputError(ValueError):
@@ -331,30 +332,6 @@ def _check_array(value: Any, shape: tuple[int, ...], dtype: str, where: str) -> 
                 dtype, "integers" if dtype.startswith("int") else "finite numbers"
             )
             raise InputError(where, f"must hold {want} ({dtype}), found {json_type(item)}")
-
-
-def input_spec(model: ModelConfig) -> Any:
-    """The API's check and price for ``model``'s inputs, from its [input] and [cost]."""
-    config: InputConfig = model.input
-    if config.kind == "text":
-        return TextSpec(
-            name=model.name,
-            max_chars=config.max_chars,
-            max_tokens=config.max_tokens,
-            overlength=config.overlength,
-            tokenizer=model.tokenizer_path(),
-            cost=model.cost,
-        )
-    if config.kind == "image":
-        return ImageSpec(config.image_size, config.max_image_bytes, config.max_pixels, model.cost)
-    if config.kind == "json":
-        return JsonSpec(config.schema or {}, model.cost)
-    if config.kind == "generation":
-        # Imported here: core.generation builds on this module's errors and tokenizers.
-        from core.generation import generation_spec
-
-        return generation_spec(model)
-    return TensorInputSpec(config.tensors, model.cost)
 
 
 def json_type(value: Any) -> str:

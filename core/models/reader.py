@@ -1,7 +1,7 @@
 """Reading model.toml files: every problem noted with its file and field, none raised.
 
-core.repository's ``load_repository`` calls :func:`read_repository`; the
-format is documented field by field in docs/model-repository.md.
+:func:`load_repository` reads a whole repository into core.models.repository's
+types; the format is documented field by field in docs/model-repository.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.repository import (
+from core.models.repository import (
     CostConfig,
     EmbeddingsConfig,
     InputConfig,
@@ -72,14 +72,22 @@ EMBEDDINGS_KEYS = {"dimensions", "truncatable"}
 MEMORY_KEYS = {"memory_budget_bytes", "memory_threshold", "gpu_memory_fraction"}
 
 
-def read_repository(
+def load_repository(
     root: Path,
     environ: Mapping[str, str] | None = None,
     known_settings: Iterable[str] = (),
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     only: str | None = None,
 ) -> Repository:
-    """core.repository.load_repository's reading (its arguments are documented there)."""
+    """Read every model under ``root`` (or the one named ``only``); problems are collected.
+
+    ``environ`` (default ``os.environ``) overrides [input] and [parameters]
+    values: ``FERRY_<MODEL>_<KEY>`` (``FERRY_SIM_LATENCY_BASE_MS``), parsed as
+    the type the file gives. ``overrides`` (FERRY_MODEL_PARAMETERS), per
+    model, then replaces values by key, typed already. ``known_settings``:
+    the names [batching] and [memory] may use (their values are checked by
+    the settings themselves).
+    """
     environ = os.environ if environ is None else environ
     problems: list[Problem] = []
     models: dict[str, ModelConfig] = {}
@@ -400,7 +408,7 @@ class _Reader:
     def generation_files(self, config: InputConfig, versions: Mapping[int, ModelVersion]) -> None:
         """Each version's context length (unless model.toml gives one) and chat template."""
         # Imported here: only a repository with a generation model needs Jinja.
-        from core.generation import version_problems
+        from core.models.generation import version_problems
 
         for number, version in sorted(versions.items()):
             for field, message in version_problems(config, version.files):

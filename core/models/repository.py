@@ -18,7 +18,7 @@ field in docs/model-repository.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,27 +186,6 @@ class Repository:
 def env_name(model: str, key: str) -> str:
     """The environment variable that overrides ``key`` of ``model``'s [input] or [parameters]."""
     return "FERRY_" + re.sub(r"[^A-Za-z0-9]", "_", f"{model}_{key}").upper()
-
-
-def load_repository(
-    root: Path,
-    environ: Mapping[str, str] | None = None,
-    known_settings: Iterable[str] = (),
-    overrides: Mapping[str, Mapping[str, Any]] | None = None,
-    only: str | None = None,
-) -> Repository:
-    """Read every model under ``root`` (or the one named ``only``); problems are collected.
-
-    ``environ`` (default ``os.environ``) overrides [input] and [parameters]
-    values: ``FERRY_<MODEL>_<KEY>`` (``FERRY_SIM_LATENCY_BASE_MS``), parsed as
-    the type the file gives. ``overrides`` (FERRY_MODEL_PARAMETERS), per
-    model, then replaces values by key, typed already. ``known_settings``:
-    the names [batching] and [memory] may use (their values are checked by
-    the settings themselves). The reading itself is core.model_toml's.
-    """
-    from core.model_toml import read_repository
-
-    return read_repository(root, environ, known_settings, overrides, only)
 
 
 def relative(root: Path, path: Path) -> str:

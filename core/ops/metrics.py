@@ -19,7 +19,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from core.config.settings import Settings
-from core.estimates import ModelEstimate
+from core.models.estimates import ModelEstimate
 from core.ops.autoscale import DesiredWorkers
 from core.streams.queues import (
     arrivals,

@@ -5,7 +5,7 @@ bytes of their inputs (``FERRY_QUEUE_MAX_BYTES``). A submission that would
 take the queue past either is refused with a 503 whose ``Retry-After`` is the
 time the model's workers are predicted to take to finish enough of the jobs
 ahead for it to fit: the same learned estimates that quote ``estimated_wait_ms``
-and refuse a deadline (``core.estimates``, ``core.generation_estimates``).
+and refuse a deadline (``core.models.estimates``, ``core.models.generation_estimates``).
 Pure: the caller brings the counts and the estimate.
 """
 

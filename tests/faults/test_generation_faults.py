@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from core.generation import prompt_token_ids
+from core.models.generation import prompt_token_ids
 from core.streams.events import JobEvent
 from core.streams.protocol import events_key
 from harness import webclient

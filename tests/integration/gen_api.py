@@ -27,7 +27,7 @@ from api.state import app_state
 from core.config.settings import Settings
 from core.db.schema import Job, utcnow
 from core.db.terminal import after_terminal
-from core.repository import load_repository
+from core.models.reader import load_repository
 from core.streams.events import JobEvent
 from core.streams.protocol import done_channel, events_key
 from harness.served import Served, served

@@ -163,7 +163,7 @@ def greedy(folder: Path, prompt: str, max_tokens: int) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.generation import prompt_token_ids
+    from core.models.generation import prompt_token_ids
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor([prompt_token_ids({"prompt": prompt}, folder / "tokenizer.json")])

@@ -20,7 +20,7 @@ from api.app import create_app
 from api.state import app_state
 from core.config.settings import Settings
 from core.db.schema import Job
-from core.repository import load_repository
+from core.models.reader import load_repository
 from tests.causal_lm_files import catalog_spec, write_model
 from tests.models import REPOSITORY
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from core.config.settings import Settings
-from core.generation_estimates import GenerationEstimate
+from core.models.generation_estimates import GenerationEstimate
 from core.streams.broker import celery_for_events
 from core.streams.queues import stats_text
 from tests.integration.generation_worker import (

@@ -27,7 +27,7 @@ from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
 from core.config.settings import Settings
 from core.db.keys import create_key, set_weight
-from core.generation import prompt_token_ids
+from core.models.generation import prompt_token_ids
 from core.streams.events import JobEvent
 from core.streams.protocol import cancels_key, events_key
 from tests.integration.generation_worker import (

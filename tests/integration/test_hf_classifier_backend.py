@@ -17,7 +17,8 @@ import pytest
 from backends.base import RuntimeOptions
 from backends.hf_classifier import BACKENDS, HFClassifierRuntime
 from core.config.settings import PER_MODEL
-from core.repository import ModelConfig, load_repository
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = [
@@ -312,7 +313,7 @@ def test_check_imports_no_torch(models: Path) -> None:
         "import sys\n"
         "from pathlib import Path\n"
         "from backends.hf_classifier import BACKENDS\n"
-        "from core.repository import load_repository\n"
+        "from core.models.reader import load_repository\n"
         "from core.config.settings import PER_MODEL\n"
         f"model = load_repository(Path({str(models)!r}), {{}}, PER_MODEL)['sentiment']\n"
         "assert BACKENDS['hf-classifier'].check(model, model.version()) == []\n"

@@ -14,7 +14,8 @@ from backends.onnx import BACKENDS
 from backends.onnx_export import main as export_main
 from bench.corpus import load_texts
 from core.config.settings import PER_MODEL
-from core.repository import ModelConfig, load_repository
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig
 from tests.vectors import cosine
 
 MODEL_TOML = textwrap.dedent("""\

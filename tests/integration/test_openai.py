@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from backends.catalog import build_catalog
 from core.config.settings import Settings
 from core.db.schema import Job
-from core.inputs import count_tokens
+from core.models.inputs import count_tokens
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

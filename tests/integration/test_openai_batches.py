@@ -22,7 +22,7 @@ from backends.catalog import build_catalog
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Backfill, FilePart, Job, OpenAIBatch, utcnow
-from core.inputs import count_tokens
+from core.models.inputs import count_tokens
 from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop

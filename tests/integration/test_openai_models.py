@@ -15,7 +15,7 @@ from api.state import app_state
 from backends.catalog import build_catalog
 from core.config.settings import Settings
 from core.db.schema import ModelActivation
-from core.repository import load_repository
+from core.models.reader import load_repository
 from harness import webclient
 from harness.served import Served, served
 from tests.causal_lm_files import catalog_spec, write_model

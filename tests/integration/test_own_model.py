@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.repository import RepositoryError
+from core.models.repository import RepositoryError
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_worker import submit, wait_terminal
 from workers.gpu.main import build_loop
@@ -226,7 +226,7 @@ def test_a_backfill_runs_on_the_active_version_and_says_so(
 def test_each_version_imports_its_own_helpers(tmp_path: Path) -> None:
     from backends import get_backend
     from backends.base import RuntimeOptions
-    from core.repository import load_repository
+    from core.models.reader import load_repository
 
     model = tmp_path / "models" / "helped"
     for version in (1, 2):

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.submissions import QueueView, input_size
 from core.config.settings import Settings
-from core.estimates import ModelEstimate
+from core.models.estimates import ModelEstimate
 from core.streams.bounds import UNKNOWN_RATE_RETRY_AFTER_S, retry_after_s
 from core.streams.protocol import queued_bytes_key
 from core.streams.queues import live_workers, model_stats, tenant_depths

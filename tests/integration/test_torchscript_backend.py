@@ -17,7 +17,8 @@ import torch
 from backends.base import RuntimeOptions
 from backends.torchscript import BACKENDS, DECLARED_BYTES_PER_VALUE, TorchModuleRuntime
 from core.config.settings import PER_MODEL
-from core.repository import ModelConfig, load_repository
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig
 
 X = '[[input.tensors]]\nname = "x"\nshape = [4]\ndtype = "float32"\n'
 IDS = '[[input.tensors]]\nname = "ids"\nshape = [5]\ndtype = "int64"\n'
@@ -360,7 +361,7 @@ def test_check_imports_no_torch(models: Path) -> None:
         "import sys\n"
         "from pathlib import Path\n"
         "from backends.torchscript import BACKENDS\n"
-        "from core.repository import load_repository\n"
+        "from core.models.reader import load_repository\n"
         "from core.config.settings import PER_MODEL\n"
         f"repository = load_repository(Path({str(models)!r}), {{}}, PER_MODEL)\n"
         "for name in repository:\n"

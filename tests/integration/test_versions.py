@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from backends.base import HostRuntime
 from core.config.settings import Settings
 from core.db.versions import activate, active_version, report, version_states
-from core.repository import ModelConfig
+from core.models.repository import ModelConfig
 from core.streams.protocol import workers_key
 from tests.integration.test_hot_reload import echo_repository
 from workers.gpu.versions import Loaded, VersionManager

@@ -11,10 +11,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from backends.catalog import build_catalog
-from core.catalog import InputError, ModelSpec, Validated
 from core.config.settings import Settings
-from core.inputs import TextSpec
-from core.repository import CostConfig
+from core.models.catalog import InputError, ModelSpec, Validated
+from core.models.inputs import TextSpec
+from core.models.repository import CostConfig
 from tests.models import REPOSITORY, minilm_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from core.estimates import ModelEstimate, jobs_ahead
+from core.models.estimates import ModelEstimate, jobs_ahead
 
 
 def depths(**lanes: dict[str, int]) -> dict[str, dict[str, int]]:

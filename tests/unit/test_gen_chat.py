@@ -1,4 +1,4 @@
-"""core.chat renders a chat template to the very text transformers' apply_chat_template does."""
+"""core.models.chat renders a chat template to the text transformers' apply_chat_template does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from core.chat import (
+from core.models.chat import (
     ChatTemplateError,
     TemplateRefused,
     compile_template,

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from core.generation import GenerationSpec, prompt_token_ids
-from core.inputs import InputError, input_spec
-from core.repository import Repository, load_repository
+from core.models.catalog import input_spec
+from core.models.generation import GenerationSpec, prompt_token_ids
+from core.models.inputs import InputError
+from core.models.reader import load_repository
+from core.models.repository import Repository
 from tests.causal_lm_files import CHATML, LLAMA2, write_model
 
 BOS = 0  # the tokenizer's <s>

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from core.estimates import ModelEstimate
-from core.generation_estimates import (
+from core.models.estimates import ModelEstimate
+from core.models.generation_estimates import (
     GenerationEstimate,
     finish_s,
     first_token_s,

@@ -84,7 +84,7 @@ def test_workers_on_different_slices_have_different_consumer_names(
 def test_several_workers_of_a_model_on_one_device_have_names_of_their_own(
     tmp_path: Path,
 ) -> None:
-    from core.repository import load_repository
+    from core.models.reader import load_repository
     from ferry.up import instance_of
     from tests.models import REPOSITORY
     from workers.gpu.main import default_consumer_name

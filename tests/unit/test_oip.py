@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from api import oip
-from core.catalog import ModelSpec
 from core.db.versions import VersionState
-from core.inputs import TensorInputSpec, input_spec
-from core.repository import CostConfig, EmbeddingsConfig, TensorSpec
+from core.models.catalog import ModelSpec, input_spec
+from core.models.inputs import TensorInputSpec
+from core.models.repository import CostConfig, EmbeddingsConfig, TensorSpec
 from scheduler.vocabulary import Lane
 from tests.models import shipped
 

@@ -17,7 +17,8 @@ from backends import get_backend
 from backends.base import RuntimeOptions
 from backends.onnx import BACKENDS, OnnxRuntime, session_providers
 from core.config.settings import PER_MODEL
-from core.repository import ModelConfig, Problem, load_repository
+from core.models.reader import load_repository
+from core.models.repository import ModelConfig, Problem
 
 TENSOR_TOML = """\
 name = "{name}"
@@ -367,7 +368,7 @@ def test_check_imports_neither_onnxruntime_nor_torch(tmp_path: Path) -> None:
     tensor_model(tmp_path)
     script = textwrap.dedent(f"""\
         import sys
-        from core.repository import load_repository
+        from core.models.reader import load_repository
         from backends.onnx import BACKENDS
         model = load_repository({str(tmp_path / "models")!r}, environ={{}})["affine"]
         assert BACKENDS["onnx"].check(model, model.version()) == []

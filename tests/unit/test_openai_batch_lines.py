@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from core.catalog import ModelSpec
 from core.db.backfills import LineError
 from core.db.schema import Backfill, OpenAIBatch
+from core.models.catalog import ModelSpec
 from core.openai_batches import (
     ERROR,
     OUTPUT,

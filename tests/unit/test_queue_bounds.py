@@ -7,7 +7,7 @@ import math
 import pytest
 
 from api.submissions import QueueView
-from core.estimates import ModelEstimate
+from core.models.estimates import ModelEstimate
 from core.streams.bounds import (
     MAX_RETRY_AFTER_S,
     UNKNOWN_RATE_RETRY_AFTER_S,

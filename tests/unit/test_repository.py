@@ -10,7 +10,8 @@ import pytest
 
 from backends.catalog import check, model_problems
 from core.config.settings import PER_MODEL
-from core.repository import Problem, Repository, env_name, load_repository
+from core.models.reader import load_repository
+from core.models.repository import Problem, Repository, env_name
 from ferry.cli import main
 from tests.models import REPOSITORY
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from core.catalog import InputError
-from core.inputs import ImageSpec
-from core.repository import CostConfig
+from core.models.catalog import InputError
+from core.models.inputs import ImageSpec
+from core.models.repository import CostConfig
 
 PIXELS = CostConfig("pixels")
 
@@ -57,7 +57,7 @@ def test_refused_inputs_say_why(value: Any, message: str) -> None:
 
 def test_the_check_does_not_import_torch() -> None:
     code = (
-        "import sys, core.inputs as c; from core.repository import CostConfig; "
+        "import sys, core.models.inputs as c; from core.models.repository import CostConfig; "
         "spec = c.ImageSpec(image_size=224, max_image_bytes=65536, max_pixels=10**6, "
         "cost=CostConfig('pixels')); "
         f"assert spec.validate({encoded()!r}).cost == 224 * 224; "

@@ -11,9 +11,10 @@ import pytest
 
 from backends.catalog import check
 from core.config.settings import PER_MODEL, Settings
-from core.generation import generation_spec
-from core.inputs import InputError
-from core.repository import Repository, load_repository
+from core.models.generation import generation_spec
+from core.models.inputs import InputError
+from core.models.reader import load_repository
+from core.models.repository import Repository
 from ferry.built_models import (
     FILES,
     RECIPE,

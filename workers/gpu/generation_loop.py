@@ -40,7 +40,7 @@ from backends.generation.runtime import Completion, GenerationInput, StepResult
 from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db.schema import TERMINAL_STATUSES, Job
-from core.generation import prompt_token_ids
+from core.models.generation import prompt_token_ids
 from core.streams.events import JobEvent
 from core.streams.protocol import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan

@@ -2,7 +2,7 @@
 
 Beside the loop, never in its way: once per step it sets the step's metrics
 and, at most every ``PUBLISH_S``, writes what it learned into the model's
-stats hash (:class:`~core.generation_estimates.GenerationEstimate`: the step
+stats hash (:class:`~core.models.generation_estimates.GenerationEstimate`: the step
 time fit, the KV pool, the limits, the usual job, step or generate); once
 per job it learns the job's size when it is read and observes its TTFT, TPOT
 and finish reason when it ends. Nothing here runs per token.
@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from core.generation_estimates import Execution, GenerationEstimate
+from core.models.generation_estimates import Execution, GenerationEstimate
 from core.ops.metrics import (
     GENERATION_JOBS_ENDED,
     GENERATION_KV_BLOCKS_BUDGET,

@@ -1,7 +1,7 @@
 """What a worker has learned, published for the API, and its heartbeat.
 
 After its batches a worker publishes its model's fitted latency, usual batch
-and window (:class:`~core.estimates.ModelEstimate`, plus running averages)
+and window (:class:`~core.models.estimates.ModelEstimate`, plus running averages)
 into the model's stats hash, which ``/v1/models`` and the API's wait
 estimates read; and it beats in the model's workers set, so the API knows
 how many workers share the queue. With them go what the API's circuit

@@ -14,9 +14,9 @@ from core.config.settings import Settings
 from core.db.schema import make_engine, make_sessionmaker
 from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
+from core.models.repository import ModelConfig
 from core.ops import tracing
 from core.ops.health import serve
-from core.repository import ModelConfig
 from core.streams.broker import celery_for_events
 from core.streams.target import RedisTarget, ServerClock
 from workers.gpu.consumer import StreamConsumer

@@ -6,7 +6,7 @@ from typing import Any
 
 from backends.base import Runtime
 from core.config.settings import Settings
-from core.estimates import ModelEstimate
+from core.models.estimates import ModelEstimate
 from scheduler import Batcher
 from scheduler.learning import KNOBS, SchedulerState, Tuning
 from scheduler.policy import LinearFit

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import OutOfMemory, Runtime
 from core.db.versions import active_version, report
-from core.repository import ModelConfig
+from core.models.repository import ModelConfig
 from core.streams.target import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
