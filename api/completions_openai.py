@@ -24,12 +24,7 @@ from fastapi.responses import JSONResponse
 from api import services
 from api.errors import ApiError
 from api.events import KEEP_ALIVE, EventStreamResponse, follow
-from api.reads import JobRead, is_terminal, until_terminal
-from api.schemas import JobCreate, JobResource
-from api.state import app_state
-from api.submissions import GroupCommit, Submitted, prepare_request
-from core.db.schema import ApiKey
-from core.openai_generation import (
+from api.openai_generation import (
     Endpoint,
     GenerationRequest,
     ParamError,
@@ -40,6 +35,11 @@ from core.openai_generation import (
     usage_chunk,
     usage_of,
 )
+from api.reads import JobRead, is_terminal, until_terminal
+from api.schemas import JobCreate, JobResource
+from api.state import app_state
+from api.submissions import GroupCommit, Submitted, prepare_request
+from core.db.schema import ApiKey
 from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane
 

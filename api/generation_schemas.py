@@ -3,7 +3,7 @@ the answer to cancelling a running generation.
 
 The request models are what the OpenAPI document shows and what FastAPI
 checks types against; they keep fields they do not name (``extra="allow"``)
-so that ``core.openai_generation`` can refuse each of OpenAI's parameters
+so that ``api.openai_generation`` can refuse each of OpenAI's parameters
 Ferry does not honour by its name, instead of a generic "unknown field".
 """
 

@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.embeddings import as_vector
 from api.schemas import MAX_DEADLINE_MS
 from core.db.versions import VersionState
-from core.embeddings import as_vector
 from core.models.catalog import ModelSpec, text_problem
 from scheduler.vocabulary import Lane
 

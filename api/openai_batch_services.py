@@ -3,7 +3,7 @@
 An uploaded file keeps its bytes in ``file_parts``, a part per row, written a
 few parts per transaction so a long upload never holds the database's write
 lock. Creating a batch reads the file back line by line into a backfill
-(:class:`core.db.backfills.Ingest` with :class:`core.openai_batches.RequestLines`):
+(:class:`core.db.backfills.Ingest` with :class:`api.openai_batches.RequestLines`):
 the answer is the batch in progress, or failed with the errors of the file.
 """
 
@@ -18,11 +18,11 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import backfill_services
+from api import backfill_services, openai_batches
 from api.errors import ApiError
+from api.openai_batches import ERROR, OUTPUT
 from api.services import UnknownModel, resolve_model
 from backends.catalog import LiveVersions
-from core import openai_batches
 from core.config.settings import Settings
 from core.db import backfills
 from core.db.schema import (
@@ -35,7 +35,6 @@ from core.db.schema import (
     utcnow,
 )
 from core.models.catalog import ModelSpec
-from core.openai_batches import ERROR, OUTPUT
 
 PART_BYTES = 1 << 20
 PARTS_PER_TRANSACTION = 8

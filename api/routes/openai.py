@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import completions_openai, services
 from api.deps import KeyDep
+from api.embeddings import as_vector, cut, dimensions_problem, encoded
 from api.errors import ApiError
 from api.generation_schemas import (
     ChatCompletion,
@@ -34,7 +35,6 @@ from api.state import app_state
 from api.submissions import GroupCommit, Submission, job_create, prepare_request
 from core.config.settings import Settings
 from core.db.schema import ApiKey
-from core.embeddings import as_vector, cut, dimensions_problem, encoded
 from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane
 

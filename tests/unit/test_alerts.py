@@ -49,7 +49,9 @@ def test_every_alert_is_tested_firing_and_quiet() -> None:
 def test_alerts_ask_for_series_ferry_exports_and_jobs_prometheus_scrapes() -> None:
     exported = {
         family(name)
-        for name in re.findall(r'"(ferry_[a-z0-9_]+)"', (ROOT / "core" / "ops" / "metrics.py").read_text())
+        for name in re.findall(
+            r'"(ferry_[a-z0-9_]+)"', (ROOT / "core" / "ops" / "metrics.py").read_text()
+        )
     }
     jobs = {job["job_name"] for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
     for rule in rules():

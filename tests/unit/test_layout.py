@@ -20,6 +20,14 @@ ALLOWED = {
     "workers": {"core", "scheduler", "backends"},
     "migrations": {"core"},
 }
+# core's sub-packages (each __init__ says the same): what each may import of the others.
+CORE_ALLOWED = {
+    "config": set(),
+    "models": set(),
+    "streams": {"config"},
+    "db": {"config", "models", "streams"},
+    "ops": {"config", "models", "streams"},
+}
 # What ships: none of it starts test stacks, so none of it imports the harness.
 PRODUCTION = ("api", "backends", "core", "ferry", "migrations", "scheduler", "workers")
 # The batching policy is a pure function: no clock, no sleeping, no I/O, no torch.
@@ -49,6 +57,53 @@ def test_packages_import_only_what_the_design_allows(package: str) -> None:
     for path in files:
         ours = (imports_of(path) & OURS) - {package}
         assert ours <= ALLOWED[package], f"{path.relative_to(ROOT)} imports {ours}"
+
+
+def core_imports_of(path: Path) -> set[str]:
+    """The core sub-packages ``path`` imports (``core.db.schema`` -> ``db``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return {m.split(".")[1] for m in modules if m.startswith("core.")}
+
+
+def test_core_is_its_sub_packages_and_each_says_what_lives_there() -> None:
+    core = ROOT / "core"
+    assert sorted(p.name for p in core.glob("*.py")) == ["__init__.py"]
+    packages = sorted(p.parent.name for p in core.glob("*/__init__.py"))
+    assert packages == sorted(CORE_ALLOWED)
+    for package in packages:
+        tree = ast.parse((core / package / "__init__.py").read_text())
+        assert ast.get_docstring(tree), package
+
+
+@pytest.mark.parametrize("package", sorted(CORE_ALLOWED))
+def test_core_sub_packages_import_only_what_their_layer_allows(package: str) -> None:
+    for path in sorted((ROOT / "core" / package).rglob("*.py")):
+        others = core_imports_of(path) - {package}
+        assert others <= CORE_ALLOWED[package], f"{path.relative_to(ROOT)} imports core.{others}"
+
+
+def test_the_model_repository_has_no_import_circle() -> None:
+    # Module by module (lazy imports included): none imports one that imports it back.
+    folder = ROOT / "core" / "models"
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[path.stem] = {
+            n.module.rpartition(".")[2]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("core.models.")
+        }
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+            for nxt in graph.get(start, set())
+        )
+
+    circles = sorted(m for m in graph if reaches(m, m, {m}))
+    assert not circles, circles
 
 
 def test_the_scheduler_touches_no_clock_io_or_torch() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from api.openai_batches import ERROR, OUTPUT, RequestLines, request_line, role_of
 from core.db.backfills import LineError
 from core.models.catalog import ModelSpec
 from core.models.reader import load_repository
-from core.openai_batches import ERROR, OUTPUT, RequestLines, request_line, role_of
 from tests.causal_lm_files import catalog_spec, write_model
 from tests.unit.test_catalog import shipped
 

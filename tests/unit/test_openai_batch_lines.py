@@ -12,10 +12,7 @@ from typing import Any
 
 import pytest
 
-from core.db.backfills import LineError
-from core.db.schema import Backfill, OpenAIBatch
-from core.models.catalog import ModelSpec
-from core.openai_batches import (
+from api.openai_batches import (
     ERROR,
     OUTPUT,
     RequestLines,
@@ -26,6 +23,9 @@ from core.openai_batches import (
     role_of,
     window_hours,
 )
+from core.db.backfills import LineError
+from core.db.schema import Backfill, OpenAIBatch
+from core.models.catalog import ModelSpec
 from tests.unit.test_catalog import shipped
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from core.openai_generation import (
+from api.openai_generation import (
     ParamError,
     chunk_object,
     completion_object,

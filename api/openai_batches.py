@@ -12,7 +12,7 @@ them::
 one generation, the request's options kept in the job's metadata), so a
 batch runs as a backfill does: in the bulk lane, resumable, counted exactly.
 A completions line is checked as ``POST /v1/completions`` checks a request
-(``core.openai_generation``), less streaming and Ferry's own fields. Its output and error
+(``api.openai_generation``), less streaming and Ferry's own fields. Its output and error
 files are not stored: :func:`file_lines` renders them from the jobs, in input
 order, in OpenAI's line format.
 """
@@ -29,18 +29,18 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db.backfills import Item, LineError, checked_item, custom_id, decode_line, terminal_rows
-from core.db.schema import Backfill, Job, OpenAIBatch
-from core.embeddings import EncodingFormat, as_vector, cut, dimensions_problem, encoded
-from core.models.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
-from core.openai_generation import PATHS as GENERATION_PATHS
-from core.openai_generation import (
+from api.embeddings import EncodingFormat, as_vector, cut, dimensions_problem, encoded
+from api.openai_generation import PATHS as GENERATION_PATHS
+from api.openai_generation import (
     ParamError,
     completion_object,
     is_generation_output,
     parse_request,
     usage_of,
 )
+from core.db.backfills import Item, LineError, checked_item, custom_id, decode_line, terminal_rows
+from core.db.schema import Backfill, Job, OpenAIBatch
+from core.models.catalog import MAX_JSON_DEPTH, InputError, ModelSpec, text_problem
 
 EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = (EMBEDDINGS, *GENERATION_PATHS)
