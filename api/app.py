@@ -10,10 +10,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from api.admin import routes as admin
+from api.backfills import routes as backfills
+from api.batches import routes as batches
 from api.breaker import Breaker, BreakerPolicy
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
 from api.groups import GroupStage
+from api.jobs import routes as jobs
+from api.jobs import webhook_routes as webhooks
+from api.jobs.reads import GenerationProgress, GroupRead, JobReader
+from api.jobs.service import callback_checker
+from api.jobs.submissions import GroupCommit, GroupWriter
 from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.middleware import (
@@ -23,12 +31,11 @@ from api.middleware import (
     SecurityHeadersMiddleware,
     TracingMiddleware,
 )
+from api.models import routes as models
+from api.oip import routes as oip
+from api.openai import routes as openai
 from api.openai_errors import DialectErrorMiddleware
-from api.reads import GenerationProgress, GroupRead, JobReader
-from api.routes import admin, backfills, jobs, oip, openai, openai_batches, system, webhooks
-from api.services import callback_checker
 from api.state import AppState, install
-from api.submissions import GroupCommit, GroupWriter
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
 from core.db.schema import make_engine, make_sessionmaker, read_only
@@ -134,7 +141,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         grpc_server = None
         if settings.grpc_port:
             # Imported only here: an API without gRPC never loads grpcio.
-            from api.oip_grpc import start_server
+            from api.oip.grpc import start_server
 
             grpc_server = await start_server(app, settings)
         try:
@@ -167,11 +174,11 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(jobs.router)
     app.include_router(backfills.router)
     app.include_router(webhooks.router)
-    app.include_router(system.router)
+    app.include_router(models.router)
     app.include_router(admin.router)
     app.include_router(openai.router)
     app.include_router(oip.router)
-    app.include_router(openai_batches.router)
+    app.include_router(batches.router)
     # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,

@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.completions import CompletionHub
 from api.errors import ApiError
+from api.jobs.reads import GroupRead
 from api.keycache import KeyCache
 from api.limits import RequestLimits
-from api.reads import GroupRead
 from api.state import AppState, app_state
 from core.config.settings import Settings
 from core.db.keys import verify_token

@@ -1,8 +1,8 @@
 """A stage that gathers the requests arriving together and does their work as one.
 
 Ferry batches its own work the way its workers batch the model's: the
-submissions of one moment share a transaction (``api.submissions``), the
-reads of one moment share a query (``api.reads``). A group is whatever
+submissions of one moment share a transaction (``api.jobs.submissions``), the
+reads of one moment share a query (``api.jobs.reads``). A group is whatever
 waited while the previous group was being worked on, plus what arrives
 within ``wait_s`` of its first request, at most ``max_items``; ``workers``
 groups are worked on at a time, each in a thread of the stage's own (one

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The routes that speak OpenAI's dialect.
 OPENAI_PATHS = re.compile(r"^/v1/(embeddings|completions|chat/completions|files|batches)(/|$)")
-# The Open Inference Protocol's routes (api.routes.oip).
+# The Open Inference Protocol's routes (api.oip.routes).
 OIP_PATHS = re.compile(r"^/v2(/|$)")
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # "field: why" — Ferry's messages name the field first; OpenAI calls it param.

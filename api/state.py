@@ -18,10 +18,10 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
     from api.completions import CompletionHub
+    from api.jobs.reads import GroupRead
+    from api.jobs.submissions import GroupCommit
     from api.keycache import KeyCache
     from api.limits import RequestLimits
-    from api.reads import GroupRead
-    from api.submissions import GroupCommit
     from backends.catalog import LiveVersions
     from core.config.settings import Settings
     from core.db.webhooks import DeliveryKicker

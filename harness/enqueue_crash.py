@@ -28,7 +28,7 @@ def install() -> None:
     trigger = os.environ.get(ENV)
     if not trigger:
         return
-    from api.submissions import GroupWriter
+    from api.jobs.submissions import GroupWriter
 
     original = GroupWriter._enqueue
 

@@ -238,7 +238,7 @@ class StoredFile(Base):
 
     An uploaded batch input keeps its bytes in ``file_parts``. A batch's output
     and error files keep none: their lines are rendered from the backfill's
-    jobs when read (``api.openai_batches``), so results are stored once.
+    jobs when read (``api.batches.lines``), so results are stored once.
     """
 
     __tablename__ = "files"

@@ -13,7 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import services
+from api.jobs import service as services
 from api.state import app_state
 from core.config.settings import Settings
 from core.db.schema import Job

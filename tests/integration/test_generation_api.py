@@ -184,8 +184,8 @@ def test_an_encoder_job_streams_its_status_and_done(
 def test_a_quiet_stream_gets_keep_alive_comments(
     http: httpx.Client, submit: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("api.events.HEARTBEAT_S", 0.2)
-    monkeypatch.setattr("api.events.BLOCK_MS", 100)
+    monkeypatch.setattr("api.jobs.events.HEARTBEAT_S", 0.2)
+    monkeypatch.setattr("api.jobs.events.BLOCK_MS", 100)
     job_id = submit()
     with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
         reader = EventReader(response)

@@ -19,9 +19,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.groups import GroupStage
-from api.schemas import JobCreate
-from api.services import resolve_model
-from api.submissions import GroupCommit, GroupWriter, Submission, prepare
+from api.jobs.schemas import JobCreate
+from api.jobs.submissions import GroupCommit, GroupWriter, Submission, prepare
+from api.models.service import resolve_model
 from backends.catalog import build_catalog
 from core.config.settings import Settings
 from core.db.keys import create_key, revoke_key

@@ -13,7 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.submissions import QueueView, input_size
+from api.jobs.submissions import QueueView, input_size
 from core.config.settings import Settings
 from core.models.estimates import ModelEstimate
 from core.streams.bounds import UNKNOWN_RATE_RETRY_AFTER_S, retry_after_s

@@ -347,7 +347,7 @@ def test_live_versions_answer_from_the_last_read_and_read_again_before_refusing(
     """Past the first read, a question never waits for the repository or the database: it
     is answered from the last read while the next runs in a thread (they were read on the
     API's event loop once a second); a request about to be refused reads again first."""
-    from api.services import resolve_model
+    from api.models.service import resolve_model
     from backends.catalog import LiveVersions, build_catalog
 
     model = echo(tmp_path)

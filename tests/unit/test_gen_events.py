@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from api.errors import ApiError
-from api.events import done_of, resume_after, sse
-from api.schemas import JobResource
+from api.jobs.events import done_of, resume_after, sse
+from api.jobs.schemas import JobResource
 
 
 def test_an_event_is_its_id_kind_and_one_line_of_json() -> None:

@@ -1,4 +1,4 @@
-"""api.oip: the inference protocol's requests parsed, cut into rows, answered as tensors."""
+"""api.oip.protocol: the protocol's requests parsed, cut into rows, answered as tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from api import oip
+from api.oip import protocol as oip
 from core.db.versions import VersionState
 from core.models.catalog import ModelSpec, input_spec
 from core.models.inputs import TensorInputSpec

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from fastapi import FastAPI
 
-from api import oip
-from api.oip_grpc import (
+from api.oip import protocol as oip
+from api.oip.grpc import (
     CODES,
     CONTENTS,
     accepted_response,
@@ -21,9 +21,9 @@ from api.oip_grpc import (
     model_version,
     start_server,
 )
-from api.oip_proto import generate
-from api.oip_proto import grpc_service_pb2 as pb
-from api.routes.oip import _MEANINGS
+from api.oip.proto import generate
+from api.oip.proto import grpc_service_pb2 as pb
+from api.oip.routes import _MEANINGS
 from core.config.settings import Settings
 from harness.ports import free_port
 

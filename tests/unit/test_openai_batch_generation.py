@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from api.openai_batches import ERROR, OUTPUT, RequestLines, request_line, role_of
+from api.batches.lines import ERROR, OUTPUT, RequestLines, request_line, role_of
 from core.db.backfills import LineError
 from core.models.catalog import ModelSpec
 from core.models.reader import load_repository

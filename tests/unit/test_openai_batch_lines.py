@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from api.openai_batches import (
+from api.batches.lines import (
     ERROR,
     OUTPUT,
     RequestLines,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from api.openai_generation import (
+from api.openai.generation import (
     ParamError,
     chunk_object,
     completion_object,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from api.submissions import QueueView
+from api.jobs.submissions import QueueView
 from core.models.estimates import ModelEstimate
 from core.streams.bounds import (
     MAX_RETRY_AFTER_S,

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from api.errors import _validation_message
-from api.schemas import MAX_DEADLINE_MS, JobCreate, metadata_problem
+from api.jobs.schemas import MAX_DEADLINE_MS, JobCreate, metadata_problem
 
 MAX_METADATA_BYTES = 16_384  # the default of FERRY_MAX_METADATA_BYTES
 

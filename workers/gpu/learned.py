@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
 # What the worker learned is published at most this often: the API reads it at
-# most every 250 ms (api.submissions.VIEW_TTL_S), so a write per batch is waste.
+# most every 250 ms (api.jobs.submissions.VIEW_TTL_S), so a write per batch is waste.
 PUBLISH_S = 0.25
 # The jobs whose latency the published p99 is of: those finished in the last this many seconds.
 LATENCY_WINDOW_S = 10.0

@@ -1,0 +1,1 @@
+"""Operator endpoints: every tenant's queues and keys (admin-scoped keys only)."""

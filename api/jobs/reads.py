@@ -1,0 +1,221 @@
+"""Reads of jobs by id, in groups: one query (and one thread hop) for every read that
+arrives together, long-polls woken by one completion message included."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import redis
+from sqlalchemy import Engine, bindparam, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from api.errors import ApiError
+from api.groups import GroupStage
+from api.jobs.schemas import JobResource, Progress
+from api.jobs.submissions import QueueViews
+from core.db.resources import job_resource
+from core.db.schema import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.db.webhooks import TERMINAL_EVENT_TYPES
+from core.models.generation_estimates import decode_step_s
+from core.streams.events import JobEvent
+from core.streams.protocol import ProtocolError, events_key
+from core.streams.target import REDIS_ERRORS
+
+if TYPE_CHECKING:
+    from api.state import AppState
+
+log = logging.getLogger(__name__)
+
+# Every column under its attribute's name, so that a row reads like a Job.
+_JOB = select(*(prop.columns[0].label(prop.key) for prop in Job.__mapper__.column_attrs)).where(
+    Job.__table__.c.id.in_(bindparam("ids", expanding=True))
+)
+_DELIVERIES = select(WebhookDelivery.__table__).where(
+    WebhookDelivery.__table__.c.job_id.in_(bindparam("ids", expanding=True)),
+    # A job's callback is its terminal event's (started and progress ones come before).
+    WebhookDelivery.__table__.c.event_type.in_(TERMINAL_EVENT_TYPES),
+)
+
+
+@dataclass(frozen=True)
+class JobRead:
+    key_id: str  # the caller: another key's job reads as missing
+    job_id: str
+
+
+# The process's group read: a job asked for in, its resource out.
+GroupRead = GroupStage[JobRead, JobResource]
+
+
+# The last events of a running generation's stream that are read for its
+# progress: its newest token is among them (after it, at most a ``running``
+# event per attempt that took it over).
+PROGRESS_EVENTS = 8
+
+
+class GenerationProgress:
+    """Running generations' progress: their newest token in their events streams (one
+    pipeline for a group of reads) and the decode step time their workers published."""
+
+    def __init__(self, client: redis.Redis, prefix: str, views: QueueViews) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.views = views  # the submissions' own: one read of a model's estimates for both
+
+    def of(self, jobs: Sequence[Job]) -> dict[str, Progress]:
+        """Progress of each of ``jobs`` that is a running generation (none while Redis is
+        unreachable: the read still answers, without it)."""
+        running = [
+            (job, int(job.input["max_tokens"]))
+            for job in jobs
+            if job.status == "running"
+            and isinstance(job.input, dict)
+            and "prompt_tokens" in job.input
+            and isinstance(job.input.get("max_tokens"), int)
+        ]
+        if not running:
+            return {}
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for job, _ in running:
+                pipe.xrevrange(events_key(self.prefix, job.model, job.id), count=PROGRESS_EVENTS)
+            newest = pipe.execute()
+            out: dict[str, Progress] = {}
+            for (job, max_tokens), entries in zip(running, newest, strict=True):
+                tokens = _tokens_so_far(entries)
+                out[job.id] = Progress(
+                    tokens=tokens,
+                    max_tokens=max_tokens,
+                    eta_ms=self._eta_ms(job.model, max_tokens, max_tokens - tokens),
+                )
+            return out
+        except REDIS_ERRORS as exc:
+            log.warning("progress reads failed", extra={"error_type": type(exc).__name__})
+            return {}
+
+    def _eta_ms(self, model: str, max_tokens: int, remaining: int) -> float | None:
+        with self.views.lock:
+            view = self.views.get(model)
+        est = view.generation if view is not None else None
+        if est is None or est.execution != "step":
+            return None
+        return round(max(0, remaining) * decode_step_s(est, 0, max_tokens) * 1000.0, 1)
+
+
+def _tokens_so_far(entries: Sequence[Any]) -> int:
+    """The index after the newest token among a stream's last entries (newest first)."""
+    for _id, fields in entries:
+        try:
+            event = JobEvent.decode(fields)
+        except ProtocolError:
+            continue
+        if event.kind == "token" and event.index is not None:
+            return event.index + 1
+    return 0
+
+
+class JobReader:
+    """Reads a group of jobs with Core statements on ``engine``'s connections (the API's
+    read-only one: no ORM session, no BEGIN/ROLLBACK): the job rows in one query, their
+    webhook deliveries in another; with ``progress``, running generations' progress from
+    Redis in one pipeline."""
+
+    def __init__(self, engine: Engine, progress: GenerationProgress | None = None) -> None:
+        self.engine = engine
+        self.progress = progress
+
+    def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
+        ids = sorted({read.job_id for read in group})
+        try:
+            with self.engine.connect() as connection:
+                rows = {row.id: row for row in connection.execute(_JOB, {"ids": ids})}
+                called = [
+                    row.id
+                    for row in rows.values()
+                    if row.callback_url and row.status in TERMINAL_STATUSES
+                ]
+                deliveries: dict[str, Any] = {}
+                if called:
+                    for found in connection.execute(_DELIVERIES, {"ids": called}):
+                        deliveries[found.job_id] = found
+        except SQLAlchemyError as exc:
+            log.warning("job reads failed", extra={"error_type": type(exc).__name__})
+            unavailable = ApiError(
+                503,
+                "unavailable",
+                "the database is unavailable; retry shortly",
+                {"Retry-After": "2"},
+            )
+            return [unavailable] * len(group)
+        # The rows carry every column under its attribute's name: read as Jobs.
+        progress = self.progress.of([cast(Job, r) for r in rows.values()]) if self.progress else {}
+        out: list[JobResource | Exception] = []
+        for read in group:
+            row: Any = rows.get(read.job_id)
+            if row is None or row.api_key_id != read.key_id:
+                out.append(ApiError(404, "not_found", f"no job {read.job_id!r}"))
+            else:
+                job = cast(Job, row)
+                delivery = cast(WebhookDelivery | None, deliveries.get(row.id))
+                resource = JobResource.model_validate(job_resource(job, delivery))
+                resource.progress = progress.get(row.id)
+                out.append(resource)
+        return out
+
+
+def is_terminal(resource: JobResource) -> bool:
+    return resource.status in TERMINAL_STATUSES
+
+
+def succeeded_output(job: JobResource, where: str) -> Any:
+    """The output of a job a request waited for: 504 if it still runs, 500 if it did not
+    succeed. ``where``: the request's part the job is (``input[3]``, ``row 3``)."""
+    if not is_terminal(job):
+        raise ApiError(
+            504,
+            "timeout",
+            f"{where} is still {job.status} (job {job.id}); it runs all the same, "
+            "but this request waited as long as it may",
+        )
+    if job.status != "succeeded":
+        raise ApiError(500, "job_failed", f"{where}: {job.status}: {job.error or ''}")
+    return job.output
+
+
+# A waiting request looks at the API's drain flag this often (it reads the
+# job's row only when a completion wakes it, and once at the end).
+DRAIN_CHECK_S = 1.0
+
+
+async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobResource:
+    """The job once it is terminal, or as it is after ``wait`` seconds (or when draining).
+
+    ``state``: the app's state (its completion hub and its group read).
+    """
+    hub, reads = state.hub, state.group_read
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait
+    # Watched before the first read, so a completion right after it still wakes us.
+    with hub.watch(wanted.job_id) as woken:
+        found = await reads.submit(wanted)
+        while not is_terminal(found):
+            remaining = until - loop.time()
+            if remaining <= 0 or state.draining:
+                break  # timed out, or the API is stopping: answer with the state now
+            try:
+                # The row is read again only when woken (the woken of one
+                # completion message share one read); the timeout only
+                # notices a drain.
+                await asyncio.wait_for(woken.wait(), timeout=min(remaining, DRAIN_CHECK_S))
+            except TimeoutError:
+                continue
+            woken.clear()
+            found = await reads.submit(wanted)
+        if not is_terminal(found):
+            # One read at the wait's end covers a notification that never came.
+            found = await reads.submit(wanted)
+    return found
