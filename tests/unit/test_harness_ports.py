@@ -47,7 +47,9 @@ def test_workers_get_ports_of_their_own_ten_apart(monkeypatch: pytest.MonkeyPatc
     first, second = ports.free_port(), ports.free_port()
     start = ports.BLOCKS_START + 2 * ports.BLOCK_PORTS
     assert start <= first < second < start + ports.BLOCK_PORTS
-    assert second - first == ports.STRIDE  # the nine between are a stack's metrics ports
+    # The nine between are a stack's metrics ports; a port something else listens on is
+    # passed over a whole stride at a time (another suite on the machine may hold gw2's).
+    assert (second - first) % ports.STRIDE == 0
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
     assert ports.free_port() >= start + ports.BLOCK_PORTS
 
