@@ -343,7 +343,8 @@ def run_all(chosen: list[Bench], out: Path, smoke: bool, parallel: int) -> list[
 def mark_same_commit(folder: Path) -> bool:
     """MANIFEST.json's same_commit, set when the cited files are one set at one commit
     (never cleared here: a later partial run is what the unit test is there to catch)."""
-    from bench.render import Results, same_commit_problems
+    from bench.render import same_commit_problems
+    from bench.report import Results
 
     problems = same_commit_problems(ROOT, Results(folder))
     for problem in problems:
@@ -404,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [o for o in outcomes if o.status == "failed"]
     skipped = [o for o in outcomes if o.status == "skipped"]
     from bench import render
+    from bench.report import Results
 
     if not args.smoke and not failed and (ROOT / out).resolve() == RESULTS:
         render.main([])
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and not failed:
         # The smoke files must still render: the renderers read what the scripts write.
         rendered = out / "rendered.md"
-        rendered.write_text(render.render_all(render.Results(out, smoke=True)))
+        rendered.write_text(render.render_all(Results(out, smoke=True)))
         print(f"rendered every table from them into {rendered}")
     return 1 if failed or (args.strict and skipped) else 0
 

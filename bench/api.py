@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """The API's per-job path under load: Ferry's /v1/jobs against a bare FastAPI endpoint.
 
 Four scenarios, each driven by ``wrk -t1 -c32`` (one thread, 32 keep-alive
@@ -69,7 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -77,6 +78,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from bench import results
+from bench.report import (
+    Doc,
+    Figure,
+    Fmt,
+    Results,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    table,
+    times,
+    verdict,
+)
 from bench.results import spread
 from harness import webclient
 from harness.stack import FerryUp
@@ -943,6 +957,108 @@ def main(argv: list[str] | None = None) -> int:
     results.write(args.out, report, settings=settings, head=head)
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)")
     return 1 if any(r.error for r in stacks) else 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- the per-job path (api.json) ---------------------------------------------------------
+
+
+def _stack_label(stack: Doc) -> str:
+    database = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}[stack["database"]]
+    count = stack["api_processes"]
+    return f"{database}, {count} API process" + ("es" if count > 1 else "")
+
+
+def render_api(results: Results) -> list[str]:
+    doc = results["api"]
+    stacks = [s for s in doc["stacks"] if not s.get("error")]
+    rounds = doc["settings"]["rounds"]
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of {rounds} rounds "
+        "(min–max):",
+        "",
+    ]
+
+    def cells(get: Callable[[Doc], Mapping[str, float]], fmt: Fmt) -> list[str]:
+        return [Figure.summary(get(s["summary"])).text(fmt) for s in stacks]
+
+    rows = [
+        ["bare endpoint, requests/s", *cells(lambda s: s["bare"]["requests_per_s"], decimal())],
+        [
+            "bare endpoint, CPU per request, ms",
+            *cells(lambda s: s["bare"]["cpu_ms_per_job"]["bare"], decimal(2)),
+        ],
+        ["submit, requests/s", *cells(lambda s: s["submit"]["requests_per_s"], decimal())],
+        ["get, requests/s", *cells(lambda s: s["get"]["requests_per_s"], decimal())],
+        ["submit + long-poll, jobs/s", *cells(lambda s: s["longpoll"]["jobs_per_s"], decimal())],
+        [
+            "API CPU per submission, ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["api"], decimal(2)),
+        ],
+        ["API CPU per GET, ms", *cells(lambda s: s["get"]["cpu_ms_per_job"]["api"], decimal(2))],
+        [
+            "API CPU per submitted and long-polled job, ms",
+            *cells(lambda s: s["longpoll"]["cpu_ms_per_job"]["api"], decimal(2)),
+        ],
+        [
+            "worker CPU per sim job (submit run), ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["worker"], decimal(2)),
+        ],
+        [
+            "database CPU per submission, ms",
+            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["postgres_all"], decimal(2)),
+        ],
+    ]
+    return lines + table(["", *map(_stack_label, stacks)], "l" + "r" * len(stacks), rows)
+
+
+def render_api_targets(results: Results) -> list[str]:
+    doc = results["api"]
+    rows = []
+    for stack in doc["stacks"]:
+        if stack.get("error") or stack["api_processes"] != 1:
+            continue
+        ratios = stack["ratios"]
+        for key, what, target, at_least, fmt in (
+            ("submit_per_bare", "submit, × the bare endpoint", 0.5, True, times()),
+            ("longpoll_jobs_per_bare", "submit + long-poll, × bare", 0.3, True, times()),
+            ("api_cpu_ms_per_submission", "API CPU per submission", 1.5, False, decimal(2, " ms")),
+        ):
+            figure = Figure.summary(ratios[key])
+            rows.append(
+                [
+                    f"{what} ({_stack_label(stack)})",
+                    figure.text(fmt),
+                    fmt(target),
+                    verdict(figure.meets(target, at_least)),
+                ]
+            )
+    return table(["figure", "value", "target", "met"], "lrrl", rows)
+
+
+def headline_api(doc: Doc) -> str:
+    sqlite = [s for s in doc["stacks"] if s["database"] == "sqlite" and not s.get("error")]
+    one = next(s for s in sqlite if s["api_processes"] == 1)
+    two = next((s for s in sqlite if s["api_processes"] == 2), None)
+    submit, gets = one["summary"]["submit"], one["summary"]["get"]
+    ratio = Figure.summary(one["ratios"]["submit_per_bare"])
+    with_two = (
+        f" ({Figure.summary(two['summary']['get']['requests_per_s']).text(decimal())} with two"
+        " processes)"
+        if two
+        else ""
+    )
+    return (
+        f"- **The API**, one process under `wrk` with {doc['settings']['connections']} "
+        f"connections, takes {Figure.summary(submit['requests_per_s']).text(decimal(), True)} "
+        "submissions/s at "
+        f"{Figure.summary(submit['cpu_ms_per_job']['api']).text(decimal(2, ' ms'), True)} of "
+        f"API CPU each and answers {Figure.summary(gets['requests_per_s']).text(decimal(), True)}"
+        f" GETs/s{with_two}: {ratio.text(times())} a bare FastAPI endpoint (target 0.5×: "
+        f"{verdict(ratio.meets(0.5, True))})."
+    )
 
 
 if __name__ == "__main__":

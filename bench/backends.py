@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """The raw ceiling of minilm per backend: the model alone, same inputs, same run, side by side.
 
 Backends (each a Ferry runtime, so tokenising and pooling are included):
@@ -59,6 +60,7 @@ from typing import Any
 
 from bench import results
 from bench.corpus import MAX_TOKENS, load_texts
+from bench.report import Doc, Figure, Results, commit_text, day, machine_text, table, times
 
 BATCH = 32
 AGREEMENT = 0.999
@@ -365,6 +367,95 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         print(f"wrote {out}")
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- backends (backends.json) ------------------------------------------------------------
+
+
+def render_backends(results: Results) -> list[str]:
+    doc = results["backends"]
+    versions = doc["versions"]
+    settings = doc["settings"]
+    shares = [
+        share
+        for backend in doc["backends"]
+        for order in backend["orders"].values()
+        for share in order["cpu_share"]
+    ]
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; PyTorch "
+        f"{versions['torch'].split('+')[0]} ({settings['torch_threads']} threads), ONNX Runtime "
+        f"{versions['onnxruntime']}, transformers {versions['transformers']}. The process had "
+        f"{100 * min(shares):.0f} to {100 * max(shares):.0f} % of the cores in every timed run. "
+        + "; ".join(
+            f"{order}: {o['texts']} texts, {o['mean_tokens']} tokens a text, "
+            f"{o['mean_padded_tokens']} once padded"
+            for order, o in settings["orders"].items()
+        )
+        + ".",
+        "",
+    ]
+    rows = []
+    for order in ("sorted", "arrival"):
+        ranked = [b for b in doc["backends"] if not b.get("error") and b["backend"] != "eager"]
+        best = max(ranked, key=lambda b: b["orders"][order]["ratio_to_eager"])["backend"]
+        for backend in doc["backends"]:
+            if backend.get("error"):
+                continue
+            measured = backend["orders"][order]
+            bold = backend["backend"] == best
+            runs = ", ".join(f"{r:.2f}" for r in measured["runs"])
+            ratio = (
+                "1.00×"
+                if backend["backend"] == "eager"
+                else Figure.of(measured["ratios_to_eager"]).text(times(), bold)
+            )
+            cosine = (
+                "—" if backend["backend"] == "eager" else f"{measured['min_cosine_to_eager']:.7f}"
+            )
+            rows.append(
+                [
+                    backend["backend"],
+                    order,
+                    f"**{measured['median']:.2f}**" if bold else f"{measured['median']:.2f}",
+                    runs,
+                    f"{measured['spread']:.1%}".replace("%", " %"),
+                    ratio,
+                    cosine,
+                ]
+            )
+    header = ["backend", "order", "median embeddings/s", "runs", "spread", "× eager"]
+    lines += table([*header, "min cosine to eager"], "llrlrrr", rows)
+    setup = ", ".join(
+        f"{b['backend']} {b['setup_s']:.1f} s"
+        for b in doc["backends"]
+        if not b.get("error") and b["backend"] != "onnx, default threads"
+    )
+    lines += [
+        "",
+        "(Spread: (max − min) / median; × eager: the median of the per-repeat ratios, and "
+        f"their range. Start-up, from load to warmed up: {setup}.)",
+    ]
+    return lines
+
+
+def headline_backends(doc: Doc) -> list[str]:
+    found = {b["backend"]: b for b in doc["backends"] if not b.get("error")}
+    if "onnx" not in found or "torch.compile" not in found:
+        return []
+
+    def ratio(backend: str, order: str) -> str:
+        return Figure.of(found[backend]["orders"][order]["ratios_to_eager"]).text(times())
+
+    return [
+        "- **Backends.** all-MiniLM-L6-v2 alone on the CPU, embeddings/s against PyTorch "
+        f"eager: ONNX Runtime {ratio('onnx', 'sorted')} on length-sorted batches and "
+        f"{ratio('onnx', 'arrival')} on padded ones, torch.compile "
+        f"{ratio('torch.compile', 'sorted')} and {ratio('torch.compile', 'arrival')}."
+    ]
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Backfills beside live traffic: what a backfill that saturates the model costs interactive jobs.
 
 Each run (``--repeats``, three by default) on a fresh stack (``ferry up`` with
@@ -57,6 +58,20 @@ import httpx
 
 from bench import results
 from bench.quantiles import nearest_rank
+from bench.report import (
+    Doc,
+    Figure,
+    Fmt,
+    Results,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    runs_of,
+    table,
+    verdict,
+)
 from harness import webclient
 from harness.stack import FerryUp
 
@@ -614,6 +629,144 @@ def _loadavg() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- backfills (backfill.json) -------------------------------------------------------------
+
+
+def render_backfill_latency(results: Results) -> list[str]:
+    doc = results["backfill"]
+    runs = runs_of(doc)
+    first = runs[0]
+    over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
+    wall = Figure.of(r["wall_s"] for r in runs).text(decimal())
+    ride = first["settings"].get("FERRY_BULK_RIDE_FACTOR", "1.25")
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{first['load_average']['start'][0]:.1f} at the start, {wall} s of wall time a run, "
+        f"`FERRY_BULK_RIDE_FACTOR={ride}`"
+        + (" (the default)" if "FERRY_BULK_RIDE_FACTOR" not in first["settings"] else "")
+        + f"{over}. A full batch of the backfill's mean cost "
+        f"({first['backfill_mean_cost']:.2f}) takes {first['full_batch_ms']:.1f} ms: the raw "
+        f"model does {first['raw_lines_per_s']:.1f} lines/s at full batches. Interactive "
+        f"latency, ms (urgent has {first['idle']['lanes']['urgent']['jobs']} jobs and vip "
+        f"{first['idle']['lanes']['vip']['jobs']}, so their p99 is their maximum):",
+        "",
+    ]
+    rows = []
+    for lane in ("urgent", "vip", "normal", "all"):
+
+        def at(phase: str, key: str, bold: bool = False, lane: str = lane) -> str:
+            values = [
+                (r[phase]["overall"] if lane == "all" else r[phase]["lanes"][lane])[key]
+                for r in runs
+            ]
+            # A lane no job of a phase went to (a short run) has no latency to show.
+            if any(value is None for value in values):
+                return "–"
+            return Figure.of(values).text(decimal(1), bold)
+
+        bold = lane == "all"
+        rows.append(
+            [
+                "**all**" if bold else lane,
+                at("idle", "p50_ms"),
+                at("idle", "p99_ms", bold),
+                at("busy", "p50_ms"),
+                at("busy", "p99_ms", bold),
+            ]
+        )
+    lines += table(["lane", "idle p50", "idle p99", "busy p50", "busy p99"], "lrrrr", rows)
+
+    def overall(phase: str, key: str) -> str:
+        return Figure.of(r[phase]["overall"][key] for r in runs).text(decimal(1))
+
+    lines += [
+        "",
+        f"Interactive jobs ran in batches of {overall('idle', 'mean_batch_size')} jobs "
+        f"({overall('idle', 'mean_inference_ms')} ms) on average when idle, and "
+        f"{overall('busy', 'mean_batch_size')} jobs ({overall('busy', 'mean_inference_ms')} ms)"
+        " beside the backfill. The backfill:",
+        "",
+    ]
+    return lines
+
+
+def render_backfill_throughput(results: Results) -> list[str]:
+    runs = runs_of(results["backfill"])
+    first = runs[0]
+
+    def of(window: str, key: str, fmt: Fmt) -> str:
+        return Figure.of(r[window][key] if key else r[window] for r in runs).text(fmt)
+
+    size = first["settings"]["FERRY_BATCH_MAX_SIZE"]
+    rows = [
+        [
+            "raw model, full batches (formula)",
+            f"{first['raw_lines_per_s']:.1f}",
+            "100 %",
+            f"{size} × {first['full_batch_ms']:.1f} ms",
+        ]
+    ]
+    for window, share, what in (
+        ("backfill_alone", "alone_share_of_raw", "backfill alone"),
+        ("backfill_busy", "busy_share_of_raw", f"backfill beside {first['rate_per_s']:g} "
+         "interactive jobs/s"),
+    ):  # fmt: skip
+        rows.append(
+            [
+                what,
+                of(window, "lines_per_s", decimal(1)),
+                of(share, "", percent()),
+                f"{of(window, 'avg_batch_size', decimal(1))} × "
+                f"{of(window, 'avg_batch_ms', decimal(1))} ms",
+            ]
+        )
+    return table(["", "lines/s", "of raw", "batches"], "lrrl", rows)
+
+
+def render_backfill_target(results: Results) -> list[str]:
+    runs = runs_of(results["backfill"])
+
+    def of(key: str) -> Figure:
+        return Figure.of(r[key] for r in runs)
+
+    full = of("target_full_batch_ms")
+    mean = of("target_ms")
+    full_met = all(r["target_met_full_batch"] for r in runs)
+    mean_met = all(r["target_met"] for r in runs)
+    rows = [
+        ["`p99_idle_ms`", of("p99_idle_ms").text(decimal(1))],
+        ["`p99_busy_ms`", of("p99_busy_ms").text(decimal(1), bold=True)],
+        [
+            f"idle p99 + a full bulk batch ({runs[0]['full_batch_ms']:.1f} ms): the batch an"
+            " interactive job may find running",
+            f"{full.text(decimal(1))}: **{'met' if full_met else 'not met'}**",
+        ],
+        [
+            f"idle p99 + the mean batch of the busy window ({of('one_batch_ms').text(decimal(1))}"
+            " ms)",
+            f"{mean.text(decimal(1))}: {'met' if mean_met else 'not met'}",
+        ],
+    ]
+    return table(["figure", "ms"], "lr", rows)
+
+
+def headline_backfill(doc: Doc) -> str:
+    runs = runs_of(doc)
+    busy = Figure.of(r["p99_busy_ms"] for r in runs)
+    alone = Figure.of(r["alone_share_of_raw"] for r in runs)
+    met = all(r["target_met_full_batch"] for r in runs)
+    return (
+        "- **Backfills beside live traffic.** On the same stack with the sim model, beside a "
+        f"backfill that saturates the model, {runs[0]['rate_per_s']:g} interactive jobs/s see "
+        f"a p99 of {busy.text(decimal(0, ' ms'), True)} (target: idle p99 plus one full batch, "
+        f"{verdict(met)}); the backfill alone runs at {alone.text(percent(), True)} of the "
+        "raw model."
+    )
 
 
 if __name__ == "__main__":

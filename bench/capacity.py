@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """What one job costs each shared part, measured; and where a deployment meets its first wall.
 
 One process runs the API (uvicorn, on a thread) and a sim worker (the sim
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import tempfile
 import threading
@@ -45,6 +47,7 @@ from sqlalchemy import event, select, text
 from sqlalchemy.engine import Engine
 
 from bench import results
+from bench.report import Doc, Results, commit_text, day, machine_text, table
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker
@@ -429,6 +432,109 @@ def main(argv: list[str] | None = None) -> None:
         head=head,
     )
     print(f"wrote {args.out}")
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- the capacity model (capacity.json) ------------------------------------------------------
+
+CAPACITY_ROWS = (
+    ("Redis", "commands per job", "redis_commands", 1),
+    ("Redis", "bytes in and out per job", "redis_bytes", 0),
+    ("Redis", "CPU per job (µs)", "redis_cpu_us", 1),
+    ("PostgreSQL", "transactions per job", "db_transactions", 2),
+    ("PostgreSQL", "rows written per job", "db_rows_written", 2),
+    ("PostgreSQL", "statements per submission", "db_statements_per_submission", 2),
+    ("PostgreSQL", "statements per batch", "db_statements_per_batch", 1),
+    ("PostgreSQL", "CPU per job, its backends (µs)", "postgres_cpu_us", 0),
+    ("API", "CPU per submission (µs)", "api_cpu_us_per_submission", 0),
+    ("API", "CPU per long-poll (µs)", "api_cpu_us_per_long_poll", 0),
+    ("worker", "CPU per job outside the model (µs)", "worker_cpu_us_per_job", 0),
+    ("worker", "jobs per batch", "jobs_per_batch", 1),
+)
+
+
+# What a deployment of 100 GPUs asks of the shared parts, at these jobs/s per GPU.
+GPUS = 100
+
+
+PER_GPU = (10, 100, 1000)
+
+
+def _spread_text(found: Doc, digits: int) -> str:
+    median, low, high = (f"{found[k]:,.{digits}f}" for k in ("median", "min", "max"))
+    return median if low == high else f"{median} ({low}–{high})"
+
+
+def render_capacity(results: Results) -> list[str]:
+    doc = results["capacity"]
+    settings = doc["settings"]
+    costs, walls = doc["per_job"], doc["walls_jobs_per_s"]
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} sim jobs "
+        f"from {settings['clients']} clients, batches of up to {settings['batch_max_size']}, "
+        f"PostgreSQL; median of {settings['rounds']} rounds (range).",
+        "",
+        *table(
+            ["part", "cost", "measured"],
+            "llr",
+            [
+                [part, what, _spread_text(costs[key], digits)]
+                for part, what, key, digits in CAPACITY_ROWS
+            ],
+        ),
+        "",
+        f"The enqueue alone, {settings['enqueue_messages']:,} jobs from "
+        f"{settings['enqueue_tenants']} API keys in pipelines of one group commit's size: "
+        "Redis's CPU (µs) and commands per job, a script call per job (`enqueue`) against "
+        "one per tenant's stream in the group (`enqueue_all`, what Ferry does):",
+        "",
+        *table(
+            ["jobs per group", "enqueue: µs", "commands", "enqueue_all: µs", "commands"],
+            "rrrrr",
+            [
+                [
+                    size,
+                    _spread_text(doc["enqueue"][size]["enqueue"]["redis_cpu_us"], 1),
+                    _spread_text(doc["enqueue"][size]["enqueue"]["redis_commands"], 2),
+                    _spread_text(doc["enqueue"][size]["enqueue_all"]["redis_cpu_us"], 1),
+                    _spread_text(doc["enqueue"][size]["enqueue_all"]["redis_commands"], 2),
+                ]
+                for size in doc["enqueue"]
+            ],
+        ),
+        "",
+        "Where each part saturates (jobs/s; one core each: Redis runs its commands on one "
+        "thread, PostgreSQL's figure is per core of its server, the API's per process), and "
+        f"what {GPUS} GPUs finishing R jobs/s each ask of them:",
+        "",
+    ]
+    redis_wall = walls["redis"]["median"]
+    postgres_core = walls["postgres_one_core"]["median"]
+    api_process = walls["api_process"]["median"]
+    rows = [
+        ["saturates at"]
+        + [
+            _spread_text(walls[name], 0)
+            for name in ("redis", "postgres_one_core", "api_process", "worker_overhead")
+        ]
+    ]
+    for rate in PER_GPU:
+        total = GPUS * rate
+        rows.append(
+            [
+                f"{GPUS} GPUs × {rate:,} jobs/s",
+                f"{total / redis_wall:.0%} of its core",
+                f"{total / postgres_core:,.1f} cores",
+                f"{math.ceil(total / api_process):,} processes",
+                f"{rate / walls['worker_overhead']['median']:.1%} of a core per worker",
+            ]
+        )
+    return [
+        *lines,
+        *table(["", "Redis", "PostgreSQL", "API", "worker (outside the model)"], "lrrrr", rows),
+    ]
 
 
 if __name__ == "__main__":

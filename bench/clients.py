@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Closed-loop clients end to end: minilm through ``ferry up`` against the raw model.
 
 The figure asked for: minilm, 64 closed-loop clients, inputs of mixed length
@@ -93,6 +94,17 @@ from bench.api import (
     working_tree,
 )
 from bench.quantiles import nearest_rank
+from bench.report import (
+    Figure,
+    Results,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
+    verdict,
+)
 from harness.stack import FerryUp
 
 MODEL = "minilm"
@@ -788,6 +800,81 @@ def _run(
     results.write(args.out, report, settings=settings, head=head)
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)")
     return 1 if any(r.error for r in stacks) else 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- closed-loop clients (clients.json) -----------------------------------------------
+
+
+def render_clients_raw(results: Results) -> list[str]:
+    doc = results["clients"]
+    raw = doc["raw"]
+    sizes = list(next(iter(raw["by_threads"].values())))
+    rows = []
+    for threads, rates in raw["by_threads"].items():
+        row = [threads]
+        for size in sizes:
+            best = int(threads) == raw["ceiling_threads"] and int(size) == raw["ceiling_batch"]
+            row.append(f"**{rates[size]:.1f}** (the ceiling)" if best else f"{rates[size]:.1f}")
+        rows.append(row)
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{doc['load_average']['at_start'][0]:.1f} at the start, "
+        f"{doc['sample']['texts']:,} paragraphs of the corpus (mean "
+        f"{doc['sample']['tokens_mean']} tokens). Raw model, texts/s:",
+        "",
+        *table(["torch threads", *(f"batch {s}" for s in sizes)], "l" + "r" * len(sizes), rows),
+    ]
+    if raw.get("again") is not None:
+        lines += [
+            "",
+            f"(Timed again after the stacks, the ceiling's configuration gave {raw['again']:.1f}"
+            f", {abs(raw['drift']):.1%} {'less' if raw['drift'] < 0 else 'more'}: the machine "
+            "drifts by that much within a run.)".replace("%", " %", 1),
+        ]
+    return lines
+
+
+def render_clients(results: Results) -> list[str]:
+    doc = results["clients"]
+    rows = []
+    for stack in doc["stacks"]:
+        if stack.get("error"):
+            continue
+        s = stack["summary"]
+        best = stack["cpu_threads"] == doc.get("best_cpu_threads")
+
+        def ms(value: float | None) -> str:
+            # A round whose clients saw no job finish (a short smoke round on a busy
+            # machine) has no latency; its file holds null.
+            return "–" if value is None else f"{value / 1000:.2f} s"
+
+        rows.append(
+            [
+                str(stack["cpu_threads"]),
+                Figure.summary(s["jobs_per_s"]).text(decimal(1), best),
+                Figure.summary(s["ratio"]).text(percent(1), best),
+                f"{ms(s['job_p50_ms']['median'])} / {ms(s['job_p99_ms']['median'])}",
+                f"{s['mean_batch_size']['median']:.1f}",
+                f"{s['cpu_ms_per_job']['api']['median']:.2f} ms",
+                f"{s['cpu_ms_per_job']['worker']['median']:.1f} ms",
+            ]
+        )
+    header = ["`FERRY_CPU_THREADS`", "jobs/s", "% of the ceiling", "job p50 / p99", "batch"]
+    return table([*header, "API CPU / job", "worker CPU / job"], "lrrrrrr", rows)
+
+
+def render_clients_target(results: Results) -> list[str]:
+    doc = results["clients"]
+    best = doc.get("best_cpu_threads")
+    ratio = doc["ratios"][str(best)]
+    figure = Figure.summary(ratio)
+    return [
+        f"Against the target (80 % of the raw ceiling, `FERRY_CPU_THREADS={best}`): "
+        f"{figure.text(percent(1))}, {verdict(figure.meets(0.8, at_least=True))}."
+    ]
 
 
 if __name__ == "__main__":

@@ -25,6 +25,18 @@ from urllib.parse import urlsplit
 import redis
 
 from bench import results
+from bench.report import (
+    Figure,
+    Results,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    runs_of,
+    table,
+    times,
+)
 from core.streams.protocol import JobMessage, Scripts, done_channel
 from core.streams.target import RedisTarget
 from harness.cluster import ClusterRedis, models_on_every_shard
@@ -155,6 +167,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {args.out}")
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- Redis Cluster (cluster.json) ------------------------------------------------------------
+
+
+def render_cluster(results: Results) -> list[str]:
+    doc = results["cluster"]
+    settings = doc["settings"]
+    runs = runs_of(doc)
+    names = {"one": "one Redis", "cluster": f"a cluster of {settings['primaries']} primaries"}
+    rows = [
+        [
+            names[name],
+            Figure.summary(doc[name]["cpu_us_per_job"]).text(decimal(1)),
+            Figure.summary(doc[name]["busiest_share"]).text(percent()),
+            Figure.summary(doc[name]["saturates_at"]).text(decimal(), bold=name == "cluster"),
+        ]
+        for name in ("one", "cluster")
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} jobs of "
+        f"{settings['models']} models from {settings['tenants']} keys, enqueued in groups of "
+        f"{settings['group']} and drained in batches of up to {settings['batch']}, on each "
+        f"target in turn, {len(runs)} rounds (median and range). The cluster carries "
+        f"**{Figure.summary(doc['ratio']).text(times())}** the jobs per second of one Redis.",
+        "",
+        *table(
+            [
+                "Redis",
+                "CPU per job (µs, all nodes)",
+                "busiest node's share",
+                "saturates at (jobs/s)",
+            ],
+            "lrrr",
+            rows,
+        ),
+    ]
 
 
 if __name__ == "__main__":

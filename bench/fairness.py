@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Tenant isolation, end to end: one tenant floods a lane, another keeps its latency.
 
 On one fresh ``ferry up`` stack with a ``sim`` worker (a batch sleeps
@@ -42,6 +43,18 @@ from pathlib import Path
 from bench import results
 from bench.e2e import _ts, wait_done
 from bench.quantiles import nearest_rank
+from bench.report import (
+    Doc,
+    Figure,
+    Results,
+    batches,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    runs_of,
+    table,
+)
 from harness import webclient
 from harness.stack import FerryUp
 
@@ -274,6 +287,61 @@ def print_run(report: Run) -> None:
         f"flood, own key: {verdict} ahead of any steady job; P99 +{report.p99_rise_ms:.0f} ms "
         f"(one batch: {report.one_batch_ms:.0f} ms); behind a shared queue: "
         f"P99 {report.shared_key_p99_ms:.0f} ms"
+    )
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- fair share (fairness.json) ------------------------------------------------------------
+
+
+def render_fairness(results: Results) -> list[str]:
+    doc = results["fairness"]
+    runs = runs_of(doc)
+    over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
+    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, pipelined worker{over}:", ""]
+    rows = []
+    for index, phase in enumerate(runs[0]["phases"]):
+
+        def of(key: str, index: int = index) -> Figure:
+            return Figure.of(r["phases"][index][key] for r in runs)
+
+        own = phase["name"] == "flood, own key"
+        ahead_p99, ahead_max = of("batches_ahead_p99"), of("batches_ahead_max")
+        ahead = f"{ahead_p99.high:.0f} / {ahead_max.high:.0f}"
+        batch = (
+            of("batch_p99_ms").text(decimal())
+            if all(r["phases"][index]["batch_p99_ms"] is not None for r in runs)
+            else "-"
+        )
+        rows.append(
+            [
+                phase["name"],
+                f"{of('jobs').median:.0f}",
+                of("p50_ms").text(decimal()),
+                of("p99_ms").text(decimal(), own),
+                of("max_ms").text(decimal()),
+                f"**{ahead}**" if own else ahead,
+                batch,
+            ]
+        )
+    header = ["phase", "steady jobs", "p50 ms", "p99 ms", "max ms", "batches ahead, p99 / max"]
+    lines += table([*header, "batch p99 ms"], "lrrrrrr", rows)
+    if len(runs) > 1:
+        lines += ["", "(Batches ahead: the most of any run.)"]
+    return lines
+
+
+def headline_fairness(doc: Doc) -> str:
+    runs = runs_of(doc)
+    flood = runs[0].get("flood_jobs") or doc["settings"]["flood_jobs"]
+    own = max(r["phases"][1]["batches_ahead_max"] for r in runs)
+    shared = max(r["phases"][2]["batches_ahead_max"] for r in runs)
+    return (
+        f"- **Fair share.** A tenant that floods a lane with {flood:,} jobs holds back another "
+        f"tenant's job by **{batches(own)} at most** (behind a shared queue: up to "
+        f"{batches(shared)})."
     )
 
 

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Text generation: Ferry's step-level batching against static generate() batches and one
 request at a time, on one model folder, in one process, repeated.
 
@@ -53,6 +54,20 @@ from bench.generation_workload import (
     ratio_spread,
     summary,
     workload_facts,
+)
+from bench.report import (
+    Doc,
+    Figure,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
+    times,
+    verdict,
 )
 
 SYSTEMS = ("ferry", "static", "single")
@@ -411,6 +426,178 @@ def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke:
             "bytes_per_block": setup.runtime.bytes_per_block,
         },
     }
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- text generation (generation.json) -------------------------------------------------------
+
+GENERATION_SYSTEMS = {"ferry": "Ferry", "static": "static generate()", "single": "one at a time"}
+
+
+GENERATION_MODES = {"offline": "all at 0", "poisson": "Poisson"}
+
+
+def generation_setup(doc: Doc) -> str:
+    s, w = doc["settings"], doc["workload"]
+    m, cal = s["model"], doc["calibration"]
+    grid = ", ".join(f"{b}: {v:,.0f}" for b, v in cal["static_tokens_per_s_by_size"].items())
+    shares = [
+        run["cpu_share"]
+        for r in doc["rounds"]
+        for m in GENERATION_MODES
+        if m in r
+        for run in r[m].values()
+    ]
+    poisson = (
+        f" Poisson at {cal['poisson_rate_per_s']:.2f} requests/s "
+        f"({percent()(s['poisson_load'])} of Ferry's measured capacity)."
+        if "poisson" in doc
+        else ""
+    )
+    return (
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
+        f"model of {m['layers']} layers, hidden {m['hidden']} ({m['parameters'] / 1e6:.1f} M "
+        f"parameters, random weights), {s['precision']} on `{s['device']}`, "
+        f"{counted(s['threads'], 'torch thread', 'torch threads')}; the process had "
+        f"{percent()(min(shares))} to {percent()(max(shares))} of a core in the timed runs. "
+        f"{s['requests']} requests: prompts {w['prompt_tokens']['p50']:g} tokens at the median, "
+        f"{w['prompt_tokens']['max']} at most; outputs {w['output_tokens']['p50']:g} at the "
+        f"median, {w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, "
+        f"EOS ignored).{poisson} Static batches of "
+        f"{cal['static_batch']}, the best offline of the grid (output tokens/s: {grid}). "
+        f"Ferry: max_running {s['ferry']['max_running']}, step_tokens "
+        f"{s['ferry']['step_tokens']}, prefill_chunk_tokens {s['ferry']['prefill_chunk_tokens']}; "
+        f"its KV pool's peak {doc['peak_kv_blocks']:,} of {s['ferry']['kv_blocks']:,} blocks."
+    )
+
+
+def generation_figures(doc: Doc) -> list[str]:
+    """The setup, the table of each arrival mode the file measured, and the ratios."""
+    ms = decimal(0, " ms")
+    modes = {mode: arrivals for mode, arrivals in GENERATION_MODES.items() if mode in doc}
+    rows = []
+    for mode, arrivals in modes.items():
+        for system, name in GENERATION_SYSTEMS.items():
+            f = {k: Figure.summary(v) for k, v in doc[mode][system].items()}
+            rows.append(
+                [arrivals, name, f["tokens_per_s"].text(decimal(), system == "ferry")]
+                + [f[k].text(ms) for k in ("ttft_p50_ms", "ttft_p99_ms")]
+                + [f[k].text(decimal(1, " ms")) for k in ("tpot_p50_ms", "tpot_p99_ms")]
+            )
+    header = ["arrivals", "system", "output tokens/s", "TTFT p50", "TTFT p99", "TPOT p50"]
+    lines = [generation_setup(doc), "", *table([*header, "TPOT p99"], "llrrrrr", rows), ""]
+
+    def ratio(mode: str, system: str) -> str:
+        return Figure.summary(doc[mode]["ratios"][f"vs_{system}"]).text(times())
+
+    ratios = "; ".join(
+        f"{arrivals}: {ratio(mode, 'static')} static, {ratio(mode, 'single')} one at a time"
+        for mode, arrivals in modes.items()
+    )
+    return [*lines, f"Ferry's output tokens/s over the others', round by round: {ratios}."]
+
+
+def render_generation(results: Results) -> list[str]:
+    return generation_figures(results["generation"])
+
+
+def render_generation_gpu(results: Results) -> list[str]:
+    doc = results["generation_gpu"]
+    return [*generation_figures(doc), "", *generation_profile(doc)]
+
+
+def render_generation_targets(results: Results) -> list[str]:
+    doc = results["generation"]
+    rows = []
+    for system, target in doc["targets"].items():
+        ratio = Figure.summary(target["ratio"])
+        at_least = target["tokens_per_s_ratio_at_least"]
+        rows.append(
+            [
+                f"tokens/s ≥ {at_least:g}× {GENERATION_SYSTEMS[system]}, all at 0",
+                ratio.text(times(), True),
+                "yes" if target["ttft_p99_same_or_better"] else "no",
+                verdict(target["met"]),
+            ]
+        )
+    header = ["target", "Ferry's ratio", "p99 TTFT same or better, every round, both arrivals"]
+    lines = table([*header, "verdict"], "lrll", rows)
+    found = doc.get("ceiling")
+    if found and found.get("vs_single"):
+        best = Figure.summary(found["vs_single"]).text(times(), True)
+        lines += [
+            "",
+            f"What any batching could reach on this device: the model's own forward costs "
+            f"{found['fixed_ms']:g} ms a call plus {found['per_token_ms']:g} ms a token "
+            f"(one sequence of 64 and of 256 tokens), so the offline workload's "
+            f"{found['tokens']:,} tokens take at least {found['floor_s']:g} s, and one at a "
+            f"time's spans are {best} that floor: the most a scheduler that wastes nothing "
+            f"could gain over it here.",
+        ]
+    return lines
+
+
+def render_generation_chunked(results: Results) -> list[str]:
+    doc = results["generation"]
+    load = doc["workload"]["chunked"]
+    ms = decimal(1, " ms")
+    rows = [
+        [
+            "0 (whole prompts)" if chunk == "0" else chunk,
+            *(
+                Figure.summary(found[k]).text(ms)
+                for k in ("decode_tpot_p99_ms", "decode_gap_p99_ms", "decode_gap_max_ms")
+            ),
+            Figure.summary(found["long_ttft_p50_ms"]).text(decimal(0, " ms")),
+        ]
+        for chunk, found in doc["chunked"].items()
+    ]
+    return [
+        f"{load['decoders']} requests of {load['decoder_prompt']} prompt tokens decode "
+        f"{load['decoder_tokens']} tokens each; {load['long_prompts']} prompts of "
+        f"{load['long_prompt']} tokens arrive among them, one every {load['every_s']:g} s "
+        f"(median of {counted(len(doc['rounds']), 'round', 'rounds')}, min–max):",
+        "",
+        *table(
+            ["prefill_chunk_tokens", "decodes' TPOT p99", "decodes' token gap p99", "gap max",
+             "long prompts' TTFT p50"],
+            "lrrrr",
+            rows,
+        ),
+    ]  # fmt: skip
+
+
+def render_generation_profile(results: Results) -> list[str]:
+    return generation_profile(results["generation"])
+
+
+def generation_profile(doc: Doc) -> list[str]:
+    found = doc["profile"]
+    names = {
+        "scheduler": "scheduler (schedule, update_from_output)",
+        "runtime_outside_forward": "runtime outside the forward (tables, tensors, sampling, text)",
+        "forward_outside_attention": "the library's layers (embeddings, norms, MLPs, head)",
+        "attention_outside_sdpa": "paged attention outside SDPA (KV writes, gathers, its loop)",
+        "sdpa": "SDPA, once per sequence per layer",
+    }
+    per_step = found["per_step_ms"]
+    rows = [
+        [name, f"{per_step[key]:.2f} ms", percent(1)(found["share_of_step"][key])]
+        for key, name in names.items()
+    ]
+    return [
+        f"One offline Ferry run, {found['steps']:,} steps of {per_step['step']:.1f} ms on "
+        f"average, {found['tokens_per_step_mean']:.1f} tokens and "
+        f"{found['sequences_per_step_mean']:.1f} sequences a step; "
+        f"{found['sdpa_calls_per_step']:.0f} SDPA calls a step at "
+        f"{found['us_per_sdpa_call']:.0f} µs each; Ferry's attention, all told, "
+        f"{found['us_per_attention_call_per_sequence']:.0f} µs per sequence per layer:",
+        "",
+        *table(["part of a step", "a step", "share"], "lrr", rows),
+    ]
 
 
 if __name__ == "__main__":

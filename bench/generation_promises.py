@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """What durable generation's promises cost and what they give, on the engine itself.
 
 One llama-shaped folder (``ferry.lm_build``, random weights, no end-of-sequence
@@ -63,6 +64,19 @@ from bench.generation_workload import (
     ratio_spread,
 )
 from bench.quantiles import quantile
+from bench.report import (
+    Figure,
+    Fmt,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
+    times,
+)
 from scheduler.generation import (
     FinishReason,
     GenerationLimits,
@@ -648,6 +662,101 @@ def main(argv: list[str] | None = None) -> int:
         f"in {report['seconds']:.0f} s"
     )
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+def _nan_for_none(value: Any) -> Any:
+    """A results file's figures with NaN where it wrote null (a figure of nothing measured,
+    as a smoke run on a busy machine may leave)."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, dict):
+        return {k: _nan_for_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_for_none(v) for v in value]
+    return value
+
+
+def render_generation_promises(results: Results) -> list[str]:
+    raw = results["generation_promises"]
+    about = ("date", "command", "via_make", "smoke", "git", "machine", "settings")
+    doc = {k: v if k in about else _nan_for_none(v) for k, v in raw.items()}
+    s, m, shape = doc["settings"], doc["settings"]["model"], doc["settings"]["shape"]
+    ms = decimal(0, " ms")
+
+    def fig(name: str, fmt: Fmt, *keys: str, bold: bool = False) -> str:
+        found: Any = doc[name]
+        for key in keys:
+            found = found[key]
+        return Figure.summary(found).text(fmt, bold)
+
+    def steps(way: str) -> str:
+        per_round = [r["preemption"]["urgent_ttft_steps"][way]["p99"] for r in doc["rounds"]]
+        return Figure.of(per_round if len(set(per_round)) > 1 else per_round[:1]).text(decimal())
+
+    gain = Figure.summary(doc["urgent_ttft_gain"])
+    ratio = Figure.summary(doc["light_ttft_p99_ratio"])
+    share = Figure.summary(doc["heavy_kv_share"])
+    cost = Figure.summary(doc["checkpoint_cost"])
+    spaced = Figure.summary(doc["checkpoint_cost_every_50_ms"])
+    preempted = doc["preempted_jobs"]
+    rows = [
+        [
+            f"urgent TTFT p99, the running batch full of bulk generations "
+            f"({shape['bulk_running']} of {shape['bulk']}, {shape['bulk_tokens']} tokens each)",
+            f"{fig('urgent_ttft_p99_ms', ms, 'preemption', bold=True)} with preemption, "
+            f"{fig('urgent_ttft_p99_ms', ms, 'no_preemption')} without: "
+            f"{gain.text(times(1))} sooner (in steps: {steps('preemption')} and "
+            f"{steps('no_preemption')})",
+            "within a few steps",
+        ],
+        [
+            "the bulk jobs it preempted",
+            f"{preempted} preempted in all, each ended {fig('preempted_delay_p50_ms', ms)} "
+            f"later at the median; {doc['preempted_outputs_equal']} of {preempted} with the "
+            f"tokens they make unpreempted, {doc['restarted_from_zero']} restarted from zero"
+            if preempted
+            else "none was preempted",
+            "same tokens, 0 restarted",
+        ],
+        [
+            f"a light key's TTFT p99 beside a flood at {shape['flood_factor']:g}× its rate "
+            f"({shape['flood_tokens']}-token generations)",
+            f"{fig('light_ttft_p99_ms', ms, 'idle')} idle, "
+            f"{fig('light_ttft_p99_ms', ms, 'flood')} flooded: "
+            f"{ratio.text(times(2), bold=True)} (in steps: "
+            f"{fig('light_ttft_p99_steps', decimal(), 'idle')} and "
+            f"{fig('light_ttft_p99_steps', decimal(), 'flood')}; a flooded step takes "
+            f"{fig('step_ms_ratio', times(1))} an idle one)",
+            f"≤ 1.5× ({'met' if ratio.meets(1.5, False) else 'not met'})",
+        ],
+        [
+            "the heavier key's share of the KV blocks held, weights 3 and 1, both backlogged",
+            f"{share.text(percent(1), bold=True)} (of the step tokens: "
+            f"{fig('heavy_token_share', percent(1))})",
+            f"75 % ± 10 % ({'met' if share.low >= 0.675 and share.high <= 0.825 else 'not met'})",
+        ],
+        [
+            "the checkpoint's writes (the tokens to their events streams), in tokens/s",
+            f"{cost.text(percent(1), bold=True)} fewer by default (every step's, on the "
+            f"writer's thread), {fig('checkpoint_cost_in_loop', percent(1))} in the loop, "
+            f"{spaced.text(percent(1), bold=True)} every 50 ms",
+            f"≤ 5 % (by default: {'met' if cost.meets(0.05, False) else 'not met'}; "
+            f"every 50 ms: {'met' if spaced.meets(0.05, False) else 'not met'})",
+        ],
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(len(doc['rounds']), 'repeat', 'repeats')} (min–max). A {m['arch']}-shaped "
+        f"model of {m['layers']} layers, hidden {m['hidden']} (random weights), "
+        f"{s['precision']} on `{s['device']}`, stepped by the worker's engine in one process; "
+        f"max_running {s['limits']['max_running']}, step_tokens {s['limits']['step_tokens']}, "
+        f"prefill_chunk_tokens {s['limits']['prefill_chunk_tokens']}.",
+        "",
+        *table(["promise", "measured", "target"], "lll", rows),
+    ]
 
 
 if __name__ == "__main__":

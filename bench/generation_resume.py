@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """A generation whose worker is killed mid-way, taken over from its checkpoint: what it costs.
 
 Every token of a generation goes to the job's Redis events stream in the
@@ -65,6 +66,17 @@ from sqlalchemy import select
 
 from bench import results
 from bench.generation_workload import ratio_spread
+from bench.report import (
+    Figure,
+    Fmt,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    table,
+)
 from core.streams.events import JobEvent
 from core.streams.protocol import GROUP, events_key
 from harness.faults import Stack
@@ -572,6 +584,46 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.out} in {report['seconds']:.0f} s"
     )
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+def render_generation_resume(results: Results) -> list[str]:
+    doc = results["generation_resume"]
+    s, checks = doc["settings"], doc["checks"]
+    sec = decimal(2, " s")
+
+    def fig(name: str, fmt: Fmt = sec, bold: bool = False) -> str:
+        return Figure.summary(doc[name]).text(fmt, bold)
+
+    visibility = f"{s['visibility_timeout_s']:g} s"
+    rows = [
+        ["the job uninterrupted", fig("uninterrupted_s")],
+        [f"its worker killed after {s['kill_at_tokens']} tokens", fig("killed_s")],
+        ["extra latency", fig("extra_s", bold=True)],
+        [f"of which past the visibility timeout ({visibility})", fig("extra_less_visibility_s")],
+        ["kill → another worker takes the entry over", fig("kill_to_takeover_s")],
+        ["takeover → the job running again", fig("takeover_to_resume_s")],
+        ["running again → its first new token", fig("resume_to_first_token_s")],
+        ["tokens lost per crash", fig("tokens_lost", decimal(), bold=True)],
+        ["tokens generated again (the last streamed, recomputed)",
+         fig("tokens_generated_again", decimal())],
+    ]  # fmt: skip
+    n = checks["repeats"]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(n, 'repeat', 'repeats')} (min–max). {s['workers']} generation workers "
+        f"on `{s['device']}` ({s['stack']}); one greedy job of {s['max_tokens']} tokens, "
+        f"each step held to {s['min_step_ms']} ms at least; latency is "
+        f"{s['latency']}.",
+        "",
+        *table(["", "seconds or tokens"], "lr", rows),
+        "",
+        f"Output equal to the uninterrupted run's, token for token: {checks['output_equal']} "
+        f"of {n}; every token index once in the stream: {checks['every_index_once']} of {n}; "
+        f"taken over exactly once: {checks['taken_over_once']} of {n}.",
+    ]
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Text generation through the whole stack, as a share of the same engine in one process.
 
 One llama-shaped folder (``ferry.lm_build``, random weights) runs one workload
@@ -51,6 +52,17 @@ from bench.generation_workload import (
     ratio_spread,
     summary,
     workload_facts,
+)
+from bench.report import (
+    Figure,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
 )
 from harness import webclient
 from harness.stack import FerryUp
@@ -342,6 +354,46 @@ def run_settings(
         "eos": "none: every request generates exactly its max_tokens",
         "stack": "ferry up: its own Redis and SQLite, the API, one worker, no Flower",
     }
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+def render_generation_stack(results: Results) -> list[str]:
+    doc = results["generation_stack"]
+    s, w = doc["settings"], doc["workload"]
+    m, limits = s["model"], s["limits"]
+    names = {"in_process": "the engine in one process", "stack": "ferry up, over HTTP, streamed"}
+    rows = []
+    for system, name in names.items():
+        f = {k: Figure.summary(v) for k, v in doc[system].items()}
+        rows.append(
+            [name, f["tokens_per_s"].text(decimal(), system == "stack")]
+            + [f[k].text(decimal(0, " ms")) for k in ("ttft_p50_ms", "ttft_p99_ms")]
+            + [f[k].text(decimal(1, " ms")) for k in ("tpot_p50_ms", "tpot_p99_ms")]
+        )
+    share = Figure.summary(doc["stack_share"]).text(percent())
+    added = Figure.summary(doc["ttft_p50_added_ms"]).text(decimal(0, " ms"))
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max), the two interleaved. A "
+        f"{m['arch']}-shaped model of {m['layers']} layers, hidden {m['hidden']} (random "
+        f"weights), {s['precision']} on `{s['device']}`, "
+        f"{counted(s['threads'], 'torch thread', 'torch threads')} both ways; max_running "
+        f"{limits['max_running']}, step_tokens {limits['step_tokens']}, prefill_chunk_tokens "
+        f"{limits['prefill_chunk_tokens']}. {s['requests']} requests posted at once: prompts "
+        f"{w['prompt_tokens']['p50']:g} tokens at the median, {w['prompt_tokens']['max']} at "
+        f"most; outputs {w['output_tokens']['p50']:g} at the median, "
+        f"{w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, no EOS). "
+        "Through the stack each time is the client's: from its POST to each token event it "
+        "read.",
+        "",
+        *table(["system", "output tokens/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"],
+               "lrrrrr", rows),
+        "",
+        f"The stack's output tokens/s, round by round, are {share} of the engine's in one "
+        f"process; its median time to first token is {added} longer.",
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """The GPU benchmark: each model alone, then through the whole stack, on one device.
 
 1. **raw**: the runtime alone in this process (``minilm`` on the corpus,
@@ -45,7 +46,20 @@ from typing import Any
 from bench import results
 from bench.corpus import load_corpus
 from bench.e2e import _ts, wait_done
+from bench.generation import GENERATION_SYSTEMS
 from bench.quantiles import nearest_rank
+from bench.report import (
+    Doc,
+    Figure,
+    Results,
+    commit_text,
+    day,
+    machine_text,
+    percent,
+    table,
+    times,
+    verdict,
+)
 from ferry.local_redis import free_port
 from harness import webclient
 from harness.stack import FerryUp, batch_figures, compute_seconds
@@ -332,6 +346,108 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"wrote {args.out}")
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+def headline_gpu(gpu: Doc, generation: Doc) -> str:
+    minilm = next(model for model in gpu["models"] if model["model"] == "minilm")
+    share, rate, _ = GPU_TARGETS["minilm"]
+    met = minilm["stack_share_of_raw"] >= (share or 0) and minilm["stack_jobs_per_s"] >= rate
+    targets = generation["targets"]
+
+    def ratio(system: str) -> str:
+        found = targets[system]
+        return (
+            f"{Figure.summary(found['ratio']).text(times())} {GENERATION_SYSTEMS[system]} "
+            f"(target {found['tokens_per_s_ratio_at_least']:g}×: {verdict(found['met'])})"
+        )
+
+    model = generation["settings"]["model"]
+    return (
+        f"- **On a GPU** ({gpu['device']}, {day(gpu)}, the first run, one round): "
+        f"all-MiniLM-L6-v2 in {gpu['precision']} through the whole stack at "
+        f"**{minilm['stack_jobs_per_s']:,.0f}** jobs/s, "
+        f"{percent(1)(minilm['stack_share_of_raw'])} of the runtime's raw ceiling (target "
+        f"{percent()(share or 0)} and {rate:,.0f}/s: {verdict(met)}). Generation "
+        f"({generation['settings']['precision']}, a {model['layers']}-layer "
+        f"{model['arch']}-shaped model, {generation['settings']['requests']} requests at once): "
+        f"Ferry's output tokens/s are {ratio('single')} and {ratio('static')}."
+    )
+
+
+# --- on a GPU (gpu.json) --------------------------------------------------------------------
+
+# The targets on an H200, per model: (share of raw at least, jobs/s at least, p99 ms at most).
+GPU_TARGETS = {"minilm": (0.8, 10_000.0, None), "resnet50": (None, 2_000.0, 100.0)}
+
+
+def render_gpu(results: Results) -> list[str]:
+    doc = results["gpu"]
+    sizes = [str(size) for size in doc["settings"]["raw_batch_sizes"]]
+    found = {model["model"]: model for model in doc["models"]}
+    raw_rows = [[name, *(f"{model['raw_by_batch'][b]:,.0f}" for b in sizes)]
+                for name, model in found.items()]  # fmt: skip
+    stack_rows = [
+        [
+            name,
+            f"**{model['stack_jobs_per_s']:,.0f}**",
+            percent(1)(model["stack_share_of_raw"]),
+            percent(1)(model["stack_device_idle"]),
+            f"{model['plain_jobs_per_s']:,.0f}",
+            percent(1)(model["plain_device_idle"]),
+            f"{model['load_per_s']:,.0f}/s: {model['p50_ms']:,.0f} ms, {model['p99_ms']:,.0f} ms",
+        ]
+        for name, model in found.items()
+    ]
+    targets = []
+    for name, (share, rate, p99) in GPU_TARGETS.items():
+        model = found.get(name)
+        if model is None:
+            targets.append(f"- {name}: not measured in this run.")
+            continue
+        parts, met = [], True
+        if share is not None:
+            parts.append(f"≥ {percent()(share)} of raw ({percent(1)(model['stack_share_of_raw'])})")
+            met &= model["stack_share_of_raw"] >= share
+        parts.append(f"≥ {rate:,.0f} jobs/s ({model['stack_jobs_per_s']:,.0f})")
+        met &= model["stack_jobs_per_s"] >= rate
+        if p99 is not None:
+            parts.append(f"p99 ≤ {p99:,.0f} ms at 70 % load ({model['p99_ms']:,.0f} ms)")
+            met &= model["p99_ms"] <= p99
+        targets.append(f"- {name}: {', '.join(parts)}: {verdict(met)}.")
+
+    def batches(found: Doc) -> str:
+        stages = ", ".join(f"{k} {v:,.1f}" for k, v in found["stage_ms_per_batch"].items())
+        return f"{found['batches']:,} batches of {found['mean_batch']:g} jobs on average ({stages})"
+
+    # Files before the first run's did not record the worker's batches.
+    recorded = [
+        f"- {name}'s batches, ms a batch in each stage: pipelined, "
+        f"{batches(model['stack_batches'])}; plain, {batches(model['plain_batches'])}."
+        for name, model in found.items()
+        if model.get("stack_batches") and model.get("plain_batches")
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {doc['precision']} on "
+        f"{doc['device']}, one run. Raw, the runtime alone, items/s by batch size:",
+        "",
+        *table(["model", *sizes], "l" + "r" * len(sizes), raw_rows),
+        "",
+        "Through the whole stack (one worker), jobs/s; the GPU's idle share; "
+        "open-loop load at 70 % of saturation: p50 and p99 of accepted → finished:",
+        "",
+        *table(
+            ["model", "saturated", "share of raw", "GPU idle", "plain worker", "its GPU idle",
+             "70 % load: p50, p99"],
+            "lrrrrrl",
+            stack_rows,
+        ),
+        "",
+        *recorded,
+        *targets,
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

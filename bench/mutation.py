@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
+from bench.report import Results, commit_text, day, machine_text
+from bench.report import table as markdown_table
 
 ROOT = results.RESULTS.parent.parent
 WORK = ROOT / "mutants"
@@ -312,6 +314,47 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table(name, doc)))
     print(f"\nwrote {args.out}")
     return 1 if any("failed" in doc for doc in targets.values()) else 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- mutation testing (mutation.json) ---------------------------------------------------------
+
+
+def render_mutation(results: Results) -> list[str]:
+    doc = results["mutation"]
+    targets = doc["targets"]
+    seconds = "; ".join(f"{name} {target['seconds']:.0f} s" for name, target in targets.items())
+    rows = []
+    for name, target in targets.items():
+        files = target["files"]
+        for path, found in files.items():
+            label = f"`{path}`"
+            if name == "recorder":
+                label += " (`finish`, `_batched_writes`)"
+            rows.append((label, found))
+        if len(files) > 1:
+            rows.append((f"**{target['mutated'][0]}**", target["total"]))
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)} ({seconds}):",
+        "",
+        *markdown_table(
+            ["file", "mutants", "killed", "timeout", "survived", "score"],
+            "lrrrrr",
+            [
+                [
+                    label,
+                    f"{found['mutants']:,}",
+                    f"{found['killed']:,}",
+                    f"{found['timeout']:,}",
+                    f"{found['survived']:,}",
+                    f"{100 * found['score']:.1f} %",
+                ]
+                for label, found in rows
+            ],
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """The inference protocol's cost: ``POST /v2/models/minilm/infer`` against ``POST /v1/jobs?wait=``.
 
 One ``ferry up`` (minilm, SQLite, no Flower, the rate limit and the quota out
@@ -51,6 +52,18 @@ from bench.peers import (
     closed_loop,
     ferry_call,
     http_connect,
+)
+from bench.report import (
+    Figure,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    table,
+    times,
+    verdict,
 )
 from harness.ports import free_port
 
@@ -232,6 +245,54 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             **{way: target(way) for way in PROTOCOL_WAYS},
         },
     }
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- the inference protocol (oip.json) ------------------------------------------------------
+
+OIP_WAYS = {
+    "wait": "`POST /v1/jobs?wait=` (JSON)",
+    "infer": "`POST /v2/models/minilm/infer` (binary tensors)",
+    "grpc": "gRPC `ModelInfer` (raw tensors)",
+}
+
+
+def render_oip(results: Results) -> list[str]:
+    doc = results["oip"]
+    s = doc["settings"]
+    ms = decimal(1, " ms")
+    rows = []
+    for way, name in OIP_WAYS.items():
+        f = {k: Figure.summary(v) for k, v in doc["ways"][way].items()}
+        rows.append(
+            [name, f["per_s"].text(decimal(1), way != "wait")]
+            + [f[k].text(decimal(0, " ms")) for k in ("p50_ms", "p99_ms")]
+            + [f["api_cpu_ms_per_request"].text(ms)]
+        )
+    target = doc["target"]
+    verdicts = []
+    for way, name in (("infer", "REST's infer"), ("grpc", "gRPC's")):
+        rate = Figure.summary(doc["ratios"][way]["per_s"]).text(times(), True)
+        cpu = Figure.summary(doc["ratios"][way]["api_cpu"]).text(times())
+        met = target[way]
+        verdicts.append(
+            f"{name}: requests/s {rate} (target ≥ {target['per_s_at_least']:g}×: "
+            f"{verdict(met['per_s_met'])}), API CPU a request {cpu} (target ≤ "
+            f"{target['api_cpu_at_most']:g}×: {verdict(met['api_cpu_met'])})"
+        )
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; minilm, "
+        f"{s['clients']} closed-loop clients, {s['duration_s']:g} s measured after "
+        f"{s['warmup_s']:g} s of warm-up, each way in each of "
+        f"{counted(s['rounds'], 'round', 'rounds')} (median, min–max); the stack serves "
+        "gRPC throughout:",
+        "",
+        *table(["way", "requests/s", "p50", "p99", "API CPU a request"], "lrrrr", rows),
+        "",
+        "The protocol over the one round trip, round by round: " + "; ".join(verdicts) + ".",
+    ]
 
 
 if __name__ == "__main__":

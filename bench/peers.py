@@ -95,6 +95,18 @@ from bench.clients import (
     started_ferry,
     wait_quiet,
 )
+from bench.report import (
+    Doc,
+    Figure,
+    Results,
+    commit_text,
+    counted,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
+)
 from harness import webclient
 from harness.stack import FerryUp
 
@@ -787,6 +799,134 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- peers side by side (peers.json) -----------------------------------------------------
+
+
+PEERS = (
+    ("raw", "raw model, no serving layer"),
+    ("raw-arrival", "raw model, unsorted"),
+    ("ray", "Ray Serve, `@serve.batch`"),
+    ("celery", "Celery, a task per request"),
+    ("ferry-longpoll", "Ferry, submit + long-poll"),
+    ("ferry-wait", "Ferry, `POST /v1/jobs?wait=`"),
+)
+
+
+PEERS_HEADER = (
+    "system", "what it batches", "requests/s", "% of the raw ceiling", "p50", "p99", "mean batch",
+)  # fmt: skip
+
+
+def peers_batching(doc: Doc, name: str) -> str:
+    ray, ceiling = doc["settings"]["ray"], doc["ceiling"]
+    children = doc["settings"]["celery"]["concurrency"]
+    return {
+        "raw": f"texts sorted by length, batches of {ceiling['batch']}, "
+        + counted(ceiling["threads"], "torch thread", "torch threads"),
+        "raw-arrival": f"texts as they come, batches of {ray['max_batch_size']}, each padded "
+        "to its longest",
+        "ray": f"up to {ray['max_batch_size']} requests or "
+        f"{1000 * ray['batch_wait_timeout_s']:g} ms, one replica",
+        "celery": "none: one text a task, "
+        + counted(children, "worker process", "worker processes"),
+    }.get(name, f"its scheduler: what waits, grouped by cost, {ferry_batch_limit(doc)}")
+
+
+def ferry_batch_limit(doc: Doc) -> str:
+    """Ferry's largest batch as the run set it: a FERRY_BATCH_MAX_SIZE it was given, else
+    the size each worker derives from its model's latency (the default)."""
+    size = doc["settings"]["ferry"]["settings"].get("FERRY_BATCH_MAX_SIZE")
+    if size is not None:
+        return f"up to {size}"
+    return "up to the size its worker derives from the model's latency (the default)"
+
+
+def render_peers(results: Results) -> list[str]:
+    doc = results["peers"]
+    summary, settings = doc["summary"], doc["settings"]
+    ms = decimal(0, " ms")
+    rows = []
+    for name, label in PEERS:
+        found = summary.get(name)
+        if found is None:
+            continue
+        if not found["repeats"]:
+            rows.append([label, peers_batching(doc, name), "failed", "", "", "", ""])
+            continue
+        ferry = name.startswith("ferry")
+        latency = "¹" if name.startswith("raw") else ""
+        rows.append(
+            [
+                label,
+                peers_batching(doc, name),
+                Figure.summary(found["per_s"]).text(decimal(1), ferry),
+                Figure.summary(found["ratio"]).text(percent(1), ferry),
+                Figure.summary(found["p50_ms"]).text(ms) + latency,
+                Figure.summary(found["p99_ms"]).text(ms) + latency,
+                f"{found['mean_batch']['median']:.1f}",
+            ]
+        )
+    errors = {n: s["errors"] for n, s in summary.items() if s.get("errors")}
+    failed = {n: s["failed"] for n, s in summary.items() if s.get("failed")}
+    lines = [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{doc['machine']['load_average_at_start'][0]:.1f} at the start; "
+        f"{doc['sample']['texts']:,} paragraphs of the corpus (mean {doc['sample']['tokens_mean']}"
+        f" tokens); {settings['clients']} closed-loop clients, {settings['warmup_s']:g} s of "
+        f"warm-up then {settings['duration_s']:g} s measured, "
+        f"{counted(settings['repeats'], 'repeat', 'repeats')}; each system's model with "
+        f"{counted(settings['threads'], 'torch thread', 'torch threads')}; Ray "
+        f"{settings['ray']['version']}, "
+        f"Celery {settings['celery']['version']}:",
+        "",
+        *table(PEERS_HEADER, "llrrrrr", rows),
+        "",
+        "¹ The raw model's p50 and p99 are one batch's compute, not a request's latency.",
+    ]
+    if errors or failed:
+        lines += [
+            "",
+            "Failed calls within the measured windows: "
+            + ", ".join(f"{n} {c:,}" for n, c in errors.items())
+            + (f"; repeats that failed: {failed}" if failed else ""),
+        ]
+    return lines
+
+
+def headline_peers(doc: Doc) -> str:
+    summary = doc["summary"]
+
+    def measured(name: str) -> bool:
+        return bool(summary.get(name) and summary[name]["repeats"])
+
+    def share(name: str, bold: bool = False) -> str:
+        if not measured(name):
+            return "not measured"
+        return Figure.summary(summary[name]["ratio"]).text(percent(), bold)
+
+    def p99(name: str) -> str:
+        return f"{summary[name]['p99_ms']['median'] / 1000:.1f} s" if measured(name) else "-"
+
+    unsorted = (
+        ", as much as the model alone on unsorted batches "
+        f"({percent()(summary['raw-arrival']['ratio']['median'])})"
+        if measured("raw-arrival")
+        else ""
+    )
+    return (
+        f"- **Peers, side by side.** The same {doc['settings']['clients']} closed-loop clients,"
+        " corpus and all-MiniLM-L6-v2 on 2 shared CPU cores: Ferry serves "
+        f"{share('ferry-longpoll', True)} of the model's raw ceiling with submit + long-poll and "
+        f"{share('ferry-wait', True)} in one round trip (p99 {p99('ferry-longpoll')} and "
+        f"{p99('ferry-wait')}); a Celery task per request {share('celery')} (p99 "
+        f"{p99('celery')}); Ray Serve's `@serve.batch` {share('ray')} (p99 {p99('ray')})"
+        f"{unsorted}."
+    )
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """The pipelined worker against the plain one: how long the device waits for Python.
 
 Three workers drain the same queue:
@@ -45,6 +46,18 @@ import sqlalchemy
 
 from bench import results
 from bench.fairness import submit_many
+from bench.report import (
+    Doc,
+    Figure,
+    Results,
+    commit_text,
+    day,
+    decimal,
+    machine_text,
+    percent,
+    table,
+    times,
+)
 from ferry.local_redis import free_port
 from harness.services import postgres_database
 from harness.stack import FerryUp, compute_seconds
@@ -221,6 +234,70 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"wrote {args.out}")
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- the pipelined worker (pipeline.json) ------------------------------------------------------
+
+
+def pipeline_figures(doc: Doc) -> dict[tuple[str, str], dict[str, Figure]]:
+    """Per (database, mode): jobs/s, idle, batch, and jobs/s over the same round's plain."""
+    modes = doc["modes"]
+    plain = {
+        (m["database"], m.get("round", 1)): m["jobs_per_s"] for m in modes if m["mode"] == "plain"
+    }
+    found: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for m in modes:
+        values = found.setdefault((m["database"], m["mode"]), {})
+        values.setdefault("jobs_per_s", []).append(m["jobs_per_s"])
+        values.setdefault("device_idle", []).append(m["device_idle"])
+        values.setdefault("mean_batch_size", []).append(m["mean_batch_size"])
+        values.setdefault("ceiling", []).append(m["jobs_per_s"] / (m["jobs"] / m["compute_s"]))
+        values.setdefault("vs_plain", []).append(
+            m["jobs_per_s"] / plain[(m["database"], m.get("round", 1))]
+        )
+    return {key: {k: Figure.of(v) for k, v in values.items()} for key, values in found.items()}
+
+
+def render_pipeline(results: Results) -> list[str]:
+    doc = results["pipeline"]
+    figures = pipeline_figures(doc)
+    rounds = max(m.get("round", 1) for m in doc["modes"])
+    over = f"; median of {rounds} rounds (min–max)" if rounds > 1 else ""
+    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}{over}:", ""]
+    names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+    rows = []
+    for (database, mode), f in figures.items():
+        best = mode == "three-stage"
+        rows.append(
+            [
+                names[database],
+                mode,
+                f["jobs_per_s"].text(decimal()),
+                f["vs_plain"].text(times(), best),
+                f["ceiling"].text(percent()),
+                f["device_idle"].text(percent(1), best),
+                f"{f['mean_batch_size'].median:.1f}",
+            ]
+        )
+    header = ["database", "worker", "jobs/s", "× plain", "of the device's ceiling"]
+    return lines + table([*header, "device idle", "batch"], "llrrrrr", rows)
+
+
+def headline_pipeline(doc: Doc) -> str:
+    figures = pipeline_figures(doc)
+    sqlite = figures[("sqlite", "three-stage")]
+    postgres = figures.get(("postgresql", "three-stage"))
+    on_postgres = f" ({postgres['vs_plain'].text(times())} on PostgreSQL)" if postgres else ""
+    plain_idle = figures[("sqlite", "plain")]["device_idle"]
+    return (
+        f"- **The worker's pipeline** drains a queue {sqlite['vs_plain'].text(times(), True)} "
+        f"faster on SQLite{on_postgres} than a worker that does each step in turn: a fast "
+        f"stand-in GPU idles {sqlite['device_idle'].text(percent(), True)} of the time instead "
+        f"of {plain_idle.text(percent())}."
+    )
 
 
 if __name__ == "__main__":

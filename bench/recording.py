@@ -26,6 +26,7 @@ from unittest import mock
 from sqlalchemy import insert
 
 from bench import results
+from bench.report import Figure, Results, commit_text, day, machine_text, table, times
 from core.db import migrate
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker, utcnow
@@ -126,6 +127,40 @@ def main(argv: list[str] | None = None) -> int:
     results.write(args.out, {"rows": rows}, settings=settings, head=head)
     print(f"wrote {args.out}")
     return 0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- the result write (recording.json) -------------------------------------------------------
+
+
+def render_recording(results: Results) -> list[str]:
+    doc = results["recording"]
+    settings = doc["settings"]
+    names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+    outputs = {"small": "small", "embedding": "384 floats"}
+    rows = [
+        [
+            names[row["database"]],
+            outputs[row["outputs"]],
+            f"{row['per_job_ms']['median']:.1f} ms",
+            f"{row['batched_ms']['median']:.1f} ms",
+            Figure.summary(row["ratio"]).text(times()),
+        ]
+        for row in doc["rows"]
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{settings['batches']} batches of {settings['size']} (the ratio: batch by batch, "
+        "median and range):",
+        "",
+        *table(
+            ["database", "outputs", "one statement per job", "one per batch", "ratio"],
+            "llrrr",
+            rows,
+        ),
+    ]
 
 
 if __name__ == "__main__":

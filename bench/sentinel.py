@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """Redis failover under load: how long until jobs flow again, and what it cost.
 
 Each round starts a Redis primary, a replica and three sentinels (redis-servers
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
+from bench.report import Results, commit_text, day, machine_text, runs_of, table
 from core.config.settings import Settings
 from harness.sentinel import DOWN_AFTER_MS, SentinelRedis, failover_under_load
 from harness.services import migrated_postgres_database
@@ -96,6 +98,53 @@ def main(argv: list[str] | None = None) -> None:
         head=head,
     )
     print(f"wrote {args.out}")
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- Redis failover (sentinel.json) ---------------------------------------------------------
+
+
+def render_sentinel(results: Results) -> list[str]:
+    doc = results["sentinel"]
+    settings = doc["settings"]
+    runs = runs_of(doc)
+    recovered = doc["recovered_s"]
+    rows = [
+        [
+            str(number),
+            f"{run['recovered_s']:.1f}" if run["recovered_s"] is not None else "never",
+            f"{run['accepted']:,} of {run['sent']:,}",
+            f"{run['refused']:,}",
+            f"{run['requeued']:,}",
+            f"{run['lost']:,}",
+            f"{run['run_twice']:,}",
+        ]
+        for number, run in enumerate(runs, 1)
+    ]
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['rate_per_s']:g} "
+        f"jobs/s for {settings['load_s']:g} s, the primary killed at "
+        f"{settings['kill_at_s']:g} s (the sentinels call it down after "
+        f"{settings['down_after_ms']:,} ms). Jobs flowed again **{recovered['median']:.1f} s** "
+        f"after the kill (median of {len(runs)}; {recovered['min']:.1f}–{recovered['max']:.1f}); "
+        f"**{doc['lost']:,} lost, {doc['run_twice']:,} run twice**.",
+        "",
+        *table(
+            [
+                "round",
+                "flowing again (s)",
+                "accepted",
+                "refused",
+                "enqueued again",
+                "lost",
+                "run twice",
+            ],
+            "rrrrrrr",
+            rows,
+        ),
+    ]
 
 
 if __name__ == "__main__":

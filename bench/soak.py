@@ -71,6 +71,7 @@ from typing import Any
 import httpx
 
 from bench import results, svgplot
+from bench.report import Results, commit_text, counted, day, machine_text, table
 from core.db import migrate
 from core.db.schema import make_engine
 from harness import webclient
@@ -454,6 +455,70 @@ def _rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+# --- its tables (python -m bench.render) --------------------------------------------------
+
+
+# --- soak (soak.json) --------------------------------------------------------------------
+
+
+SOAK_ORDER = ("api-", "worker-", "celery-", "flower", "redis")
+
+
+def soak_names(summary: Mapping[str, Any]) -> list[str]:
+    """The soak's processes in SOAK_ORDER, each kind's by name."""
+    rank = {name: next((i for i, p in enumerate(SOAK_ORDER) if name.startswith(p)), 99)
+            for name in summary}  # fmt: skip
+    return sorted(summary, key=lambda name: (rank[name], name))
+
+
+def render_soak(results: Results) -> list[str]:
+    doc = results["soak"]
+    settings = doc["settings"]
+    details = doc["details"]
+    kills, every, victims = doc["kills"], settings["kill_every_s"], doc["victims"]
+
+    def killed(kind: str, what: str) -> str:
+        return f"{what} {counted(len(kills[kind]), 'time', 'times')} (every {every[kind]:g} s)"
+
+    statuses = ", ".join(f"{n:,} {s}" for s, n in details["statuses"].items())
+    retried = sum(details["retried"].values())
+    rows = []
+    for name in soak_names(doc["memory"]["summary"]):
+        m = doc["memory"]["summary"][name]
+        label = f"{name} (killed)" if name in victims.values() or name == "redis" else name
+        longest = (
+            f"{m['longest_life_min']:g} min: {m['longest_life_start_mib']:.1f} → "
+            f"{m['longest_life_end_mib']:.1f}"
+            if m["lives"] > 1
+            else "the whole run"
+        )
+        rows.append([label, str(m["lives"]), f"{m['start_mib']:.1f} → {m['end_mib']:.1f}",
+                     f"{m['peak_mib']:.1f}", longest])  # fmt: skip
+    problems = f" Problems: {', '.join(doc['problems'])}." if doc["problems"] else ""
+    return [
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['minutes']:g} minutes "
+        f"at {settings['rate_per_s']:g} jobs/s across the lanes, PostgreSQL, with SIGKILL for "
+        f"{killed('worker', 'a sim worker')}, {killed('api', 'an API process')} and "
+        f"{killed('redis', 'Redis')}, started again on its data "
+        f"{settings['redis_down_s']:g} s later. **{doc['submitted']:,} jobs accepted, "
+        f"{doc['completed']:,} made terminal ({statuses}): {doc['lost']:,} lost, "
+        f"{doc['written_twice']:,} written twice, {doc['run_twice']:,} run twice**, by the "
+        f"database's transition log and the sim's record of its computations; "
+        f"{doc['after_crash']:,} computed again after a kill, each in the last batches of a "
+        f"killed worker. The clients retried {retried:,} requests (same Idempotency-Key), "
+        f"{details['replayed_after_retry']:,} answered with the job a cut-off request had made; "
+        f"the reconciler enqueued {details['reenqueued']:,} jobs again. The done channel, a "
+        f"cross-check only, announced {details['announced_twice']:,} jobs twice and missed "
+        f"{details['unannounced_terminal']:,}.{problems}",
+        "",
+        "Resident memory in MiB, each process with what it forked: from the first sample "
+        f"{doc['memory']['settled_after_s']:g} s in to the last, the peak, and a restarted "
+        f"process's longest life (from {doc['memory']['settled_after_s']:g} s into it):",
+        "",
+        *table(["process", "lives", "RSS MiB", "peak", "longest life"], "lrrrl", rows),
+    ]
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from bench import render
+from bench import backfill, clients, generation_promises, render, report
 from bench.results import RESULTS, commit_of, mixed_commits, provenance, write
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_documents_tables_are_what_their_results_files_render() -> None:
-    stale = render.stale(ROOT, render.Results(RESULTS))
+    stale = render.stale(ROOT, report.Results(RESULTS))
     assert not stale, f"{stale}: run python -m bench.render (or regenerate the results)"
 
 
@@ -31,7 +31,7 @@ def test_every_region_has_a_renderer_and_its_results_files() -> None:
 
 
 def test_the_documents_cite_one_set_of_results_once_it_is_regenerated() -> None:
-    problems = render.same_commit_problems(ROOT, render.Results(RESULTS))
+    problems = render.same_commit_problems(ROOT, report.Results(RESULTS))
     if render.same_commit_enforced():
         assert not problems, problems
     else:
@@ -40,18 +40,18 @@ def test_the_documents_cite_one_set_of_results_once_it_is_regenerated() -> None:
 
 
 def test_a_repeated_figure_is_its_median_and_range() -> None:
-    figure = render.Figure.of([1.35, 1.28, 1.32])
-    assert figure.text(render.times()) == "1.32× (1.28–1.35)"
-    assert figure.text(render.percent(1), bold=True) == "**132.0 %** (128.0–135.0)"
-    assert render.Figure.of([7690.8]).text(render.number()) == "7,691"
+    figure = report.Figure.of([1.35, 1.28, 1.32])
+    assert figure.text(report.times()) == "1.32× (1.28–1.35)"
+    assert figure.text(report.percent(1), bold=True) == "**132.0 %** (128.0–135.0)"
+    assert report.Figure.of([7690.8]).text(report.decimal()) == "7,691"
 
 
 def test_a_range_that_crosses_its_target_is_not_met() -> None:
-    crossing = render.Figure.of([1.28, 1.32, 1.35])
+    crossing = report.Figure.of([1.28, 1.32, 1.35])
     assert not crossing.meets(1.3, at_least=True)
-    assert render.Figure.of([1.31, 1.32, 1.35]).meets(1.3, at_least=True)
-    assert not render.Figure.of([1.1, 1.15, 1.21]).meets(1.2, at_least=False)
-    assert render.verdict(crossing.meets(1.3, at_least=True)) == "**not met**"
+    assert report.Figure.of([1.31, 1.32, 1.35]).meets(1.3, at_least=True)
+    assert not report.Figure.of([1.1, 1.15, 1.21]).meets(1.2, at_least=False)
+    assert report.verdict(crossing.meets(1.3, at_least=True)) == "**not met**"
 
 
 def test_repeated_runs_render_with_their_spread_and_verdict() -> None:
@@ -63,12 +63,12 @@ def test_repeated_runs_render_with_their_spread_and_verdict() -> None:
         run["busy"]["overall"]["p99_ms"] = run["p99_busy_ms"] = busy
         run["target_met_full_batch"] = met
         runs.append(run)
-    results = render.Results(RESULTS)
+    results = report.Results(RESULTS)
     results.read["backfill"] = {**_head("abc"), "settings": {}, "runs": runs}
-    text = "\n".join(render.render_backfill_target(results))
+    text = "\n".join(backfill.render_backfill_target(results))
     assert "| `p99_busy_ms` | **150.0** (146.0–170.0) |" in text
     assert ": **not met**" in text
-    assert "median of 3 runs (min–max)" in "\n".join(render.render_backfill_latency(results))
+    assert "median of 3 runs (min–max)" in "\n".join(backfill.render_backfill_latency(results))
 
 
 def _head(commit: str | None, changes: list[str] | None = None) -> dict[str, Any]:
@@ -114,8 +114,8 @@ def test_a_results_file_says_what_code_machine_and_settings_it_ran() -> None:
 def test_a_smoke_runs_file_is_never_rendered_into_the_documents(tmp_path: Path) -> None:
     (tmp_path / "soak.json").write_text(json.dumps({"smoke": True}))
     with pytest.raises(ValueError, match="smoke"):
-        render.Results(tmp_path)["soak"]
-    assert render.Results(tmp_path, smoke=True)["soak"] == {"smoke": True}
+        report.Results(tmp_path)["soak"]
+    assert report.Results(tmp_path, smoke=True)["soak"] == {"smoke": True}
 
 
 def test_a_round_whose_clients_saw_no_job_finish_renders_without_a_latency(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_a_round_whose_clients_saw_no_job_finish_renders_without_a_latency(tmp_p
             stack["summary"][name] = {"median": None, "min": None, "max": None}
     doc["smoke"] = True
     (tmp_path / "clients.json").write_text(json.dumps(doc))
-    lines = render.render_clients(render.Results(tmp_path, smoke=True))
+    lines = clients.render_clients(report.Results(tmp_path, smoke=True))
     rows = [line for line in lines if line.startswith("| ") and "jobs/s" not in line]
     assert len(rows) == len(stacks) and all("– / –" in row for row in rows)
 
@@ -138,5 +138,7 @@ def test_a_generation_promises_file_with_figures_of_nothing_still_renders(tmp_pa
     doc["urgent_ttft_gain"] = {"median": None, "min": None, "max": None}
     doc["rounds"][0]["preemption"]["urgent_ttft_steps"]["preemption"]["p99"] = None
     (tmp_path / "generation_promises.json").write_text(json.dumps(doc))
-    text = "\n".join(render.render_generation_promises(render.Results(tmp_path, smoke=True)))
+    text = "\n".join(
+        generation_promises.render_generation_promises(report.Results(tmp_path, smoke=True))
+    )
     assert "nan× (nan–nan) sooner" in text and "no GPU" in text

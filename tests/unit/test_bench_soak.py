@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from backends.sim import Witnessed
-from bench import render, soak
+from bench import report, soak
 from harness.accounting import count_computations, tally
 from harness.submitting import Submission
 from harness.witness import Transition
@@ -221,7 +221,7 @@ def test_the_report_renders_the_witnesses_counts_and_each_processs_memory(
         "memory": {"settled_after_s": 60, "summary": summary},
     }  # fmt: skip
     (tmp_path / "soak.json").write_text(json.dumps(doc))
-    lines = render.render_soak(render.Results(tmp_path))
+    lines = soak.render_soak(report.Results(tmp_path))
     text = "\n".join(lines)
     assert "**108,000 jobs accepted, 108,000 made terminal (108,000 succeeded): 0 lost" in text
     assert "0 written twice, 0 run twice**" in text
@@ -233,4 +233,4 @@ def test_the_report_renders_the_witnesses_counts_and_each_processs_memory(
     assert "Problems" not in text
     doc["problems"] = ["1 lost"]
     (tmp_path / "soak.json").write_text(json.dumps(doc))
-    assert "Problems: 1 lost." in "\n".join(render.render_soak(render.Results(tmp_path)))
+    assert "Problems: 1 lost." in "\n".join(soak.render_soak(report.Results(tmp_path)))
