@@ -138,7 +138,7 @@ def build_catalog(settings: Settings, repository: Repository | None = None) -> d
             active_version=model.active_version,
             versions=tuple(sorted(model.versions)),
             # Unset, the worker derives it: at most the ceiling.
-            max_batch_size=settings.for_model(name, model.settings).batch_max_size
+            max_batch_size=settings.for_model(name, model.settings).tuning.batch_max_size
             or BATCH_SIZE_CEILING,
             input=input_spec(as_checked),
             embeddings=model.embeddings,
@@ -358,7 +358,7 @@ def load_runtime(
         # The largest batch the scheduler may send, warmed up at start-up. A derived
         # size is warmed up at the floor: most models keep it, and one that learns to
         # send larger batches grows its pools under traffic.
-        warmup_batch=settings.batch_max_size or BATCH_SIZE_FLOOR,
+        warmup_batch=settings.tuning.batch_max_size or BATCH_SIZE_FLOOR,
         memory_fraction=settings.gpu_memory_fraction,
         reclaim_bytes=settings.gpu_reclaim_bytes,
         cpu_threads=cpu_threads(settings.cpu_threads),

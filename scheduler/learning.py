@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 from scheduler.policy import INF, LinearFit, Profile
 from scheduler.vocabulary import BATCH_SIZE_CEILING, BATCH_SIZE_FLOOR, Lane
@@ -22,6 +23,8 @@ CEILING_RELAX_STEP = 1.02  # by this factor, up to the threshold
 # at most 1 / BATCH_KNEE of its variable cost: 80 % of the throughput that no
 # batch size can beat; past it, a longer batch adds latency for little gain.
 BATCH_KNEE = 4.0
+
+_T = TypeVar("_T")
 
 
 def derived_batch_size(latency: LinearFit, work_cap: float, item_cost: float) -> int:
@@ -48,50 +51,170 @@ def derived_batch_size(latency: LinearFit, work_cap: float, item_cost: float) ->
 
 
 @dataclass(frozen=True)
+class Knob:
+    """A batching knob as its setting (``FERRY_<NAME>``) states it: the description and the
+    bounds the setting enforces, and its type where it is not the field's."""
+
+    doc: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    setting_type: object = None
+
+
+def knob(
+    default: _T,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    setting_type: object = None,
+) -> _T:
+    """A field of :class:`Tuning` that is also a setting of the same name, stated here once:
+    core.config.settings derives the setting (default, bounds, description) from it."""
+    return field(default=default, metadata={"knob": Knob(doc, ge, gt, le, lt, setting_type)})
+
+
+@dataclass(frozen=True)
 class Tuning:
     """Every knob of the scheduler for one model.
 
-    Each knob has the name, the unit and the default of the setting that
-    fills it (``FERRY_BATCH_MAX_SIZE`` is ``batch_max_size`` here; a test
-    holds the two together), so a knob is one name from the environment to
-    the policy. ``padded`` and ``memory_budget_bytes`` come from the model's
-    runtime (the latter: the setting if given, else what the device has).
-    ``batch_max_size`` None: derived from what is learned of the model
-    (:func:`derived_batch_size`, :attr:`SchedulerState.max_batch_size`).
+    Each knob (a field made by :func:`knob`) is the setting of the same name
+    (``FERRY_BATCH_MAX_SIZE`` is ``batch_max_size`` here): its default, bounds
+    and description are stated here alone, and the settings, their per-model
+    overrides and docs/settings.md are derived from them. ``padded`` and
+    ``memory_budget_bytes`` come from the model's runtime (the latter: the
+    setting if given, else what the device has). ``batch_max_size`` None:
+    derived from what is learned of the model (:func:`derived_batch_size`,
+    :attr:`SchedulerState.max_batch_size`).
     """
 
-    batch_max_size: int | None = None
+    batch_max_size: int | None = knob(
+        None,
+        """The most jobs in one batch. Unset: derived per model from what its worker learns, between
+    32 and 256: as many of the usual jobs as make a batch worth its fixed cost (4 x the
+    intercept over the slope of the latency fit), within `FERRY_BATCH_MAX_COST` and the
+    memory budget (`docs/scheduler.md`). The `fixed` scheduler takes 32.""",
+        ge=1,
+        le=4096,
+    )
     # Work units (padded tokens for a padded model); None: no cap.
-    batch_max_cost: float | None = None
-    padded: bool = False
-    memory_budget_bytes: float = INF
-    memory_threshold: float = 0.8  # a batch may be predicted to peak at this share of the budget
-    batch_window_min_ms: float = 0.0
-    batch_window_max_ms: float = 20.0
-    batch_window_start_factor: float = 1.5  # the first window: this x the average batch latency
-    batch_window_shrink: float = 0.8
-    batch_window_grow: float = 1.2
-    latency_high_factor: float = 1.2  # shrink above this x target
-    latency_low_factor: float = 0.8  # grow below this x target
-    latency_target_ms: float | None = None  # None: 3 x the average batch latency
-    batch_cost_history_weight: float = 0.7  # target batch cost = 0.7 x history + 0.3 x demand
-    bulk_share: float = 0.05  # share of each batch kept for a backlogged bulk lane
-    # Bulk items may stretch a batch carrying interactive ones to this x its latency.
-    bulk_ride_factor: float = 1.25
-    idle_queue_max: int = 1
-    learning_forget: float = 0.97  # weight kept by older observations at each new batch
-    oom_backoff: float = 0.9  # the memory ceiling drops to this x the failed prediction
+    batch_max_cost: float | None = knob(
+        None,
+        """The most work in one batch, in the units of the model's `[cost]` (padded tokens for
+    minilm, the sum of costs for sim). Unset: no cost cap; only memory caps it.""",
+        ge=1,
+        setting_type=int | None,
+    )
+    batch_window_min_ms: float = knob(
+        0.0,
+        "Lower clamp of the adaptive window: how long the oldest job may wait for company.",
+        ge=0,
+    )
+    batch_window_max_ms: float = knob(20.0, "Upper clamp of the adaptive window.", ge=0)
+    # None: 3 x the average batch latency.
+    latency_target_ms: float | None = knob(
+        None,
+        """The job latency the adaptive window adapts to: it shrinks when jobs take longer than
+    this. Unset: three times the average batch latency.""",
+        gt=0,
+    )
+    memory_threshold: float = knob(
+        0.8,
+        """A batch may be predicted to peak at this share of the memory budget; it is cut before
+    the job that would cross it.""",
+        gt=0,
+        le=1,
+    )
+    bulk_share: float = knob(
+        0.05,
+        "The share of each batch's slots kept for the bulk lane while it is backlogged.",
+        ge=0,
+        lt=1,
+    )
+    bulk_ride_factor: float = knob(
+        1.25,
+        """In a batch carrying interactive jobs, bulk jobs past the reserved share ride along only
+    while the batch is predicted to take at most this x what the interactive jobs alone
+    would.""",
+        ge=1,
+    )
+    # The scheduler's factors (docs/architecture.md §5); the defaults are what bench/ measured.
+    batch_window_start_factor: float = knob(
+        1.5, "The first window, x the average batch latency.", gt=0
+    )
+    batch_window_shrink: float = knob(
+        0.8, "The window is multiplied by this when job latency is above the target.", gt=0, le=1
+    )
+    batch_window_grow: float = knob(
+        1.2, "The window is multiplied by this when job latency is below the target.", ge=1
+    )
+    latency_high_factor: float = knob(
+        1.2, "Job latency is above the target past this x the target.", ge=1
+    )
+    latency_low_factor: float = knob(
+        0.8, "Job latency is below the target under this x the target.", gt=0, le=1
+    )
+    batch_cost_history_weight: float = knob(
+        0.7,
+        "The target batch cost is this x its history + (1 - this) x the demand.",
+        ge=0,
+        lt=1,
+    )
+    idle_queue_max: int = knob(
+        1, "At most this many pending jobs is a short queue, for the idle trigger.", ge=0
+    )
+    learning_forget: float = knob(
+        0.97,
+        "The weight older batches keep in the latency and memory fits at each new batch.",
+        gt=0,
+        le=1,
+    )
+    oom_backoff: float = knob(
+        0.9,
+        """After an out-of-memory error, the memory ceiling drops to this x the failed batch's
+    predicted peak.""",
+        gt=0,
+        lt=1,
+    )
     # While urgent jobs are about (one arrived within urgent_memory_s), no batch
     # may be predicted to take longer than urgent_guard x a lone item's latency,
     # and the items riding with urgent ones must let them finish within
     # urgent_budget x it of their arrival: the GPU cannot be preempted, so an
     # urgent job's latency is the running batch's remainder plus its own batch.
     # INF turns either bound off.
-    urgent_guard: float = 1.5
-    urgent_budget: float = 2.5
-    urgent_memory_s: float = 1.0
-    # Padded: the least non-padding share once a batch cannot take all.
-    batch_min_efficiency: float = 0.92
+    urgent_guard: float = knob(
+        1.5,
+        """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, no batch may be
+    predicted to take over this x a lone job's latency.""",
+        ge=1,
+    )
+    urgent_budget: float = knob(
+        2.5,
+        """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, urgent jobs must be
+    predicted to finish within this x a lone job's latency.""",
+        ge=1,
+    )
+    urgent_memory_s: float = knob(
+        1.0,
+        """How long an urgent job's arrival holds batches to `FERRY_URGENT_GUARD` and
+    `FERRY_URGENT_BUDGET`, and keeps the worker from deciding its next batch before the
+    device is free (an urgent job that arrives meanwhile then waits for one batch, not two).""",
+        ge=0,
+    )
+    batch_min_efficiency: float = knob(
+        0.92,
+        """Padded models, while more is pending than one batch holds: the least share of a batch's
+    computed tokens that are not padding.""",
+        ge=0,
+        le=1,
+    )
+    # The runtime's own, not settings.
+    padded: bool = False
+    memory_budget_bytes: float = INF
 
     def __post_init__(self) -> None:
         if self.batch_max_size is not None and self.batch_max_size < 1:
@@ -126,10 +249,8 @@ class Tuning:
         return BATCH_SIZE_CEILING if self.batch_max_size is None else self.batch_max_size
 
 
-# The knobs a setting of the same name fills (the others come from the runtime).
-KNOBS = tuple(
-    name for name in Tuning.__dataclass_fields__ if name not in ("padded", "memory_budget_bytes")
-)
+# The knobs a setting of the same name fills, in their order (the others come from the runtime).
+KNOBS = tuple(f.name for f in fields(Tuning) if "knob" in f.metadata)
 
 
 class OnlineFit:

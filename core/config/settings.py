@@ -7,13 +7,15 @@ tests and the ``ferry`` tool can set the environment first.
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 from pydantic import (
     Field,
@@ -26,42 +28,40 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from scheduler.learning import KNOBS, Tuning
 from scheduler.vocabulary import PolicyKind
 
 # The Standard Webhooks retry schedule: the delay before each attempt, from the
 # previous failure (the first is immediate); ten attempts over about 3 days.
 WEBHOOK_SCHEDULE_S = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)
-# The settings FERRY_MODEL_SETTINGS may override for one model.
-PER_MODEL = frozenset(
-    {
-        "scheduler",
-        "batch_max_size",
-        "batch_max_cost",
-        "batch_window_min_ms",
-        "batch_window_max_ms",
-        "latency_target_ms",
-        "memory_budget_bytes",
-        "memory_threshold",
-        "bulk_share",
-        "bulk_ride_factor",
-        "fixed_max_delay_ms",
-        "batch_window_start_factor",
-        "batch_window_shrink",
-        "batch_window_grow",
-        "latency_high_factor",
-        "latency_low_factor",
-        "batch_cost_history_weight",
-        "idle_queue_max",
-        "learning_forget",
-        "oom_backoff",
-        "urgent_guard",
-        "urgent_budget",
-        "urgent_memory_s",
-        "batch_min_efficiency",
-        "precision",
-        "gpu_memory_fraction",
-    }
-)
+# The settings FERRY_MODEL_SETTINGS may override for one model: every batching knob, and these.
+PER_MODEL = frozenset(KNOBS) | {
+    "scheduler",
+    "memory_budget_bytes",
+    "fixed_max_delay_ms",
+    "precision",
+    "gpu_memory_fraction",
+}
+
+
+def _knob_settings() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each knob of Tuning as a setting: its type, then its field (default, bounds, description)."""
+    hints = get_type_hints(Tuning)
+    types: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    for knob in fields(Tuning):
+        spec = knob.metadata.get("knob")
+        if spec is None:
+            continue
+        types[knob.name] = spec.setting_type or hints[knob.name]
+        bounds = {
+            b: getattr(spec, b) for b in ("ge", "gt", "le", "lt") if getattr(spec, b) is not None
+        }
+        settings[knob.name] = Field(knob.default, description=inspect.cleandoc(spec.doc), **bounds)
+    return types, settings
+
+
+KNOB_TYPES, KNOB_FIELDS = _knob_settings()
 
 
 class Settings(BaseSettings):
@@ -136,68 +136,16 @@ class Settings(BaseSettings):
     scheduler: PolicyKind = PolicyKind.FERRY
     """The batching policy: `ferry` (Ferry's scheduler), `fixed` (max size + max delay, first
     come first served: what Triton and Ray Serve do), `none` (one job at a time)."""
-    batch_max_size: int | None = Field(None, ge=1, le=4096)
-    """The most jobs in one batch. Unset: derived per model from what its worker learns, between
-    32 and 256: as many of the usual jobs as make a batch worth its fixed cost (4 x the
-    intercept over the slope of the latency fit), within `FERRY_BATCH_MAX_COST` and the
-    memory budget (`docs/scheduler.md`). The `fixed` scheduler takes 32."""
-    batch_max_cost: int | None = Field(None, ge=1)
-    """The most work in one batch, in the units of the model's `[cost]` (padded tokens for
-    minilm, the sum of costs for sim). Unset: no cost cap; only memory caps it."""
-    batch_window_min_ms: float = Field(0.0, ge=0)
-    """Lower clamp of the adaptive window: how long the oldest job may wait for company."""
-    batch_window_max_ms: float = Field(20.0, ge=0)
-    """Upper clamp of the adaptive window."""
-    latency_target_ms: float | None = Field(None, gt=0)
-    """The job latency the adaptive window adapts to: it shrinks when jobs take longer than
-    this. Unset: three times the average batch latency."""
+    # The batching knobs: each one's type, default, bounds and description are stated once,
+    # in scheduler.learning.Tuning (a field made by ``knob``); FERRY_<NAME> sets it, and
+    # ``tuning`` gives them back to the scheduler.
+    __annotations__.update(KNOB_TYPES)
+    vars().update(KNOB_FIELDS)
     memory_budget_bytes: int | None = Field(None, ge=1)
     """The memory a model may use. Unset: on a GPU, the device's memory; on the CPU, the
     model's declared estimate of its largest batch."""
-    memory_threshold: float = Field(0.8, gt=0, le=1)
-    """A batch may be predicted to peak at this share of the memory budget; it is cut before
-    the job that would cross it."""
-    bulk_share: float = Field(0.05, ge=0, lt=1)
-    """The share of each batch's slots kept for the bulk lane while it is backlogged."""
-    bulk_ride_factor: float = Field(1.25, ge=1)
-    """In a batch carrying interactive jobs, bulk jobs past the reserved share ride along only
-    while the batch is predicted to take at most this x what the interactive jobs alone
-    would."""
     fixed_max_delay_ms: float = Field(5.0, ge=0)
     """The `fixed` scheduler's maximum delay."""
-    # The scheduler's factors (docs/architecture.md §5); the defaults are what bench/ measured.
-    batch_window_start_factor: float = Field(1.5, gt=0)
-    """The first window, x the average batch latency."""
-    batch_window_shrink: float = Field(0.8, gt=0, le=1)
-    """The window is multiplied by this when job latency is above the target."""
-    batch_window_grow: float = Field(1.2, ge=1)
-    """The window is multiplied by this when job latency is below the target."""
-    latency_high_factor: float = Field(1.2, ge=1)
-    """Job latency is above the target past this x the target."""
-    latency_low_factor: float = Field(0.8, gt=0, le=1)
-    """Job latency is below the target under this x the target."""
-    batch_cost_history_weight: float = Field(0.7, ge=0, lt=1)
-    """The target batch cost is this x its history + (1 - this) x the demand."""
-    idle_queue_max: int = Field(1, ge=0)
-    """At most this many pending jobs is a short queue, for the idle trigger."""
-    learning_forget: float = Field(0.97, gt=0, le=1)
-    """The weight older batches keep in the latency and memory fits at each new batch."""
-    oom_backoff: float = Field(0.9, gt=0, lt=1)
-    """After an out-of-memory error, the memory ceiling drops to this x the failed batch's
-    predicted peak."""
-    urgent_guard: float = Field(1.5, ge=1)
-    """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, no batch may be
-    predicted to take over this x a lone job's latency."""
-    urgent_budget: float = Field(2.5, ge=1)
-    """While an urgent job arrived in the last `FERRY_URGENT_MEMORY_S`, urgent jobs must be
-    predicted to finish within this x a lone job's latency."""
-    urgent_memory_s: float = Field(1.0, ge=0)
-    """How long an urgent job's arrival holds batches to `FERRY_URGENT_GUARD` and
-    `FERRY_URGENT_BUDGET`, and keeps the worker from deciding its next batch before the
-    device is free (an urgent job that arrives meanwhile then waits for one batch, not two)."""
-    batch_min_efficiency: float = Field(0.92, ge=0, le=1)
-    """Padded models, while more is pending than one batch holds: the least share of a batch's
-    computed tokens that are not padding."""
     model_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-model values of the settings marked per model, as JSON:
     `{"minilm": {"batch_max_size": 64, "batch_max_cost": 8192}}`."""
@@ -607,6 +555,11 @@ class Settings(BaseSettings):
         data.update(overrides or {})
         data["model_settings"] = {}
         return type(self).model_validate(data)
+
+    @property
+    def tuning(self) -> Tuning:
+        """The batching knobs as the scheduler takes them (the runtime adds what is its own)."""
+        return Tuning(**{name: getattr(self, name) for name in KNOBS})
 
     @property
     def metrics_bearer(self) -> str | None:

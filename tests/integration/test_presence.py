@@ -240,7 +240,7 @@ def test_a_worker_answers_the_inspections_flower_makes(
         assert inspect.active()[hostname] == []
         conf = inspect.conf()[hostname]
         assert conf["scheduler"] == settings.scheduler
-        assert conf["batch_max_size"] == settings.batch_max_size
+        assert conf["batch_max_size"] == settings.tuning.batch_max_size
         assert not any("url" in key or "secret" in key for key in conf)
         # What would change a Celery worker does not apply; it is answered, not ignored.
         refused = app.control.broadcast(

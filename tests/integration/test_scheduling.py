@@ -183,7 +183,7 @@ def test_an_out_of_memory_batch_is_split_and_nobody_fails(
     # until the scheduler stopped building batches that do not fit.
     assert ooms[0] >= 1
     assert ooms[2] == ooms[1], ooms
-    assert loop.state.memory_ceiling < oom.memory_threshold * 8 * 2**30
+    assert loop.state.memory_ceiling < oom.tuning.memory_threshold * 8 * 2**30
     assert loop.state.profile(0.0).max_work * 2**20 + 64 * 2**20 <= capacity * 1.1
 
 

@@ -128,7 +128,7 @@ def test_one_tenants_flood_does_not_hold_back_another_tenants_job(
     # being recorded when it came, and those of entries already read ahead), not the
     # flood's 25.
     meanwhile = sum(1 for job in flood if created < (rows[job].finished_at or created) <= finished)
-    batch = settings.batch_max_size
+    batch = settings.tuning.batch_max_size
     assert batch is not None
     assert meanwhile <= 8 * batch, meanwhile
 

@@ -63,7 +63,7 @@ def test_queued_jobs_run_in_batches_and_are_acknowledged(
     assert all(rows[i].output == {"cost": rows[i].cost} for i in ids)
     sizes = {r.batch_id: r.batch_size for r in rows.values()}
     assert max(s or 0 for s in sizes.values()) > 1, sizes
-    limit = settings.batch_max_size
+    limit = settings.tuning.batch_max_size
     assert limit is not None  # set by the fixture, not derived
     assert all((s or 0) <= limit for s in sizes.values())
     assert sum(s or 0 for s in sizes.values()) == 20  # each job in exactly one batch

@@ -15,7 +15,9 @@ OURS = {
 ALLOWED = {
     "backends": {"core", "scheduler"},
     "scheduler": set(),
-    "core": set(),
+    # core.config derives the batching settings from their one definition, the scheduler's
+    # Tuning (scheduler.learning: pure, no clock, no I/O).
+    "core": {"scheduler"},
     "api": {"core", "backends"},
     "workers": {"core", "scheduler", "backends"},
     "migrations": {"core"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 
@@ -88,3 +89,22 @@ def test_every_knob_can_be_set_per_model() -> None:
     from core.config.settings import PER_MODEL
 
     assert set(KNOBS_OF_TUNING) <= PER_MODEL
+
+
+def test_each_knob_setting_takes_its_bounds_and_description_from_the_knob() -> None:
+    """The one definition: a value outside a knob's bounds is refused as FERRY_<NAME>, and
+    the setting's description (its row in docs/settings.md) is the knob's."""
+    from pydantic import ValidationError
+
+    knobs = [f for f in dataclasses.fields(Tuning) if "knob" in f.metadata]
+    assert [f.name for f in knobs] == list(KNOBS_OF_TUNING)
+    for knob in knobs:
+        spec = knob.metadata["knob"]
+        assert Settings.model_fields[knob.name].description == inspect.cleandoc(spec.doc)
+        outside = {"ge": -1, "gt": 0, "le": 1, "lt": 0}
+        for bound, step in outside.items():
+            value = getattr(spec, bound)
+            if value is None:
+                continue
+            with pytest.raises(ValidationError, match=knob.name):
+                Settings(**{knob.name: value + step})

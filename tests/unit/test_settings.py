@@ -171,20 +171,21 @@ def test_model_settings_override_only_their_model(monkeypatch: pytest.MonkeyPatc
     )
     settings = Settings()
     minilm, sim = settings.for_model("minilm"), settings.for_model("sim")
-    assert (minilm.batch_max_size, minilm.batch_max_cost) == (64, 8192)
-    assert (sim.batch_max_size, sim.batch_max_cost) == (16, None)
-    assert settings.batch_max_size == 16  # the shared settings are untouched
+    assert (minilm.tuning.batch_max_size, minilm.tuning.batch_max_cost) == (64, 8192)
+    assert (sim.tuning.batch_max_size, sim.tuning.batch_max_cost) == (16, None)
+    assert settings.tuning.batch_max_size == 16  # the shared settings are untouched
 
 
 def test_a_models_own_settings_give_way_to_explicit_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     # model.toml's [batching] replaces Ferry's defaults, not what the operator set.
     from_file = {"batch_max_size": 64, "batch_window_max_ms": 7.0, "precision": "bf16"}
     plain = Settings().for_model("m", from_file)
-    assert (plain.batch_max_size, plain.batch_window_max_ms, plain.precision) == (64, 7.0, "bf16")
+    assert (plain.tuning.batch_max_size, plain.tuning.batch_window_max_ms) == (64, 7.0)
+    assert plain.precision == "bf16"
     monkeypatch.setenv("FERRY_BATCH_MAX_SIZE", "16")
     monkeypatch.setenv("FERRY_MODEL_SETTINGS", '{"m": {"batch_window_max_ms": 3.0}}')
     explicit = Settings().for_model("m", from_file)
-    assert (explicit.batch_max_size, explicit.batch_window_max_ms) == (16, 3.0)
+    assert (explicit.tuning.batch_max_size, explicit.tuning.batch_window_max_ms) == (16, 3.0)
     assert explicit.precision == "bf16"
 
 

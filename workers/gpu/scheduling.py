@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from backends.base import Runtime
 from core.config.settings import Settings
 from core.models.estimates import ModelEstimate
 from scheduler import Batcher
-from scheduler.learning import KNOBS, SchedulerState, Tuning
+from scheduler.learning import SchedulerState, Tuning
 from scheduler.policy import LinearFit
 
 
@@ -18,10 +19,8 @@ def tuning_for(settings: Settings, runtime: Runtime) -> Tuning:
     Each knob is the setting of the same name; the runtime says whether the
     model pads its inputs and how much memory it may use.
     """
-    return Tuning(
-        **{name: getattr(settings, name) for name in KNOBS},
-        padded=runtime.padded,
-        memory_budget_bytes=runtime.memory_budget_bytes(),
+    return replace(
+        settings.tuning, padded=runtime.padded, memory_budget_bytes=runtime.memory_budget_bytes()
     )
 
 
