@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
-
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.db.schema import (
-    TERMINAL_STATUSES,
-    ApiKey,
-    Backfill,
-    Job,
-)
-
-if TYPE_CHECKING:
-    pass
-
-Owned = TypeVar("Owned", Job, Backfill)
-
-# Hands new webhook deliveries to Celery (see core.db.webhooks.DeliveryKicker).
-Kick = Callable[[Sequence[str]], None]
-
-log = logging.getLogger(__name__)
+from core.db.schema import TERMINAL_STATUSES, ApiKey, Job
 
 
 def outstanding_by_tenant(session: Session) -> list[tuple[str, str, str, str, int]]:

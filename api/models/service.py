@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from backends.catalog import LiveVersions, model_problems
-from core.db.schema import (
-    Backfill,
-    Job,
-    ModelActivation,
-)
+from core.db.schema import ModelActivation
 from core.db.versions import ActivationError, activate, active_version
 from core.models.catalog import ModelSpec
 from core.models.repository import ModelConfig
-
-if TYPE_CHECKING:
-    pass
-
-Owned = TypeVar("Owned", Job, Backfill)
-
-# Hands new webhook deliveries to Celery (see core.db.webhooks.DeliveryKicker).
-Kick = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)
 
