@@ -962,9 +962,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- the per-job path (api.json) ---------------------------------------------------------
-
-
 def _stack_label(stack: Doc) -> str:
     database = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}[stack["database"]]
     count = stack["api_processes"]

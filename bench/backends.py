@@ -372,9 +372,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- backends (backends.json) ------------------------------------------------------------
-
-
 def render_backends(results: Results) -> list[str]:
     doc = results["backends"]
     versions = doc["versions"]

@@ -634,9 +634,6 @@ def _loadavg() -> list[float]:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- backfills (backfill.json) -------------------------------------------------------------
-
-
 def render_backfill_latency(results: Results) -> list[str]:
     doc = results["backfill"]
     runs = runs_of(doc)

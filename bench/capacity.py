@@ -436,9 +436,6 @@ def main(argv: list[str] | None = None) -> None:
 
 # --- its tables (python -m bench.render) --------------------------------------------------
 
-
-# --- the capacity model (capacity.json) ------------------------------------------------------
-
 CAPACITY_ROWS = (
     ("Redis", "commands per job", "redis_commands", 1),
     ("Redis", "bytes in and out per job", "redis_bytes", 0),

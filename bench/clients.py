@@ -805,9 +805,6 @@ def _run(
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- closed-loop clients (clients.json) -----------------------------------------------
-
-
 def render_clients_raw(results: Results) -> list[str]:
     doc = results["clients"]
     raw = doc["raw"]

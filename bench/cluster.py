@@ -172,9 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- Redis Cluster (cluster.json) ------------------------------------------------------------
-
-
 def render_cluster(results: Results) -> list[str]:
     doc = results["cluster"]
     settings = doc["settings"]

@@ -372,9 +372,6 @@ def _ts(value: str) -> float:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- end to end (e2e.json) -------------------------------------------------------------
-
-
 def e2e_ratios(round_: Doc) -> dict[str, dict[str, float]]:
     """A round's ratios (files written before rounds did not keep them)."""
     if "ratios" in round_:

@@ -293,9 +293,6 @@ def print_run(report: Run) -> None:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- fair share (fairness.json) ------------------------------------------------------------
-
-
 def render_fairness(results: Results) -> list[str]:
     doc = results["fairness"]
     runs = runs_of(doc)

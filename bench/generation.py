@@ -430,9 +430,6 @@ def run_settings(args: argparse.Namespace, setup: Setup, grid: list[int], smoke:
 
 # --- its tables (python -m bench.render) --------------------------------------------------
 
-
-# --- text generation (generation.json) -------------------------------------------------------
-
 GENERATION_SYSTEMS = {"ferry": "Ferry", "static": "static generate()", "single": "one at a time"}
 
 

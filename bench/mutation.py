@@ -319,9 +319,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- mutation testing (mutation.json) ---------------------------------------------------------
-
-
 def render_mutation(results: Results) -> list[str]:
     doc = results["mutation"]
     targets = doc["targets"]

@@ -249,9 +249,6 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 # --- its tables (python -m bench.render) --------------------------------------------------
 
-
-# --- the inference protocol (oip.json) ------------------------------------------------------
-
 OIP_WAYS = {
     "wait": "`POST /v1/jobs?wait=` (JSON)",
     "infer": "`POST /v2/models/minilm/infer` (binary tensors)",

@@ -804,9 +804,6 @@ def _version(package: str) -> str | None:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- peers side by side (peers.json) -----------------------------------------------------
-
-
 PEERS = (
     ("raw", "raw model, no serving layer"),
     ("raw-arrival", "raw model, unsorted"),

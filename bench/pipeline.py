@@ -239,9 +239,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- the pipelined worker (pipeline.json) ------------------------------------------------------
-
-
 def pipeline_figures(doc: Doc) -> dict[tuple[str, str], dict[str, Figure]]:
     """Per (database, mode): jobs/s, idle, batch, and jobs/s over the same round's plain."""
     modes = doc["modes"]

@@ -132,9 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- the result write (recording.json) -------------------------------------------------------
-
-
 def render_recording(results: Results) -> list[str]:
     doc = results["recording"]
     settings = doc["settings"]

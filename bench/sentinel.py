@@ -103,9 +103,6 @@ def main(argv: list[str] | None = None) -> None:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- Redis failover (sentinel.json) ---------------------------------------------------------
-
-
 def render_sentinel(results: Results) -> list[str]:
     doc = results["sentinel"]
     settings = doc["settings"]

@@ -460,9 +460,6 @@ def _rss_mib(pid: int) -> float:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-# --- soak (soak.json) --------------------------------------------------------------------
-
-
 SOAK_ORDER = ("api-", "worker-", "celery-", "flower", "redis")
 
 
