@@ -38,7 +38,7 @@ from api.openai_errors import DialectErrorMiddleware
 from api.state import AppState, install
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
-from core.db.schema import make_engine, make_sessionmaker, read_only
+from core.db.schema import engine_for, make_sessionmaker, read_only
 from core.db.webhooks import DeliveryKicker
 from core.ops.metrics import Scalers
 from core.ops.urlguard import Resolver, UrlPolicy, system_resolver
@@ -62,7 +62,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = make_engine(settings.sqlalchemy_url)
+        engine = engine_for(settings)
         sessions = make_sessionmaker(engine)
         reads = read_only(engine)  # one pool with the engine; reads without transactions
         client = target.client(decode_responses=True, socket_timeout=5, socket_connect_timeout=2)

@@ -31,7 +31,7 @@ from backends.catalog import check, repository_for
 from core.config.settings import Settings
 from core.db import migrate
 from core.db.keys import create_key, verify_token
-from core.db.schema import make_engine, make_sessionmaker
+from core.db.schema import engine_for, make_sessionmaker
 from core.models.repository import Repository
 from core.streams.target import RedisTarget
 from ferry.built_models import build_missing
@@ -117,7 +117,7 @@ def _say(message: str) -> None:
 def dev_key(settings: Settings, data_dir: Path) -> str:
     """A ready-to-use key for this local stack, kept (0600) under the data dir."""
     path = data_dir / "api-key"
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = engine_for(settings)
     try:
         with make_sessionmaker(engine)() as session:
             if path.exists():

@@ -30,9 +30,9 @@ from harness.ports import free_port
 from harness.services import ServiceMissing
 
 PG_CTL_WAIT_S = 60
-# What the servers differ in from initdb's defaults. Ferry's processes hold
-# up to 40 connections each (core.db.schema's pool); the small shared_buffers leaves
-# the memory to the test's other processes.
+# What the servers differ in from initdb's defaults. Ferry's processes hold up to 40
+# connections each (FERRY_DB_POOL_SIZE + FERRY_DB_POOL_OVERFLOW, by default); the small
+# shared_buffers leaves the memory to the test's other processes.
 SETTINGS = [
     "listen_addresses = '127.0.0.1'",
     "max_connections = 300",

@@ -34,6 +34,15 @@ from scheduler.vocabulary import PolicyKind
 # The Standard Webhooks retry schedule: the delay before each attempt, from the
 # previous failure (the first is immediate); ten attempts over about 3 days.
 WEBHOOK_SCHEDULE_S = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 50400.0, 72000.0, 86400.0)
+# Each process's database connections (FERRY_DB_POOL_SIZE, FERRY_DB_POOL_OVERFLOW;
+# core.db.schema.make_engine's defaults). Kept open: as many as an API process uses at once
+# under load (the group stages' few threads, key lookups, the other routes' threads), so
+# that none is opened and closed per request, which costs more than the query (SQLite sets
+# its pragmas on each); the overflow is for bursts. A pool opens connections only as they
+# are needed; a few API processes and workers stay under PostgreSQL's default
+# max_connections (100).
+DB_POOL_SIZE = 20
+DB_POOL_OVERFLOW = 20
 # The settings FERRY_MODEL_SETTINGS may override for one model: every batching knob, and these.
 PER_MODEL = frozenset(KNOBS) | {
     "scheduler",
@@ -102,6 +111,13 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL of the database. Unset: SQLite at `FERRY_DATA_DIR/ferry.db`. PostgreSQL:
     `postgresql+psycopg://user:pass@host/db`."""
+    db_pool_size: int = Field(DB_POOL_SIZE, ge=1)
+    """Connections each process keeps open to the database: as many as an API process uses at
+    once under load, so that none is opened and closed per request."""
+    db_pool_overflow: int = Field(DB_POOL_OVERFLOW, ge=0)
+    """Connections a process may open beyond `FERRY_DB_POOL_SIZE` for a burst, closed after it.
+    Size both to PostgreSQL's `max_connections` (100 by default) over every API process,
+    worker and Celery worker that shares it."""
     key_prefix: str = Field("ferry", pattern=r"^[A-Za-z0-9_.-]+$")
     """Every Redis key Ferry writes starts with this (letters, digits, `_`, `.` and `-`), so
     several deployments (or test runs) can share one Redis."""

@@ -28,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from core.config.settings import DB_POOL_OVERFLOW, DB_POOL_SIZE, Settings
+
 TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
 # A backfill's item is a job that waits (status "waiting", in no stream) until
 # the feeder queues it in its model's bulk lane.
@@ -358,14 +360,6 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
-# Connections kept open: as many as an API process uses at once under load
-# (the group stages' few threads, key lookups, the other routes' threads), so
-# that none is opened and closed per request, which costs more than the query
-# (SQLite sets its pragmas on each); the overflow is for bursts of the rest,
-# and keeps a few API processes and workers under PostgreSQL's default
-# max_connections (100). A pool opens connections only as they are needed.
-POOL_SIZE = 20
-POOL_OVERFLOW = 20
 # Ferry's transactions run their statements back to back, so a PostgreSQL session
 # idle inside one for this long belongs to a process that stopped there (SIGSTOP, a
 # paused VM, a stall). The server then ends it, and the row locks it held (a key's
@@ -374,14 +368,17 @@ POOL_OVERFLOW = 20
 IDLE_IN_TRANSACTION_S = 10
 
 
-def make_engine(url: str) -> Engine:
-    """An engine tuned for Ferry's many short transactions from several processes."""
+def make_engine(
+    url: str, pool_size: int = DB_POOL_SIZE, overflow: int = DB_POOL_OVERFLOW
+) -> Engine:
+    """An engine tuned for Ferry's many short transactions from several processes; its pool
+    keeps ``pool_size`` connections and opens up to ``overflow`` more in a burst."""
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
             connect_args={"timeout": 30, "check_same_thread": False},
-            pool_size=POOL_SIZE,
-            max_overflow=POOL_OVERFLOW,
+            pool_size=pool_size,
+            max_overflow=overflow,
         )
 
         @event.listens_for(engine, "connect")
@@ -420,8 +417,8 @@ def make_engine(url: str) -> Engine:
     # new. psycopg prepares a statement the fifth time a connection runs it.
     engine = create_engine(
         url,
-        pool_size=POOL_SIZE,
-        max_overflow=POOL_OVERFLOW,
+        pool_size=pool_size,
+        max_overflow=overflow,
         pool_recycle=1800,
         connect_args=connect_args,
     )
@@ -445,3 +442,8 @@ def read_only(engine: Engine) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def engine_for(settings: Settings) -> Engine:
+    """``make_engine`` for the settings' database, with their pool sizes."""
+    return make_engine(settings.sqlalchemy_url, settings.db_pool_size, settings.db_pool_overflow)

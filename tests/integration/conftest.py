@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.config.settings import Settings
 from core.db.keys import create_key
-from core.db.schema import make_engine, make_sessionmaker
+from core.db.schema import engine_for, make_sessionmaker
 from harness.services import migrated_postgres_database
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
@@ -37,12 +37,17 @@ def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path)
         batch_window_max_ms=20.0,
         max_body_bytes=64 * 1024,
         max_wait_s=10.0,
+        # Three xdist workers share the machine's PostgreSQL (max_connections 100): at the
+        # default 20 + 20 a process, two tests of 200 concurrent submissions at once took
+        # every connection ("too many clients", 503 unavailable) from each other.
+        db_pool_size=5,
+        db_pool_overflow=10,
     )
 
 
 @pytest.fixture
 def sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = engine_for(settings)
     yield make_sessionmaker(engine)
     engine.dispose()
 

@@ -11,7 +11,7 @@ from backends.base import DeviceLost, Runtime
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
 from core.config.settings import Settings
-from core.db.schema import make_engine, make_sessionmaker
+from core.db.schema import engine_for, make_sessionmaker
 from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
 from core.models.repository import ModelConfig
@@ -88,7 +88,7 @@ def build_generation_loop(
     """The loop of a generation model's worker, its active version loaded."""
     target = RedisTarget.of(settings)
     own = settings.for_model(config.name, config.settings)
-    sessions = make_sessionmaker(make_engine(own.sqlalchemy_url))
+    sessions = make_sessionmaker(engine_for(own))
     with sessions() as session:
         version = active_version(session, config)
     client = worker_redis(target)

@@ -11,7 +11,7 @@ from backends.base import DeviceLost, resolve_device
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
 from core.config.settings import Settings
-from core.db.schema import make_engine, make_sessionmaker
+from core.db.schema import engine_for, make_sessionmaker
 from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
 from core.models.repository import ModelConfig
@@ -72,7 +72,7 @@ def build_loop(
         raise SystemExit(f"the model repository ({base.model_repository_path}) has no {model!r}")
     settings = base.for_model(model, config.settings)
     configure_allocator(settings.cuda_alloc_conf)  # before torch first touches CUDA
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = engine_for(settings)
     sessions = make_sessionmaker(engine)
 
     def prepare(fresh: ModelConfig, version: int) -> Loaded:

@@ -27,7 +27,7 @@ from core.db.schema import (
     StoredFile,
     WebhookAttempt,
     WebhookDelivery,
-    make_engine,
+    engine_for,
     make_sessionmaker,
 )
 from core.db.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
@@ -60,14 +60,14 @@ BEAT_EXPIRES_S = 900.0
 class Database:
     """One engine per process, made on first use (never inherited across a fork)."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self._pid: int | None = None
         self._sessions: sessionmaker[Session] | None = None
 
     def sessions(self) -> sessionmaker[Session]:
         if self._sessions is None or self._pid != os.getpid():
-            self._sessions = make_sessionmaker(make_engine(self.url))
+            self._sessions = make_sessionmaker(engine_for(self.settings))
             self._pid = os.getpid()
         return self._sessions
 
@@ -75,7 +75,7 @@ class Database:
 def reconcile_streams(settings: Settings) -> int:
     """One reconciler run (one at a time across every Celery worker, by a Redis lock)."""
     client = RedisTarget.of(settings).client(decode_responses=True)
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = engine_for(settings)
     lock = f"{settings.key_prefix}:reconcile:lock"
     token = uuid.uuid4().hex
     try:
@@ -103,7 +103,7 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
     batches and files they leave behind; and uploads past their expiry or cut off."""
     moment = now or dt.datetime.now(dt.UTC)
     cutoff = moment - dt.timedelta(seconds=settings.result_ttl_s)
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = engine_for(settings)
     try:
         with make_sessionmaker(engine).begin() as session:
             unfinished = select(Backfill.id).where(Backfill.status.not_in(BACKFILL_DONE))
@@ -207,7 +207,7 @@ def create_celery(settings: Settings) -> Celery:
     def _reconcile() -> int:
         return reconcile_streams(settings)
 
-    database = Database(settings.sqlalchemy_url)
+    database = Database(settings)
     config = DeliveryConfig.from_settings(settings)
     # Deliveries are due, leased, held and signed by the Redis server's clock, not this
     # host's: a host clock stepped ahead would sign what receivers refuse as too new, and
