@@ -5,7 +5,7 @@ Nothing is downloaded. The standard library's modules are parsed with
 paragraphs, and the paragraphs that read as prose (no code examples, mostly
 letters, a capital first letter, a final full stop) are kept, deduplicated and
 shuffled with a seed. Each text's cost is its all-MiniLM-L6-v2 token count
-(:func:`core.models.catalog.count_tokens`, the tokenizer that ships with the model),
+(:func:`core.models.inputs.count_tokens`, the tokenizer that ships with the model),
 capped at 256 tokens, the model's input limit.
 
 The result depends only on the Python version's standard library and the seed.

@@ -377,8 +377,6 @@ def headline_gpu(gpu: Doc, generation: Doc) -> str:
     )
 
 
-# --- on a GPU (gpu.json) --------------------------------------------------------------------
-
 # The targets on an H200, per model: (share of raw at least, jobs/s at least, p99 ms at most).
 GPU_TARGETS = {"minilm": (0.8, 10_000.0, None), "resnet50": (None, 2_000.0, 100.0)}
 

@@ -1149,9 +1149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 DEFAULT_SIMULATE = "python -m bench.simulate"
 
 
-# --- the scheduler simulation (scheduler.json) -------------------------------------------
-
-
 def scheduler_seeds(doc: Doc) -> list[Doc]:
     """Seed by seed, the capacities and the targets; a file of one seed has them at the top."""
     if "seeds" in doc:

@@ -109,6 +109,8 @@ class Tuning:
         ge=1,
         setting_type=int | None,
     )
+    # min before max: the settings' field order is this one, and their check that
+    # max >= min reads min as already validated.
     batch_window_min_ms: float = knob(
         0.0,
         "Lower clamp of the adaptive window: how long the oldest job may wait for company.",

@@ -21,6 +21,7 @@ from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
 from api.jobs.reads import JobRead, is_terminal, until_terminal
 from api.jobs.schemas import (
+    CancelRequested,
     DeliveryList,
     DeliveryResource,
     JobCreate,
@@ -30,7 +31,6 @@ from api.jobs.schemas import (
 )
 from api.jobs.submissions import GroupCommit, prepare_request
 from api.models import service as model_service
-from api.openai.schemas import CancelRequested
 from api.schemas import error_responses
 from api.state import app_state
 from core.config.settings import Settings

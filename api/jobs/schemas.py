@@ -228,3 +228,12 @@ def metadata_problem(value: dict[str, Any] | None, max_bytes: int) -> str | None
 
 def _compact_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class CancelRequested(JobResource):
+    """A running generation asked to stop: still ``running`` here; its worker ends it
+    ``cancelled`` at its next step, with the tokens it made so far."""
+
+    cancel_requested: bool = Field(
+        True, description="The worker running the job was asked to stop it."
+    )

@@ -13,17 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.jobs.schemas import JobResource
 from scheduler.vocabulary import Lane
-
-
-class CancelRequested(JobResource):
-    """A running generation asked to stop: still ``running`` here; its worker ends it
-    ``cancelled`` at its next step, with the tokens it made so far."""
-
-    cancel_requested: bool = Field(
-        True, description="The worker running the job was asked to stop it."
-    )
 
 
 class StreamOptions(BaseModel):

@@ -4,6 +4,6 @@ Structured logs (``logs``), the Prometheus metrics every process exports
 (``metrics``) and a worker's own /metrics, /healthz and /readyz port
 (``health``), OpenTelemetry traces (``tracing``), the desired-workers signal an
 autoscaler reads (``autoscale``), and the guard on the URLs Ferry calls out to
-(``urlguard``). May import ``core.config``, ``core.models`` and ``core.streams.protocol``;
-nothing under ``core`` imports it except ``health`` and ``metrics`` themselves.
+(``urlguard``). May import ``core.config``, ``core.models`` and ``core.streams``; no
+other part of ``core`` imports it.
 """

@@ -66,6 +66,13 @@ def core_imports_of(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    # from core import db: the names are the sub-packages.
+    modules |= {
+        f"core.{a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "core"
+        for a in n.names
+    }
     return {m.split(".")[1] for m in modules if m.startswith("core.")}
 
 
@@ -92,11 +99,17 @@ def test_the_model_repository_has_no_import_circle() -> None:
     graph: dict[str, set[str]] = {}
     for path in folder.glob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
-        graph[path.stem] = {
-            n.module.rpartition(".")[2]
-            for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("core.models.")
-        }
+        found: set[str] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module == "core.models":
+                found |= {alias.name for alias in n.names}  # from core.models import reader
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("core.models."):
+                found.add((n.module or "").split(".")[2])
+            elif isinstance(n, ast.Import):
+                found |= {
+                    a.name.split(".")[2] for a in n.names if a.name.startswith("core.models.")
+                }
+        graph[path.stem] = found
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(
@@ -106,6 +119,20 @@ def test_the_model_repository_has_no_import_circle() -> None:
 
     circles = sorted(m for m in graph if reaches(m, m, {m}))
     assert not circles, circles
+
+
+def test_core_takes_of_the_scheduler_only_its_vocabulary_and_the_knobs() -> None:
+    # The settings derive the batching knobs from scheduler.learning.Tuning; nothing else
+    # of core reaches into the scheduler.
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        scheduler = {m for m in modules if m.split(".")[0] == "scheduler"}
+        allowed = {VOCABULARY}
+        if path == ROOT / "core" / "config" / "settings.py":
+            allowed.add("scheduler.learning")
+        assert scheduler <= allowed, f"{path.relative_to(ROOT)} imports {scheduler - allowed}"
 
 
 def test_the_scheduler_touches_no_clock_io_or_torch() -> None:
