@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -219,9 +220,17 @@ class Stack(Processes):
         return self.submitter.submit(tagged(bodies), threads, retry_s)
 
     def submit_in_background(
-        self, bodies: list[dict[str, Any]], threads: int = 6, retry_s: float = 60.0
+        self,
+        bodies: list[dict[str, Any]],
+        threads: int = 6,
+        retry_s: float = 60.0,
+        rate_per_s: float | None = None,
+        stop: threading.Event | None = None,
     ) -> tuple[Submission, Future[None]]:
-        return self.submitter.submit_in_background(tagged(bodies), threads, retry_s)
+        """All of ``bodies`` at once, or with ``rate_per_s`` each at its time until ``stop``."""
+        return self.submitter.submit_in_background(
+            tagged(bodies), threads, retry_s, rate_per_s, stop
+        )
 
     # -- the database ---------------------------------------------------------
 

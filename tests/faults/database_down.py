@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import httpx
 
 from harness import webclient
-from harness.faults import MODEL, Stack
+from harness.faults import MODEL, Stack, sim_jobs
 from harness.processes import wait_for
 
 
@@ -51,3 +52,29 @@ def wait_ready(stack: Stack, timeout_s: float = 60) -> None:
         return False
 
     wait_for("the API to be ready again", ready, timeout_s, 0.2)
+
+
+# Submissions arrive at this steady rate, from before the fault until after recovery,
+# when the scenario stops them: still arriving at the fault whatever the machine's speed,
+# so clients are turned away and retry. (All at once, a fast machine had sent a fixed
+# number before the fault: once in CI, every one.)
+RATE_PER_S = 150.0
+# More than are ever sent: the scenario stops them first.
+MOST_JOBS = 20_000
+
+
+class SteadySubmissions:
+    """Jobs submitted at ``RATE_PER_S`` in the background until :meth:`stop`."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.halt = threading.Event()
+        self.submission, self.submitted = stack.submit_in_background(
+            sim_jobs(MOST_JOBS), rate_per_s=RATE_PER_S, stop=self.halt
+        )
+
+    def stop_once_accepted_again(self, more: int = 100) -> None:
+        """Once ``more`` jobs are accepted after the fault, send no more; wait for the last."""
+        back = len(self.submission.ids)
+        wait_for("submissions accepted again", lambda: len(self.submission.ids) >= back + more, 60)
+        self.halt.set()
+        self.submitted.result(timeout=120)

@@ -8,14 +8,12 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack
 from harness.processes import wait_for
+from tests.faults.database_down import SteadySubmissions
 
 pytestmark = pytest.mark.faults
 
-# Enough that submissions are still arriving when the database goes (the API takes
-# them faster than two workers finish them), so clients are turned away and retry.
-JOBS = 3000
 BACKLOG = 600
 OUTAGE_S = 5.0
 
@@ -42,7 +40,8 @@ def test_a_database_outage_mid_run_loses_nothing_and_records_nothing_twice(
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     started = time.monotonic()
-    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+    steady = SteadySubmissions(stack)
+    submission, submitted = steady.submission, steady.submitted
     # A backlog first, so that both workers are busy when the fault strikes.
     wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
     workers = stack.start_workers("w1", "w2")
@@ -56,7 +55,7 @@ def test_a_database_outage_mid_run_loses_nothing_and_records_nothing_twice(
     time.sleep(OUTAGE_S)  # the fault itself: the database stays unreachable this long
     proxy.restore()
     outage_s = time.monotonic() - cut_at
-    submitted.result(timeout=120)
+    steady.stop_once_accepted_again()
 
     accounting = stack.account("database down 5 s", submission, started, 120, record)
     details = accounting.figures.details

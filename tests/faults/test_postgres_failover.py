@@ -17,14 +17,13 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack
 from harness.postgres import PostgresServers, create_database, failover_url
 from harness.processes import wait_for
-from tests.faults.database_down import assert_unavailable, wait_ready
+from tests.faults.database_down import SteadySubmissions, assert_unavailable, wait_ready
 
 pytestmark = pytest.mark.faults
 
-JOBS = 2000
 BACKLOG = 400
 # How long the replica stays a standby after the primary died: an operator's
 # (or a failover manager's) time to decide.
@@ -52,7 +51,8 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     started = time.monotonic()
-    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+    steady = SteadySubmissions(stack)
+    submission, submitted = steady.submission, steady.submitted
     wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
     workers = stack.start_workers("w1", "w2")
 
@@ -68,7 +68,7 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     replica.promote()
     gap_s = time.monotonic() - killed_at
     wait_ready(stack)
-    submitted.result(timeout=120)
+    steady.stop_once_accepted_again()
 
     accounting = stack.account("PostgreSQL failed over", submission, started, 120, record)
     details = accounting.figures.details

@@ -13,16 +13,13 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack
 from harness.postgres import PostgresServers, create_database
 from harness.processes import wait_for
-from tests.faults.database_down import assert_unavailable, wait_ready
+from tests.faults.database_down import SteadySubmissions, assert_unavailable, wait_ready
 
 pytestmark = pytest.mark.faults
 
-# Submissions still arriving when the server stops (the API takes them faster
-# than two workers finish them), so clients are turned away and retry.
-JOBS = 2000
 BACKLOG = 400
 DOWN_S = 4.0
 
@@ -49,7 +46,8 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
     stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
     started = time.monotonic()
-    submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
+    steady = SteadySubmissions(stack)
+    submission, submitted = steady.submission, steady.submitted
     wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
     workers = stack.start_workers("w1", "w2")
 
@@ -63,7 +61,7 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     server.start()
     down_s = time.monotonic() - stopped_at
     wait_ready(stack)
-    submitted.result(timeout=120)
+    steady.stop_once_accepted_again()
 
     accounting = stack.account("PostgreSQL stopped 4 s", submission, started, 120, record)
     details = accounting.figures.details
