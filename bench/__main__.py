@@ -55,7 +55,7 @@ class Bench:
 
 
 BENCHES = (
-    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5, smoke_s=2),
+    Bench("scheduler", "bench.simulate", (), ("--smoke", "--repeats", "1"), 5, smoke_s=4),
     Bench(
         "e2e",
         "bench.e2e",
@@ -74,7 +74,7 @@ BENCHES = (
             "--one-stack",
         ),
         10,
-        smoke_s=26,
+        smoke_s=24,
     ),
     Bench(
         "api",
@@ -152,7 +152,7 @@ BENCHES = (
         (),
         ("--window", "2", "--alone", "1", "--lines", "2000", "--repeats", "1"),
         4,
-        smoke_s=20,
+        smoke_s=18,
     ),
     Bench(
         "fairness",
@@ -160,7 +160,7 @@ BENCHES = (
         (),
         ("--seconds", "1", "--flood", "20", "--repeats", "1"),
         15,
-        smoke_s=17,
+        smoke_s=13,
     ),
     Bench(
         "pipeline",
@@ -168,7 +168,7 @@ BENCHES = (
         ("--postgres",),
         ("--jobs", "64", "--rounds", "1", "--modes", "plain,three-stage", "--one-stack"),
         18,
-        smoke_s=11,
+        smoke_s=8,
     ),
     Bench(
         "recording",
@@ -195,7 +195,7 @@ BENCHES = (
             "onnx",
         ),
         4,
-        smoke_s=8,
+        smoke_s=12,
     ),
     Bench(
         "soak",
@@ -216,7 +216,7 @@ BENCHES = (
             "1",
         ),
         63,
-        smoke_s=30,
+        smoke_s=20,
     ),
     Bench(
         "capacity",
@@ -243,20 +243,20 @@ BENCHES = (
         (),
         ("--rounds", "1", "--load-s", "6", "--kill-at-s", "2", "--rate", "10"),
         2,
-        smoke_s=17,
+        smoke_s=16,
     ),
     Bench("cluster", "bench.cluster", (), ("--jobs", "300", "--rounds", "1"), 1, smoke_s=4),
-    Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=6),
-    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=14),
+    Bench("generation", "bench.generation", (), ("--smoke",), 10, smoke_s=5),
+    Bench("generation_stack", "bench.generation_stack", (), ("--smoke",), 4, smoke_s=12),
     Bench("generation_promises", "bench.generation_promises", (), ("--smoke",), 6, smoke_s=10),
-    Bench("generation_resume", "bench.generation_resume", (), ("--smoke",), 1, smoke_s=21),
+    Bench("generation_resume", "bench.generation_resume", (), ("--smoke",), 1, smoke_s=15),
     Bench(
         "oip",
         "bench.oip",
         (),
         ("--clients", "4", "--warmup", "0", "--duration", "1", "--rounds", "1"),
         2,
-        smoke_s=13,
+        smoke_s=15,
     ),
     Bench(
         "gpu",
