@@ -49,7 +49,6 @@ from bench import results
 from bench.corpus import load_corpus
 from bench.quantiles import nearest_rank
 from bench.report import (
-    Doc,
     Figure,
     Results,
     commit_text,
@@ -57,7 +56,6 @@ from bench.report import (
     decimal,
     machine_text,
     percent,
-    runs_of,
     table,
     times,
     verdict,
@@ -111,6 +109,10 @@ class Report:
     rounds: list[Round] = field(default_factory=list)
     # Per policy and ratio: the median of the rounds and their range.
     summary: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+
+# What bench/results/e2e.json holds besides its head (bench.report.typed reads it).
+RESULT = Report
 
 
 def raw_ceiling(texts: list[str], sizes: tuple[int, ...]) -> dict[int, float]:
@@ -372,42 +374,30 @@ def _ts(value: str) -> float:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-def e2e_ratios(round_: Doc) -> dict[str, dict[str, float]]:
-    """A round's ratios (files written before rounds did not keep them)."""
-    if "ratios" in round_:
-        return dict(round_["ratios"])
-
-    modes = [
-        ModeResult(m["mode"], m["submit_per_s"], Phase(**m["drain"]), Phase(**m["live"]))
-        for m in round_["modes"]
-    ]
-    return ratios(Round(1, round_["raw_by_batch"], round_["raw_ceiling"], modes))
-
-
-def e2e_figures(doc: Doc) -> dict[str, dict[str, Figure]]:
-    rounds = runs_of(doc, "rounds")
-    per_round = [e2e_ratios(r) for r in rounds]
+def e2e_figures(report: Report) -> dict[str, dict[str, Figure]]:
+    # A round's ratios, computed where an older file did not keep them.
+    per_round = [r.ratios or ratios(r) for r in report.rounds]
     figures: dict[str, dict[str, Figure]] = {}
     for mode in per_round[0]:
         found = {k: Figure.of(r[mode][k] for r in per_round) for k in per_round[0][mode]}
         for phase in ("drain", "live"):
             found[f"{phase}_jobs_per_s"] = Figure.of(
-                next(m for m in r["modes"] if m["mode"] == mode)[phase]["jobs_per_s"]
-                for r in rounds
+                getattr(next(m for m in r.modes if m.mode == mode), phase).jobs_per_s
+                for r in report.rounds
             )
         figures[mode] = found
     figures["raw"] = {
-        "ceiling": Figure.of(r["raw_ceiling"] for r in rounds),
-        "gain": Figure.of(r["raw_ceiling"] / r["raw_by_batch"]["1"] for r in rounds),
+        "ceiling": Figure.of(r.raw_ceiling for r in report.rounds),
+        "gain": Figure.of(r.raw_ceiling / r.raw_by_batch[1] for r in report.rounds),
     }
     return figures
 
 
 def render_e2e(results: Results) -> list[str]:
-    doc = results["e2e"]
-    rounds = runs_of(doc, "rounds")
+    doc, report = results["e2e"], results.typed("e2e", Report)
+    rounds = report.rounds
     first = rounds[0]
-    raw = first["raw_by_batch"]
+    raw = first.raw_by_batch
     best = max(raw, key=lambda k: raw[k])
     shown = [
         f"**{raw[k]:.0f} at {k}** (the ceiling)" if k == best else f"{raw[k]:.0f} at {k}"
@@ -416,19 +406,19 @@ def render_e2e(results: Results) -> list[str]:
     shown[0] = shown[0].replace(" at ", " texts/s at batch ", 1)
     over = f"; median of {len(rounds)} rounds (min–max)" if len(rounds) > 1 else ""
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, {doc['jobs']:,} paragraphs, "
-        f"mean {doc['mean_cost']} tokens{over}. Raw model"
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, {report.jobs:,} paragraphs, "
+        f"mean {report.mean_cost} tokens{over}. Raw model"
         + (" (first round)" if len(rounds) > 1 else "")
         + ": "
         + ", ".join(shown)
         + ".",
         "",
     ]
-    figures = e2e_figures(doc)
+    figures = e2e_figures(report)
     labels = {"fixed": "fixed (32, 5 ms)"}
     rows = []
-    for m in first["modes"]:
-        mode, f = m["mode"], figures[m["mode"]]
+    for m in first.modes:
+        mode, f = m.mode, figures[m.mode]
         bold = mode == "ferry"
         rows.append(
             [
@@ -439,8 +429,8 @@ def render_e2e(results: Results) -> list[str]:
                 f["live_jobs_per_s"].text(decimal(1)),
                 f["live_share_of_raw"].text(percent()),
                 f["live_vs_none"].text(times()),
-                f"{m['drain']['mean_batch_size']:.1f}",
-                f"{m['drain']['efficiency']:.2f}",
+                f"{m.drain.mean_batch_size:.1f}",
+                f"{m.drain.efficiency:.2f}",
             ]
         )
     header = ["policy", "drain jobs/s", "% of raw", "× none", "live jobs/s", "% of raw", "× none"]
@@ -448,7 +438,7 @@ def render_e2e(results: Results) -> list[str]:
 
 
 def render_e2e_targets(results: Results) -> list[str]:
-    figures = e2e_figures(results["e2e"])
+    figures = e2e_figures(results.typed("e2e", Report))
     ferry, raw = figures["ferry"], figures["raw"]
     rows = [
         [
@@ -466,8 +456,9 @@ def render_e2e_targets(results: Results) -> list[str]:
     return table(["target (ferry)", "value", "met"], "lrl", rows)
 
 
-def headline_e2e(doc: Doc) -> str:
-    ferry = e2e_figures(doc)["ferry"]
+def headline_e2e(results: Results) -> str:
+    doc = results["e2e"]
+    ferry = e2e_figures(results.typed("e2e", Report))["ferry"]
     share, gain = ferry["drain_share_of_raw"], ferry["drain_vs_none"]
     return (
         f"- **End to end** (HTTP, Redis, SQLite, all-MiniLM-L6-v2 on {machine_text(doc)}), a "

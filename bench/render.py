@@ -71,7 +71,7 @@ def render_headline(results: Results) -> list[str]:
     """The README's bullets: each benchmark's headline figure against its target."""
     return [
         simulate.headline_scheduler(results["scheduler"]),
-        e2e.headline_e2e(results["e2e"]),
+        e2e.headline_e2e(results),
         backfill.headline_backfill(results["backfill"]),
         fairness.headline_fairness(results["fairness"]),
         pipeline.headline_pipeline(results["pipeline"]),

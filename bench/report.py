@@ -5,14 +5,22 @@ the documents; each benchmark renders its own beside its code)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 Doc = dict[str, Any]
+T = TypeVar("T")
+
+# What bench/results.py writes in front of every file's figures (older files named the
+# commit at the top): no benchmark's type declares them.
+HEAD = frozenset({"date", "command", "via_make", "smoke", "git", "machine", "settings", "commit"})
 
 
 class Results:
@@ -31,9 +39,72 @@ class Results:
             self.read[name] = doc
         return self.read[name]
 
+    def typed(self, name: str, cls: type[T]) -> T:
+        """``name``'s file as its benchmark's type (the head left out: see :data:`HEAD`)."""
+        doc = self[name]
+        try:
+            return typed(cls, {k: v for k, v in doc.items() if k not in HEAD})
+        except ValueError as exc:
+            raise ValueError(f"{name}.json: {exc}") from None
+
     def has(self, name: str) -> bool:
         """Whether the folder holds ``name``'s file (a benchmark that needs an extra may not)."""
         return name in self.read or (self.folder / f"{name}.json").exists()
+
+
+def typed(cls: Any, value: Any, where: str = "") -> Any:
+    """``value`` (as json.loads gives it) as ``cls``: a dataclass, a list, tuple or dict of
+    them, ``X | None``, a number, string or bool, or Any (taken as it is).
+
+    Every field without a default must be there and no key may be there that the
+    dataclass lacks: a file that does not say what its type says fails here, naming
+    the place (``rounds[0].modes[1].drain: no field 'jobs'``), not as a wrong table.
+    JSON's object keys are strings; a ``dict[int, ...]`` gets its keys back as numbers.
+    """
+    at = where or "the file"
+    origin, args = typing.get_origin(cls), typing.get_args(cls)
+    if cls is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"{at}: only X | None is supported, not {cls}")
+        return typed(options[0], value, where)
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+        if not isinstance(value, dict):
+            raise ValueError(f"{at}: an object was expected, not {type(value).__name__}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ValueError(f"{at}: {cls.__name__} has no field {unknown[0]!r}")
+        found = {}
+        for name, spec in fields.items():
+            if name in value:
+                found[name] = typed(hints[name], value[name], f"{where}.{name}".lstrip("."))
+            elif spec.default is spec.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{at}: no field {name!r}")
+        return cls(**found)
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, list):
+            raise ValueError(f"{at}: a list was expected, not {type(value).__name__}")
+        items = [typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, dict):
+            raise ValueError(f"{at}: an object was expected, not {type(value).__name__}")
+        key_type, value_type = args
+        return {
+            (int(k) if key_type is int else k): typed(value_type, v, f"{where}[{k!r}]")
+            for k, v in value.items()
+        }
+    if cls is float and type(value) in (int, float):  # a script may write a float as 2
+        return value
+    if cls in (int, str, bool) and type(value) is cls:
+        return value
+    raise ValueError(f"{at}: {cls.__name__} was expected, not {value!r}")
 
 
 # --- figures ------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""A results file read as its benchmark's type (bench.report.typed): what a renderer reads
+is what the benchmark's dataclass says, and a file that says otherwise fails by name."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import e2e
+from bench.__main__ import BENCHES
+from bench.report import Results, typed
+from bench.results import RESULTS
+
+
+@dataclass
+class Phase:
+    jobs: int
+    p99_ms: float | None
+
+
+@dataclass
+class Round:
+    number: int
+    by_size: dict[int, float] = field(default_factory=dict)
+    phases: list[Phase] = field(default_factory=list)
+    extra: Any = None
+
+
+def test_a_file_becomes_its_dataclasses_with_number_keys_and_defaults() -> None:
+    found = typed(
+        list[Round],
+        [
+            {"number": 1, "by_size": {"1": 66.9, "8": 86}, "phases": [{"jobs": 8, "p99_ms": None}]},
+            {"number": 2, "extra": {"any": ["thing"]}},
+        ],
+    )
+    assert found == [
+        Round(1, {1: 66.9, 8: 86}, [Phase(8, None)]),
+        Round(2, {}, [], {"any": ["thing"]}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"number": 1, "phases": [{"jobs": 8}]}, "phases[0]: no field 'p99_ms'"),
+        ({"number": 1, "phases": [{"jobs": 8, "p99_ms": 1, "p50": 2}]}, "has no field 'p50'"),
+        ({"number": "1"}, "number: int was expected, not '1'"),
+        ({"number": True}, "number: int was expected, not True"),
+        ({"number": 1, "phases": {}}, "phases: a list was expected, not dict"),
+        ({"number": 1, "by_size": {"1": "fast"}}, "by_size['1']: float was expected"),
+        ([], "an object was expected, not list"),
+    ],
+)
+def test_a_file_that_is_not_its_type_fails_naming_the_place(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        typed(Round, value)
+
+
+def test_each_typed_results_file_reads_as_its_benchmarks_type() -> None:
+    results = Results(RESULTS)
+    checked = []
+    for bench in BENCHES:
+        cls = getattr(importlib.import_module(bench.module), "RESULT", None)
+        if cls is not None and results.has(bench.name):
+            results.typed(bench.name, cls)
+            checked.append(bench.name)
+    assert "e2e" in checked, checked
+
+
+def test_a_renderer_names_the_file_that_is_not_its_type(tmp_path: Path) -> None:
+    doc = json.loads((RESULTS / "e2e.json").read_text())
+    del doc["rounds"][0]["modes"][0]["drain"]["jobs"]
+    (tmp_path / "e2e.json").write_text(json.dumps(doc))
+    where = r"e2e.json: rounds\[0\].modes\[0\].drain: no field 'jobs'"
+    with pytest.raises(ValueError, match=where):
+        e2e.render_e2e(Results(tmp_path))
