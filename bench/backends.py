@@ -60,7 +60,7 @@ from typing import Any
 
 from bench import results
 from bench.corpus import MAX_TOKENS, load_texts
-from bench.report import Doc, Figure, Results, commit_text, day, machine_text, table, times
+from bench.report import Figure, Results, commit_text, day, machine_text, table, times
 
 BATCH = 32
 AGREEMENT = 0.999
@@ -94,6 +94,10 @@ class Report:
     versions: dict[str, str]
     load_average: dict[str, list[float]]
     backends: list[BackendResult]
+
+
+# What bench/results/backends.json holds besides its head (bench.report.typed reads it).
+RESULT = Report
 
 
 def write_repository(root: Path, threads: int) -> None:
@@ -373,14 +377,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_backends(results: Results) -> list[str]:
-    doc = results["backends"]
-    versions = doc["versions"]
+    doc, report = results["backends"], results.typed("backends", Report)
+    versions = report.versions
     settings = doc["settings"]
     shares = [
         share
-        for backend in doc["backends"]
-        for order in backend["orders"].values()
-        for share in order["cpu_share"]
+        for backend in report.backends
+        for order in backend.orders.values()
+        for share in order.cpu_share
     ]
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; PyTorch "
@@ -397,29 +401,27 @@ def render_backends(results: Results) -> list[str]:
     ]
     rows = []
     for order in ("sorted", "arrival"):
-        ranked = [b for b in doc["backends"] if not b.get("error") and b["backend"] != "eager"]
-        best = max(ranked, key=lambda b: b["orders"][order]["ratio_to_eager"])["backend"]
-        for backend in doc["backends"]:
-            if backend.get("error"):
+        ranked = [b for b in report.backends if not b.error and b.backend != "eager"]
+        best = max(ranked, key=lambda b: b.orders[order].ratio_to_eager).backend
+        for backend in report.backends:
+            if backend.error:
                 continue
-            measured = backend["orders"][order]
-            bold = backend["backend"] == best
-            runs = ", ".join(f"{r:.2f}" for r in measured["runs"])
+            measured = backend.orders[order]
+            bold = backend.backend == best
+            runs = ", ".join(f"{r:.2f}" for r in measured.runs)
             ratio = (
                 "1.00×"
-                if backend["backend"] == "eager"
-                else Figure.of(measured["ratios_to_eager"]).text(times(), bold)
+                if backend.backend == "eager"
+                else Figure.of(measured.ratios_to_eager).text(times(), bold)
             )
-            cosine = (
-                "—" if backend["backend"] == "eager" else f"{measured['min_cosine_to_eager']:.7f}"
-            )
+            cosine = "—" if backend.backend == "eager" else f"{measured.min_cosine_to_eager:.7f}"
             rows.append(
                 [
-                    backend["backend"],
+                    backend.backend,
                     order,
-                    f"**{measured['median']:.2f}**" if bold else f"{measured['median']:.2f}",
+                    f"**{measured.median:.2f}**" if bold else f"{measured.median:.2f}",
                     runs,
-                    f"{measured['spread']:.1%}".replace("%", " %"),
+                    f"{measured.spread:.1%}".replace("%", " %"),
                     ratio,
                     cosine,
                 ]
@@ -427,9 +429,9 @@ def render_backends(results: Results) -> list[str]:
     header = ["backend", "order", "median embeddings/s", "runs", "spread", "× eager"]
     lines += table([*header, "min cosine to eager"], "llrlrrr", rows)
     setup = ", ".join(
-        f"{b['backend']} {b['setup_s']:.1f} s"
-        for b in doc["backends"]
-        if not b.get("error") and b["backend"] != "onnx, default threads"
+        f"{b.backend} {b.setup_s:.1f} s"
+        for b in report.backends
+        if not b.error and b.backend != "onnx, default threads"
     )
     lines += [
         "",
@@ -439,13 +441,14 @@ def render_backends(results: Results) -> list[str]:
     return lines
 
 
-def headline_backends(doc: Doc) -> list[str]:
-    found = {b["backend"]: b for b in doc["backends"] if not b.get("error")}
+def headline_backends(results: Results) -> list[str]:
+    report = results.typed("backends", Report)
+    found = {b.backend: b for b in report.backends if not b.error}
     if "onnx" not in found or "torch.compile" not in found:
         return []
 
     def ratio(backend: str, order: str) -> str:
-        return Figure.of(found[backend]["orders"][order]["ratios_to_eager"]).text(times())
+        return Figure.of(found[backend].orders[order].ratios_to_eager).text(times())
 
     return [
         "- **Backends.** all-MiniLM-L6-v2 alone on the CPU, embeddings/s against PyTorch "

@@ -94,6 +94,10 @@ class Report:
     models: list[ModelResult]
 
 
+# What bench/results/gpu.json holds besides its head (bench.report.typed reads it).
+RESULT = Report
+
+
 def images(count: int, seed: int = 0) -> list[str]:
     """Noise JPEGs of a few camera-like sizes, base64."""
     import numpy as np
@@ -351,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-def headline_gpu(gpu: Doc, generation: Doc) -> str:
-    minilm = next(model for model in gpu["models"] if model["model"] == "minilm")
+def headline_gpu(results: Results) -> str:
+    gpu, generation = results["gpu"], results["generation_gpu"]
+    report = results.typed("gpu", Report)
+    minilm = next(model for model in report.models if model.model == "minilm")
     share, rate, _ = GPU_TARGETS["minilm"]
-    met = minilm["stack_share_of_raw"] >= (share or 0) and minilm["stack_jobs_per_s"] >= rate
+    met = minilm.stack_share_of_raw >= (share or 0) and minilm.stack_jobs_per_s >= rate
     targets = generation["targets"]
 
     def ratio(system: str) -> str:
@@ -366,10 +372,10 @@ def headline_gpu(gpu: Doc, generation: Doc) -> str:
 
     model = generation["settings"]["model"]
     return (
-        f"- **On a GPU** ({gpu['device']}, {day(gpu)}, the first run, one round): "
-        f"all-MiniLM-L6-v2 in {gpu['precision']} through the whole stack at "
-        f"**{minilm['stack_jobs_per_s']:,.0f}** jobs/s, "
-        f"{percent(1)(minilm['stack_share_of_raw'])} of the runtime's raw ceiling (target "
+        f"- **On a GPU** ({report.device}, {day(gpu)}, the first run, one round): "
+        f"all-MiniLM-L6-v2 in {report.precision} through the whole stack at "
+        f"**{minilm.stack_jobs_per_s:,.0f}** jobs/s, "
+        f"{percent(1)(minilm.stack_share_of_raw)} of the runtime's raw ceiling (target "
         f"{percent()(share or 0)} and {rate:,.0f}/s: {verdict(met)}). Generation "
         f"({generation['settings']['precision']}, a {model['layers']}-layer "
         f"{model['arch']}-shaped model, {generation['settings']['requests']} requests at once): "
@@ -382,20 +388,20 @@ GPU_TARGETS = {"minilm": (0.8, 10_000.0, None), "resnet50": (None, 2_000.0, 100.
 
 
 def render_gpu(results: Results) -> list[str]:
-    doc = results["gpu"]
-    sizes = [str(size) for size in doc["settings"]["raw_batch_sizes"]]
-    found = {model["model"]: model for model in doc["models"]}
-    raw_rows = [[name, *(f"{model['raw_by_batch'][b]:,.0f}" for b in sizes)]
+    doc, report = results["gpu"], results.typed("gpu", Report)
+    sizes = [int(size) for size in doc["settings"]["raw_batch_sizes"]]
+    found = {model.model: model for model in report.models}
+    raw_rows = [[name, *(f"{model.raw_by_batch[b]:,.0f}" for b in sizes)]
                 for name, model in found.items()]  # fmt: skip
     stack_rows = [
         [
             name,
-            f"**{model['stack_jobs_per_s']:,.0f}**",
-            percent(1)(model["stack_share_of_raw"]),
-            percent(1)(model["stack_device_idle"]),
-            f"{model['plain_jobs_per_s']:,.0f}",
-            percent(1)(model["plain_device_idle"]),
-            f"{model['load_per_s']:,.0f}/s: {model['p50_ms']:,.0f} ms, {model['p99_ms']:,.0f} ms",
+            f"**{model.stack_jobs_per_s:,.0f}**",
+            percent(1)(model.stack_share_of_raw),
+            percent(1)(model.stack_device_idle),
+            f"{model.plain_jobs_per_s:,.0f}",
+            percent(1)(model.plain_device_idle),
+            f"{model.load_per_s:,.0f}/s: {model.p50_ms:,.0f} ms, {model.p99_ms:,.0f} ms",
         ]
         for name, model in found.items()
     ]
@@ -407,13 +413,13 @@ def render_gpu(results: Results) -> list[str]:
             continue
         parts, met = [], True
         if share is not None:
-            parts.append(f"≥ {percent()(share)} of raw ({percent(1)(model['stack_share_of_raw'])})")
-            met &= model["stack_share_of_raw"] >= share
-        parts.append(f"≥ {rate:,.0f} jobs/s ({model['stack_jobs_per_s']:,.0f})")
-        met &= model["stack_jobs_per_s"] >= rate
+            parts.append(f"≥ {percent()(share)} of raw ({percent(1)(model.stack_share_of_raw)})")
+            met &= model.stack_share_of_raw >= share
+        parts.append(f"≥ {rate:,.0f} jobs/s ({model.stack_jobs_per_s:,.0f})")
+        met &= model.stack_jobs_per_s >= rate
         if p99 is not None:
-            parts.append(f"p99 ≤ {p99:,.0f} ms at 70 % load ({model['p99_ms']:,.0f} ms)")
-            met &= model["p99_ms"] <= p99
+            parts.append(f"p99 ≤ {p99:,.0f} ms at 70 % load ({model.p99_ms:,.0f} ms)")
+            met &= model.p99_ms <= p99
         targets.append(f"- {name}: {', '.join(parts)}: {verdict(met)}.")
 
     def batches(found: Doc) -> str:
@@ -423,15 +429,15 @@ def render_gpu(results: Results) -> list[str]:
     # Files before the first run's did not record the worker's batches.
     recorded = [
         f"- {name}'s batches, ms a batch in each stage: pipelined, "
-        f"{batches(model['stack_batches'])}; plain, {batches(model['plain_batches'])}."
+        f"{batches(model.stack_batches)}; plain, {batches(model.plain_batches)}."
         for name, model in found.items()
-        if model.get("stack_batches") and model.get("plain_batches")
+        if model.stack_batches and model.plain_batches
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {doc['precision']} on "
-        f"{doc['device']}, one run. Raw, the runtime alone, items/s by batch size:",
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {report.precision} on "
+        f"{report.device}, one run. Raw, the runtime alone, items/s by batch size:",
         "",
-        *table(["model", *sizes], "l" + "r" * len(sizes), raw_rows),
+        *table(["model", *map(str, sizes)], "l" + "r" * len(sizes), raw_rows),
         "",
         "Through the whole stack (one worker), jobs/s; the GPU's idle share; "
         "open-loop load at 70 % of saturation: p50 and p99 of accepted → finished:",

@@ -76,12 +76,12 @@ def render_headline(results: Results) -> list[str]:
         fairness.headline_fairness(results["fairness"]),
         pipeline.headline_pipeline(results["pipeline"]),
         api.headline_api(results["api"]),
-        *backends.headline_backends(results["backends"]),
+        *backends.headline_backends(results),
         # Measured only where the bench extra (Ray) is installed.
         *([peers.headline_peers(results["peers"])] if results.has("peers") else []),
         # Measured only where a GPU was lent (bench/gpu_check.sh).
         *(
-            [gpu.headline_gpu(results["gpu"], results["generation_gpu"])]
+            [gpu.headline_gpu(results)]
             if results.has("gpu") and results.has("generation_gpu")
             else []
         ),
