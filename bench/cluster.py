@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,12 +29,12 @@ from bench import results
 from bench.report import (
     Figure,
     Results,
+    Spread,
     commit_text,
     day,
     decimal,
     machine_text,
     percent,
-    runs_of,
     table,
     times,
 )
@@ -44,6 +45,43 @@ from harness.services import started_redis
 from workers.gpu.consumer import StreamConsumer
 
 TENANTS = 8
+
+
+@dataclass
+class TargetRun:
+    """One round on one target (one Redis, or the cluster)."""
+
+    cpu_s: dict[int, float]  # by node's port
+    cpu_us_per_job: float
+    busiest_share: float
+    saturates_at: float
+
+
+@dataclass
+class Round:
+    one: TargetRun
+    cluster: TargetRun
+    ratio: float  # the cluster's jobs/s at saturation over one Redis's
+
+
+@dataclass
+class Target:
+    cpu_us_per_job: Spread
+    busiest_share: Spread
+    saturates_at: Spread
+
+
+@dataclass
+class Report:
+    """bench/results/cluster.json besides its head (bench.report.typed reads it)."""
+
+    runs: list[Round]
+    one: Target
+    cluster: Target
+    ratio: Spread
+
+
+RESULT = Report
 
 
 def cpu_s(port: int) -> float:
@@ -173,25 +211,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_cluster(results: Results) -> list[str]:
-    doc = results["cluster"]
+    doc, report = results["cluster"], results.typed("cluster", Report)
     settings = doc["settings"]
-    runs = runs_of(doc)
+    runs = report.runs
     names = {"one": "one Redis", "cluster": f"a cluster of {settings['primaries']} primaries"}
     rows = [
         [
             names[name],
-            Figure.summary(doc[name]["cpu_us_per_job"]).text(decimal(1)),
-            Figure.summary(doc[name]["busiest_share"]).text(percent()),
-            Figure.summary(doc[name]["saturates_at"]).text(decimal(), bold=name == "cluster"),
+            Figure.summary(target.cpu_us_per_job).text(decimal(1)),
+            Figure.summary(target.busiest_share).text(percent()),
+            Figure.summary(target.saturates_at).text(decimal(), bold=name == "cluster"),
         ]
-        for name in ("one", "cluster")
+        for name, target in (("one", report.one), ("cluster", report.cluster))
     ]
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} jobs of "
         f"{settings['models']} models from {settings['tenants']} keys, enqueued in groups of "
         f"{settings['group']} and drained in batches of up to {settings['batch']}, on each "
         f"target in turn, {len(runs)} rounds (median and range). The cluster carries "
-        f"**{Figure.summary(doc['ratio']).text(times())}** the jobs per second of one Redis.",
+        f"**{Figure.summary(report.ratio).text(times())}** the jobs per second of one Redis.",
         "",
         *table(
             [

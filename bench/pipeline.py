@@ -47,9 +47,9 @@ import sqlalchemy
 from bench import results
 from bench.fairness import submit_many
 from bench.report import (
-    Doc,
     Figure,
     Results,
+    Spread,
     commit_text,
     day,
     decimal,
@@ -83,6 +83,18 @@ class ModeResult:
     compute_s: float
     device_idle: float
     mean_batch_size: float
+
+
+@dataclass
+class Report:
+    """bench/results/pipeline.json besides its head (bench.report.typed reads it)."""
+
+    modes: list[ModeResult]
+    # Per database, each worker's jobs/s over the same round's plain worker's.
+    summary: dict[str, dict[str, Spread]]
+
+
+RESULT = Report
 
 
 @contextlib.contextmanager
@@ -239,29 +251,24 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-def pipeline_figures(doc: Doc) -> dict[tuple[str, str], dict[str, Figure]]:
+def pipeline_figures(report: Report) -> dict[tuple[str, str], dict[str, Figure]]:
     """Per (database, mode): jobs/s, idle, batch, and jobs/s over the same round's plain."""
-    modes = doc["modes"]
-    plain = {
-        (m["database"], m.get("round", 1)): m["jobs_per_s"] for m in modes if m["mode"] == "plain"
-    }
+    plain = {(m.database, m.round): m.jobs_per_s for m in report.modes if m.mode == "plain"}
     found: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for m in modes:
-        values = found.setdefault((m["database"], m["mode"]), {})
-        values.setdefault("jobs_per_s", []).append(m["jobs_per_s"])
-        values.setdefault("device_idle", []).append(m["device_idle"])
-        values.setdefault("mean_batch_size", []).append(m["mean_batch_size"])
-        values.setdefault("ceiling", []).append(m["jobs_per_s"] / (m["jobs"] / m["compute_s"]))
-        values.setdefault("vs_plain", []).append(
-            m["jobs_per_s"] / plain[(m["database"], m.get("round", 1))]
-        )
+    for m in report.modes:
+        values = found.setdefault((m.database, m.mode), {})
+        values.setdefault("jobs_per_s", []).append(m.jobs_per_s)
+        values.setdefault("device_idle", []).append(m.device_idle)
+        values.setdefault("mean_batch_size", []).append(m.mean_batch_size)
+        values.setdefault("ceiling", []).append(m.jobs_per_s / (m.jobs / m.compute_s))
+        values.setdefault("vs_plain", []).append(m.jobs_per_s / plain[(m.database, m.round)])
     return {key: {k: Figure.of(v) for k, v in values.items()} for key, values in found.items()}
 
 
 def render_pipeline(results: Results) -> list[str]:
-    doc = results["pipeline"]
-    figures = pipeline_figures(doc)
-    rounds = max(m.get("round", 1) for m in doc["modes"])
+    doc, report = results["pipeline"], results.typed("pipeline", Report)
+    figures = pipeline_figures(report)
+    rounds = max(m.round for m in report.modes)
     over = f"; median of {rounds} rounds (min–max)" if rounds > 1 else ""
     lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}{over}:", ""]
     names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
@@ -283,8 +290,8 @@ def render_pipeline(results: Results) -> list[str]:
     return lines + table([*header, "device idle", "batch"], "llrrrrr", rows)
 
 
-def headline_pipeline(doc: Doc) -> str:
-    figures = pipeline_figures(doc)
+def headline_pipeline(results: Results) -> str:
+    figures = pipeline_figures(results.typed("pipeline", Report))
     sqlite = figures[("sqlite", "three-stage")]
     postgres = figures.get(("postgresql", "three-stage"))
     on_postgres = f" ({postgres['vs_plain'].text(times())} on PostgreSQL)" if postgres else ""

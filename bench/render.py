@@ -74,7 +74,7 @@ def render_headline(results: Results) -> list[str]:
         e2e.headline_e2e(results),
         backfill.headline_backfill(results["backfill"]),
         fairness.headline_fairness(results["fairness"]),
-        pipeline.headline_pipeline(results["pipeline"]),
+        pipeline.headline_pipeline(results),
         api.headline_api(results["api"]),
         *backends.headline_backends(results),
         # Measured only where the bench extra (Ray) is installed.

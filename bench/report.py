@@ -111,6 +111,15 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """A figure a benchmark summarised over its rounds (bench.results.spread writes it)."""
+
+    median: float | None  # None: no round measured it
+    min: float | None
+    max: float | None
+
+
+@dataclass(frozen=True)
 class Figure:
     """One figure over the runs that measured it."""
 
@@ -121,8 +130,10 @@ class Figure:
         return cls(tuple(values))
 
     @classmethod
-    def summary(cls, spread: Mapping[str, float]) -> Figure:
+    def summary(cls, spread: Mapping[str, float] | Spread) -> Figure:
         """From a results file's {median, min, max} (rounds it already summarised)."""
+        if isinstance(spread, Spread):
+            spread = dataclasses.asdict(spread)
         if spread["min"] == spread["max"]:
             return cls((spread["median"],))
         return cls((spread["min"], spread["median"], spread["max"]))

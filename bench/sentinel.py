@@ -17,14 +17,40 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import results
-from bench.report import Results, commit_text, day, machine_text, runs_of, table
+from bench.report import Results, Spread, commit_text, day, machine_text, table
 from core.config.settings import Settings
 from harness.sentinel import DOWN_AFTER_MS, SentinelRedis, failover_under_load
 from harness.services import migrated_postgres_database
+
+
+@dataclass
+class Round:
+    sent: int
+    accepted: int
+    refused: int
+    requeued: int  # enqueued again by the reconciler
+    statuses: dict[str, int]  # the accepted jobs' ends
+    lost: int
+    run_twice: int
+    recovered_s: float | None  # None: jobs never flowed again
+
+
+@dataclass
+class Report:
+    """bench/results/sentinel.json besides its head (bench.report.typed reads it)."""
+
+    runs: list[Round]
+    recovered_s: Spread
+    lost: int
+    run_twice: int
+
+
+RESULT = Report
 
 
 def one_round(load_s: float, kill_at_s: float, rate: float) -> dict[str, Any]:
@@ -104,19 +130,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def render_sentinel(results: Results) -> list[str]:
-    doc = results["sentinel"]
+    doc, report = results["sentinel"], results.typed("sentinel", Report)
     settings = doc["settings"]
-    runs = runs_of(doc)
-    recovered = doc["recovered_s"]
+    runs = report.runs
+    recovered = report.recovered_s
     rows = [
         [
             str(number),
-            f"{run['recovered_s']:.1f}" if run["recovered_s"] is not None else "never",
-            f"{run['accepted']:,} of {run['sent']:,}",
-            f"{run['refused']:,}",
-            f"{run['requeued']:,}",
-            f"{run['lost']:,}",
-            f"{run['run_twice']:,}",
+            f"{run.recovered_s:.1f}" if run.recovered_s is not None else "never",
+            f"{run.accepted:,} of {run.sent:,}",
+            f"{run.refused:,}",
+            f"{run.requeued:,}",
+            f"{run.lost:,}",
+            f"{run.run_twice:,}",
         ]
         for number, run in enumerate(runs, 1)
     ]
@@ -124,9 +150,9 @@ def render_sentinel(results: Results) -> list[str]:
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['rate_per_s']:g} "
         f"jobs/s for {settings['load_s']:g} s, the primary killed at "
         f"{settings['kill_at_s']:g} s (the sentinels call it down after "
-        f"{settings['down_after_ms']:,} ms). Jobs flowed again **{recovered['median']:.1f} s** "
-        f"after the kill (median of {len(runs)}; {recovered['min']:.1f}–{recovered['max']:.1f}); "
-        f"**{doc['lost']:,} lost, {doc['run_twice']:,} run twice**.",
+        f"{settings['down_after_ms']:,} ms). Jobs flowed again **{recovered.median:.1f} s** "
+        f"after the kill (median of {len(runs)}; {recovered.min:.1f}–{recovered.max:.1f}); "
+        f"**{report.lost:,} lost, {report.run_twice:,} run twice**.",
         "",
         *table(
             [
