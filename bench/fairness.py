@@ -44,15 +44,14 @@ from bench import results
 from bench.e2e import _ts, wait_done
 from bench.quantiles import nearest_rank
 from bench.report import (
-    Doc,
     Figure,
     Results,
+    Spread,
     batches,
     commit_text,
     day,
     decimal,
     machine_text,
-    runs_of,
     table,
 )
 from harness import webclient
@@ -86,6 +85,24 @@ class Run:
     one_batch_ms: float  # the P99 batch during that flood
     within_one_batch: bool  # no steady job had more than one batch start ahead of its own
     shared_key_p99_ms: float
+
+
+@dataclass
+class Summary:
+    p99_rise_ms: Spread
+    batches_ahead_max: int  # with the flood on its own key, the most of any run
+    within_one_batch: bool  # in every run
+
+
+@dataclass
+class Report:
+    """bench/results/fairness.json besides its head (bench.report.typed reads it)."""
+
+    runs: list[Run]
+    summary: Summary
+
+
+RESULT = Report
 
 
 def submit_many(base: str, token: str, count: int, threads: int = 8, cost: int = COST) -> list[str]:
@@ -260,13 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "sim": {"cost": COST, **SIM},
     }
-    summary = {
-        "p99_rise_ms": results.spread([r.p99_rise_ms for r in runs]),
-        "batches_ahead_max": max(r.phases[1].batches_ahead_max for r in runs),
-        "within_one_batch": all(r.within_one_batch for r in runs),
-    }
-    figures = {"runs": [asdict(r) for r in runs], "summary": summary}
-    results.write(args.out, figures, settings=settings, head=head)
+    summary = Summary(
+        p99_rise_ms=Spread(**results.spread([r.p99_rise_ms for r in runs])),
+        batches_ahead_max=max(r.phases[1].batches_ahead_max for r in runs),
+        within_one_batch=all(r.within_one_batch for r in runs),
+    )
+    report = Report(runs, summary)
+    results.write(args.out, asdict(report), settings=settings, head=head)
     print(f"wrote {args.out}")
     return 0
 
@@ -294,27 +311,27 @@ def print_run(report: Run) -> None:
 
 
 def render_fairness(results: Results) -> list[str]:
-    doc = results["fairness"]
-    runs = runs_of(doc)
+    doc, report = results["fairness"], results.typed("fairness", Report)
+    runs = report.runs
     over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
     lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, pipelined worker{over}:", ""]
     rows = []
-    for index, phase in enumerate(runs[0]["phases"]):
+    for index, phase in enumerate(runs[0].phases):
 
         def of(key: str, index: int = index) -> Figure:
-            return Figure.of(r["phases"][index][key] for r in runs)
+            return Figure.of(getattr(r.phases[index], key) for r in runs)
 
-        own = phase["name"] == "flood, own key"
+        own = phase.name == "flood, own key"
         ahead_p99, ahead_max = of("batches_ahead_p99"), of("batches_ahead_max")
         ahead = f"{ahead_p99.high:.0f} / {ahead_max.high:.0f}"
         batch = (
             of("batch_p99_ms").text(decimal())
-            if all(r["phases"][index]["batch_p99_ms"] is not None for r in runs)
+            if all(r.phases[index].batch_p99_ms is not None for r in runs)
             else "-"
         )
         rows.append(
             [
-                phase["name"],
+                phase.name,
                 f"{of('jobs').median:.0f}",
                 of("p50_ms").text(decimal()),
                 of("p99_ms").text(decimal(), own),
@@ -330,11 +347,11 @@ def render_fairness(results: Results) -> list[str]:
     return lines
 
 
-def headline_fairness(doc: Doc) -> str:
-    runs = runs_of(doc)
-    flood = runs[0].get("flood_jobs") or doc["settings"]["flood_jobs"]
-    own = max(r["phases"][1]["batches_ahead_max"] for r in runs)
-    shared = max(r["phases"][2]["batches_ahead_max"] for r in runs)
+def headline_fairness(results: Results) -> str:
+    runs = results.typed("fairness", Report).runs
+    flood = results["fairness"]["settings"]["flood_jobs"]
+    own = max(r.phases[1].batches_ahead_max for r in runs)
+    shared = max(r.phases[2].batches_ahead_max for r in runs)
     return (
         f"- **Fair share.** A tenant that floods a lane with {flood:,} jobs holds back another "
         f"tenant's job by **{batches(own)} at most** (behind a shared queue: up to "

@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -26,7 +27,7 @@ from unittest import mock
 from sqlalchemy import insert
 
 from bench import results
-from bench.report import Figure, Results, commit_text, day, machine_text, table, times
+from bench.report import Figure, Results, Spread, commit_text, day, machine_text, table, times
 from core.db import migrate
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker, utcnow
@@ -34,6 +35,25 @@ from harness.services import postgres_database
 from workers.gpu.recorder import Outcome, Recorder
 
 OUTPUTS: dict[str, Any] = {"small": {"cost": 1}, "embedding": [0.123456789] * 384}
+
+
+@dataclass
+class Row:
+    database: str  # sqlite | postgresql
+    outputs: str  # small | embedding
+    per_job_ms: Spread  # a batch's results, one statement per job
+    batched_ms: Spread  # one statement per batch
+    ratio: Spread  # batch by batch
+
+
+@dataclass
+class Report:
+    """bench/results/recording.json besides its head (bench.report.typed reads it)."""
+
+    rows: list[Row]
+
+
+RESULT = Report
 
 
 @contextlib.contextmanager
@@ -133,19 +153,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_recording(results: Results) -> list[str]:
-    doc = results["recording"]
+    doc, report = results["recording"], results.typed("recording", Report)
     settings = doc["settings"]
     names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
     outputs = {"small": "small", "embedding": "384 floats"}
     rows = [
         [
-            names[row["database"]],
-            outputs[row["outputs"]],
-            f"{row['per_job_ms']['median']:.1f} ms",
-            f"{row['batched_ms']['median']:.1f} ms",
-            Figure.summary(row["ratio"]).text(times()),
+            names[row.database],
+            outputs[row.outputs],
+            f"{row.per_job_ms.median:.1f} ms",
+            f"{row.batched_ms.median:.1f} ms",
+            Figure.summary(row.ratio).text(times()),
         ]
-        for row in doc["rows"]
+        for row in report.rows
     ]
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "

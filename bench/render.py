@@ -73,7 +73,7 @@ def render_headline(results: Results) -> list[str]:
         simulate.headline_scheduler(results["scheduler"]),
         e2e.headline_e2e(results),
         backfill.headline_backfill(results["backfill"]),
-        fairness.headline_fairness(results["fairness"]),
+        fairness.headline_fairness(results),
         pipeline.headline_pipeline(results),
         api.headline_api(results["api"]),
         *backends.headline_backends(results),
