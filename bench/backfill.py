@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -59,16 +60,15 @@ import httpx
 from bench import results
 from bench.quantiles import nearest_rank
 from bench.report import (
-    Doc,
     Figure,
     Fmt,
     Results,
+    Spread,
     commit_text,
     day,
     decimal,
     machine_text,
     percent,
-    runs_of,
     table,
     verdict,
 )
@@ -143,7 +143,7 @@ class BackfillWindow:
 
 
 @dataclass
-class Report:
+class Run:
     """One run, on a fresh stack."""
 
     settings: dict[str, str]
@@ -174,6 +174,27 @@ class Report:
     backfill_end: dict[str, Any] = field(default_factory=dict)
     load_average: dict[str, list[float]] = field(default_factory=dict)
     wall_s: float = 0.0
+
+
+@dataclass
+class Summary:
+    p99_idle_ms: Spread
+    p99_busy_ms: Spread
+    alone_share_of_raw: Spread
+    busy_share_of_raw: Spread
+    target_met_full_batch: bool  # in every run
+    target_met: bool
+
+
+@dataclass
+class Report:
+    """bench/results/backfill.json besides its head (bench.report.typed reads it)."""
+
+    runs: list[Run]
+    summary: Summary
+
+
+RESULT = Report
 
 
 class Bench:
@@ -454,25 +475,28 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "stack": runs[0].settings,
     }
-    summary: dict[str, Any] = {
-        name: results.spread([getattr(r, name) for r in runs])
+    spreads = {
+        name: Spread(**results.spread([getattr(r, name) for r in runs]))
         for name in ("p99_idle_ms", "p99_busy_ms", "alone_share_of_raw", "busy_share_of_raw")
     }
-    summary["target_met_full_batch"] = all(r.target_met_full_batch for r in runs)
-    summary["target_met"] = all(r.target_met for r in runs)
-    figures = {"runs": [asdict(r) for r in runs], "summary": summary}
-    results.write(args.out, figures, settings=settings, head=head)
+    summary = Summary(
+        **spreads,
+        target_met_full_batch=all(r.target_met_full_batch for r in runs),
+        target_met=all(r.target_met for r in runs),
+    )
+    report = Report(runs, summary)
+    results.write(args.out, asdict(report), settings=settings, head=head)
     print(f"wrote {args.out}")
     return 0
 
 
-def run(args: argparse.Namespace) -> Report:
+def run(args: argparse.Namespace) -> Run:
     began = time.monotonic()
     rng = random.Random(args.seed)
     arrivals = poisson(args.rate, args.window, rng)
     with tempfile.TemporaryDirectory(prefix="ferry-bench-backfill-") as tmp:
         bench = Bench(Path(tmp), args)
-        report = Report(
+        report = Run(
             settings=bench.settings,
             rate_per_s=args.rate,
             window_s=args.window,
@@ -553,7 +577,7 @@ def finish_backfill(bench: Bench, backfill_id: str, timeout_s: float) -> dict[st
     }
 
 
-def judge(report: Report) -> None:
+def judge(report: Run) -> None:
     assert report.idle and report.busy and report.backfill_alone and report.backfill_busy
     size = int(report.settings["FERRY_BATCH_MAX_SIZE"])
     base = float(report.settings["FERRY_SIM_LATENCY_BASE_MS"])
@@ -571,7 +595,7 @@ def judge(report: Report) -> None:
     report.target_met_full_batch = report.p99_busy_ms <= report.target_full_batch_ms
 
 
-def print_summary(report: Report) -> None:
+def print_summary(report: Run) -> None:
     assert report.idle and report.busy and report.backfill_alone and report.backfill_busy
     print(f"\n{'lane':<8} {'idle p50':>9} {'idle p99':>9} {'busy p50':>9} {'busy p99':>9} (ms)")
     for lane in [name for name, _ in LANES] + ["overall"]:
@@ -634,35 +658,41 @@ def _loadavg() -> list[float]:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
+def stream_of(run: Run, phase: str) -> Stream:
+    """The run's idle or busy window (a run always has both once it is written)."""
+    stream = run.idle if phase == "idle" else run.busy
+    if stream is None:
+        raise ValueError(f"a backfill run without its {phase} window")
+    return stream
+
+
 def render_backfill_latency(results: Results) -> list[str]:
-    doc = results["backfill"]
-    runs = runs_of(doc)
+    doc, runs = results["backfill"], results.typed("backfill", Report).runs
     first = runs[0]
     over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
-    wall = Figure.of(r["wall_s"] for r in runs).text(decimal())
-    ride = first["settings"].get("FERRY_BULK_RIDE_FACTOR", "1.25")
+    wall = Figure.of(r.wall_s for r in runs).text(decimal())
+    ride = first.settings.get("FERRY_BULK_RIDE_FACTOR", "1.25")
+    idle_lanes = first.idle.lanes if first.idle else {}
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
-        f"{first['load_average']['start'][0]:.1f} at the start, {wall} s of wall time a run, "
+        f"{first.load_average['start'][0]:.1f} at the start, {wall} s of wall time a run, "
         f"`FERRY_BULK_RIDE_FACTOR={ride}`"
-        + (" (the default)" if "FERRY_BULK_RIDE_FACTOR" not in first["settings"] else "")
+        + (" (the default)" if "FERRY_BULK_RIDE_FACTOR" not in first.settings else "")
         + f"{over}. A full batch of the backfill's mean cost "
-        f"({first['backfill_mean_cost']:.2f}) takes {first['full_batch_ms']:.1f} ms: the raw "
-        f"model does {first['raw_lines_per_s']:.1f} lines/s at full batches. Interactive "
-        f"latency, ms (urgent has {first['idle']['lanes']['urgent']['jobs']} jobs and vip "
-        f"{first['idle']['lanes']['vip']['jobs']}, so their p99 is their maximum):",
+        f"({first.backfill_mean_cost:.2f}) takes {first.full_batch_ms:.1f} ms: the raw "
+        f"model does {first.raw_lines_per_s:.1f} lines/s at full batches. Interactive "
+        f"latency, ms (urgent has {idle_lanes['urgent'].jobs} jobs and vip "
+        f"{idle_lanes['vip'].jobs}, so their p99 is their maximum):",
         "",
     ]
     rows = []
     for lane in ("urgent", "vip", "normal", "all"):
 
         def at(phase: str, key: str, bold: bool = False, lane: str = lane) -> str:
-            values = [
-                (r[phase]["overall"] if lane == "all" else r[phase]["lanes"][lane])[key]
-                for r in runs
-            ]
+            streams = [stream_of(r, phase) for r in runs]
+            values = [getattr(s.overall if lane == "all" else s.lanes[lane], key) for s in streams]
             # A lane no job of a phase went to (a short run) has no latency to show.
-            if any(value is None for value in values):
+            if any(math.isnan(value) for value in values):
                 return "–"
             return Figure.of(values).text(decimal(1), bold)
 
@@ -679,7 +709,7 @@ def render_backfill_latency(results: Results) -> list[str]:
     lines += table(["lane", "idle p50", "idle p99", "busy p50", "busy p99"], "lrrrr", rows)
 
     def overall(phase: str, key: str) -> str:
-        return Figure.of(r[phase]["overall"][key] for r in runs).text(decimal(1))
+        return Figure.of(getattr(stream_of(r, phase).overall, key) for r in runs).text(decimal(1))
 
     lines += [
         "",
@@ -693,24 +723,25 @@ def render_backfill_latency(results: Results) -> list[str]:
 
 
 def render_backfill_throughput(results: Results) -> list[str]:
-    runs = runs_of(results["backfill"])
+    runs = results.typed("backfill", Report).runs
     first = runs[0]
 
     def of(window: str, key: str, fmt: Fmt) -> str:
-        return Figure.of(r[window][key] if key else r[window] for r in runs).text(fmt)
+        return Figure.of(getattr(getattr(r, window), key) if key else getattr(r, window)
+                         for r in runs).text(fmt)  # fmt: skip
 
-    size = first["settings"]["FERRY_BATCH_MAX_SIZE"]
+    size = first.settings["FERRY_BATCH_MAX_SIZE"]
     rows = [
         [
             "raw model, full batches (formula)",
-            f"{first['raw_lines_per_s']:.1f}",
+            f"{first.raw_lines_per_s:.1f}",
             "100 %",
-            f"{size} × {first['full_batch_ms']:.1f} ms",
+            f"{size} × {first.full_batch_ms:.1f} ms",
         ]
     ]
     for window, share, what in (
         ("backfill_alone", "alone_share_of_raw", "backfill alone"),
-        ("backfill_busy", "busy_share_of_raw", f"backfill beside {first['rate_per_s']:g} "
+        ("backfill_busy", "busy_share_of_raw", f"backfill beside {first.rate_per_s:g} "
          "interactive jobs/s"),
     ):  # fmt: skip
         rows.append(
@@ -726,20 +757,20 @@ def render_backfill_throughput(results: Results) -> list[str]:
 
 
 def render_backfill_target(results: Results) -> list[str]:
-    runs = runs_of(results["backfill"])
+    runs = results.typed("backfill", Report).runs
 
     def of(key: str) -> Figure:
-        return Figure.of(r[key] for r in runs)
+        return Figure.of(getattr(r, key) for r in runs)
 
     full = of("target_full_batch_ms")
     mean = of("target_ms")
-    full_met = all(r["target_met_full_batch"] for r in runs)
-    mean_met = all(r["target_met"] for r in runs)
+    full_met = all(r.target_met_full_batch for r in runs)
+    mean_met = all(r.target_met for r in runs)
     rows = [
         ["`p99_idle_ms`", of("p99_idle_ms").text(decimal(1))],
         ["`p99_busy_ms`", of("p99_busy_ms").text(decimal(1), bold=True)],
         [
-            f"idle p99 + a full bulk batch ({runs[0]['full_batch_ms']:.1f} ms): the batch an"
+            f"idle p99 + a full bulk batch ({runs[0].full_batch_ms:.1f} ms): the batch an"
             " interactive job may find running",
             f"{full.text(decimal(1))}: **{'met' if full_met else 'not met'}**",
         ],
@@ -752,14 +783,14 @@ def render_backfill_target(results: Results) -> list[str]:
     return table(["figure", "ms"], "lr", rows)
 
 
-def headline_backfill(doc: Doc) -> str:
-    runs = runs_of(doc)
-    busy = Figure.of(r["p99_busy_ms"] for r in runs)
-    alone = Figure.of(r["alone_share_of_raw"] for r in runs)
-    met = all(r["target_met_full_batch"] for r in runs)
+def headline_backfill(results: Results) -> str:
+    runs = results.typed("backfill", Report).runs
+    busy = Figure.of(r.p99_busy_ms for r in runs)
+    alone = Figure.of(r.alone_share_of_raw for r in runs)
+    met = all(r.target_met_full_batch for r in runs)
     return (
         "- **Backfills beside live traffic.** On the same stack with the sim model, beside a "
-        f"backfill that saturates the model, {runs[0]['rate_per_s']:g} interactive jobs/s see "
+        f"backfill that saturates the model, {runs[0].rate_per_s:g} interactive jobs/s see "
         f"a p99 of {busy.text(decimal(0, ' ms'), True)} (target: idle p99 plus one full batch, "
         f"{verdict(met)}); the backfill alone runs at {alone.text(percent(), True)} of the "
         "raw model."

@@ -72,7 +72,7 @@ def render_headline(results: Results) -> list[str]:
     return [
         simulate.headline_scheduler(results["scheduler"]),
         e2e.headline_e2e(results),
-        backfill.headline_backfill(results["backfill"]),
+        backfill.headline_backfill(results),
         fairness.headline_fairness(results),
         pipeline.headline_pipeline(results),
         api.headline_api(results["api"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import types
 import typing
@@ -59,7 +60,8 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
     Every field without a default must be there and no key may be there that the
     dataclass lacks: a file that does not say what its type says fails here, naming
     the place (``rounds[0].modes[1].drain: no field 'jobs'``), not as a wrong table.
-    JSON's object keys are strings; a ``dict[int, ...]`` gets its keys back as numbers.
+    JSON's object keys are strings; a ``dict[int, ...]`` gets its keys back as numbers,
+    and a ``float`` its NaN back where the file has null (``X | None`` keeps the None).
     """
     at = where or "the file"
     origin, args = typing.get_origin(cls), typing.get_args(cls)
@@ -102,6 +104,8 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
         }
     if cls is float and type(value) in (int, float):  # a script may write a float as 2
         return value
+    if cls is float and value is None:  # bench.results.finite wrote a NaN (measured nothing)
+        return math.nan
     if cls in (int, str, bool) and type(value) is cls:
         return value
     raise ValueError(f"{at}: {cls.__name__} was expected, not {value!r}")
@@ -114,9 +118,9 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
 class Spread:
     """A figure a benchmark summarised over its rounds (bench.results.spread writes it)."""
 
-    median: float | None  # None: no round measured it
-    min: float | None
-    max: float | None
+    median: float  # NaN: no round measured it
+    min: float
+    max: float
 
 
 @dataclass(frozen=True)

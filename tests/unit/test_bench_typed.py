@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from bench import e2e
 from bench.__main__ import BENCHES
-from bench.report import Results, typed
+from bench.report import Results, Spread, typed
 from bench.results import RESULTS
 
 
@@ -80,3 +81,10 @@ def test_a_renderer_names_the_file_that_is_not_its_type(tmp_path: Path) -> None:
     where = r"e2e.json: rounds\[0\].modes\[0\].drain: no field 'jobs'"
     with pytest.raises(ValueError, match=where):
         e2e.render_e2e(Results(tmp_path))
+
+
+def test_null_in_a_float_field_is_the_nan_the_benchmark_measured() -> None:
+    # bench.results.finite writes a NaN (a figure over no jobs) as null; an X | None keeps None.
+    spread = typed(Spread, {"median": None, "min": 1, "max": None})
+    assert math.isnan(spread.median) and spread.min == 1 and math.isnan(spread.max)
+    assert typed(Phase, {"jobs": 0, "p99_ms": None}) == Phase(0, None)
