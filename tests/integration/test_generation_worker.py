@@ -333,19 +333,21 @@ def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_to
 
     # No EOS: the job would run to its 1,500 tokens; its deadline bounds the whole job.
     no_eos = generation_settings(gen_settings, tmp_path / "late", eos=False)
+    # Loaded before the job is sent (not running yet: nothing published), so that however
+    # slowly the machine loads a model, the job's 3 s start when its worker is ready.
+    running = worker(settings=no_eos)
+    slow_steps(running, 0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 3 s
     with TestClient(create_app(no_eos)) as client:
         # Accepted while no worker has published a step time (nothing to refuse it on).
         response = client.post(
             "/v1/jobs",
             json={"model": MODEL, "input": {"prompt": "out of time", "max_tokens": 1500},
-                  "deadline_ms": 1500},
+                  "deadline_ms": 3000},
             headers=auth,
         )  # fmt: skip
         assert response.status_code == 202, response.text
         job_id = response.json()["id"]
         following = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
-        running = worker(settings=no_eos)
-        slow_steps(running, 0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 1.5 s
         with running as loop:
             job = result(client, auth, job_id)
             after = result(client, auth, following)
