@@ -36,7 +36,7 @@ import argparse
 import json
 import struct
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from bench.peers import (
     Call,
     Connect,
     Load,
+    Measured,
     closed_loop,
     ferry_call,
     http_connect,
@@ -56,6 +57,7 @@ from bench.peers import (
 from bench.report import (
     Figure,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -72,6 +74,51 @@ PROTOCOL_WAYS = ("infer", "grpc")  # each against wait
 HEADER_LENGTH = "Inference-Header-Content-Length"
 TARGET_RATE = 0.9  # infer's requests/s over wait's, at least
 TARGET_CPU = 1.1  # infer's API CPU per request over wait's, at most
+
+
+@dataclass
+class WayRun(Measured):
+    """One way in one round, with the API's CPU a request over its window."""
+
+    api_cpu_ms_per_request: float | None = None
+
+
+@dataclass
+class Round:
+    round: int
+    order: list[str]  # the ways in the order this round measured them
+    wait: WayRun
+    infer: WayRun
+    grpc: WayRun
+    ratios: dict[str, dict[str, float | None]]  # per protocol way, over wait: per_s, api_cpu
+
+
+@dataclass
+class WayTarget:
+    per_s_met: bool  # in every round
+    api_cpu_met: bool
+    met: bool
+
+
+@dataclass
+class Target:
+    per_s_at_least: float
+    api_cpu_at_most: float
+    infer: WayTarget
+    grpc: WayTarget
+
+
+@dataclass
+class Report:
+    """bench/results/oip.json besides its head (bench.report.typed reads it; summary writes it)."""
+
+    rounds: list[Round]
+    ways: dict[str, dict[str, Spread]]  # per way and figure, over the rounds
+    ratios: dict[str, dict[str, Spread]]
+    target: Target
+
+
+RESULT = Report
 
 
 def infer_call(token: str) -> Callable[[Any], Call]:
@@ -257,27 +304,27 @@ OIP_WAYS = {
 
 
 def render_oip(results: Results) -> list[str]:
-    doc = results["oip"]
+    doc, report = results["oip"], results.typed("oip", Report)
     s = doc["settings"]
     ms = decimal(1, " ms")
     rows = []
     for way, name in OIP_WAYS.items():
-        f = {k: Figure.summary(v) for k, v in doc["ways"][way].items()}
+        f = {k: Figure.summary(v) for k, v in report.ways[way].items()}
         rows.append(
             [name, f["per_s"].text(decimal(1), way != "wait")]
             + [f[k].text(decimal(0, " ms")) for k in ("p50_ms", "p99_ms")]
             + [f["api_cpu_ms_per_request"].text(ms)]
         )
-    target = doc["target"]
+    target = report.target
     verdicts = []
-    for way, name in (("infer", "REST's infer"), ("grpc", "gRPC's")):
-        rate = Figure.summary(doc["ratios"][way]["per_s"]).text(times(), True)
-        cpu = Figure.summary(doc["ratios"][way]["api_cpu"]).text(times())
-        met = target[way]
+    protocols = (("infer", "REST's infer", target.infer), ("grpc", "gRPC's", target.grpc))
+    for way, name, met in protocols:
+        rate = Figure.summary(report.ratios[way]["per_s"]).text(times(), True)
+        cpu = Figure.summary(report.ratios[way]["api_cpu"]).text(times())
         verdicts.append(
-            f"{name}: requests/s {rate} (target ≥ {target['per_s_at_least']:g}×: "
-            f"{verdict(met['per_s_met'])}), API CPU a request {cpu} (target ≤ "
-            f"{target['api_cpu_at_most']:g}×: {verdict(met['api_cpu_met'])})"
+            f"{name}: requests/s {rate} (target ≥ {target.per_s_at_least:g}×: "
+            f"{verdict(met.per_s_met)}), API CPU a request {cpu} (target ≤ "
+            f"{target.api_cpu_at_most:g}×: {verdict(met.api_cpu_met)})"
         )
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; minilm, "
