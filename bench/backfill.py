@@ -727,8 +727,8 @@ def render_backfill_throughput(results: Results) -> list[str]:
     first = runs[0]
 
     def of(window: str, key: str, fmt: Fmt) -> str:
-        return Figure.of(getattr(getattr(r, window), key) if key else getattr(r, window)
-                         for r in runs).text(fmt)  # fmt: skip
+        values = [getattr(r, window) for r in runs]
+        return Figure.of(getattr(v, key) if key else v for v in values).text(fmt)
 
     size = first.settings["FERRY_BATCH_MAX_SIZE"]
     rows = [

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from sqlalchemy import event, select, text
 from sqlalchemy.engine import Engine
 
 from bench import results
-from bench.report import Doc, Results, commit_text, day, machine_text, table
+from bench.report import Results, Spread, commit_text, day, machine_text, table
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker
@@ -336,6 +337,60 @@ def enqueue_costs(
     return found
 
 
+@dataclass
+class PerJob:
+    """What one job costs each shared part (bench/capacity.py's per_job), over the rounds."""
+
+    redis_commands: Spread
+    redis_bytes: Spread
+    redis_cpu_us: Spread
+    db_transactions: Spread
+    db_rows_written: Spread
+    db_statements_per_submission: Spread
+    db_statements_per_batch: Spread
+    postgres_cpu_us: Spread
+    api_cpu_us_per_submission: Spread
+    api_cpu_us_per_long_poll: Spread
+    worker_cpu_us_per_job: Spread
+    jobs_per_batch: Spread
+
+
+@dataclass
+class EnqueueCost:
+    redis_cpu_us: Spread
+    redis_commands: Spread
+
+
+@dataclass
+class EnqueueWays:
+    enqueue: EnqueueCost  # a script call per job
+    enqueue_all: EnqueueCost  # one per tenant's stream in the group
+
+
+@dataclass
+class Walls:
+    """Jobs/s where each part saturates (one core each; the API's per process)."""
+
+    redis: Spread
+    postgres_one_core: Spread
+    api_process: Spread
+    worker_overhead: Spread
+
+
+@dataclass
+class Report:
+    """bench/results/capacity.json besides its head (bench.report.typed reads it)."""
+
+    # Each round's raw counters, by phase (Redis's per command among them): open-ended.
+    runs: list[dict[str, Any]]
+    per_job: PerJob
+    enqueue: dict[int, EnqueueWays]  # by jobs per group
+    walls_jobs_per_s: Walls
+
+
+RESULT = Report
+
+
 def per_job(run: dict[str, Any]) -> dict[str, float]:
     """A round's costs per job (and per batch where a batch is the unit)."""
     jobs, batches = run["jobs"], run["batches"]
@@ -459,15 +514,15 @@ GPUS = 100
 PER_GPU = (10, 100, 1000)
 
 
-def _spread_text(found: Doc, digits: int) -> str:
-    median, low, high = (f"{found[k]:,.{digits}f}" for k in ("median", "min", "max"))
+def _spread_text(found: Spread, digits: int) -> str:
+    median, low, high = (f"{v:,.{digits}f}" for v in (found.median, found.min, found.max))
     return median if low == high else f"{median} ({low}–{high})"
 
 
 def render_capacity(results: Results) -> list[str]:
-    doc = results["capacity"]
+    doc, report = results["capacity"], results.typed("capacity", Report)
     settings = doc["settings"]
-    costs, walls = doc["per_job"], doc["walls_jobs_per_s"]
+    costs, walls = report.per_job, report.walls_jobs_per_s
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} sim jobs "
         f"from {settings['clients']} clients, batches of up to {settings['batch_max_size']}, "
@@ -477,7 +532,7 @@ def render_capacity(results: Results) -> list[str]:
             ["part", "cost", "measured"],
             "llr",
             [
-                [part, what, _spread_text(costs[key], digits)]
+                [part, what, _spread_text(getattr(costs, key), digits)]
                 for part, what, key, digits in CAPACITY_ROWS
             ],
         ),
@@ -492,13 +547,13 @@ def render_capacity(results: Results) -> list[str]:
             "rrrrr",
             [
                 [
-                    size,
-                    _spread_text(doc["enqueue"][size]["enqueue"]["redis_cpu_us"], 1),
-                    _spread_text(doc["enqueue"][size]["enqueue"]["redis_commands"], 2),
-                    _spread_text(doc["enqueue"][size]["enqueue_all"]["redis_cpu_us"], 1),
-                    _spread_text(doc["enqueue"][size]["enqueue_all"]["redis_commands"], 2),
+                    str(size),
+                    _spread_text(ways.enqueue.redis_cpu_us, 1),
+                    _spread_text(ways.enqueue.redis_commands, 2),
+                    _spread_text(ways.enqueue_all.redis_cpu_us, 1),
+                    _spread_text(ways.enqueue_all.redis_commands, 2),
                 ]
-                for size in doc["enqueue"]
+                for size, ways in report.enqueue.items()
             ],
         ),
         "",
@@ -507,16 +562,11 @@ def render_capacity(results: Results) -> list[str]:
         f"what {GPUS} GPUs finishing R jobs/s each ask of them:",
         "",
     ]
-    redis_wall = walls["redis"]["median"]
-    postgres_core = walls["postgres_one_core"]["median"]
-    api_process = walls["api_process"]["median"]
-    rows = [
-        ["saturates at"]
-        + [
-            _spread_text(walls[name], 0)
-            for name in ("redis", "postgres_one_core", "api_process", "worker_overhead")
-        ]
-    ]
+    redis_wall = walls.redis.median
+    postgres_core = walls.postgres_one_core.median
+    api_process = walls.api_process.median
+    saturating = (walls.redis, walls.postgres_one_core, walls.api_process, walls.worker_overhead)
+    rows = [["saturates at"] + [_spread_text(wall, 0) for wall in saturating]]
     for rate in PER_GPU:
         total = GPUS * rate
         rows.append(
@@ -525,7 +575,7 @@ def render_capacity(results: Results) -> list[str]:
                 f"{total / redis_wall:.0%} of its core",
                 f"{total / postgres_core:,.1f} cores",
                 f"{math.ceil(total / api_process):,} processes",
-                f"{rate / walls['worker_overhead']['median']:.1%} of a core per worker",
+                f"{rate / walls.worker_overhead.median:.1%} of a core per worker",
             ]
         )
     return [
