@@ -70,6 +70,7 @@ from bench.report import (
     Figure,
     Fmt,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -248,6 +249,67 @@ class Killed:
     tokens_lost: int
     tokens_generated_again: int
     attempts: int
+
+
+@dataclass
+class Repeat:
+    """One repeat's figures (repeat_figures writes them)."""
+
+    job_ids: dict[str, str]  # uninterrupted, killed
+    uninterrupted_worker: str
+    victim: str
+    taker: str
+    uninterrupted_s: float
+    killed_s: float
+    extra_s: float
+    extra_less_visibility_s: float
+    kill_to_resume_s: float | None  # None: the logs did not say
+    kill_to_takeover_s: float | None
+    takeover_to_resume_s: float | None
+    resume_to_first_token_s: float | None
+    streamed_at_kill: int
+    checkpoint_tokens: int | None
+    taker_first_token: int | None
+    tokens_lost: int
+    tokens_generated_again: int
+    runs: dict[str, int]  # by the witness: uninterrupted, killed
+    attempts: int
+    taker_ran_it: bool
+    output_equal: bool
+    every_index_once: bool
+
+
+@dataclass
+class Checks:
+    repeats: int
+    output_equal: int  # of the repeats
+    every_index_once: int
+    taken_over_once: int
+
+
+@dataclass
+class Report:
+    """bench/results/generation_resume.json besides its head (bench.report.typed reads it)."""
+
+    repeats: list[Repeat]
+    uninterrupted_s: Spread
+    killed_s: Spread
+    extra_s: Spread
+    extra_less_visibility_s: Spread
+    kill_to_resume_s: Spread
+    kill_to_takeover_s: Spread
+    takeover_to_resume_s: Spread
+    resume_to_first_token_s: Spread
+    streamed_at_kill: Spread
+    checkpoint_tokens: Spread
+    tokens_lost: Spread
+    tokens_generated_again: Spread
+    killed_over_uninterrupted: Spread
+    checks: Checks
+    seconds: float = 0.0  # written with the last repeat's file
+
+
+RESULT = Report
 
 
 def repeat_figures(
@@ -590,12 +652,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_generation_resume(results: Results) -> list[str]:
-    doc = results["generation_resume"]
-    s, checks = doc["settings"], doc["checks"]
+    doc, report = results["generation_resume"], results.typed("generation_resume", Report)
+    s, checks = doc["settings"], report.checks
     sec = decimal(2, " s")
 
     def fig(name: str, fmt: Fmt = sec, bold: bool = False) -> str:
-        return Figure.summary(doc[name]).text(fmt, bold)
+        return Figure.summary(getattr(report, name)).text(fmt, bold)
 
     visibility = f"{s['visibility_timeout_s']:g} s"
     rows = [
@@ -610,7 +672,7 @@ def render_generation_resume(results: Results) -> list[str]:
         ["tokens generated again (the last streamed, recomputed)",
          fig("tokens_generated_again", decimal())],
     ]  # fmt: skip
-    n = checks["repeats"]
+    n = checks.repeats
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
         f"{counted(n, 'repeat', 'repeats')} (min–max). {s['workers']} generation workers "
@@ -620,9 +682,9 @@ def render_generation_resume(results: Results) -> list[str]:
         "",
         *table(["", "seconds or tokens"], "lr", rows),
         "",
-        f"Output equal to the uninterrupted run's, token for token: {checks['output_equal']} "
-        f"of {n}; every token index once in the stream: {checks['every_index_once']} of {n}; "
-        f"taken over exactly once: {checks['taken_over_once']} of {n}.",
+        f"Output equal to the uninterrupted run's, token for token: {checks.output_equal} "
+        f"of {n}; every token index once in the stream: {checks.every_index_once} of {n}; "
+        f"taken over exactly once: {checks.taken_over_once} of {n}.",
     ]
 
 
