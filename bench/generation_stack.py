@@ -47,6 +47,8 @@ from bench.generation_workload import (
     Lengths,
     Record,
     Request,
+    RunFigures,
+    Workload,
     add_shared_options,
     draw_workload,
     ratio_spread,
@@ -56,6 +58,7 @@ from bench.generation_workload import (
 from bench.report import (
     Figure,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -98,6 +101,28 @@ class Model:
             f"prefill_chunk_tokens = {self.prefill_chunk_tokens}\n"
             f"kv_cache_bytes = {self.kv_cache_bytes}\n"
         )
+
+
+@dataclass
+class Round:
+    in_process: RunFigures
+    stack: RunFigures
+
+
+@dataclass
+class Report:
+    """bench/results/generation_stack.json besides its head (bench.report.typed reads it)."""
+
+    workload: Workload
+    rounds: list[Round]
+    in_process: dict[str, Spread]  # per figure, over the rounds
+    stack: dict[str, Spread]
+    stack_share: Spread  # the stack's tokens/s over the engine's, round by round
+    ttft_p50_added_ms: Spread
+    seconds: float = 0.0  # written with the last round's file
+
+
+RESULT = Report
 
 
 def build(args: argparse.Namespace, root: Path) -> tuple[Model, int]:
@@ -360,31 +385,31 @@ def run_settings(
 
 
 def render_generation_stack(results: Results) -> list[str]:
-    doc = results["generation_stack"]
-    s, w = doc["settings"], doc["workload"]
+    doc, report = results["generation_stack"], results.typed("generation_stack", Report)
+    s, w = doc["settings"], report.workload
     m, limits = s["model"], s["limits"]
     names = {"in_process": "the engine in one process", "stack": "ferry up, over HTTP, streamed"}
     rows = []
     for system, name in names.items():
-        f = {k: Figure.summary(v) for k, v in doc[system].items()}
+        f = {k: Figure.summary(v) for k, v in getattr(report, system).items()}
         rows.append(
             [name, f["tokens_per_s"].text(decimal(), system == "stack")]
             + [f[k].text(decimal(0, " ms")) for k in ("ttft_p50_ms", "ttft_p99_ms")]
             + [f[k].text(decimal(1, " ms")) for k in ("tpot_p50_ms", "tpot_p99_ms")]
         )
-    share = Figure.summary(doc["stack_share"]).text(percent())
-    added = Figure.summary(doc["ttft_p50_added_ms"]).text(decimal(0, " ms"))
+    share = Figure.summary(report.stack_share).text(percent())
+    added = Figure.summary(report.ttft_p50_added_ms).text(decimal(0, " ms"))
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
-        f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max), the two interleaved. A "
+        f"{counted(len(report.rounds), 'round', 'rounds')} (min–max), the two interleaved. A "
         f"{m['arch']}-shaped model of {m['layers']} layers, hidden {m['hidden']} (random "
         f"weights), {s['precision']} on `{s['device']}`, "
         f"{counted(s['threads'], 'torch thread', 'torch threads')} both ways; max_running "
         f"{limits['max_running']}, step_tokens {limits['step_tokens']}, prefill_chunk_tokens "
         f"{limits['prefill_chunk_tokens']}. {s['requests']} requests posted at once: prompts "
-        f"{w['prompt_tokens']['p50']:g} tokens at the median, {w['prompt_tokens']['max']} at "
-        f"most; outputs {w['output_tokens']['p50']:g} at the median, "
-        f"{w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, no EOS). "
+        f"{w.prompt_tokens.p50:g} tokens at the median, {w.prompt_tokens.max} at "
+        f"most; outputs {w.output_tokens.p50:g} at the median, "
+        f"{w.output_tokens.max} at most ({w.output_tokens.total:,} in all, no EOS). "
         "Through the stack each time is the client's: from its POST to each token event it "
         "read.",
         "",

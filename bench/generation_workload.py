@@ -258,3 +258,44 @@ def workload_facts(
         "prompt_tokens": lengths_summary([len(r.prompt_ids) for r in requests]),
         "output_tokens": lengths_summary([r.max_tokens for r in requests]),
     }
+
+
+# --- what the generation benchmarks' results files say of their workload and runs ----------
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """How the drawn lengths of a workload are spread (lengths_summary writes it)."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: int
+    mean: float
+    total: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The lengths a workload was drawn from and what was drawn."""
+
+    prompt_lengths: Lengths
+    output_lengths: Lengths
+    prompt_tokens: TokenCounts
+    output_tokens: TokenCounts
+    chunked: ChunkedLoad | None = None  # the chunked-prefill comparison's load, if it ran
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One run's figures (summary writes them; the engine's runs add their peak KV)."""
+
+    requests: int
+    output_tokens: int
+    span_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    peak_kv_blocks: int | None = None
