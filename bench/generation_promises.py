@@ -68,6 +68,7 @@ from bench.report import (
     Figure,
     Fmt,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -336,6 +337,85 @@ def split_load(corpus: Sequence[int], shape: Shape, seed: int) -> list[Job]:
 
 
 # --- the figures -----------------------------------------------------------------------
+
+
+@dataclass
+class Quantiles:
+    p50: float
+    p99: float
+    max: float
+
+
+@dataclass
+class PreemptionRound:
+    urgent_ttft_ms: dict[str, Quantiles]  # preemption, no_preemption
+    urgent_ttft_steps: dict[str, Quantiles]
+    bulk_jobs: int
+    preempted_jobs: int
+    preemptions: int
+    preempted_delay_ms: Quantiles
+    preempted_outputs_equal: int
+    restarted_from_zero: int
+    bulk_span_s: dict[str, float]
+
+
+@dataclass
+class FairnessRound:
+    light_requests: int
+    light_ttft_ms: dict[str, Quantiles]  # idle, flood
+    light_ttft_steps: dict[str, Quantiles]
+    flood_requests: int
+    flood_kv_share: float
+    step_ms: dict[str, float]
+
+
+@dataclass
+class SplitRound:
+    steps: int
+    heavy_kv_share: float
+    heavy_token_share: float
+    weight_share: float
+
+
+@dataclass
+class CheckpointRound:
+    tokens_per_s: dict[str, float]  # without, with, in_loop, every_50_ms
+    appended: int
+
+
+@dataclass
+class Round:
+    preemption: PreemptionRound
+    fairness: FairnessRound
+    split: SplitRound
+    checkpoint: CheckpointRound
+
+
+@dataclass
+class Report:
+    """bench/results/generation_promises.json besides its head (bench.report.typed reads it)."""
+
+    rounds: list[Round]
+    urgent_ttft_p99_ms: dict[str, Spread]
+    urgent_ttft_gain: Spread
+    preempted_delay_p50_ms: Spread
+    preempted_jobs: int
+    preempted_outputs_equal: int
+    restarted_from_zero: int
+    light_ttft_p99_ms: dict[str, Spread]
+    light_ttft_p99_ratio: Spread
+    light_ttft_p99_steps: dict[str, Spread]
+    flood_kv_share: Spread
+    step_ms_ratio: Spread
+    heavy_kv_share: Spread
+    heavy_token_share: Spread
+    checkpoint_cost: Spread
+    checkpoint_cost_in_loop: Spread
+    checkpoint_cost_every_50_ms: Spread
+    seconds: float = 0.0  # written with the last round's file
+
+
+RESULT = Report
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -667,41 +747,28 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-def _nan_for_none(value: Any) -> Any:
-    """A results file's figures with NaN where it wrote null (a figure of nothing measured,
-    as a smoke run on a busy machine may leave)."""
-    if value is None:
-        return float("nan")
-    if isinstance(value, dict):
-        return {k: _nan_for_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_for_none(v) for v in value]
-    return value
-
-
 def render_generation_promises(results: Results) -> list[str]:
-    raw = results["generation_promises"]
-    about = ("date", "command", "via_make", "smoke", "git", "machine", "settings")
-    doc = {k: v if k in about else _nan_for_none(v) for k, v in raw.items()}
+    # A figure of nothing measured (as a smoke run on a busy machine may leave) is NaN.
+    doc, report = results["generation_promises"], results.typed("generation_promises", Report)
     s, m, shape = doc["settings"], doc["settings"]["model"], doc["settings"]["shape"]
     ms = decimal(0, " ms")
 
     def fig(name: str, fmt: Fmt, *keys: str, bold: bool = False) -> str:
-        found: Any = doc[name]
+        found: Any = getattr(report, name)
         for key in keys:
             found = found[key]
         return Figure.summary(found).text(fmt, bold)
 
     def steps(way: str) -> str:
-        per_round = [r["preemption"]["urgent_ttft_steps"][way]["p99"] for r in doc["rounds"]]
+        per_round = [r.preemption.urgent_ttft_steps[way].p99 for r in report.rounds]
         return Figure.of(per_round if len(set(per_round)) > 1 else per_round[:1]).text(decimal())
 
-    gain = Figure.summary(doc["urgent_ttft_gain"])
-    ratio = Figure.summary(doc["light_ttft_p99_ratio"])
-    share = Figure.summary(doc["heavy_kv_share"])
-    cost = Figure.summary(doc["checkpoint_cost"])
-    spaced = Figure.summary(doc["checkpoint_cost_every_50_ms"])
-    preempted = doc["preempted_jobs"]
+    gain = Figure.summary(report.urgent_ttft_gain)
+    ratio = Figure.summary(report.light_ttft_p99_ratio)
+    share = Figure.summary(report.heavy_kv_share)
+    cost = Figure.summary(report.checkpoint_cost)
+    spaced = Figure.summary(report.checkpoint_cost_every_50_ms)
+    preempted = report.preempted_jobs
     rows = [
         [
             f"urgent TTFT p99, the running batch full of bulk generations "
@@ -715,8 +782,8 @@ def render_generation_promises(results: Results) -> list[str]:
         [
             "the bulk jobs it preempted",
             f"{preempted} preempted in all, each ended {fig('preempted_delay_p50_ms', ms)} "
-            f"later at the median; {doc['preempted_outputs_equal']} of {preempted} with the "
-            f"tokens they make unpreempted, {doc['restarted_from_zero']} restarted from zero"
+            f"later at the median; {report.preempted_outputs_equal} of {preempted} with the "
+            f"tokens they make unpreempted, {report.restarted_from_zero} restarted from zero"
             if preempted
             else "none was preempted",
             "same tokens, 0 restarted",
@@ -749,7 +816,7 @@ def render_generation_promises(results: Results) -> list[str]:
     ]
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
-        f"{counted(len(doc['rounds']), 'repeat', 'repeats')} (min–max). A {m['arch']}-shaped "
+        f"{counted(len(report.rounds), 'repeat', 'repeats')} (min–max). A {m['arch']}-shaped "
         f"model of {m['layers']} layers, hidden {m['hidden']} (random weights), "
         f"{s['precision']} on `{s['device']}`, stepped by the worker's engine in one process; "
         f"max_running {s['limits']['max_running']}, step_tokens {s['limits']['step_tokens']}, "
