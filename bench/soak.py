@@ -64,7 +64,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +245,82 @@ def write_plot(doc: Mapping[str, Any], path: Path) -> None:
 
 
 # --- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Details:
+    """The witnesses' account of the run (harness.accounting), and what the soak measured."""
+
+    statuses: dict[str, int]
+    missing_rows: int
+    attempts: dict[int, int]  # jobs by their attempts
+    bad_attempts: int
+    executions_per_job: dict[int, int]
+    succeeded_unexecuted: list[str]  # up to 20 ids each
+    terminal_untracked: list[str]
+    untagged_computations: int
+    after_crash_ids: list[str]
+    run_twice_ids: list[str]
+    written_twice_ids: list[str]
+    lost_ids: list[str]
+    rejected: list[Any]
+    retried: dict[str, int]  # by the error a client retried on
+    submit_s: float
+    replayed_after_retry: int
+    # The cross-checks, where their sources were there.
+    announced_twice: int = 0
+    unannounced_terminal: int = 0
+    record_executions: int = 0
+    record_after_crash: int = 0
+    record_run_twice: int = 0
+    # The soak's own.
+    stream_entries_left: int = 0
+    orphan_rows: int = 0
+    restarts: dict[str, list[int]] = field(default_factory=dict)
+    reenqueued: int = 0
+    reclaims: dict[str, int] = field(default_factory=dict)
+    flower_events: int = 0
+
+
+@dataclass
+class ProcessMemory:
+    start_mib: float
+    end_mib: float
+    peak_mib: float
+    lives: int
+    longest_life_min: float
+    longest_life_start_mib: float
+    longest_life_end_mib: float
+
+
+@dataclass
+class Memory:
+    settled_after_s: float
+    summary: dict[str, ProcessMemory]  # by process
+    samples: list[dict[str, Any]]  # each: t_s, and per process its RSS and pid
+
+
+@dataclass
+class Report:
+    """bench/results/soak.json besides its head (bench.report.typed reads it)."""
+
+    submitted: int
+    completed: int
+    lost: int
+    executions: int
+    after_crash: int
+    run_twice: int
+    written_twice: int
+    seconds: float
+    problems: list[str]
+    kills: dict[str, list[float]]  # seconds into the run, by kind
+    victims: dict[str, str]
+    exits: dict[str, list[int]]
+    details: Details
+    memory: Memory
+
+
+RESULT = Report
 
 
 class Client(Submitter):
@@ -471,48 +547,48 @@ def soak_names(summary: Mapping[str, Any]) -> list[str]:
 
 
 def render_soak(results: Results) -> list[str]:
-    doc = results["soak"]
+    doc, report = results["soak"], results.typed("soak", Report)
     settings = doc["settings"]
-    details = doc["details"]
-    kills, every, victims = doc["kills"], settings["kill_every_s"], doc["victims"]
+    details = report.details
+    kills, every, victims = report.kills, settings["kill_every_s"], report.victims
 
     def killed(kind: str, what: str) -> str:
         return f"{what} {counted(len(kills[kind]), 'time', 'times')} (every {every[kind]:g} s)"
 
-    statuses = ", ".join(f"{n:,} {s}" for s, n in details["statuses"].items())
-    retried = sum(details["retried"].values())
+    statuses = ", ".join(f"{n:,} {s}" for s, n in details.statuses.items())
+    retried = sum(details.retried.values())
     rows = []
-    for name in soak_names(doc["memory"]["summary"]):
-        m = doc["memory"]["summary"][name]
+    for name in soak_names(report.memory.summary):
+        m = report.memory.summary[name]
         label = f"{name} (killed)" if name in victims.values() or name == "redis" else name
         longest = (
-            f"{m['longest_life_min']:g} min: {m['longest_life_start_mib']:.1f} → "
-            f"{m['longest_life_end_mib']:.1f}"
-            if m["lives"] > 1
+            f"{m.longest_life_min:g} min: {m.longest_life_start_mib:.1f} → "
+            f"{m.longest_life_end_mib:.1f}"
+            if m.lives > 1
             else "the whole run"
         )
-        rows.append([label, str(m["lives"]), f"{m['start_mib']:.1f} → {m['end_mib']:.1f}",
-                     f"{m['peak_mib']:.1f}", longest])  # fmt: skip
-    problems = f" Problems: {', '.join(doc['problems'])}." if doc["problems"] else ""
+        rows.append([label, str(m.lives), f"{m.start_mib:.1f} → {m.end_mib:.1f}",
+                     f"{m.peak_mib:.1f}", longest])  # fmt: skip
+    problems = f" Problems: {', '.join(report.problems)}." if report.problems else ""
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['minutes']:g} minutes "
         f"at {settings['rate_per_s']:g} jobs/s across the lanes, PostgreSQL, with SIGKILL for "
         f"{killed('worker', 'a sim worker')}, {killed('api', 'an API process')} and "
         f"{killed('redis', 'Redis')}, started again on its data "
-        f"{settings['redis_down_s']:g} s later. **{doc['submitted']:,} jobs accepted, "
-        f"{doc['completed']:,} made terminal ({statuses}): {doc['lost']:,} lost, "
-        f"{doc['written_twice']:,} written twice, {doc['run_twice']:,} run twice**, by the "
+        f"{settings['redis_down_s']:g} s later. **{report.submitted:,} jobs accepted, "
+        f"{report.completed:,} made terminal ({statuses}): {report.lost:,} lost, "
+        f"{report.written_twice:,} written twice, {report.run_twice:,} run twice**, by the "
         f"database's transition log and the sim's record of its computations; "
-        f"{doc['after_crash']:,} computed again after a kill, each in the last batches of a "
+        f"{report.after_crash:,} computed again after a kill, each in the last batches of a "
         f"killed worker. The clients retried {retried:,} requests (same Idempotency-Key), "
-        f"{details['replayed_after_retry']:,} answered with the job a cut-off request had made; "
-        f"the reconciler enqueued {details['reenqueued']:,} jobs again. The done channel, a "
-        f"cross-check only, announced {details['announced_twice']:,} jobs twice and missed "
-        f"{details['unannounced_terminal']:,}.{problems}",
+        f"{details.replayed_after_retry:,} answered with the job a cut-off request had made; "
+        f"the reconciler enqueued {details.reenqueued:,} jobs again. The done channel, a "
+        f"cross-check only, announced {details.announced_twice:,} jobs twice and missed "
+        f"{details.unannounced_terminal:,}.{problems}",
         "",
         "Resident memory in MiB, each process with what it forked: from the first sample "
-        f"{doc['memory']['settled_after_s']:g} s in to the last, the peak, and a restarted "
-        f"process's longest life (from {doc['memory']['settled_after_s']:g} s into it):",
+        f"{report.memory.settled_after_s:g} s in to the last, the peak, and a restarted "
+        f"process's longest life (from {report.memory.settled_after_s:g} s into it):",
         "",
         *table(["process", "lives", "RSS MiB", "peak", "longest life"], "lrrrl", rows),
     ]

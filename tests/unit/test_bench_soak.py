@@ -212,13 +212,19 @@ def test_the_report_renders_the_witnesses_counts_and_each_processs_memory(
         "settings": {"minutes": 60, "rate_per_s": 30, "redis_down_s": 1,
                      "kill_every_s": {"worker": 240, "api": 480, "redis": 720}},
         "submitted": 108000, "completed": 108000, "lost": 0, "written_twice": 0,
-        "run_twice": 0, "after_crash": 12, "problems": [],
+        "run_twice": 0, "after_crash": 12, "executions": 108012, "seconds": 3600.0,
+        "problems": [],
         "kills": {"worker": [1.0] * 15, "api": [2.0] * 7, "redis": [3.0] * 5},
-        "victims": soak.VICTIM,
+        "victims": soak.VICTIM, "exits": {"worker-1": [-9] * 15, "api-1": [-9] * 7},
         "details": {"statuses": {"succeeded": 108000}, "retried": {"ConnectError": 40},
                     "replayed_after_retry": 3, "reenqueued": 9, "announced_twice": 0,
-                    "unannounced_terminal": 2},
-        "memory": {"settled_after_s": 60, "summary": summary},
+                    "unannounced_terminal": 2, "missing_rows": 0, "attempts": {"1": 108000},
+                    "bad_attempts": 0, "executions_per_job": {"1": 107988, "2": 12},
+                    "succeeded_unexecuted": [], "terminal_untracked": [],
+                    "untagged_computations": 0, "after_crash_ids": [], "run_twice_ids": [],
+                    "written_twice_ids": [], "lost_ids": [], "rejected": [],
+                    "submit_s": 3600.0},
+        "memory": {"settled_after_s": 60, "summary": summary, "samples": SAMPLES},
     }  # fmt: skip
     (tmp_path / "soak.json").write_text(json.dumps(doc))
     lines = soak.render_soak(report.Results(tmp_path))
