@@ -111,6 +111,44 @@ class Outcome:
     failed: str = ""
 
 
+@dataclass
+class Counts:
+    """A file's mutants, or a target's, by what became of them (summary writes it)."""
+
+    mutants: int
+    killed: int
+    survived: int
+    timeout: int
+    other: dict[str, int]  # no tests, suspicious, segfault...
+    score: float | None  # None: no mutant
+
+
+@dataclass
+class TargetResult:
+    """One target's run (report writes it)."""
+
+    what: str
+    mutated: list[str]
+    functions: Any  # "all", or the mutants' function patterns
+    tests: list[str]
+    uncommitted_changes: list[str]
+    seconds: float
+    failed: str | None = None
+    files: dict[str, Counts] = field(default_factory=dict)
+    total: Counts | None = None
+    survivors: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # their diffs
+
+
+@dataclass
+class Report:
+    """bench/results/mutation.json besides its head (bench.report.typed reads it)."""
+
+    targets: dict[str, TargetResult]
+
+
+RESULT = Report
+
+
 def tree_files() -> list[str]:
     """The working tree as git sees it: tracked files and untracked ones it does not ignore."""
     listed = subprocess.run(
@@ -320,19 +358,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_mutation(results: Results) -> list[str]:
-    doc = results["mutation"]
-    targets = doc["targets"]
-    seconds = "; ".join(f"{name} {target['seconds']:.0f} s" for name, target in targets.items())
-    rows = []
+    doc, targets = results["mutation"], results.typed("mutation", Report).targets
+    seconds = "; ".join(f"{name} {target.seconds:.0f} s" for name, target in targets.items())
+    rows: list[tuple[str, Counts]] = []
     for name, target in targets.items():
-        files = target["files"]
+        files = target.files
         for path, found in files.items():
             label = f"`{path}`"
             if name == "recorder":
                 label += " (`finish`, `_batched_writes`)"
             rows.append((label, found))
-        if len(files) > 1:
-            rows.append((f"**{target['mutated'][0]}**", target["total"]))
+        if len(files) > 1 and target.total is not None:
+            rows.append((f"**{target.mutated[0]}**", target.total))
     return [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)} ({seconds}):",
         "",
@@ -342,11 +379,11 @@ def render_mutation(results: Results) -> list[str]:
             [
                 [
                     label,
-                    f"{found['mutants']:,}",
-                    f"{found['killed']:,}",
-                    f"{found['timeout']:,}",
-                    f"{found['survived']:,}",
-                    f"{100 * found['score']:.1f} %",
+                    f"{found.mutants:,}",
+                    f"{found.killed:,}",
+                    f"{found.timeout:,}",
+                    f"{found.survived:,}",
+                    f"{100 * found.score:.1f} %" if found.score is not None else "n/a",
                 ]
                 for label, found in rows
             ],
