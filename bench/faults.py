@@ -3,16 +3,30 @@ bench/results/faults.json (tests/faults/conftest.py); docs/reliability.md shows 
 
 from __future__ import annotations
 
-from bench.report import Doc, Results, commit_text, day, machine_text, table
+from dataclasses import dataclass
+
+from bench.report import Results, commit_text, day, machine_text, table
+from harness.accounting import Figures
+
+
+@dataclass
+class Report:
+    """bench/results/faults.json besides its head (bench.report.typed reads it): each
+    scenario's witnessed counts, as the fault suite's accounting gives them."""
+
+    scenarios: list[Figures]
+
+
+RESULT = Report
 
 # --- the fault-injection suite (faults.json, make faults) ----------------------------------
 
 
-def fault_scenarios(results: Results, generation: bool) -> list[Doc]:
+def fault_scenarios(results: Results, generation: bool) -> list[Figures]:
     """The scenarios of ``make faults``'s run, in the suite's order (its test ids)."""
-    doc = results["faults"]
-    found = [s for s in doc["scenarios"] if ("tokens_lost" in s["details"]) == generation]
-    return sorted(found, key=lambda s: (s["details"].get("test", ""), s["scenario"]))
+    scenarios = results.typed("faults", Report).scenarios
+    found = [s for s in scenarios if ("tokens_lost" in s.details) == generation]
+    return sorted(found, key=lambda s: (s.details.get("test", ""), s.scenario))
 
 
 def faults_intro(results: Results) -> str:
@@ -28,15 +42,15 @@ def faults_intro(results: Results) -> str:
 def render_faults(results: Results) -> list[str]:
     rows = [
         [
-            s["scenario"],
-            f"{s['submitted']:,}",
-            f"{s['completed']:,}",
-            str(s["lost"]),
-            f"{s['executions']:,}",
-            str(s["after_crash"]),
-            str(s["run_twice"]),
-            str(s["written_twice"]),
-            f"{s['seconds']:.1f}",
+            s.scenario,
+            f"{s.submitted:,}",
+            f"{s.completed:,}",
+            str(s.lost),
+            f"{s.executions:,}",
+            str(s.after_crash),
+            str(s.run_twice),
+            str(s.written_twice),
+            f"{s.seconds:.1f}",
         ]
         for s in fault_scenarios(results, generation=False)
     ]
@@ -48,20 +62,20 @@ def render_faults(results: Results) -> list[str]:
 def render_faults_generation(results: Results) -> list[str]:
     rows = []
     for s in fault_scenarios(results, generation=True):
-        d = s["details"]
+        d = s.details
         rows.append(
             [
-                s["scenario"],
-                str(s["submitted"]),
-                str(s["completed"]),
-                str(s["lost"]),
-                str(s["executions"]),
-                str(s["after_crash"]),
-                str(s["run_twice"]),
+                s.scenario,
+                str(s.submitted),
+                str(s.completed),
+                str(s.lost),
+                str(s.executions),
+                str(s.after_crash),
+                str(s.run_twice),
                 str(d["tokens_lost"]),
                 f"{d['streamed_twice']} / {d['stream_gaps']}",
-                str(s["written_twice"]),
-                f"{s['seconds']:.1f}",
+                str(s.written_twice),
+                f"{s.seconds:.1f}",
             ]
         )
     header = ["generation scenario", "submitted", "completed", "lost", "runs", "taken over",
