@@ -79,7 +79,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bench import results
 from bench.report import (
-    Doc,
     Figure,
     Fmt,
     Results,
@@ -502,6 +501,18 @@ class StackResult:
     # Round by round against the bare run of the same round: median, min, max.
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class Report:
+    """bench/results/api.json besides its head (bench.report.typed reads it)."""
+
+    elapsed_s: float
+    flags: list[str]  # what makes a run's figures doubtful, said in the file
+    stacks: list[StackResult]
+
+
+RESULT = Report
 
 
 def summarise(runs: list[Run]) -> Summary:
@@ -962,15 +973,15 @@ def main(argv: list[str] | None = None) -> int:
 # --- its tables (python -m bench.render) --------------------------------------------------
 
 
-def _stack_label(stack: Doc) -> str:
-    database = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}[stack["database"]]
-    count = stack["api_processes"]
+def _stack_label(stack: StackResult) -> str:
+    database = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}[stack.database]
+    count = stack.api_processes
     return f"{database}, {count} API process" + ("es" if count > 1 else "")
 
 
 def render_api(results: Results) -> list[str]:
-    doc = results["api"]
-    stacks = [s for s in doc["stacks"] if not s.get("error")]
+    doc, report = results["api"], results.typed("api", Report)
+    stacks = [s for s in report.stacks if not s.error]
     rounds = doc["settings"]["rounds"]
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of {rounds} rounds "
@@ -978,46 +989,45 @@ def render_api(results: Results) -> list[str]:
         "",
     ]
 
-    def cells(get: Callable[[Doc], Mapping[str, float]], fmt: Fmt) -> list[str]:
-        return [Figure.summary(get(s["summary"])).text(fmt) for s in stacks]
+    def cells(get: Callable[[dict[str, Summary]], Mapping[str, float]], fmt: Fmt) -> list[str]:
+        return [Figure.summary(get(s.summary)).text(fmt) for s in stacks]
 
     rows = [
-        ["bare endpoint, requests/s", *cells(lambda s: s["bare"]["requests_per_s"], decimal())],
+        ["bare endpoint, requests/s", *cells(lambda s: s["bare"].requests_per_s, decimal())],
         [
             "bare endpoint, CPU per request, ms",
-            *cells(lambda s: s["bare"]["cpu_ms_per_job"]["bare"], decimal(2)),
+            *cells(lambda s: s["bare"].cpu_ms_per_job["bare"], decimal(2)),
         ],
-        ["submit, requests/s", *cells(lambda s: s["submit"]["requests_per_s"], decimal())],
-        ["get, requests/s", *cells(lambda s: s["get"]["requests_per_s"], decimal())],
-        ["submit + long-poll, jobs/s", *cells(lambda s: s["longpoll"]["jobs_per_s"], decimal())],
+        ["submit, requests/s", *cells(lambda s: s["submit"].requests_per_s, decimal())],
+        ["get, requests/s", *cells(lambda s: s["get"].requests_per_s, decimal())],
+        ["submit + long-poll, jobs/s", *cells(lambda s: s["longpoll"].jobs_per_s, decimal())],
         [
             "API CPU per submission, ms",
-            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["api"], decimal(2)),
+            *cells(lambda s: s["submit"].cpu_ms_per_job["api"], decimal(2)),
         ],
-        ["API CPU per GET, ms", *cells(lambda s: s["get"]["cpu_ms_per_job"]["api"], decimal(2))],
+        ["API CPU per GET, ms", *cells(lambda s: s["get"].cpu_ms_per_job["api"], decimal(2))],
         [
             "API CPU per submitted and long-polled job, ms",
-            *cells(lambda s: s["longpoll"]["cpu_ms_per_job"]["api"], decimal(2)),
+            *cells(lambda s: s["longpoll"].cpu_ms_per_job["api"], decimal(2)),
         ],
         [
             "worker CPU per sim job (submit run), ms",
-            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["worker"], decimal(2)),
+            *cells(lambda s: s["submit"].cpu_ms_per_job["worker"], decimal(2)),
         ],
         [
             "database CPU per submission, ms",
-            *cells(lambda s: s["submit"]["cpu_ms_per_job"]["postgres_all"], decimal(2)),
+            *cells(lambda s: s["submit"].cpu_ms_per_job["postgres_all"], decimal(2)),
         ],
     ]
     return lines + table(["", *map(_stack_label, stacks)], "l" + "r" * len(stacks), rows)
 
 
 def render_api_targets(results: Results) -> list[str]:
-    doc = results["api"]
     rows = []
-    for stack in doc["stacks"]:
-        if stack.get("error") or stack["api_processes"] != 1:
+    for stack in results.typed("api", Report).stacks:
+        if stack.error or stack.api_processes != 1:
             continue
-        ratios = stack["ratios"]
+        ratios = stack.ratios
         for key, what, target, at_least, fmt in (
             ("submit_per_bare", "submit, × the bare endpoint", 0.5, True, times()),
             ("longpoll_jobs_per_bare", "submit + long-poll, × bare", 0.3, True, times()),
@@ -1035,24 +1045,24 @@ def render_api_targets(results: Results) -> list[str]:
     return table(["figure", "value", "target", "met"], "lrrl", rows)
 
 
-def headline_api(doc: Doc) -> str:
-    sqlite = [s for s in doc["stacks"] if s["database"] == "sqlite" and not s.get("error")]
-    one = next(s for s in sqlite if s["api_processes"] == 1)
-    two = next((s for s in sqlite if s["api_processes"] == 2), None)
-    submit, gets = one["summary"]["submit"], one["summary"]["get"]
-    ratio = Figure.summary(one["ratios"]["submit_per_bare"])
+def headline_api(results: Results) -> str:
+    doc, report = results["api"], results.typed("api", Report)
+    sqlite = [s for s in report.stacks if s.database == "sqlite" and not s.error]
+    one = next(s for s in sqlite if s.api_processes == 1)
+    two = next((s for s in sqlite if s.api_processes == 2), None)
+    submit, gets = one.summary["submit"], one.summary["get"]
+    ratio = Figure.summary(one.ratios["submit_per_bare"])
     with_two = (
-        f" ({Figure.summary(two['summary']['get']['requests_per_s']).text(decimal())} with two"
-        " processes)"
+        f" ({Figure.summary(two.summary['get'].requests_per_s).text(decimal())} with two processes)"
         if two
         else ""
     )
     return (
         f"- **The API**, one process under `wrk` with {doc['settings']['connections']} "
-        f"connections, takes {Figure.summary(submit['requests_per_s']).text(decimal(), True)} "
+        f"connections, takes {Figure.summary(submit.requests_per_s).text(decimal(), True)} "
         "submissions/s at "
-        f"{Figure.summary(submit['cpu_ms_per_job']['api']).text(decimal(2, ' ms'), True)} of "
-        f"API CPU each and answers {Figure.summary(gets['requests_per_s']).text(decimal(), True)}"
+        f"{Figure.summary(submit.cpu_ms_per_job['api']).text(decimal(2, ' ms'), True)} of "
+        f"API CPU each and answers {Figure.summary(gets.requests_per_s).text(decimal(), True)}"
         f" GETs/s{with_two}: {ratio.text(times())} a bare FastAPI endpoint (target 0.5×: "
         f"{verdict(ratio.meets(0.5, True))})."
     )

@@ -75,7 +75,7 @@ def render_headline(results: Results) -> list[str]:
         backfill.headline_backfill(results),
         fairness.headline_fairness(results),
         pipeline.headline_pipeline(results),
-        api.headline_api(results["api"]),
+        api.headline_api(results),
         *backends.headline_backends(results),
         # Measured only where the bench extra (Ray) is installed.
         *([peers.headline_peers(results["peers"])] if results.has("peers") else []),
