@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -97,6 +98,7 @@ from bench.quantiles import nearest_rank
 from bench.report import (
     Figure,
     Results,
+    Spread,
     commit_text,
     day,
     decimal,
@@ -296,6 +298,23 @@ class Round:
 
 
 @dataclass
+class StackSummary:
+    """A stack's rounds: each figure's median and range (NaN: no round measured it)."""
+
+    jobs_per_s: Spread
+    ratio: Spread  # of the raw ceiling
+    job_p50_ms: Spread
+    job_p99_ms: Spread
+    mean_batch_size: Spread
+    mean_batch_size_per_job: Spread
+    cpu_ms_per_job: dict[str, Spread]  # CPU_ROLES and "stack"
+    other_cpu_share: Spread
+    non_2xx: int  # over all rounds
+    socket_errors: int
+    jobs: int
+
+
+@dataclass
 class StackResult:
     cpu_threads: int
     settings: dict[str, str]
@@ -304,8 +323,26 @@ class StackResult:
     worker_os_threads: int | None = None  # after the warm-up
     warmup: Run | None = None
     rounds: list[Round] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: StackSummary | None = None
     error: str | None = None
+
+
+@dataclass
+class Report:
+    """bench/results/clients.json besides its head (bench.report.typed reads it)."""
+
+    quiet_wait: Any  # how long the run waited for a quiet machine, or None
+    load_average: dict[str, list[float]]  # at_start, at_end
+    sample: dict[str, float]  # the corpus sample: texts, tokens mean, p50, max
+    elapsed_s: float
+    raw: Raw
+    stacks: list[StackResult]
+    best_cpu_threads: int | None
+    ratios: dict[int, Spread]  # by FERRY_CPU_THREADS
+    flags: list[str]
+
+
+RESULT = Report
 
 
 @dataclass
@@ -508,25 +545,26 @@ def _size_key(item: tuple[str, Any]) -> tuple[int, str]:
     return (int(key), key) if key.isdigit() else (1 << 30, key)
 
 
-def summarise(rounds: list[Round]) -> dict[str, Any]:
-    def values(name: str) -> list[float]:
-        return [float(v) for r in rounds if (v := getattr(r, name)) is not None]
+def summarise(rounds: list[Round]) -> StackSummary:
+    def values(name: str) -> Spread:
+        return Spread(**spread([float(v) for r in rounds if (v := getattr(r, name)) is not None]))
 
-    return {
-        "jobs_per_s": spread(values("jobs_per_s")),
-        "ratio": spread(values("ratio")),
-        "job_p50_ms": spread(values("job_p50_ms")),
-        "job_p99_ms": spread(values("job_p99_ms")),
-        "mean_batch_size": spread(values("mean_batch_size")),
-        "mean_batch_size_per_job": spread(values("mean_batch_size_per_job")),
-        "cpu_ms_per_job": {
-            role: spread([r.cpu_ms_per_job[role] for r in rounds]) for role in (*CPU_ROLES, "stack")
+    return StackSummary(
+        jobs_per_s=values("jobs_per_s"),
+        ratio=values("ratio"),
+        job_p50_ms=values("job_p50_ms"),
+        job_p99_ms=values("job_p99_ms"),
+        mean_batch_size=values("mean_batch_size"),
+        mean_batch_size_per_job=values("mean_batch_size_per_job"),
+        cpu_ms_per_job={
+            role: Spread(**spread([r.cpu_ms_per_job[role] for r in rounds]))
+            for role in (*CPU_ROLES, "stack")
         },
-        "other_cpu_share": spread(values("other_cpu_share")),
-        "non_2xx": sum(r.run.non_2xx for r in rounds),
-        "socket_errors": sum(sum(r.run.socket_errors.values()) for r in rounds),
-        "jobs": sum(r.jobs for r in rounds),
-    }
+        other_cpu_share=values("other_cpu_share"),
+        non_2xx=sum(r.run.non_2xx for r in rounds),
+        socket_errors=sum(sum(r.run.socket_errors.values()) for r in rounds),
+        jobs=sum(r.jobs for r in rounds),
+    )
 
 
 # --- The report ---------------------------------------------------------------------------
@@ -551,12 +589,12 @@ def _line(r: Round) -> str:
     )
 
 
-def _range(figure: dict[str, float], digits: int = 1, scale: float = 1.0) -> str:
-    if figure["median"] != figure["median"]:
+def _range(figure: Spread, digits: int = 1, scale: float = 1.0) -> str:
+    if math.isnan(figure.median):
         return "-"
     return (
-        f"{scale * figure['median']:.{digits}f} "
-        f"({scale * figure['min']:.{digits}f}-{scale * figure['max']:.{digits}f})"
+        f"{scale * figure.median:.{digits}f} "
+        f"({scale * figure.min:.{digits}f}-{scale * figure.max:.{digits}f})"
     )
 
 
@@ -601,15 +639,15 @@ def print_tables(raw: Raw, results: list[StackResult], options: Options) -> None
             print(f"{result.cpu_threads:>17} failed: {(result.error or '').splitlines()[0]}")
             continue
         s = result.summary
-        errors = s["non_2xx"] + s["socket_errors"]
-        cpu = s["cpu_ms_per_job"]
+        errors = s.non_2xx + s.socket_errors
+        cpu = s.cpu_ms_per_job
         print(
-            f"{result.cpu_threads:>17} {_range(s['jobs_per_s']):>18} "
-            f"{_range(s['ratio'], 1, 100.0):>18} {_range(s['job_p50_ms'], 0):>16} "
-            f"{_range(s['job_p99_ms'], 0):>16} {s['mean_batch_size']['median']:>6.1f} "
+            f"{result.cpu_threads:>17} {_range(s.jobs_per_s):>18} "
+            f"{_range(s.ratio, 1, 100.0):>18} {_range(s.job_p50_ms, 0):>16} "
+            f"{_range(s.job_p99_ms, 0):>16} {s.mean_batch_size.median:>6.1f} "
             f"{errors:>5}{'!' if errors else ' '} "
-            + " ".join(f"{cpu[role]['median']:>6.2f}" for role in (*CPU_ROLES, "stack"))
-            + f" {100 * s['other_cpu_share']['median']:>5.0f}%"
+            + " ".join(f"{cpu[role].median:>6.2f}" for role in (*CPU_ROLES, "stack"))
+            + f" {100 * s.other_cpu_share.median:>5.0f}%"
         )
     print(
         "(others: the machine's CPU time spent by processes other than the stack, wrk and "
@@ -619,10 +657,11 @@ def print_tables(raw: Raw, results: list[StackResult], options: Options) -> None
 
 def best_threads(results: list[StackResult]) -> int | None:
     """The FERRY_CPU_THREADS whose median ratio is highest."""
-    ranked = [r for r in results if r.summary and r.summary["ratio"]["median"] > 0]
+    ranked = [(r.summary.ratio.median, r) for r in results if r.summary]
+    ranked = [(ratio, r) for ratio, r in ranked if ratio > 0]
     if not ranked:
         return None
-    return max(ranked, key=lambda r: r.summary["ratio"]["median"]).cpu_threads
+    return max(ranked, key=lambda found: found[0])[1].cpu_threads
 
 
 def flags(results: list[StackResult], quiet: dict[str, Any] | None) -> list[str]:
@@ -776,7 +815,7 @@ def _run(
     report["stacks"] = [asdict(r) for r in stacks]
     best = best_threads(stacks)
     report["best_cpu_threads"] = best
-    report["ratios"] = {str(r.cpu_threads): r.summary.get("ratio") for r in stacks if r.summary}
+    report["ratios"] = {str(r.cpu_threads): asdict(r.summary.ratio) for r in stacks if r.summary}
     report["flags"] = flags(stacks, quiet)
     if working_tree() != tree_at_start:
         # Others edited the code meanwhile: the stacks may not have run the same code.
@@ -784,11 +823,11 @@ def _run(
         trees = ", ".join(f"threads {r.cpu_threads}: {r.working_tree}" for r in stacks)
         report["flags"].append(f"the working tree changed during the run (at each start: {trees})")
     print_tables(raw, stacks, options)
-    if best is not None:
-        chosen = next(r for r in stacks if r.cpu_threads == best)
+    chosen = next((r.summary for r in stacks if r.cpu_threads == best and r.summary), None)
+    if chosen is not None:
         print(
             f"best for Ferry: FERRY_CPU_THREADS={best}, "
-            f"{100 * chosen.summary['ratio']['median']:.1f} % of the ceiling "
+            f"{100 * chosen.ratio.median:.1f} % of the ceiling "
             "(median of the rounds)"
         )
     print(
@@ -806,57 +845,57 @@ def _run(
 
 
 def render_clients_raw(results: Results) -> list[str]:
-    doc = results["clients"]
-    raw = doc["raw"]
-    sizes = list(next(iter(raw["by_threads"].values())))
+    doc, report = results["clients"], results.typed("clients", Report)
+    raw = report.raw
+    sizes = list(next(iter(raw.by_threads.values())))
     rows = []
-    for threads, rates in raw["by_threads"].items():
-        row = [threads]
+    for threads, rates in raw.by_threads.items():
+        row = [str(threads)]
         for size in sizes:
-            best = int(threads) == raw["ceiling_threads"] and int(size) == raw["ceiling_batch"]
+            best = threads == raw.ceiling_threads and size == raw.ceiling_batch
             row.append(f"**{rates[size]:.1f}** (the ceiling)" if best else f"{rates[size]:.1f}")
         rows.append(row)
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
-        f"{doc['load_average']['at_start'][0]:.1f} at the start, "
-        f"{doc['sample']['texts']:,} paragraphs of the corpus (mean "
-        f"{doc['sample']['tokens_mean']} tokens). Raw model, texts/s:",
+        f"{report.load_average['at_start'][0]:.1f} at the start, "
+        f"{report.sample['texts']:,} paragraphs of the corpus (mean "
+        f"{report.sample['tokens_mean']} tokens). Raw model, texts/s:",
         "",
         *table(["torch threads", *(f"batch {s}" for s in sizes)], "l" + "r" * len(sizes), rows),
     ]
-    if raw.get("again") is not None:
+    if raw.again is not None and raw.drift is not None:
         lines += [
             "",
-            f"(Timed again after the stacks, the ceiling's configuration gave {raw['again']:.1f}"
-            f", {abs(raw['drift']):.1%} {'less' if raw['drift'] < 0 else 'more'}: the machine "
+            f"(Timed again after the stacks, the ceiling's configuration gave {raw.again:.1f}"
+            f", {abs(raw.drift):.1%} {'less' if raw.drift < 0 else 'more'}: the machine "
             "drifts by that much within a run.)".replace("%", " %", 1),
         ]
     return lines
 
 
 def render_clients(results: Results) -> list[str]:
-    doc = results["clients"]
+    report = results.typed("clients", Report)
     rows = []
-    for stack in doc["stacks"]:
-        if stack.get("error"):
+    for stack in report.stacks:
+        if stack.error or stack.summary is None:
             continue
-        s = stack["summary"]
-        best = stack["cpu_threads"] == doc.get("best_cpu_threads")
+        s = stack.summary
+        best = stack.cpu_threads == report.best_cpu_threads
 
-        def ms(value: float | None) -> str:
+        def ms(value: float) -> str:
             # A round whose clients saw no job finish (a short smoke round on a busy
-            # machine) has no latency; its file holds null.
-            return "–" if value is None else f"{value / 1000:.2f} s"
+            # machine) has no latency; its file holds null, read as NaN.
+            return "–" if math.isnan(value) else f"{value / 1000:.2f} s"
 
         rows.append(
             [
-                str(stack["cpu_threads"]),
-                Figure.summary(s["jobs_per_s"]).text(decimal(1), best),
-                Figure.summary(s["ratio"]).text(percent(1), best),
-                f"{ms(s['job_p50_ms']['median'])} / {ms(s['job_p99_ms']['median'])}",
-                f"{s['mean_batch_size']['median']:.1f}",
-                f"{s['cpu_ms_per_job']['api']['median']:.2f} ms",
-                f"{s['cpu_ms_per_job']['worker']['median']:.1f} ms",
+                str(stack.cpu_threads),
+                Figure.summary(s.jobs_per_s).text(decimal(1), best),
+                Figure.summary(s.ratio).text(percent(1), best),
+                f"{ms(s.job_p50_ms.median)} / {ms(s.job_p99_ms.median)}",
+                f"{s.mean_batch_size.median:.1f}",
+                f"{s.cpu_ms_per_job['api'].median:.2f} ms",
+                f"{s.cpu_ms_per_job['worker'].median:.1f} ms",
             ]
         )
     header = ["`FERRY_CPU_THREADS`", "jobs/s", "% of the ceiling", "job p50 / p99", "batch"]
@@ -864,10 +903,11 @@ def render_clients(results: Results) -> list[str]:
 
 
 def render_clients_target(results: Results) -> list[str]:
-    doc = results["clients"]
-    best = doc.get("best_cpu_threads")
-    ratio = doc["ratios"][str(best)]
-    figure = Figure.summary(ratio)
+    report = results.typed("clients", Report)
+    best = report.best_cpu_threads
+    if best is None:
+        return ["Against the target (80 % of the raw ceiling): no stack was measured."]
+    figure = Figure.summary(report.ratios[best])
     return [
         f"Against the target (80 % of the raw ceiling, `FERRY_CPU_THREADS={best}`): "
         f"{figure.text(percent(1))}, {verdict(figure.meets(0.8, at_least=True))}."
