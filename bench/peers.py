@@ -86,6 +86,7 @@ from bench import results
 from bench.api import TERMINAL
 from bench.clients import (
     MODEL,
+    Raw,
     RawModel,
     _terminate,
     ferry_settings,
@@ -99,6 +100,7 @@ from bench.report import (
     Doc,
     Figure,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -629,6 +631,48 @@ def one_repeat(
     }
 
 
+@dataclass
+class SystemSummary:
+    """One system over the repeats: each figure's median and range."""
+
+    per_s: Spread
+    ratio: Spread  # of the raw ceiling
+    p50_ms: Spread
+    p99_ms: Spread
+    mean_batch: Spread
+    repeats: int  # measured
+    failed: int
+    errors: int  # failed calls within the measured windows
+    startup_s: Spread | None  # None: the raw model
+
+
+@dataclass
+class Repeat:
+    repeat: int
+    order: list[str]  # the systems in the order this repeat measured them
+    raw: Measured
+    raw_arrival: Measured
+    systems: dict[str, Measured]
+
+
+@dataclass
+class Report:
+    """bench/results/peers.json besides its head (bench.report.typed reads it)."""
+
+    sample: dict[str, float]  # the corpus sample: texts, tokens mean and max
+    raw_sweep: Raw
+    ceiling: dict[str, int]  # the raw ceiling's threads and batch
+    repeats: list[Repeat]
+    summary: dict[str, SystemSummary]
+    flags: list[str]
+    quiet_wait: Any  # how long the run waited for a quiet machine, or None
+    elapsed_s: float
+    load_average_at_end: list[float]
+
+
+RESULT = Report
+
+
 def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     def over(found: list[dict[str, Any]], key: str) -> dict[str, float]:
         return results.spread([float(f[key]) for f in found if f.get(key) is not None])
@@ -819,8 +863,8 @@ PEERS_HEADER = (
 )  # fmt: skip
 
 
-def peers_batching(doc: Doc, name: str) -> str:
-    ray, ceiling = doc["settings"]["ray"], doc["ceiling"]
+def peers_batching(doc: Doc, report: Report, name: str) -> str:
+    ray, ceiling = doc["settings"]["ray"], report.ceiling
     children = doc["settings"]["celery"]["concurrency"]
     return {
         "raw": f"texts sorted by length, batches of {ceiling['batch']}, "
@@ -844,36 +888,36 @@ def ferry_batch_limit(doc: Doc) -> str:
 
 
 def render_peers(results: Results) -> list[str]:
-    doc = results["peers"]
-    summary, settings = doc["summary"], doc["settings"]
+    doc, report = results["peers"], results.typed("peers", Report)
+    summary, settings = report.summary, doc["settings"]
     ms = decimal(0, " ms")
     rows = []
     for name, label in PEERS:
         found = summary.get(name)
         if found is None:
             continue
-        if not found["repeats"]:
-            rows.append([label, peers_batching(doc, name), "failed", "", "", "", ""])
+        if not found.repeats:
+            rows.append([label, peers_batching(doc, report, name), "failed", "", "", "", ""])
             continue
         ferry = name.startswith("ferry")
         latency = "¹" if name.startswith("raw") else ""
         rows.append(
             [
                 label,
-                peers_batching(doc, name),
-                Figure.summary(found["per_s"]).text(decimal(1), ferry),
-                Figure.summary(found["ratio"]).text(percent(1), ferry),
-                Figure.summary(found["p50_ms"]).text(ms) + latency,
-                Figure.summary(found["p99_ms"]).text(ms) + latency,
-                f"{found['mean_batch']['median']:.1f}",
+                peers_batching(doc, report, name),
+                Figure.summary(found.per_s).text(decimal(1), ferry),
+                Figure.summary(found.ratio).text(percent(1), ferry),
+                Figure.summary(found.p50_ms).text(ms) + latency,
+                Figure.summary(found.p99_ms).text(ms) + latency,
+                f"{found.mean_batch.median:.1f}",
             ]
         )
-    errors = {n: s["errors"] for n, s in summary.items() if s.get("errors")}
-    failed = {n: s["failed"] for n, s in summary.items() if s.get("failed")}
+    errors = {n: s.errors for n, s in summary.items() if s.errors}
+    failed = {n: s.failed for n, s in summary.items() if s.failed}
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
         f"{doc['machine']['load_average_at_start'][0]:.1f} at the start; "
-        f"{doc['sample']['texts']:,} paragraphs of the corpus (mean {doc['sample']['tokens_mean']}"
+        f"{report.sample['texts']:,} paragraphs of the corpus (mean {report.sample['tokens_mean']}"
         f" tokens); {settings['clients']} closed-loop clients, {settings['warmup_s']:g} s of "
         f"warm-up then {settings['duration_s']:g} s measured, "
         f"{counted(settings['repeats'], 'repeat', 'repeats')}; each system's model with "
@@ -895,23 +939,24 @@ def render_peers(results: Results) -> list[str]:
     return lines
 
 
-def headline_peers(doc: Doc) -> str:
-    summary = doc["summary"]
+def headline_peers(results: Results) -> str:
+    doc, summary = results["peers"], results.typed("peers", Report).summary
 
     def measured(name: str) -> bool:
-        return bool(summary.get(name) and summary[name]["repeats"])
+        found = summary.get(name)
+        return bool(found and found.repeats)
 
     def share(name: str, bold: bool = False) -> str:
         if not measured(name):
             return "not measured"
-        return Figure.summary(summary[name]["ratio"]).text(percent(), bold)
+        return Figure.summary(summary[name].ratio).text(percent(), bold)
 
     def p99(name: str) -> str:
-        return f"{summary[name]['p99_ms']['median'] / 1000:.1f} s" if measured(name) else "-"
+        return f"{summary[name].p99_ms.median / 1000:.1f} s" if measured(name) else "-"
 
     unsorted = (
         ", as much as the model alone on unsorted batches "
-        f"({percent()(summary['raw-arrival']['ratio']['median'])})"
+        f"({percent()(summary['raw-arrival'].ratio.median)})"
         if measured("raw-arrival")
         else ""
     )

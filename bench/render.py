@@ -78,7 +78,7 @@ def render_headline(results: Results) -> list[str]:
         api.headline_api(results),
         *backends.headline_backends(results),
         # Measured only where the bench extra (Ray) is installed.
-        *([peers.headline_peers(results["peers"])] if results.has("peers") else []),
+        *([peers.headline_peers(results)] if results.has("peers") else []),
         # Measured only where a GPU was lent (bench/gpu_check.sh).
         *(
             [gpu.headline_gpu(results)]
