@@ -46,6 +46,8 @@ from bench.generation_workload import (
     ChunkedLoad,
     Lengths,
     Request,
+    RunFigures,
+    Workload,
     add_shared_options,
     arriving,
     decoders_figures,
@@ -59,6 +61,7 @@ from bench.report import (
     Doc,
     Figure,
     Results,
+    Spread,
     commit_text,
     counted,
     day,
@@ -193,6 +196,101 @@ def calibrate(
         "poisson_rate_per_s": round(rate_per_s, 4),
         "poisson_seed": seed,
     }
+
+
+@dataclass
+class Calibration:
+    ferry_offline: RunFigures  # Ferry alone on the offline workload: its capacity
+    static_tokens_per_s_by_size: dict[int, float]  # the static batch grid
+    static_batch: int  # the grid's best
+    poisson_rate_per_s: float | None = None
+    poisson_seed: int | None = None
+
+
+@dataclass
+class ChunkedRun:
+    """One prefill chunk size on the chunked load: the decodes' pace, the long prompts' wait."""
+
+    decode_tpot_p99_ms: float
+    decode_gap_p50_ms: float
+    decode_gap_p99_ms: float
+    decode_gap_max_ms: float
+    long_ttft_p50_ms: float
+    peak_kv_blocks: int
+    kv_blocks: int
+    steps: int
+    step_ms_mean: float
+
+
+@dataclass
+class Round:
+    offline: dict[str, RunFigures]  # by system: ferry, static, single
+    poisson: dict[str, RunFigures] | None = None
+    chunked: dict[int, ChunkedRun] | None = None  # by prefill_chunk_tokens
+
+
+@dataclass
+class ModeFigures:
+    """One arrival mode over the rounds: each system's figures, and Ferry's ratios."""
+
+    ferry: dict[str, Spread]
+    static: dict[str, Spread]
+    single: dict[str, Spread]
+    ratios: dict[str, Spread]  # vs_static, vs_single, round by round
+
+
+@dataclass
+class Target:
+    tokens_per_s_ratio_at_least: float
+    ratio: Spread
+    ratio_met: bool
+    ttft_p99_same_or_better: bool  # every round, both arrivals
+    met: bool
+
+
+@dataclass
+class Ceiling:
+    """What any batching could reach: the model's own cost, and the others' spans over it."""
+
+    fixed_ms: float
+    per_token_ms: float
+    tokens: int
+    floor_s: float
+    vs_single: Spread | None
+    vs_static: Spread | None
+
+
+@dataclass
+class Profile:
+    steps: int
+    per_step_ms: dict[str, float]  # the step and each part of it
+    share_of_step: dict[str, float]
+    tokens_per_step_mean: float
+    sequences_per_step_mean: float
+    sdpa_calls_per_step: float
+    us_per_sdpa_call: float
+    us_per_attention_call_per_sequence: float
+
+
+@dataclass
+class Report:
+    """bench/results/generation.json (and the GPU run's generation_gpu.json) besides its head
+    (bench.report.typed reads it)."""
+
+    workload: Workload
+    calibration: Calibration
+    rounds: list[Round]
+    offline: ModeFigures
+    targets: dict[str, Target]  # by the system Ferry is held against
+    peak_kv_blocks: int
+    poisson: ModeFigures | None = None
+    chunked: dict[int, dict[str, Spread]] | None = None  # by prefill_chunk_tokens
+    ceiling: Ceiling | None = None
+    profile: Profile | None = None
+    seconds: float = 0.0  # written with the last file
+
+
+RESULT = Report
 
 
 def one_round(
@@ -436,101 +534,106 @@ GENERATION_SYSTEMS = {"ferry": "Ferry", "static": "static generate()", "single":
 GENERATION_MODES = {"offline": "all at 0", "poisson": "Poisson"}
 
 
-def generation_setup(doc: Doc) -> str:
-    s, w = doc["settings"], doc["workload"]
-    m, cal = s["model"], doc["calibration"]
-    grid = ", ".join(f"{b}: {v:,.0f}" for b, v in cal["static_tokens_per_s_by_size"].items())
+def generation_setup(doc: Doc, report: Report) -> str:
+    s, w = doc["settings"], report.workload
+    m, cal = s["model"], report.calibration
+    grid = ", ".join(f"{b}: {v:,.0f}" for b, v in cal.static_tokens_per_s_by_size.items())
     shares = [
-        run["cpu_share"]
-        for r in doc["rounds"]
-        for m in GENERATION_MODES
-        if m in r
-        for run in r[m].values()
+        run.cpu_share
+        for r in report.rounds
+        for runs in (r.offline, r.poisson or {})
+        for run in runs.values()
+        if run.cpu_share is not None
     ]
     poisson = (
-        f" Poisson at {cal['poisson_rate_per_s']:.2f} requests/s "
+        f" Poisson at {cal.poisson_rate_per_s:.2f} requests/s "
         f"({percent()(s['poisson_load'])} of Ferry's measured capacity)."
-        if "poisson" in doc
+        if report.poisson is not None and cal.poisson_rate_per_s is not None
         else ""
     )
     return (
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
-        f"{counted(len(doc['rounds']), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
+        f"{counted(len(report.rounds), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
         f"model of {m['layers']} layers, hidden {m['hidden']} ({m['parameters'] / 1e6:.1f} M "
         f"parameters, random weights), {s['precision']} on `{s['device']}`, "
         f"{counted(s['threads'], 'torch thread', 'torch threads')}; the process had "
         f"{percent()(min(shares))} to {percent()(max(shares))} of a core in the timed runs. "
-        f"{s['requests']} requests: prompts {w['prompt_tokens']['p50']:g} tokens at the median, "
-        f"{w['prompt_tokens']['max']} at most; outputs {w['output_tokens']['p50']:g} at the "
-        f"median, {w['output_tokens']['max']} at most ({w['output_tokens']['total']:,} in all, "
+        f"{s['requests']} requests: prompts {w.prompt_tokens.p50:g} tokens at the median, "
+        f"{w.prompt_tokens.max} at most; outputs {w.output_tokens.p50:g} at the "
+        f"median, {w.output_tokens.max} at most ({w.output_tokens.total:,} in all, "
         f"EOS ignored).{poisson} Static batches of "
-        f"{cal['static_batch']}, the best offline of the grid (output tokens/s: {grid}). "
+        f"{cal.static_batch}, the best offline of the grid (output tokens/s: {grid}). "
         f"Ferry: max_running {s['ferry']['max_running']}, step_tokens "
         f"{s['ferry']['step_tokens']}, prefill_chunk_tokens {s['ferry']['prefill_chunk_tokens']}; "
-        f"its KV pool's peak {doc['peak_kv_blocks']:,} of {s['ferry']['kv_blocks']:,} blocks."
+        f"its KV pool's peak {report.peak_kv_blocks:,} of {s['ferry']['kv_blocks']:,} blocks."
     )
 
 
-def generation_figures(doc: Doc) -> list[str]:
+def generation_figures(doc: Doc, report: Report) -> list[str]:
     """The setup, the table of each arrival mode the file measured, and the ratios."""
     ms = decimal(0, " ms")
-    modes = {mode: arrivals for mode, arrivals in GENERATION_MODES.items() if mode in doc}
+    measured = {"offline": report.offline, "poisson": report.poisson}
+    modes = {
+        mode: (arrivals, found)
+        for mode, arrivals in GENERATION_MODES.items()
+        if (found := measured[mode]) is not None
+    }
     rows = []
-    for mode, arrivals in modes.items():
+    for arrivals, found in modes.values():
         for system, name in GENERATION_SYSTEMS.items():
-            f = {k: Figure.summary(v) for k, v in doc[mode][system].items()}
+            f = {k: Figure.summary(v) for k, v in getattr(found, system).items()}
             rows.append(
                 [arrivals, name, f["tokens_per_s"].text(decimal(), system == "ferry")]
                 + [f[k].text(ms) for k in ("ttft_p50_ms", "ttft_p99_ms")]
                 + [f[k].text(decimal(1, " ms")) for k in ("tpot_p50_ms", "tpot_p99_ms")]
             )
     header = ["arrivals", "system", "output tokens/s", "TTFT p50", "TTFT p99", "TPOT p50"]
-    lines = [generation_setup(doc), "", *table([*header, "TPOT p99"], "llrrrrr", rows), ""]
+    lines = [generation_setup(doc, report), "", *table([*header, "TPOT p99"], "llrrrrr", rows)]
 
-    def ratio(mode: str, system: str) -> str:
-        return Figure.summary(doc[mode]["ratios"][f"vs_{system}"]).text(times())
+    def ratio(found: ModeFigures, system: str) -> str:
+        return Figure.summary(found.ratios[f"vs_{system}"]).text(times())
 
     ratios = "; ".join(
-        f"{arrivals}: {ratio(mode, 'static')} static, {ratio(mode, 'single')} one at a time"
-        for mode, arrivals in modes.items()
+        f"{arrivals}: {ratio(found, 'static')} static, {ratio(found, 'single')} one at a time"
+        for arrivals, found in modes.values()
     )
-    return [*lines, f"Ferry's output tokens/s over the others', round by round: {ratios}."]
+    return [*lines, "", f"Ferry's output tokens/s over the others', round by round: {ratios}."]
 
 
 def render_generation(results: Results) -> list[str]:
-    return generation_figures(results["generation"])
+    return generation_figures(results["generation"], results.typed("generation", Report))
 
 
 def render_generation_gpu(results: Results) -> list[str]:
-    doc = results["generation_gpu"]
-    return [*generation_figures(doc), "", *generation_profile(doc)]
+    doc, report = results["generation_gpu"], results.typed("generation_gpu", Report)
+    return [*generation_figures(doc, report), "", *generation_profile(report)]
 
 
 def render_generation_targets(results: Results) -> list[str]:
-    doc = results["generation"]
+    report = results.typed("generation", Report)
     rows = []
-    for system, target in doc["targets"].items():
-        ratio = Figure.summary(target["ratio"])
-        at_least = target["tokens_per_s_ratio_at_least"]
+    for system, target in report.targets.items():
+        ratio = Figure.summary(target.ratio)
+        at_least = target.tokens_per_s_ratio_at_least
         rows.append(
             [
                 f"tokens/s ≥ {at_least:g}× {GENERATION_SYSTEMS[system]}, all at 0",
                 ratio.text(times(), True),
-                "yes" if target["ttft_p99_same_or_better"] else "no",
-                verdict(target["met"]),
+                "yes" if target.ttft_p99_same_or_better else "no",
+                verdict(target.met),
             ]
         )
     header = ["target", "Ferry's ratio", "p99 TTFT same or better, every round, both arrivals"]
     lines = table([*header, "verdict"], "lrll", rows)
-    found = doc.get("ceiling")
-    if found and found.get("vs_single"):
-        best = Figure.summary(found["vs_single"]).text(times(), True)
+    found = report.ceiling
+    if found and found.vs_single:
+        best = Figure.summary(found.vs_single).text(times(), True)
         lines += [
             "",
             f"What any batching could reach on this device: the model's own forward costs "
-            f"{found['fixed_ms']:g} ms a call plus {found['per_token_ms']:g} ms a token "
+            f"{found.fixed_ms:g} ms a call plus {found.per_token_ms:g} ms a token "
             f"(one sequence of 64 and of 256 tokens), so the offline workload's "
-            f"{found['tokens']:,} tokens take at least {found['floor_s']:g} s, and one at a "
+            f"{found.tokens:,} tokens take at least {found.floor_s:g} s, and one at a "
             f"time's spans are {best} that floor: the most a scheduler that wastes nothing "
             f"could gain over it here.",
         ]
@@ -538,25 +641,27 @@ def render_generation_targets(results: Results) -> list[str]:
 
 
 def render_generation_chunked(results: Results) -> list[str]:
-    doc = results["generation"]
-    load = doc["workload"]["chunked"]
+    report = results.typed("generation", Report)
+    load, chunked = report.workload.chunked, report.chunked
+    if load is None or chunked is None:
+        return ["The chunked-prefill runs were left out of this file's run."]
     ms = decimal(1, " ms")
     rows = [
         [
-            "0 (whole prompts)" if chunk == "0" else chunk,
+            "0 (whole prompts)" if chunk == 0 else str(chunk),
             *(
                 Figure.summary(found[k]).text(ms)
                 for k in ("decode_tpot_p99_ms", "decode_gap_p99_ms", "decode_gap_max_ms")
             ),
             Figure.summary(found["long_ttft_p50_ms"]).text(decimal(0, " ms")),
         ]
-        for chunk, found in doc["chunked"].items()
+        for chunk, found in chunked.items()
     ]
     return [
-        f"{load['decoders']} requests of {load['decoder_prompt']} prompt tokens decode "
-        f"{load['decoder_tokens']} tokens each; {load['long_prompts']} prompts of "
-        f"{load['long_prompt']} tokens arrive among them, one every {load['every_s']:g} s "
-        f"(median of {counted(len(doc['rounds']), 'round', 'rounds')}, min–max):",
+        f"{load.decoders} requests of {load.decoder_prompt} prompt tokens decode "
+        f"{load.decoder_tokens} tokens each; {load.long_prompts} prompts of "
+        f"{load.long_prompt} tokens arrive among them, one every {load.every_s:g} s "
+        f"(median of {counted(len(report.rounds), 'round', 'rounds')}, min–max):",
         "",
         *table(
             ["prefill_chunk_tokens", "decodes' TPOT p99", "decodes' token gap p99", "gap max",
@@ -568,11 +673,13 @@ def render_generation_chunked(results: Results) -> list[str]:
 
 
 def render_generation_profile(results: Results) -> list[str]:
-    return generation_profile(results["generation"])
+    return generation_profile(results.typed("generation", Report))
 
 
-def generation_profile(doc: Doc) -> list[str]:
-    found = doc["profile"]
+def generation_profile(report: Report) -> list[str]:
+    found = report.profile
+    if found is None:
+        return ["The profiled run was left out of this file's run."]
     names = {
         "scheduler": "scheduler (schedule, update_from_output)",
         "runtime_outside_forward": "runtime outside the forward (tables, tensors, sampling, text)",
@@ -580,18 +687,18 @@ def generation_profile(doc: Doc) -> list[str]:
         "attention_outside_sdpa": "paged attention outside SDPA (KV writes, gathers, its loop)",
         "sdpa": "SDPA, once per sequence per layer",
     }
-    per_step = found["per_step_ms"]
+    per_step = found.per_step_ms
     rows = [
-        [name, f"{per_step[key]:.2f} ms", percent(1)(found["share_of_step"][key])]
+        [name, f"{per_step[key]:.2f} ms", percent(1)(found.share_of_step[key])]
         for key, name in names.items()
     ]
     return [
-        f"One offline Ferry run, {found['steps']:,} steps of {per_step['step']:.1f} ms on "
-        f"average, {found['tokens_per_step_mean']:.1f} tokens and "
-        f"{found['sequences_per_step_mean']:.1f} sequences a step; "
-        f"{found['sdpa_calls_per_step']:.0f} SDPA calls a step at "
-        f"{found['us_per_sdpa_call']:.0f} µs each; Ferry's attention, all told, "
-        f"{found['us_per_attention_call_per_sequence']:.0f} µs per sequence per layer:",
+        f"One offline Ferry run, {found.steps:,} steps of {per_step['step']:.1f} ms on "
+        f"average, {found.tokens_per_step_mean:.1f} tokens and "
+        f"{found.sequences_per_step_mean:.1f} sequences a step; "
+        f"{found.sdpa_calls_per_step:.0f} SDPA calls a step at "
+        f"{found.us_per_sdpa_call:.0f} µs each; Ferry's attention, all told, "
+        f"{found.us_per_attention_call_per_sequence:.0f} µs per sequence per layer:",
         "",
         *table(["part of a step", "a step", "share"], "lrr", rows),
     ]

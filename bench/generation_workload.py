@@ -298,4 +298,9 @@ class RunFigures:
     ttft_p99_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
+    # The engine's runs (Ferry's): its KV pool's peak and size, its steps.
     peak_kv_blocks: int | None = None
+    kv_blocks: int | None = None
+    steps: int | None = None
+    step_ms_mean: float | None = None
+    cpu_share: float | None = None  # of a core, over the run (bench/generation.py's runs)

@@ -47,6 +47,7 @@ from bench import results
 from bench.corpus import load_corpus
 from bench.e2e import _ts, wait_done
 from bench.generation import GENERATION_SYSTEMS
+from bench.generation import Report as GenerationReport
 from bench.quantiles import nearest_rank
 from bench.report import (
     Doc,
@@ -361,13 +362,13 @@ def headline_gpu(results: Results) -> str:
     minilm = next(model for model in report.models if model.model == "minilm")
     share, rate, _ = GPU_TARGETS["minilm"]
     met = minilm.stack_share_of_raw >= (share or 0) and minilm.stack_jobs_per_s >= rate
-    targets = generation["targets"]
+    targets = results.typed("generation_gpu", GenerationReport).targets
 
     def ratio(system: str) -> str:
         found = targets[system]
         return (
-            f"{Figure.summary(found['ratio']).text(times())} {GENERATION_SYSTEMS[system]} "
-            f"(target {found['tokens_per_s_ratio_at_least']:g}×: {verdict(found['met'])})"
+            f"{Figure.summary(found.ratio).text(times())} {GENERATION_SYSTEMS[system]} "
+            f"(target {found.tokens_per_s_ratio_at_least:g}×: {verdict(found.met)})"
         )
 
     model = generation["settings"]["model"]
