@@ -201,12 +201,6 @@ def verdict(met: bool) -> str:
     return "met" if met else "**not met**"
 
 
-def runs_of(doc: Doc, key: str = "runs") -> list[Doc]:
-    """A repeated benchmark's runs; a file of one run (written before repeats) is its own."""
-    found = doc.get(key)
-    return list(found) if isinstance(found, list) else [doc]
-
-
 def day(doc: Doc) -> str:
     return str(doc["date"])[:10]
 
