@@ -70,7 +70,7 @@ MANIFEST = RESULTS / "MANIFEST.json"
 def render_headline(results: Results) -> list[str]:
     """The README's bullets: each benchmark's headline figure against its target."""
     return [
-        simulate.headline_scheduler(results["scheduler"]),
+        simulate.headline_scheduler(results),
         e2e.headline_e2e(results),
         backfill.headline_backfill(results),
         fairness.headline_fairness(results),

@@ -55,7 +55,7 @@ from typing import Any
 from bench import results, svgplot
 from bench.quantiles import quantile
 from bench.report import (
-    Doc,
+    HEAD,
     Figure,
     Results,
     commit_text,
@@ -65,6 +65,7 @@ from bench.report import (
     percent,
     table,
     times,
+    typed,
     verdict,
 )
 from scheduler import LANES, BatchDecision, Batcher, PendingItem, PolicyKind
@@ -772,30 +773,172 @@ def short_report(spec: PolicySpec, setup: Setup) -> dict[str, Any]:
 # --- the report ---------------------------------------------------------------
 
 
-def _run_at(report: dict[str, Any], trace: str, load: float) -> dict[str, Any]:
-    return next(r for r in report["runs"] if r["trace"] == trace and abs(r["load"] - load) < 1e-9)
+@dataclass
+class Lane:
+    jobs: int
+    p50_ms: float
+    p99_ms: float
+    late: int
+    expired: int
+    miss_rate: float
+
+
+@dataclass
+class SimRun:
+    """One trace at one load: latency per lane, batches, what triggered them."""
+
+    trace: str  # poisson | uniform | bursty
+    load: float  # of the policy's own capacity
+    rate: float
+    jobs: int
+    offered_per_s: float
+    completed_per_s: float
+    completed_share: float
+    p50_ms: float
+    p99_ms: float
+    lanes: dict[str, Lane]
+    miss_rate: float
+    expired: int
+    batches: int
+    batch_size_mean: float
+    batch_size_cv: float
+    batch_ms_mean: float
+    batch_ms_cv: float
+    efficiency_mean: float
+    efficiency_cost_weighted: float
+    utilization: float
+    triggers: dict[str, int]
+    decisions: int
+    max_batch_size: int | None = None  # the size Ferry's worker derived (Ferry's runs)
+
+
+@dataclass
+class Probe:
+    rate: float
+    sustainable: bool
+
+
+@dataclass
+class PolicyReport:
+    """One policy: its capacity, the probes that found it, its runs at shares of it."""
+
+    policy: str
+    capacity_per_s: float
+    probes: list[Probe]
+    runs: list[SimRun]
+    common: SimRun | None = None  # at the rate every policy ran at
+    seconds: float | None = None
+    settings: dict[str, Any] | None = None  # a baseline's
+
+
+@dataclass
+class Judged:
+    value: float
+    target: str
+    met: bool
+
+
+@dataclass
+class EfficiencyJudged(Judged):
+    cost_weighted: float
+    at_95: float
+
+
+@dataclass
+class UrgentJudged(Judged):
+    p99_10_ms: float
+    p99_80_ms: float
+
+
+@dataclass
+class MissesJudged(Judged):
+    by_run: dict[str, float]  # trace@load
+
+
+@dataclass
+class Targets:
+    capacity_vs_fixed: Judged
+    efficiency_at_80: EfficiencyJudged
+    urgent_p99_80_over_10: UrgentJudged
+    deadline_misses_le_90: MissesJudged
+
+
+@dataclass
+class Seed:
+    seed: int
+    capacity_per_s: dict[str, float]  # fixed, ferry
+    targets: Targets
+
+
+@dataclass
+class Sensitivity:
+    model: GpuModel
+    policies: dict[str, PolicyReport]
+
+
+@dataclass
+class Corpus:
+    source: str
+    texts: int
+    mean_tokens: float
+    quantiles_tokens: dict[str, float]
+    max_tokens: int
+
+
+@dataclass
+class Lanes:
+    mix: dict[str, float]
+    deadlines_s: dict[str, float | None]
+
+
+@dataclass
+class Report:
+    """bench/results/scheduler.json besides its head (bench.report.typed reads it)."""
+
+    seed: int
+    quick: bool
+    corpus: Corpus
+    model: GpuModel
+    lanes: Lanes
+    trace_length: dict[str, str]
+    capacity_definition: str
+    common_rate: float
+    policies: dict[str, PolicyReport]
+    targets: Targets
+    efficiency_floors: dict[str, PolicyReport]
+    baselines: dict[str, PolicyReport]
+    sensitivity: Sensitivity
+    seconds: float
+    seeds: list[Seed] | None = None  # a file of one seed has its figures at the top only
+
+
+RESULT = Report
+
+
+def without_head(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k not in HEAD}
+
+
+def _run_at(report: PolicyReport, trace: str, load: float) -> SimRun:
+    return next(r for r in report.runs if r.trace == trace and abs(r.load - load) < 1e-9)
 
 
 def evaluate_targets(reports: dict[str, dict[str, Any]], ferry: str) -> dict[str, Any]:
     """The issue's targets for one Ferry variant, judged on the runs at hand."""
-    mine, fixed = reports[ferry], reports["fixed"]
-    ratio = mine["capacity_per_s"] / fixed["capacity_per_s"]
+    mine, fixed = typed(PolicyReport, reports[ferry]), typed(PolicyReport, reports["fixed"])
+    ratio = mine.capacity_per_s / fixed.capacity_per_s
     at_80 = _run_at(mine, "poisson", 0.8)
-    eff = at_80["efficiency_mean"]
-    urgent_10 = _run_at(mine, "poisson", 0.1)["lanes"]["urgent"]["p99_ms"]
-    urgent_80 = at_80["lanes"]["urgent"]["p99_ms"]
-    misses = {
-        f"{r['trace']}@{r['load']:.0%}": r["miss_rate"]
-        for r in mine["runs"]
-        if r["load"] <= 0.9 + 1e-9
-    }
+    eff = at_80.efficiency_mean
+    urgent_10 = _run_at(mine, "poisson", 0.1).lanes["urgent"].p99_ms
+    urgent_80 = at_80.lanes["urgent"].p99_ms
+    misses = {f"{r.trace}@{r.load:.0%}": r.miss_rate for r in mine.runs if r.load <= 0.9 + 1e-9}
     worst = max(misses.values())
     return {
         "capacity_vs_fixed": {"value": ratio, "target": ">= 1.3", "met": ratio >= 1.3},
         "efficiency_at_80": {
             "value": eff,
-            "cost_weighted": at_80["efficiency_cost_weighted"],
-            "at_95": _run_at(mine, "poisson", 0.95)["efficiency_mean"],
+            "cost_weighted": at_80.efficiency_cost_weighted,
+            "at_95": _run_at(mine, "poisson", 0.95).efficiency_mean,
             "target": ">= 0.9",
             "met": eff >= 0.9,
         },
@@ -819,21 +962,25 @@ def _ms(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.1f}"
 
 
-def _lane_cells(r: dict[str, Any]) -> str:
+def _lane_cells(r: SimRun) -> str:
     cells = []
     for lane in ("urgent", "vip", "normal"):
-        s = r["lanes"].get(lane)
-        cells.append(f"{_ms(s['p50_ms'])} / {_ms(s['p99_ms'])}" if s else "-")
+        s = r.lanes.get(lane)
+        cells.append(f"{_ms(s.p50_ms)} / {_ms(s.p99_ms)}" if s else "-")
     return " | ".join(cells)
 
 
-def _row(name: str, label: str, r: dict[str, Any]) -> str:
+def _row(name: str, label: str, r: SimRun) -> str:
     return (
-        f"| {name} | {label} | {r['rate']:,.0f} | {_lane_cells(r)} | "
-        f"{100 * r['miss_rate']:.2f} | {r['efficiency_mean']:.2f} | "
-        f"{r['efficiency_cost_weighted']:.2f} | {r['batch_size_mean']:.1f} | "
-        f"{r['batch_size_cv']:.2f} | {r['batch_ms_mean']:.2f} | {r['batch_ms_cv']:.2f} |"
+        f"| {name} | {label} | {r.rate:,.0f} | {_lane_cells(r)} | "
+        f"{100 * r.miss_rate:.2f} | {r.efficiency_mean:.2f} | "
+        f"{r.efficiency_cost_weighted:.2f} | {r.batch_size_mean:.1f} | "
+        f"{r.batch_size_cv:.2f} | {r.batch_ms_mean:.2f} | {r.batch_ms_cv:.2f} |"
     )
+
+
+def _run_label(r: SimRun) -> str:
+    return f"{r.load:.0%}" + ("" if r.trace == "poisson" else f" {r.trace}")
 
 
 RUN_HEADER = [
@@ -844,56 +991,53 @@ RUN_HEADER = [
 
 
 def format_tables(doc: dict[str, Any]) -> str:
-    reports: dict[str, dict[str, Any]] = doc["policies"]
-    model = doc["model"]
+    """The run's tables, printed at its end (the documents' are rendered from its file)."""
+    report = typed(Report, without_head(doc))
+    reports, model = report.policies, report.model
     lines = [
-        f"Ferry scheduler simulation, {doc['date'][:10]}; model {model['name']}"
-        f" ({model['fixed_s'] * 1000:g} ms + {model['per_token_s'] * 1e6:g} us per padded"
-        " token); seed " + str(doc["seed"]) + ("; quick" if doc["quick"] else ""),
+        f"Ferry scheduler simulation, {doc['date'][:10]}; model {model.name}"
+        f" ({model.fixed_s * 1000:g} ms + {model.per_token_s * 1e6:g} us per padded"
+        " token); seed " + str(report.seed) + ("; quick" if report.quick else ""),
         "",
         "Sustainable throughput (Poisson arrivals):",
         "",
         "| policy | capacity (jobs/s) | vs fixed |",
         "|---|---:|---:|",
     ]
-    fixed_cap = reports["fixed"]["capacity_per_s"]
+    fixed_cap = reports["fixed"].capacity_per_s
     for name, rep in reports.items():
-        cap = rep["capacity_per_s"]
+        cap = rep.capacity_per_s
         lines.append(f"| {name} | {cap:,.0f} | {cap / fixed_cap:.2f}x |")
     lines += ["", "Latency and batches at shares of each policy's own capacity:", "", *RUN_HEADER]
-    for name, rep in reports.items():
-        for r in rep["runs"]:
-            label = f"{r['load']:.0%}" + ("" if r["trace"] == "poisson" else f" {r['trace']}")
-            lines.append(_row(name, label, r))
-    lines += ["", f"At a common rate, {doc['common_rate']:,.0f} jobs/s (Poisson):", ""]
+    lines += [_row(name, _run_label(r), r) for name, rep in reports.items() for r in rep.runs]
+    lines += ["", f"At a common rate, {report.common_rate:,.0f} jobs/s (Poisson):", ""]
     lines += [RUN_HEADER[0].replace("| load |", "| load of own capacity |"), RUN_HEADER[1]]
     for name, rep in reports.items():
-        if rep["common"] is not None:
-            lines.append(_row(name, f"{rep['common']['load']:.0%}", rep["common"]))
+        if rep.common is not None:
+            lines.append(_row(name, f"{rep.common.load:.0%}", rep.common))
     lines += ["", "Targets (ferry):", "", "| target | value | goal | met |", "|---|---:|---|---|"]
-    for key, t in doc["targets"].items():
-        met = "yes" if t["met"] else "NO"
-        lines.append(f"| {key} | {t['value']:.3f} | {t['target']} | {met} |")
+    for key, t in vars(report.targets).items():
+        met = "yes" if t.met else "NO"
+        lines.append(f"| {key} | {t.value:.3f} | {t.target} | {met} |")
     lines += [
         "",
         "Efficiency against capacity and latency (ferry with Tuning.min_efficiency):",
         "",
         *SHORT_HEADER,
     ]
-    floors = doc["efficiency_floors"]
-    for name, rep in floors.items():
-        lines.append(_short_row(name, rep, reports["fixed"]["capacity_per_s"]))
-    sens = doc["sensitivity"]
-    m = sens["model"]
+    for name, rep in report.efficiency_floors.items():
+        lines.append(_short_row(name, rep, fixed_cap))
+    sens = report.sensitivity
+    m = sens.model
     lines += [
         "",
-        f"Sensitivity, model {m['name']} ({m['fixed_s'] * 1000:g} ms +"
-        f" {m['per_token_s'] * 1e6:g} us per padded token):",
+        f"Sensitivity, model {m.name} ({m.fixed_s * 1000:g} ms +"
+        f" {m.per_token_s * 1e6:g} us per padded token):",
         "",
         *SHORT_HEADER,
     ]
-    for name, rep in sens["policies"].items():
-        lines.append(_short_row(name, rep, sens["policies"]["fixed"]["capacity_per_s"]))
+    for name, rep in sens.policies.items():
+        lines.append(_short_row(name, rep, sens.policies["fixed"].capacity_per_s))
     return "\n".join(lines)
 
 
@@ -904,14 +1048,14 @@ SHORT_HEADER = [
 ]
 
 
-def _short_row(name: str, rep: dict[str, Any], fixed_capacity: float) -> str:
+def _short_row(name: str, rep: PolicyReport, fixed_capacity: float) -> str:
     low, high = _run_at(rep, "poisson", 0.1), _run_at(rep, "poisson", 0.8)
-    cap = rep["capacity_per_s"]
-    urgent_10, urgent_80 = low["lanes"]["urgent"]["p99_ms"], high["lanes"]["urgent"]["p99_ms"]
+    cap = rep.capacity_per_s
+    urgent_10, urgent_80 = low.lanes["urgent"].p99_ms, high.lanes["urgent"].p99_ms
     return (
-        f"| {name} | {cap:,.0f} | {cap / fixed_capacity:.2f}x | {high['efficiency_mean']:.2f}"
-        f" | {_ms(urgent_10)} / {_ms(urgent_80)} | {_ms(high['lanes']['normal']['p99_ms'])}"
-        f" | {100 * high['miss_rate']:.2f} |"
+        f"| {name} | {cap:,.0f} | {cap / fixed_capacity:.2f}x | {high.efficiency_mean:.2f}"
+        f" | {_ms(urgent_10)} / {_ms(urgent_80)} | {_ms(high.lanes['normal'].p99_ms)}"
+        f" | {100 * high.miss_rate:.2f} |"
     )
 
 
@@ -1149,98 +1293,94 @@ def main(argv: Sequence[str] | None = None) -> int:
 DEFAULT_SIMULATE = "python -m bench.simulate"
 
 
-def scheduler_seeds(doc: Doc) -> list[Doc]:
+def scheduler_seeds(report: Report) -> list[Seed]:
     """Seed by seed, the capacities and the targets; a file of one seed has them at the top."""
-    if "seeds" in doc:
-        return list(doc["seeds"])
-    capacity = {n: doc["policies"][n]["capacity_per_s"] for n in ("fixed", "ferry")}
-    return [{"seed": doc["seed"], "capacity_per_s": capacity, "targets": doc["targets"]}]
+    if report.seeds is not None:
+        return report.seeds
+    capacity = {n: report.policies[n].capacity_per_s for n in ("fixed", "ferry")}
+    return [Seed(report.seed, capacity, report.targets)]
 
 
-def scheduler_targets(doc: Doc) -> dict[str, Figure]:
-    seeds = scheduler_seeds(doc)
+def scheduler_targets(report: Report) -> dict[str, Figure]:
+    seeds = scheduler_seeds(report)
 
-    def over(get: Callable[[Doc], float]) -> Figure:
+    def over(get: Callable[[Seed], float]) -> Figure:
         return Figure.of(get(s) for s in seeds)
 
     return {
-        "capacity_ratio": over(lambda s: s["targets"]["capacity_vs_fixed"]["value"]),
-        "ferry_capacity": over(lambda s: s["capacity_per_s"]["ferry"]),
-        "fixed_capacity": over(lambda s: s["capacity_per_s"]["fixed"]),
-        "efficiency": over(lambda s: s["targets"]["efficiency_at_80"]["value"]),
-        "efficiency_cost": over(lambda s: s["targets"]["efficiency_at_80"]["cost_weighted"]),
-        "efficiency_95": over(lambda s: s["targets"]["efficiency_at_80"]["at_95"]),
-        "urgent_ratio": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["value"]),
-        "urgent_10": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["p99_10_ms"]),
-        "urgent_80": over(lambda s: s["targets"]["urgent_p99_80_over_10"]["p99_80_ms"]),
-        "misses": over(lambda s: s["targets"]["deadline_misses_le_90"]["value"]),
+        "capacity_ratio": over(lambda s: s.targets.capacity_vs_fixed.value),
+        "ferry_capacity": over(lambda s: s.capacity_per_s["ferry"]),
+        "fixed_capacity": over(lambda s: s.capacity_per_s["fixed"]),
+        "efficiency": over(lambda s: s.targets.efficiency_at_80.value),
+        "efficiency_cost": over(lambda s: s.targets.efficiency_at_80.cost_weighted),
+        "efficiency_95": over(lambda s: s.targets.efficiency_at_80.at_95),
+        "urgent_ratio": over(lambda s: s.targets.urgent_p99_80_over_10.value),
+        "urgent_10": over(lambda s: s.targets.urgent_p99_80_over_10.p99_10_ms),
+        "urgent_80": over(lambda s: s.targets.urgent_p99_80_over_10.p99_80_ms),
+        "misses": over(lambda s: s.targets.deadline_misses_le_90.value),
     }
 
 
-def _policy_run_at(doc: Doc, policy: str, trace: str, load: float) -> Doc:
-    return _run_at(doc["policies"][policy], trace, load)
+def _scheduler(results: Results) -> Report:
+    return results.typed("scheduler", Report)
 
 
 def render_scheduler_capacity(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    seeds = len(scheduler_seeds(doc))
+    doc, report = results["scheduler"], _scheduler(results)
+    seeds = len(scheduler_seeds(report))
     command = doc.get("command", DEFAULT_SIMULATE)
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; model `{doc['model']['name']}`, "
-        f"seed {doc['seed']}"
+        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; model `{report.model.name}`, "
+        f"seed {report.seed}"
         + (
-            f" (the targets over seeds {doc['seed']} to {doc['seed'] + seeds - 1})"
+            f" (the targets over seeds {report.seed} to {report.seed + seeds - 1})"
             if seeds > 1
             else ""
         )
-        + f", {doc['seconds']:.0f} s, `{command}`.",
+        + f", {report.seconds:.0f} s, `{command}`.",
         "",
         "Sustainable throughput (Poisson):",
         "",
     ]
-    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    fixed = report.policies["fixed"].capacity_per_s
     rows = []
-    for name, policy in doc["policies"].items():
-        ratio = f"{policy['capacity_per_s'] / fixed:.2f}×"
+    for name, policy in report.policies.items():
+        ratio = f"{policy.capacity_per_s / fixed:.2f}×"
         rows.append(
-            [name, f"{policy['capacity_per_s']:,.0f}", f"**{ratio}**" if name == "ferry" else ratio]
+            [name, f"{policy.capacity_per_s:,.0f}", f"**{ratio}**" if name == "ferry" else ratio]
         )
     return lines + table(["policy", "capacity (jobs/s)", "vs fixed"], "lrr", rows)
 
 
 def render_scheduler_runs(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    lines = list(RUN_HEADER)
-    for name, policy in doc["policies"].items():
-        for run in policy["runs"]:
-            label = f"{run['load']:.0%}" + ("" if run["trace"] == "poisson" else f" {run['trace']}")
-            lines.append(_row(name, label, run))
-    return lines
+    policies = _scheduler(results).policies
+    return [*RUN_HEADER, *(_row(n, _run_label(r), r) for n, p in policies.items() for r in p.runs)]
 
 
 def render_scheduler_common(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    report = _scheduler(results)
+    fixed = report.policies["fixed"].capacity_per_s
     lines = [
-        f"At a common rate, {doc['common_rate']:,.0f} jobs/s "
-        f"({doc['common_rate'] / fixed:.0%} of the fixed baseline's capacity):".replace("%", " %"),
+        f"At a common rate, {report.common_rate:,.0f} jobs/s "
+        f"({report.common_rate / fixed:.0%} of the fixed baseline's capacity):".replace("%", " %"),
         "",
         RUN_HEADER[0].replace("| load |", "| load of own capacity |"),
         RUN_HEADER[1],
     ]
-    for name, policy in doc["policies"].items():
-        lines.append(_row(name, f"{policy['common']['load']:.0%}", policy["common"]))
+    for name, policy in report.policies.items():
+        if policy.common is not None:
+            lines.append(_row(name, f"{policy.common.load:.0%}", policy.common))
     return lines
 
 
 def render_scheduler_targets(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    t = scheduler_targets(doc)
-    by_run = doc["targets"]["deadline_misses_le_90"]["by_run"]
+    report = _scheduler(results)
+    t = scheduler_targets(report)
+    by_run = report.targets.deadline_misses_le_90.by_run
     steady = max(v for k, v in by_run.items() if not k.startswith("bursty"))
     bursty = max(v for k, v in by_run.items() if k.startswith("bursty"))
-    at_90 = _policy_run_at(doc, "ferry", "poisson", 0.9)["efficiency_mean"]
-    seeds = len(scheduler_seeds(doc))
+    at_90 = _run_at(report.policies["ferry"], "poisson", 0.9).efficiency_mean
+    seeds = len(scheduler_seeds(report))
     pct = percent(2)
 
     def yes(met: bool) -> str:
@@ -1278,24 +1418,24 @@ def render_scheduler_targets(results: Results) -> list[str]:
 
 
 def render_scheduler_floors(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    fixed = doc["policies"]["fixed"]["capacity_per_s"]
+    report = _scheduler(results)
+    fixed = report.policies["fixed"].capacity_per_s
     return list(SHORT_HEADER) + [
-        _short_row(name, report, fixed) for name, report in doc["efficiency_floors"].items()
+        _short_row(name, policy, fixed) for name, policy in report.efficiency_floors.items()
     ]
 
 
 def render_scheduler_baselines(results: Results) -> list[str]:
-    doc = results["scheduler"]
-    baselines = doc["baselines"]
-    default = doc["policies"]["fixed"]["capacity_per_s"]
+    report = _scheduler(results)
+    baselines = report.baselines
+    default = report.policies["fixed"].capacity_per_s
     fixed = {n: r for n, r in baselines.items() if n.startswith("fixed")}
-    best = max(fixed, key=lambda n: fixed[n]["capacity_per_s"])
-    best_capacity = fixed[best]["capacity_per_s"]
-    shipped = baselines["ferry, shipped defaults"]["capacity_per_s"]
-    tuned = baselines["ferry, tuned"]["capacity_per_s"]
+    best = max(fixed, key=lambda n: fixed[n].capacity_per_s)
+    best_capacity = fixed[best].capacity_per_s
+    shipped = baselines["ferry, shipped defaults"].capacity_per_s
+    tuned = baselines["ferry, tuned"].capacity_per_s
     # The size its worker derived; results from before it was derived had a fixed 32.
-    derived = _run_at(baselines["ferry, shipped defaults"], "poisson", 0.8).get("max_batch_size")
+    derived = _run_at(baselines["ferry, shipped defaults"], "poisson", 0.8).max_batch_size
     size = (
         "batches of up to 32"
         if derived is None
@@ -1310,39 +1450,38 @@ def render_scheduler_baselines(results: Results) -> list[str]:
         f'**{tuned / best_capacity:.2f}×**. "vs fixed" below is against the 32 / 5 ms default.',
         "",
         *SHORT_HEADER,
-        *(_short_row(name, report, default) for name, report in baselines.items()),
+        *(_short_row(name, policy, default) for name, policy in baselines.items()),
     ]
 
 
 def render_scheduler_sensitivity(results: Results) -> list[str]:
-    policies = results["scheduler"]["sensitivity"]["policies"]
-    fixed = policies["fixed"]["capacity_per_s"]
+    policies = _scheduler(results).sensitivity.policies
+    fixed = policies["fixed"].capacity_per_s
     return list(SHORT_HEADER) + [
-        _short_row(name, report, fixed) for name, report in policies.items()
+        _short_row(name, policy, fixed) for name, policy in policies.items()
     ]
 
 
-def headline_scheduler(sim: Doc) -> str:
-    t = scheduler_targets(sim)
-    fixed, ferry = (
-        _policy_run_at(sim, "fixed", "poisson", 0.8),
-        _policy_run_at(sim, "ferry", "poisson", 0.8),
-    )
+def headline_scheduler(results: Results) -> str:
+    report = _scheduler(results)
+    t = scheduler_targets(report)
+    fixed = _run_at(report.policies["fixed"], "poisson", 0.8)
+    ferry = _run_at(report.policies["ferry"], "poisson", 0.8)
     capacity, efficiency, urgent = t["capacity_ratio"], t["efficiency"], t["urgent_ratio"]
-    deadline = sim["lanes"]["deadlines_s"]["normal"]
+    deadline = report.lanes.deadlines_s["normal"] or 0.0
     return (
         "- **Scheduling.** In a discrete-event simulation that runs Ferry's real scheduler "
         "against the batching Triton, Ray Serve and TorchServe do (32 jobs or 5 ms, first "
-        f"come first served) on {sim['corpus']['texts']:,} real English paragraphs, Ferry "
+        f"come first served) on {report.corpus.texts:,} real English paragraphs, Ferry "
         f"sustains {capacity.text(times(), True)} the throughput of fixed batching (target "
         f"1.3×: {verdict(capacity.meets(1.3, True))}) with {efficiency.text(decimal(2), True)} "
-        f"batch efficiency (fixed: {fixed['efficiency_mean']:.2f}; target 0.9: "
+        f"batch efficiency (fixed: {fixed.efficiency_mean:.2f}; target 0.9: "
         f"{verdict(efficiency.meets(0.9, True))}), keeps the urgent lane's p99 within "
         f"{urgent.text(times())} of its idle value at 80 % load ({t['urgent_80'].median:.1f} "
         f"ms; target 1.2×: {verdict(urgent.meets(1.2, False))}), and misses at most "
         f"{percent(2)(t['misses'].high)} of its deadlines up to 90 % load. The normal lane "
-        f"pays: its p99 at 80 % load is {ferry['lanes']['normal']['p99_ms']:.0f} ms (fixed: "
-        f"{fixed['lanes']['normal']['p99_ms']:.0f} ms), inside its {deadline:g} s deadline."
+        f"pays: its p99 at 80 % load is {ferry.lanes['normal'].p99_ms:.0f} ms (fixed: "
+        f"{fixed.lanes['normal'].p99_ms:.0f} ms), inside its {deadline:g} s deadline."
     )
 
 
