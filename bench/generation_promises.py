@@ -50,9 +50,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from backends.generation.runtime import GenerationInput
 from bench import results
 from bench.generation_stack import InProcess, Model, build, corpus_tokens, model_settings
 from bench.generation_workload import (
@@ -86,7 +85,9 @@ from scheduler.generation import (
     Lane,
 )
 from workers.gpu.checkpoint import TokenWriter
-from workers.gpu.engine import GenerationEngine, StepEvents
+
+if TYPE_CHECKING:
+    from workers.gpu.engine import StepEvents
 
 
 class NoPreemption(GenerationScheduler):
@@ -152,7 +153,7 @@ class Trace:
         return 1000.0 * statistics.fmean(s.end_s - s.start_s for s in self.steps)
 
 
-AfterStep = Callable[[StepEvents], None]
+AfterStep = Callable[["StepEvents"], None]
 
 
 def drive(
@@ -166,6 +167,10 @@ def drive(
     """The load through a fresh scheduler on ``runner``, stepped on the real clock, until
     every job ended (or ``until(trace, now)``); what the runtime still holds then is
     dropped."""
+    # Here, not at the top: rendering this benchmark's tables needs no torch.
+    from backends.generation.runtime import GenerationInput
+    from workers.gpu.engine import GenerationEngine
+
     scheduler = scheduler_type(limits)
     engine = GenerationEngine(scheduler, runner)
     pending = sorted(jobs, key=lambda j: j.arrival_s)
