@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.backfills.schemas import BackfillResource
 from api.errors import ApiError
-from api.jobs.service import owned
+from api.owned import owned
 from core.config.settings import Settings
 from core.db import backfills
 from core.db.schema import ApiKey, Backfill, utcnow

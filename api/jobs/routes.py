@@ -31,6 +31,7 @@ from api.jobs.schemas import (
 )
 from api.jobs.submissions import GroupCommit, prepare_request
 from api.models import service as model_service
+from api.owned import is_uuid
 from api.schemas import error_responses
 from api.state import app_state
 from core.config.settings import Settings
@@ -136,7 +137,7 @@ async def read_job(
     wait: Annotated[float, WAIT_QUERY] = 0,
 ) -> Response:
     _check_wait(wait, settings)
-    if not services.is_uuid(job_id):
+    if not is_uuid(job_id):
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     wanted = JobRead(key.id, job_id)
     if wait <= 0:
@@ -188,7 +189,7 @@ async def job_events(
 ) -> EventStreamResponse:
     """Server-Sent Events: the job's status now (without an id), then its events from
     the start, or after ``Last-Event-ID``, until ``done``."""
-    if not services.is_uuid(job_id):
+    if not is_uuid(job_id):
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     after = resume_after(last_event_id)
     job = await reads.submit(JobRead(key.id, job_id))

@@ -6,10 +6,9 @@ import base64
 import contextlib
 import datetime as dt
 import logging
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import and_, or_, select, update
@@ -18,12 +17,12 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from api.jobs.schemas import AttemptResource, DeliveryResource, JobResource, WebhookSecret
 from api.models.service import is_generation
+from api.owned import is_uuid, owned
 from core.db.keys import new_webhook_secret, rotate_webhook_secret
 from core.db.resources import job_resource
 from core.db.schema import (
     TERMINAL_STATUSES,
     ApiKey,
-    Backfill,
     Job,
     WebhookAttempt,
     WebhookDelivery,
@@ -40,7 +39,6 @@ from core.streams.target import REDIS_ERRORS
 if TYPE_CHECKING:
     from api.state import AppState
 
-Owned = TypeVar("Owned", Job, Backfill)
 
 # Hands new webhook deliveries to Celery (see core.db.webhooks.DeliveryKicker).
 Kick = Callable[[Sequence[str]], None]
@@ -61,17 +59,6 @@ def callback_checker(policy: UrlPolicy, resolve: Resolver) -> Callable[[str], No
             log.info("callback host did not resolve; accepted", extra={"reason": exc.reason})
 
     return check
-
-
-def owned(session: Session, kind: type[Owned], key: ApiKey, row_id: str, noun: str) -> Owned:
-    """The calling key's row of this kind, or a 404.
-
-    Another key's row looks exactly like a missing one.
-    """
-    row = session.get(kind, row_id) if is_uuid(row_id) else None
-    if row is None or row.api_key_id != key.id:
-        raise ApiError(404, "not_found", f"no {noun} {row_id!r}")
-    return row
 
 
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
@@ -291,13 +278,6 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         return created_at.astimezone(dt.UTC), job_id
     except (ValueError, OverflowError) as exc:
         raise ApiError(422, "invalid_request", "cursor: not a cursor this API returned") from exc
-
-
-def is_uuid(value: str) -> bool:
-    try:
-        return str(uuid.UUID(value)) == value
-    except ValueError:
-        return False
 
 
 def to_resource(
