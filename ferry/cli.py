@@ -150,6 +150,12 @@ def _celery(
                 "--hostname",
                 "ferry-celery@%h",
                 "--task-events",
+                # Ferry's Celery workers share nothing with each other at start-up (mingle)
+                # or while they run (gossip): Flower sees them by their events. Both are
+                # known to leave a worker connected and consuming nothing after its broker
+                # connection was lost and restored, and mingle holds every start for 1 s.
+                "--without-mingle",
+                "--without-gossip",
             ]
         )
     else:
