@@ -40,8 +40,12 @@ SCHEDULER_FORBIDDEN = {"time", "datetime", "redis", "torch", "asyncio", "sqlalch
 VOCABULARY = "scheduler.vocabulary"
 
 
-def imports_of(path: Path) -> set[str]:
-    """The top-level packages ``path`` imports (the vocabulary module counts as none)."""
+def modules_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its full name (absolute imports, lazy ones too).
+
+    ``from core import db`` and ``from core.models import reader`` name the sub-package
+    or module they import: ``core.db``, ``core.models.reader``.
+    """
     tree = ast.parse(path.read_text(), filename=str(path))
     modules: set[str] = set()
     for node in ast.walk(tree):
@@ -49,7 +53,18 @@ def imports_of(path: Path) -> set[str]:
             modules |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules.add(node.module)
-    return {module.split(".")[0] for module in modules if module != VOCABULARY}
+            folder = ROOT.joinpath(*node.module.split("."))
+            modules |= {
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if (folder / alias.name).is_dir() or (folder / f"{alias.name}.py").is_file()
+            }
+    return modules
+
+
+def imports_of(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports (the vocabulary module counts as none)."""
+    return {module.split(".")[0] for module in modules_of(path) if module != VOCABULARY}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -63,17 +78,7 @@ def test_packages_import_only_what_the_design_allows(package: str) -> None:
 
 def core_imports_of(path: Path) -> set[str]:
     """The core sub-packages ``path`` imports (``core.db.schema`` -> ``db``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    # from core import db: the names are the sub-packages.
-    modules |= {
-        f"core.{a.name}"
-        for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module == "core"
-        for a in n.names
-    }
-    return {m.split(".")[1] for m in modules if m.startswith("core.")}
+    return {m.split(".")[1] for m in modules_of(path) if m.startswith("core.")}
 
 
 def test_core_is_its_sub_packages_and_each_says_what_lives_there() -> None:
@@ -98,18 +103,10 @@ def test_the_model_repository_has_no_import_circle() -> None:
     folder = ROOT / "core" / "models"
     graph: dict[str, set[str]] = {}
     for path in folder.glob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        found: set[str] = set()
-        for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom) and n.module == "core.models":
-                found |= {alias.name for alias in n.names}  # from core.models import reader
-            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("core.models."):
-                found.add((n.module or "").split(".")[2])
-            elif isinstance(n, ast.Import):
-                found |= {
-                    a.name.split(".")[2] for a in n.names if a.name.startswith("core.models.")
-                }
-        graph[path.stem] = found
+        prefix = "core.models."
+        graph[path.stem] = {
+            m.split(".")[2] for m in modules_of(path) if m.startswith(prefix) and m != prefix
+        }
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(
@@ -125,10 +122,7 @@ def test_core_takes_of_the_scheduler_only_its_vocabulary_and_the_knobs() -> None
     # The settings derive the batching knobs from scheduler.learning.Tuning; nothing else
     # of core reaches into the scheduler.
     for path in sorted((ROOT / "core").rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        scheduler = {m for m in modules if m.split(".")[0] == "scheduler"}
+        scheduler = {m for m in modules_of(path) if m.split(".")[0] == "scheduler"}
         allowed = {VOCABULARY}
         if path == ROOT / "core" / "config" / "settings.py":
             allowed.add("scheduler.learning")
@@ -167,26 +161,12 @@ def test_the_harness_runs_without_pytest_and_imports_neither_tests_nor_benchmark
 def test_the_gpu_worker_and_the_celery_tasks_do_not_import_each_other() -> None:
     for package, other in (("gpu", "tasks"), ("tasks", "gpu")):
         for path in (ROOT / "workers" / package).rglob("*.py"):
-            tree = ast.parse(path.read_text(), filename=str(path))
-            modules = {
-                node.module
-                for node in ast.walk(tree)
-                if isinstance(node, ast.ImportFrom) and node.module
-            } | {
-                alias.name
-                for node in ast.walk(tree)
-                if isinstance(node, ast.Import)
-                for alias in node.names
-            }
-            crossing = {m for m in modules if m.startswith(f"workers.{other}")}
+            crossing = {m for m in modules_of(path) if m.startswith(f"workers.{other}")}
             assert not crossing, f"{path.relative_to(ROOT)} imports {crossing}"
 
 
 def test_the_vocabulary_imports_nothing_of_ours() -> None:
-    path = ROOT / "scheduler" / "vocabulary.py"
-    tree = ast.parse(path.read_text(), filename=str(path))
-    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules = modules_of(ROOT / "scheduler" / "vocabulary.py")
     assert not {m.split(".")[0] for m in modules} & OURS, modules
 
 
