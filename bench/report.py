@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import types
 import typing
@@ -98,6 +97,9 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"{at}: an object was expected, not {type(value).__name__}")
         key_type, value_type = args
+        bad = [k for k in value if key_type is int and not k.lstrip("-").isdigit()]
+        if bad:
+            raise ValueError(f"{at}: the key {bad[0]!r} is not a number")
         return {
             (int(k) if key_type is int else k): typed(value_type, v, f"{where}[{k!r}]")
             for k, v in value.items()
@@ -105,7 +107,9 @@ def typed(cls: Any, value: Any, where: str = "") -> Any:
     if cls is float and type(value) in (int, float):  # a script may write a float as 2
         return value
     if cls is float and value is None:  # bench.results.finite wrote a NaN (measured nothing)
-        return math.nan
+        # A new NaN each time, as each was measured: one shared object would make a set of
+        # them one item (a renderer that shows one figure where the rounds agree).
+        return float("nan")
     if cls in (int, str, bool) and type(value) is cls:
         return value
     raise ValueError(f"{at}: {cls.__name__} was expected, not {value!r}")

@@ -279,7 +279,7 @@ class Details:
     restarts: dict[str, list[int]] = field(default_factory=dict)
     reenqueued: int = 0
     reclaims: dict[str, int] = field(default_factory=dict)
-    flower_events: int = 0
+    flower_events: int | None = 0  # None: Flower did not answer
 
 
 @dataclass

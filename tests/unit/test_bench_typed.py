@@ -56,6 +56,7 @@ def test_a_file_becomes_its_dataclasses_with_number_keys_and_defaults() -> None:
         ({"number": 1, "phases": {}}, "phases: a list was expected, not dict"),
         ({"number": 1, "by_size": {"1": "fast"}}, "by_size['1']: float was expected"),
         ([], "an object was expected, not list"),
+        ({"number": 1, "by_size": {"eight": 8.0}}, "by_size: the key 'eight' is not a number"),
     ],
 )
 def test_a_file_that_is_not_its_type_fails_naming_the_place(value: object, message: str) -> None:
@@ -101,3 +102,5 @@ def test_null_in_a_float_field_is_the_nan_the_benchmark_measured() -> None:
     spread = typed(Spread, {"median": None, "min": 1, "max": None})
     assert math.isnan(spread.median) and spread.min == 1 and math.isnan(spread.max)
     assert typed(Phase, {"jobs": 0, "p99_ms": None}) == Phase(0, None)
+    # Each its own NaN, as measured: a set of two is two (a renderer shows every round then).
+    assert len({typed(float, None), typed(float, None)}) == 2
