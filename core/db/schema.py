@@ -368,6 +368,13 @@ class WebhookAttempt(Base):
 IDLE_IN_TRANSACTION_S = 10
 
 
+# A PostgreSQL host that stops answering: a new connection is given up after
+# CONNECT_TIMEOUT_S, one in use once what it sent stays unacknowledged for
+# SILENT_HOST_TIMEOUT_S (make_engine says why).
+CONNECT_TIMEOUT_S = 5
+SILENT_HOST_TIMEOUT_S = 10
+
+
 def make_engine(
     url: str, pool_size: int = DB_POOL_SIZE, overflow: int = DB_POOL_OVERFLOW
 ) -> Engine:
@@ -401,8 +408,8 @@ def make_engine(
     # and answers keepalives from its kernel: long statements are not cut.
     connect_args: dict[str, Any] = (
         {
-            "connect_timeout": 5,
-            "tcp_user_timeout": 10_000,
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "tcp_user_timeout": SILENT_HOST_TIMEOUT_S * 1000,
             "keepalives": 1,
             "keepalives_idle": 5,
             "keepalives_interval": 2,
