@@ -43,13 +43,18 @@ class Results:
         """``name``'s file as its benchmark's type (the head left out: see :data:`HEAD`)."""
         doc = self[name]
         try:
-            return typed(cls, {k: v for k, v in doc.items() if k not in HEAD})
+            return typed(cls, without_head(doc))
         except ValueError as exc:
             raise ValueError(f"{name}.json: {exc}") from None
 
     def has(self, name: str) -> bool:
         """Whether the folder holds ``name``'s file (a benchmark that needs an extra may not)."""
         return name in self.read or (self.folder / f"{name}.json").exists()
+
+
+def without_head(doc: Mapping[str, Any]) -> Doc:
+    """A results file's figures: what its benchmark's type describes (see :data:`HEAD`)."""
+    return {k: v for k, v in doc.items() if k not in HEAD}
 
 
 def typed(cls: Any, value: Any, where: str = "") -> Any:

@@ -55,7 +55,6 @@ from typing import Any
 from bench import results, svgplot
 from bench.quantiles import quantile
 from bench.report import (
-    HEAD,
     Figure,
     Results,
     commit_text,
@@ -67,6 +66,7 @@ from bench.report import (
     times,
     typed,
     verdict,
+    without_head,
 )
 from scheduler import LANES, BatchDecision, Batcher, PendingItem, PolicyKind
 from scheduler.learning import BatchObservation, SchedulerState, Tuning
@@ -913,10 +913,6 @@ class Report:
 
 
 RESULT = Report
-
-
-def without_head(doc: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in doc.items() if k not in HEAD}
 
 
 def _run_at(report: PolicyReport, trace: str, load: float) -> SimRun:
