@@ -20,7 +20,7 @@ from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from harness.witness import read_transitions, terminal_writes
-from tests.faults.test_kill import caught_mid_batch
+from tests.faults.test_kill import stopped_mid_batch
 
 pytestmark = pytest.mark.faults
 
@@ -49,9 +49,9 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         FERRY_BACKFILL_FEED_CHUNK="500",
         FERRY_BACKFILL_OUTSTANDING="2000",
     )
-    # w1, the GPU worker killed, runs batches long enough (200 ms and more) for the kill to
-    # land in the one the probe saw start, on a busy machine where reading what w1 holds
-    # takes tens of ms; w2, which then runs the rest of the file alone, runs short ones.
+    # w1, the GPU worker killed, runs long batches (200 ms and more), so that most moments
+    # it is stopped at (stopped_mid_batch), it runs one; w2, which then runs the rest of
+    # the file alone, runs short ones.
     slow = {"w1": {"FERRY_SIM_LATENCY_BASE_MS": "200"}} if victim == "gpu-worker" else {}
     workers = stack.start("w1", "w2", envs=slow)
     celery = stack.spawn("celery-worker", ["celery", "worker"])
@@ -76,7 +76,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
         details["fed_at_kill"] = fed_through()
         stack.spawn("celery-worker-2", ["celery", "worker"])
     else:
-        caught = caught_mid_batch(stack, "w1", timeout_s=60)
+        caught = stopped_mid_batch(stack, workers[0])
         stack.kill(workers[0])  # not restarted: w2 takes its entries over
         details["caught"] = len(caught)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.faults
 JOBS = 2500
 VISIBILITY_TIMEOUT_S = 3.0
 BATCH_MAX_SIZE = 32
-# A batch's base latency in the kill scenario: long enough that the kill lands while
-# the batch caught starting still runs, even when reading what the worker holds is slow.
+# A batch's base latency in the kill scenario: long batches, so that most moments the
+# victim is stopped at (stopped_mid_batch), it runs one.
 KILL_BATCH_BASE_MS = 200
 
 
@@ -58,25 +59,24 @@ def two_workers(
     return stack, stack.start_worker("w1"), stack.start_worker("w2")
 
 
-def caught_mid_batch(stack: Stack, worker: str, timeout_s: float = 30) -> list[str]:
-    """Waits until ``worker`` has just started a batch; returns the batch's jobs.
+def stopped_mid_batch(stack: Stack, worker: Proc, timeout_s: float = 60) -> list[str]:
+    """Stops ``worker`` (SIGSTOP) at a moment it runs a batch; returns the batch's jobs.
 
-    A batch is caught as it starts: jobs the worker runs that the probe before did not see
-    running, so it started at most one probe ago, and a batch lasts at least the sim's base
-    latency. No clock is compared: a job's started_at is the worker's reading of the Redis
-    server's clock, off from this process's by up to a round trip on a loaded machine.
+    Stopped first, then looked at: what a stopped worker holds and runs cannot change while
+    the look takes its time, however loaded the machine (a look racing a running worker
+    could take longer than its batches and never see one). A moment it runs none (between
+    two batches, or inside a claim not yet committed) it is let go (SIGCONT) and stopped
+    again. The caller kills it, or lets it go on later.
     """
-    seen = set(running_held_by(stack, worker))
-    caught: list[str] = []
-
-    def mid_batch() -> bool:
-        running = running_held_by(stack, worker)
-        caught[:] = [job for job in running if job not in seen]
-        seen.update(running)
-        return bool(caught)
-
-    wait_for(f"{worker} to start a batch", mid_batch, timeout_s, 0.005)
-    return caught
+    until = time.monotonic() + timeout_s
+    while True:
+        stack.signal(worker, signal.SIGSTOP)
+        running = running_held_by(stack, worker.name)
+        if running:
+            return running
+        stack.signal(worker, signal.SIGCONT)
+        assert time.monotonic() < until, f"timed out waiting for {worker.name} to run a batch"
+        time.sleep(0.02)
 
 
 def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
@@ -87,11 +87,11 @@ def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
     submission, submitted = stack.submit_in_background(sim_jobs(JOBS))
 
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
-    caught = caught_mid_batch(stack, victim.name)
+    caught = stopped_mid_batch(stack, victim)
     stack.kill(victim)  # not restarted: w2 must take its entries over
     killed_at = time.monotonic()
-    # What the kill interrupted: the caught jobs the victim had not recorded (on a loaded
-    # machine the kill may land after a caught batch ended; those are not its subject).
+    # What the kill interrupted: the caught jobs the victim had not recorded (all of them:
+    # it was stopped running them).
     interrupted = [j for j, row in stack.rows(caught).items() if row.status == "running"]
     submitted.result(timeout=120)
 
