@@ -7,11 +7,15 @@
 Each benchmark runs as its own process (``python -m bench.NAME ...``), one
 after the other for the full set (they measure the machine; two at once
 would measure each other); a smoke run may run ``--parallel`` of them at
-once, the longest first, since its figures mean nothing. The benchmarks of a
-run that read the corpus (bench/corpus.py) share one reading of it. A
-benchmark whose tool, device or package is missing (wrk, a CUDA device, the
-bench extra's Ray) is skipped and said so; the exit status is 1 if any
-benchmark failed, or was skipped where ``--strict`` asks for all of them.
+once, the longest first, since its figures mean nothing, and starts each one
+from a fork of this process, which imported what they all import (torch,
+transformers, the HTTP and database clients: ``PRELOAD``) once. The
+benchmarks of a run that read the corpus (bench/corpus.py) share one reading
+of it. Each one's seconds and CPU seconds (its own and its stacks') are
+printed as it ends. A benchmark whose tool, device or package is missing
+(wrk, a CUDA device, the bench extra's Ray) is skipped and said so; the exit
+status is 1 if any benchmark failed, or was skipped where ``--strict`` asks
+for all of them.
 
 After a full run of every benchmark, the documents are rendered from the new
 files (``python -m bench.render``) and, if every file cites the same commit
@@ -22,17 +26,24 @@ on a unit test fails when a document cites a file of another commit.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import importlib.util
 import json
+import logging
 import os
+import resource
+import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from bench.corpus import CACHE_ENV
 from bench.results import MAKE_ENV, RESULTS, SMOKE_ENV
@@ -276,6 +287,9 @@ class Outcome:
     status: str  # "ok", "failed", "skipped"
     seconds: float = 0.0
     why: str = ""
+    # CPU seconds of the benchmark's process and of the processes it reaped (its stacks,
+    # its raw models): on two cores the smoke run is bound by their sum.
+    cpu_s: float = 0.0
 
 
 def missing(bench: Bench) -> str | None:
@@ -295,49 +309,182 @@ def command(bench: Bench, out: Path, smoke: bool) -> list[str]:
     return [sys.executable, "-m", bench.module, *args, "--out", str(out / f"{bench.name}.json")]
 
 
-def run_one(bench: Bench, out: Path, smoke: bool, corpus: Path | None = None) -> Outcome:
-    why = missing(bench)
-    if why:
-        return Outcome(bench, "skipped", why=why)
+# What a smoke run's benchmarks import before their own code: imported once in this
+# process, which then forks each benchmark's (most of them load minilm or build a language
+# model, and these imports are seconds of CPU each time: a fifth of the smoke run's).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "tokenizers",
+    "numpy",
+    "httpx",
+    "sqlalchemy",
+    "redis",
+    "pydantic",
+    "core.config.settings",
+    "backends.catalog",
+    "harness.stack",
+    "bench.corpus",
+    "bench.report",
+)
+
+
+@dataclass
+class Launched:
+    bench: Bench
+    pid: int
+    log: Path
+    started: float
+    process: subprocess.Popen[bytes] | None = None  # None: forked
+
+
+def environment(smoke: bool, corpus: Path) -> dict[str, str]:
+    """A benchmark's environment: this one's, with the run's kind and shared corpus."""
     env = {**os.environ, SMOKE_ENV: "1" if smoke else "0", **(SMOKE_SETTINGS if smoke else {})}
-    if corpus is not None:
-        env[CACHE_ENV] = str(corpus)
+    env[CACHE_ENV] = str(corpus)
     env.setdefault(MAKE_ENV, "make bench-smoke" if smoke else "make bench")
+    return env
+
+
+def preload() -> bool:
+    """Import PRELOAD here; whether this process may now fork a benchmark's (it has one
+    thread: a fork copies only the calling thread, so a lock another held would stay held)."""
+    import threading
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+    return threading.active_count() == 1
+
+
+def launch(bench: Bench, out: Path, smoke: bool, corpus: Path, fork: bool) -> Launched:
+    """``python -m <module> <args>``, run by a new interpreter or, ``fork``, by a fork of
+    this one (with PRELOAD already imported): the module runs as ``__main__`` either way,
+    through runpy, which is what ``python -m`` uses."""
+    argv = command(bench, out, smoke)
+    env = environment(smoke, corpus)
     log = out / f"{bench.name}.log"
     started = time.monotonic()
-    with log.open("w") as sink:
-        done = subprocess.run(
-            command(bench, out, smoke),
-            cwd=ROOT,
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    seconds = time.monotonic() - started
-    if done.returncode != 0:
-        tail = log.read_text(errors="replace").splitlines()[-15:]
-        return Outcome(bench, "failed", seconds, f"exit {done.returncode}:\n  " + "\n  ".join(tail))
-    return Outcome(bench, "ok", seconds)
+    if not fork:
+        with log.open("w") as sink:
+            process = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT
+            )
+        return Launched(bench, process.pid, log, started, process)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _run_forked(bench.module, argv[3:], env, log)
+    return Launched(bench, pid, log, started)
+
+
+def _run_forked(module: str, args: list[str], env: dict[str, str], log: Path) -> NoReturn:
+    """In the forked child: the benchmark's module as ``__main__``, its output to ``log``,
+    then out with its exit status (never back into the parent's frames)."""
+    code = 1
+    try:
+        sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
+        os.close(sink)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(ROOT)
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def finish(launched: Launched, status: int, usage: resource.struct_rusage) -> Outcome:
+    """The outcome of a benchmark whose process ended with ``status``, having used ``usage``
+    (its own CPU and that of the processes it reaped: its stacks, its raw models)."""
+    code = os.waitstatus_to_exitcode(status)
+    if launched.process is not None:
+        launched.process.returncode = code  # reaped here, by wait4
+    seconds = time.monotonic() - launched.started
+    cpu_s = usage.ru_utime + usage.ru_stime
+    if code != 0:
+        tail = launched.log.read_text(errors="replace").splitlines()[-15:]
+        why = f"exit {code}:\n  " + "\n  ".join(tail)
+        return Outcome(launched.bench, "failed", seconds, why, cpu_s)
+    return Outcome(launched.bench, "ok", seconds, cpu_s=cpu_s)
+
+
+def report(outcome: Outcome) -> None:
+    detail = f" ({outcome.why})" if outcome.why and outcome.status == "skipped" else ""
+    print(
+        f"{outcome.bench.name:10} {outcome.status:8} {outcome.seconds:6.0f} s "
+        f"{outcome.cpu_s:6.0f} cpu-s{detail}",
+        flush=True,
+    )
+    if outcome.status == "failed":
+        print(f"  {outcome.why}", flush=True)
 
 
 def run_all(chosen: list[Bench], out: Path, smoke: bool, parallel: int) -> list[Outcome]:
+    """Each of ``chosen``, ``parallel`` at once, its outcome printed as it ends.
+
+    This process waits for its benchmarks with ``wait4`` on its one thread, which gives
+    each one's CPU apart from the others' (the sum of every reaped child's would mix the
+    benchmarks that run at once).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    # The benchmarks that read the corpus share one reading of it (seconds of CPU each).
-    corpus = tempfile.TemporaryDirectory(prefix="ferry-bench-corpus-")
-
-    def one(bench: Bench) -> Outcome:
-        outcome = run_one(bench, out, smoke, Path(corpus.name))
-        detail = f" ({outcome.why})" if outcome.why and outcome.status == "skipped" else ""
-        print(f"{bench.name:10} {outcome.status:8} {outcome.seconds:6.0f} s{detail}", flush=True)
-        if outcome.status == "failed":
-            print(f"  {outcome.why}", flush=True)
-        return outcome
-
     if smoke and parallel > 1:
         chosen = sorted(chosen, key=lambda b: -b.smoke_s)
-    with corpus, ThreadPoolExecutor(max(1, parallel)) as pool:
-        return list(pool.map(one, chosen))
+    # A smoke run's figures mean nothing, so its benchmarks may start from a fork of this
+    # process; a full run's each start from a new interpreter, as a user's would.
+    fork = smoke and hasattr(os, "fork") and preload()
+    # The benchmarks that read the corpus share one reading of it (seconds of CPU each).
+    corpus = tempfile.TemporaryDirectory(prefix="ferry-bench-corpus-")
+    outcomes: list[Outcome] = []
+    running: dict[int, Launched] = {}
+    pending = list(chosen)
+    with corpus:
+        try:
+            while pending or running:
+                while pending and len(running) < max(1, parallel):
+                    bench = pending.pop(0)
+                    why = missing(bench)
+                    if why:
+                        outcomes.append(Outcome(bench, "skipped", why=why))
+                        report(outcomes[-1])
+                        continue
+                    launched = launch(bench, out, smoke, Path(corpus.name), fork)
+                    running[launched.pid] = launched
+                if not running:
+                    break
+                pid, status, usage = os.wait4(-1, 0)
+                if pid in running:
+                    outcomes.append(finish(running.pop(pid), status, usage))
+                    report(outcomes[-1])
+        finally:
+            # Interrupted (Ctrl-C, an error here): the benchmarks still running stop too,
+            # each stopping its stacks as SIGTERM asks.
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            for pid in running:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+    return outcomes
 
 
 def mark_same_commit(folder: Path) -> bool:
@@ -401,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results in {out}", flush=True)
     started = time.monotonic()
     outcomes = run_all(chosen, out, args.smoke, args.parallel)
-    print(f"{len(outcomes)} benchmarks in {time.monotonic() - started:.0f} s", flush=True)
+    cpu_s = sum(o.cpu_s for o in outcomes)
+    print(f"{len(outcomes)} benchmarks in {time.monotonic() - started:.0f} s, {cpu_s:.0f} cpu-s")
     failed = [o for o in outcomes if o.status == "failed"]
     skipped = [o for o in outcomes if o.status == "skipped"]
     from bench import render
