@@ -6,6 +6,7 @@ only: skipped with the reason elsewhere, required under CI=true."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -132,11 +133,10 @@ def test_jobs_submitted_to_both_apis_complete_on_both_workers(deploy: Deploy) ->
         assert "batch done" in worker.log("worker", 200_000), worker.log("worker")
 
 
-def computing(client: redis.Redis, engine: Engine, consumer: str) -> list[str]:
-    """The jobs the consumer claimed (running) less than a second ago, or none: its batch
-    computes for 3 s, so a cut landing now lands mid-batch. (Entries read but not yet
+def running_held_by(client: redis.Redis, engine: Engine, consumer: str) -> list[str]:
+    """The jobs the consumer holds (read, not acknowledged) whose rows say running at their
+    first attempt: a batch it claimed and computes, or records. (Entries read but not yet
     claimed are not enough: cut there, it computes nothing.)"""
-    probed_at = time.time()
     held: list[str] = []
     for stream in model_streams(client, "ferry", "sim"):
         with contextlib.suppress(redis.ResponseError):
@@ -148,20 +148,10 @@ def computing(client: redis.Redis, engine: Engine, consumer: str) -> list[str]:
     if not held:
         return []
     with engine.connect() as conn:
-        started = conn.execute(
-            select(Job.id, Job.started_at).where(Job.id.in_(held), Job.status == "running")
-        ).all()
-    return [job for job, at in started if at is not None and probed_at - at.timestamp() < 1.0]
-
-
-def still_running(engine: Engine, ids: list[str]) -> bool:
-    with engine.connect() as conn:
-        return (
-            set(
-                conn.execute(select(Job.status).where(Job.id.in_(ids), Job.attempts == 1)).scalars()
+        return list(
+            conn.scalars(
+                select(Job.id).where(Job.id.in_(held), Job.status == "running", Job.attempts == 1)
             )
-            == {"running"}
-            and len(ids) > 0
         )
 
 
@@ -174,26 +164,27 @@ def pending(client: redis.Redis) -> int:
     return count
 
 
-def cut_mid_batch(client: redis.Redis, engine: Engine, host: Host) -> list[str]:
-    """Cut ``host`` off while it computes a batch it claimed; the jobs of that batch.
+def cut_mid_batch(
+    client: redis.Redis, engine: Engine, host: Host, worker: subprocess.Popen[bytes]
+) -> list[str]:
+    """Cut ``host`` off while its worker computes a batch it claimed; the jobs of that batch.
 
-    Whether the cut landed in time is read back, not assumed: the batch's rows still
-    running at their first attempt once the host is cut (the host can no longer write
-    them). A cut that came too late (a slow probe on a loaded machine) is undone and
-    tried on the host's next batch."""
-    held: list[str] = []
-
-    def probe() -> bool:
-        held[:] = computing(client, engine, host.name)
-        return bool(held)
-
-    for _ in range(5):
-        wait_until(f"{host.name} to compute a batch", probe, 60, 0.02)
-        host.cut()  # it computes on, but reaches neither Redis nor PostgreSQL
-        if still_running(engine, held):
+    The worker is stopped (SIGSTOP) first and then looked at: what a stopped worker holds
+    and runs cannot change while the look takes its time, however loaded the machine (a
+    look racing a running worker could take longer than its batches and never see one).
+    Stopped with a batch, the host is cut and the worker goes on (SIGCONT), computing a
+    batch it can no longer write; stopped with none, it is let go and stopped again."""
+    until = time.monotonic() + 60
+    while True:
+        worker.send_signal(signal.SIGSTOP)
+        held = running_held_by(client, engine, host.name)
+        if held:
+            host.cut()  # it computes on, but reaches neither Redis nor PostgreSQL
+            worker.send_signal(signal.SIGCONT)
             return held
-        host.restore()
-    raise AssertionError(f"no cut landed inside a batch of {host.name} in 5 tries")
+        worker.send_signal(signal.SIGCONT)
+        assert time.monotonic() < until, f"timed out waiting for {host.name} to run a batch"
+        time.sleep(0.02)
 
 
 def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
@@ -215,7 +206,7 @@ def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
     cut = hosts.workers[0]
     ids = submit(hosts, engine, hosts.apis[0], 32, cost=1)
     given_up_before = given_up(cut.log("worker", 10**8))
-    computed = cut_mid_batch(client, engine, cut)
+    computed = cut_mid_batch(client, engine, cut, hosts.worker_processes[cut.name])
     # The other host takes the cut one's entries over once they are older than the
     # visibility timeout, and every job finishes while the link is still down (the
     # timeout is for a hang, not a promise of how soon).
