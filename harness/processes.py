@@ -224,3 +224,26 @@ def process_table() -> Iterator[tuple[int, int, int]]:
                 continue
             fields = stat.rsplit(")", 1)[1].split()  # after the command, which may hold ")"
             yield int(entry), int(fields[1]), int(fields[3])
+
+
+def stopped_when(
+    send: Callable[[int], None], look: Callable[[], list[str]], what: str, timeout_s: float = 60
+) -> list[str]:
+    """Stop a process (SIGSTOP, through ``send``) at a moment ``look`` finds something in it,
+    and return what it found, the process still stopped (the caller kills it, or sends it
+    SIGCONT later).
+
+    Stopped first, then looked at: what a stopped process holds cannot change while the look
+    takes its time, however loaded the machine (a look racing a running worker can take
+    longer than its batches and never see one). Found nothing, it is let go and stopped
+    again; ``what`` names the wait in the assertion at ``timeout_s``.
+    """
+    until = time.monotonic() + timeout_s
+    while True:
+        send(signal.SIGSTOP)
+        found = look()
+        if found:
+            return found
+        send(signal.SIGCONT)
+        assert time.monotonic() < until, f"timed out waiting for {what}"
+        time.sleep(0.02)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,7 @@ import redis
 from core.streams.protocol import GROUP
 from harness.accounting import RECORDING_DEPTH, Figures
 from harness.faults import MODEL, Stack, sim_jobs
-from harness.processes import Proc, wait_for
+from harness.processes import Proc, stopped_when, wait_for
 from tests.streams import all_stream_names
 
 pytestmark = pytest.mark.faults
@@ -60,23 +59,14 @@ def two_workers(
 
 
 def stopped_mid_batch(stack: Stack, worker: Proc, timeout_s: float = 60) -> list[str]:
-    """Stops ``worker`` (SIGSTOP) at a moment it runs a batch; returns the batch's jobs.
-
-    Stopped first, then looked at: what a stopped worker holds and runs cannot change while
-    the look takes its time, however loaded the machine (a look racing a running worker
-    could take longer than its batches and never see one). A moment it runs none (between
-    two batches, or inside a claim not yet committed) it is let go (SIGCONT) and stopped
-    again. The caller kills it, or lets it go on later.
-    """
-    until = time.monotonic() + timeout_s
-    while True:
-        stack.signal(worker, signal.SIGSTOP)
-        running = running_held_by(stack, worker.name)
-        if running:
-            return running
-        stack.signal(worker, signal.SIGCONT)
-        assert time.monotonic() < until, f"timed out waiting for {worker.name} to run a batch"
-        time.sleep(0.02)
+    """Stops ``worker`` (SIGSTOP) at a moment it runs a batch; returns the batch's jobs
+    (harness.processes.stopped_when). The caller kills it, or lets it go on later."""
+    return stopped_when(
+        lambda signum: stack.signal(worker, signum),
+        lambda: running_held_by(stack, worker.name),
+        f"{worker.name} to run a batch",
+        timeout_s,
+    )
 
 
 def test_a_worker_killed_mid_batch_is_taken_over_and_nothing_runs_twice(

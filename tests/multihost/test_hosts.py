@@ -34,6 +34,7 @@ from core.streams.queues import model_streams
 from harness import netns, webclient
 from harness.listener import DoneListener
 from harness.netns import Deployment, Host, Network, wait_until
+from harness.processes import stopped_when
 from workers.gpu.executions import read_executions
 
 pytestmark = pytest.mark.multihost
@@ -169,22 +170,16 @@ def cut_mid_batch(
 ) -> list[str]:
     """Cut ``host`` off while its worker computes a batch it claimed; the jobs of that batch.
 
-    The worker is stopped (SIGSTOP) first and then looked at: what a stopped worker holds
-    and runs cannot change while the look takes its time, however loaded the machine (a
-    look racing a running worker could take longer than its batches and never see one).
-    Stopped with a batch, the host is cut and the worker goes on (SIGCONT), computing a
-    batch it can no longer write; stopped with none, it is let go and stopped again."""
-    until = time.monotonic() + 60
-    while True:
-        worker.send_signal(signal.SIGSTOP)
-        held = running_held_by(client, engine, host.name)
-        if held:
-            host.cut()  # it computes on, but reaches neither Redis nor PostgreSQL
-            worker.send_signal(signal.SIGCONT)
-            return held
-        worker.send_signal(signal.SIGCONT)
-        assert time.monotonic() < until, f"timed out waiting for {host.name} to run a batch"
-        time.sleep(0.02)
+    The worker is stopped with a batch (harness.processes.stopped_when), its host cut while
+    it is stopped, and it goes on (SIGCONT), computing a batch it can no longer write."""
+    held = stopped_when(
+        worker.send_signal,
+        lambda: running_held_by(client, engine, host.name),
+        f"{host.name} to run a batch",
+    )
+    host.cut()  # it computes on, but reaches neither Redis nor PostgreSQL
+    worker.send_signal(signal.SIGCONT)
+    return held
 
 
 def test_a_worker_cut_off_mid_batch_is_taken_over_and_its_late_result_refused(
