@@ -35,16 +35,16 @@ from api.models import routes as models
 from api.oip import routes as oip
 from api.openai import routes as openai
 from api.openai_errors import DialectErrorMiddleware
-from api.state import AppState, install
+from api.state import ApiSettings, AppState, install
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
-from core.db.schema import engine_for, make_sessionmaker, read_only
+from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker, read_only
 from core.db.webhooks import DeliveryKicker
-from core.ops.metrics import Scalers
+from core.ops.metrics import AutoscaleSettings, Scalers
 from core.ops.urlguard import Resolver, UrlPolicy, system_resolver
 from core.streams.bounds import QueueBound
 from core.streams.protocol import done_channel
-from core.streams.target import SERVER_CLOCK_RESYNC_S, RedisTarget, ServerClock
+from core.streams.target import SERVER_CLOCK_RESYNC_S, RedisSettings, RedisTarget, ServerClock
 
 
 async def _follow_server_clock(clock: ServerClock) -> None:
@@ -56,13 +56,13 @@ async def _follow_server_clock(clock: ServerClock) -> None:
 
 def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastAPI:
     """The API. ``resolve`` answers DNS for the callback URL check (tests pass their own)."""
-    target = RedisTarget.of(settings)
+    target = RedisTarget.of(settings.section(RedisSettings))
     # Before anything starts: a repository Ferry cannot serve stops the API with its problems.
     catalog = build_catalog(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = engine_for(settings)
+        engine = engine_for(settings.section(DatabaseSettings))
         sessions = make_sessionmaker(engine)
         reads = read_only(engine)  # one pool with the engine; reads without transactions
         client = target.client(decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
@@ -117,14 +117,15 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         install(
             app,
             AppState(
-                settings=settings,
+                settings=settings.section(ApiSettings),
                 engine=engine,
                 sessions=sessions,
                 reads=make_sessionmaker(reads),
                 keys=KeyCache(settings.key_cache_s),
-                scalers=Scalers(settings),
+                scalers=Scalers(settings.section(AutoscaleSettings)),
                 catalog=catalog,
                 versions=LiveVersions(settings, sessions, settings.model_poll_s),
+                target=target,
                 redis=client,
                 hub=hub,
                 limits=limits,
@@ -141,9 +142,9 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         grpc_server = None
         if settings.grpc_port:
             # Imported only here: an API without gRPC never loads grpcio.
-            from api.oip.grpc import start_server
+            from api.oip.grpc import GrpcSettings, start_server
 
-            grpc_server = await start_server(app, settings)
+            grpc_server = await start_server(app, settings.section(GrpcSettings))
         try:
             yield
         finally:

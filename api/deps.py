@@ -19,16 +19,14 @@ from api.errors import ApiError
 from api.jobs.reads import GroupRead
 from api.keycache import KeyCache
 from api.limits import RequestLimits
-from api.state import AppState, app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, AppState, app_state
 from core.db.keys import verify_token
 from core.db.schema import ApiKey
 from core.models.catalog import ModelSpec
 
 
-async def get_settings_dep(request: Request) -> Settings:
-    settings: Settings = app_state(request).settings
-    return settings
+async def get_settings_dep(request: Request) -> ApiSettings:
+    return app_state(request).settings
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -57,7 +55,7 @@ async def get_hub(request: Request) -> CompletionHub:
     return hub
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SettingsDep = Annotated[ApiSettings, Depends(get_settings_dep)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CatalogDep = Annotated[dict[str, ModelSpec], Depends(get_catalog)]

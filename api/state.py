@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import HTTPConnection
@@ -23,14 +24,32 @@ if TYPE_CHECKING:
     from api.keycache import KeyCache
     from api.limits import RequestLimits
     from backends.catalog import LiveVersions
-    from core.config.settings import Settings
     from core.db.webhooks import DeliveryKicker
     from core.models.catalog import ModelSpec
     from core.ops.metrics import Scalers
-    from core.streams.target import ServerClock
+    from core.streams.target import RedisTarget, ServerClock
 
 # Where the lifespan puts it on Starlette's ``app.state``.
 _NAME = "ferry"
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """What the API's routes and services read of the settings (``Settings.section``):
+    the key prefix, what a request may ask for and send, and where models are."""
+
+    key_prefix: str
+    max_wait_s: float
+    max_body_bytes: int
+    max_metadata_bytes: int
+    max_json_depth: int
+    embeddings_max_inputs: int
+    backfill_max_bytes: int
+    backfill_max_lines: int
+    max_outstanding_backfill_lines: int
+    webhook_secret_grace_s: float
+    model_repository_path: Path
+    metrics_bearer: str | None
 
 
 @dataclass
@@ -41,12 +60,14 @@ class AppState:
     read-only pool of the same engine. ``versions``: the models' versions as
     the database says, followed every FERRY_MODEL_POLL_S. ``group_commit`` and
     ``group_read``: the process's batched database writes and reads.
+    ``target``: where Redis is, for a client of a request's own (an event
+    stream's); ``redis``, the process's shared client.
     ``clock``: the Redis server's clock, jobs are stamped by.
     ``draining``: set at the first stop signal (``/readyz`` answers 503, long
     polls and event streams end).
     """
 
-    settings: Settings
+    settings: ApiSettings
     engine: Engine
     sessions: sessionmaker[Session]
     reads: sessionmaker[Session]
@@ -54,6 +75,7 @@ class AppState:
     scalers: Scalers
     catalog: dict[str, ModelSpec]
     versions: LiveVersions
+    target: RedisTarget
     redis: redis.Redis
     hub: CompletionHub
     limits: RequestLimits

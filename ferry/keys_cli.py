@@ -24,13 +24,13 @@ def database_session() -> Iterator[Session]:
     """A session on the configured database, migrated to the newest revision first."""
     from core.config.settings import get_settings
     from core.db import migrate
-    from core.db.schema import engine_for, make_sessionmaker
+    from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 
     settings = get_settings()
     if settings.database_url is None:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrate.upgrade(settings.sqlalchemy_url)
-    engine = engine_for(settings)
+    engine = engine_for(settings.section(DatabaseSettings))
     try:
         with make_sessionmaker(engine)() as session:
             yield session

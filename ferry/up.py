@@ -31,9 +31,9 @@ from backends.catalog import check, repository_for
 from core.config.settings import Settings
 from core.db import migrate
 from core.db.keys import create_key, verify_token
-from core.db.schema import engine_for, make_sessionmaker
+from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from core.models.repository import Repository
-from core.streams.target import RedisTarget
+from core.streams.target import RedisSettings, RedisTarget
 from ferry.built_models import build_missing
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE
@@ -117,7 +117,7 @@ def _say(message: str) -> None:
 def dev_key(settings: Settings, data_dir: Path) -> str:
     """A ready-to-use key for this local stack, kept (0600) under the data dir."""
     path = data_dir / "api-key"
-    engine = engine_for(settings)
+    engine = engine_for(settings.section(DatabaseSettings))
     try:
         with make_sessionmaker(engine)() as session:
             if path.exists():
@@ -180,7 +180,7 @@ def up(settings: Settings) -> int:
         _say(f"started redis-server at {redis_url} (data in {data_dir / 'redis'})")
     if redis_url is not None:
         env["FERRY_REDIS_URL"] = redis_url
-    redis_text = redis_url or RedisTarget.of(settings).describe()
+    redis_text = redis_url or RedisTarget.of(settings.section(RedisSettings)).describe()
 
     children: list[Child] = []
     stopping = False

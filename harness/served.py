@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 from sqlalchemy import event
 
 from api.app import create_app
@@ -24,10 +23,12 @@ from harness.ports import free_port
 
 
 class Served:
-    """The app in uvicorn on a free port, in a thread; its engine's statements counted."""
+    """The app of ``settings`` in uvicorn on a free port, in a thread; its engine's
+    statements counted."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = app = create_app(settings)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -61,5 +62,5 @@ class Served:
 
 @contextmanager
 def served(settings: Settings, **changes: Any) -> Iterator[Served]:
-    with Served(create_app(settings.model_copy(update=changes))) as running:
+    with Served(settings.model_copy(update=changes)) as running:
         yield running

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.backfills.schemas import BackfillResource
 from api.errors import ApiError
 from api.owned import owned
-from core.config.settings import Settings
+from api.state import ApiSettings
 from core.db import backfills
 from core.db.schema import ApiKey, Backfill, utcnow
 from core.models.catalog import ModelSpec
@@ -29,7 +29,7 @@ async def upload(
     key: ApiKey,
     spec: ModelSpec,
     callback_url: str | None,
-    settings: Settings,
+    settings: ApiSettings,
 ) -> str:
     """Read the NDJSON body as it arrives and store it; returns the backfill's id.
 

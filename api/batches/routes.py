@@ -25,8 +25,7 @@ from api.batches import service as services
 from api.deps import KeyDep
 from api.errors import ApiError
 from api.openai.routes import OPENAI_ERRORS
-from api.state import app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, app_state
 from core.db.schema import utcnow
 
 router = APIRouter(tags=["openai"], responses=OPENAI_ERRORS)
@@ -183,7 +182,7 @@ FILE_BODY = {
 @router.post("/v1/files", response_model=FileObject, openapi_extra=FILE_BODY)
 async def upload_file(request: Request, key: KeyDep) -> dict[str, Any]:
     """Upload a batch input file (JSONL: one request per line); checked when a batch uses it."""
-    settings: Settings = app_state(request).settings
+    settings: ApiSettings = app_state(request).settings
     if "content-length" not in request.headers:
         # The size must be known before the upload is taken: the limit is checked on it
         # before a byte is read (a chunked body could not be refused until spooled).

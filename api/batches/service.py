@@ -23,8 +23,8 @@ from api.batches import lines as openai_batches
 from api.batches.lines import ERROR, OUTPUT
 from api.errors import ApiError
 from api.models.service import UnknownModel, resolve_model
+from api.state import ApiSettings
 from backends.catalog import LiveVersions
-from core.config.settings import Settings
 from core.db import backfills
 from core.db.schema import (
     BACKFILL_DONE,
@@ -256,7 +256,7 @@ def create_batch(
     request: Any,
     catalog: dict[str, ModelSpec],
     versions: LiveVersions,
-    settings: Settings,
+    settings: ApiSettings,
 ) -> str:
     """Check the request, read its file into a backfill; returns the batch's id.
 

@@ -36,7 +36,6 @@ from api.jobs.reads import JobRead, is_terminal, until_terminal
 from api.jobs.schemas import JobResource
 from core.streams.events import JobEvent
 from core.streams.protocol import ProtocolError, events_key
-from core.streams.target import RedisTarget
 
 if TYPE_CHECKING:
     from api.state import AppState
@@ -92,7 +91,7 @@ def done_of(job: JobResource) -> JobEvent:
 
 def open_client(state: AppState, job_id: str, block_ms: int) -> aioredis.Redis:
     """A client for one reader: its own connection (named, so an operator can see it)."""
-    return RedisTarget.of(state.settings).async_client(
+    return state.target.async_client(
         decode_responses=True,
         socket_timeout=block_ms / 1000.0 + 5.0,
         socket_connect_timeout=2,

@@ -33,8 +33,7 @@ from api.jobs.submissions import GroupCommit, prepare_request
 from api.models import service as model_service
 from api.owned import is_uuid
 from api.schemas import error_responses
-from api.state import app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, app_state
 from core.ops import tracing
 from core.ops.metrics import JOBS_ACCEPTED
 
@@ -70,7 +69,7 @@ async def create_job(
     # The process's parts straight from the app's state, not as dependencies:
     # each dependency costs every submission its resolution.
     state = app_state(request)
-    settings: Settings = state.settings
+    settings: ApiSettings = state.settings
     _check_wait(wait, settings)
     submission = prepare_request(request, key, body, idempotency_key)
     if body.callback_url:
@@ -109,7 +108,7 @@ async def create_job(
     return _json(resource, 202, headers)
 
 
-def _check_wait(wait: float, settings: Settings) -> None:
+def _check_wait(wait: float, settings: ApiSettings) -> None:
     if wait > settings.max_wait_s:
         # The bound travels with the error, so a client can ask again within it.
         raise ApiError(

@@ -24,8 +24,7 @@ from api.models.schemas import GenerationInfo, ModelInfo, ModelList, VersionInfo
 from api.openai.routes import OPENAI_ERRORS
 from api.openai_errors import openai_error
 from api.schemas import error_responses
-from api.state import AppState, app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, AppState, app_state
 from core.db.versions import version_states
 from core.models.catalog import ModelSpec
 from core.models.generation import GenerationSpec
@@ -92,7 +91,7 @@ def _model_info(
     spec: ModelSpec,
     request: Request,
     client: redis.Redis,
-    settings: Settings,
+    settings: ApiSettings,
     activations: dict[str, tuple[int, float]],
 ) -> ModelInfo:
     raw = stats_text(client, settings.key_prefix, spec.name)

@@ -57,7 +57,6 @@ from api.oip.routes import (
     unload_model,
 )
 from api.state import AppState, app_state
-from core.config.settings import Settings
 from core.db.schema import ApiKey
 from core.models.catalog import text_problem
 from core.ops.metrics import GRPC_DURATION, GRPC_REQUESTS
@@ -370,7 +369,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
-async def start_server(app: FastAPI, settings: Settings) -> grpc.aio.Server:
+@dataclass(frozen=True)
+class GrpcSettings:
+    """Where the gRPC server listens, and its message limit (``Settings.section``)."""
+
+    api_host: str
+    grpc_port: int
+    api_processes: int
+    max_body_bytes: int
+
+
+async def start_server(app: FastAPI, settings: GrpcSettings) -> grpc.aio.Server:
     """The gRPC server on ``settings.grpc_port``, started on the running loop. Several API
     processes (``FERRY_API_PROCESSES``) share the port as they share HTTP's; a single one
     binds it alone, so a second server on the port is an error, not a silent split."""

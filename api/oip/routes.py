@@ -33,8 +33,7 @@ from api.jobs.submissions import GroupCommit, Submitted, job_create, prepare_in
 from api.models import service as model_service
 from api.models.routes import readyz
 from api.oip import protocol as oip
-from api.state import app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, app_state
 from core.db.schema import ApiKey
 from core.db.versions import load, unload, version_states
 from core.models.catalog import ModelSpec
@@ -320,7 +319,7 @@ def index_entries(owner: Any, client: Any) -> list[dict[str, str]]:
 
 def model_entries(owner: Any, client: Any, spec: ModelSpec) -> list[dict[str, str]]:
     live = app_state(owner).versions
-    settings: Settings = app_state(owner).settings
+    settings: ApiSettings = app_state(owner).settings
     known, active = live.of(spec)
     states = version_states(client, settings.key_prefix, spec.name)
     return oip.repository_entries(spec.name, known, active, states, live.unloaded(spec.name))
@@ -407,7 +406,7 @@ def not_ready(owner: Any, client: Any, model: str, version: int | None) -> tuple
     if app_state(owner).versions.unloaded(spec.name):
         why = "it is unloaded (it takes no new jobs until an operator loads it)"
         return spec.name, f"model {spec.name!r} is not ready: {why}"
-    settings: Settings = app_state(owner).settings
+    settings: ApiSettings = app_state(owner).settings
     state = version_states(client, settings.key_prefix, spec.name).get(active)
     if state is not None and state.state == "ready":
         return spec.name, None
@@ -448,7 +447,7 @@ async def submit_rows(
     alike; ``owner``: a request or the app). 400 for a request the model refuses, before
     any job is made."""
     state = app_state(owner)
-    settings: Settings = state.settings
+    settings: ApiSettings = state.settings
     try:
         oip.check_outputs(spec, parsed)  # before any job is made, not after they ran
         rows = oip.rows(spec, parsed.inputs, settings.embeddings_max_inputs)
@@ -490,7 +489,7 @@ async def outputs_of(
     version that ran them (None when a switch split them between two). Waits at most
     ``wait_s`` (the longest long-poll when None): 504 past it, 500 for a failed row."""
     state = app_state(owner)
-    settings: Settings = state.settings
+    settings: ApiSettings = state.settings
     wait = settings.max_wait_s if wait_s is None else min(wait_s, settings.max_wait_s)
     finished = await asyncio.gather(
         *(until_terminal(state, JobRead(key.id, done.job.id), wait) for done in submitted)

@@ -33,8 +33,7 @@ from api.openai.schemas import (
     CompletionRequest,
     TextCompletion,
 )
-from api.state import app_state
-from core.config.settings import Settings
+from api.state import ApiSettings, app_state
 from core.db.schema import ApiKey
 from core.ops.metrics import JOBS_ACCEPTED
 from scheduler.vocabulary import Lane
@@ -113,7 +112,7 @@ async def create_embeddings(
     ] = None,
 ) -> EmbeddingsResponse:
     state = app_state(request)
-    settings: Settings = state.settings
+    settings: ApiSettings = state.settings
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise ApiError(422, "invalid_request", "input: must hold at least one text")

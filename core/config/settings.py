@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_type_hints
 
 from pydantic import (
     Field,
@@ -30,6 +30,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from scheduler.learning import KNOBS, Tuning
 from scheduler.vocabulary import PolicyKind
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+SectionT = TypeVar("SectionT", bound="DataclassInstance")
 
 # The Standard Webhooks retry schedule: the delay before each attempt, from the
 # previous failure (the first is immediate); ten attempts over about 3 days.
@@ -485,11 +490,6 @@ class Settings(BaseSettings):
                 )
         return self
 
-    @property
-    def redis_configured(self) -> bool:
-        """Whether a Redis is named (a URL or sentinels)."""
-        return bool(self.redis_url or self.redis_sentinels)
-
     @field_validator("cors_origins", mode="before")
     @classmethod
     def _origins_text(cls, value: Any) -> Any:
@@ -571,6 +571,28 @@ class Settings(BaseSettings):
         data.update(overrides or {})
         data["model_settings"] = {}
         return type(self).model_validate(data)
+
+    def section(self, kind: type[SectionT]) -> SectionT:
+        """The part of these settings that a component declares as its own.
+
+        ``kind`` is the component's dataclass; each of its fields is filled from the
+        setting (or property) of its name, after the class's ``SETTINGS_PREFIX`` where
+        it has one (``webhook_``: the field ``timeout_s`` is FERRY_WEBHOOK_TIMEOUT_S).
+        A component takes its section, never the whole object: what it reads is
+        written beside it, and a test builds one without an environment. A field that
+        names no setting is a mistake in the component, said at once.
+        """
+        prefix = getattr(kind, "SETTINGS_PREFIX", "")
+        values = {}
+        for item in fields(kind):
+            if not item.init:
+                continue
+            name = prefix + item.name
+            if not hasattr(self, name):
+                raise TypeError(f"{kind.__name__}.{item.name}: there is no setting {name}")
+            values[item.name] = getattr(self, name)
+        section: SectionT = kind(**values)
+        return section
 
     @property
     def tuning(self) -> Tuning:

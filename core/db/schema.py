@@ -7,6 +7,7 @@ The tables are created by the Alembic migrations in ``migrations/``, never by
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -28,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from core.config.settings import DB_POOL_OVERFLOW, DB_POOL_SIZE, Settings
+from core.config.settings import DB_POOL_OVERFLOW, DB_POOL_SIZE
 
 TERMINAL_STATUSES = ("succeeded", "failed", "expired", "cancelled")
 # A backfill's item is a job that waits (status "waiting", in no stream) until
@@ -451,6 +452,16 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Any]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 
 
-def engine_for(settings: Settings) -> Engine:
-    """``make_engine`` for the settings' database, with their pool sizes."""
-    return make_engine(settings.sqlalchemy_url, settings.db_pool_size, settings.db_pool_overflow)
+@dataclass(frozen=True)
+class DatabaseSettings:
+    """A process's database and its pool (``Settings.section``: FERRY_DATABASE_URL, or
+    SQLite in the data folder; FERRY_DB_POOL_SIZE, FERRY_DB_POOL_OVERFLOW)."""
+
+    sqlalchemy_url: str
+    db_pool_size: int
+    db_pool_overflow: int
+
+
+def engine_for(database: DatabaseSettings) -> Engine:
+    """``make_engine`` for the database, with its pool sizes."""
+    return make_engine(database.sqlalchemy_url, database.db_pool_size, database.db_pool_overflow)

@@ -14,11 +14,12 @@ import hmac
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from core.config.settings import Settings
 from core.models.estimates import ModelEstimate
 from core.ops.autoscale import DesiredWorkers
 from core.streams.queues import (
@@ -251,6 +252,17 @@ WEBHOOK_ATTEMPTS = Counter(
 )
 
 
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    """How desired workers are reckoned (``Settings.section``: FERRY_AUTOSCALE_...)."""
+
+    SETTINGS_PREFIX: ClassVar[str] = "autoscale_"
+    target_utilisation: float
+    window_s: float
+    cooldown_s: float
+    drain_s: float
+
+
 class Scalers:
     """Each model's desired workers, as this process has seen them at each scrape.
 
@@ -258,8 +270,8 @@ class Scalers:
     the same figure; an autoscaler can take any of them (or their maximum).
     """
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, autoscale: AutoscaleSettings) -> None:
+        self.autoscale = autoscale
         self.by_model: dict[str, DesiredWorkers] = {}
         # /metrics is answered on the thread pool: two scrapes at once share this state.
         self.lock = threading.Lock()
@@ -278,15 +290,15 @@ class Scalers:
         scaler = self.by_model.get(model)
         if scaler is None:
             scaler = self.by_model[model] = DesiredWorkers(
-                self.settings.autoscale_target_utilisation,
-                self.settings.autoscale_window_s,
-                self.settings.autoscale_cooldown_s,
+                self.autoscale.target_utilisation,
+                self.autoscale.window_s,
+                self.autoscale.cooldown_s,
             )
         # Capacity, not the batches seen: at light load batches are small, and their
         # rate would understate what a worker can do.
         estimate = ModelEstimate.from_hash(model_stats(client, prefix, model))
         per_worker = None if estimate is None else estimate.jobs_per_second()
-        horizon = self.settings.autoscale_drain_s
+        horizon = self.autoscale.drain_s
         nearest = nearest_deadline_ms(client, prefix, model, depths) if backlog else None
         if nearest is not None:
             # A deadline already passed still leaves a second: the backlog cannot go faster.

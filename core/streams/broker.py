@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from celery import Celery
 
-from core.config.settings import Settings
 from core.streams.target import RedisTarget
 
 
-def celery_on_broker(settings: Settings) -> Celery:
+def celery_on_broker(target: RedisTarget) -> Celery:
     """A Celery app on Ferry's broker: what the Celery worker, Flower and GPU workers share."""
     try:
-        url, transport = RedisTarget.of(settings).broker()
+        url, transport = target.broker()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     app = Celery("ferry", broker=url, set_as_current=False)
@@ -25,13 +24,13 @@ def celery_on_broker(settings: Settings) -> Celery:
     return app
 
 
-def celery_for_events(settings: Settings) -> Celery:
+def celery_for_events(target: RedisTarget) -> Celery:
     """An app for a GPU worker's events and remote-control answers (Flower).
 
     Short timeouts and no connection retries: a broker that is down or hung
     costs the sender thread two seconds, never an unbounded wait.
     """
-    app = celery_on_broker(settings)
+    app = celery_on_broker(target)
     app.conf.update(
         broker_connection_timeout=2.0,
         broker_connection_retry=False,

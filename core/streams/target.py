@@ -28,8 +28,6 @@ from redis.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-from core.config.settings import Settings
-
 # What a Redis that fails raises: redis-py's errors, and the Cluster client's own (not
 # one of them) when no node serves a key's slot or none can be reached.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
@@ -109,6 +107,18 @@ class ServerClock:
 
 
 @dataclass(frozen=True)
+class RedisSettings:
+    """Where a process finds Redis (``Settings.section``): FERRY_REDIS_URL or the sentinels
+    and their service, whether it is a Cluster, and Celery's broker where it is not Redis."""
+
+    redis_url: str | None
+    redis_sentinels: list[str]
+    redis_sentinel_service: str
+    redis_cluster: bool
+    celery_broker_url: str | None
+
+
+@dataclass(frozen=True)
 class RedisTarget:
     url: str | None
     sentinels: tuple[tuple[str, int], ...] = ()
@@ -117,21 +127,21 @@ class RedisTarget:
     broker_url: str | None = None  # Celery's, when it is not this Redis
 
     @classmethod
-    def of(cls, settings: Settings) -> RedisTarget:
-        if not settings.redis_configured:
+    def of(cls, redis: RedisSettings) -> RedisTarget:
+        if not (redis.redis_url or redis.redis_sentinels):
             raise ValueError(
                 "FERRY_REDIS_URL (or FERRY_REDIS_SENTINELS) is not set (`ferry up` sets it)"
             )
         sentinels = tuple(
             (host, int(port))
-            for host, _, port in (address.rpartition(":") for address in settings.redis_sentinels)
+            for host, _, port in (address.rpartition(":") for address in redis.redis_sentinels)
         )
         return cls(
-            settings.redis_url,
+            redis.redis_url,
             sentinels,
-            settings.redis_sentinel_service,
-            settings.redis_cluster,
-            settings.celery_broker_url,
+            redis.redis_sentinel_service,
+            redis.redis_cluster,
+            redis.celery_broker_url,
         )
 
     @property

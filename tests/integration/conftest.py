@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.config.settings import Settings
 from core.db.keys import create_key
-from core.db.schema import engine_for, make_sessionmaker
+from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from harness.services import migrated_postgres_database
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
@@ -47,7 +47,7 @@ def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path)
 
 @pytest.fixture
 def sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = engine_for(settings)
+    engine = engine_for(settings.section(DatabaseSettings))
     yield make_sessionmaker(engine)
     engine.dispose()
 

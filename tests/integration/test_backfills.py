@@ -341,7 +341,7 @@ def test_the_end_of_a_backfill_is_pushed_to_its_callback(
 ) -> None:
     from api.app import create_app
     from tests.webhook_receiver import Receiver, loopback_only
-    from workers.tasks.webhooks import DeliveryConfig, attempt_delivery
+    from workers.tasks.webhooks import DeliveryConfig, WebhookSettings, attempt_delivery
 
     allowed = settings.model_copy(
         update={"webhook_allow_http": True, "webhook_allowed_networks": ["127.0.0.1/32"]}
@@ -356,7 +356,7 @@ def test_the_end_of_a_backfill_is_pushed_to_its_callback(
                 (delivery_id,) = session.scalars(
                     select(WebhookDelivery.id).where(WebhookDelivery.backfill_id == created["id"])
                 ).all()
-            config = DeliveryConfig.from_settings(allowed)
+            config = DeliveryConfig.of(allowed.section(WebhookSettings))
             assert attempt_delivery(sessions, delivery_id, config) == "delivered"
             (request,) = receiver.wait_for(1)
     assert request.verified

@@ -21,7 +21,7 @@ from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import make_engine, make_sessionmaker
 from core.streams.protocol import stream_key
-from core.streams.target import REDIS_ERRORS, RedisTarget, is_cluster
+from core.streams.target import REDIS_ERRORS, RedisSettings, RedisTarget, is_cluster
 from harness import webclient
 from harness.cluster import ClusterRedis, models_on_every_shard, reshard_under_load, sim_repository
 from harness.served import served
@@ -80,7 +80,9 @@ def test_cluster_settings_and_the_clients_they_make(cluster: ClusterRedis) -> No
             redis_sentinels="127.0.0.1:26379",
         )  # fmt: skip
     target = RedisTarget.of(
-        Settings(redis_url=cluster.url, redis_cluster=True, celery_broker_url="amqp://b//")
+        Settings(redis_url=cluster.url, redis_cluster=True, celery_broker_url="amqp://b//").section(
+            RedisSettings
+        )
     )
     assert target.broker() == ("amqp://b//", {})
     host_port = cluster.url.removeprefix("redis://").removesuffix("/0")
@@ -154,7 +156,7 @@ def test_every_part_of_the_job_path_works_on_the_cluster(
     sessions = make_sessionmaker(engine)
     with sessions() as session:
         auth = {"Authorization": f"Bearer {create_key(session, 'everything').token}"}
-    target = RedisTarget.of(settings)
+    target = RedisTarget.of(settings.section(RedisSettings))
     feeder = Feeder(sessions, target.client(decode_responses=True), settings.key_prefix,
                     outstanding=100, chunk=50, stale_upload_s=600.0)  # fmt: skip
     with contextlib.ExitStack() as stack:

@@ -19,6 +19,7 @@ from core.config.settings import Settings
 from core.models.generation_estimates import GenerationEstimate
 from core.streams.broker import celery_for_events
 from core.streams.queues import stats_text
+from core.streams.target import RedisSettings, RedisTarget
 from tests.integration.generation_worker import (
     MODEL,
     Worker,
@@ -236,7 +237,7 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
 
 @pytest.fixture
 def app(settings: Settings) -> Iterator[Celery]:
-    app = celery_for_events(settings)
+    app = celery_for_events(RedisTarget.of(settings.section(RedisSettings)))
     yield app
     app.close()
 

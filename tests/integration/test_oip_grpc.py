@@ -21,7 +21,6 @@ from tritonclient.utils import InferenceServerException
 
 from api.oip.proto import grpc_service_pb2 as pb
 from api.oip.proto import grpc_service_pb2_grpc as pb_grpc
-from api.state import app_state
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, ModelUnload
@@ -46,7 +45,7 @@ def api(settings: Settings) -> Iterator[Served]:
 
 
 def grpc_port(api: Served) -> int:
-    return app_state(api.app).settings.grpc_port
+    return api.settings.grpc_port
 
 
 @pytest.fixture
@@ -291,7 +290,7 @@ def test_the_repository_over_grpc_lists_unloads_and_loads_for_admin_keys_only(
             client.load_model("echo", headers=admin)
             with sessions() as session:
                 assert session.scalars(select(ModelUnload.model)).all() == []
-            with RunningLoop(build_loop(app_state(api.app).settings, "echo", name="grpc-echo")):
+            with RunningLoop(build_loop(api.settings, "echo", name="grpc-echo")):
                 wait_until(lambda: client.is_model_ready("echo", headers=headers))
                 result = client.infer("echo", [json_input([7])], headers=headers)
                 assert [json.loads(x) for x in result.as_numpy("output")] == [{"v": 1, "x": 7}]

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 
 from core.config.settings import Settings
 from core.streams.broker import celery_for_events
+from core.streams.target import RedisSettings, RedisTarget
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from workers.gpu.control import ControlResponder
 from workers.gpu.loop import BatchLoop
@@ -78,7 +79,7 @@ def _worker(app: Celery, settings: Settings) -> tuple[BatchLoop, CeleryPresence]
 
 @pytest.fixture
 def app(settings: Settings) -> Iterator[Celery]:
-    app = celery_for_events(settings)
+    app = celery_for_events(RedisTarget.of(settings.section(RedisSettings)))
     yield app
     app.close()
 
@@ -169,11 +170,11 @@ def silent_broker() -> Iterator[str]:
 
 @pytest.mark.parametrize("broker", ["refused", "silent"])
 def test_a_broker_that_is_down_or_hung_never_holds_up_the_worker(
-    settings: Settings, silent_broker: str, broker: str
+    silent_broker: str, broker: str
 ) -> None:
     url = "redis://127.0.0.1:1/0" if broker == "refused" else silent_broker
     presence = CeleryPresence(
-        celery_for_events(settings.model_copy(update={"redis_url": url})), "sim", "nowhere",
+        celery_for_events(RedisTarget(url)), "sim", "nowhere",
         heartbeat_s=0.2,
     )  # fmt: skip
     dropped_before = _dropped("sim")

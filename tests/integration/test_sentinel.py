@@ -11,7 +11,7 @@ import pytest
 
 from core.config.settings import Settings
 from core.streams.broker import celery_on_broker
-from core.streams.target import RedisTarget
+from core.streams.target import RedisSettings, RedisTarget
 from harness.sentinel import SentinelRedis, failover_under_load
 
 
@@ -27,7 +27,7 @@ def test_settings_and_clients_follow_the_sentinels() -> None:
             redis_sentinels="127.0.0.1:26379,127.0.0.1:26380",
             redis_sentinel_service="cache",
             redis_url="redis://:s3cret@ignored:6379/2",
-        )
+        ).section(RedisSettings)
     )
     assert target.sentinels == (("127.0.0.1", 26379), ("127.0.0.1", 26380))
     url, options = target.broker()
@@ -39,12 +39,14 @@ def test_settings_and_clients_follow_the_sentinels() -> None:
     assert limits["sentinel_kwargs"]["socket_timeout"] == 0.25  # a silent sentinel costs little
     # Credentials are quoted in kombu's URLs, which it splits at ';', '@' and ':'.
     odd = RedisTarget.of(
-        Settings(redis_sentinels="h:1", redis_url="redis://:p%40ss%3Bw@x:6379/0")
+        Settings(redis_sentinels="h:1", redis_url="redis://:p%40ss%3Bw@x:6379/0").section(
+            RedisSettings
+        )
     ).broker()[0]
     assert odd == "sentinel://:p%40ss%3Bw@h:1/0"
     assert "s3cret" not in target.describe()
     with pytest.raises(ValueError, match="FERRY_REDIS_URL"):
-        RedisTarget.of(Settings())
+        RedisTarget.of(Settings().section(RedisSettings))
 
 
 def test_a_killed_primary_is_followed_and_nothing_is_lost_or_run_twice(
@@ -73,7 +75,7 @@ def test_a_killed_primary_is_followed_and_nothing_is_lost_or_run_twice(
     # Jobs flowed again: a job accepted after the kill finished, soon.
     assert run.recovered_s is not None and run.recovered_s < 30, run.recovered_s
     # Celery (and Flower, on the same broker settings) reach the promoted primary.
-    app = celery_on_broker(settings)
+    app = celery_on_broker(RedisTarget.of(settings.section(RedisSettings)))
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=3)
         assert connection.default_channel.client.info("server")["tcp_port"] == run.promoted

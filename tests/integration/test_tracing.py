@@ -26,7 +26,7 @@ from harness import webclient
 from harness.served import served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.webhook_receiver import Receiver
-from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
+from workers.tasks.webhooks import DeliveryConfig, WebhookSettings, attempt_delivery, dispatch_due
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -157,7 +157,7 @@ def test_a_jobs_trace_runs_from_its_request_to_its_webhook(
             )
             assert answer.status_code == 200, answer.text
             job_id = answer.json()["id"]
-            config = DeliveryConfig.from_settings(hooks)
+            config = DeliveryConfig.of(hooks.section(WebhookSettings))
             until = time.monotonic() + 20
             while not receiver.requests:  # as beat and a Celery worker would
                 dispatch_due(

@@ -40,6 +40,7 @@ from tests.webhook_receiver import (
 from workers.tasks.webhooks import (
     AttemptTimeout,
     DeliveryConfig,
+    WebhookSettings,
     _claim,
     attempt_delivery,
     dispatch_due,
@@ -99,7 +100,8 @@ def drive(
     """Run due deliveries as beat and the Celery worker would, until none is open."""
 
     def run(timeout_s: float = 20.0, **overrides: Any) -> list[WebhookDelivery]:
-        config = DeliveryConfig.from_settings(hook_settings.model_copy(update=overrides))
+        webhooks = hook_settings.model_copy(update=overrides).section(WebhookSettings)
+        config = DeliveryConfig.of(webhooks)
         resolve = fake_resolver(resolver)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -562,7 +564,7 @@ def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease
     sessions: sessionmaker[Session],
     hook_settings: Settings,
 ) -> None:
-    config = DeliveryConfig.from_settings(hook_settings)
+    config = DeliveryConfig.of(hook_settings.section(WebhookSettings))
     with Receiver([secret]) as receiver:
         job = run_job(api, auth, sim_worker(), receiver.url)
         with sessions() as session:
@@ -601,7 +603,7 @@ def test_https_goes_to_the_checked_address_with_the_name_for_tls_and_host(
     TLS verifies the certificate against the URL's name, not the address."""
     server_tls, ca_file = make_tls(tmp_path, [certificate_for])
     private_ca = hook_settings.model_copy(update={"webhook_ca_file": ca_file})
-    config = DeliveryConfig.from_settings(private_ca)
+    config = DeliveryConfig.of(private_ca.section(WebhookSettings))
     with Receiver([secret], tls=server_tls, host="hooks.partner.test") as receiver:
         job = run_job(api, auth, sim_worker(), receiver.url)
         with sessions() as session:
@@ -792,9 +794,8 @@ def test_a_receiver_that_never_answers_is_held_off_and_holds_up_no_other(
         redis_client.Redis.from_url(redis_url, decode_responses=True), key_prefix,
         concurrency=1, failures=2, hold_s=60.0, lease_s=5.0,
     )  # fmt: skip
-    config = DeliveryConfig.from_settings(
-        hook_settings.model_copy(update={"webhook_timeout_s": 0.5})
-    )
+    webhooks = hook_settings.model_copy(update={"webhook_timeout_s": 0.5}).section(WebhookSettings)
+    config = DeliveryConfig.of(webhooks)
     resolve = fake_resolver(resolver)
     with Silent() as silent, Receiver([secret]) as good:
         worker = sim_worker()

@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.pool import QueuePool
 
 from core.config.settings import DB_POOL_OVERFLOW, DB_POOL_SIZE, Settings
-from core.db.schema import engine_for, make_engine
+from core.db.schema import DatabaseSettings, engine_for, make_engine
 
 URLS = ("postgresql+psycopg://ferry@127.0.0.1:1/ferry", "sqlite:///ferry.db")
 
@@ -15,7 +15,8 @@ URLS = ("postgresql+psycopg://ferry@127.0.0.1:1/ferry", "sqlite:///ferry.db")
 def test_the_settings_size_the_pool(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FERRY_DB_POOL_SIZE", "3")
     monkeypatch.setenv("FERRY_DB_POOL_OVERFLOW", "4")
-    engine = engine_for(Settings(database_url=url))  # no connection is opened
+    # No connection is opened.
+    engine = engine_for(Settings(database_url=url).section(DatabaseSettings))
     try:
         assert isinstance(engine.pool, QueuePool)
         assert (engine.pool.size(), engine.pool._max_overflow) == (3, 4)

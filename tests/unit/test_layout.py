@@ -176,3 +176,38 @@ def test_no_route_holds_sql() -> None:
     assert routes
     for path in routes:
         assert "sqlalchemy" not in imports_of(path), path.name
+
+
+# Where the whole settings object is taken: each process's entry (it builds its parts),
+# the ``ferry`` tool, and the catalog (a model's settings are the whole object with the
+# model's overrides, Settings.for_model). Every other part takes its own section.
+SETTINGS_TAKERS = {
+    "api/app.py",
+    "backends/catalog.py",
+    "workers/gpu/main.py",
+    "workers/gpu/generation_main.py",
+    "workers/tasks/app.py",
+}
+
+
+def imported_names(path: Path, module: str) -> set[str]:
+    """The names ``path`` imports from ``module`` (lazy imports too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == module
+        for alias in node.names
+    }
+
+
+def test_only_the_entry_points_take_the_whole_settings() -> None:
+    takers = set()
+    for package in ("api", "backends", "core", "scheduler", "workers"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = path.relative_to(ROOT).as_posix()
+            if name.startswith("core/config/"):
+                continue
+            if "Settings" in imported_names(path, "core.config.settings"):
+                takers.add(name)
+    assert takers == SETTINGS_TAKERS

@@ -14,6 +14,7 @@ from api.oip import protocol as oip
 from api.oip.grpc import (
     CODES,
     CONTENTS,
+    GrpcSettings,
     accepted_response,
     address_of,
     infer_request,
@@ -184,7 +185,7 @@ def test_the_generated_modules_are_what_protoc_writes_from_the_protos() -> None:
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_one_api_process_binds_the_grpc_port_alone_several_share_it(processes: int) -> None:
-    settings = Settings(grpc_port=free_port(), api_processes=processes)
+    settings = Settings(grpc_port=free_port(), api_processes=processes).section(GrpcSettings)
 
     async def two_servers() -> bool:
         first = await start_server(FastAPI(), settings)
@@ -204,7 +205,7 @@ def test_one_api_process_binds_the_grpc_port_alone_several_share_it(processes: i
 
 
 def test_a_message_over_the_body_limit_is_refused_before_any_handler_runs() -> None:
-    settings = Settings(grpc_port=free_port(), max_body_bytes=2048)
+    settings = Settings(grpc_port=free_port(), max_body_bytes=2048).section(GrpcSettings)
 
     async def call(size: int) -> grpc.StatusCode:
         # No app state: a call that reached the handler would end INTERNAL, not this.

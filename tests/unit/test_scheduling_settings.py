@@ -50,7 +50,7 @@ KNOBS = {
 
 def test_every_tuning_field_comes_from_a_per_model_setting() -> None:
     settings = Settings(model_settings={"minilm": KNOBS}).for_model("minilm")
-    tuning = tuning_for(settings, Declared())  # type: ignore[arg-type]
+    tuning = tuning_for(settings.tuning, Declared())  # type: ignore[arg-type]
     defaults = Tuning()
     for field in dataclasses.fields(Tuning):
         if field.name in ("padded", "memory_budget_bytes"):
@@ -65,7 +65,7 @@ def test_every_tuning_field_comes_from_a_per_model_setting() -> None:
 def test_other_models_keep_the_shared_settings() -> None:
     settings = Settings(model_settings={"minilm": KNOBS}).for_model("sim")
     # Not minilm's 64: the shared default, unset (each model's worker derives its own).
-    assert tuning_for(settings, Declared()).batch_max_size is None  # type: ignore[arg-type]
+    assert tuning_for(settings.tuning, Declared()).batch_max_size is None  # type: ignore[arg-type]
 
 
 def test_an_unknown_policy_is_refused() -> None:

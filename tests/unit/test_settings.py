@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from api.oip.grpc import GrpcSettings
+from api.state import ApiSettings
 from core.config.settings import Settings, get_settings
+from core.db.schema import DatabaseSettings
+from core.ops.metrics import AutoscaleSettings
+from core.streams.target import RedisSettings
+from workers.gpu.loop import LoopConfig
+from workers.gpu.scheduling import BatchingSettings
+from workers.tasks.webhooks import WebhookSettings
 
 
 @pytest.fixture(autouse=True)
@@ -198,3 +208,50 @@ def test_model_settings_must_be_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FERRY_MODEL_SETTINGS", "batch_max_size=64")
     with pytest.raises(SettingsError, match="model_settings"):
         Settings()
+
+
+@dataclass(frozen=True)
+class _Hooks:
+    SETTINGS_PREFIX: ClassVar[str] = "webhook_"
+    timeout_s: float
+    allow_http: bool
+
+
+def test_a_section_takes_each_field_from_the_setting_of_its_name() -> None:
+    settings = Settings(webhook_timeout_s=7.5, webhook_allow_http=True, data_dir=Path("d"))
+    assert settings.section(_Hooks) == _Hooks(timeout_s=7.5, allow_http=True)
+
+    @dataclass(frozen=True)
+    class Where:
+        key_prefix: str
+        sqlalchemy_url: str  # a property of the settings, derived from data_dir
+
+    where = settings.section(Where)
+    assert where.key_prefix == "ferry"
+    assert where.sqlalchemy_url == f"sqlite:///{(Path('d') / 'ferry.db').resolve()}"
+
+
+def test_a_section_field_that_names_no_setting_is_said_at_once() -> None:
+    @dataclass(frozen=True)
+    class Wrong:
+        SETTINGS_PREFIX: ClassVar[str] = "webhook_"
+        timeout_ms: float
+
+    missing = r"Wrong\.timeout_ms: there is no setting webhook_timeout_ms"
+    with pytest.raises(TypeError, match=missing):
+        Settings().section(Wrong)
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        ApiSettings, AutoscaleSettings, BatchingSettings, DatabaseSettings, GrpcSettings,
+        LoopConfig, RedisSettings, WebhookSettings,
+    ],
+)  # fmt: skip
+def test_each_components_section_is_filled_from_the_settings(section: type[Any]) -> None:
+    settings = Settings(redis_url="redis://127.0.0.1:6379/0", metrics_token="t")
+    built = settings.section(section)
+    prefix = getattr(section, "SETTINGS_PREFIX", "")
+    for field in fields(section):
+        assert getattr(built, field.name) == getattr(settings, prefix + field.name), field.name

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -173,8 +172,6 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self._switching: Loaded | None = None
         # Jobs pinned to the version being loaded were left unread, to wait for it.
         self._pins_waiting = False
-        # The event that stops run() (set by the process; a restart for a version sets it).
-        self.stop_event: threading.Event | None = None
 
     @property
     def engine(self) -> GenerationEngine:

@@ -7,28 +7,24 @@ from typing import Any, cast
 
 import redis
 
-from backends.base import DeviceLost, Runtime
+from backends.base import Runtime
 from backends.catalog import load_runtime, repository_for
 from backends.generation import CausalLMRuntime
 from core.config.settings import Settings
-from core.db.schema import engine_for, make_sessionmaker
+from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
 from core.models.repository import ModelConfig
-from core.ops.health import serve
-from core.streams.broker import celery_for_events
-from core.streams.target import RedisTarget, ServerClock
+from core.streams.target import RedisSettings, RedisTarget, ServerClock
 from scheduler.generation import GenerationScheduler
 from workers.gpu.consumer import StreamConsumer
-from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.engine import GenerationEngine
 from workers.gpu.generation_loop import GenerationConfig, GenerationLoop, GenerationServing
 from workers.gpu.generation_signals import GenerationSignals
-from workers.gpu.main import DEVICE_LOST_EXIT_CODE, read_model
-from workers.gpu.presence import CeleryPresence
+from workers.gpu.main import read_model, run_to_exit, serve_port
 from workers.gpu.recorder import Recorder
-from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager
-from workers.gpu.worker_loop import worker_redis
+from workers.gpu.versions import Loaded, VersionManager
+from workers.gpu.worker_loop import WorkerLoop, worker_redis
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +82,9 @@ def build_generation_loop(
     consumer_name: str,
 ) -> GenerationLoop:
     """The loop of a generation model's worker, its active version loaded."""
-    target = RedisTarget.of(settings)
+    target = RedisTarget.of(settings.section(RedisSettings))
     own = settings.for_model(config.name, config.settings)
-    sessions = make_sessionmaker(engine_for(own))
+    sessions = make_sessionmaker(engine_for(own.section(DatabaseSettings)))
     with sessions() as session:
         version = active_version(session, config)
     client = worker_redis(target)
@@ -143,53 +139,20 @@ def run_generation_worker(
     metrics_port: int | None,
 ) -> int:
     config = repository_for(settings, only=model).models[model]
-    loops: list[GenerationLoop] = []
-    if metrics_port:
-        serve(
-            settings.metrics_host,
-            metrics_port,
-            lambda: bool(loops) and loops[0].ready.is_set(),
-            settings.metrics_bearer,
-        )
+    loops: list[WorkerLoop[Any, Any, Any]] = []
+    serve_port(settings, metrics_port, loops)
     loop = build_generation_loop(settings, config, device, consumer_name)
     loops.append(loop)
-    presence = control = None
-    if settings.worker_events:
-        # In Flower as the encoder workers are: a heartbeat under its node name, and
-        # its facts in answer to inspections (its jobs are not sent as tasks: a
-        # generation runs many at once, for many steps).
-        app = celery_for_events(settings)
-        presence = CeleryPresence(app, model, consumer_name)
-        presence.start()
-        control = ControlResponder(
-            app,
-            presence,
-            settings.key_prefix,
-            lambda: generation_facts(loop),
-            generation_conf(loop),
-        )
-        control.start()
-    stop = stop_on_signals(loop.request_stop, "stopping")
-    loop.stop_event = stop
-    try:
-        loop.run(stop)
-    except DeviceLost as exc:
-        # As an encoder's worker: what it held runs again, here after the
-        # supervisor's restart (a fresh CUDA context) or on another worker.
-        log.critical(
-            "device lost; the worker exits to be started again",
-            extra={"model": model, "device": loop.device, "error": str(exc)},
-        )
-        return DEVICE_LOST_EXIT_CODE
-    finally:
-        if control is not None:
-            control.stop()
-        if presence is not None:
-            presence.stop()
-    if loop.restart_requested:
-        # Drained: `ferry up` starts it again at once, and it loads the active version alone.
-        return RESTART_EXIT_CODE
-    return 0
+    # In Flower as the encoder workers are, but its jobs are not sent as tasks: a
+    # generation runs many at once, for many steps.
+    return run_to_exit(
+        settings,
+        loop,
+        loop.device,
+        lambda: generation_facts(loop),
+        generation_conf(loop),
+        "stopping",
+    )
 
 
 def generation_facts(loop: GenerationLoop) -> dict[str, Any]:

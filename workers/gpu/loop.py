@@ -30,7 +30,6 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from backends.base import DeviceLost, Runtime
-from core.config.settings import Settings
 from scheduler import BatchDecision, Batcher
 from scheduler.learning import BatchObservation, SchedulerState
 from workers.gpu.consumer import Entry, StreamConsumer
@@ -54,7 +53,7 @@ PIN_CHECK_S = 0.5
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """How a worker runs its batches (the settings of the same names)."""
+    """How a worker runs its batches (``Settings.section``: the settings of the same names)."""
 
     prefetch: int = 128
     max_attempts: int = 3
@@ -64,19 +63,6 @@ class LoopConfig:
     pipeline_prepare: bool = False  # prepare batch N + 1 while batch N computes
     execution_log_dir: Path | None = None  # where computed batches are recorded (tests)
     rollback_after_failed_batches: int = 3  # a new version's whole-failed batches (0: never)
-
-    @classmethod
-    def of(cls, settings: Settings) -> LoopConfig:
-        return cls(
-            prefetch=settings.prefetch,
-            max_attempts=settings.max_attempts,
-            visibility_timeout_s=settings.visibility_timeout_s,
-            worker_drain_s=settings.worker_drain_s,
-            pipeline=settings.pipeline,
-            pipeline_prepare=settings.pipeline_prepare,
-            execution_log_dir=settings.execution_log_dir,
-            rollback_after_failed_batches=settings.rollback_after_failed_batches,
-        )
 
 
 @dataclass

@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from backends.base import DeviceLost, resolve_device
 from backends.catalog import load_runtime, repository_for
 from backends.torch_runtime import configure_allocator
 from core.config.settings import Settings
-from core.db.schema import engine_for, make_sessionmaker
+from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
 from core.models.repository import ModelConfig
 from core.ops import tracing
 from core.ops.health import serve
 from core.streams.broker import celery_for_events
-from core.streams.target import RedisTarget, ServerClock
+from core.streams.target import RedisSettings, RedisTarget, ServerClock
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.control import ControlResponder, stop_on_signals
 from workers.gpu.events import KickDeliveries
@@ -26,10 +27,10 @@ from workers.gpu.gpu_stats import register_gpu_metrics
 from workers.gpu.loop import BatchLoop, LoopConfig
 from workers.gpu.presence import CeleryPresence
 from workers.gpu.recorder import Recorder
-from workers.gpu.scheduling import build_batcher
+from workers.gpu.scheduling import BatchingSettings, build_batcher
 from workers.gpu.tracing import Tracing
 from workers.gpu.versions import RESTART_EXIT_CODE, Loaded, VersionManager, signature
-from workers.gpu.worker_loop import worker_redis
+from workers.gpu.worker_loop import WorkerLoop, worker_redis
 
 # A worker whose device became unusable (ferry up starts it again).
 DEVICE_LOST_EXIT_CODE = 75
@@ -63,7 +64,7 @@ def build_loop(
     (its consumer name must differ from theirs).
     """
     try:
-        target = RedisTarget.of(settings)
+        target = RedisTarget.of(settings.section(RedisSettings))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     base = settings
@@ -72,14 +73,14 @@ def build_loop(
         raise SystemExit(f"the model repository ({base.model_repository_path}) has no {model!r}")
     settings = base.for_model(model, config.settings)
     configure_allocator(settings.cuda_alloc_conf)  # before torch first touches CUDA
-    engine = engine_for(settings)
+    engine = engine_for(settings.section(DatabaseSettings))
     sessions = make_sessionmaker(engine)
 
     def prepare(fresh: ModelConfig, version: int) -> Loaded:
         """``version`` loaded, and its scheduler state built from its own calibration."""
         own = base.for_model(model, fresh.settings)
         runtime = load_runtime(fresh, own, version, device=device)
-        return Loaded(version, runtime, build_batcher(own, runtime))
+        return Loaded(version, runtime, build_batcher(own.section(BatchingSettings), runtime))
 
     # The version new jobs run on: an operator's activation, else model.toml's.
     with sessions() as session:
@@ -119,7 +120,7 @@ def build_loop(
         batcher=first.prepared,
         client=client,
         prefix=settings.key_prefix,
-        config=LoopConfig.of(settings),
+        config=settings.section(LoopConfig),
         observers=[
             KickDeliveries(DeliveryKicker(target, settings.key_prefix)),
             *([Tracing(model)] if tracing.on() else []),
@@ -170,8 +171,29 @@ def run_worker(
         resolved = device or settings.for_model(model, config.settings).device
         consumer = name or default_consumer_name(model, resolve_device(resolved), instance)
         return run_generation_worker(settings, model, device, consumer, metrics_port)
-    # The port answers while the model loads (/readyz 503 until the loop reads its streams).
-    loops: list[BatchLoop] = []
+    loops: list[WorkerLoop[Any, Any, Any]] = []
+    serve_port(settings, metrics_port, loops)
+    loop = build_loop(settings, model, device, name, instance)
+    loops.append(loop)
+    if metrics_port:
+        register_gpu_metrics(model, loop.runtime.device)
+    return run_to_exit(
+        settings,
+        loop,
+        loop.runtime.device,
+        lambda: worker_facts(loop),
+        worker_conf(settings.for_model(model, loop.model_settings), loop),
+        "stopping after the current batch",
+        watch=loop.observers.add,  # each batch is a Celery task in Flower
+    )
+
+
+def serve_port(
+    settings: Settings, metrics_port: int | None, loops: list[WorkerLoop[Any, Any, Any]]
+) -> None:
+    """The worker's port (metrics and health), when it has one. It answers while the model
+    loads: /readyz is 503 until the loop (the first of ``loops``, once built) reads its
+    streams."""
     if metrics_port:
         serve(
             settings.metrics_host,
@@ -179,33 +201,41 @@ def run_worker(
             lambda: bool(loops) and loops[0].ready.is_set(),
             settings.metrics_bearer,
         )
-    loop = build_loop(settings, model, device, name, instance)
-    loops.append(loop)
-    if metrics_port:
-        register_gpu_metrics(model, loop.runtime.device)
+
+
+def run_to_exit(
+    settings: Settings,
+    loop: WorkerLoop[Any, Any, Any],
+    device: str,
+    facts: Callable[[], dict[str, Any]],
+    conf: dict[str, Any],
+    stopping: str,
+    watch: Callable[[CeleryPresence], None] | None = None,
+) -> int:
+    """Run ``loop`` until a stop signal (logging ``stopping``), in Flower's sight when the
+    settings say so: a heartbeat, and ``facts`` and ``conf`` in answer to inspections
+    (``watch`` hands the presence to the loop to report more). The process's exit code:
+    0, the device lost, or a restart for another version (``ferry up`` acts on each)."""
     presence = control = None
     if settings.worker_events:
-        app = celery_for_events(settings)
-        presence = CeleryPresence(app, model, loop.consumer.consumer)
-        loop.observers.add(presence)
+        app = celery_for_events(RedisTarget.of(settings.section(RedisSettings)))
+        presence = CeleryPresence(app, loop.model, loop.consumer.consumer)
+        if watch is not None:
+            watch(presence)
         presence.start()
-        control = ControlResponder(
-            app,
-            presence,
-            settings.key_prefix,
-            lambda: worker_facts(loop),
-            worker_conf(settings.for_model(model, loop.model_settings), loop),
-        )
+        control = ControlResponder(app, presence, settings.key_prefix, facts, conf)
         control.start()
-    stop = stop_on_signals(loop.request_stop, "stopping after the current batch")
+    stop = stop_on_signals(loop.request_stop, stopping)
+    loop.stop_event = stop
     try:
         loop.run(stop)
     except DeviceLost as exc:
-        # What it held stays unacknowledged: it runs again, here after the
-        # supervisor's restart (a fresh CUDA context) or on another worker.
+        # What it held stays unacknowledged (a generation's, with its tokens so far): it
+        # runs again, here after the supervisor's restart (a fresh CUDA context) or on
+        # another worker.
         log.critical(
             "device lost; the worker exits to be started again",
-            extra={"model": model, "device": loop.runtime.device, "error": str(exc)},
+            extra={"model": loop.model, "device": device, "error": str(exc)},
         )
         return DEVICE_LOST_EXIT_CODE
     finally:

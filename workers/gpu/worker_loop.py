@@ -92,6 +92,8 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
         # How long the next read may wait for entries (None: not at all).
         self.wait_ms: int | None = MAX_BLOCK_MS
         self.steps = 0  # steps that ran something on the device
+        # The event that stops run(), set by the process (workers.gpu.main.run_to_exit).
+        self.stop_event: threading.Event | None = None
 
     @property
     def model(self) -> str:

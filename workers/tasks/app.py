@@ -21,6 +21,7 @@ from core.db.schema import (
     DELIVERY_DONE,
     TERMINAL_STATUSES,
     Backfill,
+    DatabaseSettings,
     FilePart,
     Job,
     OpenAIBatch,
@@ -33,12 +34,17 @@ from core.db.schema import (
 from core.db.webhooks import DELIVER_TASK, DISPATCH_TASK, DeliveryKicker, celery_queue
 from core.ops.metrics import WEBHOOK_ATTEMPTS
 from core.streams.broker import celery_on_broker
-from core.streams.target import RedisTarget, ServerClock
+from core.streams.target import RedisSettings, RedisTarget, ServerClock
 from workers.tasks.feeder import Feeder
 from workers.tasks.locks import first_in, release, renew
 from workers.tasks.reconcile import reconcile
 from workers.tasks.webhook_hosts import HostGate
-from workers.tasks.webhooks import DeliveryConfig, attempt_delivery, dispatch_due
+from workers.tasks.webhooks import (
+    DeliveryConfig,
+    WebhookSettings,
+    attempt_delivery,
+    dispatch_due,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +73,15 @@ class Database:
 
     def sessions(self) -> sessionmaker[Session]:
         if self._sessions is None or self._pid != os.getpid():
-            self._sessions = make_sessionmaker(engine_for(self.settings))
+            self._sessions = make_sessionmaker(engine_for(self.settings.section(DatabaseSettings)))
             self._pid = os.getpid()
         return self._sessions
 
 
 def reconcile_streams(settings: Settings) -> int:
     """One reconciler run (one at a time across every Celery worker, by a Redis lock)."""
-    client = RedisTarget.of(settings).client(decode_responses=True)
-    engine = engine_for(settings)
+    client = RedisTarget.of(settings.section(RedisSettings)).client(decode_responses=True)
+    engine = engine_for(settings.section(DatabaseSettings))
     lock = f"{settings.key_prefix}:reconcile:lock"
     token = uuid.uuid4().hex
     try:
@@ -103,7 +109,7 @@ def purge_results(settings: Settings, now: dt.datetime | None = None) -> int:
     batches and files they leave behind; and uploads past their expiry or cut off."""
     moment = now or dt.datetime.now(dt.UTC)
     cutoff = moment - dt.timedelta(seconds=settings.result_ttl_s)
-    engine = engine_for(settings)
+    engine = engine_for(settings.section(DatabaseSettings))
     try:
         with make_sessionmaker(engine).begin() as session:
             unfinished = select(Backfill.id).where(Backfill.status.not_in(BACKFILL_DONE))
@@ -167,7 +173,11 @@ def purge_openai_files(
 
 
 def create_celery(settings: Settings) -> Celery:
-    app = celery_on_broker(settings)
+    try:
+        target = RedisTarget.of(settings.section(RedisSettings))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    app = celery_on_broker(target)
     app.set_current()
     app.conf.update(
         worker_send_task_events=True,
@@ -208,11 +218,11 @@ def create_celery(settings: Settings) -> Celery:
         return reconcile_streams(settings)
 
     database = Database(settings)
-    config = DeliveryConfig.from_settings(settings)
+    config = DeliveryConfig.of(settings.section(WebhookSettings))
     # Deliveries are due, leased, held and signed by the Redis server's clock, not this
     # host's: a host clock stepped ahead would sign what receivers refuse as too new, and
     # put every retry off by the step.
-    server_clock = ServerClock(RedisTarget.of(settings).client(decode_responses=True))
+    server_clock = ServerClock(target.client(decode_responses=True))
 
     def now() -> dt.datetime:
         return dt.datetime.fromtimestamp(server_clock(), dt.UTC)
@@ -220,7 +230,7 @@ def create_celery(settings: Settings) -> Celery:
     # Per receiver, across every Celery worker: how many attempts at once, and a hold on one
     # that stopped answering (its client connects at its first use).
     gate = HostGate(
-        RedisTarget.of(settings).client(decode_responses=True),
+        target.client(decode_responses=True),
         settings.key_prefix,
         concurrency=settings.webhook_receiver_concurrency,
         failures=settings.webhook_receiver_failures,
@@ -232,7 +242,7 @@ def create_celery(settings: Settings) -> Celery:
     # backlog to drain, short enough that a lost task costs little.
     hold_s = max(60.0, 4 * settings.webhook_timeout_s)
     # One dispatch per half interval, however many beat ticks waited in the queue.
-    ticks = RedisTarget.of(settings).client(decode_responses=True)
+    ticks = target.client(decode_responses=True)
     dispatched_key = f"{settings.key_prefix}:webhooks:dispatched"
     dispatch_gap_ms = max(1, int(settings.webhook_dispatch_interval_s * 500))
 
@@ -258,7 +268,6 @@ def create_celery(settings: Settings) -> Celery:
         )
 
     # Made once per process (neither connects before it is used).
-    target = RedisTarget.of(settings)  # checked by celery_on_broker
     feed_client = target.client(decode_responses=True)
     kick = DeliveryKicker(target, settings.key_prefix)
 

@@ -23,14 +23,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from core.config.settings import Settings
 from core.db.keys import signing_secrets
 from core.db.schema import ApiKey, Job, WebhookAttempt, WebhookDelivery, utcnow
 from core.db.webhooks import next_delay_s, parse_retry_after
@@ -46,6 +46,21 @@ ERROR_MAX_CHARS = 500
 
 
 @dataclass(frozen=True)
+class WebhookSettings:
+    """The settings of a delivery attempt (``Settings.section``: FERRY_WEBHOOK_...)."""
+
+    SETTINGS_PREFIX: ClassVar[str] = "webhook_"
+    retry_schedule_s: list[float]
+    retry_jitter: float
+    timeout_s: float
+    max_response_bytes: int
+    allow_http: bool
+    allowed_networks: list[str]
+    lease_margin_s: float
+    ca_file: Path | None
+
+
+@dataclass(frozen=True)
 class DeliveryConfig:
     schedule_s: tuple[float, ...]
     jitter: float
@@ -58,16 +73,16 @@ class DeliveryConfig:
     ssl_context: ssl.SSLContext | None = None  # None: the system's trust store
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> DeliveryConfig:
+    def of(cls, webhooks: WebhookSettings) -> DeliveryConfig:
         return cls(
-            schedule_s=tuple(settings.webhook_retry_schedule_s),
-            jitter=settings.webhook_retry_jitter,
-            timeout_s=settings.webhook_timeout_s,
-            max_response_bytes=settings.webhook_max_response_bytes,
-            policy=UrlPolicy.of(settings.webhook_allow_http, settings.webhook_allowed_networks),
-            lease_margin_s=settings.webhook_lease_margin_s,
-            ssl_context=ssl.create_default_context(cafile=str(settings.webhook_ca_file))
-            if settings.webhook_ca_file is not None
+            schedule_s=tuple(webhooks.retry_schedule_s),
+            jitter=webhooks.retry_jitter,
+            timeout_s=webhooks.timeout_s,
+            max_response_bytes=webhooks.max_response_bytes,
+            policy=UrlPolicy.of(webhooks.allow_http, webhooks.allowed_networks),
+            lease_margin_s=webhooks.lease_margin_s,
+            ssl_context=ssl.create_default_context(cafile=str(webhooks.ca_file))
+            if webhooks.ca_file is not None
             else None,
         )
 
