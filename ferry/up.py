@@ -35,6 +35,7 @@ from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from core.models.repository import Repository
 from core.streams.target import RedisSettings, RedisTarget
 from ferry.built_models import build_missing
+from ferry.children import stop_with_parent
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE
 
@@ -69,7 +70,12 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         # Own process group: Ctrl-C reaches only `ferry up`, which stops
         # the children in order.
-        self.process = subprocess.Popen(self.args, env=env | self.own_env, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.args,
+            env=env | self.own_env,
+            start_new_session=True,
+            preexec_fn=stop_with_parent,  # stopped even when `ferry up` is killed
+        )
         self.restart_at = None
 
     def check(self, now: float, env: dict[str, str]) -> bool:
@@ -176,7 +182,7 @@ def up(settings: Settings) -> int:
     redis_process: subprocess.Popen[bytes] | None = None
     redis_url = settings.redis_url
     if redis_url is None and not settings.redis_sentinels:
-        redis_process, redis_url = start_redis(data_dir)
+        redis_process, redis_url = start_redis(data_dir, stop_with_parent=True)
         _say(f"started redis-server at {redis_url} (data in {data_dir / 'redis'})")
     if redis_url is not None:
         env["FERRY_REDIS_URL"] = redis_url

@@ -253,3 +253,35 @@ def test_sigterm_stops_the_whole_stack(tmp_path: Path) -> None:
         with pytest.raises(httpx.ConnectError):
             webclient.get(f"{stack.base}/healthz", timeout=2)
         assert any(line.strip() == "stopped" for line in stack.output)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_ferry_up_takes_its_processes_with_it(tmp_path: Path) -> None:
+    # Killed where it can stop nothing (SIGKILL, the OOM killer): the kernel sends each of
+    # its processes, its Redis among them, the SIGTERM it would have, and none runs on
+    # without a supervisor (a Celery worker whose Redis went with it spins on reconnects).
+    with started_stack(tmp_path, FERRY_MODELS="sim") as stack:
+        children = _children(stack.process.pid)
+        kinds = {kind for kind in ("redis-server", "--model sim", "celery", " api") if any(
+            kind in command for command in children.values()
+        )}  # fmt: skip
+        assert kinds == {"redis-server", "--model sim", "celery", " api"}, children
+        stack.process.kill()
+        stack.process.wait(timeout=10)
+        until = time.monotonic() + 60
+        try:
+            while running := {pid: cmd for pid, cmd in children.items() if _running(pid)}:
+                assert time.monotonic() < until, running
+                time.sleep(0.2)
+        finally:  # what a failure leaves running must not load the rest of the suite
+            for pid in filter(_running, children):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
