@@ -94,7 +94,10 @@ def read_transitions(engine: Engine, ids: Iterable[str]) -> dict[str, list[Trans
     """The transitions of each of ``ids`` (those with none are absent), in the order logged."""
     found: dict[str, list[Transition]] = defaultdict(list)
     wanted = list(ids)
-    with engine.connect() as conn:
+    # Each chunk's read a transaction of its own: one held open across them would sit
+    # idle between reads, and a reader descheduled on a loaded host for longer than
+    # core.db.schema.IDLE_IN_TRANSACTION_S would see its connection ended by the server.
+    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
         for start in range(0, len(wanted), 1000):
             chunk = wanted[start : start + 1000]
             marks = ", ".join(f":j{i}" for i in range(len(chunk)))
