@@ -1,4 +1,5 @@
-"""Reading a model's streams in tests: every tenant's stream of a lane, without wake-ups."""
+"""Reading a model's streams in tests: every tenant's stream of a lane, without wake-ups,
+and the jobs a worker holds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import redis
 
 from core.streams.protocol import GROUP, JobMessage, is_wake, stream_key
-from core.streams.queues import lane_tenants
+from core.streams.queues import lane_tenants, model_streams
 from scheduler.vocabulary import LANES
 
 
@@ -17,8 +18,22 @@ def lane_stream_names(client: redis.Redis, prefix: str, model: str, lane: str) -
     return [stream_key(prefix, model, lane), *(stream_key(prefix, model, lane, t) for t in tenants)]
 
 
-def all_stream_names(client: redis.Redis, prefix: str, model: str) -> list[str]:
-    return [s for lane in LANES for s in lane_stream_names(client, prefix, model, lane)]
+def held_jobs(client: redis.Redis, prefix: str, model: str, consumer: str) -> list[str]:
+    """The jobs of the model's entries ``consumer`` read and has not acknowledged."""
+    held: list[str] = []
+    for stream in model_streams(client, prefix, model):
+        try:
+            pending: Any = client.xpending_range(
+                stream, GROUP, min="-", max="+", count=1000, consumername=consumer
+            )
+        except redis.ResponseError:
+            continue  # a tenant's stream emptied and removed since it was listed
+        pipe = client.pipeline(transaction=False)
+        for entry in pending:
+            pipe.xrange(stream, min=entry["message_id"], max=entry["message_id"])
+        for found in pipe.execute():
+            held += [str(fields["job"]) for _id, fields in found]
+    return held
 
 
 def lane_messages(client: redis.Redis, prefix: str, model: str, lane: str) -> list[JobMessage]:

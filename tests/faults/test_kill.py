@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-import redis
 
-from core.streams.protocol import GROUP
 from harness.accounting import RECORDING_DEPTH, Figures
 from harness.faults import MODEL, Stack, sim_jobs
 from harness.processes import Proc, stopped_when, wait_for
-from tests.streams import all_stream_names
+from tests.streams import held_jobs
 
 pytestmark = pytest.mark.faults
 
@@ -27,19 +24,7 @@ KILL_BATCH_BASE_MS = 200
 
 def running_held_by(stack: Stack, consumer: str) -> list[str]:
     """Jobs the consumer holds (read, not acknowledged) whose rows say they are running."""
-    held: list[str] = []
-    for stream in all_stream_names(stack.redis, stack.prefix, MODEL):
-        try:
-            pending: Any = stack.redis.xpending_range(
-                stream, GROUP, min="-", max="+", count=1000, consumername=consumer
-            )
-        except redis.ResponseError:
-            continue  # a tenant's stream emptied and removed since it was listed
-        pipe = stack.redis.pipeline(transaction=False)
-        for entry in pending:
-            pipe.xrange(stream, min=entry["message_id"], max=entry["message_id"])
-        for found in pipe.execute():
-            held += [fields["job"] for _id, fields in found]
+    held = held_jobs(stack.redis, stack.prefix, MODEL, consumer)
     return [row.id for row in stack.rows(held).values() if row.status == "running"]
 
 

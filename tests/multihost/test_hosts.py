@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -35,6 +34,7 @@ from harness import netns, webclient
 from harness.listener import DoneListener
 from harness.netns import Deployment, Host, Network, wait_until
 from harness.processes import stopped_when
+from tests.streams import held_jobs
 from workers.gpu.executions import read_executions
 
 pytestmark = pytest.mark.multihost
@@ -138,14 +138,7 @@ def running_held_by(client: redis.Redis, engine: Engine, consumer: str) -> list[
     """The jobs the consumer holds (read, not acknowledged) whose rows say running at their
     first attempt: a batch it claimed and computes, or records. (Entries read but not yet
     claimed are not enough: cut there, it computes nothing.)"""
-    held: list[str] = []
-    for stream in model_streams(client, "ferry", "sim"):
-        with contextlib.suppress(redis.ResponseError):
-            for entry in client.xpending_range(
-                stream, GROUP, min="-", max="+", count=100, consumername=consumer
-            ):
-                found: Any = client.xrange(stream, entry["message_id"], entry["message_id"])
-                held += [str(fields["job"]) for _id, fields in found]
+    held = held_jobs(client, "ferry", "sim", consumer)
     if not held:
         return []
     with engine.connect() as conn:
