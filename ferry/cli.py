@@ -94,7 +94,7 @@ def _worker(
         typer.Option("--instance", help="which of several workers of the model on this device"),
     ] = None,
     metrics_port: MetricsPortOption = None,
-) -> int:
+) -> NoReturn:
     from core.config.settings import get_settings
     from core.ops import tracing
     from core.ops.logs import configure_logging
