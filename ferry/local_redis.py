@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ferry import children
 
@@ -44,12 +46,30 @@ def start_redis(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start redis-server with durable settings; returns the process and its URL.
 
+    Without ``port``, on a free one: a port is free when chosen and bound only when the
+    server starts, so one that another process took in between is given up for another.
     ``stop_with_parent``: it gets SIGTERM when the calling thread ends (ferry.children),
     as ``ferry up``'s own Redis does when ``ferry up`` is killed.
     """
     redis_dir = (data_dir / "redis").resolve()
     redis_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
+    if port:
+        started = _start_on(redis_dir, port, stop_with_parent)
+        if started is None:
+            raise SystemExit(f"redis-server could not listen on port {port}: it is taken")
+        return started
+    for _ in range(3):
+        started = _start_on(redis_dir, free_port(), stop_with_parent)
+        if started is not None:
+            return started
+    raise SystemExit("redis-server found its port taken three times in a row")
+
+
+def _start_on(
+    redis_dir: Path, port: int, stop_with_parent: bool
+) -> tuple[subprocess.Popen[bytes], str] | None:
+    """redis-server on ``port``, answering; None if it found the port taken."""
+    log = redis_dir / "redis.log"
     # Durability as docs/architecture.md §4 requires: AOF, fsync every second, never evict.
     args = [
         find_redis_server(),
@@ -70,8 +90,9 @@ def start_redis(
         "--protected-mode",
         "yes",
         "--logfile",
-        str(redis_dir / "redis.log"),
+        str(log),
     ]
+    said_before = log.stat().st_size if log.exists() else 0
     # Own session: a Ctrl-C at the terminal must not stop Redis before the
     # processes that drain into it (`ferry up` stops it last).
     process = subprocess.Popen(
@@ -82,19 +103,30 @@ def start_redis(
         preexec_fn=children.stop_with_parent if stop_with_parent else None,
     )
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
+    # One try per look (redis-py retries a refused connection for seconds by default):
+    # this loop is what retries, looking at the process between tries.
+    client = redis.Redis.from_url(
+        url, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
     deadline = time.monotonic() + 15
-    while True:
-        if process.poll() is not None:
-            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
-            raise SystemExit(f"redis-server exited at start: {err.strip()[-500:]}")
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
+    try:
+        while True:
+            if process.poll() is not None:
+                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                if log.exists():  # what this start wrote (the log is appended to)
+                    err += log.read_bytes()[said_before:].decode(errors="replace")
+                if "Address already in use" in err:
+                    return None
+                raise SystemExit(f"redis-server exited at start: {err.strip()[-500:]}")
+            try:
+                # This server, not another that holds the port (then this one exits).
+                if int(client.info("server")["process_id"]) == process.pid:
+                    return process, url
+            except redis.RedisError:
+                pass  # not listening yet; or something else holds the port, and this one exits
             if time.monotonic() > deadline:
                 process.kill()
-                raise SystemExit("redis-server did not answer within 15 s") from None
+                raise SystemExit("redis-server did not answer within 15 s")
             time.sleep(0.05)
-    client.close()
-    return process, url
+    finally:
+        client.close()

@@ -29,7 +29,7 @@ from core.streams.protocol import stream_key
 from harness import webclient
 from harness.ports import free_port
 from harness.served import served
-from harness.services import redis_server, redis_with_conf, stop_all
+from harness.services import redis_server, redis_started, stop_all
 from harness.settling import reconciling, settled
 from harness.worker import running_worker
 
@@ -65,7 +65,8 @@ class ClusterRedis:
     def __init__(self, tmp: Path, primaries: int = 3) -> None:
         self.tmp = tmp
         self.program = redis_server()
-        self.ports = [_port_with_bus() for _ in range(primaries)]
+        self.primaries = primaries
+        self.ports: list[int] = []  # the nodes', once started
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self._nodes: dict[int, redis.Redis] = {}
 
@@ -80,22 +81,20 @@ class ClusterRedis:
             self._nodes[port] = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
         return self._nodes[port]
 
-    def _start(self, port: int) -> None:
-        self.processes[port] = redis_with_conf(
-            self.program,
-            self.tmp / f"redis-{port}",
-            port,
-            [
-                "cluster-enabled yes",
-                "cluster-config-file nodes.conf",
-                f"cluster-node-timeout {NODE_TIMEOUT_MS}",
-            ],
-        )
+    def _start(self) -> int:
+        """A node on a port of its own (its bus port free too), answering; its port."""
+        lines = [
+            "cluster-enabled yes",
+            "cluster-config-file nodes.conf",
+            f"cluster-node-timeout {NODE_TIMEOUT_MS}",
+        ]
+        port, process = redis_started(self.program, self.tmp, lines, port=_port_with_bus)
+        self.processes[port] = process
+        return port
 
     def __enter__(self) -> ClusterRedis:
-        for port in self.ports:
-            self._start(port)
         try:
+            self.ports = [self._start() for _ in range(self.primaries)]
             self._create()
         except BaseException:
             self.__exit__()
@@ -104,15 +103,6 @@ class ClusterRedis:
 
     def _create(self, timeout_s: float = 30.0) -> None:
         until = time.monotonic() + timeout_s
-        for port in self.ports:  # until each answers
-            while True:
-                try:
-                    self.node(port).ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > until:
-                        raise AssertionError(f"redis-server on {port} did not start") from None
-                    time.sleep(0.05)
         share = SLOTS // len(self.ports)
         for n, port in enumerate(self.ports):
             last = SLOTS - 1 if n == len(self.ports) - 1 else (n + 1) * share - 1

@@ -17,9 +17,8 @@ from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker
 from harness import webclient
-from harness.ports import free_port
 from harness.served import served
-from harness.services import redis_server, redis_with_conf, stop_all
+from harness.services import redis_server, redis_started, stop_all
 from harness.settling import reconciling, settled
 from harness.worker import running_worker
 
@@ -34,39 +33,33 @@ class SentinelRedis:
         self.tmp = tmp
         self.service = service
         self.program = redis_server()
-        self.ports = {"primary": free_port(), "replica": free_port()}
-        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.ports: dict[str, int] = {}  # "primary" and "replica", once started
+        self.sentinel_ports: list[int] = []
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
     def sentinels(self) -> list[str]:
         return [f"127.0.0.1:{port}" for port in self.sentinel_ports]
 
-    def _start(self, port: int, lines: list[str], sentinel: bool = False) -> None:
-        self.processes[port] = redis_with_conf(
-            self.program,
-            self.tmp / f"redis-{port}",
-            port,
-            lines,
-            *(["--sentinel"] if sentinel else []),
+    def _start(self, lines: list[str], sentinel: bool = False) -> int:
+        """A server of the set, on a port of its own, answering; its port."""
+        port, process = redis_started(
+            self.program, self.tmp, lines, *(["--sentinel"] if sentinel else [])
         )
+        self.processes[port] = process
+        return port
 
     def __enter__(self) -> SentinelRedis:
-        primary, replica = self.ports["primary"], self.ports["replica"]
-        self._start(primary, [])
-        self._start(replica, [f"replicaof 127.0.0.1 {primary}"])
-        for port in self.sentinel_ports:
-            self._start(
-                port,
-                [
-                    f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
-                    f"sentinel down-after-milliseconds {self.service} {DOWN_AFTER_MS}",
-                    f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
-                    f"sentinel parallel-syncs {self.service} 1",
-                ],
-                sentinel=True,
-            )
         try:
+            primary = self.ports["primary"] = self._start([])
+            self.ports["replica"] = self._start([f"replicaof 127.0.0.1 {primary}"])
+            monitor = [
+                f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
+                f"sentinel down-after-milliseconds {self.service} {DOWN_AFTER_MS}",
+                f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
+                f"sentinel parallel-syncs {self.service} 1",
+            ]
+            self.sentinel_ports += [self._start(monitor, sentinel=True) for _ in range(3)]
             self._wait_ready()
         except BaseException:
             self.__exit__()
