@@ -40,9 +40,7 @@ def test_a_port_taken_before_the_bind_is_given_up_for_the_next(
     tmp_path: Path, taken_port: int
 ) -> None:
     second = free_port()
-    port, process = redis_started(
-        redis_server(), tmp_path, [], port=ports(taken_port, second)
-    )
+    port, process = redis_started(redis_server(), tmp_path, [], port=ports(taken_port, second))
     try:
         assert port == second
         client = redis.Redis(port=port)
