@@ -1,16 +1,19 @@
-"""What the API answers while its database server is down: 503 with Retry-After, never a 500."""
+"""The database scenarios' shared parts: the stack they break, its run up to the fault, and
+what the API answers while its database is down (503 with Retry-After, never a 500)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from harness import webclient
 from harness.faults import MODEL, Stack, sim_jobs
-from harness.processes import wait_for
+from harness.processes import Proc, wait_for
 
 
 def assert_unavailable(stack: Stack, job_id: str) -> dict[str, Any]:
@@ -78,3 +81,52 @@ class SteadySubmissions:
         wait_for("submissions accepted again", lambda: len(self.submission.ids) >= back + more, 60)
         self.halt.set()
         self.submitted.result(timeout=120)
+
+
+# The stack each database scenario breaks: batches of 32 that take about half a second
+# each, a visibility timeout short enough for a lost batch to come back within the
+# scenario, and the reconciler every second.
+DATABASE_FAULT_ENV = {
+    "FERRY_SIM_LATENCY_BASE_MS": "50",
+    "FERRY_SIM_LATENCY_PER_COST_MS": "5",
+    "FERRY_BATCH_MAX_SIZE": "32",
+    "FERRY_VISIBILITY_TIMEOUT_S": "10",
+    "FERRY_RECONCILE_INTERVAL_S": "1",
+    "FERRY_RECONCILE_GRACE_S": "2",
+}
+
+
+@dataclass
+class Busy:
+    """A stack mid-run, the moment before its database fails."""
+
+    steady: SteadySubmissions
+    workers: list[Proc]
+    celery_worker: Proc
+    started: float  # monotonic: when the submissions began
+    done_before: int  # jobs terminal at the fault
+    still_submitting: bool  # the submissions had not ended at the fault
+
+
+def run_up_to_the_fault(stack: Stack, backlog: int) -> Busy:
+    """The API, and Celery's worker and beat: a commit whose answer the fault cut off is
+    answered 503, and the client's retry then gets the job back (idempotency key)
+    although it was never queued; the reconciler queues it. Then steady submissions, a
+    backlog of ``backlog`` first so that both workers are busy when the fault strikes, the
+    two workers, and a couple of hundred jobs finished."""
+    stack.start_api()
+    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
+    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
+    started = time.monotonic()
+    steady = SteadySubmissions(stack)
+    wait_for("a backlog", lambda: len(steady.submission.ids) >= backlog, 60)
+    workers = stack.start_workers("w1", "w2")
+    wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
+    return Busy(
+        steady=steady,
+        workers=workers,
+        celery_worker=celery_worker,
+        started=started,
+        done_before=stack.terminal_count(),
+        still_submitting=not steady.submitted.done(),
+    )

@@ -19,8 +19,12 @@ import pytest
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.postgres import PostgresServers, create_database, failover_url
-from harness.processes import wait_for
-from tests.faults.database_down import SteadySubmissions, assert_unavailable, wait_ready
+from tests.faults.database_down import (
+    DATABASE_FAULT_ENV,
+    assert_unavailable,
+    run_up_to_the_fault,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -38,27 +42,9 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     primary = postgres.primary()
     create_database(primary, "ferry")
     replica = postgres.replica(primary, synchronous=True)
-    stack = make_stack(
-        url=failover_url("ferry", primary, replica),
-        FERRY_SIM_LATENCY_BASE_MS="50",
-        FERRY_SIM_LATENCY_PER_COST_MS="5",
-        FERRY_BATCH_MAX_SIZE="32",
-        FERRY_VISIBILITY_TIMEOUT_S="10",
-        FERRY_RECONCILE_INTERVAL_S="1",
-        FERRY_RECONCILE_GRACE_S="2",
-    )
-    stack.start_api()
-    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
-    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
-    started = time.monotonic()
-    steady = SteadySubmissions(stack)
-    submission, submitted = steady.submission, steady.submitted
-    wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
-    workers = stack.start_workers("w1", "w2")
-
-    wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
-    done_before = stack.terminal_count()
-    still_submitting = not submitted.done()
+    stack = make_stack(url=failover_url("ferry", primary, replica), **DATABASE_FAULT_ENV)
+    busy = run_up_to_the_fault(stack, BACKLOG)
+    submission, workers = busy.steady.submission, busy.workers
     # The primary dies as a crash leaves it (no checkpoint, sessions cut) and stays dead.
     killed_at = time.monotonic()
     primary.stop("immediate")
@@ -68,15 +54,15 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     replica.promote()
     gap_s = time.monotonic() - killed_at
     wait_ready(stack)
-    steady.stop_once_accepted_again()
+    busy.steady.stop_once_accepted_again()
 
-    accounting = stack.account("PostgreSQL failed over", submission, started, 120, record)
+    accounting = stack.account("PostgreSQL failed over", submission, busy.started, 120, record)
     details = accounting.figures.details
     details["gap_s"] = round(gap_s, 1)
-    details["done_before_kill"] = done_before
-    details["submitting_at_kill"] = still_submitting
+    details["done_before_kill"] = busy.done_before
+    details["submitting_at_kill"] = busy.still_submitting
     details["answers_while_down"] = answers
-    details["reenqueued"] = stack.reenqueued(celery_worker)
+    details["reenqueued"] = stack.reenqueued(busy.celery_worker)
     details["worker_retries"] = retries = stack.write_retries(workers)
     # Everything was read from the promoted replica, the old primary being down.
     assert not primary.running()
@@ -86,5 +72,5 @@ def test_a_failover_to_a_synchronous_replica_mid_run_loses_nothing_and_records_n
     assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
     assert all(worker.alive() and worker.starts == 1 for worker in workers), details
     assert stack.procs["api"].alive()
-    assert still_submitting and details["retried"], details
+    assert busy.still_submitting and details["retried"], details
     assert any(retries.values()), f"no worker met the failover: {details}"

@@ -15,8 +15,12 @@ import pytest
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.postgres import PostgresServers, create_database
-from harness.processes import wait_for
-from tests.faults.database_down import SteadySubmissions, assert_unavailable, wait_ready
+from tests.faults.database_down import (
+    DATABASE_FAULT_ENV,
+    assert_unavailable,
+    run_up_to_the_fault,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -30,30 +34,9 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     record: Callable[[Figures], None],
 ) -> None:
     server = postgres.primary()
-    stack = make_stack(
-        url=create_database(server, "ferry"),
-        FERRY_SIM_LATENCY_BASE_MS="50",
-        # A batch of 32 takes about half a second.
-        FERRY_SIM_LATENCY_PER_COST_MS="5",
-        FERRY_BATCH_MAX_SIZE="32",
-        FERRY_VISIBILITY_TIMEOUT_S="10",
-        FERRY_RECONCILE_INTERVAL_S="1",
-        FERRY_RECONCILE_GRACE_S="2",
-    )
-    stack.start_api()
-    # The reconciler queues a job whose commit the server made as it stopped but
-    # whose answer was lost: the client got a 503, its retry the job back.
-    celery_worker = stack.spawn("celery-worker", ["celery", "worker"], supervised=True)
-    stack.spawn("celery-beat", ["celery", "beat"], supervised=True)
-    started = time.monotonic()
-    steady = SteadySubmissions(stack)
-    submission, submitted = steady.submission, steady.submitted
-    wait_for("a backlog", lambda: len(submission.ids) >= BACKLOG, 60)
-    workers = stack.start_workers("w1", "w2")
-
-    wait_for("a couple of hundred jobs to finish", lambda: stack.terminal_count() >= 200, 60, 0.1)
-    done_before = stack.terminal_count()
-    still_submitting = not submitted.done()
+    stack = make_stack(url=create_database(server, "ferry"), **DATABASE_FAULT_ENV)
+    busy = run_up_to_the_fault(stack, BACKLOG)
+    submission, workers = busy.steady.submission, busy.workers
     stopped_at = time.monotonic()
     server.stop("fast")  # every session ended, batches in flight; returns once it is down
     answers = assert_unavailable(stack, submission.accepted[0])
@@ -61,15 +44,15 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     server.start()
     down_s = time.monotonic() - stopped_at
     wait_ready(stack)
-    steady.stop_once_accepted_again()
+    busy.steady.stop_once_accepted_again()
 
-    accounting = stack.account("PostgreSQL stopped 4 s", submission, started, 120, record)
+    accounting = stack.account("PostgreSQL stopped 4 s", submission, busy.started, 120, record)
     details = accounting.figures.details
     details["down_s"] = round(down_s, 1)
-    details["done_before_stop"] = done_before
-    details["submitting_at_stop"] = still_submitting
+    details["done_before_stop"] = busy.done_before
+    details["submitting_at_stop"] = busy.still_submitting
     details["answers_while_down"] = answers
-    details["reenqueued"] = stack.reenqueued(celery_worker)
+    details["reenqueued"] = stack.reenqueued(busy.celery_worker)
     details["worker_retries"] = retries = stack.write_retries(workers)
     stack.assert_nothing_lost(accounting)
     # No process died: a worker that waits for the database keeps its batch, so
@@ -79,5 +62,5 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     assert all(worker.alive() and worker.starts == 1 for worker in workers), details
     assert stack.procs["api"].alive()
     # The stop was felt: clients were turned away while it lasted, and workers waited.
-    assert still_submitting and details["retried"], details
+    assert busy.still_submitting and details["retried"], details
     assert any(retries.values()), f"no worker met the stopped server: {details}"
