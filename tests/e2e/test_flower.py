@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,7 +74,19 @@ def flower(stack: FerryUp) -> Flower:
     banner = "".join(stack.output)
     match = re.search(r"Flower\s+(\S+)\s+\(user (\S+), password (\S+)\)", banner)
     assert match, banner[-2000:]
-    return Flower(*match.groups())
+    found = Flower(*match.groups())
+    # `ferry up` says it is up once its API is ready; Flower, a process of its own, may
+    # still be starting (a test that asks it first, as a shuffled order may run, would
+    # be refused), so it is waited for: it answers, asking for its login.
+    wait_for("Flower to answer", functools.partial(_answers, found.url), 120)
+    return found
+
+
+def _answers(url: str) -> bool:
+    try:
+        return webclient.get(url, timeout=10).status_code == 401
+    except httpx.TransportError:
+        return False
 
 
 @pytest.fixture(scope="module")
