@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -103,30 +104,61 @@ def _start_on(
         preexec_fn=children.stop_with_parent if stop_with_parent else None,
     )
     url = f"redis://127.0.0.1:{port}/0"
+
+    def said() -> str:
+        err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+        if log.exists():  # what this start wrote (the log is appended to)
+            err += log.read_bytes()[said_before:].decode(errors="replace")
+        return err
+
+    try:
+        if not answers_as_itself(process, port, said, 15.0):
+            return None
+    except RedisStartError as exc:
+        raise SystemExit(str(exc)) from None
+    return process, url
+
+
+ADDRESS_IN_USE = "Address already in use"
+
+
+class RedisStartError(Exception):
+    """A redis-server that exited at start for another reason than its port, or did not
+    answer in time; the message says which, with the end of what it said."""
+
+
+def answers_as_itself(
+    process: subprocess.Popen[bytes], port: int, said: Callable[[], str], timeout_s: float
+) -> bool:
+    """True once the server answering on ``port`` is ``process``; False if it exited because
+    its port was taken (``said()``: what it wrote); raises RedisStartError if it exited
+    otherwise (the end of ``said()`` in the message) or did neither within ``timeout_s``
+    (then it is killed).
+
+    It is asked its ``process_id``: another server that holds the port is never taken for
+    it (this one then exits, its port taken)."""
     # One try per look (redis-py retries a refused connection for seconds by default):
     # this loop is what retries, looking at the process between tries.
-    client = redis.Redis.from_url(
-        url, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    client = redis.Redis(
+        port=port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
     )
-    deadline = time.monotonic() + 15
+    until = time.monotonic() + timeout_s
     try:
         while True:
             if process.poll() is not None:
-                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
-                if log.exists():  # what this start wrote (the log is appended to)
-                    err += log.read_bytes()[said_before:].decode(errors="replace")
-                if "Address already in use" in err:
-                    return None
-                raise SystemExit(f"redis-server exited at start: {err.strip()[-500:]}")
+                err = said()
+                if ADDRESS_IN_USE in err:
+                    return False
+                raise RedisStartError(f"redis-server exited at start: {err.strip()[-500:]}")
             try:
-                # This server, not another that holds the port (then this one exits).
                 if int(client.info("server")["process_id"]) == process.pid:
-                    return process, url
+                    return True
             except redis.RedisError:
                 pass  # not listening yet; or something else holds the port, and this one exits
-            if time.monotonic() > deadline:
+            if time.monotonic() > until:
                 process.kill()
-                raise SystemExit("redis-server did not answer within 15 s")
+                process.wait(timeout=10)
+                raise RedisStartError(f"redis-server did not answer within {timeout_s:.0f} s")
             time.sleep(0.05)
     finally:
         client.close()

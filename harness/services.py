@@ -10,18 +10,15 @@ import contextlib
 import os
 import secrets
 import subprocess
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from core.db import migrate
-from ferry.local_redis import find_redis_server, start_redis
+from ferry.local_redis import answers_as_itself, find_redis_server, start_redis
 from harness.ports import free_port
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -75,9 +72,6 @@ def redis_with_conf(
     )
 
 
-ADDRESS_IN_USE = "Address already in use"
-
-
 def redis_started(
     program: str,
     root: Path,
@@ -95,45 +89,20 @@ def redis_started(
     kernel's ephemeral range is what ``port()`` draws from, or another server). A server
     that finds its port taken exits at start and is started again on another; one that
     answers is asked its ``process_id``, so that whoever else holds the port is never
-    taken for it. Anything else that stops it raises, with the end of its log."""
+    taken for it (``ferry.local_redis.answers_as_itself``). Anything else that stops it
+    raises RedisStartError, with the end of its log."""
     for _ in range(tries):
         chosen = port()
         home = root / f"redis-{chosen}"
         process = redis_with_conf(program, home, chosen, lines, *args)
-        if _answers_as_itself(process, chosen, home / "log", timeout_s):
+        log = home / "log"
+
+        def said(log: Path = log) -> str:
+            return log.read_text(errors="replace") if log.exists() else ""
+
+        if answers_as_itself(process, chosen, said, timeout_s):
             return chosen, process
     raise AssertionError(f"redis-server found its port taken {tries} times in a row")
-
-
-def _answers_as_itself(
-    process: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float
-) -> bool:
-    """True once the server on ``port`` is ``process``; False if it exited because the port
-    was taken; raises if it exited otherwise, or did neither within ``timeout_s``."""
-    # One try per look (redis-py retries a refused connection for seconds by default):
-    # this loop is what retries, looking at the process between tries.
-    client = redis.Redis(
-        port=port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
-    )
-    until = time.monotonic() + timeout_s
-    try:
-        while True:
-            if process.poll() is not None:
-                said = log.read_text(errors="replace") if log.exists() else ""
-                if ADDRESS_IN_USE in said:
-                    return False
-                raise AssertionError(f"redis-server on {port} exited at start: {said[-500:]}")
-            try:
-                if int(client.info("server")["process_id"]) == process.pid:
-                    return True
-            except redis.RedisError:
-                pass  # not listening yet; or another server holds the port, and ours exits
-            if time.monotonic() > until:
-                stop_all([process])
-                raise AssertionError(f"redis-server on {port} did not answer in {timeout_s:.0f} s")
-            time.sleep(0.05)
-    finally:
-        client.close()
 
 
 def stop_all(processes: Iterable[subprocess.Popen[bytes]]) -> None:

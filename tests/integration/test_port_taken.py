@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from ferry import local_redis
+from ferry.local_redis import RedisStartError
 from harness.ports import free_port
 from harness.processes import wait_for
 from harness.services import redis_server, redis_started, redis_with_conf, stop_all
@@ -68,7 +69,7 @@ def test_another_redis_on_the_port_is_not_taken_for_the_one_started(tmp_path: Pa
 
 
 def test_a_server_that_fails_otherwise_is_reported_with_its_log(tmp_path: Path) -> None:
-    with pytest.raises(AssertionError, match=r"exited at start(.|\n)*no-such-directive"):
+    with pytest.raises(RedisStartError, match=r"exited at start(.|\n)*no-such-directive"):
         redis_started(redis_server(), tmp_path, ["no-such-directive yes"])
 
 
