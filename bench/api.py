@@ -92,6 +92,7 @@ from bench.report import (
 )
 from bench.results import spread
 from harness import webclient
+from harness.processes import command_line
 from harness.stack import FerryUp
 
 SCENARIOS = ("bare", "submit", "get", "longpoll")
@@ -183,7 +184,7 @@ def processes() -> dict[int, Proc]:
             start=int(fields[19]),
             ticks=sum(int(value) for value in fields[11:15]),
             comm=comm,
-            cmdline=[part.decode(errors="replace") for part in raw.split(b"\0") if part],
+            cmdline=command_line(raw),
         )
     return found
 

@@ -12,6 +12,7 @@ stops the stack.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import secrets
@@ -28,14 +29,14 @@ from types import FrameType
 import httpx
 
 from backends.catalog import check, repository_for
-from core.config.settings import Settings
+from core.config.settings import Settings, get_settings
 from core.db import migrate
 from core.db.keys import create_key, verify_token
 from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
 from core.models.repository import Repository
 from core.streams.target import RedisSettings, RedisTarget
 from ferry.built_models import build_missing
-from ferry.children import stop_with_parent
+from ferry.children import ChildProcess, fork_ferry, stop_with_parent
 from ferry.local_redis import start_redis
 from workers.gpu.versions import RESTART_EXIT_CODE
 
@@ -48,6 +49,12 @@ CRASH_LIMIT = 5
 # Restarts to load another model version a worker may ask for in CRASH_WINDOW_S
 # before they count as crashes.
 RELOAD_LIMIT = 3
+# The children's own modules, imported by `ferry up` before it forks them (FERRY_UP_FORK):
+# each child then starts with them, and with what `ferry up` imported for itself
+# (settings, the database and Redis clients). Never the model runtime: torch's threads
+# and CUDA must start in the worker that uses them.
+CHILD_MODULES = ("ferry.serve", "api.app", "workers.gpu.main", "workers.tasks.app")
+FERRY = [sys.executable, "-m", "ferry"]
 
 
 @dataclass
@@ -56,7 +63,7 @@ class Child:
 
     name: str
     args: list[str]
-    process: subprocess.Popen[bytes] | None = None
+    process: ChildProcess | None = None
     crashes: deque[float] = field(default_factory=deque)
     # Restarts it asked for (exit code 76) in the last CRASH_WINDOW_S.
     reloads: deque[float] = field(default_factory=deque)
@@ -66,16 +73,21 @@ class Child:
     # A crash loop of a child that is not critical (Flower) stops only that child.
     critical: bool = True
     given_up: bool = False
+    # Started as a fork of `ferry up` (a `ferry` command only), not a new interpreter.
+    fork: bool = False
 
     def start(self, env: dict[str, str]) -> None:
         # Own process group: Ctrl-C reaches only `ferry up`, which stops
-        # the children in order.
-        self.process = subprocess.Popen(
-            self.args,
-            env=env | self.own_env,
-            start_new_session=True,
-            preexec_fn=stop_with_parent,  # stopped even when `ferry up` is killed
-        )
+        # the children in order; stopped even when `ferry up` is killed.
+        if self.fork and self.args[: len(FERRY)] == FERRY:
+            self.process = fork_ferry(self.args[len(FERRY) :], env | self.own_env, _in_child)
+        else:
+            self.process = subprocess.Popen(
+                self.args,
+                env=env | self.own_env,
+                start_new_session=True,
+                preexec_fn=stop_with_parent,
+            )
         self.restart_at = None
 
     def check(self, now: float, env: dict[str, str]) -> bool:
@@ -203,8 +215,7 @@ def up(settings: Settings) -> int:
     try:
         migrate.upgrade(settings.sqlalchemy_url)
         token = dev_key(settings, data_dir)
-        python = [sys.executable, "-m", "ferry"]
-        children.append(Child("api", [*python, "api"]))
+        children.append(Child("api", [*FERRY, "api"]))
         ports = metrics_ports(settings)
         for name, model, gpu in worker_plan(settings):
             device = ["--device", "cuda:0"] if gpu is not None else []
@@ -212,7 +223,7 @@ def up(settings: Settings) -> int:
                 Child(
                     name,
                     [
-                        *python,
+                        *FERRY,
                         "worker",
                         "--model",
                         model,
@@ -228,22 +239,26 @@ def up(settings: Settings) -> int:
             children.append(
                 Child(
                     "celery-worker",
-                    [*python, "celery", "worker", *_port_arg(ports, "celery-worker")],
+                    [*FERRY, "celery", "worker", *_port_arg(ports, "celery-worker")],
                 )
             )
-            children.append(Child("celery-beat", [*python, "celery", "beat"]))
+            children.append(Child("celery-beat", [*FERRY, "celery", "beat"]))
         password = None
         if settings.flower_port:
             password = flower_password(settings, data_dir)
             children.append(
                 Child(
                     "flower",
-                    [*python, "flower"],
+                    [*FERRY, "flower"],
                     own_env={"FERRY_FLOWER_PASSWORD": password},
                     critical=False,
                 )
             )
+        if settings.up_fork:
+            for module in CHILD_MODULES:
+                importlib.import_module(module)
         for child in children:
+            child.fork = settings.up_fork
             child.start(env)
         base = f"http://{settings.api_host}:{settings.api_port}"
         ready_deadline = time.monotonic() + READY_TIMEOUT_S
@@ -280,6 +295,12 @@ def up(settings: Settings) -> int:
             _stop_process(redis_process)
         _say("stopped")
     return code
+
+
+def _in_child() -> None:
+    """In a forked child, before its command: what was `ferry up`'s alone."""
+    # Read again from the child's environment (its data dir, Redis, database, secrets).
+    get_settings.cache_clear()
 
 
 def _ready(probe: httpx.Client, base: str) -> bool:
@@ -431,13 +452,13 @@ def _stop(children: list[Child], drain_s: float = MIN_DRAIN_S) -> bool:
     return clean
 
 
-def _stop_process(process: subprocess.Popen[bytes]) -> None:
+def _stop_process(process: ChildProcess) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         _wait_or_kill(process)
 
 
-def _wait_or_kill(process: subprocess.Popen[bytes], drain_s: float = MIN_DRAIN_S) -> int:
+def _wait_or_kill(process: ChildProcess, drain_s: float = MIN_DRAIN_S) -> int:
     try:
         return process.wait(timeout=drain_s)
     except subprocess.TimeoutExpired:

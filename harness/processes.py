@@ -213,6 +213,14 @@ def sitecustomize_dir(folder: Path, repository_root: Path, module: str) -> Path:
     return folder
 
 
+def command_line(raw: bytes) -> list[str]:
+    """A process's arguments from its /proc/PID/cmdline: NUL-separated as exec left them,
+    or one title string (a child ``ferry up`` forked names itself ``python -m ferry ...``
+    with setproctitle), split at its spaces."""
+    parts = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    return parts[0].split() if len(parts) == 1 else parts
+
+
 def process_table() -> Iterator[tuple[int, int, int]]:
     """Every process on the machine: its pid, its parent's and its session's (from
     /proc/PID/stat; one that ends while it is read is left out)."""

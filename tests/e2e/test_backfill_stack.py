@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import webclient
+from harness.processes import command_line
 from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
@@ -130,7 +131,7 @@ def test_ctrl_c_while_waiting_leaves_the_backfill_running(stack: FerryUp, tmp_pa
     worker = next(
         pid
         for pid in stack.children()
-        if b"ferry\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if command_line(Path(f"/proc/{pid}/cmdline").read_bytes())[2:4] == ["ferry", "worker"]
     )
     os.kill(worker, signal.SIGSTOP)
     try:

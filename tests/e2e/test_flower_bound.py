@@ -4,14 +4,17 @@ batches have run than that, Flower holds only that many tasks while its counters
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import webclient
+from harness.processes import wait_for
 from harness.stack import FerryUp
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +58,14 @@ def _batches_seen(url: str, auth: tuple[str, str]) -> int:
     return _counted(page, "flower_events_total", task="ferry.batch.sim", type="task-succeeded")
 
 
+def _hears_events(url: str, auth: tuple[str, str]) -> bool:
+    try:
+        page = webclient.get(f"{url}/metrics", auth=auth, timeout=10)
+    except httpx.TransportError:
+        return False  # Flower still starting
+    return page.status_code == 200 and _counted(page.text, "flower_events_total") > 0
+
+
 def _worker_dropped(stack: FerryUp) -> int:
     """The Celery events the sim worker could not send (``ferry up`` gives the models the
     first metrics ports)."""
@@ -70,6 +81,10 @@ def test_flower_holds_at_most_its_bound_of_tasks(stack: FerryUp) -> None:
     url, user, password = match.groups()
     auth = (user, password)
     headers = {"Authorization": f"Bearer {stack.token}"}
+
+    # Events sent before Flower listens are heard by no one (pub/sub): the batches start
+    # once it has heard its first event (a Celery worker's heartbeat, every 2 s).
+    wait_for("Flower to hear an event", functools.partial(_hears_events, url, auth), 120)
 
     # One job at a time, each waited for: every job is a batch of its own, so a task.
     halfway = 0.0

@@ -25,6 +25,7 @@ import pytest
 
 from harness import webclient
 from harness.ports import free_port
+from harness.processes import command_line
 from tests.conftest import run_ferry
 from tests.models import minilm_files
 
@@ -285,3 +286,21 @@ def test_a_killed_ferry_up_takes_its_processes_with_it(tmp_path: Path) -> None:
             for pid in filter(_running, children):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_each_child_runs_its_own_command_forked_or_started_anew(tmp_path: Path, fork: str) -> None:
+    """FERRY_UP_FORK: the children are forks of `ferry up` (each named by its command, one
+    title string) or new interpreters (exec's arguments); either serves."""
+    with started_stack(
+        tmp_path, FERRY_MODELS="sim", FERRY_UP_CELERY="0", FERRY_UP_FORK=fork
+    ) as stack:
+        raw = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(stack.process.pid)]
+        ours = [line for line in raw if b"ferry" in line]
+        assert sorted(command_line(line)[2:4] for line in ours) == [
+            ["ferry", "api"],
+            ["ferry", "worker"],
+        ], raw
+        assert all((b"\0-m\0ferry\0" in line) == (fork == "0") for line in ours), raw
+        job = _result(stack, _submit(stack, {"model": "sim", "input": {"cost": 1}})["id"])
+        assert job["status"] == "succeeded", job
