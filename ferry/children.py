@@ -62,7 +62,28 @@ class ChildProcess(Protocol):
     def kill(self) -> None: ...
 
 
-class Forked:
+class Signalled:
+    """``send_signal``, ``terminate`` and ``kill`` as ``subprocess.Popen``'s, for a child
+    known by its ``pid`` and ``poll``."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        # Never once it has ended: its pid may already be another process's.
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forked(Signalled):
     """A child started by ``fork_ferry``: the parts of ``subprocess.Popen`` a supervisor uses."""
 
     def __init__(self, pid: int, args: list[str]) -> None:
@@ -95,17 +116,6 @@ class Forked:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.02)
         return code
-
-    def send_signal(self, sig: int) -> None:
-        # Never once reaped: its pid may already be another process's.
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def fork_ferry(args: list[str], env: dict[str, str], own: Callable[[], None]) -> Forked:

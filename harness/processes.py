@@ -1,7 +1,11 @@
 """``python -m ferry ...`` processes as an operator starts them: logged, supervised, killed.
 
 Each process runs in a session of its own, so a signal meant for the harness
-never reaches it and a kill reaches exactly it (and anything it forked).
+never reaches it and a kill reaches exactly it (and anything it forked). A process
+whose environment adds only Ferry's settings (FERRY_*) is forked by the stack's zygote
+(harness.zygote), as ``ferry up`` forks its children; one that adds anything read as
+the interpreter starts (a ``PYTHONPATH`` with a sitecustomize, an ``LD_PRELOAD``) is a
+new interpreter.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferry.children import ChildProcess
 from harness import POLL_S
+from harness.zygote import Zygote
 
 
 @dataclass
@@ -31,7 +37,9 @@ class Proc:
     env: dict[str, str]
     log: Path
     supervised: bool = False
-    popen: subprocess.Popen[bytes] | None = None
+    # Forked by the zygote (its environment adds only FERRY_* settings), else exec'd.
+    forked: bool = False
+    popen: ChildProcess | None = None
     exits: list[int] = field(default_factory=list)
     starts: int = 0
 
@@ -50,7 +58,8 @@ class Processes:
         self.tmp = tmp
         self.env: dict[str, str] = {}  # what every process gets, set before the first spawn
         self.procs: dict[str, Proc] = {}
-        self._all: list[subprocess.Popen[bytes]] = []
+        self._all: list[ChildProcess] = []
+        self._zygote: Zygote | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
@@ -65,6 +74,7 @@ class Processes:
             env={**self.env, **env},
             log=self.tmp / f"{name}.log",
             supervised=supervised,
+            forked=all(key.startswith("FERRY_") for key in env),
         )
         with self._lock:
             self.procs[name] = proc
@@ -75,6 +85,13 @@ class Processes:
         proc.starts += 1
         with proc.log.open("ab") as log:
             log.write(f"--- start {proc.starts} at {time.time():.3f}\n".encode())
+            if proc.forked:
+                log.flush()  # before the fork's first line
+                if self._zygote is None:
+                    self._zygote = Zygote(self.env, self.tmp / "zygote.log")
+                proc.popen = self._zygote.spawn(proc.args[3:], proc.env, self.tmp, proc.log)
+                self._all.append(proc.popen)
+                return
             # A session of its own: a signal for the harness never reaches it, and
             # teardown can kill exactly this process (and anything it forked).
             proc.popen = subprocess.Popen(
@@ -188,6 +205,9 @@ class Processes:
             for popen in self._all:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     popen.wait(timeout=10)
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
 
 
 def wait_for(
@@ -219,6 +239,15 @@ def command_line(raw: bytes) -> list[str]:
     with setproctitle), split at its spaces."""
     parts = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
     return parts[0].split() if len(parts) == 1 else parts
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def process_table() -> Iterator[tuple[int, int, int]]:

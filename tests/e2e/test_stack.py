@@ -25,7 +25,7 @@ import pytest
 
 from harness import webclient
 from harness.ports import free_port
-from harness.processes import command_line
+from harness.processes import command_line, running
 from tests.conftest import run_ferry
 from tests.models import minilm_files
 
@@ -256,15 +256,6 @@ def test_sigterm_stops_the_whole_stack(tmp_path: Path) -> None:
         assert any(line.strip() == "stopped" for line in stack.output)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_a_killed_ferry_up_takes_its_processes_with_it(tmp_path: Path) -> None:
     # Killed where it can stop nothing (SIGKILL, the OOM killer): the kernel sends each of
     # its processes, its Redis among them, the SIGTERM it would have, and none runs on
@@ -279,11 +270,11 @@ def test_a_killed_ferry_up_takes_its_processes_with_it(tmp_path: Path) -> None:
         stack.process.wait(timeout=10)
         until = time.monotonic() + 60
         try:
-            while running := {pid: cmd for pid, cmd in children.items() if _running(pid)}:
-                assert time.monotonic() < until, running
+            while left := {pid: cmd for pid, cmd in children.items() if running(pid)}:
+                assert time.monotonic() < until, left
                 time.sleep(0.2)
         finally:  # what a failure leaves running must not load the rest of the suite
-            for pid in filter(_running, children):
+            for pid in filter(running, children):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
 
