@@ -13,11 +13,12 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test: most tests wait on Redis, a database or a
-# process starting rather than compute, so three share 2 cores; the fault suite
+# process starting rather than compute, so four share 2 cores (with three, the
+# cores idled 12-16 % of a run once stacks forked their processes); the fault suite
 # and the tests on hosts or ports of their own each keep to one worker
 # (tests/conftest.py, XDIST_GROUPS). TEST_WORKERS=0 runs every test in pytest's
 # own process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 # make test's report (ignored by git): pytest's JUnit XML and durations, and the
 # wall time of each other step (steps.tsv); make test-report prints it.
 REPORT := .ferry/test-report
