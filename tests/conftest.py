@@ -96,6 +96,33 @@ def xdist_scope(nodeid: str) -> str:
     return xdist_group(nodeid.split("::", 1)[0]) or nodeid
 
 
+# Tests of a minute or more that are in no group, in the order they are handed out: before
+# every other test outside a group (xdist hands out the groups first, the biggest first),
+# so that none starts last, whatever the order, and runs on alone after the others are done
+# (a shuffled run's bench smoke test did, for 76 s).
+LONG_TESTS = (
+    "tests/e2e/test_bench_smoke.py",
+    "tests/e2e/test_backfill_stack.py::test_a_100k_line_file",
+    "tests/e2e/test_shipped_lm_stack.py",
+)
+
+
+def long_tests_first(nodeids: list[str]) -> list[int]:
+    """The order of ``nodeids`` with LONG_TESTS first (in theirs), the rest as they were."""
+
+    def rank(index: int) -> int:
+        nodeid = nodeids[index]
+        return next((i for i, p in enumerate(LONG_TESTS) if nodeid.startswith(p)), len(LONG_TESTS))
+
+    return sorted(range(len(nodeids)), key=rank)
+
+
+@pytest.hookimpl(trylast=True)  # after a shuffle (random-order's hook), not undone by it
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = long_tests_first([item.nodeid for item in items])
+    items[:] = [items[i] for i in order]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """--dist loadgroup by XDIST_GROUPS. pytest-xdist's own reads xdist_group marks from a

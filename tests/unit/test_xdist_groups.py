@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-from tests.conftest import pytest_xdist_make_scheduler, xdist_scope
+from tests.conftest import LONG_TESTS, long_tests_first, pytest_xdist_make_scheduler, xdist_scope
 
 
 def test_a_grouped_file_s_tests_share_their_group_s_scope() -> None:
@@ -41,3 +41,30 @@ def test_loadgroup_schedules_by_the_suite_s_groups(
     )
     monkeypatch.setattr(pytestconfig.option, "dist", "load")
     assert pytest_xdist_make_scheduler(pytestconfig, None) is None
+
+
+def test_the_long_tests_come_first_in_their_order_and_the_rest_keep_theirs() -> None:
+    nodeids = [
+        "tests/unit/test_a.py::test_one",
+        "tests/e2e/test_shipped_lm_stack.py::test_chat",
+        "tests/integration/test_b.py::test_two",
+        "tests/e2e/test_bench_smoke.py::test_every_benchmark",
+        "tests/unit/test_a.py::test_three",
+    ]
+    ordered = [nodeids[i] for i in long_tests_first(nodeids)]
+    assert ordered == [
+        "tests/e2e/test_bench_smoke.py::test_every_benchmark",
+        "tests/e2e/test_shipped_lm_stack.py::test_chat",
+        "tests/unit/test_a.py::test_one",
+        "tests/integration/test_b.py::test_two",
+        "tests/unit/test_a.py::test_three",
+    ]
+
+
+def test_every_long_test_exists(pytestconfig: pytest.Config) -> None:
+    """A renamed test would silently lose its place at the front."""
+    root = pytestconfig.rootpath
+    for prefix in LONG_TESTS:
+        path, _, name = prefix.partition("::")
+        assert (root / path).is_file(), prefix
+        assert not name or f"def {name}" in (root / path).read_text(), prefix
