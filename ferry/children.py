@@ -127,10 +127,11 @@ def fork_ferry(args: list[str], env: dict[str, str], own: Callable[[], None]) ->
     interpreter and without importing again what the two share (about a second of CPU
     for each of ``ferry up``'s children). Its parent must have no other thread (a lock
     one holds would stay held in the fork) and must not have started the model runtime
-    (torch's threads and CUDA do not survive a fork). ``own`` runs in the fork first:
-    it drops what was the parent's alone (cached settings, signal handlers). The
-    environment becomes ``env``; ``ps`` shows ``python -m ferry ARGS`` (one string, the
-    arguments parted by spaces).
+    (torch's threads and CUDA do not survive a fork). In the fork, the parent's signal
+    handlers are reset and the environment becomes ``env``; then ``own`` drops what else
+    was the parent's alone (its cached settings; the harness's zygote also moves the
+    fork's directory and output), and the command runs. ``ps`` shows ``python -m ferry
+    ARGS`` (one string, the arguments parted by spaces).
     """
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
