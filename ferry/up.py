@@ -80,7 +80,7 @@ class Child:
         # Own process group: Ctrl-C reaches only `ferry up`, which stops
         # the children in order; stopped even when `ferry up` is killed.
         if self.fork and self.args[: len(FERRY)] == FERRY:
-            self.process = fork_ferry(self.args[len(FERRY) :], env | self.own_env, _in_child)
+            self.process = fork_ferry(self.args[len(FERRY) :], env | self.own_env, forget_parent)
         else:
             self.process = subprocess.Popen(
                 self.args,
@@ -297,8 +297,9 @@ def up(settings: Settings) -> int:
     return code
 
 
-def _in_child() -> None:
-    """In a forked child, before its command: what was `ferry up`'s alone."""
+def forget_parent() -> None:
+    """In a forked child, before its command: what was its parent's alone (`ferry up`'s,
+    or the harness's zygote's)."""
     # Read again from the child's environment (its data dir, Redis, database, secrets).
     get_settings.cache_clear()
 
