@@ -24,8 +24,11 @@ TEST_WORKERS ?= 4
 REPORT := .ferry/test-report
 # Compiled once before pytest, so that the few hundred processes the suite starts read
 # their bytecode instead of compiling every module again (where PYTHONDONTWRITEBYTECODE
-# is set, none of them would write it).
-SOURCES := api backends bench core ferry harness scheduler workers clients/python
+# is set, none of them would write it): the sources, and the tests' helpers (their test
+# modules and conftests pytest compiles itself, rewriting their asserts: tests/assert_cache.py
+# writes those once, for the workers to read).
+SOURCES := api backends bench core ferry harness scheduler workers clients/python tests
+NOT_COMPILED := '/(test_[^/]*|conftest)\.py$$'
 # Set by make test: where each step's wall time is appended (.ci/timed); empty, nothing is.
 STEPS ?=
 TIMED = .ci/timed "$(STEPS)"
@@ -94,7 +97,10 @@ test:
 	@( .ci/timed $(REPORT)/steps.tsv checks $(MAKE) --no-print-directory -j4 --output-sync=target \
 		STEPS=$(REPORT)/steps.tsv lint typecheck audit-soft docs > $(REPORT)/checks.log 2>&1; \
 		echo $$? > $(REPORT)/checks.status; printf '\n'; cat $(REPORT)/checks.log ) & \
-	.ci/timed $(REPORT)/steps.tsv compile $(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null; \
+	.ci/timed $(REPORT)/steps.tsv compile $(BIN)/python -m compileall -q -j 0 -x $(NOT_COMPILED) \
+		$(SOURCES) > /dev/null; \
+	.ci/timed $(REPORT)/steps.tsv assert-cache env -u PYTHONDONTWRITEBYTECODE \
+		$(BIN)/python -m pytest -q -p tests.assert_cache; \
 	.ci/timed $(REPORT)/steps.tsv pytest $(BIN)/python -m pytest -n $(TEST_WORKERS) \
 		--dist loadgroup --durations=50 --junitxml=$(REPORT)/junit.xml $(PYTEST_ARGS); \
 	tests=$$?; wait; checks=$$(cat $(REPORT)/checks.status); \

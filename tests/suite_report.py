@@ -26,7 +26,7 @@ from pathlib import Path
 DEFAULT_DIR = Path(".ferry/test-report")
 # What `make test` waits for before pytest starts; the checks run beside pytest, and the
 # rest of steps.tsv (ruff, mypy, ...) inside the checks.
-BEFORE_PYTEST = ("venv", "compile")
+BEFORE_PYTEST = ("venv", "compile", "assert-cache")
 
 
 @dataclass(frozen=True)

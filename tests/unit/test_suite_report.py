@@ -91,12 +91,15 @@ def test_files_are_ranked_by_their_tests_summed_time() -> None:
     assert [case.name for case in slowest_tests(cases, count=2)] == ["test_kill", "test_up"]
 
 
-def test_only_the_venv_comes_before_pytest() -> None:
-    steps = parse_steps("venv\t1.50\t0\nmypy\t50.00\t0\n\nchecks\t80.25\t0\npytest\t900.00\t1\n")
+def test_only_the_venv_and_the_compiling_come_before_pytest() -> None:
+    steps = parse_steps(
+        "venv\t1.50\t0\nmypy\t50.00\t0\n\nchecks\t80.25\t0\ncompile\t2.00\t0\n"
+        "assert-cache\t8.25\t0\npytest\t900.00\t1\n"
+    )
     assert steps[0] == Step("venv", 1.5, 0)
     assert steps[-1] == Step("pytest", 900.0, 1)
     # The checks (mypy among them) run beside pytest: none of their time comes before it.
-    assert before_pytest_s(steps) == 1.5
+    assert before_pytest_s(steps) == 1.5 + 2.0 + 8.25
 
 
 def test_render_names_the_counts_the_slowest_and_a_failed_step() -> None:
