@@ -12,6 +12,10 @@ the kernel never hands out and no other test process takes from; elsewhere
 The block is the worker process's alone (``claim_block``, tests/conftest.py):
 a process it starts (a benchmark of the smoke run) inherits its
 PYTEST_XDIST_WORKER, and would hand out the same ports again from the start.
+Nor is it another suite's: two suites on one machine both have a ``gw0``, and
+a server of one bound on a port the other's readiness check then found
+answering. A block is held by a lock file (a lock each, as harness/netns.py's
+subnets), the worker's own number where it is free, else the next free one.
 
 A port comes with the nine after it unused by this allocator: a stack's GPU
 workers serve /metrics on ``FERRY_METRICS_PORT_BASE`` plus their index.
@@ -19,35 +23,61 @@ workers serve /metrics on ``FERRY_METRICS_PORT_BASE`` plus their index.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import socket
+import tempfile
 import threading
+from pathlib import Path
+from typing import IO
 
 BLOCKS_START = 10_000  # the kernel's ephemeral range begins at 32768 by default
 BLOCK_PORTS = 2_000  # each test process's ports: 200 of them, ten apart
 STRIDE = 10
-MAX_WORKERS = 11  # gw0 .. gw10: 10000 .. 31999
+MAX_WORKERS = 11  # blocks 0 .. 10 (gw0 .. gw10 where they are free): 10000 .. 31999
 
 OWNER_ENV = "HARNESS_PORTS_OWNER"  # the pid of the process the block is for
+BLOCK_ENV = "HARNESS_PORTS_BLOCK"  # the number of its block
+LOCKS = Path(tempfile.gettempdir()) / "ferry-ports"
 
 _lock = threading.Lock()
 _next: dict[int, int] = {}
+_held: IO[bytes] | None = None  # the lock file of this process's block, open while it lives
 
 
-def claim_block() -> None:
-    """Make this process (a pytest-xdist worker) the one its worker's block is for."""
-    os.environ[OWNER_ENV] = str(os.getpid())
+def claim_block(environ: dict[str, str] | None = None) -> int:
+    """Make this process (a pytest-xdist worker) the one a block is for: its worker's
+    number where no other process on the machine holds it, else the next free one."""
+    global _held
+    env = os.environ if environ is None else environ
+    match = re.fullmatch(r"gw(\d+)", env.get("PYTEST_XDIST_WORKER", ""))
+    own = int(match.group(1)) % MAX_WORKERS if match else 0
+    LOCKS.mkdir(exist_ok=True)
+    for number in [(own + i) % MAX_WORKERS for i in range(MAX_WORKERS)]:
+        lock = (LOCKS / f"{number}.lock").open("ab")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        if _held is not None:
+            _held.close()
+        _held = lock
+        env[OWNER_ENV] = str(os.getpid())
+        env[BLOCK_ENV] = str(number)
+        return number
+    raise RuntimeError(f"all {MAX_WORKERS} port blocks are held by other test processes")
 
 
 def worker_index(environ: dict[str, str] | None = None) -> int | None:
-    """The pytest-xdist worker's number (``gw3`` is 3) where this process claimed its
-    block, else None."""
+    """The number of the block this process claimed (``claim_block``), else None (a
+    process a worker started inherits its environment, not its block)."""
     env = os.environ if environ is None else environ
-    match = re.fullmatch(r"gw(\d+)", env.get("PYTEST_XDIST_WORKER", ""))
-    if match is None or env.get(OWNER_ENV) != str(os.getpid()):
+    block = env.get(BLOCK_ENV, "")
+    if not block.isdigit() or env.get(OWNER_ENV) != str(os.getpid()):
         return None
-    return int(match.group(1)) % MAX_WORKERS
+    return int(block) % MAX_WORKERS
 
 
 def _bindable(port: int) -> bool:
