@@ -10,7 +10,6 @@ traffic leaves the machine. Needs root and iproute2; anything else raises
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import secrets
 import shutil
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from harness.locks import try_lock
 from harness.services import ServiceMissing
 
 # Each network takes a /24 of the benchmarking range (RFC 2544), 198.18.N.0, that no
@@ -49,11 +49,8 @@ def claim_subnet() -> tuple[str, IO[bytes]]:
     LOCKS.mkdir(exist_ok=True)
     for number in range(SUBNETS):
         subnet = f"{RANGE}.{number}"
-        lock = (LOCKS / f"{subnet}.lock").open("ab")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
+        lock = try_lock(LOCKS / f"{subnet}.lock")
+        if lock is None:
             continue
         holders = interfaces_in(subnet)
         if any(not name.startswith(BRIDGE_PREFIX) for name in holders):

@@ -23,7 +23,6 @@ workers serve /metrics on ``FERRY_METRICS_PORT_BASE`` plus their index.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import socket
@@ -31,6 +30,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import IO
+
+from harness.locks import try_lock
 
 BLOCKS_START = 10_000  # the kernel's ephemeral range begins at 32768 by default
 BLOCK_PORTS = 2_000  # each test process's ports: 200 of them, ten apart
@@ -55,11 +56,8 @@ def claim_block(environ: dict[str, str] | None = None) -> int:
     own = int(match.group(1)) % MAX_WORKERS if match else 0
     LOCKS.mkdir(exist_ok=True)
     for number in [(own + i) % MAX_WORKERS for i in range(MAX_WORKERS)]:
-        lock = (LOCKS / f"{number}.lock").open("ab")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
+        lock = try_lock(LOCKS / f"{number}.lock")
+        if lock is None:
             continue
         if _held is not None:
             _held.close()
