@@ -118,7 +118,9 @@ class Forked(Signalled):
         return code
 
 
-def fork_ferry(args: list[str], env: dict[str, str], own: Callable[[], None]) -> Forked:
+def fork_ferry(
+    args: list[str], env: dict[str, str], own: Callable[[], None] | None = None
+) -> Forked:
     """``python -m ferry ARGS`` as a fork of this process, in a session of its own and
     stopped with its parent, as ``subprocess.Popen(..., start_new_session=True,
     preexec_fn=stop_with_parent)`` would start it.
@@ -128,9 +130,10 @@ def fork_ferry(args: list[str], env: dict[str, str], own: Callable[[], None]) ->
     for each of ``ferry up``'s children). Its parent must have no other thread (a lock
     one holds would stay held in the fork) and must not have started the model runtime
     (torch's threads and CUDA do not survive a fork). In the fork, the parent's signal
-    handlers are reset and the environment becomes ``env``; then ``own`` drops what else
-    was the parent's alone (its cached settings; the harness's zygote also moves the
-    fork's directory and output), and the command runs. ``ps`` shows ``python -m ferry
+    handlers are reset, the environment becomes ``env`` and the settings the parent had
+    read from its own are dropped; then ``own``, where given, does what else the fork's
+    caller needs (the harness's zygote moves the fork's directory and output), and the
+    command runs. ``ps`` shows ``python -m ferry
     ARGS`` (one string, the arguments parted by spaces).
     """
     for stream in (sys.stdout, sys.stderr):
@@ -152,7 +155,12 @@ def fork_ferry(args: list[str], env: dict[str, str], own: Callable[[], None]) ->
             signal.signal(signum, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
-        own()
+        # Read again from the fork's environment (its data dir, Redis, database, secrets).
+        from core.config.settings import get_settings
+
+        get_settings.cache_clear()
+        if own is not None:
+            own()
         sys.argv = [sys.argv[0], *args]
         from ferry.cli import main
 

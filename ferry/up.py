@@ -29,7 +29,7 @@ from types import FrameType
 import httpx
 
 from backends.catalog import check, repository_for
-from core.config.settings import Settings, get_settings
+from core.config.settings import Settings
 from core.db import migrate
 from core.db.keys import create_key, verify_token
 from core.db.schema import DatabaseSettings, engine_for, make_sessionmaker
@@ -80,7 +80,7 @@ class Child:
         # Own process group: Ctrl-C reaches only `ferry up`, which stops
         # the children in order; stopped even when `ferry up` is killed.
         if self.fork and self.args[: len(FERRY)] == FERRY:
-            self.process = fork_ferry(self.args[len(FERRY) :], env | self.own_env, forget_parent)
+            self.process = fork_ferry(self.args[len(FERRY) :], env | self.own_env)
         else:
             self.process = subprocess.Popen(
                 self.args,
@@ -295,13 +295,6 @@ def up(settings: Settings) -> int:
             _stop_process(redis_process)
         _say("stopped")
     return code
-
-
-def forget_parent() -> None:
-    """In a forked child, before its command: what was its parent's alone (`ferry up`'s,
-    or the harness's zygote's)."""
-    # Read again from the child's environment (its data dir, Redis, database, secrets).
-    get_settings.cache_clear()
 
 
 def _ready(probe: httpx.Client, base: str) -> bool:

@@ -46,9 +46,6 @@ START_TIMEOUT_S = 60.0
 def _redirected(cwd: str, log: str) -> None:
     """In the fork: its working directory, stdin from /dev/null, stdout and stderr to
     ``log`` (the zygote's own are its pipes to the harness)."""
-    from ferry.up import forget_parent
-
-    forget_parent()
     os.chdir(cwd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

@@ -69,6 +69,25 @@ def test_the_fork_runs_the_command_in_its_own_session_and_environment(tmp_path: 
     assert child["sigterm"] is True
 
 
+def test_the_fork_reads_its_settings_from_its_own_environment(tmp_path: Path) -> None:
+    out = forked(
+        """
+        from core.config.settings import get_settings
+        os.environ["FERRY_DATA_DIR"] = str(seen.parent / "parent")
+        out["parent"] = str(get_settings().data_dir)  # read, and cached, before the fork
+        def own():
+            seen.write_text(str(get_settings().data_dir))
+        env = {"PATH": os.environ["PATH"], "FERRY_DATA_DIR": str(seen.parent / "child")}
+        out["code"] = fork_ferry(["models", "--help"], env, own).wait(timeout=60)
+        out["child"] = seen.read_text()
+        """,
+        tmp_path,
+    )
+    assert out["code"] == 0
+    assert out["parent"] == str(tmp_path / "parent")
+    assert out["child"] == str(tmp_path / "child")
+
+
 def test_a_commands_exit_status_is_the_forks(tmp_path: Path) -> None:
     out = forked(
         """
