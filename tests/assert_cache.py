@@ -28,13 +28,12 @@ import pytest
 from _pytest.assertion import rewrite
 from _pytest.assertion.rewrite import PYC_TAIL, get_cache_dir
 
-# What tests/conftest.py registers with pytest.register_assert_rewrite.
-REGISTERED = ("harness",)
-
 
 def rewritten_by_pytest(config: pytest.Config) -> list[Path]:
     """The files pytest rewrites when it imports them: each testpath's test modules (its
     ``python_files`` patterns) and conftests, and the registered packages' modules."""
+    from tests.conftest import ASSERTS_REWRITTEN  # loaded by pytest by now
+
     root = config.rootpath
     patterns = [*config.getini("python_files"), "conftest.py"]
     found: set[Path] = set()
@@ -42,7 +41,7 @@ def rewritten_by_pytest(config: pytest.Config) -> list[Path]:
         for path in (root / testpath).rglob("*.py"):
             if any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
                 found.add(path)
-    for package in REGISTERED:
+    for package in ASSERTS_REWRITTEN:
         found.update((root / package).rglob("*.py"))
     return sorted(found)
 

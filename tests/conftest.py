@@ -27,7 +27,8 @@ from core.db import migrate
 from core.db.schema import Base, make_engine
 
 # The harness asserts on the tests' behalf: its failures read as a test's own do.
-pytest.register_assert_rewrite("harness")
+ASSERTS_REWRITTEN = ("harness",)
+pytest.register_assert_rewrite(*ASSERTS_REWRITTEN)
 
 from harness import ports  # noqa: E402
 from harness.services import ServiceMissing, postgres_database, reachable_redis, started_redis  # noqa: E402
@@ -107,20 +108,15 @@ LONG_TESTS = (
 )
 
 
-def long_tests_first(nodeids: list[str]) -> list[int]:
-    """The order of ``nodeids`` with LONG_TESTS first (in theirs), the rest as they were."""
-
-    def rank(index: int) -> int:
-        nodeid = nodeids[index]
-        return next((i for i, p in enumerate(LONG_TESTS) if nodeid.startswith(p)), len(LONG_TESTS))
-
-    return sorted(range(len(nodeids)), key=rank)
+def long_test_rank(nodeid: str) -> int:
+    """Where a test is handed out among those outside a group: its place in LONG_TESTS,
+    else after them all (sorting by it keeps the others in their order)."""
+    return next((i for i, p in enumerate(LONG_TESTS) if nodeid.startswith(p)), len(LONG_TESTS))
 
 
 @pytest.hookimpl(trylast=True)  # after a shuffle (random-order's hook), not undone by it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    order = long_tests_first([item.nodeid for item in items])
-    items[:] = [items[i] for i in order]
+    items.sort(key=lambda item: long_test_rank(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-from tests.conftest import LONG_TESTS, long_tests_first, pytest_xdist_make_scheduler, xdist_scope
+from tests.conftest import LONG_TESTS, long_test_rank, pytest_xdist_make_scheduler, xdist_scope
 
 
 def test_a_grouped_file_s_tests_share_their_group_s_scope() -> None:
@@ -51,7 +51,7 @@ def test_the_long_tests_come_first_in_their_order_and_the_rest_keep_theirs() -> 
         "tests/e2e/test_bench_smoke.py::test_every_benchmark",
         "tests/unit/test_a.py::test_three",
     ]
-    ordered = [nodeids[i] for i in long_tests_first(nodeids)]
+    ordered = sorted(nodeids, key=long_test_rank)
     assert ordered == [
         "tests/e2e/test_bench_smoke.py::test_every_benchmark",
         "tests/e2e/test_shipped_lm_stack.py::test_chat",
