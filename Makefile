@@ -26,7 +26,8 @@ REPORT := .ferry/test-report
 # their bytecode instead of compiling every module again (where PYTHONDONTWRITEBYTECODE
 # is set, none of them would write it): the sources, and the tests' helpers (their test
 # modules and conftests pytest compiles itself, rewriting their asserts: tests/assert_cache.py
-# writes those once, for the workers to read).
+# writes those once, for the workers to read; should it fail, pytest runs all the same, each
+# worker rewriting them again, and steps.tsv says so).
 SOURCES := api backends bench core ferry harness scheduler workers clients/python tests
 NOT_COMPILED := '/(test_[^/]*|conftest)\.py$$'
 # Set by make test: where each step's wall time is appended (.ci/timed); empty, nothing is.

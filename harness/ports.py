@@ -68,7 +68,7 @@ def claim_block(environ: dict[str, str] | None = None) -> int:
     raise RuntimeError(f"all {MAX_WORKERS} port blocks are held by other test processes")
 
 
-def worker_index(environ: dict[str, str] | None = None) -> int | None:
+def block_index(environ: dict[str, str] | None = None) -> int | None:
     """The number of the block this process claimed (``claim_block``), else None (a
     process a worker started inherits its environment, not its block)."""
     env = os.environ if environ is None else environ
@@ -96,7 +96,7 @@ def kernel_port() -> int:
 
 def free_port() -> int:
     """A loopback port nothing listens on now, and no other test process is handed."""
-    index = worker_index()
+    index = block_index()
     if index is None:
         return kernel_port()
     start = BLOCKS_START + index * BLOCK_PORTS

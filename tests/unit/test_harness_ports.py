@@ -56,9 +56,9 @@ def test_a_worker_claims_its_own_numbers_block_where_it_is_free(own_locks: Path)
     env = {"PYTEST_XDIST_WORKER": "gw7"}
     assert ports.claim_block(env) == 7
     assert env[ports.BLOCK_ENV] == "7" and env[ports.OWNER_ENV] == str(os.getpid())
-    assert ports.worker_index(env) == 7
-    assert ports.worker_index({}) is None
-    assert ports.worker_index({"PYTEST_XDIST_WORKER": "gw7"}) is None  # no block claimed
+    assert ports.block_index(env) == 7
+    assert ports.block_index({}) is None
+    assert ports.block_index({"PYTEST_XDIST_WORKER": "gw7"}) is None  # no block claimed
 
 
 def test_a_block_another_suite_s_worker_holds_is_passed_over_until_it_ends(
@@ -77,7 +77,7 @@ def test_a_block_another_suite_s_worker_holds_is_passed_over_until_it_ends(
 def test_a_process_the_worker_started_has_no_block_of_its_own() -> None:
     # It inherited the worker's environment: the block is the worker's, by its pid.
     inherited = {ports.OWNER_ENV: str(os.getppid()), ports.BLOCK_ENV: "1"}
-    assert ports.worker_index(inherited) is None
+    assert ports.block_index(inherited) is None
 
 
 def test_the_blocks_stay_below_the_kernel_s_ephemeral_range() -> None:
