@@ -82,7 +82,9 @@ def test_a_new_jobs_estimated_wait_follows_the_learned_step_time_and_a_short_dea
         for job_id in warm:
             assert result(gen_client, auth, job_id)["status"] == "succeeded"
         time.sleep(0.5)  # its figures published (every 250 ms), the API's view re-read
-        quoted_from = learned_estimate(gen_settings)  # what the probe's quote is made of
+        # What the probe's quote is made of, near enough: the API's view may be re-read once
+        # the load's first steps are published, a few steps' learning later.
+        quoted_from = learned_estimate(gen_settings)
         # A loaded queue: five times what runs at once ahead of the probe.
         load = [submit(gen_client, auth, **job(i)) for i in range(100, 120)]
         accepted = post(gen_client, auth, input=job(999))
