@@ -244,6 +244,8 @@ BENCHES = (
             "512",
             "--idle-s",
             "1",
+            "--history",
+            "2000",
         ),
         5,
         smoke_s=12,

@@ -4,8 +4,12 @@
 One process runs the API (uvicorn, on a thread) and a sim worker (the sim
 model sleeps instead of computing, so every CPU second the worker spends is
 Ferry's own work around the model) against a Redis of its own and a fresh
-PostgreSQL database. Three phases, one at a time, so that each part's cost
-is read off counters that only it moves:
+PostgreSQL database that already holds ``--history`` finished jobs (100,000
+by default: what a deployment keeps within its retention; the size of the
+table decides the plans its statements get), analyzed, as autovacuum keeps
+it, before the first phase and again after the submissions. Three phases,
+one at a time, so that each part's cost is read off counters that only it
+moves:
 
 * **submit**: N jobs through ``POST /v1/jobs`` from C concurrent clients, no
   worker running: the API's cost per submission;
@@ -18,13 +22,15 @@ reaches: a script call per job against one per tenant's stream, side by side.
 
 Per phase: Redis's commands (``INFO commandstats``), bytes in and out, and
 CPU (``INFO cpu``, less what it spends idle over as long); PostgreSQL's transactions and rows
-(``pg_stat_database``) and statements (SQLAlchemy's events in this process),
+(``pg_stat_database``; each table's scans and rows, ``pg_stat_user_tables``) and
+statements (SQLAlchemy's events in this process),
 and the CPU of every PostgreSQL process; this process's CPU less the
 clients' own threads (for the submit and poll phases: the API's; for the run
 phase: the worker's). From them, :func:`walls` works out at how many jobs per
 second each part saturates, one core each.
 
     python -m bench.capacity [--jobs 3000] [--batch 32] [--clients 16] [--rounds 3]
+                             [--history 100000]
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 
 import httpx
 import redis
-from sqlalchemy import event, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.engine import Engine
 
 from bench import results
@@ -58,6 +64,18 @@ from harness.services import migrated_postgres_database, started_redis
 from harness.worker import running_worker
 
 TICKS = os.sysconf("SC_CLK_TCK")
+# Each table's scans and rows (pg_stat_user_tables), per phase: which table a phase
+# reads by sequential scan, and which it writes.
+TABLE_COUNTERS = (
+    "seq_scan",
+    "seq_tup_read",
+    "idx_scan",
+    "idx_tup_fetch",
+    "n_tup_ins",
+    "n_tup_upd",
+    "n_tup_del",
+    "n_tup_hot_upd",
+)
 # The enqueue alone, at the group sizes a group commit reaches (1 when idle, up to
 # FERRY_SUBMIT_GROUP_MAX under load), from this many API keys.
 ENQUEUE_GROUPS = (1, 16, 256)
@@ -106,9 +124,12 @@ class Statements:
 class Counters:
     """Readings of every counter a phase moves."""
 
-    def __init__(self, client: redis.Redis, admin: Engine, database: str, sql: Statements) -> None:
+    def __init__(
+        self, client: redis.Redis, admin: Engine, engine: Engine, database: str, sql: Statements
+    ) -> None:
         self.client = client
         self.admin = admin
+        self.engine = engine
         self.database = database
         self.sql = sql
         self.backends: dict[int, float] = {}
@@ -122,6 +143,13 @@ class Counters:
             for name, stats in info.items()
             if name.startswith("cmdstat_")
         }
+        tables: dict[str, float] = {}
+        with self.engine.connect() as conn:
+            for found in conn.execute(
+                text(f"SELECT relname, {', '.join(TABLE_COUNTERS)} FROM pg_stat_user_tables")
+            ):
+                for counter in TABLE_COUNTERS:
+                    tables[f"table:{found.relname}:{counter}"] = float(getattr(found, counter) or 0)
         with self.admin.connect() as conn:
             row = conn.execute(
                 text(
@@ -141,6 +169,7 @@ class Counters:
             "db_statements": float(self.sql.count),
             "process_cpu_s": time.process_time(),
             **{f"redis:{name}": calls for name, calls in commands.items()},
+            **tables,
         }
 
 
@@ -195,7 +224,12 @@ def poll(base: str, token: str, ids: list[str], clients: int) -> float:
 
 
 def one_round(
-    jobs: int, batch: int, clients: int, enqueue_messages: int, idle_s: float = 3.0
+    jobs: int,
+    batch: int,
+    clients: int,
+    enqueue_messages: int,
+    idle_s: float = 3.0,
+    history: int = 0,
 ) -> dict[str, Any]:
     sql = Statements()
     with (
@@ -218,11 +252,13 @@ def one_round(
         engine = make_engine(settings.sqlalchemy_url)
         sessions = make_sessionmaker(engine)
         with sessions() as session:
-            token = create_key(session, "capacity").token
+            created = create_key(session, "capacity")
+            token = created.token
+        add_history(engine, created.id, history)
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         database = engine.url.database or ""
         admin = make_engine(engine.url.set(database="postgres").render_as_string(False))
-        counters = Counters(client, admin, database, sql)
+        counters = Counters(client, admin, engine, database, sql)
         phases: dict[str, dict[str, float]] = {}
 
         def idle_rates(seconds: float = idle_s) -> dict[str, float]:
@@ -267,16 +303,25 @@ def one_round(
                 return cpu
 
             measured("submit", submitting)
+            # The statistics as autovacuum keeps them (its analyze follows within a minute
+            # of the rows arriving; a phase is shorter), so the later phases run on the plans
+            # a deployment's table gets.
+            analyze(engine)
 
             def running() -> float:
                 with running_worker(settings, "sim", "capacity"):
                     until = time.monotonic() + 300
                     while time.monotonic() < until:
                         with sessions() as session:
+                            # A count, which the status index answers: with LIMIT 1 the
+                            # planner bets on a scan that meets one soon, and reads the
+                            # history first; that would be this phase's largest cost.
                             left = session.scalar(
-                                select(Job.id).where(Job.status != "succeeded").limit(1)
+                                select(func.count())
+                                .select_from(Job)
+                                .where(Job.status.in_(("queued", "running")))
                             )
-                        if left is None:
+                        if not left:
                             break
                         time.sleep(0.1)
                 return 0.0
@@ -284,12 +329,39 @@ def one_round(
             measured("run", running)
             measured("poll", lambda: poll(api.base, token, ids, clients))
         with sessions() as session:
-            batches = len(set(session.scalars(select(Job.batch_id))))
+            batches = len(set(session.scalars(select(Job.batch_id).where(Job.id.in_(ids)))))
         engine.dispose()
         admin.dispose()
         client.close()
         enqueue = enqueue_costs(redis_url, ENQUEUE_GROUPS, ENQUEUE_TENANTS, enqueue_messages)
     return {"jobs": len(ids), "batches": batches, "phases": phases, "enqueue": enqueue}
+
+
+def add_history(engine: Engine, key_id: str, jobs: int) -> None:
+    """``jobs`` finished jobs of ``key_id`` from the past day, analyzed: the table a
+    deployment holds within its retention (``FERRY_RESULT_TTL_S``), whose size decides
+    the plans the hot path's statements get (on a table of a few thousand rows a look
+    at every row is cheaper than the index, and the planner takes it)."""
+    if jobs > 0:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, api_key_id, model, priority, status, input, output, "
+                    "cost, attempts, created_at, started_at, finished_at, batch_id, batch_size) "
+                    "SELECT 'history-' || n, :key, 'sim', 'normal', 'succeeded', "
+                    "'{\"cost\": 8}'::json, '{\"cost\": 8}'::json, 8, 1, t, t, t, "
+                    "'history-batch-' || n / 32, 32 "
+                    "FROM generate_series(1, :jobs) AS n, "
+                    "LATERAL (SELECT now() - n * interval '1 day' / :jobs AS t) AS at"
+                ),
+                {"key": key_id, "jobs": jobs},
+            )
+    analyze(engine)
+
+
+def analyze(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
 
 
 def enqueue_costs(
@@ -441,12 +513,20 @@ def main(argv: list[str] | None = None) -> None:
         default=3.0,
         help="seconds of doing nothing before each phase, whose cost is taken off it",
     )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=100_000,
+        help="finished jobs in the table before the round (a deployment's retention)",
+    )
     parser.add_argument("--out", type=Path, default=results.RESULTS / "capacity.json")
     args = parser.parse_args(argv)
     head = results.provenance("capacity", argv)
     runs = results.repeated(
         args.rounds,
-        lambda: one_round(args.jobs, args.batch, args.clients, args.enqueue_messages, args.idle_s),
+        lambda: one_round(
+            args.jobs, args.batch, args.clients, args.enqueue_messages, args.idle_s, args.history
+        ),
         lambda run: print({k: round(v, 2) for k, v in per_job(run).items()}, flush=True),
     )
     costs = [per_job(run) for run in runs]
@@ -483,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
             "enqueue_tenants": ENQUEUE_TENANTS,
             "enqueue_messages": args.enqueue_messages,
             "idle_s": args.idle_s,
+            "history_jobs": args.history,
         },
         head=head,
     )
@@ -519,6 +600,11 @@ def _spread_text(found: Spread, digits: int) -> str:
     return median if low == high else f"{median} ({low}–{high})"
 
 
+def _history_text(settings: dict[str, Any]) -> str:
+    history = settings.get("history_jobs", 0)
+    return f" holding {history:,} finished jobs, analyzed" if history else ""
+
+
 def render_capacity(results: Results) -> list[str]:
     doc, report = results["capacity"], results.typed("capacity", Report)
     settings = doc["settings"]
@@ -526,7 +612,7 @@ def render_capacity(results: Results) -> list[str]:
     lines = [
         f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} sim jobs "
         f"from {settings['clients']} clients, batches of up to {settings['batch_max_size']}, "
-        f"PostgreSQL; median of {settings['rounds']} rounds (range).",
+        f"PostgreSQL{_history_text(settings)}; median of {settings['rounds']} rounds (range).",
         "",
         *table(
             ["part", "cost", "measured"],

@@ -28,6 +28,11 @@ _JOBS = cast(Table, Job.__table__)
 # would cost the recording more than the batch took to compute. Only a job not
 # yet terminal is written: the first terminal write wins. PostgreSQL: parallel
 # arrays; each output is JSON text, as the JSON column's own writes make it.
+# ``jobs.id = ANY(:ids)`` says again what the join says, so that the plan finds
+# the rows by primary key whatever the statistics: the prepared statement's
+# generic plan guesses ten rows from ``unnest``, and on an analyzed table of a
+# few thousand jobs it chose a nested loop over every row (12.8 ms a batch of
+# 32 on 1,500 jobs, against 0.7 ms by the index).
 _PG_FINISH = text(
     """
     UPDATE jobs SET status = o.status, output = CAST(o.output AS json), error = o.error,
@@ -36,7 +41,8 @@ _PG_FINISH = text(
     FROM unnest(CAST(:ids AS text[]), CAST(:statuses AS text[]), CAST(:outputs AS text[]),
                 CAST(:errors AS text[]), CAST(:inference_ms AS double precision[]))
         AS o (id, status, output, error, inference_ms)
-    WHERE jobs.id = o.id AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
+    WHERE jobs.id = ANY(CAST(:ids AS text[])) AND jobs.id = o.id
+        AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
     RETURNING jobs.id
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))

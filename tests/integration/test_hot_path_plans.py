@@ -1,0 +1,137 @@
+"""The worker's statements on the jobs table find their rows by primary key, whatever plan
+PostgreSQL caches for them.
+
+The driver prepares a statement it sends often, and PostgreSQL may then run it on a
+generic plan, chosen without the parameters' values: it guesses ten rows for an
+``unnest`` of an array parameter and a default share for a filter on one. On an analyzed
+table of a few thousand jobs that guess once made a batch's outcomes (``UPDATE ... FROM
+unnest(...)``) a nested loop over every row of the table, sixteen times the cost of
+finding them by key, growing with the table. Here each statement the recorder sends for
+one batch (the look for earlier attempts, the claim, the outcomes, what follows a
+terminal write) is planned generically on real PostgreSQL and must reach ``jobs``
+through its primary key.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine
+
+from core.db.keys import create_key
+from core.db.schema import make_engine, make_sessionmaker
+from harness.services import migrated_postgres_database
+from workers.gpu.recorder import Outcome, Recorder
+
+# Enough jobs that a plan visiting every row costs more than one finding 32 by key.
+TABLE_JOBS = 1500
+BATCH = 32
+
+
+class Sent:
+    """Every statement an engine sends, with its parameters."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, dict[str, Any]]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, _conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if isinstance(parameters, dict):
+            with self.lock:
+                self.statements.append((statement, dict(parameters)))
+
+
+@pytest.fixture
+def analyzed_jobs() -> Iterator[tuple[Engine, list[str]]]:
+    """A PostgreSQL database holding TABLE_JOBS queued jobs, analyzed (as autovacuum
+    leaves a table that has grown)."""
+    with migrated_postgres_database() as url:
+        engine = make_engine(url)
+        with make_sessionmaker(engine)() as session:
+            create_key(session, "plans")
+        with engine.begin() as conn:
+            key = conn.execute(text("SELECT id FROM api_keys")).scalar_one()
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, api_key_id, model, priority, status, input, cost, "
+                    "attempts, created_at) SELECT 'job-' || n, :key, 'sim', 'normal', 'queued', "
+                    "'{}'::json, 1, 0, now() FROM generate_series(1, :n) AS n"
+                ),
+                {"key": key, "n": TABLE_JOBS},
+            )
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE jobs"))
+        try:
+            yield engine, [f"job-{n}" for n in range(1, TABLE_JOBS + 1)]
+        finally:
+            engine.dispose()
+
+
+def generic_plan(engine: Engine, statement: str, parameters: dict[str, Any]) -> str:
+    """The plan PostgreSQL caches for ``statement`` once it is prepared and planned
+    without its parameters' values (``plan_cache_mode = force_generic_plan``)."""
+    names: list[str] = []
+
+    def number(found: re.Match[str]) -> str:
+        if found.group(1) not in names:
+            names.append(found.group(1))
+        return f"${names.index(found.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", number, statement)
+    arguments = ", ".join(f"%({name})s" for name in names)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("DEALLOCATE ALL")  # a pooled connection's earlier one
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql(f"PREPARE planned AS {prepared}")
+        # The values as literals (EXECUTE's own arguments would need their types).
+        raw = conn.connection.driver_connection
+        assert isinstance(raw, psycopg.Connection)
+        with psycopg.ClientCursor(raw) as cursor:
+            cursor.execute(
+                f"EXPLAIN EXECUTE planned({arguments})", {n: parameters[n] for n in names}
+            )
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        conn.rollback()
+    return plan
+
+
+def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
+    analyzed_jobs: tuple[Engine, list[str]],
+) -> None:
+    engine, ids = analyzed_jobs
+    batch = ids[:BATCH]
+    recorder = Recorder(make_sessionmaker(engine))
+    sent = Sent()
+    event.listen(engine, "before_cursor_execute", sent)
+    try:
+        assert recorder.started_before(batch) == set()
+        now = dt.datetime.now(dt.UTC)
+        claimed, late, exhausted = recorder.claim(batch, now, max_attempts=3)
+        written = recorder.finish(
+            [Outcome(c.job_id, "succeeded", output=[0.5], inference_ms=1.0) for c in claimed],
+            now,
+            batch_id="batch-1",
+            batch_size=len(claimed),
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", sent)
+    assert (len(claimed), late, exhausted) == (BATCH, [], [])
+    assert sorted(written) == sorted(batch)
+
+    on_jobs = [(s, p) for s, p in sent.statements if re.search(r"\bjobs\b", s)]
+    # started_before, the claim's read and update, the outcomes, after_terminal's read.
+    assert len(on_jobs) >= 5, [s for s, _ in sent.statements]
+    for statement, parameters in on_jobs:
+        plan = generic_plan(engine, statement, parameters)
+        values = json.dumps(parameters, default=str)[:300]
+        why = f"{' '.join(statement.split())}\n{plan}\nparameters: {values}"
+        assert "Seq Scan on jobs" not in plan, why
+        assert "jobs_pkey" in plan, why
