@@ -55,6 +55,7 @@ from bench.generation_workload import (
     summary,
     workload_facts,
 )
+from bench.quantiles import quantile
 from bench.report import (
     Figure,
     Results,
@@ -104,9 +105,25 @@ class Model:
 
 
 @dataclass
+class Quote:
+    """How the 202's ``estimated_wait_ms`` (a generation's: until its first token) compared
+    with the time to first token its client then saw, over one round's requests."""
+
+    quoted: int  # the requests whose 202 carried a quote
+    ratio_p10: float  # measured / quoted
+    ratio_p50: float
+    ratio_p90: float
+    within_2x: float  # the share measured within half to twice its quote
+
+
+QUOTE_FIGURES = ("ratio_p10", "ratio_p50", "ratio_p90", "within_2x")
+
+
+@dataclass
 class Round:
     in_process: RunFigures
     stack: RunFigures
+    quote: Quote | None = None  # absent from files written before it was measured
 
 
 @dataclass
@@ -119,6 +136,7 @@ class Report:
     stack: dict[str, Spread]
     stack_share: Spread  # the stack's tokens/s over the engine's, round by round
     ttft_p50_added_ms: Spread
+    quote: dict[str, Spread] | None = None  # per QUOTE_FIGURES, over the rounds
     seconds: float = 0.0  # written with the last round's file
 
 
@@ -212,11 +230,29 @@ def read_events(client: httpx.Client, job_id: str, start: float) -> list[float]:
     raise RuntimeError(f"job {job_id}'s events ended before its done event")
 
 
-def through_stack(stack: FerryUp, prompts: Sequence[tuple[Request, str]]) -> dict[str, Any]:
-    """Every request posted at once, each by a client thread that then streams its tokens."""
+def quote_figures(pairs: Sequence[tuple[float, float]]) -> dict[str, float] | None:
+    """:class:`Quote` of ``(quoted, measured)`` milliseconds, one pair per request."""
+    ratios = [measured / quoted for quoted, measured in pairs if quoted > 0]
+    if not ratios:
+        return None
+    return {
+        "quoted": len(ratios),
+        "ratio_p10": round(quantile(ratios, 0.1), 3),
+        "ratio_p50": round(quantile(ratios, 0.5), 3),
+        "ratio_p90": round(quantile(ratios, 0.9), 3),
+        "within_2x": round(sum(0.5 <= r <= 2.0 for r in ratios) / len(ratios), 3),
+    }
+
+
+def through_stack(
+    stack: FerryUp, prompts: Sequence[tuple[Request, str]]
+) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """Every request posted at once, each by a client thread that then streams its tokens:
+    the run's figures, and how the 202s' quotes compared with the first tokens."""
     headers = {"Authorization": f"Bearer {stack.token}"}
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     records: list[Record] = []
+    quotes: list[tuple[float, float]] = []  # (quoted, measured) ms
     lock = threading.Lock()
     with webclient.client(
         base_url=stack.base, headers=headers, limits=limits, timeout=60
@@ -229,30 +265,32 @@ def through_stack(stack: FerryUp, prompts: Sequence[tuple[Request, str]]) -> dic
             answer = client.post("/v1/jobs", json={"model": MODEL, "input": body})
             if answer.status_code != 202:
                 raise RuntimeError(f"submit failed: {answer.status_code} {answer.text}")
-            times = read_events(client, answer.json()["id"], start)
+            accepted = answer.json()
+            times = read_events(client, accepted["id"], start)
             if len(times) != request.max_tokens:
                 raise RuntimeError(f"{len(times)} tokens streamed, asked for {request.max_tokens}")
             with lock:
                 records.append(Record(posted, times[0], times[-1], len(times)))
+                if accepted.get("estimated_wait_ms") is not None:
+                    quotes.append((accepted["estimated_wait_ms"], (times[0] - posted) * 1000.0))
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             for future in [pool.submit(one, r, text) for r, text in prompts]:
                 future.result()
-    return summary(records)
+    return summary(records), quote_figures(quotes)
 
 
 def warm(stack: FerryUp, prompts: Sequence[tuple[Request, str]]) -> None:
-    """A few requests first: the worker has loaded its model and run its first steps."""
+    """A few requests first: the worker has loaded its model, run its first steps and
+    published what it learned from them (what the API quotes from)."""
     through_stack(stack, prompts[: min(4, len(prompts))])
 
 
 def one_round(
     local: InProcess, stack: FerryUp, prompts: Sequence[tuple[Request, str]]
 ) -> dict[str, Any]:
-    found = {
-        "in_process": local.run([r for r, _ in prompts]),
-        "stack": through_stack(stack, prompts),
-    }
+    stacked, quote = through_stack(stack, prompts)
+    found = {"in_process": local.run([r for r, _ in prompts]), "stack": stacked}
     for system, f in found.items():
         print(
             f"  {system:10} {f['tokens_per_s']:8.1f} tokens/s  TTFT p50 {f['ttft_p50_ms']:8.1f} "
@@ -260,7 +298,14 @@ def one_round(
             f"p99 {f['tpot_p99_ms']:6.1f} ms",
             flush=True,
         )
-    return found
+    if quote is not None:
+        print(
+            f"  quotes     {quote['quoted']} of {len(prompts)}: measured/quoted p10 "
+            f"{quote['ratio_p10']:.2f} p50 {quote['ratio_p50']:.2f} p90 {quote['ratio_p90']:.2f}, "
+            f"{quote['within_2x']:.0%} within 2x",
+            flush=True,
+        )
+    return {**found, "quote": quote}
 
 
 def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -275,6 +320,10 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     )
     out["ttft_p50_added_ms"] = results.spread(
         [r["stack"]["ttft_p50_ms"] - r["in_process"]["ttft_p50_ms"] for r in rounds]
+    )
+    quoted = [r["quote"] for r in rounds if r.get("quote") is not None]
+    out["quote"] = (
+        {f: results.spread([q[f] for q in quoted]) for f in QUOTE_FIGURES} if quoted else None
     )
     return out
 
@@ -418,7 +467,24 @@ def render_generation_stack(results: Results) -> list[str]:
         "",
         f"The stack's output tokens/s, round by round, are {share} of the engine's in one "
         f"process; its median time to first token is {added} longer.",
+        *_quote_lines(report),
     ]  # fmt: skip
+
+
+def _quote_lines(report: Report) -> list[str]:
+    """How the 202's quote compared with the first token each client saw."""
+    if report.quote is None:
+        return []
+    f = {k: Figure.summary(v) for k, v in report.quote.items()}
+    ratio = decimal(2, "×")
+    return [
+        "",
+        "Each 202's `estimated_wait_ms` (until the job's first token) against the time to "
+        f"first token its client then saw, measured ÷ quoted: {f['ratio_p50'].text(ratio)} at "
+        f"the median request, {f['ratio_p10'].text(ratio)} at the 10th percentile and "
+        f"{f['ratio_p90'].text(ratio)} at the 90th; {f['within_2x'].text(percent())} of the "
+        "requests within half to twice their quote.",
+    ]
 
 
 if __name__ == "__main__":
