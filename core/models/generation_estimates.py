@@ -108,8 +108,10 @@ def first_token_s(
     once enough of those ahead have finished to free a slot and its KV blocks
     (at once if there is room), those running together finishing about evenly;
     each step carries at most ``step_tokens`` and one decode token per running
-    sequence. Then, after the step in flight, it prefills its prompt in chunks
-    beside the others and samples its first token at the last chunk.
+    sequence. Those ahead that the worker had not started when it published
+    prefill before it (in the drain's steps when some must end first). Then,
+    after the step in flight, it prefills its prompt in chunks beside the
+    others and samples its first token at the last chunk.
     Through ``generate()``: the jobs ahead run in whole batches, and its first
     token comes when its own batch ends.
     """
@@ -128,19 +130,37 @@ def first_token_s(
     room_blocks = est.kv_blocks - per_worker * job_blocks
     short = max(0.0, 1 - room_slots, (need - room_blocks) / job_blocks)
     finished = min(per_worker, math.ceil(short - 1e-9))  # jobs ahead that must end first
-    drain_s = 0.0
+    beside = min(together - 1, per_worker)
+    # Of those running beside it, the ones that had not started when the worker last
+    # published (a burst: the worker has not seen them yet) still have their prompts to
+    # prefill, and are admitted and prefilled before it. (Measured through the stack,
+    # bench/generation_stack.py: without this term a burst's quotes were a tenth of the
+    # waits for its first tokens.)
+    fresh = min(max(0.0, per_worker - est.running), beside)
+    in_flight_s = est.step_s(min(est.step_tokens, beside)) if per_worker > 0 else 0.0
+    # With room now, their prompts and then its own, in the step budget the decodes leave.
+    wait_s = _prefill_s(est, fresh * prompt, prompt_tokens, beside - fresh)
     if finished > 0:
-        work = finished * (prompt + completion)
+        # Their prefills share the steps of the drain with those ending; by the time this
+        # job is admitted they decode beside it. The drain takes no less than their
+        # prefills would with room (so one more ahead never shortens the quote).
+        work = finished * (prompt + completion) + fresh * prompt
         steps = max(work / est.step_tokens, finished * completion / together)
         drain_s = steps * est.step_s(work / steps)
-    beside = min(together - 1, per_worker)
-    in_flight_s = est.step_s(min(est.step_tokens, beside)) if per_worker > 0 else 0.0
-    chunk = min(prompt_tokens, est.prefill_chunk_tokens or prompt_tokens)
-    full, rest = divmod(prompt_tokens, max(chunk, 1))
-    prefill_s = full * est.step_s(min(est.step_tokens, chunk + beside))
-    if rest:
-        prefill_s += est.step_s(min(est.step_tokens, rest + beside))
-    return in_flight_s + drain_s + prefill_s
+        wait_s = max(wait_s, drain_s + _prefill_s(est, 0.0, prompt_tokens, beside))
+    return in_flight_s + wait_s
+
+
+def _prefill_s(
+    est: GenerationEstimate, ahead_tokens: float, prompt_tokens: int, decoding: float
+) -> float:
+    """Prefilling ``ahead_tokens`` of others' prompts, then a prompt of its own in chunks,
+    in the steps' budget beside ``decoding`` sequences: in no fewer steps than its chunks."""
+    prefill = ahead_tokens + prompt_tokens
+    chunk = max(1, est.prefill_chunk_tokens or prompt_tokens)
+    budget = max(1.0, est.step_tokens - decoding)
+    steps = max(prefill / budget, math.ceil(prompt_tokens / chunk), 1)
+    return steps * est.step_s(min(est.step_tokens, prefill / steps + decoding))
 
 
 def finish_s(

@@ -44,30 +44,43 @@ CASES = [
     ("idle: its own prefill, in chunks of 64", BASE, 0, 100, 40, 1, step(64) + step(36)),
     (
         "room beside 3 running: the step in flight, then its prefill beside them",
-        BASE, 3, 20, 40, 1, step(3) + step(23),
+        replace(BASE, running=3), 3, 20, 40, 1, step(3) + step(23),
     ),
     (
-        "slots full: 5 of the 8 ahead end first, 4 decoding at a time (37.5 steps of 250/37.5"
-        " tokens)",
-        BASE, 8, 20, 40, 1, step(3) + (37.5 * 0.01 + 0.001 * 250) + step(23),
+        "a burst: the 3 ahead had not started, their 60 prompt tokens go first, in its step",
+        BASE, 3, 20, 40, 1, step(3) + step(80),
+    ),
+    (
+        "a burst past a step: 10 ahead, their 200 prompt tokens and its 20 in 2.2 full steps",
+        replace(BASE, max_running=64, step_tokens=100), 10, 20, 40, 1,
+        step(10) + 2.2 * step(100),
+    ),
+    (
+        "2 of the 3 ahead running: the other's prompt, then its own, beside 2 decodes",
+        replace(BASE, running=2), 3, 20, 40, 1, step(3) + step(42),
+    ),
+    (
+        "slots full: 5 of the 8 ahead end first, 4 decoding at a time, the 3 that run beside it"
+        " prefilling meanwhile (37.5 steps of 310/37.5 tokens)",
+        BASE, 8, 20, 40, 1, step(3) + (37.5 * 0.01 + 0.001 * 310) + step(23),
     ),
     (
         "two workers share the 8 ahead: 4 each, one must end first",
-        BASE, 8, 20, 40, 2, step(3) + (7.5 * 0.01 + 0.001 * 50) + step(23),
+        BASE, 8, 20, 40, 2, step(3) + (7.5 * 0.01 + 0.001 * 110) + step(23),
     ),
     (
         "the KV pool holds 2 usual jobs: 2 of the 3 ahead end first, 2 decoding at a time",
-        replace(BASE, kv_blocks=8), 3, 20, 40, 1, step(1) + (30 * 0.01 + 0.001 * 100) + step(21),
+        replace(BASE, kv_blocks=8), 3, 20, 40, 1, step(1) + (30 * 0.01 + 0.001 * 120) + step(21),
     ),
     (
         "nothing seen yet: those ahead are its size and run to their max_tokens (2 end first)",
         replace(BASE, mean_prompt_tokens=0, mean_max_tokens=0, mean_completion_tokens=0),
-        5, 10, 50, 1, step(3) + (25 * 0.01 + 0.001 * 120) + step(13),
+        5, 10, 50, 1, step(3) + (25 * 0.01 + 0.001 * 150) + step(13),
     ),
     (
         "long prompts, one token each: the 100-token step budget bounds the drain",
         replace(BASE, step_tokens=100, mean_prompt_tokens=100.0, mean_completion_tokens=1.0),
-        8, 20, 40, 1, step(3) + (5.05 * 0.01 + 0.001 * 505) + step(23),
+        8, 20, 40, 1, step(3) + (8.05 * 0.01 + 0.001 * 805) + step(23),
     ),
     (
         "generate(): 4 a batch, so 2 whole batches ahead of 9, then its own beside 1",
@@ -93,8 +106,19 @@ def test_first_token_s(
     assert first_token_s(estimate, ahead, prompt, max_tokens, workers) == pytest.approx(expected)
 
 
-def test_more_ahead_never_means_a_shorter_wait() -> None:
-    waits = [first_token_s(BASE, ahead, 20, 40) for ahead in range(0, 200)]
+@pytest.mark.parametrize(
+    "estimate",
+    [
+        BASE,
+        replace(BASE, running=4),
+        replace(BASE, max_running=64, step_tokens=100),
+        replace(BASE, max_running=64, step_tokens=100, running=30),
+        replace(BASE, kv_blocks=40, prefill_chunk_tokens=0),
+    ],
+    ids=["base", "four-running", "wide-burst", "wide-thirty-running", "small-pool"],
+)
+def test_more_ahead_never_means_a_shorter_wait(estimate: GenerationEstimate) -> None:
+    waits = [first_token_s(estimate, ahead, 20, 40) for ahead in range(0, 200)]
     assert waits == sorted(waits)
     assert waits[-1] > 10 * waits[3]
 
