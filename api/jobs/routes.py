@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from pydantic import Field, TypeAdapter
 
 from api.deps import (
     GroupReadDep,
@@ -15,8 +16,10 @@ from api.deps import (
     KickDep,
     SessionDep,
     SettingsDep,
+    current_key,
 )
 from api.errors import ApiError
+from api.fastparse import header_value, json_body, parsed_by, query_value, raise_if
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
 from api.jobs.reads import JobRead, is_terminal, until_terminal
@@ -48,15 +51,6 @@ WAIT_QUERY = Query(
 )
 
 
-@router.post(
-    "",
-    status_code=202,
-    response_model=JobResource,
-    responses={
-        200: {"model": JobResource, "description": "Finished within `wait` seconds."},
-        **error_responses(400, 409, 413, 415, 429),
-    },
-)
 async def create_job(
     body: JobCreate,
     request: Request,
@@ -108,6 +102,37 @@ async def create_job(
     return _json(resource, 202, headers)
 
 
+# create_job's query and header, as its signature declares them.
+WAIT = TypeAdapter(Annotated[float, Field(ge=0)])
+IDEMPOTENCY_KEY = TypeAdapter(Annotated[str | None, Field(max_length=255)])
+
+
+async def submit_job(request: Request) -> Response:
+    """Serves ``POST /v1/jobs``: create_job's parameters read as FastAPI would, without
+    its per-request dependency solving (api.fastparse): the key, then every error."""
+    key = await current_key(request)
+    wait, errors = query_value(request, "wait", WAIT, 0.0)
+    idempotency_key, header_errors = header_value(request, "idempotency-key", IDEMPOTENCY_KEY, None)
+    body, body_errors = await json_body(request, JobCreate)
+    raise_if(errors + header_errors + body_errors)
+    assert body is not None
+    return await create_job(body, request, key, idempotency_key, wait)
+
+
+router.add_api_route(
+    "",
+    create_job,
+    methods=["POST"],
+    status_code=202,
+    response_model=JobResource,
+    responses={
+        200: {"model": JobResource, "description": "Finished within `wait` seconds."},
+        **error_responses(400, 409, 413, 415, 429),
+    },
+    route_class_override=parsed_by(submit_job),
+)
+
+
 def _check_wait(wait: float, settings: ApiSettings) -> None:
     if wait > settings.max_wait_s:
         # The bound travels with the error, so a client can ask again within it.
@@ -126,7 +151,6 @@ def _json(
     return Response(resource.model_dump_json(), status, headers, "application/json")
 
 
-@router.get("/{job_id}", response_model=JobResource, responses=error_responses(404))
 async def read_job(
     job_id: str,
     request: Request,
@@ -142,6 +166,28 @@ async def read_job(
     if wait <= 0:
         return _json(await reads.submit(wanted))
     return _json(await until_terminal(app_state(request), wanted, wait))
+
+
+async def poll_job(request: Request) -> Response:
+    """Serves ``GET /v1/jobs/{job_id}`` (a long-poll per job, the hottest read): read_job's
+    parameters read as FastAPI would, without its dependency solving (api.fastparse)."""
+    key = await current_key(request)
+    wait, errors = query_value(request, "wait", WAIT, 0.0)
+    raise_if(errors)
+    state = app_state(request)
+    return await read_job(
+        request.path_params["job_id"], request, key, state.group_read, state.settings, wait
+    )
+
+
+router.add_api_route(
+    "/{job_id}",
+    read_job,
+    methods=["GET"],
+    response_model=JobResource,
+    responses=error_responses(404),
+    route_class_override=parsed_by(poll_job),
+)
 
 
 @router.delete(
