@@ -30,10 +30,36 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Every column under its attribute's name, so that a row reads like a Job.
-_JOB = select(*(prop.columns[0].label(prop.key) for prop in Job.__mapper__.column_attrs)).where(
-    Job.__table__.c.id.in_(bindparam("ids", expanding=True))
+# What a job's resource is made of (core.db.resources.job_resource), its owner, and of its
+# input only what a running generation's progress needs: the input itself may be megabytes
+# of images, and a long-poll per job would read and parse it each time. Each column under
+# its attribute's name, so that a row reads like a Job.
+_RESOURCE = (
+    "id",
+    "api_key_id",
+    "model",
+    "model_version",
+    "requested_version",
+    "status",
+    "priority",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "deadline_at",
+    "output",
+    "error",
+    "attempts",
+    "batch_id",
+    "batch_size",
+    "inference_ms",
+    "callback_url",
+    "metadata_",
 )
+_JOB = select(
+    *(Job.__mapper__.column_attrs[name].columns[0].label(name) for name in _RESOURCE),
+    Job.input["prompt_tokens"].label("prompt_tokens"),
+    Job.input["max_tokens"].label("max_tokens"),
+).where(Job.__table__.c.id.in_(bindparam("ids", expanding=True)))
 _DELIVERIES = select(WebhookDelivery.__table__).where(
     WebhookDelivery.__table__.c.job_id.in_(bindparam("ids", expanding=True)),
     # A job's callback is its terminal event's (started and progress ones come before).
@@ -66,16 +92,16 @@ class GenerationProgress:
         self.prefix = prefix
         self.views = views  # the submissions' own: one read of a model's estimates for both
 
-    def of(self, jobs: Sequence[Job]) -> dict[str, Progress]:
-        """Progress of each of ``jobs`` that is a running generation (none while Redis is
-        unreachable: the read still answers, without it)."""
+    def of(self, jobs: Sequence[Any]) -> dict[str, Progress]:
+        """Progress of each of ``jobs`` (rows of the group read: a job's columns, and its
+        input's ``prompt_tokens`` and ``max_tokens``) that is a running generation (none
+        while Redis is unreachable: the read still answers, without it)."""
         running = [
-            (job, int(job.input["max_tokens"]))
+            (job, int(job.max_tokens))
             for job in jobs
             if job.status == "running"
-            and isinstance(job.input, dict)
-            and "prompt_tokens" in job.input
-            and isinstance(job.input.get("max_tokens"), int)
+            and job.prompt_tokens is not None
+            and isinstance(job.max_tokens, int)
         ]
         if not running:
             return {}
@@ -152,7 +178,7 @@ class JobReader:
             )
             return [unavailable] * len(group)
         # The rows carry every column under its attribute's name: read as Jobs.
-        progress = self.progress.of([cast(Job, r) for r in rows.values()]) if self.progress else {}
+        progress = self.progress.of(list(rows.values())) if self.progress else {}
         out: list[JobResource | Exception] = []
         for read in group:
             row: Any = rows.get(read.job_id)
