@@ -2,32 +2,37 @@
 
 FastAPI resolves an endpoint's parameters anew for every request (its
 dependency tree, each query, header and body field through its own
-machinery): for a submission that is about a third of the event loop's CPU
-(measured with cProfile on the API's thread under bench/capacity.py). A route
-made with :func:`parsed_by` keeps its endpoint's signature for the OpenAPI
-document, but is served by a handler that reads the same parameters itself
-with pydantic, and fails the same way: the calling key first (its 401 or
-429 before any validation, as a dependency's), then a
-:class:`~fastapi.exceptions.RequestValidationError` carrying every query,
+machinery). A route made with :func:`parsed_by` keeps its endpoint's
+signature for the OpenAPI document, but is served by a handler that reads
+the same parameters itself (:func:`read_request`), in FastAPI's order and
+with FastAPI's answers: the body read and decoded first (400 for bytes that
+are no JSON), then the calling key (its 401 or 429, as a dependency's), then
+a :class:`~fastapi.exceptions.RequestValidationError` carrying every query,
 header and body error with the locations FastAPI gives them, which the app's
-handler turns into the same 400, 415 or 422 (``api.errors``).
-tests/unit/test_fastparse.py holds the two to the same answers.
+handler turns into the same 415 or 422 (``api.errors``).
+tests/unit/test_fastparse.py holds the two readings to the same answers.
 """
 
 from __future__ import annotations
 
 import email.message
 import json
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from fastapi import HTTPException, Request, Response
+from fastapi._body_limit import get_body_limit_error
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 Model = TypeVar("Model", bound=BaseModel)
+Key = TypeVar("Key")
 Errors = list[dict[str, Any]]
+# A parameter: how it is validated, and its value when the request has none.
+Param = tuple[TypeAdapter[Any], Any]
 
 
 def parsed_by(handler: Callable[[Request], Awaitable[Response]]) -> type[APIRoute]:
@@ -43,6 +48,57 @@ def parsed_by(handler: Callable[[Request], Awaitable[Response]]) -> type[APIRout
     return ParsedRoute
 
 
+@dataclass(frozen=True)
+class Read(Generic[Key, Model]):
+    """A request as its endpoint takes it."""
+
+    key: Key
+    query: dict[str, Any]
+    headers: dict[str, Any]
+    body: Model | None
+
+
+_ABSENT = object()
+
+
+async def read_request(
+    request: Request,
+    key: Callable[[Request], Awaitable[Key]],
+    *,
+    query: Mapping[str, Param] | None = None,
+    headers: Mapping[str, Param] | None = None,
+    body: type[Model] | None = None,
+) -> Read[Key, Model]:
+    """The key (``key(request)``), the scalar ``query`` parameters (their last value), the
+    ``headers`` (their first) and a required JSON ``body``, read as FastAPI reads an
+    endpoint that declares them: the body decoded before the key is asked for, every
+    validation error after it, together."""
+    raw: Any = await _decoded_body(request) if body is not None else _ABSENT
+    found_key = await key(request)
+    errors: Errors = []
+    values: dict[str, dict[str, Any]] = {"query": {}, "header": {}}
+    for where, params, source in (
+        ("query", query or {}, request.query_params),
+        ("header", headers or {}, request.headers),
+    ):
+        for name, (adapter, default) in params.items():
+            given = source.get(name)
+            values[where][name] = default
+            if given is None:
+                continue
+            try:
+                values[where][name] = adapter.validate_python(given)
+            except ValidationError as exc:
+                errors += _located(exc, (where, name))
+    model = None
+    if body is not None:
+        model, body_errors = _validated(raw, body)
+        errors += body_errors
+    if errors:
+        raise RequestValidationError(errors)
+    return Read(found_key, values["query"], values["header"], model)
+
+
 def _located(exc: ValidationError, prefix: tuple[str, ...]) -> Errors:
     errors: Errors = []
     for error in exc.errors(include_url=False):
@@ -50,32 +106,6 @@ def _located(exc: ValidationError, prefix: tuple[str, ...]) -> Errors:
         located["loc"] = (*prefix, *error["loc"])
         errors.append(located)
     return errors
-
-
-def _value(
-    raw: str | None, loc: tuple[str, str], adapter: TypeAdapter[Any], default: Any
-) -> tuple[Any, Errors]:
-    if raw is None:
-        return default, []
-    try:
-        return adapter.validate_python(raw), []
-    except ValidationError as exc:
-        return default, _located(exc, loc)
-
-
-def query_value(
-    request: Request, name: str, adapter: TypeAdapter[Any], default: Any
-) -> tuple[Any, Errors]:
-    """A query parameter as FastAPI reads one of a scalar type: its last value, or the
-    default when absent."""
-    return _value(request.query_params.get(name), ("query", name), adapter, default)
-
-
-def header_value(
-    request: Request, name: str, adapter: TypeAdapter[Any], default: Any
-) -> tuple[Any, Errors]:
-    """A header as FastAPI reads one (its first value), or the default when absent."""
-    return _value(request.headers.get(name), ("header", name), adapter, default)
 
 
 def _is_json(content_type: str) -> bool:
@@ -87,35 +117,39 @@ def _is_json(content_type: str) -> bool:
     return subtype == "json" or subtype.endswith("+json")
 
 
-async def json_body(request: Request, model: type[Model]) -> tuple[Model | None, Errors]:
-    """The body as FastAPI reads a required JSON body of ``model``: parsed as JSON when its
-    Content-Type says JSON, else validated as the bytes it is (and so refused); an empty
-    body is missing."""
-    raw = await request.body()
-    if not raw:
-        return None, [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-    value: Any = raw
-    content_type = request.headers.get("content-type")
-    if content_type and _is_json(content_type):
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            error = {
-                "type": "json_invalid",
-                "loc": ("body", exc.pos),
-                "msg": "JSON decode error",
-                "input": {},
-                "ctx": {"error": exc.msg},
-            }
-            return None, [error]
-        except Exception as exc:  # not text at all, or nested past the recursion limit
-            raise HTTPException(400, "There was an error parsing the body") from exc
+async def _decoded_body(request: Request) -> Any:
+    """The body as FastAPI reads one for a JSON model: decoded when its Content-Type says
+    JSON, else the bytes (which the model then refuses); ``_ABSENT`` when empty. Bytes
+    that are no JSON are refused here, as FastAPI refuses them before any dependency."""
     try:
-        return model.model_validate(value, from_attributes=True), []
+        raw = await request.body()
+        if not raw:
+            return _ABSENT
+        content_type = request.headers.get("content-type")
+        if content_type and _is_json(content_type):
+            return json.loads(raw)
+        return raw
+    except json.JSONDecodeError as exc:
+        error = {
+            "type": "json_invalid",
+            "loc": ("body", exc.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
+        }
+        raise RequestValidationError([error]) from exc
+    except HTTPException:
+        raise
+    except Exception as exc:  # not text, nested past the recursion limit, client gone
+        if MAX_BODY_SIZE_SCOPE_KEY in request.scope and (limit := get_body_limit_error(exc)):
+            raise limit from exc
+        raise HTTPException(400, "There was an error parsing the body") from exc
+
+
+def _validated(raw: Any, model: type[Model]) -> tuple[Model | None, Errors]:
+    if raw is _ABSENT:
+        return None, [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+    try:
+        return model.model_validate(raw, from_attributes=True), []
     except ValidationError as exc:
         return None, _located(exc, ("body",))
-
-
-def raise_if(errors: Errors) -> None:
-    if errors:
-        raise RequestValidationError(errors)

@@ -280,7 +280,10 @@ def one_round(
             started = time.perf_counter()
             own_cpu = work()  # the clients' CPU, not the part's
             seconds = time.perf_counter() - started
-            time.sleep(1.5)  # PostgreSQL flushes its statistics at most once a second
+            # A backend reports its counters at most once a second, and an idle one may
+            # hold them up to 10 s (PostgreSQL 15): a phase's table counters can land in
+            # the next phase's (its CPU, read from /proc, cannot).
+            time.sleep(1.5)
             found = delta(before, counters.read())
             # A backend that started meanwhile counts from zero.
             found["postgres_cpu_s"] = sum(

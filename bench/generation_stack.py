@@ -289,8 +289,9 @@ def warm(stack: FerryUp, prompts: Sequence[tuple[Request, str]]) -> None:
 def one_round(
     local: InProcess, stack: FerryUp, prompts: Sequence[tuple[Request, str]]
 ) -> dict[str, Any]:
+    in_process = local.run([r for r, _ in prompts])  # alone first, then the stack, as always
     stacked, quote = through_stack(stack, prompts)
-    found = {"in_process": local.run([r for r, _ in prompts]), "stack": stacked}
+    found = {"in_process": in_process, "stack": stacked}
     for system, f in found.items():
         print(
             f"  {system:10} {f['tokens_per_s']:8.1f} tokens/s  TTFT p50 {f['ttft_p50_ms']:8.1f} "

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from api.deps import (
     GroupReadDep,
@@ -19,7 +19,7 @@ from api.deps import (
     current_key,
 )
 from api.errors import ApiError
-from api.fastparse import header_value, json_body, parsed_by, query_value, raise_if
+from api.fastparse import Read, parsed_by, read_request
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
 from api.jobs.reads import JobRead, is_terminal, until_terminal
@@ -37,6 +37,7 @@ from api.models import service as model_service
 from api.owned import is_uuid
 from api.schemas import error_responses
 from api.state import ApiSettings, app_state
+from core.db.schema import ApiKey
 from core.ops import tracing
 from core.ops.metrics import JOBS_ACCEPTED
 
@@ -102,21 +103,23 @@ async def create_job(
     return _json(resource, 202, headers)
 
 
-# create_job's query and header, as its signature declares them.
+# create_job's and read_job's query and header, as their signatures declare them.
 WAIT = TypeAdapter(Annotated[float, Field(ge=0)])
 IDEMPOTENCY_KEY = TypeAdapter(Annotated[str | None, Field(max_length=255)])
+WAIT_PARAM = {"wait": (WAIT, 0.0)}
+SUBMIT_HEADERS = {"idempotency-key": (IDEMPOTENCY_KEY, None)}
 
 
 async def submit_job(request: Request) -> Response:
     """Serves ``POST /v1/jobs``: create_job's parameters read as FastAPI would, without
-    its per-request dependency solving (api.fastparse): the key, then every error."""
-    key = await current_key(request)
-    wait, errors = query_value(request, "wait", WAIT, 0.0)
-    idempotency_key, header_errors = header_value(request, "idempotency-key", IDEMPOTENCY_KEY, None)
-    body, body_errors = await json_body(request, JobCreate)
-    raise_if(errors + header_errors + body_errors)
-    assert body is not None
-    return await create_job(body, request, key, idempotency_key, wait)
+    its per-request dependency solving (api.fastparse)."""
+    read = await read_request(
+        request, current_key, query=WAIT_PARAM, headers=SUBMIT_HEADERS, body=JobCreate
+    )
+    assert read.body is not None
+    return await create_job(
+        read.body, request, read.key, read.headers["idempotency-key"], read.query["wait"]
+    )
 
 
 router.add_api_route(
@@ -171,12 +174,15 @@ async def read_job(
 async def poll_job(request: Request) -> Response:
     """Serves ``GET /v1/jobs/{job_id}`` (a long-poll per job, the hottest read): read_job's
     parameters read as FastAPI would, without its dependency solving (api.fastparse)."""
-    key = await current_key(request)
-    wait, errors = query_value(request, "wait", WAIT, 0.0)
-    raise_if(errors)
+    read: Read[ApiKey, BaseModel] = await read_request(request, current_key, query=WAIT_PARAM)
     state = app_state(request)
     return await read_job(
-        request.path_params["job_id"], request, key, state.group_read, state.settings, wait
+        request.path_params["job_id"],
+        request,
+        read.key,
+        state.group_read,
+        state.settings,
+        read.query["wait"],
     )
 
 

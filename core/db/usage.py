@@ -130,7 +130,7 @@ _ADD = (
 def _upsert(session: Session, key_id: str, count: int) -> int:
     """Add ``count`` to the key's counter (creating it), returning the new value."""
     connection = session.connection()
-    statement = _UPSERTS[connection.dialect.name]
+    statement = _UPSERTS.get(connection.dialect.name, _UPSERTS["sqlite"])
     return int(connection.execute(statement, {"key_id": key_id, "count": count}).scalar_one())
 
 

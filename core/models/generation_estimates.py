@@ -143,7 +143,7 @@ def first_token_s(
     if finished > 0:
         # Their prefills share the steps of the drain with those ending; by the time this
         # job is admitted they decode beside it. The drain takes no less than their
-        # prefills would with room (so one more ahead never shortens the quote).
+        # prefills would with room (so the drain's start does not shorten the quote).
         work = finished * (prompt + completion) + fresh * prompt
         steps = max(work / est.step_tokens, finished * completion / together)
         drain_s = steps * est.step_s(work / steps)

@@ -4,8 +4,8 @@ PostgreSQL caches for them.
 The driver prepares a statement it sends often, and PostgreSQL may then run it on a
 generic plan, chosen without the parameters' values: it guesses ten rows for an
 ``unnest`` of an array parameter and a default share for a filter on one. On an analyzed
-table of a few thousand jobs that guess once made a batch's outcomes (``UPDATE ... FROM
-unnest(...)``) a nested loop over every row of the table, sixteen times the cost of
+table of 1,500 jobs that guess once made a batch's outcomes (``UPDATE ... FROM
+unnest(...)``) a nested loop over every row of the table, eighteen times the cost of
 finding them by key, growing with the table. Here each statement the recorder sends for
 one batch (the look for earlier attempts, the claim, the outcomes, what follows a
 terminal write) is planned generically on real PostgreSQL and must reach ``jobs``

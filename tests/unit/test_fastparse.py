@@ -1,6 +1,6 @@
 """A route read by api.fastparse answers every request as FastAPI's own reading of the same
 signature does: the same status and the same error, whatever the body, its Content-Type,
-the query and the headers."""
+the query, the headers and the key (a key refused before or after a body refused)."""
 
 from __future__ import annotations
 
@@ -9,49 +9,87 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import pytest
-from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.errors import install_error_handlers
-from api.fastparse import header_value, json_body, parsed_by, query_value, raise_if
-from api.jobs.routes import IDEMPOTENCY_KEY, WAIT
+from api.errors import ApiError, install_error_handlers
+from api.fastparse import Read, parsed_by, read_request
+from api.jobs.routes import SUBMIT_HEADERS, WAIT_PARAM
 from api.jobs.schemas import JobCreate
 
 
-async def echo(
+async def caller(request: Request) -> str:
+    """A key as api.deps.current_key answers: 401 without one, 429 over its limits."""
+    header = request.headers.get("authorization", "")
+    if header == "Bearer limited":
+        raise ApiError(429, "rate_limited", "over the key's rate")
+    if header != "Bearer good":
+        raise ApiError(401, "unauthorized", "missing or invalid key")
+    return "good"
+
+
+def answer(**values: Any) -> Response:
+    return Response(json.dumps(values, sort_keys=True), 200, media_type="application/json")
+
+
+async def submitted(
     body: JobCreate,
+    key: Annotated[str, Depends(caller)],
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
     wait: Annotated[float, Query(ge=0)] = 0,
 ) -> Response:
-    answer = {"body": body.model_dump(mode="json"), "key": idempotency_key, "wait": wait}
-    return Response(json.dumps(answer, sort_keys=True), 200, media_type="application/json")
+    return answer(body=body.model_dump(mode="json"), key=key, idem=idempotency_key, wait=wait)
 
 
-async def parsed(request: Request) -> Response:
-    wait, errors = query_value(request, "wait", WAIT, 0.0)
-    key, header_errors = header_value(request, "idempotency-key", IDEMPOTENCY_KEY, None)
-    body, body_errors = await json_body(request, JobCreate)
-    raise_if(errors + header_errors + body_errors)
-    assert body is not None
-    return await echo(body, key, wait)
+async def polled(
+    job_id: str, key: Annotated[str, Depends(caller)], wait: Annotated[float, Query(ge=0)] = 0
+) -> Response:
+    return answer(job_id=job_id, key=key, wait=wait)
+
+
+async def submit_read(request: Request) -> Response:
+    read = await read_request(
+        request, caller, query=WAIT_PARAM, headers=SUBMIT_HEADERS, body=JobCreate
+    )
+    assert read.body is not None
+    return await submitted(read.body, read.key, read.headers["idempotency-key"], read.query["wait"])
+
+
+async def poll_read(request: Request) -> Response:
+    read: Read[str, JobCreate] = await read_request(request, caller, query=WAIT_PARAM)
+    return await polled(request.path_params["job_id"], read.key, read.query["wait"])
 
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
+    """FastAPI's reading and api.fastparse's of the same two signatures (the routes'
+    parameters, as api.jobs.routes declares them), behind the app's error handlers."""
     app = FastAPI()
     install_error_handlers(app)
-    app.router.add_api_route("/fastapi", echo, methods=["POST"])
+    app.router.add_api_route("/fastapi", submitted, methods=["POST"])
     app.router.add_api_route(
-        "/parsed", echo, methods=["POST"], route_class_override=parsed_by(parsed)
+        "/parsed", submitted, methods=["POST"], route_class_override=parsed_by(submit_read)
+    )
+    app.router.add_api_route("/fastapi/{job_id}", polled, methods=["GET"])
+    app.router.add_api_route(
+        "/parsed/{job_id}", polled, methods=["GET"], route_class_override=parsed_by(poll_read)
     )
     with TestClient(app, raise_server_exceptions=True) as test_client:
         yield test_client
 
 
-def both(client: TestClient, **request: Any) -> tuple[Any, Any]:
-    ours, theirs = (client.post(path, **request) for path in ("/parsed", "/fastapi"))
+def both(
+    client: TestClient, method: str = "POST", path: str = "", **request: Any
+) -> tuple[Any, Any]:
+    request.setdefault("headers", {})
+    request["headers"] = {"Authorization": "Bearer good", **request["headers"]}
+    if request["headers"]["Authorization"] is None:
+        del request["headers"]["Authorization"]
+    ours, theirs = (
+        client.request(method, f"/{side}{path}", **request) for side in ("parsed", "fastapi")
+    )
     return (ours.status_code, ours.json()), (theirs.status_code, theirs.json())
 
 
@@ -92,6 +130,13 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("an unknown field", {"json": {**GOOD, "colour": "red"}}),
     ("no model", {"json": {"input": {}}}),
     ("a wrong priority and deadline", {"json": {**GOOD, "priority": "now", "deadline_ms": -5}}),
+    ("no key", {"json": GOOD, "headers": {"Authorization": None}}),
+    ("no key and bad JSON", {"content": b"{x", "headers": {**JSON, "Authorization": None}}),
+    ("no key and bytes that are no text", {"content": b"\xff", "headers": {**JSON, "Authorization": None}}),  # noqa: E501
+    ("no key and an invalid body", {"json": {"model": ""}, "headers": {"Authorization": None}}),
+    ("a limited key and bad JSON", {"content": b"{x", "headers": {**JSON, "Authorization": "Bearer limited"}}),  # noqa: E501
+    ("a limited key and a bad wait", {"json": GOOD, "params": {"wait": "x"}, "headers": {"Authorization": "Bearer limited"}}),  # noqa: E501
+    ("bad JSON and a bad wait", {"content": b"{x", "headers": JSON, "params": {"wait": "x"}}),
     ("errors everywhere", {"json": {"model": ""}, "params": {"wait": "x"}, "headers": {"Idempotency-Key": "k" * 300}}),  # noqa: E501
 ]  # fmt: skip
 
@@ -101,6 +146,24 @@ def test_each_case_is_answered_as_fastapi_answers_it(
     client: TestClient, request_: dict[str, Any]
 ) -> None:
     ours, theirs = both(client, **request_)
+    assert ours == theirs
+
+
+POLLS: list[tuple[str, dict[str, Any]]] = [
+    ("a read", {}),
+    ("a long-poll", {"params": {"wait": "5"}}),
+    ("a bad wait", {"params": {"wait": "-2"}}),
+    ("no key", {"headers": {"Authorization": None}}),
+    ("no key and a bad wait", {"params": {"wait": "x"}, "headers": {"Authorization": None}}),
+    ("a body, which a read ignores", {"content": b"{x", "headers": JSON}),
+]
+
+
+@pytest.mark.parametrize("request_", [c[1] for c in POLLS], ids=[c[0] for c in POLLS])
+def test_each_read_is_answered_as_fastapi_answers_it(
+    client: TestClient, request_: dict[str, Any]
+) -> None:
+    ours, theirs = both(client, "GET", "/job-1", **request_)
     assert ours == theirs
 
 
@@ -124,19 +187,32 @@ BODIES = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
-    body=BODIES | JSON_VALUES,
+    body=(BODIES | JSON_VALUES).map(lambda v: json.dumps(v).encode())
+    | st.sampled_from([b"", b"{", b"nul", b"\xff\xfe", b'{"model": "sim"']),
+    content_type=st.sampled_from(
+        [None, "application/json", "text/plain", "application/x+json", "multipart/form-data"]
+    ),
+    auth=st.sampled_from(["Bearer good", "Bearer good", "Bearer limited", None, "Basic x"]),
     wait=st.none() | st.sampled_from(["0", "1.5", "-0.0", "1e3", "nan", "inf", "-1", "a"]),
     key=st.none() | st.text(max_size=300).filter(lambda k: k.isascii() and k.isprintable()),
 )
-def test_any_body_query_and_key_is_answered_as_fastapi_answers_it(
-    client: TestClient, body: Any, wait: str | None, key: str | None
+def test_any_request_is_answered_as_fastapi_answers_it(
+    client: TestClient,
+    body: bytes,
+    content_type: str | None,
+    auth: str | None,
+    wait: str | None,
+    key: str | None,
 ) -> None:
-    request: dict[str, Any] = {"content": json.dumps(body).encode(), "headers": dict(JSON)}
+    headers: dict[str, Any] = {"Authorization": auth}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    request: dict[str, Any] = {"content": body, "headers": headers}
     if wait is not None:
         request["params"] = {"wait": wait}
-    if key is not None:
-        request["headers"]["Idempotency-Key"] = key
     ours, theirs = both(client, **request)
     assert ours == theirs
