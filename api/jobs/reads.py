@@ -30,33 +30,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# What a job's resource is made of (core.db.resources.job_resource), its owner, and of its
-# input only what a running generation's progress needs: the input itself may be megabytes
-# of images, and a long-poll per job would read and parse it each time. Each column under
-# its attribute's name, so that a row reads like a Job.
-_RESOURCE = (
-    "id",
-    "api_key_id",
-    "model",
-    "model_version",
-    "requested_version",
-    "status",
-    "priority",
-    "created_at",
-    "started_at",
-    "finished_at",
-    "deadline_at",
-    "output",
-    "error",
-    "attempts",
-    "batch_id",
-    "batch_size",
-    "inference_ms",
-    "callback_url",
-    "metadata_",
-)
+# Every column under its attribute's name, so that a row reads like a Job, except the
+# input: it may be megabytes of images, and a long-poll per job would read and parse it
+# each time; of it only what a running generation's progress needs.
 _JOB = select(
-    *(Job.__mapper__.column_attrs[name].columns[0].label(name) for name in _RESOURCE),
+    *(p.columns[0].label(p.key) for p in Job.__mapper__.column_attrs if p.key != "input"),
     Job.input["prompt_tokens"].label("prompt_tokens"),
     Job.input["max_tokens"].label("max_tokens"),
 ).where(Job.__table__.c.id.in_(bindparam("ids", expanding=True)))
@@ -177,7 +155,7 @@ class JobReader:
                 {"Retry-After": "2"},
             )
             return [unavailable] * len(group)
-        # The rows carry every column under its attribute's name: read as Jobs.
+        # The rows carry every column but the input under its attribute's name: read as Jobs.
         progress = self.progress.of(list(rows.values())) if self.progress else {}
         out: list[JobResource | Exception] = []
         for read in group:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from api.deps import (
     GroupReadDep,
@@ -50,14 +50,18 @@ WAIT_QUERY = Query(
     ge=0,
     description="Seconds to wait for a terminal state (at most FERRY_MAX_WAIT_S).",
 )
+# The two parameters as declared once: in the endpoints' signatures (the OpenAPI
+# document) and in the adapters their fast readings validate with (api.fastparse).
+Wait = Annotated[float, WAIT_QUERY]
+IdempotencyKey = Annotated[str | None, Header(max_length=255)]
 
 
 async def create_job(
     body: JobCreate,
     request: Request,
     key: KeyDep,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-    wait: Annotated[float, WAIT_QUERY] = 0,
+    idempotency_key: IdempotencyKey = None,
+    wait: Wait = 0,
 ) -> Response:
     """Submit a job: 202 once it is durable; with ``wait``, 200 with the finished job
     if it ends within that many seconds (else the same 202: it runs all the same)."""
@@ -103,11 +107,8 @@ async def create_job(
     return _json(resource, 202, headers)
 
 
-# create_job's and read_job's query and header, as their signatures declare them.
-WAIT = TypeAdapter(Annotated[float, Field(ge=0)])
-IDEMPOTENCY_KEY = TypeAdapter(Annotated[str | None, Field(max_length=255)])
-WAIT_PARAM = {"wait": (WAIT, 0.0)}
-SUBMIT_HEADERS = {"idempotency-key": (IDEMPOTENCY_KEY, None)}
+WAIT_PARAM = {"wait": (TypeAdapter(Wait), 0.0)}
+SUBMIT_HEADERS = {"idempotency-key": (TypeAdapter(IdempotencyKey), None)}
 
 
 async def submit_job(request: Request) -> Response:
@@ -160,7 +161,7 @@ async def read_job(
     key: KeyDep,
     reads: GroupReadDep,
     settings: SettingsDep,
-    wait: Annotated[float, WAIT_QUERY] = 0,
+    wait: Wait = 0,
 ) -> Response:
     _check_wait(wait, settings)
     if not is_uuid(job_id):

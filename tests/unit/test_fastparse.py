@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import pytest
-from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.errors import ApiError, install_error_handlers
 from api.fastparse import Read, parsed_by, read_request
-from api.jobs.routes import SUBMIT_HEADERS, WAIT_PARAM
+from api.jobs.routes import SUBMIT_HEADERS, WAIT_PARAM, IdempotencyKey, Wait
 from api.jobs.schemas import JobCreate
 
 
@@ -37,15 +37,13 @@ def answer(**values: Any) -> Response:
 async def submitted(
     body: JobCreate,
     key: Annotated[str, Depends(caller)],
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-    wait: Annotated[float, Query(ge=0)] = 0,
+    idempotency_key: IdempotencyKey = None,
+    wait: Wait = 0,
 ) -> Response:
     return answer(body=body.model_dump(mode="json"), key=key, idem=idempotency_key, wait=wait)
 
 
-async def polled(
-    job_id: str, key: Annotated[str, Depends(caller)], wait: Annotated[float, Query(ge=0)] = 0
-) -> Response:
+async def polled(job_id: str, key: Annotated[str, Depends(caller)], wait: Wait = 0) -> Response:
     return answer(job_id=job_id, key=key, wait=wait)
 
 
