@@ -85,7 +85,9 @@ class Launched(Protocol):
     """A batch handed to the device: its copies and kernels are queued, maybe not done.
 
     ``wait`` blocks until the device has finished it (and measures it), and
-    raises what the device raised; it may be called more than once.
+    raises what the device raised; it may be called more than once. ``done``
+    says, without waiting, whether the device has finished it (or failed: then
+    ``wait`` raises).
     ``device_s`` is then the device's time for the batch and
     ``peak_memory_bytes`` its peak (None where nothing is measured).
     """
@@ -94,6 +96,8 @@ class Launched(Protocol):
     peak_memory_bytes: float | None
 
     def wait(self) -> None: ...
+
+    def done(self) -> bool: ...
 
 
 class Runtime(Protocol):
@@ -283,3 +287,6 @@ class HostLaunched:
 
     def wait(self) -> None:
         return None
+
+    def done(self) -> bool:
+        return True

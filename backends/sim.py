@@ -170,6 +170,9 @@ class SimLaunched:
         if left > 0:
             self.runtime.sleep(left)
 
+    def done(self) -> bool:
+        return self.runtime.clock() >= self.ready_at
+
 
 PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "latency_base_ms": (int, float),

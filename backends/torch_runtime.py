@@ -357,6 +357,16 @@ class TorchLaunched:
         self.device_s = device_s
         self.peak_memory_bytes: float | None = None
 
+    def done(self) -> bool:
+        """Whether this stream's work is done; an error of the device's counts as done
+        (``wait`` raises it)."""
+        if self.events is None:
+            return True
+        try:
+            return bool(self.events[1].query())
+        except Exception:
+            return True
+
     def wait(self) -> None:
         """Until this stream's work is done (not the device's); then time and measure it."""
         if self.events is None:

@@ -207,8 +207,9 @@ class Settings(BaseSettings):
     what a step ended, while the next steps run."""
     pipeline_prepare: bool = True
     """On a device that computes asynchronously (CUDA; the sim model): decide, claim and prepare
-    batch N + 1 (tokenise, decode, stage in pinned memory) while batch N computes, and launch
-    it the moment N is done."""
+    batch N + 1 (tokenise, decode, stage in pinned memory) while batch N computes, as late as
+    that allows (so that jobs arriving meanwhile ride in it), and launch it the moment N is
+    done."""
     worker_drain_s: float = Field(30.0, gt=0)
     """How long a stopping worker may take to finish and record its batch (and retry a result
     write)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -98,6 +99,56 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     ]
     assert len(queued_behind) >= (len(on_device) - 1) // 2, events
     assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
+
+
+def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    settings: Settings,
+) -> None:
+    # Batches of 4 at 300 ms on the device, 8 jobs queued: the second batch is full as
+    # soon as the first launches. It is decided only shortly before the first ends (as
+    # late as its preparation allows), so a vip job that arrives while the first computes
+    # goes in it, and it is still launched before the first is collected.
+    slow = with_parameters(settings, "sim", latency_base_ms=300.0).model_copy(
+        update={"batch_max_size": 4}
+    )
+    loop = build_sim_loop(slow)
+    runtime = loop.runtime
+    assert isinstance(runtime, SimRuntime) and loop.device.ahead
+    first_on_device = threading.Event()
+    events: list[str] = []
+    launch, collect = runtime.launch, runtime.collect
+
+    def watched_launch(batch: Any) -> Any:
+        launched = launch(batch)
+        events.append("launch")
+        first_on_device.set()
+        return launched
+
+    def watched_collect(launched: Any) -> Any:
+        events.append("collect")
+        return collect(launched)
+
+    runtime.launch = watched_launch  # type: ignore[method-assign, assignment]
+    runtime.collect = watched_collect  # type: ignore[method-assign]
+    normal = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
+    with RunningLoop(loop):
+        assert first_on_device.wait(10)
+        time.sleep(0.05)
+        vip = submit(client, auth, model="sim", input={"cost": 1}, priority="vip")
+        rows = wait_terminal(sessions, [*normal, vip], timeout=30)
+    assert {row.status for row in rows.values()} == {"succeeded"}
+    batches: dict[str, list[Job]] = {}
+    for row in rows.values():
+        batches.setdefault(str(row.batch_id), []).append(row)
+    started = {batch: min(str(j.started_at) for j in jobs) for batch, jobs in batches.items()}
+    order = [batches[batch] for batch in sorted(batches, key=started.__getitem__)]
+    assert [len(jobs) for jobs in order] == [4, 4, 1]
+    assert vip in {j.id for j in order[1]}, [[j.id == vip for j in jobs] for jobs in order]
+    # The second batch was queued behind the first, not prepared after it landed.
+    assert events[:3] == ["launch", "launch", "collect"], events
 
 
 def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
@@ -273,6 +324,9 @@ def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
 
         def wait(self) -> None:
             raise DeviceLost("the CUDA device is unusable: an illegal memory access")
+
+        def done(self) -> bool:
+            return True  # failed: wait() raises
 
     def failing_launch(batch: Any) -> Any:
         launches.append([int(item["cost"]) for item in batch])

@@ -42,6 +42,11 @@ class InFlight:
     launched: Launched | None = None
     failed: Exception | None = None  # what preparing, launching or the device raised
     ends_s: float = 0.0  # when the scheduler expects it done (the loop's clock)
+    prepared: float = 0.0  # perf_counter when it was prepared, ready to launch
+
+    def done(self) -> bool:
+        """Whether the device is done with it, without waiting."""
+        return self.launched is None or self.failed is not None or self.launched.done()
 
     def wait(self) -> None:
         """Until the device is done with it; what the device raised is kept for landing."""
@@ -132,6 +137,7 @@ class DevicePipeline:
             self.observer.stage_timed(
                 "prepare", time.perf_counter() - flight.began, flight.batch_id
             )
+        flight.prepared = time.perf_counter()
         previous, self.in_flight = self.in_flight, None
         if previous is not None:
             previous.wait()

@@ -65,6 +65,14 @@ class LoopConfig:
     rollback_after_failed_batches: int = 3  # a new version's whole-failed batches (0: never)
 
 
+# While a batch computes, the next one's decision waits until HOLD_MARGIN times the
+# measured time to decide and prepare a batch, plus HOLD_FLOOR_S, before its predicted
+# end, checking every HOLD_SLICE_S whether the device finished sooner.
+HOLD_MARGIN = 2.0
+HOLD_FLOOR_S = 0.001
+HOLD_SLICE_S = 0.001
+
+
 @dataclass
 class BatchPlan:
     """A step of an encoder: the scheduler's decision, or the batch on the device to land.
@@ -127,6 +135,10 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         self.device = DevicePipeline(
             model, runtime, self.observers, launch_ahead=config.pipeline_prepare, clock=clock
         )
+        # With launch-ahead, how long deciding and preparing a batch takes (a moving
+        # average; None until measured), and when the step's decision began.
+        self._prepare_s: float | None = None
+        self._deciding = 0.0
         self.recording = Recording(
             model,
             recorder,
@@ -235,8 +247,28 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         self._follow_version()
 
     def read(self, block_ms: int | None) -> None:
-        # While a batch computes, read only what is there already: it is landed next.
-        self.intake.fill(block_ms if self.device.in_flight is None else None)
+        flight = self.device.in_flight
+        if flight is None:
+            self.intake.fill(block_ms)
+            return
+        # While a batch computes, the next is decided as late as its preparation allows:
+        # a job that arrives before then rides in it, where one decided as soon as the
+        # batch launched would leave it waiting a batch more (the device is not idle
+        # for it: the next is still prepared before this one ends).
+        self._hold(flight)
+        self.intake.fill(None)  # what is there already: the batch is landed next
+
+    def _hold(self, flight: InFlight) -> None:
+        """Until the device is done with ``flight`` or the next batch's preparation (its
+        decision, claim and inputs, as measured) must begin for it to be ready then."""
+        if self._prepare_s is None:
+            return
+        until = flight.ends_s - (HOLD_MARGIN * self._prepare_s + HOLD_FLOOR_S)
+        while not flight.done():
+            left = until - self.clock()
+            if left <= 0:
+                return
+            time.sleep(min(left, HOLD_SLICE_S))
 
     def schedule(self, now: float) -> BatchPlan:
         """The scheduler's decision; while a batch computes, whether to prepare the next.
@@ -246,6 +278,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         change; otherwise this step lands the batch on the device, and the
         next decides again, with what arrived meanwhile.
         """
+        self._deciding = time.perf_counter()
         flight = self.device.in_flight
         if flight is None:
             return BatchPlan(self.batcher.schedule(now, runnable=self._runnable))
@@ -419,6 +452,11 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             BatchStarted(batch_id, self.model, jobs, costs, decision.predicted_s, self.clock())
         )
         self.device.launch(flight)
+        if ahead:
+            # From the decision to the batch ready to launch: what the hold leaves room for.
+            took = flight.prepared - self._deciding
+            before = took if self._prepare_s is None else self._prepare_s
+            self._prepare_s = 0.8 * before + 0.2 * took
         if not ahead:
             self.device.land()  # prepared, launched and collected one after the other
 
