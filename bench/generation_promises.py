@@ -29,7 +29,11 @@ measured side by side in one run, repeated, with the spread:
   The same workload without those writes, and with them (a Redis of its own)
   as the worker makes them by default (every step's in that step, on the
   writer's thread), in the loop (``FERRY_PIPELINE=false``) and every 50 ms
-  (``FERRY_CHECKPOINT_EVERY_MS``): tokens/s and the cost.
+  (``FERRY_CHECKPOINT_EVERY_MS``): tokens/s and the cost. Each arm runs a few
+  seconds, so a round runs them ``checkpoint_trials`` times, the four in a
+  rotating order, and a round's cost is the median of its trials' costs (each
+  against the run without writes of the same trial): a cost of a few per cent
+  is smaller than one run's noise on a shared host.
 
 What a crash costs a generation (tokens lost, the resumed job's extra
 latency) needs real processes killed: ``bench.generation_resume`` and the
@@ -257,6 +261,7 @@ class Shape:
     split_jobs: int = 64  # per key, all at once
     split_s: float = 12.0
     checkpoint_requests: int = 32
+    checkpoint_trials: int = 5  # the four checkpoint arms, each this many times a round
 
 
 SMOKE = Shape(
@@ -273,6 +278,7 @@ SMOKE = Shape(
     split_jobs=8,
     split_s=1.0,
     checkpoint_requests=6,
+    checkpoint_trials=1,
 )
 
 SHORT = Lengths(median=24.0, sigma=0.5, low=8, high=64)
@@ -384,7 +390,9 @@ class SplitRound:
 
 @dataclass
 class CheckpointRound:
-    tokens_per_s: dict[str, float]  # without, with, in_loop, every_50_ms
+    tokens_per_s: dict[str, float]  # without, with, in_loop, every_50_ms: the trials' median
+    cost: dict[str, float]  # with, in_loop, every_50_ms: the trials' median of 1 - arm/without
+    trials: list[dict[str, float]]  # each trial's tokens/s by arm
     appended: int
 
 
@@ -550,6 +558,23 @@ class Checkpoint:
         self.index.clear()
 
 
+def checkpoint_round(trials: Sequence[dict[str, float]], appended: int) -> dict[str, Any]:
+    """A round's checkpoint figures from its trials (each arm's tokens/s): each arm's
+    tokens/s and its cost against the run without writes of the same trial, each the
+    median over the trials."""
+    arms = list(trials[0])
+    return {
+        "tokens_per_s": {way: statistics.median(t[way] for t in trials) for way in arms},
+        "cost": {
+            way: round(statistics.median(1.0 - t[way] / t["without"] for t in trials), 4)
+            for way in arms
+            if way != "without"
+        },
+        "trials": list(trials),
+        "appended": appended,
+    }
+
+
 def tokens_per_s(trace: Trace) -> float:
     tokens = sum(len(t) for t in trace.tokens.values())
     return tokens / max(trace.end_s.values())
@@ -616,21 +641,23 @@ def run(
             Job(r.id, r.prompt_ids, r.max_tokens, 0.0)
             for r in draw_workload(corpus, shape.checkpoint_requests, round_seed, PROMPTS, OUTPUTS)
         ]
-        rates: dict[str, float] = {}
         arms: list[tuple[str, Checkpoint | None]] = [("without", None), *hooks.items()]
-        for way, hook in arms if number % 2 == 0 else list(reversed(arms)):
-            rates[way] = tokens_per_s(drive(runner, loaded, workload, after_step=hook))
-            if hook is not None:
-                hook.clear()
+        trials: list[dict[str, float]] = []
+        for trial in range(shape.checkpoint_trials):
+            # A rotating order: no arm always runs first (on a warmer or a quieter host).
+            turn = (number * shape.checkpoint_trials + trial) % len(arms)
+            rates: dict[str, float] = {}
+            for way, hook in arms[turn:] + arms[:turn]:
+                rates[way] = tokens_per_s(drive(runner, loaded, workload, after_step=hook))
+                if hook is not None:
+                    hook.clear()
+            trials.append({k: round(v, 2) for k, v in rates.items()})
         report["rounds"].append(
             {
                 "preemption": preemption,
                 "fairness": fairness,
                 "split": split,
-                "checkpoint": {
-                    "tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
-                    "appended": sum(c.appended for c in hooks.values()),
-                },
+                "checkpoint": checkpoint_round(trials, sum(c.appended for c in hooks.values())),
             }
         )
         report.update(figures(report["rounds"]))
@@ -656,10 +683,7 @@ def figures(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     pre = [r["preemption"] for r in rounds]
     fair = [r["fairness"] for r in rounds]
     split = [r["split"] for r in rounds]
-    rates = [r["checkpoint"]["tokens_per_s"] for r in rounds]
-    cost = [1.0 - r["with"] / r["without"] for r in rates]
-    cost_in_loop = [1.0 - r["in_loop"] / r["without"] for r in rates if "in_loop" in r]
-    cost_50_ms = [1.0 - r["every_50_ms"] / r["without"] for r in rates if "every_50_ms" in r]
+    costs = [r["checkpoint"]["cost"] for r in rounds]
     return {
         "urgent_ttft_p99_ms": {
             "preemption": spread([r["urgent_ttft_ms"]["preemption"]["p99"] for r in pre]),
@@ -691,9 +715,11 @@ def figures(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         ),
         "heavy_kv_share": spread([r["heavy_kv_share"] for r in split]),
         "heavy_token_share": spread([r["heavy_token_share"] for r in split]),
-        "checkpoint_cost": spread(cost),
-        "checkpoint_cost_in_loop": spread(cost_in_loop),
-        "checkpoint_cost_every_50_ms": spread(cost_50_ms),
+        "checkpoint_cost": spread([c["with"] for c in costs]),
+        "checkpoint_cost_in_loop": spread([c["in_loop"] for c in costs if "in_loop" in c]),
+        "checkpoint_cost_every_50_ms": spread(
+            [c["every_50_ms"] for c in costs if "every_50_ms" in c]
+        ),
     }
 
 
@@ -811,7 +837,8 @@ def render_generation_promises(results: Results) -> list[str]:
             f"75 % ± 10 % ({'met' if share.low >= 0.675 and share.high <= 0.825 else 'not met'})",
         ],
         [
-            "the checkpoint's writes (the tokens to their events streams), in tokens/s",
+            f"the checkpoint's writes (the tokens to their events streams), in tokens/s "
+            f"(a round's figure: the median of its {shape['checkpoint_trials']} trials)",
             f"{cost.text(percent(1), bold=True)} fewer by default (every step's, on the "
             f"writer's thread), {fig('checkpoint_cost_in_loop', percent(1))} in the loop, "
             f"{spaced.text(percent(1), bold=True)} every 50 ms",
