@@ -15,6 +15,7 @@ second signal stops at once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -43,6 +44,15 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.not_ready_s = not_ready_s
         self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        # What start-up built (the libraries, the app, its routes and schemas) lives as
+        # long as the process: frozen out of the collector's sight, so that a full
+        # collection does not walk it each time (80-100 ms for this app's 150,000
+        # objects, every request in flight held meanwhile).
+        gc.collect()
+        gc.freeze()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         mark_draining(self.app)
