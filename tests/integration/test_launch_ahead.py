@@ -107,32 +107,33 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
     sessions: sessionmaker[Session],
     settings: Settings,
 ) -> None:
-    # Batches of 4 at 300 ms on the device, 8 jobs queued: the second batch is full as
+    # Batches of 4 at 400 ms on the device, 8 jobs queued: the second batch is full as
     # soon as the first launches. It is decided only shortly before the first ends (as
     # late as its preparation allows), so a vip job that arrives while the first computes
-    # goes in it, and it is still launched before the first is collected.
-    slow = with_parameters(settings, "sim", latency_base_ms=300.0).model_copy(
+    # goes in it, and it is still prepared before the first ends.
+    slow = with_parameters(settings, "sim", latency_base_ms=400.0).model_copy(
         update={"batch_max_size": 4}
     )
     loop = build_sim_loop(slow)
     runtime = loop.runtime
     assert isinstance(runtime, SimRuntime) and loop.device.ahead
     first_on_device = threading.Event()
-    events: list[str] = []
-    launch, collect = runtime.launch, runtime.collect
+    prepared: list[float] = []  # when each batch's preparation began (the runtime's clock)
+    on_device: list[tuple[float, float]] = []  # each batch's time on the device
+    prepare, launch = runtime.prepare, runtime.launch
 
-    def watched_launch(batch: Any) -> Any:
+    def timed_prepare(inputs: list[Any]) -> Any:
+        prepared.append(runtime.clock())
+        return prepare(inputs)
+
+    def timed_launch(batch: Any) -> Any:
         launched = launch(batch)
-        events.append("launch")
+        on_device.append((launched.ready_at - launched.device_s, launched.ready_at))
         first_on_device.set()
         return launched
 
-    def watched_collect(launched: Any) -> Any:
-        events.append("collect")
-        return collect(launched)
-
-    runtime.launch = watched_launch  # type: ignore[method-assign, assignment]
-    runtime.collect = watched_collect  # type: ignore[method-assign]
+    runtime.prepare = timed_prepare  # type: ignore[method-assign]
+    runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
     normal = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
     with RunningLoop(loop):
         assert first_on_device.wait(10)
@@ -147,8 +148,11 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
     order = [batches[batch] for batch in sorted(batches, key=started.__getitem__)]
     assert [len(jobs) for jobs in order] == [4, 4, 1]
     assert vip in {j.id for j in order[1]}, [[j.id == vip for j in jobs] for jobs in order]
-    # The second batch was queued behind the first, not prepared after it landed.
-    assert events[:3] == ["launch", "launch", "collect"], events
+    # The hold kept the overlap: the second batch was prepared while the first computed
+    # (late, but before its end), not after it landed.
+    first_began, first_ends = on_device[0]
+    assert first_began < prepared[1] < first_ends, (prepared, on_device)
+    assert prepared[1] > first_began + 0.2, (prepared, on_device)  # and not at once
 
 
 def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(

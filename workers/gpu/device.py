@@ -147,12 +147,14 @@ class DevicePipeline:
                 # and the peaks measured belong to it alone.
                 self._land_batch(previous)
                 previous = None
+        # The device starts on it while launch queues its work: its end counts from here.
+        launching = self.clock()
         if prepared is not None:
             try:
                 flight.launched = self.runtime.launch(prepared)
             except Exception as exc:
                 flight.failed = exc
-        flight.ends_s = self.clock() + flight.decision.predicted_s
+        flight.ends_s = launching + flight.decision.predicted_s
         self.in_flight = flight
         if previous is not None:
             self._land_batch(previous)  # while this one computes

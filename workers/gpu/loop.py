@@ -135,8 +135,9 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         self.device = DevicePipeline(
             model, runtime, self.observers, launch_ahead=config.pipeline_prepare, clock=clock
         )
-        # With launch-ahead, how long deciding and preparing a batch takes (a moving
-        # average; None until measured), and when the step's decision began.
+        # With launch-ahead, how long reading, deciding and preparing a batch takes (the
+        # longest lately: a maximum that decays; None until measured), and when the read
+        # before the step's decision began.
         self._prepare_s: float | None = None
         self._deciding = 0.0
         self.recording = Recording(
@@ -239,6 +240,8 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
     # --- a step ----------------------------------------------------------------
 
     def upkeep(self) -> None:
+        if self.versions is not None:
+            self.versions.collect_dropped()
         if self.recording.done_recording():
             self.recording.wait()  # a recording that failed is heard of now, even when idle
         self.publisher.beat(self.state)
@@ -250,12 +253,14 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         flight = self.device.in_flight
         if flight is None:
             self.intake.fill(block_ms)
+            self._deciding = time.perf_counter()
             return
         # While a batch computes, the next is decided as late as its preparation allows:
         # a job that arrives before then rides in it, where one decided as soon as the
         # batch launched would leave it waiting a batch more (the device is not idle
         # for it: the next is still prepared before this one ends).
         self._hold(flight)
+        self._deciding = time.perf_counter()
         self.intake.fill(None)  # what is there already: the batch is landed next
 
     def _hold(self, flight: InFlight) -> None:
@@ -264,7 +269,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         if self._prepare_s is None:
             return
         until = flight.ends_s - (HOLD_MARGIN * self._prepare_s + HOLD_FLOOR_S)
-        while not flight.done():
+        while not flight.done() and not self.drain.stop.is_set():
             left = until - self.clock()
             if left <= 0:
                 return
@@ -278,7 +283,6 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         change; otherwise this step lands the batch on the device, and the
         next decides again, with what arrived meanwhile.
         """
-        self._deciding = time.perf_counter()
         flight = self.device.in_flight
         if flight is None:
             return BatchPlan(self.batcher.schedule(now, runnable=self._runnable))
@@ -453,10 +457,10 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         )
         self.device.launch(flight)
         if ahead:
-            # From the decision to the batch ready to launch: what the hold leaves room for.
+            # From the read before the decision to the batch ready to launch: what the hold
+            # leaves room for. A slower one counts at once, and is forgotten a tenth a batch.
             took = flight.prepared - self._deciding
-            before = took if self._prepare_s is None else self._prepare_s
-            self._prepare_s = 0.8 * before + 0.2 * took
+            self._prepare_s = took if self._prepare_s is None else max(took, 0.9 * self._prepare_s)
         if not ahead:
             self.device.land()  # prepared, launched and collected one after the other
 
@@ -575,6 +579,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
         assert self.versions is not None
         self._land()
         self.device.runtime = loaded.runtime
+        self._prepare_s = None  # the new runtime's preparation is measured afresh
         self.recorder.model_version = loaded.version
         if loaded.prepared is not None:
             self.batcher.learn_from(loaded.prepared)

@@ -14,6 +14,7 @@ tried again until the repository or the activation changes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -106,6 +107,7 @@ class VersionManager:
         # A version that did not fit beside the one serving: the worker
         # restarts to load it alone, when it is its turn.
         self.restart_for: int | None = None
+        self._dropped = False  # a version was dropped since collect_dropped last ran
 
     def start(self) -> None:
         self._report(self.serving.version, "ready")
@@ -259,6 +261,14 @@ class VersionManager:
     def unloaded(self, old: Loaded) -> None:
         """The old version's last batch is done: it is dropped."""
         self._report(old.version, None)
+        self._dropped = True
+
+    def collect_dropped(self) -> None:
+        """Once no frame holds a dropped version any more (the loop calls this at the
+        start of a step): what it left in reference cycles is freed (:func:`refreeze`)."""
+        if self._dropped:
+            self._dropped = False
+            refreeze()
 
     def stop(self) -> None:
         self._report(self.serving.version, None)
@@ -267,6 +277,18 @@ class VersionManager:
         # Advisory (what GET /v1/models shows): the worker goes on without it.
         with contextlib.suppress(*REDIS_ERRORS):
             report(self.client, self.prefix, self.model, self.consumer, version, state, reason)
+
+
+def refreeze() -> None:
+    """In a process that froze what its start-up built (``gc.freeze``, workers.gpu.main),
+    unfreeze, collect and freeze again: a version loaded at start-up and dropped since is
+    among the frozen objects, which the collector never frees, so whatever of it sits in
+    reference cycles (a model's modules, its tensors) would stay. A full collection, once
+    a switch. A process that froze nothing is left as it is."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def _in_background(load: LoadVersion, config: ModelConfig, version: int) -> Future[Loaded]:
