@@ -429,8 +429,8 @@ class Settings(BaseSettings):
     """Flower drops a worker that has been offline this long from its Workers page."""
     flower_max_tasks: int = Field(5000, ge=1)
     """Flower keeps the newest this many tasks (each batch is one) and forgets older ones.
-    Each costs Flower about 10 KiB, so 5000 add some 50 MiB (the one-hour soak: 100 MiB at
-    its start, 150 MiB once it held 5000, flat after), and at tens of batches a second still
+    Each costs Flower about 10 KiB, so 5000 add some 45 MiB (the one-hour soak: 118 MiB at
+    its start, 162 MiB once it held 5000, flat after), and at tens of batches a second still
     cover the last minutes, what its Tasks page is for; its Prometheus counters count every
     task whatever this is. Flower's own default, 100000, grew it to 405 MiB in 30 minutes."""
     worker_events: bool = True
