@@ -148,11 +148,11 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
     order = [batches[batch] for batch in sorted(batches, key=started.__getitem__)]
     assert [len(jobs) for jobs in order] == [4, 4, 1]
     assert vip in {j.id for j in order[1]}, [[j.id == vip for j in jobs] for jobs in order]
-    # The hold kept the overlap: the second batch was prepared while the first computed
-    # (late, but before its end), not after it landed.
+    # The hold kept the overlap: the second batch was prepared late in the first (not at
+    # once) and by its end (within 50 ms of it on a loaded host, whose read and claim may
+    # outrun the margin), not after the first had been landed and recorded.
     first_began, first_ends = on_device[0]
-    assert first_began < prepared[1] < first_ends, (prepared, on_device)
-    assert prepared[1] > first_began + 0.2, (prepared, on_device)  # and not at once
+    assert first_began + 0.2 < prepared[1] < first_ends + 0.05, (prepared, on_device)
 
 
 def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(

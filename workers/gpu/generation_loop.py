@@ -252,6 +252,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     # --- a step ----------------------------------------------------------------
 
     def upkeep(self) -> None:
+        if self.versions is not None:
+            self.versions.collect_dropped()
         if self.writer.done() or (self._recorded is not None and self._recorded.done()):
             self._wait_recorded()  # a write that failed is heard of now, even when idle
         self.publisher.heartbeat()
