@@ -1,4 +1,4 @@
-"""workers.gpu.versions.refreeze: a dropped version is freed in a process that froze its
+"""core.ops.collector.refreeze: a dropped version is freed in a process that froze its
 start-up (each case in a fresh interpreter: freezing is the process's own)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import gc, weakref
-    from workers.gpu.versions import refreeze
+    from core.ops.collector import refreeze
 
     class Runtime:
         pass

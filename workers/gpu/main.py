@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -18,6 +17,7 @@ from core.db.versions import active_version
 from core.db.webhooks import DeliveryKicker
 from core.models.repository import ModelConfig
 from core.ops import tracing
+from core.ops.collector import freeze_start_up
 from core.ops.health import serve
 from core.streams.broker import celery_for_events
 from core.streams.target import RedisSettings, RedisTarget, ServerClock
@@ -228,12 +228,7 @@ def run_to_exit(
         control.start()
     stop = stop_on_signals(loop.request_stop, stopping)
     loop.stop_event = stop
-    # What the process built to get here (its libraries, the model and its warm-up)
-    # lives as long as it does: frozen out of the collector's sight, so that a full
-    # collection does not walk it each time (pauses of 100-200 ms with a model's
-    # libraries loaded, held by every batch on the device or waiting to be recorded).
-    gc.collect()
-    gc.freeze()
+    freeze_start_up()  # core.ops.collector says why
     try:
         loop.run(stop)
     except DeviceLost as exc:

@@ -14,7 +14,6 @@ tried again until the repository or the activation changes.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from backends.base import OutOfMemory, Runtime
 from core.db.versions import active_version, report
 from core.models.repository import ModelConfig
+from core.ops.collector import refreeze
 from core.streams.target import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
@@ -277,18 +277,6 @@ class VersionManager:
         # Advisory (what GET /v1/models shows): the worker goes on without it.
         with contextlib.suppress(*REDIS_ERRORS):
             report(self.client, self.prefix, self.model, self.consumer, version, state, reason)
-
-
-def refreeze() -> None:
-    """In a process that froze what its start-up built (``gc.freeze``, workers.gpu.main),
-    unfreeze, collect and freeze again: a version loaded at start-up and dropped since is
-    among the frozen objects, which the collector never frees, so whatever of it sits in
-    reference cycles (a model's modules, its tensors) would stay. A full collection, once
-    a switch. A process that froze nothing is left as it is."""
-    if gc.get_freeze_count():
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
 
 
 def _in_background(load: LoadVersion, config: ModelConfig, version: int) -> Future[Loaded]:
