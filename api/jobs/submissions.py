@@ -577,7 +577,10 @@ class GroupWriter:
         if not idems:
             return {}
         rows = session.scalars(
-            select(Job).where(tuple_(Job.api_key_id, Job.idempotency_key).in_(sorted(idems)))
+            select(Job).where(
+                tuple_(Job.api_key_id, Job.idempotency_key).in_(sorted(idems)),
+                Job.idempotency_key.is_not(None),  # what its partial unique index holds
+            )
         )
         return {(row.api_key_id, row.idempotency_key or ""): row for row in rows}
 
@@ -735,7 +738,10 @@ def _new_job(item: Submission) -> Job:
 _JOBS: Table = Job.__table__  # type: ignore[assignment]
 _INSERTS = {
     name: insert(_JOBS)
-    .on_conflict_do_nothing(index_elements=[_JOBS.c.api_key_id, _JOBS.c.idempotency_key])
+    .on_conflict_do_nothing(
+        index_elements=[_JOBS.c.api_key_id, _JOBS.c.idempotency_key],
+        index_where=_JOBS.c.idempotency_key.is_not(None),  # the partial unique index's
+    )
     .returning(_JOBS.c.id)
     for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }

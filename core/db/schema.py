@@ -95,6 +95,15 @@ class ApiKey(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
 
 
+def _partial_unique(name: str, first: str, second: str, over: str) -> Index:
+    """Unique (``first``, ``second``) over the rows whose ``over`` is set (a row with a
+    NULL in either column never conflicts: the rows left out are of those). A query
+    whose WHERE tests ``over`` with ``=`` or ``>`` can use it, PostgreSQL knowing that
+    they are never true of a NULL."""
+    where = text(f"{over} IS NOT NULL")
+    return Index(name, first, second, unique=True, postgresql_where=where, sqlite_where=where)
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -135,18 +144,19 @@ class Job(Base):
     trace_context: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     __table_args__ = (
-        UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_key_idempotency"),
-        UniqueConstraint("backfill_id", "line_no", name="uq_jobs_backfill_line"),
-        UniqueConstraint("backfill_id", "custom_id", name="uq_jobs_backfill_custom_id"),
+        # A row enters an index at its insert and again at each update that changes an
+        # indexed column (the claim and the outcome change the status): a plain job's
+        # enters three, the two below and the primary key's. The unique ones hold only
+        # the rows they constrain (NULLs never conflict), so they are partial.
         Index("ix_jobs_key_created", "api_key_id", "created_at"),
+        # Outstanding jobs (the reconciler; the quota counter's rebuild) and the retention.
         Index("ix_jobs_status_finished", "status", "finished_at"),
-        # The outstanding counter (key_usage) is rebuilt through this (backfill items not counted).
-        Index(
-            "ix_jobs_key_outstanding",
-            "api_key_id",
-            "status",
-            postgresql_where=text("backfill_id IS NULL"),
-            sqlite_where=text("backfill_id IS NULL"),
+        _partial_unique(
+            "ux_jobs_key_idempotency", "api_key_id", "idempotency_key", over="idempotency_key"
+        ),
+        _partial_unique("ux_jobs_backfill_line", "backfill_id", "line_no", over="backfill_id"),
+        _partial_unique(
+            "ux_jobs_backfill_custom_id", "backfill_id", "custom_id", over="backfill_id"
         ),
     )
 

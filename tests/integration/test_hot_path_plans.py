@@ -9,7 +9,8 @@ unnest(...)``) a nested loop over every row of the table, eighteen times the cos
 finding them by key, growing with the table. Here each statement the recorder sends for
 one batch (the look for earlier attempts, the claim, the outcomes, what follows a
 terminal write) is planned generically on real PostgreSQL and must reach ``jobs``
-through its primary key.
+through its primary key. And a plain job's row is in three of the table's indexes (each
+of its writes enters it in each), the unique ones holding only the rows they constrain.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import psycopg
 import pytest
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 
 from core.db.keys import create_key
 from core.db.schema import make_engine, make_sessionmaker
@@ -135,3 +137,78 @@ def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
         why = f"{' '.join(statement.split())}\n{plan}\nparameters: {values}"
         assert "Seq Scan on jobs" not in plan, why
         assert "jobs_pkey" in plan, why
+
+
+def test_a_plain_job_is_in_three_of_the_jobs_indexes(
+    analyzed_jobs: tuple[Engine, list[str]],
+) -> None:
+    """Every update that changes the status enters the row in each index anew, so each
+    index a plain job (no idempotency key, no backfill) is in costs it three entries.
+    The unique indexes hold only the rows they constrain, which are still unique."""
+    engine, ids = analyzed_jobs
+    with engine.begin() as conn:
+        key = conn.execute(text("SELECT id FROM api_keys")).scalar_one()
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, api_key_id, model, priority, status, input, cost, "
+                "attempts, created_at, idempotency_key, backfill_id, line_no, custom_id) "
+                "SELECT 'special-' || n, :key, 'sim', 'normal', 'queued', '{}'::json, 1, 0, "
+                "now(), CASE WHEN n <= 20 THEN 'idem-' || n END, "
+                "CASE WHEN n > 20 THEN 'backfill-1' END, CASE WHEN n > 20 THEN n END, "
+                "CASE WHEN n > 40 THEN 'custom-' || n END FROM generate_series(1, 60) AS n"
+            ),
+            {"key": key},
+        )
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text("VACUUM ANALYZE jobs"))  # an index's reltuples: its entries now
+        held: dict[str, int] = dict(
+            conn.execute(
+                text(
+                    "SELECT c.relname, c.reltuples::int FROM pg_index i "
+                    "JOIN pg_class c ON c.oid = i.indexrelid "
+                    "WHERE i.indrelid = 'jobs'::regclass"
+                )
+            ).all()
+        )
+    every = len(ids) + 60
+    assert sorted(name for name, rows in held.items() if rows == every) == [
+        "ix_jobs_key_created",
+        "ix_jobs_status_finished",
+        "jobs_pkey",
+    ], held
+    assert held["ux_jobs_key_idempotency"] == 20, held
+    assert held["ux_jobs_backfill_line"] == 40, held
+    assert held["ux_jobs_backfill_custom_id"] == 40, held  # custom_id NULL: held, never clashes
+
+    with engine.begin() as conn:
+        again = conn.execute(
+            text(
+                "INSERT INTO jobs (id, api_key_id, model, priority, status, input, cost, "
+                "attempts, created_at, idempotency_key) VALUES ('again', :key, 'sim', "
+                "'normal', 'queued', '{}'::json, 1, 0, now(), 'idem-3') "
+                "ON CONFLICT (api_key_id, idempotency_key) WHERE idempotency_key IS NOT NULL "
+                "DO NOTHING RETURNING id"
+            ),
+            {"key": key},
+        ).all()
+    assert again == []
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, api_key_id, model, priority, status, input, cost, "
+                "attempts, created_at, backfill_id, line_no) VALUES ('clash', :key, 'sim', "
+                "'normal', 'queued', '{}'::json, 1, 0, now(), 'backfill-1', 30)"
+            ),
+            {"key": key},
+        )
+
+    # A backfill's reads name it with =, which is never true of a NULL: they use its index.
+    for statement in (
+        "SELECT id FROM jobs WHERE backfill_id = %(backfill)s LIMIT 1000",
+        "SELECT line_no, status FROM jobs WHERE backfill_id = %(backfill)s "
+        "AND line_no > %(after)s ORDER BY line_no LIMIT 500",
+    ):
+        plan = generic_plan(engine, statement, {"backfill": "backfill-1", "after": 0})
+        assert "Seq Scan on jobs" not in plan, plan
+        assert "ux_jobs_backfill" in plan, plan
