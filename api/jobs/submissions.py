@@ -3,10 +3,11 @@
 A request is validated on its own (:func:`prepare`), then waits in the
 process's group commit (``api.groups.GroupStage``) for the submissions that
 arrive with it. Each group is written by :class:`GroupWriter` in one thread
-hop: the idempotency
-keys looked up in one query, the keys' outstanding-jobs counters moved
-(``core.db.usage``), one multi-row INSERT and one COMMIT; then the group's stream
-entries go to Redis in one pipeline, and only then is each request answered.
+hop: on PostgreSQL one statement, its own transaction (``api.jobs.at_once``); on
+SQLite the idempotency keys looked up in one query, the keys' outstanding-jobs
+counters moved (``core.db.usage``), one multi-row INSERT and one COMMIT. Then the
+group's stream entries go to Redis in one pipeline, and only then is each request
+answered.
 A 202 still means the job is committed (docs/architecture.md §4).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError
-from sqlalchemy import Table, delete, select, tuple_
+from sqlalchemy import Engine, Table, delete, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,11 +35,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.breaker import SHED, Breaker, Load
 from api.errors import ApiError, validation_text
 from api.groups import GroupStage
+from api.jobs import at_once
 from api.jobs.schemas import JobCreate, metadata_problem
 from api.models.service import resolve_model
 from api.state import AppState, app_state
 from backends.catalog import LiveVersions
-from core.db.schema import ApiKey, Job, utcnow
+from core.db.schema import ApiKey, Job, read_only, utcnow
 from core.db.usage import release, release_jobs, reserve
 from core.models.catalog import InputError, ModelSpec, nesting_problem
 from core.models.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
@@ -359,6 +361,13 @@ class GroupWriter:
         self.scripts = Scripts(client)
         # Until then (monotonic), Redis is taken to be at its maxmemory: refused unwritten.
         self.memory_full_until = 0.0
+        # PostgreSQL: a group is written in one statement (api.jobs.at_once), in autocommit.
+        engine = sessions.kw.get("bind")
+        self.at_once = (
+            read_only(engine)
+            if isinstance(engine, Engine) and engine.dialect.name == "postgresql"
+            else None
+        )
 
     def write(self, group: Sequence[Submission]) -> list[Submitted | Exception]:
         outcomes: list[Outcome | None] = [None] * len(group)
@@ -499,24 +508,20 @@ class GroupWriter:
 
         A replay is answered whatever the queue and the quota now: only new
         jobs are held to their deadline and counted."""
+        if self.at_once is not None:
+            return self._commit_at_once(group, todo, outcomes, estimates)
         with self.sessions() as session:
             existing = self._existing(
                 session, {_idem(group[i]) for i in todo if group[i].idempotency_key}
             )
-            fresh: list[int] = []
-            first: dict[tuple[str, str], int] = {}
-            repeats: list[tuple[int, int]] = []  # (index, index of the first with its key)
+            rest: list[int] = []
             for i in todo:
-                idem = _idem(group[i]) if group[i].idempotency_key else None
-                if idem is None:
-                    fresh.append(i)
-                elif idem in existing:
-                    outcomes[i] = _replay(existing[idem], group[i])
-                elif idem in first:
-                    repeats.append((i, first[idem]))
+                found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
+                if found is not None:
+                    outcomes[i] = _replay(found, group[i])
                 else:
-                    first[idem] = i
-                    fresh.append(i)
+                    rest.append(i)
+            fresh, repeats = _firsts(group, rest)
             taken: dict[str, tuple[int, int]] = {}
             for i in list(fresh):
                 refused = (
@@ -551,25 +556,100 @@ class GroupWriter:
                     del jobs[i]
                     raced[job.api_key_id] = raced.get(job.api_key_id, 0) + 1
                     found = self._existing(session, {_idem(group[i])}).get(_idem(group[i]))
+                    outcomes[i] = _taken(found, group[i])
+            release(session, raced)  # reserved, but replays after all
+            session.commit()  # durable before anything is queued or answered
+        _answer_repeats(group, repeats, jobs, outcomes)
+        return jobs
+
+    def _commit_at_once(
+        self,
+        group: Sequence[Submission],
+        todo: list[int],
+        outcomes: list[Outcome | None],
+        estimates: dict[int, Quote],
+    ) -> dict[int, Job]:
+        """:meth:`_commit` on PostgreSQL: the new jobs and their keys' counters in one
+        statement (``api.jobs.at_once``). An idempotency key is looked up only where its
+        row was found taken, or before its request is refused (a replay is answered
+        whatever the queue now)."""
+        assert self.at_once is not None
+        fresh, repeats = _firsts(group, todo)
+        refused: dict[int, ApiError] = {}
+        taken_room: dict[str, tuple[int, int]] = {}
+        for i in fresh:
+            why = (
+                self._shed(group[i])
+                or self._refusal(group[i], i, estimates)
+                or self._full(group[i], taken_room)
+            )
+            if why is not None:
+                refused[i] = why
+        asked = {_idem(group[i]) for i in refused if group[i].idempotency_key}
+        existing = self._existing_at_once(asked)
+        for i, why in refused.items():
+            found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
+            outcomes[i] = _replay(found, group[i]) if found is not None else why
+        candidates = {i: _new_job(group[i]) for i in fresh if i not in refused}
+        jobs: dict[int, Job] = {}
+        with self.at_once.connect() as connection:
+            # At most three statements: again for a key's first job (once its counter is
+            # made), and for what a taken idempotency key's place left room for.
+            for last in (False, False, True):
+                order = list(candidates)
+                written = at_once.write(
+                    connection, [_row(candidates[i]) for i in order], self.max_outstanding
+                )
+                for at in written.inserted:
+                    jobs[order[at]] = candidates.pop(order[at])
+                taken = [order[at] for at in written.conflicted]
+                self._answer_taken(group, taken, outcomes)
+                for i in taken:
+                    del candidates[i]
+                crowded = {group[i].key.id for i in taken}
+                over = [order[at] for at in written.over_quota]
+                over = [i for i in over if last or group[i].key.id not in crowded]
+                # A replay is answered whatever the quota now.
+                existing = self._existing_at_once(
+                    {_idem(group[i]) for i in over if group[i].idempotency_key}
+                )
+                for i in over:
+                    found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
                     outcomes[i] = (
                         _replay(found, group[i])
                         if found is not None
-                        else ApiError(
-                            503,
-                            "unavailable",
-                            "the job with this idempotency_key is being taken back; retry shortly",
-                            {"Retry-After": "2"},
-                        )
+                        else _quota_error(self.max_outstanding)
                     )
-            release(session, raced)  # reserved, but replays after all
-            session.commit()  # durable before anything is queued or answered
-        for i, earlier in repeats:
-            answered = jobs.get(earlier)
-            was = outcomes[earlier]
-            if answered is None and isinstance(was, Submitted):
-                answered = was.job
-            outcomes[i] = _replay(answered, group[i]) if answered is not None else was
+                    del candidates[i]
+                uncounted = [candidates[order[at]].api_key_id for at in written.uncounted]
+                if uncounted and not last:
+                    at_once.add_counters(connection, uncounted)
+                if not candidates:
+                    break
+        for i in candidates:  # a key whose counter could not be made
+            outcomes[i] = _unavailable()
+        for i, job in jobs.items():
+            view = self.views.get(job.model)
+            if view is not None:
+                with self.views.lock:
+                    view.add(job.priority, job.api_key_id, group[i].input_bytes)
+        _answer_repeats(group, repeats, jobs, outcomes)
         return jobs
+
+    def _answer_taken(
+        self, group: Sequence[Submission], taken: list[int], outcomes: list[Outcome | None]
+    ) -> None:
+        """Answer the submissions whose idempotency key another request committed meanwhile:
+        its job's replay, or a 503 while that job is being taken back."""
+        existing = self._existing_at_once({_idem(group[i]) for i in taken})
+        for i in taken:
+            outcomes[i] = _taken(existing.get(_idem(group[i])), group[i])
+
+    def _existing_at_once(self, idems: set[tuple[str, str]]) -> dict[tuple[str, str], Job]:
+        if not idems:
+            return {}
+        with self.sessions() as session:
+            return self._existing(session, idems)
 
     def _existing(
         self, session: Session, idems: set[tuple[str, str]]
@@ -780,6 +860,59 @@ def _idem(item: Submission) -> tuple[str, str]:
     return (item.key.id, item.idempotency_key or "")
 
 
+def _taken(found: Job | None, item: Submission) -> Outcome:
+    """The answer to a submission whose idempotency key another request committed while
+    its group was written: that job's replay, or a 503 while it is being taken back."""
+    if found is not None:
+        return _replay(found, item)
+    return ApiError(
+        503,
+        "unavailable",
+        "the job with this idempotency_key is being taken back; retry shortly",
+        {"Retry-After": "2"},
+    )
+
+
+def _firsts(
+    group: Sequence[Submission], todo: list[int]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The submissions of ``todo`` to write, and the repeats of an idempotency key already
+    among them: (index, index of the first with its key)."""
+    fresh: list[int] = []
+    first: dict[tuple[str, str], int] = {}
+    repeats: list[tuple[int, int]] = []
+    for i in todo:
+        if not group[i].idempotency_key:
+            fresh.append(i)
+        elif (idem := _idem(group[i])) in first:
+            repeats.append((i, first[idem]))
+        else:
+            first[idem] = i
+            fresh.append(i)
+    return fresh, repeats
+
+
+def _answer_repeats(
+    group: Sequence[Submission],
+    repeats: list[tuple[int, int]],
+    jobs: dict[int, Job],
+    outcomes: list[Outcome | None],
+) -> None:
+    """A repeat of an idempotency key within the group is answered as its first was."""
+    for i, earlier in repeats:
+        answered = jobs.get(earlier)
+        was = outcomes[earlier]
+        if answered is None and isinstance(was, Submitted):
+            answered = was.job
+        outcomes[i] = _replay(answered, group[i]) if answered is not None else was
+
+
+def _unavailable() -> ApiError:
+    return ApiError(
+        503, "unavailable", "the database is unavailable; retry shortly", {"Retry-After": "2"}
+    )
+
+
 def _replay(existing: Job, item: Submission) -> Outcome:
     if existing.model != item.spec.name or as_asked(existing.input) != as_asked(item.input):
         return ApiError(409, "conflict", "idempotency_key: already used for a different request")
@@ -819,9 +952,7 @@ def _database_error(exc: SQLAlchemyError) -> ApiError:
             "a value in the request cannot be stored (check for NUL "
             "characters and non-finite numbers)",
         )
-    return ApiError(
-        503, "unavailable", "the database is unavailable; retry shortly", {"Retry-After": "2"}
-    )
+    return _unavailable()
 
 
 def _done(outcome: Outcome | None) -> Outcome:

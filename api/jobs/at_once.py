@@ -1,0 +1,163 @@
+"""A group's new jobs and their keys' outstanding counters in one PostgreSQL statement.
+
+The group commit's transaction (``api.jobs.submissions``) is four round trips on
+PostgreSQL: BEGIN, the counter's upsert, the multi-row INSERT, COMMIT; with
+SQLAlchemy's ORM session around them, that was most of the API's CPU per
+submission. Here the same writes are one statement, run in autocommit (one
+statement is one transaction): the rows sent as one array per column, so the
+statement's text never changes and the driver prepares it once.
+
+Within the statement, in this order:
+
+1. each key's counter (``key_usage``) is locked, ``FOR UPDATE`` in key order
+   (the lock order every writer of counters keeps), so concurrent groups of a
+   key, from any API process, queue behind each other and each sees the count
+   the one before left;
+2. a key's new jobs are numbered in the group's order, and those that fit
+   under the limit (``limit - outstanding``) are inserted; a row whose
+   idempotency key another request committed is skipped (``ON CONFLICT DO
+   NOTHING``);
+3. each counter is moved by the rows actually inserted.
+
+What it returns says, for each candidate, which of those happened:
+:func:`write` classifies them. A key with no counter row yet (a key's first
+job) gets none of its rows in: the caller creates the row and sends those
+again. The quota is as exact as the transaction's: a key's counter never
+passes the limit, and what is refused would not have fit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection
+
+# The inserted columns (their order in the arrays) and their PostgreSQL types; JSON
+# goes as text and is cast, so a value is encoded once, by json.dumps, as the ORM's.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "text"),
+    ("api_key_id", "text"),
+    ("model", "text"),
+    ("requested_version", "integer"),
+    ("priority", "text"),
+    ("status", "text"),
+    ("input", "json"),
+    ("cost", "integer"),
+    ("attempts", "integer"),
+    ("created_at", "timestamptz"),
+    ("deadline_at", "timestamptz"),
+    ("callback_url", "text"),
+    ("callback_events", "text"),
+    ("idempotency_key", "text"),
+    ("metadata", "json"),
+    ("request_id", "text"),
+    ("trace_context", "text"),
+)
+JSON_COLUMNS = frozenset(name for name, kind in COLUMNS if kind == "json")
+# No limit: more than any key's jobs.
+UNLIMITED = 2**62
+
+
+def _statement() -> str:
+    names = [name for name, _kind in COLUMNS]
+    arrays = ", ".join(
+        f"%({name})s::{'text' if kind == 'json' else kind}[]" for name, kind in COLUMNS
+    )
+    values = ", ".join(
+        f"CAST(ranked.{name} AS json)" if kind == "json" else f"ranked.{name}"
+        for name, kind in COLUMNS
+    )
+    return f"""
+WITH r AS (
+    SELECT * FROM unnest({arrays}) WITH ORDINALITY AS r({", ".join(names)}, ord)
+), counters AS (
+    SELECT api_key_id, outstanding FROM key_usage
+    WHERE api_key_id IN (SELECT api_key_id FROM r)
+    ORDER BY api_key_id FOR UPDATE
+), ranked AS (
+    SELECT r.*, row_number() OVER (PARTITION BY r.api_key_id ORDER BY r.ord) AS rank FROM r
+), inserted AS (
+    INSERT INTO jobs ({", ".join(names)})
+    SELECT {values}
+    FROM ranked JOIN counters ON counters.api_key_id = ranked.api_key_id
+    WHERE ranked.rank <= %(limit)s - counters.outstanding
+    ORDER BY ranked.ord
+    ON CONFLICT (api_key_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, api_key_id
+), counted AS (
+    UPDATE key_usage SET outstanding = key_usage.outstanding + n.added
+    FROM (SELECT api_key_id, count(*) AS added FROM inserted GROUP BY api_key_id) AS n
+    WHERE key_usage.api_key_id = n.api_key_id
+    RETURNING key_usage.api_key_id
+)
+SELECT 'job', id, NULL::bigint FROM inserted
+UNION ALL
+SELECT 'counter', api_key_id, outstanding FROM counters
+"""
+
+
+STATEMENT = _statement()
+# A key's counter row, where it has none (a key's first job).
+ADD_COUNTER = (
+    "INSERT INTO key_usage (api_key_id, outstanding) VALUES (%(key_id)s, 0) "
+    "ON CONFLICT (api_key_id) DO NOTHING"
+)
+
+
+@dataclass
+class Written:
+    """What one statement did with each candidate (by its position in the rows sent)."""
+
+    inserted: list[int] = field(default_factory=list)
+    conflicted: list[int] = field(default_factory=list)  # its idempotency key was taken
+    over_quota: list[int] = field(default_factory=list)
+    uncounted: list[int] = field(default_factory=list)  # its key has no counter row yet
+
+
+def write(connection: Connection, rows: Sequence[dict[str, Any]], limit: int | None) -> Written:
+    """Insert ``rows`` (each a dict of :data:`COLUMNS`, JSON values as Python objects) under
+    each key's outstanding ``limit`` (None: none), on an autocommit ``connection``."""
+    arrays: dict[str, Any] = {
+        name: [json.dumps(row[name]) for row in rows]
+        if name in JSON_COLUMNS
+        else [row[name] for row in rows]
+        for name, _kind in COLUMNS
+    }
+    arrays["limit"] = UNLIMITED if limit is None else limit
+    ids: set[str] = set()
+    counters: dict[str, int] = {}
+    for kind, name, count in connection.exec_driver_sql(STATEMENT, arrays):
+        if kind == "job":
+            ids.add(name)
+        else:
+            counters[name] = int(count)
+    return classify(rows, ids, counters, arrays["limit"])
+
+
+def classify(
+    rows: Sequence[dict[str, Any]], ids: set[str], counters: dict[str, int], limit: int
+) -> Written:
+    """Each row's fate, numbering a key's rows in order as the statement does."""
+    written = Written()
+    ranks: dict[str, int] = {}
+    for at, row in enumerate(rows):
+        key_id = row["api_key_id"]
+        ranks[key_id] = rank = ranks.get(key_id, 0) + 1
+        if row["id"] in ids:
+            written.inserted.append(at)
+        elif key_id not in counters:
+            written.uncounted.append(at)
+        elif rank > limit - counters[key_id]:
+            written.over_quota.append(at)
+        else:
+            written.conflicted.append(at)
+    return written
+
+
+def add_counters(connection: Connection, key_ids: Sequence[str]) -> None:
+    """Give each key a counter row (at 0) where it has none."""
+    for key_id in sorted(set(key_ids)):
+        connection.exec_driver_sql(ADD_COUNTER, {"key_id": key_id})
