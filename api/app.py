@@ -99,9 +99,10 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             workers=1 if engine.dialect.name == "sqlite" else 2,
         )
         # Reads do not wait for company: a group is what queued during the last read.
+        reader = JobReader(reads, GenerationProgress(client, settings.key_prefix, writer.views))
         group_read: GroupRead = GroupStage(
             "group-read",
-            JobReader(reads, GenerationProgress(client, settings.key_prefix, writer.views)).read,
+            reader.read,
             max_items=settings.submit_group_max,
             wait_s=0,
             workers=2,
@@ -156,6 +157,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 await clock_task
             await group_commit.stop()
             await group_read.stop()
+            reader.close()
             await limits.stop()
             kicker.close()
             await hub.stop()

@@ -214,19 +214,27 @@ def test_an_unexpected_error_is_a_bare_500_with_the_request_id(
 
 
 def test_a_long_poll_holds_no_database_connection(client: TestClient, auth: dict[str, str]) -> None:
-    job = submit(client, auth, model="sim", input={"cost": 1}).json()
+    """Waiting long-polls hold no connection: the group read's threads keep one each (two
+    at most), however many requests wait."""
+    jobs = [submit(client, auth, model="sim", input={"cost": 1}).json() for _ in range(6)]
     engine = app_state(client.app).engine
-    poll = threading.Thread(
-        target=client.get, args=(f"/v1/jobs/{job['id']}",),
-        kwargs={"params": {"wait": 2}, "headers": auth},
-    )  # fmt: skip
-    poll.start()
+    polls = [
+        threading.Thread(
+            target=client.get,
+            args=(f"/v1/jobs/{job['id']}",),
+            kwargs={"params": {"wait": 2}, "headers": auth},
+        )
+        for job in jobs
+    ]
+    for poll in polls:
+        poll.start()
     samples = []
     for _ in range(3):
         time.sleep(0.25)
         samples.append(engine.pool.checkedout())  # type: ignore[attr-defined]
-    poll.join(10)
-    assert samples == [0, 0, 0]
+    for poll in polls:
+        poll.join(10)
+    assert max(samples) <= 2, samples
 
 
 @pytest.mark.parametrize(
