@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
@@ -23,7 +21,7 @@ from api.groups import GroupStage
 from api.jobs.schemas import JobResource, Progress
 from api.jobs.submissions import QueueViews
 from core.db.resources import job_resource
-from core.db.schema import TERMINAL_STATUSES, Job, UTCDateTime, WebhookDelivery
+from core.db.schema import TERMINAL_STATUSES, Job, WebhookDelivery
 from core.db.webhooks import TERMINAL_EVENT_TYPES
 from core.models.generation_estimates import decode_step_s
 from core.streams.events import JobEvent
@@ -44,35 +42,6 @@ _COLUMNS = select(
     Job.input["max_tokens"].label("max_tokens"),
 )
 _JOB = _COLUMNS.where(Job.__table__.c.id.in_(bindparam("ids", expanding=True)))
-
-
-def _as_json() -> str:
-    """The same on PostgreSQL, each row as one JSON object: a row of one column costs the
-    driver and SQLAlchemy one column's description and processing, not 29 (a third of a
-    read's CPU); the ids go as one array, so the text is the same for any group and the
-    driver prepares it once."""
-    columns = [
-        f"{p.columns[0].name} AS {p.key}" for p in Job.__mapper__.column_attrs if p.key != "input"
-    ]
-    columns += ["input -> 'prompt_tokens' AS prompt_tokens", "input -> 'max_tokens' AS max_tokens"]
-    return (
-        f"SELECT row_to_json(j) FROM (SELECT {', '.join(columns)} FROM jobs "
-        "WHERE id = ANY(%(ids)s)) AS j"
-    )
-
-
-_JOB_AS_JSON = _as_json()
-_TIMES = tuple(
-    p.key for p in Job.__mapper__.column_attrs if isinstance(p.columns[0].type, UTCDateTime)
-)
-
-
-def _job_of(found: dict[str, Any]) -> SimpleNamespace:
-    """A row of :data:`_JOB_AS_JSON` with a Job's attributes (its times as UTC datetimes)."""
-    for name in _TIMES:
-        if (value := found[name]) is not None:
-            found[name] = dt.datetime.fromisoformat(value).astimezone(dt.UTC)
-    return SimpleNamespace(**found)
 
 
 _DELIVERIES = select(WebhookDelivery.__table__).where(
@@ -164,10 +133,10 @@ HELD_S = 60.0
 
 
 class JobReader:
-    """Reads a group of jobs on ``engine``'s connections (the API's read-only one: no ORM
-    session, no BEGIN/ROLLBACK): the job rows in one query (on PostgreSQL each a JSON
-    object), their webhook deliveries in another; with ``progress``, running
-    generations' progress from Redis in one pipeline."""
+    """Reads a group of jobs with Core statements on ``engine``'s connections (the API's
+    read-only one: no ORM session, no BEGIN/ROLLBACK): the job rows in one query, their
+    webhook deliveries in another; with ``progress``, running generations' progress from
+    Redis in one pipeline."""
 
     def __init__(self, engine: Engine, progress: GenerationProgress | None = None) -> None:
         self.engine = engine
@@ -220,12 +189,7 @@ class JobReader:
         ids = sorted({read.job_id for read in group})
         try:
             with self._connection() as connection:
-                rows: dict[str, Any]
-                if connection.dialect.name == "postgresql":
-                    objects = connection.exec_driver_sql(_JOB_AS_JSON, {"ids": ids}).scalars()
-                    rows = {row.id: row for row in map(_job_of, objects)}
-                else:
-                    rows = {row.id: row for row in connection.execute(_JOB, {"ids": ids})}
+                rows = {row.id: row for row in connection.execute(_JOB, {"ids": ids})}
                 called = [
                     row.id
                     for row in rows.values()
