@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, select, text, update
+from sqlalchemy import BindParameter, Table, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db.schema import TERMINAL_STATUSES, Job
@@ -22,6 +22,36 @@ from core.db.terminal import after_terminal
 from core.db.webhooks import add_progress_deliveries, add_started_deliveries, wants
 
 _JOBS = cast(Table, Job.__table__)
+
+# The claim's statements, built once (per batch they cost the worker more to build than
+# to run), on the table: no ORM evaluation of the session's objects after the UPDATE.
+_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
+_NOT_ENDED = _JOBS.c.status.not_in(TERMINAL_STATUSES)
+_CLAIMED = (_JOBS.c.id, _JOBS.c.input, _JOBS.c.attempts, _JOBS.c.deadline_at)
+_CLAIM_READ = select(*_CLAIMED).where(_JOBS.c.id.in_(_IDS), _NOT_ENDED).with_for_update()
+# A generation worker's: what its started webhooks need too.
+_CLAIM_READ_HOOKS = (
+    select(
+        *_CLAIMED,
+        _JOBS.c.api_key_id,
+        _JOBS.c.model,
+        _JOBS.c.callback_url,
+        _JOBS.c.callback_events,
+    )
+    .where(_JOBS.c.id.in_(_IDS), _NOT_ENDED)
+    .with_for_update()
+)
+_CLAIM = (
+    update(_JOBS)
+    .where(_JOBS.c.id.in_(_IDS), _NOT_ENDED)
+    .values(
+        status="running",
+        started_at=bindparam("now", type_=_JOBS.c.started_at.type),
+        attempts=_JOBS.c.attempts + 1,
+        model_version=bindparam("version", type_=_JOBS.c.model_version.type),
+    )
+)
+_STARTED_BEFORE = select(_JOBS.c.id).where(_JOBS.c.id.in_(_IDS), _JOBS.c.attempts > 0, _NOT_ENDED)
 
 # A batch's outcomes in one statement whatever the batch's size (the same text
 # every time, so the driver prepares it once), instead of one per job, which
@@ -115,31 +145,17 @@ class Recorder:
         same transaction (to :attr:`outbox`), and each says whether it asked
         for progress ones.
         """
-        columns = [Job.id, Job.input, Job.attempts, Job.deadline_at]
-        if webhooks:
-            columns += [Job.api_key_id, Job.model, Job.callback_url, Job.callback_events]
         with self.sessions.begin() as session:
-            rows = session.execute(
-                select(*columns)
-                .where(Job.id.in_(job_ids), Job.status.not_in(TERMINAL_STATUSES))
-                .with_for_update()
-            ).all()
+            connection = session.connection()
+            read = _CLAIM_READ_HOOKS if webhooks else _CLAIM_READ
+            rows = connection.execute(read, {"ids": list(job_ids)}).all()
             late = [r.id for r in rows if r.deadline_at is not None and r.deadline_at <= now]
             exhausted = [r.id for r in rows if r.id not in late and r.attempts >= max_attempts]
             claimed = [r for r in rows if r.id not in late and r.id not in exhausted]
             if claimed:
-                session.execute(
-                    update(Job)
-                    .where(
-                        Job.id.in_([r.id for r in claimed]),
-                        Job.status.not_in(TERMINAL_STATUSES),
-                    )
-                    .values(
-                        status="running",
-                        started_at=now,
-                        attempts=Job.attempts + 1,
-                        model_version=self.model_version,
-                    )
+                connection.execute(
+                    _CLAIM,
+                    {"ids": [r.id for r in claimed], "now": now, "version": self.model_version},
                 )
                 if webhooks:
                     starting = [(r, r.attempts + 1) for r in claimed if r.callback_url]
@@ -175,15 +191,7 @@ class Recorder:
     def started_before(self, job_ids: Sequence[str]) -> set[str]:
         """The jobs among these that were started before and never finished."""
         with self.sessions() as session:
-            return set(
-                session.scalars(
-                    select(Job.id).where(
-                        Job.id.in_(job_ids),
-                        Job.attempts > 0,
-                        Job.status.not_in(TERMINAL_STATUSES),
-                    )
-                )
-            )
+            return set(session.connection().scalars(_STARTED_BEFORE, {"ids": list(job_ids)}))
 
     def finish(
         self,
