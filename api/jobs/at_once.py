@@ -29,34 +29,56 @@ passes the limit, and what is refused would not have fit.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection
+from sqlalchemy.dialects import postgresql
 
-# The inserted columns (their order in the arrays) and their PostgreSQL types; JSON
-# goes as text and is cast, so a value is encoded once, by json.dumps, as the ORM's.
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("id", "text"),
-    ("api_key_id", "text"),
-    ("model", "text"),
-    ("requested_version", "integer"),
-    ("priority", "text"),
-    ("status", "text"),
-    ("input", "json"),
-    ("cost", "integer"),
-    ("attempts", "integer"),
-    ("created_at", "timestamptz"),
-    ("deadline_at", "timestamptz"),
-    ("callback_url", "text"),
-    ("callback_events", "text"),
-    ("idempotency_key", "text"),
-    ("metadata", "json"),
-    ("request_id", "text"),
-    ("trace_context", "text"),
+from core.db.schema import Job
+
+# The attributes a new job is inserted with (the others, output, timings, the batch, a
+# backfill's, are left SQL NULL, as the ORM leaves them).
+INSERTED = (
+    "id",
+    "api_key_id",
+    "model",
+    "requested_version",
+    "priority",
+    "status",
+    "input",
+    "cost",
+    "attempts",
+    "created_at",
+    "deadline_at",
+    "callback_url",
+    "callback_events",
+    "idempotency_key",
+    "metadata_",
+    "request_id",
+    "trace_context",
+)
+_TABLE_COLUMNS = {prop.key: prop.columns[0] for prop in Job.__mapper__.column_attrs}
+# Each inserted column (``metadata_`` is stored as ``metadata``) and its PostgreSQL type,
+# from the table; JSON goes as text and is cast, so a value is encoded once, by
+# json.dumps, as the ORM's.
+# Lengths are left off the arrays' casts: an explicit cast to varchar(n) would cut a
+# longer value where the insert must refuse it.
+COLUMNS: tuple[tuple[str, str], ...] = tuple(
+    (column.name, re.sub(r"\(\d+\)", "", column.type.compile(dialect=postgresql.dialect())).lower())
+    for column in (_TABLE_COLUMNS[attr] for attr in INSERTED)
 )
 JSON_COLUMNS = frozenset(name for name, kind in COLUMNS if kind == "json")
+
+
+def row_of(job: Job) -> dict[str, Any]:
+    """The job's inserted values by column name."""
+    return {column.name: getattr(job, attr) for attr, column in _ROW.items()}
+
+
+_ROW = {attr: _TABLE_COLUMNS[attr] for attr in INSERTED}
 # No limit: more than any key's jobs.
 UNLIMITED = 2**62
 

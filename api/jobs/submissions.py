@@ -36,6 +36,7 @@ from api.breaker import SHED, Breaker, Load
 from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.jobs import at_once
+from api.jobs.at_once import row_of as _row
 from api.jobs.schemas import JobCreate, metadata_problem
 from api.models.service import resolve_model
 from api.state import AppState, app_state
@@ -522,16 +523,10 @@ class GroupWriter:
                 else:
                     rest.append(i)
             fresh, repeats = _firsts(group, rest)
-            taken: dict[str, tuple[int, int]] = {}
-            for i in list(fresh):
-                refused = (
-                    self._shed(group[i])
-                    or self._refusal(group[i], i, estimates)
-                    or self._full(group[i], taken)
-                )
-                if refused is not None:
-                    outcomes[i] = refused
-                    fresh.remove(i)
+            refused = self._refusals(group, fresh, estimates)
+            for i, why in refused.items():
+                outcomes[i] = why
+            fresh = [i for i in fresh if i not in refused]
             wanted: dict[str, int] = {}
             for i in fresh:
                 wanted[group[i].key.id] = wanted.get(group[i].key.id, 0) + 1
@@ -575,21 +570,8 @@ class GroupWriter:
         whatever the queue now)."""
         assert self.at_once is not None
         fresh, repeats = _firsts(group, todo)
-        refused: dict[int, ApiError] = {}
-        taken_room: dict[str, tuple[int, int]] = {}
-        for i in fresh:
-            why = (
-                self._shed(group[i])
-                or self._refusal(group[i], i, estimates)
-                or self._full(group[i], taken_room)
-            )
-            if why is not None:
-                refused[i] = why
-        asked = {_idem(group[i]) for i in refused if group[i].idempotency_key}
-        existing = self._existing_at_once(asked)
-        for i, why in refused.items():
-            found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
-            outcomes[i] = _replay(found, group[i]) if found is not None else why
+        refused = self._refusals(group, fresh, estimates)
+        self._replays_or(group, refused, outcomes)
         candidates = {i: _new_job(group[i]) for i in fresh if i not in refused}
         jobs: dict[int, Job] = {}
         with self.at_once.connect() as connection:
@@ -609,17 +591,9 @@ class GroupWriter:
                 crowded = {group[i].key.id for i in taken}
                 over = [order[at] for at in written.over_quota]
                 over = [i for i in over if last or group[i].key.id not in crowded]
-                # A replay is answered whatever the quota now.
-                existing = self._existing_at_once(
-                    {_idem(group[i]) for i in over if group[i].idempotency_key}
-                )
+                quota = _quota_error(self.max_outstanding)
+                self._replays_or(group, dict.fromkeys(over, quota), outcomes)
                 for i in over:
-                    found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
-                    outcomes[i] = (
-                        _replay(found, group[i])
-                        if found is not None
-                        else _quota_error(self.max_outstanding)
-                    )
                     del candidates[i]
                 uncounted = [candidates[order[at]].api_key_id for at in written.uncounted]
                 if uncounted and not last:
@@ -635,6 +609,38 @@ class GroupWriter:
                     view.add(job.priority, job.api_key_id, group[i].input_bytes)
         _answer_repeats(group, repeats, jobs, outcomes)
         return jobs
+
+    def _refusals(
+        self, group: Sequence[Submission], fresh: list[int], estimates: dict[int, Quote]
+    ) -> dict[int, ApiError]:
+        """The new jobs of ``fresh`` refused before any write: shed, past their deadline, or
+        past the queue's bounds (counting those of the group let in before them)."""
+        refused: dict[int, ApiError] = {}
+        taken: dict[str, tuple[int, int]] = {}
+        for i in fresh:
+            why = (
+                self._shed(group[i])
+                or self._refusal(group[i], i, estimates)
+                or self._full(group[i], taken)
+            )
+            if why is not None:
+                refused[i] = why
+        return refused
+
+    def _replays_or(
+        self,
+        group: Sequence[Submission],
+        refusals: dict[int, ApiError],
+        outcomes: list[Outcome | None],
+    ) -> None:
+        """Answer each refused submission with its refusal, unless its idempotency key's job
+        exists: a replay is answered whatever the queue and the quota now."""
+        existing = self._existing_at_once(
+            {_idem(group[i]) for i in refusals if group[i].idempotency_key}
+        )
+        for i, why in refusals.items():
+            found = existing.get(_idem(group[i])) if group[i].idempotency_key else None
+            outcomes[i] = _replay(found, group[i]) if found is not None else why
 
     def _answer_taken(
         self, group: Sequence[Submission], taken: list[int], outcomes: list[Outcome | None]
@@ -825,35 +831,6 @@ _INSERTS = {
     .returning(_JOBS.c.id)
     for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }
-
-# The attributes a new job is inserted with, and the column each is stored in
-# ("metadata_" -> "metadata"). The others (output, timings, the batch, a
-# backfill's) are left out, so they are SQL NULL, as the ORM left them.
-_INSERTED = (
-    "id",
-    "api_key_id",
-    "model",
-    "requested_version",
-    "priority",
-    "status",
-    "input",
-    "cost",
-    "attempts",
-    "created_at",
-    "deadline_at",
-    "callback_url",
-    "callback_events",
-    "idempotency_key",
-    "metadata_",
-    "request_id",
-    "trace_context",
-)
-_COLUMNS = {prop.key: prop.columns[0].key for prop in Job.__mapper__.column_attrs}
-_COLUMNS = {attr: _COLUMNS[attr] for attr in _INSERTED}
-
-
-def _row(job: Job) -> dict[str, Any]:
-    return {column: getattr(job, attr) for attr, column in _COLUMNS.items()}
 
 
 def _idem(item: Submission) -> tuple[str, str]:
