@@ -3,10 +3,19 @@
 Ferry batches its own work the way its workers batch the model's: the
 submissions of one moment share a transaction (``api.jobs.submissions``), the
 reads of one moment share a query (``api.jobs.reads``). A group is whatever
-waited while the previous group was being worked on, plus what arrives
-within ``wait_s`` of its first request, at most ``max_items``; ``workers``
-groups are worked on at a time, each in a thread of the stage's own (one
-hop per group, not per request).
+waited while the previous group was being worked on, plus, for at most
+``wait_s`` after its first item, what requests already being read bring
+(:meth:`GroupStage.coming`), at most ``max_items``; ``workers`` groups are
+worked on at a time, each in a thread of the stage's own (one hop per group,
+not per request), and one group gathers at a time.
+
+Waiting only for requests already in hand, in the manner of PostgreSQL's
+``commit_delay`` with ``commit_siblings``: a lone request is worked on at once
+(no wait when nothing else is coming), while a busy process, whose event loop
+is still reading the next requests when a group opens, writes them in one
+group instead of one each. A group's transaction costs the database about
+as much for one row as for eight, so the group's size decides what a
+submission costs it.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from api.errors import ApiError
 
@@ -24,6 +35,24 @@ log = logging.getLogger(__name__)
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+@dataclass(eq=False)
+class _Coming:
+    """A request announced to a stage and not yet arrived (its items submitted, or its
+    handling over)."""
+
+    stage: GroupStage[Any, Any]
+    open: bool = True
+
+
+# The arrivals' gap is averaged with this weight for the newest; an idle second (or twice
+# the stage's wait, if longer) counts as one, so that after a quiet spell a group's first
+# item goes at once.
+GAP_WEIGHT = 0.2
+GAP_CEILING_S = 1.0
+# The announcement of the request this task handles, if any: its submit closes it.
+_COMING: ContextVar[_Coming | None] = ContextVar("ferry_group_coming", default=None)
 
 
 class GroupStage(Generic[In, Out]):
@@ -51,6 +80,14 @@ class GroupStage(Generic[In, Out]):
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
+        self._coming = 0  # requests announced and not yet arrived
+        self._news = asyncio.Event()  # an item queued or an announcement closed
+        self._gathering = asyncio.Lock()
+        # The recent gap between arrivals (an exponentially weighted mean, seconds), so
+        # that a group waits only where another arrival is likely within ``wait_s``.
+        self._gap_ceiling = max(GAP_CEILING_S, 2 * wait_s)
+        self._gap = self._gap_ceiling
+        self._last_arrival = 0.0
 
     def start(self) -> None:
         self._tasks = [
@@ -72,22 +109,75 @@ class GroupStage(Generic[In, Out]):
         # short); the event loop does not wait for it.
         self._executor.shutdown(wait=False)
 
+    @contextlib.contextmanager
+    def coming(self) -> Iterator[None]:
+        """Around the handling of a request that will submit to this stage, from before its
+        body is read: a group gathering meanwhile waits for its items (at most ``wait_s``).
+        The announcement ends at the request's first :meth:`submit` or :meth:`submit_all`,
+        or when the block ends (a request refused before it submits)."""
+        coming = _Coming(self)
+        self._coming += 1
+        token = _COMING.set(coming)
+        try:
+            yield
+        finally:
+            _COMING.reset(token)
+            self._arrived(coming)
+
+    def _arrived(self, coming: _Coming | None) -> None:
+        if coming is not None and coming.stage is self and coming.open:
+            coming.open = False
+            self._coming -= 1
+        self._news.set()
+
     async def submit(self, item: In) -> Out:
+        (result,) = await self.submit_all([item])
+        return result
+
+    async def submit_all(self, items: Sequence[In]) -> list[Out]:
+        """Each item's result, the items queued together (so they join one group); the first
+        exception raised, as :func:`asyncio.gather` would."""
         if self._stopped:
             raise _stopping()
-        future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((item, future))
-        return await future
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        gap = min(now - self._last_arrival, self._gap_ceiling)
+        self._gap += GAP_WEIGHT * (gap - self._gap)
+        self._last_arrival = now
+        futures: list[asyncio.Future[Out]] = []
+        for item in items:
+            future: asyncio.Future[Out] = loop.create_future()
+            self._queue.put_nowait((item, future))
+            futures.append(future)
+        self._arrived(_COMING.get())
+        return list(await asyncio.gather(*futures))
+
+    async def _gather(self, group: list[tuple[In, asyncio.Future[Out]]]) -> None:
+        """Fill ``group`` with the next group: its first item, then, for at most ``wait_s``,
+        what arrives while more is expected: requests announced to this stage are on their
+        way, or items have lately arrived less than ``wait_s`` apart."""
+        loop = asyncio.get_running_loop()
+        async with self._gathering:
+            group.append(await self._queue.get())
+            until = loop.time() + self.wait_s
+            while (self._coming > 0 or self._gap < self.wait_s) and (
+                self._queue.qsize() < self.max_items - 1
+            ):
+                left = until - loop.time()
+                if left <= 0:
+                    break
+                self._news.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._news.wait(), left)
+            while len(group) < self.max_items and not self._queue.empty():
+                group.append(self._queue.get_nowait())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            group = [await self._queue.get()]
+            group: list[tuple[In, asyncio.Future[Out]]] = []
             try:
-                if self.wait_s > 0 and self._queue.qsize() < self.max_items - 1:
-                    await asyncio.sleep(self.wait_s)
-                while len(group) < self.max_items and not self._queue.empty():
-                    group.append(self._queue.get_nowait())
+                await self._gather(group)
                 items = [item for item, _ in group]
                 results: Sequence[Out | Exception]
                 try:

@@ -114,13 +114,16 @@ SUBMIT_HEADERS = {"idempotency-key": (TypeAdapter(IdempotencyKey), None)}
 async def submit_job(request: Request) -> Response:
     """Serves ``POST /v1/jobs``: create_job's parameters read as FastAPI would, without
     its per-request dependency solving (api.fastparse)."""
-    read = await read_request(
-        request, current_key, query=WAIT_PARAM, headers=SUBMIT_HEADERS, body=JobCreate
-    )
-    assert read.body is not None
-    return await create_job(
-        read.body, request, read.key, read.headers["idempotency-key"], read.query["wait"]
-    )
+    # Announced before its body is read: a group of submissions gathering meanwhile waits
+    # for it (api.groups).
+    with app_state(request).group_commit.coming():
+        read = await read_request(
+            request, current_key, query=WAIT_PARAM, headers=SUBMIT_HEADERS, body=JobCreate
+        )
+        assert read.body is not None
+        return await create_job(
+            read.body, request, read.key, read.headers["idempotency-key"], read.query["wait"]
+        )
 
 
 router.add_api_route(

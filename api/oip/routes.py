@@ -472,7 +472,7 @@ async def submit_rows(
                 raise ApiError(exc.status, exc.type, f"row {index}: {exc.message}") from exc
             raise
     commit: GroupCommit = state.group_commit
-    submitted = list(await asyncio.gather(*(commit.submit(s) for s in submissions)))
+    submitted = await commit.submit_all(submissions)
     for done in submitted:
         JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
     return submitted

@@ -138,7 +138,7 @@ async def create_embeddings(
         _submission(request, key, body, text, index, lane) for index, text in enumerate(texts)
     ]
     commit: GroupCommit = state.group_commit
-    submitted = await asyncio.gather(*(commit.submit(s) for s in submissions))
+    submitted = await commit.submit_all(submissions)
     for done in submitted:
         JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
     finished = await asyncio.gather(

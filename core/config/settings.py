@@ -241,9 +241,12 @@ class Settings(BaseSettings):
     # Submissions that arrive together are written together (docs/architecture.md §4).
     submit_group_max: int = Field(256, ge=1, le=4096)
     """The most submissions written in one transaction and one Redis round trip."""
-    submit_group_wait_ms: float = Field(1.0, ge=0, le=100)
-    """How long a group gathers submissions after its first (0: only what waited while the
-    previous group was written)."""
+    submit_group_wait_ms: float = Field(5.0, ge=0, le=100)
+    """The most a group of submissions waits, after its first, for more that are expected:
+    submissions whose requests are already being read, or, while submissions arrive less
+    than this far apart, the next ones. A lone submission is written at once. Longer: fewer,
+    larger transactions (less database CPU a job) for up to this much latency under load
+    (0: only what waited while the previous group was written)."""
     key_cache_s: float = Field(5.0, ge=0, le=300)
     """An API process keeps each key it has checked for this long: a revoked or rotated key is
     refused by every process within it (0: looked up at every request)."""

@@ -1,0 +1,169 @@
+"""How a group stage gathers: at once when nothing else is coming, and waiting (at most its
+``wait_s``) for requests announced to it or for arrivals that come closer than that."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from api.groups import GroupStage
+
+
+class Recorder:
+    """A stage's work: records each group's items and when it began, answers item * 10."""
+
+    def __init__(self, work_s: float = 0.0) -> None:
+        self.groups: list[list[int]] = []
+        self.began: list[float] = []
+        self.work_s = work_s
+
+    def __call__(self, items: Sequence[int]) -> list[int | Exception]:
+        self.began.append(time.monotonic())
+        self.groups.append(list(items))
+        time.sleep(self.work_s)
+        return [item * 10 for item in items]
+
+
+def test_a_lone_item_is_worked_on_at_once_however_long_the_stage_may_wait() -> None:
+    work = Recorder()
+
+    async def run() -> tuple[int, float]:
+        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
+        stage.start()
+        try:
+            began = time.monotonic()
+            result = await stage.submit(4)
+            return result, time.monotonic() - began
+        finally:
+            await stage.stop()
+
+    result, took = asyncio.run(run())
+    assert result == 40
+    assert took < 1.0, took
+    assert work.groups == [[4]]
+
+
+def test_a_group_waits_for_a_request_announced_to_it() -> None:
+    work = Recorder()
+
+    async def run() -> list[int]:
+        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
+        stage.start()
+
+        async def announced() -> int:
+            with stage.coming():
+                await asyncio.sleep(0.2)  # its body still being read
+                return await stage.submit(2)
+
+        try:
+            late = asyncio.create_task(announced())
+            await asyncio.sleep(0.01)  # announced before the first item arrives
+            return [await stage.submit(1), await late]
+        finally:
+            await stage.stop()
+
+    assert asyncio.run(run()) == [10, 20]
+    assert work.groups == [[1, 2]]
+
+
+def test_an_announcement_that_ends_without_an_item_ends_the_wait() -> None:
+    work = Recorder()
+
+    async def run() -> float:
+        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
+        stage.start()
+
+        async def refused() -> None:
+            with stage.coming():
+                await asyncio.sleep(0.2)
+                raise ValueError("refused before it submits")
+
+        try:
+            task = asyncio.create_task(refused())
+            await asyncio.sleep(0.01)
+            began = time.monotonic()
+            assert await stage.submit(1) == 10
+            took = time.monotonic() - began
+            with pytest.raises(ValueError, match="refused before it submits"):
+                await task
+            return took
+        finally:
+            await stage.stop()
+
+    took = asyncio.run(run())
+    assert 0.15 < took < 2.0, took
+    assert work.groups == [[1]]
+
+
+def test_arrivals_closer_than_the_wait_are_gathered_and_sparse_ones_are_not() -> None:
+    async def arrivals(gap_s: float, count: int, work: Recorder) -> list[float]:
+        stage = GroupStage("test", work, max_items=64, wait_s=0.05)
+        stage.start()
+
+        async def one(item: int) -> float:
+            began = time.monotonic()
+            assert await stage.submit(item) == item * 10
+            return time.monotonic() - began
+
+        try:
+            tasks = []
+            for item in range(count):
+                tasks.append(asyncio.create_task(one(item)))
+                await asyncio.sleep(gap_s)
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await stage.stop()
+
+    dense = Recorder()
+    asyncio.run(arrivals(0.002, 200, dense))
+    assert sorted(item for group in dense.groups for item in group) == list(range(200))
+    # Two milliseconds apart against a 50 ms wait: once the pace is known, groups of many.
+    assert len(dense.groups) < 60, [len(group) for group in dense.groups]
+
+    sparse = Recorder()
+    waits = asyncio.run(arrivals(0.2, 6, sparse))
+    assert sparse.groups == [[item] for item in range(6)]
+    assert max(waits) < 0.04, waits  # none waited for company that was not coming
+
+
+def test_one_group_gathers_at_a_time_however_many_workers() -> None:
+    # Two workers: the item arriving while the first group gathers joins it, rather than
+    # being taken by the idle worker as a group of its own.
+    work = Recorder()
+
+    async def run() -> None:
+        stage = GroupStage("test", work, max_items=64, wait_s=5.0, workers=2)
+        stage.start()
+
+        async def announced(item: int) -> int:
+            with stage.coming():
+                await asyncio.sleep(0.1)
+                return await stage.submit(item)
+
+        try:
+            late = [asyncio.create_task(announced(i)) for i in (1, 2)]
+            await asyncio.sleep(0.01)
+            await asyncio.gather(stage.submit(0), *late)
+        finally:
+            await stage.stop()
+
+    asyncio.run(run())
+    assert work.groups == [[0, 1, 2]]
+
+
+def test_items_submitted_together_are_one_group_and_answered_in_order() -> None:
+    work = Recorder()
+
+    async def run() -> list[int]:
+        stage = GroupStage("test", work, max_items=64, wait_s=0.0)
+        stage.start()
+        try:
+            return await stage.submit_all([3, 1, 2])
+        finally:
+            await stage.stop()
+
+    assert asyncio.run(run()) == [30, 10, 20]
+    assert work.groups == [[3, 1, 2]]
