@@ -186,18 +186,37 @@ class JsonSpec:
     cost: CostConfig
     _validator: Any = field(default=None, compare=False, repr=False)
 
+    _fast: Any = field(default=None, compare=False, repr=False)
+
     def __post_init__(self) -> None:
         from jsonschema import Draft202012Validator
 
         object.__setattr__(self, "_validator", Draft202012Validator(dict(self.schema)))
+        object.__setattr__(self, "_fast", _compiled(self.schema))
 
     @property
     def input_schema(self) -> dict[str, Any]:
         return dict(self.schema)
 
+    def valid(self, value: Any) -> bool:
+        """Whether ``value`` meets the schema, by the compiled validator where there is one
+        (about 0.3 µs for a small object, against 9 µs by jsonschema's)."""
+        if self._fast is not None:
+            try:
+                return bool(self._fast.is_valid(value))
+            except Exception:  # a value it cannot take (an integer past 64 bits): decide below
+                pass
+        return bool(self._validator.is_valid(value))
+
     def validate(self, value: Any) -> Validated:
-        # The error nearest the input's root, so the message names the member at fault.
-        errors = sorted(self._validator.iter_errors(value), key=lambda e: (len(e.path), e.message))
+        # Checked by the compiled validator; jsonschema, slower, says what is wrong with
+        # an input that fails, in the words of the messages below.
+        errors = (
+            []
+            if self.valid(value)
+            # The error nearest the input's root, so the message names the member at fault.
+            else sorted(self._validator.iter_errors(value), key=lambda e: (len(e.path), e.message))
+        )
         if errors:
             error = errors[0]
             where = "".join(
@@ -223,6 +242,23 @@ class JsonSpec:
         if not 1 <= cost <= limit:
             raise InputError(f"input.{member}", f"must be between 1 and {limit}")
         return Validated(input=value, cost=cost)
+
+
+def _compiled(schema: Mapping[str, Any]) -> Any:
+    """The schema as jsonschema-rs compiles it (Draft 2020-12, formats as annotations and
+    no reference fetched, as jsonschema's own validator reads it), or None for a schema it
+    does not take: jsonschema's alone checks those."""
+    import jsonschema_rs
+
+    def no_retrieval(uri: str) -> Any:
+        raise ValueError(f"{uri}: references are not fetched")
+
+    try:
+        return jsonschema_rs.Draft202012Validator(
+            dict(schema), validate_formats=False, retriever=no_retrieval
+        )
+    except Exception:
+        return None
 
 
 def _schema_message(error: Any) -> str:
