@@ -103,7 +103,7 @@ async def authenticate(state: AppState, header: str, address: str) -> ApiKey:
         # Guessing keys costs a database lookup each: an address that keeps
         # failing is refused before the lookup.
         await limits.refuse_if_failing(address)
-        key = await run_in_threadpool(_lookup, state.reads, token)
+        key = await cache.looked_up(token, lambda: run_in_threadpool(_lookup, state.reads, token))
         if key is None:
             await limits.failed(address)
             raise _unauthorized("invalid or revoked API key")

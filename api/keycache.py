@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
+from collections.abc import Awaitable, Callable
 
 from core.db.schema import ApiKey
 
@@ -23,6 +25,26 @@ class KeyCache:
         self.ttl_s = ttl_s
         self._keys: dict[bytes, tuple[float, ApiKey]] = {}
         self._forgotten: dict[str, float] = {}  # key id -> until when it is not kept
+        self._lookups: dict[bytes, asyncio.Future[ApiKey | None]] = {}  # under way, by token
+
+    async def looked_up(
+        self, token: str, lookup: Callable[[], Awaitable[ApiKey | None]]
+    ) -> ApiKey | None:
+        """``lookup()``'s answer for ``token``, shared by the requests that ask meanwhile: when
+        a busy key's entry expires, its requests in flight make one lookup, not one each."""
+        digest = _digest(token)
+        pending = self._lookups.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(lookup())
+            self._lookups[digest] = pending
+
+            def done(finished: asyncio.Future[ApiKey | None]) -> None:
+                if self._lookups.get(digest) is finished:
+                    del self._lookups[digest]
+
+            pending.add_done_callback(done)
+        # One request given up on does not cancel the lookup the others wait for.
+        return await asyncio.shield(pending)
 
     def get(self, token: str) -> ApiKey | None:
         if self.ttl_s <= 0:
@@ -41,6 +63,7 @@ class KeyCache:
         and a lookup that began before the revocation does not put it back."""
         self._keys = {d: kept for d, kept in self._keys.items() if kept[1].id != key_id}
         self._forgotten[key_id] = time.monotonic() + self.ttl_s
+        self._lookups.clear()  # a request from now on does not share one begun before
 
     def put(self, token: str, key: ApiKey) -> None:
         if self.ttl_s <= 0:
