@@ -131,8 +131,13 @@ class GroupStage(Generic[In, Out]):
         self._news.set()
 
     async def submit(self, item: In) -> Out:
-        (result,) = await self.submit_all([item])
-        return result
+        if self._stopped:
+            raise _stopping()
+        self._note_arrival()
+        future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((item, future))
+        self._arrived(_COMING.get())
+        return await future
 
     async def submit_all(self, items: Sequence[In]) -> list[Out]:
         """Each item's result, the items queued together (so they join one group); the first
@@ -140,10 +145,7 @@ class GroupStage(Generic[In, Out]):
         if self._stopped:
             raise _stopping()
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        gap = min(now - self._last_arrival, self._gap_ceiling)
-        self._gap += GAP_WEIGHT * (gap - self._gap)
-        self._last_arrival = now
+        self._note_arrival()
         futures: list[asyncio.Future[Out]] = []
         for item in items:
             future: asyncio.Future[Out] = loop.create_future()
@@ -151,6 +153,12 @@ class GroupStage(Generic[In, Out]):
             futures.append(future)
         self._arrived(_COMING.get())
         return list(await asyncio.gather(*futures))
+
+    def _note_arrival(self) -> None:
+        now = asyncio.get_running_loop().time()
+        gap = min(now - self._last_arrival, self._gap_ceiling)
+        self._gap += GAP_WEIGHT * (gap - self._gap)
+        self._last_arrival = now
 
     async def _gather(self, group: list[tuple[In, asyncio.Future[Out]]]) -> None:
         """Fill ``group`` with the next group: its first item, then, for at most ``wait_s``,
