@@ -51,6 +51,9 @@ class _Coming:
 # item goes at once.
 GAP_WEIGHT = 0.2
 GAP_CEILING_S = 1.0
+# Waiting on the arrivals' pace alone asks that at least this share of them came while
+# another was unanswered, or of such waits gathered something.
+SHARE = 0.5
 # The announcement of the request this task handles, if any: its submit closes it.
 _COMING: ContextVar[_Coming | None] = ContextVar("ferry_group_coming", default=None)
 
@@ -88,6 +91,15 @@ class GroupStage(Generic[In, Out]):
         self._gap_ceiling = max(GAP_CEILING_S, 2 * wait_s)
         self._gap = self._gap_ceiling
         self._last_arrival = 0.0
+        # Items submitted and not yet answered, and the recent share of arrivals that came
+        # while one was (weighted as the gap): a client that waits for each answer before
+        # its next submission is never company for itself, however fast it goes.
+        self._unanswered = 0
+        self._overlap = 0.0
+        # The recent share of waits on the pace that gathered something: a caller whose
+        # arrivals are close but never together (one client that waits for each answer,
+        # served faster than it asks) stops being waited for after a wait or two.
+        self._fruitful = SHARE
 
     def start(self) -> None:
         self._tasks = [
@@ -133,7 +145,7 @@ class GroupStage(Generic[In, Out]):
     async def submit(self, item: In) -> Out:
         if self._stopped:
             raise _stopping()
-        self._note_arrival()
+        self._note_arrival(1)
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((item, future))
         self._arrived(_COMING.get())
@@ -145,7 +157,7 @@ class GroupStage(Generic[In, Out]):
         if self._stopped:
             raise _stopping()
         loop = asyncio.get_running_loop()
-        self._note_arrival()
+        self._note_arrival(len(items))
         futures: list[asyncio.Future[Out]] = []
         for item in items:
             future: asyncio.Future[Out] = loop.create_future()
@@ -154,29 +166,44 @@ class GroupStage(Generic[In, Out]):
         self._arrived(_COMING.get())
         return list(await asyncio.gather(*futures))
 
-    def _note_arrival(self) -> None:
+    def _note_arrival(self, items: int) -> None:
         now = asyncio.get_running_loop().time()
         gap = min(now - self._last_arrival, self._gap_ceiling)
         self._gap += GAP_WEIGHT * (gap - self._gap)
         self._last_arrival = now
+        self._overlap += GAP_WEIGHT * ((1.0 if self._unanswered else 0.0) - self._overlap)
+        self._unanswered += items
+
+    def _paced(self) -> bool:
+        """Whether the recent arrivals say more is coming within ``wait_s``: they came less
+        than that apart, and either mostly while others were in hand or waiting for them
+        has lately gathered some."""
+        return self._gap < self.wait_s and (self._overlap >= SHARE or self._fruitful >= SHARE)
 
     async def _gather(self, group: list[tuple[In, asyncio.Future[Out]]]) -> None:
         """Fill ``group`` with the next group: its first item, then, for at most ``wait_s``,
         what arrives while more is expected: requests announced to this stage are on their
-        way, or items have lately arrived less than ``wait_s`` apart."""
+        way, or the pace of arrivals says more will come (:meth:`_paced`)."""
         loop = asyncio.get_running_loop()
         async with self._gathering:
             group.append(await self._queue.get())
             until = loop.time() + self.wait_s
-            while (self._coming > 0 or self._gap < self.wait_s) and (
-                self._queue.qsize() < self.max_items - 1
-            ):
+            queued = self._queue.qsize()
+            paced = False
+            while self._queue.qsize() < self.max_items - 1:
+                if self._coming == 0:
+                    if not self._paced():
+                        break
+                    paced = True
                 left = until - loop.time()
                 if left <= 0:
                     break
                 self._news.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._news.wait(), left)
+            if paced:
+                gathered = 1.0 if self._queue.qsize() > queued else 0.0
+                self._fruitful += GAP_WEIGHT * (gathered - self._fruitful)
             while len(group) < self.max_items and not self._queue.empty():
                 group.append(self._queue.get_nowait())
 
@@ -195,6 +222,7 @@ class GroupStage(Generic[In, Out]):
                 except Exception as exc:  # a bug, not an outage: each request gets a 500
                     log.exception("group failed", extra={"stage": self.name})
                     results = [exc] * len(group)
+                self._unanswered -= len(group)
                 for (_, future), result in zip(group, results, strict=True):
                     if future.done():
                         continue  # the client went away (a submission is written all the same)

@@ -244,9 +244,10 @@ class Settings(BaseSettings):
     submit_group_wait_ms: float = Field(5.0, ge=0, le=100)
     """The most a group of submissions waits, after its first, for more that are expected:
     submissions whose requests are already being read, or, while submissions arrive less
-    than this far apart, the next ones. A lone submission is written at once. Longer: fewer,
-    larger transactions (less database CPU a job) for up to this much latency under load
-    (0: only what waited while the previous group was written)."""
+    than this far apart from callers that do not each wait for the last answer, the next
+    ones. A lone submission, or one client's one at a time, is written at once. Longer:
+    fewer, larger transactions (less database CPU a job) for up to this much latency under
+    load (0: only what waited while the previous group was written)."""
     key_cache_s: float = Field(5.0, ge=0, le=300)
     """An API process keeps each key it has checked for this long: a revoked or rotated key is
     refused by every process within it (0: looked up at every request)."""

@@ -167,3 +167,27 @@ def test_items_submitted_together_are_one_group_and_answered_in_order() -> None:
 
     assert asyncio.run(run()) == [30, 10, 20]
     assert work.groups == [[3, 1, 2]]
+
+
+def test_a_client_that_waits_for_each_answer_is_never_made_to_wait_for_company() -> None:
+    # One caller, one submission at a time, as fast as it is answered: the arrivals are
+    # close together, but none comes while another is unanswered, so none can join a group.
+    work = Recorder()
+
+    async def run() -> list[float]:
+        stage = GroupStage("test", work, max_items=64, wait_s=0.05)
+        stage.start()
+        waits = []
+        try:
+            for item in range(40):
+                began = time.monotonic()
+                assert await stage.submit(item) == item * 10
+                waits.append(time.monotonic() - began)
+        finally:
+            await stage.stop()
+        return waits
+
+    waits = asyncio.run(run())
+    assert work.groups == [[item] for item in range(40)]
+    # Once its pace is known, a wait or two for company that does not come, then none.
+    assert sum(wait > 0.04 for wait in waits) <= 2, waits
