@@ -31,7 +31,10 @@ class KeyCache:
         self, token: str, lookup: Callable[[], Awaitable[ApiKey | None]]
     ) -> ApiKey | None:
         """``lookup()``'s answer for ``token``, shared by the requests that ask meanwhile: when
-        a busy key's entry expires, its requests in flight make one lookup, not one each."""
+        a busy key's entry expires, its requests in flight make one lookup, not one each.
+        With no cache (``ttl_s`` 0), each request looks its key up itself."""
+        if self.ttl_s <= 0:
+            return await lookup()
         digest = _digest(token)
         pending = self._lookups.get(digest)
         if pending is None:

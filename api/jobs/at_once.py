@@ -39,8 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection
-from sqlalchemy.dialects import postgresql
+from sqlalchemy import JSON, Connection
 
 from core.db.schema import Job
 
@@ -67,12 +66,10 @@ INSERTED = (
 )
 _TABLE_COLUMNS = {prop.key: prop.columns[0] for prop in Job.__mapper__.column_attrs}
 _ROW = {attr: _TABLE_COLUMNS[attr] for attr in INSERTED}
-# Each inserted column (``metadata_`` is stored as ``metadata``) and its PostgreSQL type.
-COLUMNS: tuple[tuple[str, str], ...] = tuple(
-    (column.name, column.type.compile(dialect=postgresql.dialect()).lower())
-    for column in _ROW.values()
-)
-JSON_COLUMNS = frozenset(name for name, kind in COLUMNS if kind == "json")
+# Each inserted column's name (``metadata_`` is stored as ``metadata``); json_populate_recordset
+# reads each as the table's own type.
+COLUMNS: tuple[str, ...] = tuple(column.name for column in _ROW.values())
+JSON_COLUMNS = frozenset(column.name for column in _ROW.values() if isinstance(column.type, JSON))
 
 
 def row_of(job: Job) -> dict[str, Any]:
@@ -85,12 +82,11 @@ UNLIMITED = 2**62
 
 
 def _statement() -> str:
-    names = [name for name, _kind in COLUMNS]
     # A JSON null comes out of json_populate_recordset as SQL NULL; the ORM stores
     # Python's None in a JSON column as JSON null, and so does this.
     values = ", ".join(
-        f"COALESCE(ranked.{name}, 'null'::json)" if kind == "json" else f"ranked.{name}"
-        for name, kind in COLUMNS
+        f"COALESCE(ranked.{name}, 'null'::json)" if name in JSON_COLUMNS else f"ranked.{name}"
+        for name in COLUMNS
     )
     return f"""
 WITH r AS (
@@ -103,7 +99,7 @@ WITH r AS (
 ), ranked AS (
     SELECT r.*, row_number() OVER (PARTITION BY r.api_key_id ORDER BY r.ord) AS rank FROM r
 ), inserted AS (
-    INSERT INTO jobs ({", ".join(names)})
+    INSERT INTO jobs ({", ".join(COLUMNS)})
     SELECT {values}
     FROM ranked JOIN counters ON counters.api_key_id = ranked.api_key_id
     WHERE ranked.rank <= %(limit)s - counters.outstanding

@@ -36,7 +36,6 @@ from api.breaker import SHED, Breaker, Load
 from api.errors import ApiError, validation_text
 from api.groups import GroupStage
 from api.jobs import at_once
-from api.jobs.at_once import row_of as _row
 from api.jobs.schemas import JobCreate, metadata_problem
 from api.models.service import resolve_model
 from api.state import AppState, app_state
@@ -580,7 +579,7 @@ class GroupWriter:
             for last in (False, False, True):
                 order = list(candidates)
                 written = at_once.write(
-                    connection, [_row(candidates[i]) for i in order], self.max_outstanding
+                    connection, [at_once.row_of(candidates[i]) for i in order], self.max_outstanding
                 )
                 for at in written.inserted:
                     jobs[order[at]] = candidates.pop(order[at])
@@ -677,7 +676,7 @@ class GroupWriter:
         if not jobs:
             return set()
         statement = _INSERTS[session.get_bind().dialect.name]
-        return set(session.connection().scalars(statement, [_row(job) for job in jobs]))
+        return set(session.connection().scalars(statement, [at_once.row_of(job) for job in jobs]))
 
     def _enqueue(
         self,

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -13,35 +14,50 @@ from api.groups import GroupStage
 
 
 class Recorder:
-    """A stage's work: records each group's items and when it began, answers item * 10."""
+    """A stage's work: records each group's items, answers item * 10."""
 
-    def __init__(self, work_s: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.groups: list[list[int]] = []
-        self.began: list[float] = []
-        self.work_s = work_s
 
     def __call__(self, items: Sequence[int]) -> list[int | Exception]:
-        self.began.append(time.monotonic())
         self.groups.append(list(items))
-        time.sleep(self.work_s)
         return [item * 10 for item in items]
+
+
+@contextlib.asynccontextmanager
+async def running(
+    work: Recorder, wait_s: float, workers: int = 1
+) -> AsyncIterator[GroupStage[int, int]]:
+    stage = GroupStage("test", work, max_items=64, wait_s=wait_s, workers=workers)
+    stage.start()
+    try:
+        yield stage
+    finally:
+        await stage.stop()
+
+
+async def announced(stage: GroupStage[int, int], item: int, read_s: float) -> int:
+    """A request announced to ``stage`` that submits ``item`` once its body is read."""
+    with stage.coming():
+        await asyncio.sleep(read_s)
+        return await stage.submit(item)
+
+
+async def timed(stage: GroupStage[int, int], item: int) -> float:
+    """The seconds ``item`` took to be answered (checking the answer)."""
+    began = time.monotonic()
+    assert await stage.submit(item) == item * 10
+    return time.monotonic() - began
 
 
 def test_a_lone_item_is_worked_on_at_once_however_long_the_stage_may_wait() -> None:
     work = Recorder()
 
-    async def run() -> tuple[int, float]:
-        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
-        stage.start()
-        try:
-            began = time.monotonic()
-            result = await stage.submit(4)
-            return result, time.monotonic() - began
-        finally:
-            await stage.stop()
+    async def run() -> float:
+        async with running(work, wait_s=5.0) as stage:
+            return await timed(stage, 4)
 
-    result, took = asyncio.run(run())
-    assert result == 40
+    took = asyncio.run(run())
     assert took < 1.0, took
     assert work.groups == [[4]]
 
@@ -50,20 +66,10 @@ def test_a_group_waits_for_a_request_announced_to_it() -> None:
     work = Recorder()
 
     async def run() -> list[int]:
-        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
-        stage.start()
-
-        async def announced() -> int:
-            with stage.coming():
-                await asyncio.sleep(0.2)  # its body still being read
-                return await stage.submit(2)
-
-        try:
-            late = asyncio.create_task(announced())
+        async with running(work, wait_s=5.0) as stage:
+            late = asyncio.create_task(announced(stage, 2, read_s=0.2))
             await asyncio.sleep(0.01)  # announced before the first item arrives
             return [await stage.submit(1), await late]
-        finally:
-            await stage.stop()
 
     assert asyncio.run(run()) == [10, 20]
     assert work.groups == [[1, 2]]
@@ -73,25 +79,19 @@ def test_an_announcement_that_ends_without_an_item_ends_the_wait() -> None:
     work = Recorder()
 
     async def run() -> float:
-        stage = GroupStage("test", work, max_items=64, wait_s=5.0)
-        stage.start()
+        async with running(work, wait_s=5.0) as stage:
 
-        async def refused() -> None:
-            with stage.coming():
-                await asyncio.sleep(0.2)
-                raise ValueError("refused before it submits")
+            async def refused() -> None:
+                with stage.coming():
+                    await asyncio.sleep(0.2)
+                    raise ValueError("refused before it submits")
 
-        try:
             task = asyncio.create_task(refused())
             await asyncio.sleep(0.01)
-            began = time.monotonic()
-            assert await stage.submit(1) == 10
-            took = time.monotonic() - began
+            took = await timed(stage, 1)
             with pytest.raises(ValueError, match="refused before it submits"):
                 await task
             return took
-        finally:
-            await stage.stop()
 
     took = asyncio.run(run())
     assert 0.15 < took < 2.0, took
@@ -100,22 +100,12 @@ def test_an_announcement_that_ends_without_an_item_ends_the_wait() -> None:
 
 def test_arrivals_closer_than_the_wait_are_gathered_and_sparse_ones_are_not() -> None:
     async def arrivals(gap_s: float, count: int, work: Recorder) -> list[float]:
-        stage = GroupStage("test", work, max_items=64, wait_s=0.05)
-        stage.start()
-
-        async def one(item: int) -> float:
-            began = time.monotonic()
-            assert await stage.submit(item) == item * 10
-            return time.monotonic() - began
-
-        try:
+        async with running(work, wait_s=0.05) as stage:
             tasks = []
             for item in range(count):
-                tasks.append(asyncio.create_task(one(item)))
+                tasks.append(asyncio.create_task(timed(stage, item)))
                 await asyncio.sleep(gap_s)
             return list(await asyncio.gather(*tasks))
-        finally:
-            await stage.stop()
 
     dense = Recorder()
     asyncio.run(arrivals(0.002, 200, dense))
@@ -135,20 +125,10 @@ def test_one_group_gathers_at_a_time_however_many_workers() -> None:
     work = Recorder()
 
     async def run() -> None:
-        stage = GroupStage("test", work, max_items=64, wait_s=5.0, workers=2)
-        stage.start()
-
-        async def announced(item: int) -> int:
-            with stage.coming():
-                await asyncio.sleep(0.1)
-                return await stage.submit(item)
-
-        try:
-            late = [asyncio.create_task(announced(i)) for i in (1, 2)]
+        async with running(work, wait_s=5.0, workers=2) as stage:
+            late = [asyncio.create_task(announced(stage, i, read_s=0.1)) for i in (1, 2)]
             await asyncio.sleep(0.01)
             await asyncio.gather(stage.submit(0), *late)
-        finally:
-            await stage.stop()
 
     asyncio.run(run())
     assert work.groups == [[0, 1, 2]]
@@ -158,12 +138,8 @@ def test_items_submitted_together_are_one_group_and_answered_in_order() -> None:
     work = Recorder()
 
     async def run() -> list[int]:
-        stage = GroupStage("test", work, max_items=64, wait_s=0.0)
-        stage.start()
-        try:
+        async with running(work, wait_s=0.0) as stage:
             return await stage.submit_all([3, 1, 2])
-        finally:
-            await stage.stop()
 
     assert asyncio.run(run()) == [30, 10, 20]
     assert work.groups == [[3, 1, 2]]
@@ -175,17 +151,8 @@ def test_a_client_that_waits_for_each_answer_is_never_made_to_wait_for_company()
     work = Recorder()
 
     async def run() -> list[float]:
-        stage = GroupStage("test", work, max_items=64, wait_s=0.05)
-        stage.start()
-        waits = []
-        try:
-            for item in range(40):
-                began = time.monotonic()
-                assert await stage.submit(item) == item * 10
-                waits.append(time.monotonic() - began)
-        finally:
-            await stage.stop()
-        return waits
+        async with running(work, wait_s=0.05) as stage:
+            return [await timed(stage, item) for item in range(40)]
 
     waits = asyncio.run(run())
     assert work.groups == [[item] for item in range(40)]

@@ -86,3 +86,15 @@ def test_a_revocation_makes_later_requests_look_up_again() -> None:
     earlier, later = asyncio.run(run())
     assert earlier is not None and later is None
     assert (before.calls, after.calls) == (1, 1)
+
+
+def test_without_a_cache_every_request_looks_its_key_up() -> None:
+    # FERRY_KEY_CACHE_S=0 promises a lookup at every request: none is shared either.
+    lookup = Lookups(ApiKey(id="k1"))
+    cache = KeyCache(ttl_s=0)
+
+    async def run() -> None:
+        await asyncio.gather(*(cache.looked_up("tok", lookup) for _ in range(5)))
+
+    asyncio.run(run())
+    assert lookup.calls == 5
