@@ -19,7 +19,7 @@ from api.errors import install_error_handlers
 from api.groups import GroupStage
 from api.jobs import routes as jobs
 from api.jobs import webhook_routes as webhooks
-from api.jobs.reads import GenerationProgress, GroupRead, JobReader
+from api.jobs.reads import GenerationProgress, GroupRead, JobReader, LoopReader
 from api.jobs.service import callback_checker
 from api.jobs.submissions import GroupCommit, GroupWriter
 from api.keycache import KeyCache
@@ -99,7 +99,13 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             workers=1 if engine.dialect.name == "sqlite" else 2,
         )
         # Reads do not wait for company: a group is what queued during the last read.
-        reader = JobReader(reads, GenerationProgress(client, settings.key_prefix, writer.views))
+        progress = GenerationProgress(client, settings.key_prefix, writer.views)
+        # PostgreSQL's reads from the event loop (no thread hop a group); SQLite's in threads.
+        reader: JobReader | LoopReader = (
+            LoopReader.of(engine, progress)
+            if engine.dialect.name == "postgresql"
+            else JobReader(reads, progress)
+        )
         group_read: GroupRead = GroupStage(
             "group-read",
             reader.read,
@@ -132,6 +138,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 limits=limits,
                 clock=clock,
                 group_read=group_read,
+                reader=reader,
                 group_commit=group_commit,
                 kick=kicker,
                 check_callback=callback_checker(
@@ -157,7 +164,10 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 await clock_task
             await group_commit.stop()
             await group_read.stop()
-            reader.close()
+            if isinstance(reader, LoopReader):
+                await reader.close()
+            else:
+                reader.close()
             await limits.stop()
             kicker.close()
             await hub.stop()

@@ -7,7 +7,9 @@ waited while the previous group was being worked on, plus, for at most
 ``wait_s`` after its first item, what requests already being read bring
 (:meth:`GroupStage.coming`), at most ``max_items``; ``workers`` groups are
 worked on at a time, each in a thread of the stage's own (one hop per group,
-not per request), and one group gathers at a time.
+not per request), or on the event loop itself where the work is a coroutine
+(reads on PostgreSQL's asyncio connections: no hop at all); one group gathers
+at a time.
 
 A group waits only where more is coming, in the manner of PostgreSQL's
 ``commit_delay`` with ``commit_siblings``: requests announced to the stage and
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from api.errors import ApiError
 
@@ -64,13 +67,15 @@ class GroupStage(Generic[In, Out]):
     """``await stage.submit(item)``: the item's result, or its exception raised.
 
     ``work`` takes a group and returns, in the group's order, each item's
-    result or the exception (an ApiError) its request fails with.
+    result or the exception (an ApiError) its request fails with; a plain function
+    runs in the stage's threads, a coroutine function on the event loop.
     """
 
     def __init__(
         self,
         name: str,
-        work: Callable[[Sequence[In]], Sequence[Out | Exception]],
+        work: Callable[[Sequence[In]], Sequence[Out | Exception]]
+        | Callable[[Sequence[In]], Awaitable[Sequence[Out | Exception]]],
         *,
         max_items: int,
         wait_s: float,
@@ -82,7 +87,12 @@ class GroupStage(Generic[In, Out]):
         self.wait_s = wait_s
         self.workers = workers
         self._queue: asyncio.Queue[tuple[In, asyncio.Future[Out]]] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._in_loop = inspect.iscoroutinefunction(work)
+        self._executor = (
+            None
+            if self._in_loop
+            else ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self._coming = 0  # requests announced and not yet arrived
@@ -121,7 +131,8 @@ class GroupStage(Generic[In, Out]):
                 future.set_exception(_stopping())
         # A group being worked on finishes in its thread (a commit is not cut
         # short); the event loop does not wait for it.
-        self._executor.shutdown(wait=False)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
     @contextlib.contextmanager
     def coming(self) -> Iterator[None]:
@@ -216,7 +227,16 @@ class GroupStage(Generic[In, Out]):
                 items = [item for item, _ in group]
                 results: Sequence[Out | Exception]
                 try:
-                    results = await loop.run_in_executor(self._executor, self._work, items)
+                    if self._in_loop:
+                        results = await cast(
+                            Awaitable[Sequence[Out | Exception]], self._work(items)
+                        )
+                    else:
+                        results = await loop.run_in_executor(
+                            self._executor,
+                            cast(Callable[[Sequence[In]], Sequence[Out | Exception]], self._work),
+                            items,
+                        )
                     if len(results) != len(group):
                         raise RuntimeError(f"{len(results)} results for a group of {len(group)}")
                 except Exception as exc:  # a bug, not an outage: each request gets a 500

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
     from api.completions import CompletionHub
-    from api.jobs.reads import GroupRead
+    from api.jobs.reads import GroupRead, JobReader, LoopReader
     from api.jobs.submissions import GroupCommit
     from api.keycache import KeyCache
     from api.limits import RequestLimits
@@ -59,7 +59,8 @@ class AppState:
     ``sessions`` writes (and reads what must be fresh); ``reads`` is the
     read-only pool of the same engine. ``versions``: the models' versions as
     the database says, followed every FERRY_MODEL_POLL_S. ``group_commit`` and
-    ``group_read``: the process's batched database writes and reads.
+    ``group_read``: the process's batched database writes and reads; ``reader``,
+    what does the reads.
     ``target``: where Redis is, for a client of a request's own (an event
     stream's); ``redis``, the process's shared client.
     ``clock``: the Redis server's clock, jobs are stamped by.
@@ -81,6 +82,7 @@ class AppState:
     limits: RequestLimits
     clock: ServerClock
     group_read: GroupRead
+    reader: JobReader | LoopReader
     group_commit: GroupCommit
     kick: DeliveryKicker
     check_callback: Callable[[str], None]

@@ -17,6 +17,7 @@ import uvicorn
 from sqlalchemy import event
 
 from api.app import create_app
+from api.jobs.reads import LoopReader
 from api.state import app_state
 from core.config.settings import Settings
 from harness.ports import free_port
@@ -24,7 +25,7 @@ from harness.ports import free_port
 
 class Served:
     """The app of ``settings`` in uvicorn on a free port, in a thread; its engine's
-    statements counted."""
+    statements, and its reader's on PostgreSQL, counted."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -45,10 +46,16 @@ class Served:
             assert self.thread.is_alive() and time.monotonic() < until, "uvicorn did not start"
             time.sleep(0.02)
 
-        @event.listens_for(app_state(self.app).engine, "before_cursor_execute")
+        state = app_state(self.app)
+
+        @event.listens_for(state.engine, "before_cursor_execute")
         def _count(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
             self.statements.append(statement)
 
+        if isinstance(state.reader, LoopReader):  # PostgreSQL's reads bypass the engine
+            state.reader.sent.append(
+                lambda statement, _parameters: self.statements.append(statement)
+            )
         return self
 
     def __exit__(self, *_exc: object) -> None:

@@ -8,12 +8,15 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import namedtuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import psycopg
 import redis
-from sqlalchemy import Connection, Engine, bindparam, select
+from sqlalchemy import ARRAY, Connection, Engine, Select, String, any_, bindparam, select
+from sqlalchemy.dialects.postgresql import psycopg as pg_dialect
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.errors import ApiError
@@ -21,7 +24,7 @@ from api.groups import GroupStage
 from api.jobs.schemas import JobResource, Progress
 from api.jobs.submissions import QueueViews
 from core.db.resources import job_resource
-from core.db.schema import TERMINAL_STATUSES, Job, WebhookDelivery
+from core.db.schema import PG_CONNECT_ARGS, TERMINAL_STATUSES, Job, WebhookDelivery
 from core.db.webhooks import TERMINAL_EVENT_TYPES
 from core.models.generation_estimates import decode_step_s
 from core.streams.events import JobEvent
@@ -190,38 +193,193 @@ class JobReader:
         try:
             with self._connection() as connection:
                 rows = {row.id: row for row in connection.execute(_JOB, {"ids": ids})}
-                called = [
-                    row.id
-                    for row in rows.values()
-                    if row.callback_url and row.status in TERMINAL_STATUSES
-                ]
+                called = _called(rows.values())
                 deliveries: dict[str, Any] = {}
                 if called:
                     for found in connection.execute(_DELIVERIES, {"ids": called}):
                         deliveries[found.job_id] = found
         except SQLAlchemyError as exc:
-            log.warning("job reads failed", extra={"error_type": type(exc).__name__})
-            unavailable = ApiError(
-                503,
-                "unavailable",
-                "the database is unavailable; retry shortly",
-                {"Retry-After": "2"},
-            )
-            return [unavailable] * len(group)
-        # The rows carry every column but the input under its attribute's name: read as Jobs.
+            return _unavailable(group, exc)
         progress = self.progress.of(list(rows.values())) if self.progress else {}
-        out: list[JobResource | Exception] = []
-        for read in group:
-            row: Any = rows.get(read.job_id)
-            if row is None or row.api_key_id != read.key_id:
-                out.append(ApiError(404, "not_found", f"no job {read.job_id!r}"))
-            else:
-                job = cast(Job, row)
-                delivery = cast(WebhookDelivery | None, deliveries.get(row.id))
-                resource = JobResource.model_validate(job_resource(job, delivery))
-                resource.progress = progress.get(row.id)
-                out.append(resource)
+        return _answers(group, rows, deliveries, progress)
+
+
+def _called(rows: Iterable[Any]) -> list[str]:
+    """The finished jobs among ``rows`` that have a callback: their deliveries are read too."""
+    return [row.id for row in rows if row.callback_url and row.status in TERMINAL_STATUSES]
+
+
+def _unavailable(group: Sequence[JobRead], exc: Exception) -> list[JobResource | Exception]:
+    log.warning("job reads failed", extra={"error_type": type(exc).__name__})
+    unavailable = ApiError(
+        503, "unavailable", "the database is unavailable; retry shortly", {"Retry-After": "2"}
+    )
+    return [unavailable] * len(group)
+
+
+def _answers(
+    group: Sequence[JobRead],
+    rows: dict[str, Any],
+    deliveries: dict[str, Any],
+    progress: dict[str, Progress],
+) -> list[JobResource | Exception]:
+    """Each read's job resource, or a 404 where its job is missing or another key's. The
+    rows carry every column but the input under its attribute's name: read as Jobs."""
+    out: list[JobResource | Exception] = []
+    for read in group:
+        row: Any = rows.get(read.job_id)
+        if row is None or row.api_key_id != read.key_id:
+            out.append(ApiError(404, "not_found", f"no job {read.job_id!r}"))
+        else:
+            job = cast(Job, row)
+            delivery = cast(WebhookDelivery | None, deliveries.get(row.id))
+            resource = JobResource.model_validate(job_resource(job, delivery))
+            resource.progress = progress.get(row.id)
+            out.append(resource)
+    return out
+
+
+_PG = pg_dialect.dialect()
+# A listener to the statements a LoopReader sends: the SQL and its parameters.
+Sent = Callable[[str, dict[str, Any]], None]
+
+
+class _PgQuery:
+    """A Core select compiled once for psycopg, its ids one array parameter (one prepared
+    statement whatever the group's size), its rows named tuples with the columns' own
+    result types (UTC datetimes) applied, as SQLAlchemy's execution would."""
+
+    def __init__(self, statement: Select[Any]) -> None:
+        compiled = statement.compile(dialect=_PG)
+        self.sql = compiled.string
+        self.params = {name: value for name, value in compiled.params.items() if value is not None}
+        columns = list(statement.selected_columns)
+        self.row = namedtuple("Row", [column.key for column in columns])  # type: ignore[misc]
+        self.processors: list[tuple[int, Callable[[Any], Any]]] = [
+            (at, processor)
+            for at, column in enumerate(columns)
+            if (processor := column.type.result_processor(_PG, None)) is not None
+        ]
+
+    async def rows(
+        self, connection: psycopg.AsyncConnection[Any], sent: Sequence[Sent], **params: Any
+    ) -> list[Any]:
+        bound = self.params | params
+        for listener in sent:
+            listener(self.sql, bound)
+        cursor = await connection.execute(self.sql, bound)
+        out = []
+        for found in await cursor.fetchall():
+            values = list(found)
+            for at, processor in self.processors:
+                values[at] = processor(values[at])
+            out.append(self.row(*values))
         return out
+
+
+_IDS_ARRAY = bindparam("ids", type_=ARRAY(String))
+_PG_JOB = _PgQuery(_COLUMNS.where(Job.__table__.c.id == any_(_IDS_ARRAY)))
+_PG_DELIVERIES = _PgQuery(
+    select(WebhookDelivery.__table__).where(
+        WebhookDelivery.__table__.c.job_id == any_(_IDS_ARRAY),
+        WebhookDelivery.__table__.c.event_type
+        == any_(bindparam("events", list(TERMINAL_EVENT_TYPES), type_=ARRAY(String))),
+    )
+)
+# A connection is closed and replaced after this long, as the engine's pool recycles its own.
+RECYCLE_S = 1800.0
+
+
+class LoopReader:
+    """:class:`JobReader`'s reads on PostgreSQL from the event loop itself, on psycopg's
+    asyncio connections (autocommit: one statement, no transaction): a group's read costs
+    no hop to a thread and back, which on the long-poll's path cost the API more CPU than
+    the query's own work in this process. One connection per group in flight (the group
+    stage's workers), kept between reads; one that failed is closed, and the next read
+    opens another."""
+
+    def __init__(self, conninfo: str, progress: GenerationProgress | None = None) -> None:
+        self.conninfo = conninfo
+        self.progress = progress
+        self._idle: list[tuple[psycopg.AsyncConnection[Any], float]] = []
+        self._closed = False
+        # Called with each statement before it is sent, as SQLAlchemy's
+        # ``before_cursor_execute`` is for an engine's (tests count and explain them).
+        self.sent: list[Sent] = []
+
+    @classmethod
+    def of(cls, engine: Engine, progress: GenerationProgress | None = None) -> LoopReader:
+        """The reader of ``engine``'s PostgreSQL database (its URL as libpq reads it)."""
+        url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return cls(url, progress)
+
+    async def _kept(self) -> tuple[psycopg.AsyncConnection[Any], float] | None:
+        """A connection kept from an earlier read, if one is still young enough."""
+        now = time.monotonic()
+        while self._idle:
+            connection, opened = self._idle.pop()
+            if not connection.closed and now - opened < RECYCLE_S:
+                return connection, opened
+            await connection.close()
+        return None
+
+    async def _query(
+        self, connection: psycopg.AsyncConnection[Any], ids: list[str]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The jobs' rows by id, and the terminal webhook deliveries of those with one."""
+        rows = {row.id: row for row in await _PG_JOB.rows(connection, self.sent, ids=ids)}
+        deliveries: dict[str, Any] = {}
+        if called := _called(rows.values()):
+            for found in await _PG_DELIVERIES.rows(connection, self.sent, ids=called):
+                deliveries[found.job_id] = found
+        return rows, deliveries
+
+    async def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
+        ids = sorted({read.job_id for read in group})
+        held = await self._kept()
+        found: tuple[dict[str, Any], dict[str, Any]] | None = None
+        if held is not None:
+            try:
+                found = await self._query(held[0], ids)
+            except psycopg.OperationalError:
+                # The server closed it since (a restart, a failover, idle sessions ended):
+                # a read is safe to repeat, on a new connection.
+                await held[0].close()
+                held = None
+            except psycopg.Error as exc:
+                await held[0].close()
+                return _unavailable(group, exc)
+        if held is None:
+            try:
+                connection = await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True, **PG_CONNECT_ARGS
+                )
+            except psycopg.Error as exc:
+                return _unavailable(group, exc)
+            held = (connection, time.monotonic())
+            try:
+                found = await self._query(connection, ids)
+            except psycopg.Error as exc:
+                await connection.close()
+                return _unavailable(group, exc)
+        assert found is not None
+        if self._closed:
+            await held[0].close()
+        else:
+            self._idle.append(held)
+        rows, deliveries = found
+        progress: dict[str, Progress] = {}
+        if self.progress is not None and any(row.status == "running" for row in rows.values()):
+            # Redis's reads of running generations' progress, in a thread: they block.
+            progress = await asyncio.to_thread(self.progress.of, list(rows.values()))
+        return _answers(group, rows, deliveries, progress)
+
+    async def close(self) -> None:
+        """Close the connections kept between reads (the API is stopping)."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for connection, _ in idle:
+            await connection.close()
 
 
 def _give_back(connection: Connection) -> None:

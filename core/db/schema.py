@@ -384,6 +384,15 @@ IDLE_IN_TRANSACTION_S = 10
 # SILENT_HOST_TIMEOUT_S (make_engine says why).
 CONNECT_TIMEOUT_S = 5
 SILENT_HOST_TIMEOUT_S = 10
+# libpq's parameters for every PostgreSQL connection Ferry opens (make_engine says why).
+PG_CONNECT_ARGS: dict[str, Any] = {
+    "connect_timeout": CONNECT_TIMEOUT_S,
+    "tcp_user_timeout": SILENT_HOST_TIMEOUT_S * 1000,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
 
 
 def make_engine(
@@ -417,18 +426,7 @@ def make_engine(
     # without closing it) once what was sent stays unacknowledged for 10 s, or
     # the idle peer misses three keepalives. A slow but live server acknowledges
     # and answers keepalives from its kernel: long statements are not cut.
-    connect_args: dict[str, Any] = (
-        {
-            "connect_timeout": CONNECT_TIMEOUT_S,
-            "tcp_user_timeout": SILENT_HOST_TIMEOUT_S * 1000,
-            "keepalives": 1,
-            "keepalives_idle": 5,
-            "keepalives_interval": 2,
-            "keepalives_count": 3,
-        }
-        if url.startswith("postgresql")
-        else {}
-    )
+    connect_args: dict[str, Any] = PG_CONNECT_ARGS if url.startswith("postgresql") else {}
     # No ping before each checkout (a round trip per transaction): a connection
     # found dead when used fails that one transaction with a disconnect error,
     # and SQLAlchemy then drops every pooled connection, so the next ones are

@@ -28,6 +28,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
+from api.jobs.reads import _PG_JOB
 from core.db.keys import create_key
 from core.db.schema import make_engine, make_sessionmaker
 from harness.services import migrated_postgres_database
@@ -212,3 +213,15 @@ def test_a_plain_job_is_in_three_of_the_jobs_indexes(
         plan = generic_plan(engine, statement, {"backfill": "backfill-1", "after": 0})
         assert "Seq Scan on jobs" not in plan, plan
         assert "ux_jobs_backfill" in plan, plan
+
+
+def test_the_apis_read_of_a_group_of_jobs_reaches_them_by_primary_key(
+    analyzed_jobs: tuple[Engine, list[str]],
+) -> None:
+    """A long-poll's read (api.jobs.reads.LoopReader): one statement, its ids one array,
+    prepared once for every group size, must find them by key on its generic plan."""
+    engine, ids = analyzed_jobs
+    for group in (ids[:1], ids[:BATCH]):
+        plan = generic_plan(engine, _PG_JOB.sql, _PG_JOB.params | {"ids": group})
+        assert "Seq Scan on jobs" not in plan, plan
+        assert "jobs_pkey" in plan, plan
