@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -14,21 +15,25 @@ from core.db.schema import Job
 from core.db.usage import release
 from core.db.webhooks import add_job_deliveries
 
+# What a terminal write's consequences need of each job: a write may return these
+# (``RETURNING``) and save the query.
+TERMINAL_COLUMNS = (Job.id, Job.api_key_id, Job.backfill_id, Job.status, Job.callback_url)
 
-def after_terminal(session: Session, job_ids: Sequence[str], now: dt.datetime) -> list[str]:
+
+def after_terminal(
+    session: Session, job_ids: Sequence[str], now: dt.datetime, rows: Sequence[Any] | None = None
+) -> list[str]:
     """Count the jobs into their backfills or out of their keys' outstanding jobs, and
-    add their webhook deliveries: one query of the jobs for all three.
+    add their webhook deliveries: one query of the jobs for all three, or none where the
+    write returned their :data:`TERMINAL_COLUMNS` (``rows``).
 
     ``job_ids`` are the jobs this transaction just made terminal (its
     conditional UPDATEs won). Returns the new delivery ids, for Celery.
     """
     if not job_ids:
         return []
-    rows = session.execute(
-        select(Job.id, Job.api_key_id, Job.backfill_id, Job.status, Job.callback_url).where(
-            Job.id.in_(job_ids)
-        )
-    ).all()
+    if rows is None:
+        rows = session.execute(select(*TERMINAL_COLUMNS).where(Job.id.in_(job_ids))).all()
     count_outcomes(session, Counter((r.backfill_id, r.status) for r in rows if r.backfill_id))
     release(session, Counter(r.api_key_id for r in rows if r.backfill_id is None))
     called = [r.id for r in rows if r.callback_url]

@@ -7,7 +7,7 @@ generic plan, chosen without the parameters' values: it guesses ten rows for an
 table of 1,500 jobs that guess once made a batch's outcomes (``UPDATE ... FROM
 unnest(...)``) a nested loop over every row of the table, eighteen times the cost of
 finding them by key, growing with the table. Here each statement the recorder sends for
-one batch (the look for earlier attempts, the claim, the outcomes, what follows a
+one batch (the claim, which leaves out jobs started before, the outcomes, what follows a
 terminal write) is planned generically on real PostgreSQL and must reach ``jobs``
 through its primary key. And a plain job's row is in three of the table's indexes (each
 of its writes enters it in each), the unique ones holding only the rows they constrain.
@@ -115,9 +115,8 @@ def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
     sent = Sent()
     event.listen(engine, "before_cursor_execute", sent)
     try:
-        assert recorder.started_before(batch) == set()
         now = dt.datetime.now(dt.UTC)
-        claimed, late, exhausted = recorder.claim(batch, now, max_attempts=3)
+        claimed, late, exhausted, held = recorder.claim_fresh(batch, now, max_attempts=3)
         written = recorder.finish(
             [Outcome(c.job_id, "succeeded", output=[0.5], inference_ms=1.0) for c in claimed],
             now,
@@ -126,12 +125,12 @@ def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
         )
     finally:
         event.remove(engine, "before_cursor_execute", sent)
-    assert (len(claimed), late, exhausted) == (BATCH, [], [])
+    assert (len(claimed), late, exhausted, held) == (BATCH, [], [], [])
     assert sorted(written) == sorted(batch)
 
     on_jobs = [(s, p) for s, p in sent.statements if re.search(r"\bjobs\b", s)]
-    # started_before, the claim's read and update, the outcomes, after_terminal's read.
-    assert len(on_jobs) >= 5, [s for s, _ in sent.statements]
+    # The claim's read and update, the outcomes (which return what follows a terminal write).
+    assert len(on_jobs) >= 3, [s for s, _ in sent.statements]
     for statement, parameters in on_jobs:
         plan = generic_plan(engine, statement, parameters)
         values = json.dumps(parameters, default=str)[:300]

@@ -40,7 +40,7 @@ from workers.gpu.intake import Intake, entry_key
 from workers.gpu.learned import LoopStats, Publisher
 from workers.gpu.observe import Metrics
 from workers.gpu.probation import Probation, Verdict
-from workers.gpu.recorder import Outcome, Recorder
+from workers.gpu.recorder import Claimed, Outcome, Recorder
 from workers.gpu.recording import Drain, Recording, acknowledge_failed, utc_at
 from workers.gpu.versions import Loaded, VersionManager
 from workers.gpu.worker_loop import MAX_BLOCK_MS, OUTAGES, WorkerLoop
@@ -413,20 +413,20 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
     # --- running a batch ---------------------------------------------------------
 
     def _run_batch(self, entries: list[Entry], decision: BatchDecision) -> None:
-        started = (
-            self.recorder.started_before([e.message.job_id for e in entries])
-            if len(entries) > 1
-            else set()
-        )
-        if not started:
+        if len(entries) == 1:
             self._run_group(entries, decision, ahead=self.device.ahead)
             return
+        # A job started before and never finished may be what killed a worker: the
+        # claim leaves such jobs out, and each runs alone, so it cannot take its batch
+        # mates down (and use up their attempts) with it.
+        claimed, written, started = self.recording.claim(entries, hold_started=True)
+        if not started:
+            self._run_group(entries, decision, ahead=self.device.ahead, claim=(claimed, written))
+            return
         self._land()  # a suspect runs with nothing else on the device
-        # A job started before and never finished may be what killed a worker:
-        # each such job runs alone, so it cannot take its batch mates down (and
-        # use up their attempts) with it.
-        fresh = [e for e in entries if e.message.job_id not in started]
-        groups = ([fresh] if fresh else []) + [[e] for e in entries if e.message.job_id in started]
+        held = set(started)
+        fresh = [e for e in entries if e.message.job_id not in held]
+        groups = ([fresh] if fresh else []) + [[e] for e in entries if e.message.job_id in held]
         for number, group in enumerate(groups):
             if number and self.drain.stop.is_set():
                 # Stopping: what has not run stays unacknowledged, for the next worker.
@@ -435,14 +435,25 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             self._report_landed()
             self.recording.wait()
             self.consumer.touch([e for g in groups[number:] for e in g])
-            self._run_group(group, decision)
+            # The fresh group was claimed above; each suspect is claimed as it runs.
+            claim = (claimed, written) if group is fresh else None
+            self._run_group(group, decision, claim=claim)
 
     def _run_group(
-        self, entries: list[Entry], decision: BatchDecision, ahead: bool = False
+        self,
+        entries: list[Entry],
+        decision: BatchDecision,
+        ahead: bool = False,
+        claim: tuple[list[Claimed], list[str]] | None = None,
     ) -> None:
+        """Run ``entries`` as one batch: claimed here, or already (``claim``: the jobs
+        claimed and the ids settled instead)."""
         batch_id = str(uuid.uuid4())
         by_job = {e.message.job_id: e for e in entries}
-        claimed, written = self.recording.claim(entries)
+        if claim is None:
+            claimed, written, _ = self.recording.claim(entries)
+        else:
+            claimed, written = claim
         costs = [by_job[job.job_id].message.cost for job in claimed]
         started = time.perf_counter()
         flight = InFlight(batch_id, entries, claimed, costs, written, decision, started, ahead)

@@ -14,7 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import BindParameter, Table, bindparam, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    String,
+    Table,
+    Update,
+    any_,
+    bindparam,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db.schema import TERMINAL_STATUSES, Job
@@ -24,34 +36,52 @@ from core.db.webhooks import add_progress_deliveries, add_started_deliveries, wa
 _JOBS = cast(Table, Job.__table__)
 
 # The claim's statements, built once (per batch they cost the worker more to build than
-# to run), on the table: no ORM evaluation of the session's objects after the UPDATE.
-_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
-_NOT_ENDED = _JOBS.c.status.not_in(TERMINAL_STATUSES)
+# to run), on the table: no ORM evaluation of the session's objects after the UPDATE. On
+# PostgreSQL the ids are one array parameter and the terminal statuses literals, so the
+# statement is the same text whatever the batch's size (an expanding IN is rendered anew
+# for each execution, and prepared once per size); SQLite has no arrays.
+_NOT_ENDED = text(
+    "jobs.status NOT IN (" + ", ".join(f"'{status}'" for status in TERMINAL_STATUSES) + ")"
+)
 _CLAIMED = (_JOBS.c.id, _JOBS.c.input, _JOBS.c.attempts, _JOBS.c.deadline_at)
-_CLAIM_READ = select(*_CLAIMED).where(_JOBS.c.id.in_(_IDS), _NOT_ENDED).with_for_update()
 # A generation worker's: what its started webhooks need too.
-_CLAIM_READ_HOOKS = (
-    select(
-        *_CLAIMED,
-        _JOBS.c.api_key_id,
-        _JOBS.c.model,
-        _JOBS.c.callback_url,
-        _JOBS.c.callback_events,
-    )
-    .where(_JOBS.c.id.in_(_IDS), _NOT_ENDED)
-    .with_for_update()
+_CLAIMED_HOOKS = (
+    *_CLAIMED,
+    _JOBS.c.api_key_id,
+    _JOBS.c.model,
+    _JOBS.c.callback_url,
+    _JOBS.c.callback_events,
 )
-_CLAIM = (
-    update(_JOBS)
-    .where(_JOBS.c.id.in_(_IDS), _NOT_ENDED)
-    .values(
-        status="running",
-        started_at=bindparam("now", type_=_JOBS.c.started_at.type),
-        attempts=_JOBS.c.attempts + 1,
-        model_version=bindparam("version", type_=_JOBS.c.model_version.type),
+
+
+@dataclass(frozen=True)
+class _ClaimStatements:
+    read: Select[Any]
+    read_hooks: Select[Any]
+    claim: Update
+
+
+def _claim_statements(ids: ColumnElement[bool]) -> _ClaimStatements:
+    return _ClaimStatements(
+        read=select(*_CLAIMED).where(ids, _NOT_ENDED).with_for_update(),
+        read_hooks=select(*_CLAIMED_HOOKS).where(ids, _NOT_ENDED).with_for_update(),
+        claim=update(_JOBS)
+        .where(ids, _NOT_ENDED)
+        .values(
+            status="running",
+            started_at=bindparam("now", type_=_JOBS.c.started_at.type),
+            attempts=_JOBS.c.attempts + 1,
+            model_version=bindparam("version", type_=_JOBS.c.model_version.type),
+        ),
     )
-)
-_STARTED_BEFORE = select(_JOBS.c.id).where(_JOBS.c.id.in_(_IDS), _JOBS.c.attempts > 0, _NOT_ENDED)
+
+
+_CLAIMS = {
+    "postgresql": _claim_statements(
+        _JOBS.c.id == any_(bindparam("ids", type_=postgresql.ARRAY(String)))
+    ),
+    "sqlite": _claim_statements(_JOBS.c.id.in_(bindparam("ids", expanding=True))),
+}
 
 # A batch's outcomes in one statement whatever the batch's size (the same text
 # every time, so the driver prepares it once), instead of one per job, which
@@ -73,7 +103,7 @@ _PG_FINISH = text(
         AS o (id, status, output, error, inference_ms)
     WHERE jobs.id = ANY(CAST(:ids AS text[])) AND jobs.id = o.id
         AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
-    RETURNING jobs.id
+    RETURNING jobs.id, jobs.api_key_id, jobs.backfill_id, jobs.status, jobs.callback_url
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
 # SQLite (3.35 or newer, for RETURNING): a JSON array of [id, status, output
@@ -87,7 +117,7 @@ _SQLITE_FINISH = text(
     FROM json_each(:rows) AS o
     WHERE jobs.id = json_extract(o.value, '$[0]')
         AND jobs.status NOT IN (SELECT value FROM json_each(:terminal))
-    RETURNING jobs.id
+    RETURNING jobs.id, jobs.api_key_id, jobs.backfill_id, jobs.status, jobs.callback_url
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
 
@@ -145,16 +175,40 @@ class Recorder:
         same transaction (to :attr:`outbox`), and each says whether it asked
         for progress ones.
         """
+        claimed, late, exhausted, _ = self._claim(job_ids, now, max_attempts, webhooks, False)
+        return claimed, late, exhausted
+
+    def claim_fresh(
+        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int
+    ) -> tuple[list[Claimed], list[str], list[str], list[str]]:
+        """:meth:`claim` for the jobs never started before; those started before and
+        never finished (one may be what killed a worker) are left unclaimed, fourth, to
+        run alone, each claimed then. One transaction, where a look for them first and
+        the claim after were two."""
+        return self._claim(job_ids, now, max_attempts, False, True)
+
+    def _claim(
+        self,
+        job_ids: Sequence[str],
+        now: dt.datetime,
+        max_attempts: int,
+        webhooks: bool,
+        hold_started: bool,
+    ) -> tuple[list[Claimed], list[str], list[str], list[str]]:
         with self.sessions.begin() as session:
             connection = session.connection()
-            read = _CLAIM_READ_HOOKS if webhooks else _CLAIM_READ
+            statements = _CLAIMS.get(connection.dialect.name, _CLAIMS["sqlite"])
+            read = statements.read_hooks if webhooks else statements.read
             rows = connection.execute(read, {"ids": list(job_ids)}).all()
             late = [r.id for r in rows if r.deadline_at is not None and r.deadline_at <= now]
             exhausted = [r.id for r in rows if r.id not in late and r.attempts >= max_attempts]
             claimed = [r for r in rows if r.id not in late and r.id not in exhausted]
+            held = [r.id for r in claimed if r.attempts > 0] if hold_started else []
+            if held:
+                claimed = [r for r in claimed if r.attempts == 0]
             if claimed:
                 connection.execute(
-                    _CLAIM,
+                    statements.claim,
                     {"ids": [r.id for r in claimed], "now": now, "version": self.model_version},
                 )
                 if webhooks:
@@ -177,6 +231,7 @@ class Recorder:
             ],
             late,
             exhausted,
+            held,
         )
 
     def progress(self, tokens: dict[str, tuple[int, int]], now: dt.datetime) -> None:
@@ -187,11 +242,6 @@ class Recorder:
         if deliveries:
             with self._outbox_lock:
                 self.outbox += deliveries
-
-    def started_before(self, job_ids: Sequence[str]) -> set[str]:
-        """The jobs among these that were started before and never finished."""
-        with self.sessions() as session:
-            return set(session.connection().scalars(_STARTED_BEFORE, {"ids": list(job_ids)}))
 
     def finish(
         self,
@@ -227,18 +277,21 @@ class Recorder:
                         "errors": [o.error for o in outcomes],
                         "inference_ms": [o.inference_ms for o in outcomes],
                     }
-                    won = set(connection.scalars(_PG_FINISH, values | common))
+                    won = connection.execute(_PG_FINISH, values | common).all()
                 else:
                     rows = [
                         [o.job_id, o.status, json.dumps(o.output), o.error, o.inference_ms]
                         for o in outcomes
                     ]
                     common["terminal"] = json.dumps(common["terminal"])
-                    won = set(
-                        connection.scalars(_SQLITE_FINISH, {"rows": json.dumps(rows)} | common)
-                    )
+                    won = connection.execute(
+                        _SQLITE_FINISH, {"rows": json.dumps(rows)} | common
+                    ).all()
                 # In the outcomes' order, once each (a job may have two entries).
-                written = list(dict.fromkeys(o.job_id for o in outcomes if o.job_id in won))
+                ids = {row.id for row in won}
+                written = list(dict.fromkeys(o.job_id for o in outcomes if o.job_id in ids))
+                # The rows written say what follows a terminal write: no query for it.
+                deliveries = after_terminal(session, written, now, won)
             else:
                 statement = (
                     update(_JOBS)
@@ -271,7 +324,7 @@ class Recorder:
                     )
                     if result.rowcount:
                         written.append(outcome.job_id)
-            deliveries = after_terminal(session, written, now)
+                deliveries = after_terminal(session, written, now)
         with self._outbox_lock:
             self.outbox += deliveries
         return written

@@ -108,20 +108,29 @@ class Recording:
 
     # --- before a batch runs ---------------------------------------------------
 
-    def claim(self, entries: list[Entry]) -> tuple[list[Claimed], list[str]]:
+    def claim(
+        self, entries: list[Entry], hold_started: bool = False
+    ) -> tuple[list[Claimed], list[str], list[str]]:
         """Mark the entries' jobs running; settle those that will not run.
 
-        Returns the jobs claimed, in order, and the jobs settled instead (past
-        their deadline, or out of attempts: dead-lettered).
+        Returns the jobs claimed, in order, the jobs settled instead (past
+        their deadline, or out of attempts: dead-lettered), and, with
+        ``hold_started``, the jobs started before and never finished, left
+        unclaimed (each to run alone: one may be what killed a worker).
         """
         by_job = {e.message.job_id: e for e in entries}
-        claimed, late, exhausted = self.recorder.claim(
-            list(by_job), utc_at(self.clock()), self.max_attempts
-        )
+        now = utc_at(self.clock())
+        held: list[str] = []
+        if hold_started:
+            claimed, late, exhausted, held = self.recorder.claim_fresh(
+                list(by_job), now, self.max_attempts
+            )
+        else:
+            claimed, late, exhausted = self.recorder.claim(list(by_job), now, self.max_attempts)
         written = self.settle_unrunnable(
             late, [by_job[job_id] for job_id in exhausted], "the deadline passed before it started"
         )
-        return claimed, written
+        return claimed, written, held
 
     def expire(self, entries: list[Entry]) -> None:
         written = self.settle_unrunnable(
