@@ -23,8 +23,9 @@ reaches: a script call per job against one per tenant's stream, side by side.
 Per phase: Redis's commands (``INFO commandstats``), bytes in and out, and
 CPU (``INFO cpu``, less what it spends idle over as long); PostgreSQL's transactions and rows
 (``pg_stat_database``; each table's scans and rows, ``pg_stat_user_tables``) and
-statements (SQLAlchemy's events in this process),
-and the CPU of every PostgreSQL process; this process's CPU less the
+statements (SQLAlchemy's events in this process, and what the API's reader sends itself),
+and the CPU of every PostgreSQL backend but the benchmark's own (its counters' reads, its
+count of what is left); this process's CPU less the
 clients' own threads (for the submit and poll phases: the API's; for the run
 phase: the worker's). From them, :func:`walls` works out at how many jobs per
 second each part saturates, one core each.
@@ -53,6 +54,8 @@ import redis
 from sqlalchemy import event, func, select, text
 from sqlalchemy.engine import Engine
 
+from api.jobs.reads import LoopReader
+from api.state import app_state
 from bench import results
 from bench.report import Results, Spread, commit_text, day, machine_text, table
 from core.config.settings import Settings
@@ -250,6 +253,16 @@ def one_round(
             reconcile_interval_s=3600.0,
         )
         engine = make_engine(settings.sqlalchemy_url)
+        # This benchmark's own backends (its counters' reads, the run phase's count of
+        # what is left): their CPU is not the parts'.
+        own: set[int] = set()
+
+        @event.listens_for(engine, "connect")
+        def _own(dbapi_connection: Any, _record: Any) -> None:
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                own.add(int(cursor.fetchone()[0]))
+
         sessions = make_sessionmaker(engine)
         with sessions() as session:
             created = create_key(session, "capacity")
@@ -260,6 +273,7 @@ def one_round(
         admin = make_engine(engine.url.set(database="postgres").render_as_string(False))
         counters = Counters(client, admin, engine, database, sql)
         phases: dict[str, dict[str, float]] = {}
+        ended: dict[int, float] = {}  # backends closed during a phase: their CPU at the end
 
         def idle_rates(seconds: float = idle_s) -> dict[str, float]:
             """What Redis and this process spend per second doing nothing (timers,
@@ -285,10 +299,14 @@ def one_round(
             # the next phase's (its CPU, read from /proc, cannot).
             time.sleep(1.5)
             found = delta(before, counters.read())
-            # A backend that started meanwhile counts from zero.
+            # A backend that started meanwhile counts from zero; one that ended, as it
+            # was last read.
             found["postgres_cpu_s"] = sum(
-                cpu - backends.get(pid, 0.0) for pid, cpu in counters.backends.items()
+                cpu - backends.get(pid, 0.0)
+                for pid, cpu in (ended | counters.backends).items()
+                if pid not in own
             )
+            ended.clear()
             found["seconds"] = seconds
             found["redis_cpu_s"] -= idle["redis_cpu_s"] * seconds
             found["part_cpu_s"] = (
@@ -298,6 +316,9 @@ def one_round(
             phases[name] = found
 
         with served(settings) as api:
+            reader = app_state(api.app).reader
+            if isinstance(reader, LoopReader):  # its reads go around the engines: counted here
+                reader.sent.append(sql)
             ids: list[str] = []
 
             def submitting() -> float:
@@ -312,7 +333,7 @@ def one_round(
             analyze(engine)
 
             def running() -> float:
-                with running_worker(settings, "sim", "capacity"):
+                with running_worker(settings, "sim", "capacity") as worker:
                     until = time.monotonic() + 300
                     while time.monotonic() < until:
                         with sessions() as session:
@@ -327,6 +348,11 @@ def one_round(
                         if not left:
                             break
                         time.sleep(0.1)
+                # Its connections closed: a backend that ends reports its counters
+                # then, where an idle one may hold them past the phase's end. Their CPU
+                # is read first.
+                ended.update(postgres_cpu_s(admin, database))
+                worker.recorder.sessions.kw["bind"].dispose()
                 return 0.0
 
             measured("run", running)
