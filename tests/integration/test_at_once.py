@@ -6,6 +6,7 @@ API processes would have."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -225,3 +226,22 @@ def test_each_row_is_told_what_the_statement_did(
         {"id": "c", "api_key_id": "new"},
     ]
     assert classify(rows, ids, counters, limit) == expected
+
+
+def test_json_values_holding_any_character_are_stored_as_sent(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """A JSON column's value is stored as json.dumps wrote it, whatever it holds: a
+    non-ASCII letter, a quote, a backslash, a line separator. (A NUL is refused before:
+    PostgreSQL's text cannot hold one.)"""
+    (key,) = keys(sessions, "characters")
+    metadata = {"note": 'ab é "q" \\ \u2028', "n": [1, 2.5, None]}
+    (sent,) = writer(settings, limit=None).write([submission(settings, key, metadata=metadata)])
+    assert isinstance(sent, Submitted), sent
+    with sessions() as session:
+        row = session.get(Job, sent.job.id)
+        assert row is not None and row.metadata_ == metadata
+        stored = session.execute(
+            text("SELECT metadata::text FROM jobs WHERE id = :id"), {"id": sent.job.id}
+        ).scalar_one()
+    assert stored == json.dumps(metadata)

@@ -208,7 +208,15 @@ def test_a_batch_is_written_in_one_statement_as_one_per_job_would_write_it(
     sessions: sessionmaker[Session],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    outputs: list[Any] = [{"x": [0.1234567891234, -2.5e-08]}, [1, 2], "text", 7, True, None]
+    # A generation's text may hold anything, a NUL included (JSON's \u0000).
+    outputs: list[Any] = [
+        {"x": [0.1234567891234, -2.5e-08]},
+        [1, 2],
+        'text \x00 é "q" \\ \u2028',
+        7,
+        True,
+        None,
+    ]
     stamp = utcnow()
 
     def written(batched: bool) -> list[tuple[Any, ...]]:

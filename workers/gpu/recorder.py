@@ -86,23 +86,28 @@ _CLAIMS = {
 # A batch's outcomes in one statement whatever the batch's size (the same text
 # every time, so the driver prepares it once), instead of one per job, which
 # would cost the recording more than the batch took to compute. Only a job not
-# yet terminal is written: the first terminal write wins. PostgreSQL: parallel
-# arrays; each output is JSON text, as the JSON column's own writes make it.
-# ``jobs.id = ANY(:ids)`` says again what the join says, so that the plan finds
-# the rows by primary key whatever the statistics: the prepared statement's
-# generic plan guesses ten rows from ``unnest``, and on an analyzed table of 1,500
-# jobs it chose a nested loop over every row (12.8 ms a batch of 32, against 0.7 ms
-# by the index).
+# yet terminal is written: the first terminal write wins. PostgreSQL: the outcomes
+# as one JSON document (one parameter for the driver to adapt, where an array per
+# column cost the worker more than the statement's own work here), each output in it
+# as the JSON text json.dumps gave it, stored as that text, as the JSON column's own
+# writes make it. (Not as a JSON value: json_to_recordset turns each value to text on
+# the way, and a generation's text may hold a NUL, which PostgreSQL's JSON accepts
+# as ``\u0000`` and its text refuses.) ``jobs.id = ANY(...)`` says again
+# what the join says, so that the plan finds the rows by primary key whatever the
+# statistics: the prepared statement's generic plan guesses a fixed number of rows
+# from a set-returning function, and on an analyzed table of 1,500 jobs it once chose
+# a nested loop over every row (12.8 ms a batch of 32, against 0.7 ms by the index).
 _PG_FINISH = text(
-    """
-    UPDATE jobs SET status = o.status, output = CAST(o.output AS json), error = o.error,
-        inference_ms = o.inference_ms, finished_at = :now, batch_id = :batch_id,
-        batch_size = :batch_size
-    FROM unnest(CAST(:ids AS text[]), CAST(:statuses AS text[]), CAST(:outputs AS text[]),
-                CAST(:errors AS text[]), CAST(:inference_ms AS double precision[]))
-        AS o (id, status, output, error, inference_ms)
-    WHERE jobs.id = ANY(CAST(:ids AS text[])) AND jobs.id = o.id
-        AND NOT (jobs.status = ANY(CAST(:terminal AS text[])))
+    f"""
+    WITH o AS MATERIALIZED (
+        SELECT * FROM json_to_recordset(CAST(:rows AS json))
+            AS o (id text, status text, output text, error text, inference_ms double precision)
+    )
+    UPDATE jobs SET status = o.status, output = CAST(o.output AS json),
+        error = o.error, inference_ms = o.inference_ms, finished_at = :now,
+        batch_id = :batch_id, batch_size = :batch_size
+    FROM o
+    WHERE jobs.id = ANY(ARRAY(SELECT id FROM o)) AND jobs.id = o.id AND {_NOT_ENDED.text}
     RETURNING jobs.id, jobs.api_key_id, jobs.backfill_id, jobs.status, jobs.callback_url
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
@@ -263,29 +268,29 @@ class Recorder:
             connection = session.connection()
             dialect = connection.dialect.name
             if _batched_writes(dialect):
-                common = {
-                    "now": now,
-                    "batch_id": batch_id,
-                    "batch_size": batch_size,
-                    "terminal": list(TERMINAL_STATUSES),
-                }
+                common = {"now": now, "batch_id": batch_id, "batch_size": batch_size}
                 if dialect == "postgresql":
-                    values: dict[str, Any] = {
-                        "ids": [o.job_id for o in outcomes],
-                        "statuses": [o.status for o in outcomes],
-                        "outputs": [json.dumps(o.output) for o in outcomes],
-                        "errors": [o.error for o in outcomes],
-                        "inference_ms": [o.inference_ms for o in outcomes],
-                    }
-                    won = connection.execute(_PG_FINISH, values | common).all()
+                    document = json.dumps(
+                        [
+                            {
+                                "id": o.job_id,
+                                "status": o.status,
+                                "output": json.dumps(o.output),
+                                "error": o.error,
+                                "inference_ms": o.inference_ms,
+                            }
+                            for o in outcomes
+                        ]
+                    )
+                    won = connection.execute(_PG_FINISH, {"rows": document} | common).all()
                 else:
                     rows = [
                         [o.job_id, o.status, json.dumps(o.output), o.error, o.inference_ms]
                         for o in outcomes
                     ]
-                    common["terminal"] = json.dumps(common["terminal"])
+                    terminal = json.dumps(list(TERMINAL_STATUSES))
                     won = connection.execute(
-                        _SQLITE_FINISH, {"rows": json.dumps(rows)} | common
+                        _SQLITE_FINISH, {"rows": json.dumps(rows), "terminal": terminal} | common
                     ).all()
                 # In the outcomes' order, once each (a job may have two entries).
                 ids = {row.id for row in won}
