@@ -182,6 +182,12 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         docs_url="/docs" if settings.docs_enabled else None,
         redoc_url=None,
         openapi_url="/openapi.json" if settings.docs_enabled else None,
+        # FastAPI's own OpenTelemetry off: Ferry traces requests itself (api.middleware,
+        # when OTEL_EXPORTER_OTLP_ENDPOINT is set), and FastAPI's would add a second span
+        # to each where a process sets a global provider, record validation failures
+        # with the payloads they quote, and look up the global providers on every
+        # request meanwhile.
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     install_error_handlers(app)
     app.include_router(jobs.router)

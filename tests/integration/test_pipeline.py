@@ -63,8 +63,10 @@ def test_the_next_batch_runs_while_the_last_one_is_recorded(
     records = [(a - 0.1, b) for kind, a, b in spans if kind == "record"]  # with the sleep
     computes = [(a, b) for kind, a, b in spans if kind == "compute"]
     assert len(computes) >= 3
-    # Batches computed while an earlier one was being recorded.
-    overlapped = [c for c in computes if any(r0 < c[0] < r1 for r0, r1 in records)]
+    # Batches computed while an earlier one was being recorded: their spans overlap (a
+    # compute may begin a moment before its recording thread takes the batch before it;
+    # run one after the other, no compute would overlap any recording).
+    overlapped = [c for c in computes if any(c[0] < r1 and r0 < c[1] for r0, r1 in records)]
     assert len(overlapped) >= 2, (records, computes)
     assert lane_pending(redis_client, settings.key_prefix, "sim", "normal") == 0
 
