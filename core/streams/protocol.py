@@ -242,12 +242,15 @@ class Scripts:
         fields = message.encode()
         tenant = message.tenant
         if not tenant:
+            # The entry before the sequence moves: a worker that sees the sequence it
+            # found the shared stream drained at skips the stream (consumer.refresh).
+            added = target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
             target.incr(seq_key(prefix, model))
             if message.lane == Lane.BULK:
                 target.incr(bulk_seq_key(prefix, model))
             if message.input_bytes:
                 target.incrby(queued_bytes_key(prefix, model), message.input_bytes)
-            return target.xadd(stream_key(prefix, model, message.lane), fields)  # type: ignore[arg-type]
+            return added
         flat = [item for pair in fields.items() for item in pair]
         return self._run(
             self.enqueue_script,
@@ -269,13 +272,13 @@ class Scripts:
             streams.setdefault((model, message.lane, message.tenant or None), []).append(message)
         for (model, lane, tenant), messages in streams.items():
             if not tenant:
+                for message in messages:  # before the sequence moves, as in enqueue
+                    target.xadd(stream_key(prefix, model, lane), message.encode())  # type: ignore[arg-type]
                 target.incrby(seq_key(prefix, model), len(messages))
                 if lane == Lane.BULK:
                     target.incrby(bulk_seq_key(prefix, model), len(messages))
                 if size := sum(message.input_bytes for message in messages):
                     target.incrby(queued_bytes_key(prefix, model), size)
-                for message in messages:
-                    target.xadd(stream_key(prefix, model, lane), message.encode())  # type: ignore[arg-type]
                 continue
             for start in range(0, len(messages), ENQUEUE_MANY_MAX):
                 part = messages[start : start + ENQUEUE_MANY_MAX]

@@ -81,3 +81,30 @@ def test_a_long_idle_wait_blocks_in_redis(settings: Settings) -> None:
     reader, client = consumer(settings)
     assert reader.read(8, PRECISE_BELOW_MS) == []
     assert client.blocks[-1] == PRECISE_BELOW_MS
+
+
+@pytest.mark.parametrize("tenant", ["", "key-1"])
+def test_a_drained_stream_is_not_asked_again_until_something_is_enqueued(
+    settings: Settings, redis_client: redis.Redis, tenant: str
+) -> None:
+    """A stream found drained costs no XREADGROUP at the next look while the model's
+    enqueue sequence (a tenant's stream: its last enqueue) has not moved; one entry
+    enqueued, to a tenant's stream or to a lane's shared one, is read at the next."""
+    scripts = Scripts(redis_client)
+
+    def message(n: int) -> JobMessage:
+        return JobMessage(
+            job_id=f"00000000-0000-4000-8000-00000000000{n}", lane="normal", cost=1,
+            enqueued_at_ms=int(time.time() * 1000), deadline_at_ms=None, request_id=None,
+            tenant=tenant,
+        )  # fmt: skip
+
+    scripts.enqueue(redis_client, settings.key_prefix, "sim", message(1))
+    reader, client = consumer(settings)
+    assert [e.message.job_id for e in reader.read(8, None)] == [message(1).job_id]
+    reader.read(8, None)  # finds every stream drained
+    asked = len(client.blocks)
+    assert reader.read(8, None) == [] and reader.read(8, None) == []
+    assert len(client.blocks) == asked  # nothing asked: nothing was enqueued
+    scripts.enqueue(redis_client, settings.key_prefix, "sim", message(2))
+    assert [e.message.job_id for e in reader.read(8, None)] == [message(2).job_id]

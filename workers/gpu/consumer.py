@@ -104,7 +104,12 @@ class StreamConsumer:
         self._scores = {}
         for lane, members in zip(LANES, scored, strict=True):
             tenants[lane] = [_text(tenant) for tenant, _score in members]
-            streams = [stream_key(self.prefix, self.model, lane)]
+            shared = stream_key(self.prefix, self.model, lane)
+            # The lane's shared stream (jobs without a tenant) scores the model's enqueue
+            # sequence, which every enqueue moves, as a tenant's stream scores its last
+            # enqueue: found drained, it is not asked again until something was enqueued.
+            self._scores[shared] = float(seq) if seq is not None else 0.0
+            streams = [shared]
             for tenant, score in members:
                 stream = stream_key(self.prefix, self.model, lane, _text(tenant))
                 self._scores[stream] = float(score)
