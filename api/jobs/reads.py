@@ -334,33 +334,38 @@ class LoopReader:
                 deliveries[found.job_id] = found
         return rows, deliveries
 
+    async def _query_or_close(
+        self, connection: psycopg.AsyncConnection[Any], ids: list[str]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        try:
+            return await self._query(connection, ids)
+        except BaseException:
+            # Failed, or cancelled mid-read (the API stopping): its state is not known,
+            # so it is closed, never kept.
+            await connection.close()
+            raise
+
     async def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
         ids = sorted({read.job_id for read in group})
         held = await self._kept()
         found: tuple[dict[str, Any], dict[str, Any]] | None = None
         if held is not None:
             try:
-                found = await self._query(held[0], ids)
+                found = await self._query_or_close(held[0], ids)
             except psycopg.OperationalError:
                 # The server closed it since (a restart, a failover, idle sessions ended):
                 # a read is safe to repeat, on a new connection.
-                await held[0].close()
                 held = None
             except psycopg.Error as exc:
-                await held[0].close()
                 return _unavailable(group, exc)
         if held is None:
             try:
                 connection = await psycopg.AsyncConnection.connect(
                     self.conninfo, autocommit=True, **PG_CONNECT_ARGS
                 )
+                held = (connection, time.monotonic())
+                found = await self._query_or_close(connection, ids)
             except psycopg.Error as exc:
-                return _unavailable(group, exc)
-            held = (connection, time.monotonic())
-            try:
-                found = await self._query(connection, ids)
-            except psycopg.Error as exc:
-                await connection.close()
                 return _unavailable(group, exc)
         assert found is not None
         if self._closed:

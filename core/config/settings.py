@@ -118,7 +118,8 @@ class Settings(BaseSettings):
     `postgresql+psycopg://user:pass@host/db`."""
     db_pool_size: int = Field(DB_POOL_SIZE, ge=1)
     """Connections each process keeps open to the database: as many as an API process uses at
-    once under load, so that none is opened and closed per request."""
+    once under load, so that none is opened and closed per request. (An API process on
+    PostgreSQL also keeps up to two of its own for reads of jobs by id.)"""
     db_pool_overflow: int = Field(DB_POOL_OVERFLOW, ge=0)
     """Connections a process may open beyond `FERRY_DB_POOL_SIZE` for a burst, closed after it.
     Size both to PostgreSQL's `max_connections` (100 by default) over every API process,

@@ -5,8 +5,10 @@ between reads costs no request an error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import uuid
+from typing import Any
 
 from sqlalchemy import text
 
@@ -181,3 +183,35 @@ def test_an_unreachable_database_is_a_503_and_the_next_read_recovers(
         (503, "unavailable")
     ] * 2
     assert isinstance(answered[0], JobResource) and answered[0].status == "queued"
+
+
+def test_a_read_cancelled_midway_closes_its_connection(postgres_database: str) -> None:
+    """The API stopping cancels a read in flight: its connection, in an unknown state, is
+    closed, not kept for the next read."""
+    key, _other, ids = _jobs(postgres_database)
+    engine = make_engine(postgres_database)
+    reader = LoopReader.of(engine)
+    opened: list[Any] = []
+
+    async def cancelled() -> None:
+        await reader.read([JobRead(key, ids[0])])  # a connection, kept
+        (kept,) = reader._idle
+        opened.append(kept[0])
+        with engine.connect() as locker:
+            # The table locked: the next read waits in PostgreSQL until it is cancelled.
+            locker.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+            read = asyncio.create_task(reader.read([JobRead(key, ids[0])]))
+            await asyncio.sleep(0.3)
+            assert not read.done()
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await read
+            locker.rollback()
+        await reader.close()
+
+    try:
+        asyncio.run(cancelled())
+    finally:
+        engine.dispose()
+    assert reader._idle == []
+    assert opened[0].closed
