@@ -164,10 +164,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 await clock_task
             await group_commit.stop()
             await group_read.stop()
-            if isinstance(reader, LoopReader):
-                await reader.close()
-            else:
-                reader.close()
+            await reader.close()
             await limits.stop()
             kicker.close()
             await hub.stop()

@@ -24,7 +24,13 @@ from api.groups import GroupStage
 from api.jobs.schemas import JobResource, Progress
 from api.jobs.submissions import QueueViews
 from core.db.resources import job_resource
-from core.db.schema import PG_CONNECT_ARGS, TERMINAL_STATUSES, Job, WebhookDelivery
+from core.db.schema import (
+    PG_CONNECT_ARGS,
+    POOL_RECYCLE_S,
+    TERMINAL_STATUSES,
+    Job,
+    WebhookDelivery,
+)
 from core.db.webhooks import TERMINAL_EVENT_TYPES
 from core.models.generation_estimates import decode_step_s
 from core.streams.events import JobEvent
@@ -179,7 +185,7 @@ class JobReader:
                 return
         _give_back(held[0])
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Give every thread's connection back to the pool (the API is stopping); one in the
         middle of a read goes back when that read ends."""
         with self._lock:
@@ -286,8 +292,6 @@ _PG_DELIVERIES = _PgQuery(
         == any_(bindparam("events", list(TERMINAL_EVENT_TYPES), type_=ARRAY(String))),
     )
 )
-# A connection is closed and replaced after this long, as the engine's pool recycles its own.
-RECYCLE_S = 1800.0
 
 
 class LoopReader:
@@ -298,8 +302,8 @@ class LoopReader:
     stage's workers), kept between reads; one that failed is closed, and the next read
     opens another."""
 
-    def __init__(self, conninfo: str, progress: GenerationProgress | None = None) -> None:
-        self.conninfo = conninfo
+    def __init__(self, connect: dict[str, Any], progress: GenerationProgress | None = None) -> None:
+        self.connect = connect  # psycopg's connection parameters
         self.progress = progress
         self._idle: list[tuple[psycopg.AsyncConnection[Any], float]] = []
         self._closed = False
@@ -309,16 +313,18 @@ class LoopReader:
 
     @classmethod
     def of(cls, engine: Engine, progress: GenerationProgress | None = None) -> LoopReader:
-        """The reader of ``engine``'s PostgreSQL database (its URL as libpq reads it)."""
-        url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        return cls(url, progress)
+        """The reader of ``engine``'s PostgreSQL database, connecting as its dialect does
+        (a URL naming several hosts for failover gives libpq all of them)."""
+        _args, connect = engine.dialect.create_connect_args(engine.url)
+        connect.pop("context", None)  # the engine's own adaptations, for its connections
+        return cls({**connect, **PG_CONNECT_ARGS}, progress)
 
     async def _kept(self) -> tuple[psycopg.AsyncConnection[Any], float] | None:
         """A connection kept from an earlier read, if one is still young enough."""
         now = time.monotonic()
         while self._idle:
             connection, opened = self._idle.pop()
-            if not connection.closed and now - opened < RECYCLE_S:
+            if not connection.closed and now - opened < POOL_RECYCLE_S:
                 return connection, opened
             await connection.close()
         return None
@@ -345,29 +351,24 @@ class LoopReader:
             await connection.close()
             raise
 
-    async def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
-        ids = sorted({read.job_id for read in group})
+    async def _fetch(
+        self, ids: list[str]
+    ) -> tuple[tuple[psycopg.AsyncConnection[Any], float], tuple[dict[str, Any], dict[str, Any]]]:
+        """The connection that read and what it read: on a kept connection, or on a new one
+        where none is kept or the server has closed the kept one since (a restart, a
+        failover, idle sessions ended: a read is safe to repeat)."""
         held = await self._kept()
-        found: tuple[dict[str, Any], dict[str, Any]] | None = None
         if held is not None:
-            try:
-                found = await self._query_or_close(held[0], ids)
-            except psycopg.OperationalError:
-                # The server closed it since (a restart, a failover, idle sessions ended):
-                # a read is safe to repeat, on a new connection.
-                held = None
-            except psycopg.Error as exc:
-                return _unavailable(group, exc)
-        if held is None:
-            try:
-                connection = await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True, **PG_CONNECT_ARGS
-                )
-                held = (connection, time.monotonic())
-                found = await self._query_or_close(connection, ids)
-            except psycopg.Error as exc:
-                return _unavailable(group, exc)
-        assert found is not None
+            with contextlib.suppress(psycopg.OperationalError):
+                return held, await self._query_or_close(held[0], ids)
+        connection = await psycopg.AsyncConnection.connect(autocommit=True, **self.connect)
+        return (connection, time.monotonic()), await self._query_or_close(connection, ids)
+
+    async def read(self, group: Sequence[JobRead]) -> list[JobResource | Exception]:
+        try:
+            held, found = await self._fetch(sorted({read.job_id for read in group}))
+        except psycopg.Error as exc:
+            return _unavailable(group, exc)
         if self._closed:
             await held[0].close()
         else:

@@ -384,6 +384,8 @@ IDLE_IN_TRANSACTION_S = 10
 # SILENT_HOST_TIMEOUT_S (make_engine says why).
 CONNECT_TIMEOUT_S = 5
 SILENT_HOST_TIMEOUT_S = 10
+# A pooled connection is closed and replaced after this long.
+POOL_RECYCLE_S = 1800
 # libpq's parameters for every PostgreSQL connection Ferry opens (make_engine says why).
 PG_CONNECT_ARGS: dict[str, Any] = {
     "connect_timeout": CONNECT_TIMEOUT_S,
@@ -435,7 +437,7 @@ def make_engine(
         url,
         pool_size=pool_size,
         max_overflow=overflow,
-        pool_recycle=1800,
+        pool_recycle=POOL_RECYCLE_S,
         connect_args=connect_args,
     )
     if url.startswith("postgresql"):

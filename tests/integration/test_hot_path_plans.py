@@ -116,7 +116,9 @@ def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
     event.listen(engine, "before_cursor_execute", sent)
     try:
         now = dt.datetime.now(dt.UTC)
-        claimed, late, exhausted, held = recorder.claim_fresh(batch, now, max_attempts=3)
+        claimed, late, exhausted, held = recorder.claim(
+            batch, now, max_attempts=3, hold_started=True
+        )
         written = recorder.finish(
             [Outcome(c.job_id, "succeeded", output=[0.5], inference_ms=1.0) for c in claimed],
             now,

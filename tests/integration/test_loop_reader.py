@@ -8,15 +8,18 @@ import asyncio
 import contextlib
 import datetime as dt
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 
 from api.errors import ApiError
 from api.jobs.reads import JobRead, JobReader, LoopReader
 from api.jobs.schemas import JobResource
 from core.db.keys import create_key
 from core.db.schema import Job, WebhookDelivery, make_engine, make_sessionmaker, read_only
+
+T = TypeVar("T")
 
 
 def _jobs(url: str) -> tuple[str, str, list[str]]:
@@ -93,21 +96,26 @@ def _dumped(answers: list[JobResource | Exception]) -> list[object]:
     return out
 
 
+def in_loop(reader: LoopReader, work: Callable[[], Awaitable[T]]) -> T:
+    """``work()`` on an event loop of its own, the reader closed after it."""
+
+    async def run() -> T:
+        try:
+            return await work()
+        finally:
+            await reader.close()
+
+    return asyncio.run(run())
+
+
 def test_the_loop_reader_answers_as_the_engines_reads_do(postgres_database: str) -> None:
     key, _other, ids = _jobs(postgres_database)
     group = [JobRead(key, job_id) for job_id in [*ids, str(uuid.uuid4())]]
     engine = make_engine(postgres_database)
     try:
         threaded = JobReader(read_only(engine)).read(group)
-        in_loop = LoopReader.of(engine)
-
-        async def read() -> list[JobResource | Exception]:
-            try:
-                return await in_loop.read(group)
-            finally:
-                await in_loop.close()
-
-        answers = asyncio.run(read())
+        reader = LoopReader.of(engine)
+        answers = in_loop(reader, lambda: reader.read(group))
     finally:
         engine.dispose()
     assert _dumped(answers) == _dumped(threaded)
@@ -133,22 +141,19 @@ def test_a_connection_the_server_closed_between_reads_is_replaced_unseen(
     backends: list[int] = []
 
     async def reads() -> list[list[JobResource | Exception]]:
-        try:
-            answers = [await reader.read([JobRead(key, ids[1])])]
-            (kept,) = reader._idle
-            backends.append(kept[0].info.backend_pid)
-            # The server ends the kept connection (as a restart or a failover would).
-            with engine.connect() as conn:
-                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": backends[0]})
-            answers.append(await reader.read([JobRead(key, ids[1])]))
-            (kept,) = reader._idle
-            backends.append(kept[0].info.backend_pid)
-            return answers
-        finally:
-            await reader.close()
+        answers = [await reader.read([JobRead(key, ids[1])])]
+        (kept,) = reader._idle
+        backends.append(kept[0].info.backend_pid)
+        # The server ends the kept connection (as a restart or a failover would).
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": backends[0]})
+        answers.append(await reader.read([JobRead(key, ids[1])]))
+        (kept,) = reader._idle
+        backends.append(kept[0].info.backend_pid)
+        return answers
 
     try:
-        before, after = asyncio.run(reads())
+        before, after = in_loop(reader, reads)
     finally:
         engine.dispose()
     assert _dumped(after) == _dumped(before)
@@ -163,20 +168,17 @@ def test_an_unreachable_database_is_a_503_and_the_next_read_recovers(
     key, _other, ids = _jobs(postgres_database)
     engine = make_engine(postgres_database)
     reader = LoopReader.of(engine)
-    reachable = reader.conninfo
+    reachable = reader.connect
     # Nothing listens on port 1: the connection is refused at once.
-    reader.conninfo = engine.url.set(drivername="postgresql", port=1).render_as_string(False)
+    reader.connect = reachable | {"port": "1"}
 
     async def reads() -> tuple[list[JobResource | Exception], list[JobResource | Exception]]:
-        try:
-            refused = await reader.read([JobRead(key, ids[0]), JobRead(key, ids[1])])
-            reader.conninfo = reachable
-            return refused, await reader.read([JobRead(key, ids[0])])
-        finally:
-            await reader.close()
+        refused = await reader.read([JobRead(key, ids[0]), JobRead(key, ids[1])])
+        reader.connect = reachable
+        return refused, await reader.read([JobRead(key, ids[0])])
 
     try:
-        refused, answered = asyncio.run(reads())
+        refused, answered = in_loop(reader, reads)
     finally:
         engine.dispose()
     assert [(a.status, a.type) for a in refused if isinstance(a, ApiError)] == [
@@ -215,3 +217,20 @@ def test_a_read_cancelled_midway_closes_its_connection(postgres_database: str) -
         engine.dispose()
     assert reader._idle == []
     assert opened[0].closed
+
+
+def test_a_url_naming_several_hosts_reaches_the_one_that_answers(postgres_database: str) -> None:
+    """A failover URL (one ``host`` parameter a server, tried in order) connects the reader
+    as it connects the engine: past a host that refuses, to the one that answers."""
+    key, _other, ids = _jobs(postgres_database)
+    plain = make_url(postgres_database)
+    failover = plain.set(host=None, port=None).update_query_pairs(
+        [("host", "127.0.0.1:1"), ("host", f"{plain.host}:{plain.port or 5432}")]
+    )
+    engine = make_engine(failover.render_as_string(hide_password=False))
+    reader = LoopReader.of(engine)
+    try:
+        (answer,) = in_loop(reader, lambda: reader.read([JobRead(key, ids[0])]))
+    finally:
+        engine.dispose()
+    assert isinstance(answer, JobResource) and answer.status == "queued", answer

@@ -183,7 +183,7 @@ def test_terminal_writes_are_conditional(
 ) -> None:
     job_id = submit(client, auth, model="sim", input={"cost": 1})
     recorder = Recorder(sessions)
-    claimed, late, exhausted = recorder.claim([job_id], utcnow(), 3)
+    claimed, late, exhausted, _ = recorder.claim([job_id], utcnow(), 3)
     assert [c.job_id for c in claimed] == [job_id] and late == exhausted == []
     first = recorder.finish([Outcome(job_id, "succeeded", output={"x": 1})], utcnow(), "b1", 1)
     second = recorder.finish([Outcome(job_id, "failed", error="late")], utcnow(), "b2", 1)
@@ -198,7 +198,7 @@ def test_terminal_writes_are_conditional(
             "b1",
             None,
         )
-    again, _, _ = recorder.claim([job_id], utcnow(), 3)
+    again, _, _, _ = recorder.claim([job_id], utcnow(), 3)
     assert again == []  # a terminal job is never claimed again
 
 
@@ -260,7 +260,7 @@ def test_claim_reports_jobs_past_their_deadline(
     client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]
 ) -> None:
     job_id = submit(client, auth, model="sim", input={"cost": 1}, deadline_ms=50)
-    claimed, late, _ = Recorder(sessions).claim([job_id], utcnow() + dt.timedelta(seconds=1), 3)
+    claimed, late, _, _ = Recorder(sessions).claim([job_id], utcnow() + dt.timedelta(seconds=1), 3)
     assert claimed == [] and late == [job_id]
 
 
@@ -290,7 +290,7 @@ def test_a_job_that_keeps_killing_its_worker_is_dead_lettered(
     job_id = submit(client, auth, model="sim", input={"cost": 1})
     # Each "crash": the worker claims the job (attempts + 1) and dies before recording.
     for _ in range(settings.max_attempts):
-        claimed, _, _ = Recorder(sessions).claim([job_id], utcnow(), settings.max_attempts)
+        claimed, _, _, _ = Recorder(sessions).claim([job_id], utcnow(), settings.max_attempts)
         assert [c.job_id for c in claimed] == [job_id]
     with RunningLoop(build_sim_loop(settings)):
         rows = wait_terminal(sessions, [job_id])

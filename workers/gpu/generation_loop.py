@@ -628,7 +628,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         return False
 
     def _claim(self, job_ids: list[str], now: float) -> None:
-        claimed, late, exhausted = self.recorder.claim(
+        claimed, late, exhausted, _ = self.recorder.claim(
             job_ids, utc_at(now), self.config.max_attempts, webhooks=True
         )
         took = {c.job_id for c in claimed}

@@ -12,7 +12,7 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     ColumnElement,
@@ -30,7 +30,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db.schema import TERMINAL_STATUSES, Job
-from core.db.terminal import after_terminal
+from core.db.terminal import TERMINAL_COLUMNS, after_terminal
 from core.db.webhooks import add_progress_deliveries, add_started_deliveries, wants
 
 _JOBS = cast(Table, Job.__table__)
@@ -97,6 +97,8 @@ _CLAIMS = {
 # statistics: the prepared statement's generic plan guesses a fixed number of rows
 # from a set-returning function, and on an analyzed table of 1,500 jobs it once chose
 # a nested loop over every row (12.8 ms a batch of 32, against 0.7 ms by the index).
+# What the consequences of a terminal write need (core.db.terminal), returned by it.
+_RETURNING = ", ".join(f"jobs.{column.name}" for column in TERMINAL_COLUMNS)
 _PG_FINISH = text(
     f"""
     WITH o AS MATERIALIZED (
@@ -108,21 +110,21 @@ _PG_FINISH = text(
         batch_id = :batch_id, batch_size = :batch_size
     FROM o
     WHERE jobs.id = ANY(ARRAY(SELECT id FROM o)) AND jobs.id = o.id AND {_NOT_ENDED.text}
-    RETURNING jobs.id, jobs.api_key_id, jobs.backfill_id, jobs.status, jobs.callback_url
+    RETURNING {_RETURNING}
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
 # SQLite (3.35 or newer, for RETURNING): a JSON array of [id, status, output
 # JSON text, error, inference_ms] rows; each row finds its job by primary key.
 _SQLITE_FINISH = text(
-    """
+    f"""
     UPDATE jobs SET status = json_extract(o.value, '$[1]'),
         output = json_extract(o.value, '$[2]'), error = json_extract(o.value, '$[3]'),
         inference_ms = json_extract(o.value, '$[4]'), finished_at = :now,
         batch_id = :batch_id, batch_size = :batch_size
     FROM json_each(:rows) AS o
     WHERE jobs.id = json_extract(o.value, '$[0]')
-        AND jobs.status NOT IN (SELECT value FROM json_each(:terminal))
-    RETURNING jobs.id, jobs.api_key_id, jobs.backfill_id, jobs.status, jobs.callback_url
+        AND {_NOT_ENDED.text}
+    RETURNING {_RETURNING}
     """
 ).bindparams(bindparam("now", type_=_JOBS.c.finished_at.type))
 
@@ -140,6 +142,13 @@ class Claimed:
     input: Any
     attempts: int
     progress: bool = False  # it asked for progress webhooks (claimed with ``webhooks``)
+
+
+class Claim(NamedTuple):
+    claimed: list[Claimed]
+    late: list[str]  # past their deadline
+    exhausted: list[str]  # started max_attempts times
+    held: list[str]  # started before and never finished, left unclaimed (hold_started)
 
 
 @dataclass(frozen=True)
@@ -167,8 +176,13 @@ class Recorder:
         return taken
 
     def claim(
-        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int, webhooks: bool = False
-    ) -> tuple[list[Claimed], list[str], list[str]]:
+        self,
+        job_ids: Sequence[str],
+        now: dt.datetime,
+        max_attempts: int,
+        webhooks: bool = False,
+        hold_started: bool = False,
+    ) -> Claim:
         """Mark the jobs running.
 
         Returns the jobs claimed, the ids past their deadline, and the ids that
@@ -178,28 +192,10 @@ class Recorder:
         entries and drops them. ``webhooks`` (a generation worker's claim):
         the ``job.started`` webhooks the claimed jobs asked for are added in the
         same transaction (to :attr:`outbox`), and each says whether it asked
-        for progress ones.
+        for progress ones. ``hold_started``: the jobs started before and never
+        finished (one may be what killed a worker) are left unclaimed, in
+        ``held``, to run alone, each claimed then.
         """
-        claimed, late, exhausted, _ = self._claim(job_ids, now, max_attempts, webhooks, False)
-        return claimed, late, exhausted
-
-    def claim_fresh(
-        self, job_ids: Sequence[str], now: dt.datetime, max_attempts: int
-    ) -> tuple[list[Claimed], list[str], list[str], list[str]]:
-        """:meth:`claim` for the jobs never started before; those started before and
-        never finished (one may be what killed a worker) are left unclaimed, fourth, to
-        run alone, each claimed then. One transaction, where a look for them first and
-        the claim after were two."""
-        return self._claim(job_ids, now, max_attempts, False, True)
-
-    def _claim(
-        self,
-        job_ids: Sequence[str],
-        now: dt.datetime,
-        max_attempts: int,
-        webhooks: bool,
-        hold_started: bool,
-    ) -> tuple[list[Claimed], list[str], list[str], list[str]]:
         with self.sessions.begin() as session:
             connection = session.connection()
             statements = _CLAIMS.get(connection.dialect.name, _CLAIMS["sqlite"])
@@ -222,7 +218,7 @@ class Recorder:
                     if deliveries:
                         with self._outbox_lock:
                             self.outbox += deliveries
-        return (
+        return Claim(
             [
                 Claimed(
                     r.id,
@@ -288,9 +284,8 @@ class Recorder:
                         [o.job_id, o.status, json.dumps(o.output), o.error, o.inference_ms]
                         for o in outcomes
                     ]
-                    terminal = json.dumps(list(TERMINAL_STATUSES))
                     won = connection.execute(
-                        _SQLITE_FINISH, {"rows": json.dumps(rows), "terminal": terminal} | common
+                        _SQLITE_FINISH, {"rows": json.dumps(rows)} | common
                     ).all()
                 # In the outcomes' order, once each (a job may have two entries).
                 ids = {row.id for row in won}

@@ -119,14 +119,9 @@ class Recording:
         unclaimed (each to run alone: one may be what killed a worker).
         """
         by_job = {e.message.job_id: e for e in entries}
-        now = utc_at(self.clock())
-        held: list[str] = []
-        if hold_started:
-            claimed, late, exhausted, held = self.recorder.claim_fresh(
-                list(by_job), now, self.max_attempts
-            )
-        else:
-            claimed, late, exhausted = self.recorder.claim(list(by_job), now, self.max_attempts)
+        claimed, late, exhausted, held = self.recorder.claim(
+            list(by_job), utc_at(self.clock()), self.max_attempts, hold_started=hold_started
+        )
         written = self.settle_unrunnable(
             late, [by_job[job_id] for job_id in exhausted], "the deadline passed before it started"
         )
