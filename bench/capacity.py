@@ -25,10 +25,12 @@ CPU (``INFO cpu``, less what it spends idle over as long); PostgreSQL's transact
 (``pg_stat_database``; each table's scans and rows, ``pg_stat_user_tables``) and
 statements (SQLAlchemy's events in this process, and what the API's reader sends itself),
 and the CPU of every PostgreSQL backend but the benchmark's own (its counters' reads, its
-count of what is left); this process's CPU less the
-clients' own threads (for the submit and poll phases: the API's; for the run
-phase: the worker's). From them, :func:`walls` works out at how many jobs per
-second each part saturates, one core each.
+count of what is left); this process's CPU (for the submit and poll phases: the API's;
+for the run phase: the worker's). The HTTP clients run in a process of their own, as a
+deployment's do: on threads of this one, their Python and the API's would take turns
+with the interpreter's lock, and the switching would count as the API's CPU (it read
+1.6 to 1.7 times the long-poll's cost that way). From them, :func:`walls` works out at
+how many jobs per second each part saturates, one core each.
 
     python -m bench.capacity [--jobs 3000] [--batch 32] [--clients 16] [--rounds 3]
                              [--history 100000]
@@ -39,11 +41,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,12 +184,25 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
 
 
-Request = Callable[[httpx.AsyncClient, Any], Awaitable[None]]
+async def _submit_one(client: httpx.AsyncClient, _item: Any, ids: list[str]) -> None:
+    answer = await client.post("/v1/jobs", json={"model": "sim", "input": {"cost": 8}})
+    answer.raise_for_status()
+    ids.append(answer.json()["id"])
 
 
-def concurrently(base: str, token: str, clients: int, items: Iterable[Any], call: Request) -> float:
-    """``call(client, item)`` for every item, from ``clients`` concurrent connections;
-    the CPU seconds the clients spent (this thread's)."""
+async def _poll_one(client: httpx.AsyncClient, job_id: Any, _ids: list[str]) -> None:
+    answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
+    assert answer.json()["status"] == "succeeded"
+
+
+REQUESTS = {"submit": _submit_one, "poll": _poll_one}
+
+
+def _drive(base: str, token: str, clients: int, kind: str, items: list[Any]) -> list[str]:
+    """``REQUESTS[kind](client, item)`` for every item, from ``clients`` concurrent
+    connections; what submissions answered (their ids)."""
+    call = REQUESTS[kind]
+    ids: list[str] = []
 
     async def main() -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -195,35 +212,30 @@ def concurrently(base: str, token: str, clients: int, items: Iterable[Any], call
 
             async def one_client() -> None:
                 for item in queue:
-                    await call(client, item)
+                    await call(client, item, ids)
 
             await asyncio.gather(*(one_client() for _ in range(clients)))
 
-    started = time.thread_time()
     asyncio.run(main())
-    return time.thread_time() - started
+    return ids
 
 
-def submit(base: str, token: str, jobs: int, clients: int) -> tuple[list[str], float]:
-    """``jobs`` submissions; (their ids, the clients' CPU seconds)."""
-    ids: list[str] = []
-
-    async def one(client: httpx.AsyncClient, _item: Any) -> None:
-        answer = await client.post("/v1/jobs", json={"model": "sim", "input": {"cost": 8}})
-        answer.raise_for_status()
-        ids.append(answer.json()["id"])
-
-    return ids, concurrently(base, token, clients, range(jobs), one)
+def concurrently(base: str, token: str, clients: int, kind: str, items: list[Any]) -> list[str]:
+    """The clients' requests, from a process of their own: in the API's process, the
+    clients' Python would take turns with the API's for the interpreter's lock, and
+    the API's CPU would count the switching (a deployment's clients are elsewhere)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_drive, base, token, clients, kind, items).result()
 
 
-def poll(base: str, token: str, ids: list[str], clients: int) -> float:
-    """A long-poll of every (finished) job; the clients' CPU seconds."""
+def submit(base: str, token: str, jobs: int, clients: int) -> list[str]:
+    """``jobs`` submissions; their ids."""
+    return concurrently(base, token, clients, "submit", list(range(jobs)))
 
-    async def one(client: httpx.AsyncClient, job_id: Any) -> None:
-        answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
-        assert answer.json()["status"] == "succeeded"
 
-    return concurrently(base, token, clients, ids, one)
+def poll(base: str, token: str, ids: list[str], clients: int) -> None:
+    """A long-poll of every (finished) job."""
+    concurrently(base, token, clients, "poll", ids)
 
 
 def one_round(
@@ -286,13 +298,13 @@ def one_round(
                 "process_cpu_s": found["process_cpu_s"] / seconds,
             }
 
-        def measured(name: str, work: Callable[[], float]) -> None:
+        def measured(name: str, work: Callable[[], None]) -> None:
             idle = idle_rates()
             client.config_resetstat()
             before = counters.read()
             backends = counters.backends
             started = time.perf_counter()
-            own_cpu = work()  # the clients' CPU, not the part's
+            work()
             seconds = time.perf_counter() - started
             # A backend reports its counters at most once a second, and an idle one may
             # hold them up to 10 s (PostgreSQL 15): a phase's table counters can land in
@@ -309,9 +321,7 @@ def one_round(
             ended.clear()
             found["seconds"] = seconds
             found["redis_cpu_s"] -= idle["redis_cpu_s"] * seconds
-            found["part_cpu_s"] = (
-                found.pop("process_cpu_s") - own_cpu - idle["process_cpu_s"] * seconds
-            )
+            found["part_cpu_s"] = found.pop("process_cpu_s") - idle["process_cpu_s"] * seconds
             found["idle_redis_cpu_per_s"] = idle["redis_cpu_s"]
             phases[name] = found
 
@@ -321,10 +331,8 @@ def one_round(
                 reader.sent.append(sql)
             ids: list[str] = []
 
-            def submitting() -> float:
-                found, cpu = submit(api.base, token, jobs, clients)
-                ids.extend(found)
-                return cpu
+            def submitting() -> None:
+                ids.extend(submit(api.base, token, jobs, clients))
 
             measured("submit", submitting)
             # The statistics as autovacuum keeps them (its analyze follows within a minute
@@ -332,7 +340,7 @@ def one_round(
             # a deployment's table gets.
             analyze(engine)
 
-            def running() -> float:
+            def running() -> None:
                 with running_worker(settings, "sim", "capacity") as worker:
                     until = time.monotonic() + 300
                     while time.monotonic() < until:
@@ -353,7 +361,6 @@ def one_round(
                 # is read first.
                 ended.update(postgres_cpu_s(admin, database))
                 worker.recorder.sessions.kw["bind"].dispose()
-                return 0.0
 
             measured("run", running)
             measured("poll", lambda: poll(api.base, token, ids, clients))
