@@ -24,17 +24,10 @@ from api.jobs.service import callback_checker
 from api.jobs.submissions import GroupCommit, GroupWriter
 from api.keycache import KeyCache
 from api.limits import RequestLimits
-from api.middleware import (
-    BodyLimitMiddleware,
-    MetricsMiddleware,
-    RequestIdMiddleware,
-    SecurityHeadersMiddleware,
-    TracingMiddleware,
-)
+from api.middleware import BodyLimitMiddleware, EdgeMiddleware
 from api.models import routes as models
 from api.oip import routes as oip
 from api.openai import routes as openai
-from api.openai_errors import DialectErrorMiddleware
 from api.state import ApiSettings, AppState, install
 from backends.catalog import LiveVersions, build_catalog
 from core.config.settings import Settings
@@ -195,7 +188,6 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(openai.router)
     app.include_router(oip.router)
     app.include_router(batches.router)
-    # Outermost last: the request id must be on every response, 413s included.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
@@ -207,8 +199,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     )
     if settings.cors_origins:
         # Off unless configured: browsers on other origins get no access at all.
-        # Inside the request id and the security headers, so that the
-        # preflight answers it makes itself carry them too.
+        # Inside the edge, so that the preflight answers it makes itself carry the
+        # request id and the security headers too.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
@@ -223,11 +215,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             expose_headers=["X-Request-ID", "Retry-After", "Location", "Idempotent-Replayed"],
             max_age=600,
         )
-    # Inside the request id, which its span carries; around everything that makes jobs.
-    app.add_middleware(TracingMiddleware)
-    app.add_middleware(RequestIdMiddleware)
-    # Outside the request id: its last-resort 500 is rewritten too, and keeps the id.
-    app.add_middleware(DialectErrorMiddleware)
-    app.add_middleware(SecurityHeadersMiddleware)
-    app.add_middleware(MetricsMiddleware)
+    # Outermost: the request id, the security headers, the dialect's errors and the
+    # metrics on every response, 413s and CORS preflights included.
+    app.add_middleware(EdgeMiddleware)
     return app

@@ -4,17 +4,17 @@ OpenAI's clients read ``{"error": {"message", "type", "param", "code"}}`` and
 expect a 400 where Ferry answers 422; the Open Inference Protocol's (Triton's
 and KServe's clients) read ``{"error": "message"}``, also with a 400. Every
 error Ferry makes (its handlers, its middleware: authentication, rate
-limits, body size) is written in Ferry's shape first; on these paths this
-middleware rewrites it, so no error path needs to know which API it serves.
+limits, body size) is written in Ferry's shape first; on these paths the API's
+edge (``api.middleware.EdgeMiddleware``) rewrites it, so no error path needs to know
+which API it serves.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The routes that speak OpenAI's dialect.
 OPENAI_PATHS = re.compile(r"^/v1/(embeddings|completions|chat/completions|files|batches)(/|$)")
@@ -42,46 +42,28 @@ def oip_error(status: int, error: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return (400 if status == 422 else status), {"error": str(error.get("message", ""))}
 
 
-class DialectErrorMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+Dialect = Callable[[int, dict[str, Any]], tuple[int, dict[str, Any]]]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        dialect = openai_error if OPENAI_PATHS.match(path) else None
-        if dialect is None and OIP_PATHS.match(path):
-            dialect = oip_error
-        if dialect is None:
-            await self.app(scope, receive, send)
-            return
-        start: Message | None = None
-        body = b""
 
-        async def rewrite(message: Message) -> None:
-            nonlocal start, body
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message  # held until the body is complete
-                return
-            if start is None:
-                await send(message)
-                return
-            body += message.get("body", b"")
-            if message.get("more_body", False):
-                return
-            status, content = start["status"], body
-            try:
-                found = json.loads(body)
-                error = found.get("error") if isinstance(found, dict) else None
-            except ValueError:
-                error = None
-            if isinstance(error, dict):
-                status, converted = dialect(status, error)
-                content = json.dumps(converted).encode()
-            headers = [
-                (k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"
-            ]
-            headers.append((b"content-length", str(len(content)).encode()))
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": content})
+def dialect_for(path: str) -> Dialect | None:
+    """How errors are written on ``path``: OpenAI's, the inference protocol's, or Ferry's
+    own (None)."""
+    if OPENAI_PATHS.match(path):
+        return openai_error
+    if OIP_PATHS.match(path):
+        return oip_error
+    return None
 
-        await self.app(scope, receive, rewrite)
+
+def in_dialect(dialect: Dialect, status: int, body: bytes) -> tuple[int, bytes]:
+    """An error response's status and body as ``dialect`` writes them; a body that is not
+    Ferry's error object is kept as it is."""
+    try:
+        found = json.loads(body)
+        error = found.get("error") if isinstance(found, dict) else None
+    except ValueError:
+        error = None
+    if not isinstance(error, dict):
+        return status, body
+    status, converted = dialect(status, error)
+    return status, json.dumps(converted).encode()

@@ -5,7 +5,7 @@ model metadata, model readiness, and infer. An infer request's rows become
 Ferry jobs (durable, in a lane, with a deadline, batched with all other
 traffic); the answer comes when they have ended. The tensors' mapping is
 ``api.oip.protocol``'s. Errors are the protocol's ``{"error": "..."}`` (written by
-``api.openai_errors.DialectErrorMiddleware`` from Ferry's own).
+``api.middleware.EdgeMiddleware`` from Ferry's own).
 
 The model repository extension (admin keys only) lists every model version
 and its state; load and unload are Ferry's activation: unload makes a model
