@@ -82,6 +82,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                     settings.breaker_cool_s,
                 )
             ),
+            accepted=hub.accepted,
         )
         group_commit: GroupCommit = GroupStage(
             "group-commit",

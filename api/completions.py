@@ -1,11 +1,17 @@
-"""Long-poll wake-ups: workers publish finished job ids; waiting requests wake."""
+"""Long-poll wake-ups: workers publish finished job ids; waiting requests wake.
+
+The hub also remembers the jobs this process accepted whose completion has not come
+(:meth:`CompletionHub.accepted`): a request that waits for one of them need not read its
+row first to learn that it has not ended.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -15,6 +21,10 @@ from api.background import close_client, stop_task
 from core.streams.target import is_cluster
 
 log = logging.getLogger(__name__)
+
+# At most this many accepted jobs remembered as not ended (the oldest forgotten first:
+# a wait for a forgotten one reads its row first, as for a job another process accepted).
+UNENDED_MAX = 100_000
 
 
 class CompletionHub:
@@ -26,6 +36,10 @@ class CompletionHub:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # Job id -> its key's id, for jobs accepted here whose completion has not come.
+        # Added by the group commit's threads, forgotten on the loop.
+        self._unended: dict[str, str] = {}
+        self._unended_lock = threading.Lock()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="completion-hub")
@@ -48,14 +62,32 @@ class CompletionHub:
                 if not waiters:
                     del self._waiters[job_id]
 
+    def accepted(self, jobs: Iterable[tuple[str, str]]) -> None:
+        """Remember jobs (id, key id) accepted here, before they are enqueued: their
+        completion can only come after this. Safe from any thread."""
+        with self._unended_lock:
+            self._unended.update(jobs)
+            while len(self._unended) > UNENDED_MAX:
+                del self._unended[next(iter(self._unended))]
+
+    def unended(self, job_id: str, key_id: str) -> bool:
+        """Whether ``key_id``'s job ``job_id`` was accepted here and its completion has not
+        come (so it has not ended, or its completion is on its way)."""
+        return self._unended.get(job_id) == key_id
+
     def wake_all(self) -> None:
         """Every waiter reads its job again (completions may have been missed)."""
+        with self._unended_lock:
+            self._unended.clear()  # nor are the accepted jobs known not to have ended
         for waiters in self._waiters.values():
             for event in waiters:
                 event.set()
 
     def notify(self, job_ids: str) -> None:
         for job_id in job_ids.split(","):
+            if job_id in self._unended:
+                with self._unended_lock:
+                    self._unended.pop(job_id, None)
             for event in self._waiters.get(job_id, ()):
                 event.set()
 

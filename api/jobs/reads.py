@@ -427,8 +427,10 @@ async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobRe
     until = loop.time() + wait
     # Watched before the first read, so a completion right after it still wakes us.
     with hub.watch(wanted.job_id) as woken:
-        found = await reads.submit(wanted)
-        while not is_terminal(found):
+        # A job this process accepted whose completion has not come has not ended: its
+        # row is first read when woken (the read at the end covers a completion lost).
+        found = None if hub.unended(wanted.job_id, wanted.key_id) else await reads.submit(wanted)
+        while found is None or not is_terminal(found):
             remaining = until - loop.time()
             if remaining <= 0 or state.draining:
                 break  # timed out, or the API is stopping: answer with the state now
@@ -441,7 +443,7 @@ async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobRe
                 continue
             woken.clear()
             found = await reads.submit(wanted)
-        if not is_terminal(found):
+        if found is None or not is_terminal(found):
             # One read at the wait's end covers a notification that never came.
             found = await reads.submit(wanted)
     return found

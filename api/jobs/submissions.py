@@ -20,7 +20,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,8 +349,11 @@ class GroupWriter:
         views: QueueViews | None = None,
         bound: QueueBound | None = None,
         breaker: Breaker | None = None,
+        accepted: Callable[[Iterable[tuple[str, str]]], None] | None = None,
     ) -> None:
         self.sessions = sessions
+        # Told each group's new jobs (id, key id) once written, before they are enqueued.
+        self.accepted = accepted
         self.breaker = breaker
         self.client = client
         self.prefix = prefix
@@ -388,6 +391,8 @@ class GroupWriter:
             for i in todo:
                 outcomes[i] = _database_error(exc)
             return [_done(outcome) for outcome in outcomes]
+        if self.accepted is not None and jobs:
+            self.accepted([(job.id, job.api_key_id) for job in jobs.values()])
         self._enqueue(group, jobs, outcomes, estimates)
         for item, outcome in zip(group, outcomes, strict=True):
             if isinstance(outcome, ApiError) and outcome.status in REFUSALS:

@@ -184,6 +184,55 @@ def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
     assert job_driven(poll.commands) == [], why
 
 
+def test_a_wait_for_a_job_accepted_here_reads_its_row_once(
+    counted: tuple[Settings, Counted],
+) -> None:
+    """A job this API process accepted is known not to have ended until its completion
+    comes: a wait for it (``POST ?wait=``, or a long-poll sent right after the 202) reads
+    its row when woken, not before as well. The sim takes 300 ms a batch, so every wait
+    here starts before its job ends."""
+    settings, count = counted
+    settings = settings.model_copy(
+        update={"model_parameters": {"sim": {"latency_base_ms": 300.0, "latency_per_cost_ms": 0.0}}}
+    )
+    engine = make_engine(settings.sqlalchemy_url)
+    count.ignored.add(engine)
+    with make_sessionmaker(engine)() as session:
+        token = create_key(session, "cost").token
+    engine.dispose()
+    headers = {"Authorization": f"Bearer {token}"}
+    job = {"model": "sim", "input": {"cost": 1}}
+    with (
+        served(settings) as api,
+        webclient.client(base_url=api.base, headers=headers) as http,
+        running_worker(settings, "sim", "cost"),
+    ):
+        reader = app_state(api.app).reader
+        assert isinstance(reader, LoopReader)
+        reads: list[str] = []  # the API's reads of jobs (not the worker's statements)
+        reader.sent.append(lambda statement, _parameters: reads.append(statement))
+        assert http.post("/v1/jobs", params={"wait": 5}, json=job).status_code == 200  # warm
+        reads.clear()
+        for _ in range(3):
+            answer = http.post("/v1/jobs", params={"wait": 5}, json=job)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["status"] == "succeeded"
+        for _ in range(3):
+            accepted = http.post("/v1/jobs", json=job)
+            assert accepted.status_code == 202, accepted.text
+            polled = http.get(f"/v1/jobs/{accepted.json()['id']}", params={"wait": 5})
+            assert polled.json()["status"] == "succeeded"
+        waited = [s for s in reads if "FROM jobs" in s]
+        assert len(waited) == 6, "\n".join(waited)
+        # Another process's job (or one this one has forgotten) is read first, as before.
+        other = http.post("/v1/jobs", json=job).json()["id"]
+        app_state(api.app).hub.wake_all()
+        reads.clear()
+        polled = http.get(f"/v1/jobs/{other}", params={"wait": 5})
+        assert polled.json()["status"] == "succeeded"
+        assert len([s for s in reads if "FROM jobs" in s]) == 2, "\n".join(reads)
+
+
 # Statements on a clock: the worker's look at the model's activated version and the
 # API's at the models an operator unloaded (both every FERRY_MODEL_POLL_S), the API's
 # look at a key past FERRY_KEY_CACHE_S.
