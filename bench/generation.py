@@ -604,6 +604,13 @@ def render_generation(results: Results) -> list[str]:
     return generation_figures(results["generation"], results.typed("generation", Report))
 
 
+def render_generation_offline(results: Results) -> list[str]:
+    """The offline arrivals alone, at a larger batch of requests (``--requests 128
+    --modes offline``, into generation_offline.json)."""
+    doc, report = results["generation_offline"], results.typed("generation_offline", Report)
+    return generation_figures(doc, report)
+
+
 def render_generation_gpu(results: Results) -> list[str]:
     doc, report = results["generation_gpu"], results.typed("generation_gpu", Report)
     return [*generation_figures(doc, report), "", *generation_profile(report)]

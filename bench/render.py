@@ -125,6 +125,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "generation_promises": generation_promises.render_generation_promises,
     "generation_resume": generation_resume.render_generation_resume,
     "generation_gpu": generation.render_generation_gpu,
+    "generation_offline": generation.render_generation_offline,
     "oip": oip.render_oip,
     "gpu": gpu.render_gpu,
     "faults": faults.render_faults,

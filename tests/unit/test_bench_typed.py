@@ -64,12 +64,14 @@ def test_a_file_that_is_not_its_type_fails_naming_the_place(value: object, messa
         typed(Round, value)
 
 
-# The results files no `python -m bench all` writes: `make mutation`'s, `make faults`'s and
-# the GPU run's generation file (bench/gpu_check.sh), each its benchmark's type.
+# The results files no `python -m bench all` writes: `make mutation`'s, `make faults`'s,
+# the GPU run's generation file (bench/gpu_check.sh) and the generation benchmark's larger
+# offline batch (bench/README.md), each its benchmark's type.
 OWN_RUNS = {
     "mutation": "bench.mutation",
     "faults": "bench.faults",
     "generation_gpu": "bench.generation",
+    "generation_offline": "bench.generation",
 }
 
 
