@@ -64,5 +64,7 @@ def test_every_benchmark_runs_for_seconds_and_renders(
     absent.add("(no results file: faults.json)")
     # bench/gpu_check.sh's generation run writes its own, on a GPU (never a smoke run).
     absent.add("(no results file: generation_gpu.json)")
+    # So does the generation benchmark's larger offline batch (minutes, never a smoke run).
+    absent.add("(no results file: generation_offline.json)")
     for line in rendered.splitlines():
         assert not line.startswith("(no results file") or line in absent, rendered
