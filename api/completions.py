@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -38,7 +39,7 @@ class CompletionHub:
         self._stopping = False
         # Job id -> its key's id, for jobs accepted here whose completion has not come.
         # Added by the group commit's threads, forgotten on the loop.
-        self._unended: dict[str, str] = {}
+        self._unended: OrderedDict[str, str] = OrderedDict()
         self._unended_lock = threading.Lock()
 
     def start(self) -> None:
@@ -68,12 +69,21 @@ class CompletionHub:
         with self._unended_lock:
             self._unended.update(jobs)
             while len(self._unended) > UNENDED_MAX:
-                del self._unended[next(iter(self._unended))]
+                self._unended.popitem(last=False)
 
     def unended(self, job_id: str, key_id: str) -> bool:
         """Whether ``key_id``'s job ``job_id`` was accepted here and its completion has not
         come (so it has not ended, or its completion is on its way)."""
         return self._unended.get(job_id) == key_id
+
+    def ended(self, job_id: str) -> None:
+        """Forget ``job_id``: a read found it ended. (Its completion may never come: a
+        worker that wrote the row and died before it published, the entry then
+        acknowledged by another without it. So a lost completion costs one wait its
+        length, not every wait after it.)"""
+        if job_id in self._unended:
+            with self._unended_lock:
+                self._unended.pop(job_id, None)
 
     def wake_all(self) -> None:
         """Every waiter reads its job again (completions may have been missed)."""

@@ -446,4 +446,6 @@ async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobRe
         if found is None or not is_terminal(found):
             # One read at the wait's end covers a notification that never came.
             found = await reads.submit(wanted)
+    if is_terminal(found):
+        hub.ended(wanted.job_id)
     return found

@@ -282,6 +282,31 @@ def test_a_long_poll_reads_its_row_only_when_woken_and_wakes_within_milliseconds
     assert poll.answered_at - published_at < 0.25
 
 
+def test_a_completion_never_published_costs_one_wait_not_every_one(
+    settings: Settings, sessions: sessionmaker[Session], token: str
+) -> None:
+    """A job this process accepted is not read before a wait until its completion comes;
+    one whose completion never comes (a worker that wrote the row and died before it
+    published) is found ended by the read at the first wait's end, and forgotten: the
+    next wait answers at once."""
+    auth = {"Authorization": f"Bearer {token}"}
+    with served(settings) as api:
+        job_id = webclient.post(
+            f"{api.base}/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=auth
+        ).json()["id"]
+        _finish(sessions, job_id)  # and nothing published
+        url = f"{api.base}/v1/jobs/{job_id}"
+        started = time.monotonic()
+        first = webclient.get(f"{url}?wait=1", headers=auth, timeout=20)
+        first_s = time.monotonic() - started
+        started = time.monotonic()
+        second = webclient.get(f"{url}?wait=10", headers=auth, timeout=20)
+        second_s = time.monotonic() - started
+    assert first.json()["status"] == second.json()["status"] == "succeeded"
+    assert first_s >= 0.9  # the wait's length, then the read at its end
+    assert second_s < 2.0  # read first: no wait at all
+
+
 def test_a_long_poll_survives_a_redis_reconnect_and_a_completion_it_missed(
     settings: Settings, sessions: sessionmaker[Session], token: str, tmp_path: Path
 ) -> None:

@@ -40,6 +40,15 @@ def test_a_completion_wakes_its_waiter_and_ends_the_record_at_once() -> None:
     asyncio.run(main())
 
 
+def test_a_job_read_as_ended_is_forgotten() -> None:
+    hub = _hub()
+    hub.accepted([("job-1", "key-a"), ("job-2", "key-a")])
+    hub.ended("job-1")
+    hub.ended("job-9")  # never accepted here: nothing to forget
+    assert not hub.unended("job-1", "key-a")
+    assert hub.unended("job-2", "key-a")
+
+
 def test_a_resubscription_forgets_every_record() -> None:
     """Completions published while the subscription was down are lost: after it, no job
     is taken to be unended without reading it."""
