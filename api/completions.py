@@ -77,10 +77,10 @@ class CompletionHub:
         return self._unended.get(job_id) == key_id
 
     def ended(self, job_id: str) -> None:
-        """Forget ``job_id``: a read found it ended. (Its completion may never come: a
-        worker that wrote the row and died before it published, the entry then
-        acknowledged by another without it. So a lost completion costs one wait its
-        length, not every wait after it.)"""
+        """Forget ``job_id``: its completion came, or a read found it ended. (A completion
+        may never come: a worker that wrote the row and died before it published, the
+        entry then acknowledged by another without it. So a lost completion costs one
+        wait its length, not every wait after it.)"""
         if job_id in self._unended:
             with self._unended_lock:
                 self._unended.pop(job_id, None)
@@ -95,9 +95,7 @@ class CompletionHub:
 
     def notify(self, job_ids: str) -> None:
         for job_id in job_ids.split(","):
-            if job_id in self._unended:
-                with self._unended_lock:
-                    self._unended.pop(job_id, None)
+            self.ended(job_id)
             for event in self._waiters.get(job_id, ()):
                 event.set()
 

@@ -46,7 +46,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -184,25 +184,24 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
 
 
-async def _submit_one(client: httpx.AsyncClient, _item: Any, ids: list[str]) -> None:
+async def _submit_one(client: httpx.AsyncClient, _item: Any) -> str:
     answer = await client.post("/v1/jobs", json={"model": "sim", "input": {"cost": 8}})
     answer.raise_for_status()
-    ids.append(answer.json()["id"])
+    return str(answer.json()["id"])
 
 
-async def _poll_one(client: httpx.AsyncClient, job_id: Any, _ids: list[str]) -> None:
+async def _poll_one(client: httpx.AsyncClient, job_id: Any) -> None:
     answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 5})
     assert answer.json()["status"] == "succeeded"
 
 
-REQUESTS = {"submit": _submit_one, "poll": _poll_one}
+Request = Callable[[httpx.AsyncClient, Any], Awaitable[str | None]]
 
 
-def _drive(base: str, token: str, clients: int, kind: str, items: list[Any]) -> list[str]:
-    """``REQUESTS[kind](client, item)`` for every item, from ``clients`` concurrent
-    connections; what submissions answered (their ids)."""
-    call = REQUESTS[kind]
-    ids: list[str] = []
+def _drive(base: str, token: str, clients: int, call: Request, items: list[Any]) -> list[str]:
+    """``call(client, item)`` for every item, from ``clients`` concurrent connections;
+    what the calls answered (a submission's id)."""
+    answered: list[str] = []
 
     async def main() -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -212,30 +211,32 @@ def _drive(base: str, token: str, clients: int, kind: str, items: list[Any]) -> 
 
             async def one_client() -> None:
                 for item in queue:
-                    await call(client, item, ids)
+                    if (found := await call(client, item)) is not None:
+                        answered.append(found)
 
             await asyncio.gather(*(one_client() for _ in range(clients)))
 
     asyncio.run(main())
-    return ids
+    return answered
 
 
-def concurrently(base: str, token: str, clients: int, kind: str, items: list[Any]) -> list[str]:
-    """The clients' requests, from a process of their own: in the API's process, the
-    clients' Python would take turns with the API's for the interpreter's lock, and
-    the API's CPU would count the switching (a deployment's clients are elsewhere)."""
+def concurrently(base: str, token: str, clients: int, call: Request, items: list[Any]) -> list[str]:
+    """:func:`_drive` in a process of its own (``call`` a module-level function): in the
+    API's process, the clients' Python would take turns with the API's for the
+    interpreter's lock, and the API's CPU would count the switching (a deployment's
+    clients are elsewhere)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_drive, base, token, clients, kind, items).result()
+        return pool.submit(_drive, base, token, clients, call, items).result()
 
 
 def submit(base: str, token: str, jobs: int, clients: int) -> list[str]:
     """``jobs`` submissions; their ids."""
-    return concurrently(base, token, clients, "submit", list(range(jobs)))
+    return concurrently(base, token, clients, _submit_one, list(range(jobs)))
 
 
 def poll(base: str, token: str, ids: list[str], clients: int) -> None:
     """A long-poll of every (finished) job."""
-    concurrently(base, token, clients, "poll", ids)
+    concurrently(base, token, clients, _poll_one, ids)
 
 
 def one_round(
