@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 
 from core.streams.protocol import JobMessage
+from scheduler import BatchDecision
+from workers.gpu.device import InFlight
 from workers.gpu.events import BatchObserver, JobDone, KickDeliveries, Observers
+from workers.gpu.recorder import Claimed
 
 
 class Broken(BatchObserver):
@@ -44,3 +49,29 @@ def test_a_failing_observer_is_logged_and_the_next_still_hears(
         ("Broken", "jobs_finished"),
         ("Broken", "deliveries_created"),
     ]
+
+
+class Failures(BatchObserver):
+    def __init__(self) -> None:
+        self.failed: list[tuple[str, float, int, str]] = []
+
+    def batch_failed(self, batch_id: str, runtime_s: float, size: int, error: str) -> None:
+        self.failed.append((batch_id, runtime_s, size, error))
+
+
+def test_a_batch_that_broke_off_is_reported_with_its_size_time_and_what_raised() -> None:
+    heard = Failures()
+    flight = InFlight(
+        batch_id="b7",
+        entries=[],
+        claimed=[cast(Claimed, object())] * 3,
+        costs=[1, 1, 1],
+        written=[],
+        decision=cast(BatchDecision, None),
+        started=time.perf_counter() - 0.25,
+    )
+    flight.report_failed(Observers(heard), MemoryError("the device's"))
+    [(batch_id, runtime_s, size, error)] = heard.failed
+    assert (batch_id, size) == ("b7", 3)
+    assert 0.25 <= runtime_s < 60
+    assert error == "MemoryError while running or recording it (jobs not acknowledged run again)"

@@ -56,6 +56,15 @@ class InFlight:
             except Exception as exc:
                 self.failed = exc
 
+    def report_failed(self, observer: BatchObserver, exc: BaseException) -> None:
+        """Tell ``observer`` it broke off before it was recorded (its jobs run again)."""
+        observer.batch_failed(
+            self.batch_id,
+            time.perf_counter() - self.started,
+            len(self.claimed),
+            f"{type(exc).__name__} while running or recording it (jobs not acknowledged run again)",
+        )
+
 
 @dataclass(frozen=True)
 class Computed:
@@ -177,13 +186,7 @@ class DevicePipeline:
         try:
             computed = self._collect(flight)
         except BaseException as exc:
-            self.observer.batch_failed(
-                flight.batch_id,
-                time.perf_counter() - flight.started,
-                len(flight.claimed),
-                f"{type(exc).__name__} while running or recording it "
-                "(jobs not acknowledged run again)",
-            )
+            flight.report_failed(self.observer, exc)
             raise
         self._landed.append((flight, computed))
 

@@ -502,13 +502,7 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             self.recording.acknowledge(flight.entries, written, flight.batch_id)
         except BaseException as exc:
             if flight.claimed:
-                self.observers.batch_failed(
-                    flight.batch_id,
-                    time.perf_counter() - flight.started,
-                    len(flight.claimed),
-                    f"{type(exc).__name__} while running or recording it "
-                    "(jobs not acknowledged run again)",
-                )
+                flight.report_failed(self.observers, exc)
             raise
         if not flight.claimed:
             return
