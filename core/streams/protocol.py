@@ -88,18 +88,22 @@ def seq_key(prefix: str, model: str) -> str:
 # what fills that memory.
 WAKE_FIELD = "wake"
 WAKE_MAXLEN = 1000
-_ENQUEUE = f"""
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-local seq = redis.call('INCR', KEYS[4])
-if tonumber(ARGV[2]) > 0 then redis.call('INCRBY', KEYS[5], ARGV[2]) end
-if #KEYS == 6 then redis.call('INCR', KEYS[6]) end
+# Both enqueue scripts end by listing the tenant in its lane at the new sequence (seq):
+# a tenant new there gets its wake-up marker and its streams their group.
+_LIST_TENANT = f"""
 if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
              'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
   redis.pcall('XGROUP', 'CREATE', KEYS[1], '{GROUP}', '0')
   redis.pcall('XGROUP', 'CREATE', KEYS[3], '{GROUP}', '0')
 end
-return id
+"""
+_ENQUEUE = f"""
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+local seq = redis.call('INCR', KEYS[4])
+if tonumber(ARGV[2]) > 0 then redis.call('INCRBY', KEYS[5], ARGV[2]) end
+if #KEYS == 6 then redis.call('INCR', KEYS[6]) end
+{_LIST_TENANT}return id
 """
 # ARGV: the tenant, the entry's input bytes (added to the fifth key, the model's queued
 # bytes, in the same script as the entry), then the entry's fields. A bulk lane's stream
@@ -120,13 +124,7 @@ end
 local seq = redis.call('INCRBY', KEYS[4], count)
 if tonumber(ARGV[3]) > 0 then redis.call('INCRBY', KEYS[5], ARGV[3]) end
 if #KEYS == 6 then redis.call('INCRBY', KEYS[6], count) end
-if redis.call('ZADD', KEYS[2], seq, ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{WAKE_MAXLEN}', '*',
-             'v', '{PROTOCOL_VERSION}', '{WAKE_FIELD}', ARGV[1])
-  redis.pcall('XGROUP', 'CREATE', KEYS[1], '{GROUP}', '0')
-  redis.pcall('XGROUP', 'CREATE', KEYS[3], '{GROUP}', '0')
-end
-return count
+{_LIST_TENANT}return count
 """
 # At most this many messages in one script call: Redis runs nothing else meanwhile.
 ENQUEUE_MANY_MAX = 256
