@@ -82,10 +82,8 @@ from bench.report import (
     Figure,
     Fmt,
     Results,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     table,
     times,
     verdict,
@@ -985,8 +983,7 @@ def render_api(results: Results) -> list[str]:
     stacks = [s for s in report.stacks if not s.error]
     rounds = doc["settings"]["rounds"]
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of {rounds} rounds "
-        "(min–max):",
+        f"{measured_on(doc)}; median of {rounds} rounds (min–max):",
         "",
     ]
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from bench import results
 from bench.corpus import MAX_TOKENS, load_texts
-from bench.report import Figure, Results, commit_text, day, machine_text, table, times
+from bench.report import Figure, Results, measured_on, table, times
 
 BATCH = 32
 AGREEMENT = 0.999
@@ -387,7 +387,7 @@ def render_backends(results: Results) -> list[str]:
         for share in order.cpu_share
     ]
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; PyTorch "
+        f"{measured_on(doc)}; PyTorch "
         f"{versions['torch'].split('+')[0]} ({settings['torch_threads']} threads), ONNX Runtime "
         f"{versions['onnxruntime']}, transformers {versions['transformers']}. The process had "
         f"{100 * min(shares):.0f} to {100 * max(shares):.0f} % of the cores in every timed run. "

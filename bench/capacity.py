@@ -61,7 +61,7 @@ from sqlalchemy.engine import Engine
 from api.jobs.reads import LoopReader
 from api.state import app_state
 from bench import results
-from bench.report import Results, Spread, commit_text, day, machine_text, table
+from bench.report import Results, Spread, measured_on, table
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker
@@ -647,7 +647,7 @@ def render_capacity(results: Results) -> list[str]:
     settings = doc["settings"]
     costs, walls = report.per_job, report.walls_jobs_per_s
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} sim jobs "
+        f"{measured_on(doc)}: {settings['jobs']:,} sim jobs "
         f"from {settings['clients']} clients, batches of up to {settings['batch_max_size']}, "
         f"PostgreSQL{_history_text(settings)}; median of {settings['rounds']} rounds (range).",
         "",

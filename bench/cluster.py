@@ -30,10 +30,8 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -225,7 +223,7 @@ def render_cluster(results: Results) -> list[str]:
         for name, target in (("one", report.one), ("cluster", report.cluster))
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['jobs']:,} jobs of "
+        f"{measured_on(doc)}: {settings['jobs']:,} jobs of "
         f"{settings['models']} models from {settings['tenants']} keys, enqueued in groups of "
         f"{settings['group']} and drained in batches of up to {settings['batch']}, on each "
         f"target in turn, {len(runs)} rounds (median and range). The cluster carries "

@@ -51,10 +51,9 @@ from bench.quantiles import nearest_rank
 from bench.report import (
     Figure,
     Results,
-    commit_text,
-    day,
     decimal,
     machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -406,7 +405,7 @@ def render_e2e(results: Results) -> list[str]:
     shown[0] = shown[0].replace(" at ", " texts/s at batch ", 1)
     over = f"; median of {len(rounds)} rounds (min–max)" if len(rounds) > 1 else ""
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, {report.jobs:,} paragraphs, "
+        f"{measured_on(doc)}, {report.jobs:,} paragraphs, "
         f"mean {report.mean_cost} tokens{over}. Raw model"
         + (" (first round)" if len(rounds) > 1 else "")
         + ": "

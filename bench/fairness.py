@@ -48,10 +48,8 @@ from bench.report import (
     Results,
     Spread,
     batches,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     table,
 )
 from harness import webclient
@@ -314,7 +312,7 @@ def render_fairness(results: Results) -> list[str]:
     doc, report = results["fairness"], results.typed("fairness", Report)
     runs = report.runs
     over = f"; median of {len(runs)} runs (min–max)" if len(runs) > 1 else ""
-    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, pipelined worker{over}:", ""]
+    lines = [f"{measured_on(doc)}, pipelined worker{over}:", ""]
     rows = []
     for index, phase in enumerate(runs[0].phases):
 

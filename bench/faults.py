@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.report import Results, commit_text, day, machine_text, table
+from bench.report import Results, measured_on, table
 from harness.accounting import Figures
 
 
@@ -33,10 +33,7 @@ def faults_intro(results: Results) -> str:
     doc = results["faults"]
     failed = doc["settings"].get("tests_failed", 0)
     verdict = "every test passed" if not failed else f"**{failed} tests failed**"
-    return (
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, `make faults` "
-        f"({verdict}; the counts are the witnesses'):"
-    )
+    return f"{measured_on(doc)}, `make faults` ({verdict}; the counts are the witnesses'):"
 
 
 def render_faults(results: Results) -> list[str]:

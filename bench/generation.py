@@ -62,11 +62,9 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -552,7 +550,7 @@ def generation_setup(doc: Doc, report: Report) -> str:
         else ""
     )
     return (
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{measured_on(doc)}; median of "
         f"{counted(len(report.rounds), 'round', 'rounds')} (min–max). A {m['arch']}-shaped "
         f"model of {m['layers']} layers, hidden {m['hidden']} ({m['parameters'] / 1e6:.1f} M "
         f"parameters, random weights), {s['precision']} on `{s['device']}`, "

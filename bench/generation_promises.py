@@ -72,11 +72,9 @@ from bench.report import (
     Fmt,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -847,7 +845,7 @@ def render_generation_promises(results: Results) -> list[str]:
         ],
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{measured_on(doc)}; median of "
         f"{counted(len(report.rounds), 'repeat', 'repeats')} (min–max). A {m['arch']}-shaped "
         f"model of {m['layers']} layers, hidden {m['hidden']} (random weights), "
         f"{s['precision']} on `{s['device']}`, stepped by the worker's engine in one process; "

@@ -71,11 +71,9 @@ from bench.report import (
     Fmt,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     table,
 )
 from core.streams.events import JobEvent
@@ -674,7 +672,7 @@ def render_generation_resume(results: Results) -> list[str]:
     ]  # fmt: skip
     n = checks.repeats
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{measured_on(doc)}; median of "
         f"{counted(n, 'repeat', 'repeats')} (min–max). {s['workers']} generation workers "
         f"on `{s['device']}` ({s['stack']}); one greedy job of {s['max_tokens']} tokens, "
         f"each step held to {s['min_step_ms']} ms at least; latency is "

@@ -60,11 +60,9 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
 )
@@ -450,7 +448,7 @@ def render_generation_stack(results: Results) -> list[str]:
     share = Figure.summary(report.stack_share).text(percent())
     added = Figure.summary(report.ttft_p50_added_ms).text(decimal(0, " ms"))
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{measured_on(doc)}; median of "
         f"{counted(len(report.rounds), 'round', 'rounds')} (min–max), the two interleaved. A "
         f"{m['arch']}-shaped model of {m['layers']} layers, hidden {m['hidden']} (random "
         f"weights), {s['precision']} on `{s['device']}`, "

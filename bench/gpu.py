@@ -53,9 +53,8 @@ from bench.report import (
     Doc,
     Figure,
     Results,
-    commit_text,
     day,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -435,7 +434,7 @@ def render_gpu(results: Results) -> list[str]:
         if model.stack_batches and model.plain_batches
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; {report.precision} on "
+        f"{measured_on(doc)}; {report.precision} on "
         f"{report.device}, one run. Raw, the runtime alone, items/s by batch size:",
         "",
         *table(["model", *map(str, sizes)], "l" + "r" * len(sizes), raw_rows),

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
-from bench.report import Results, commit_text, day, machine_text
+from bench.report import Results, measured_on
 from bench.report import table as markdown_table
 
 ROOT = results.RESULTS.parent.parent
@@ -371,7 +371,7 @@ def render_mutation(results: Results) -> list[str]:
         if len(files) > 1 and target.total is not None:
             rows.append((f"**{target.mutated[0]}**", target.total))
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)} ({seconds}):",
+        f"{measured_on(doc)} ({seconds}):",
         "",
         *markdown_table(
             ["file", "mutants", "killed", "timeout", "survived", "score"],

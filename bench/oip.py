@@ -58,11 +58,9 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     table,
     times,
     verdict,
@@ -327,7 +325,7 @@ def render_oip(results: Results) -> list[str]:
             f"{target.api_cpu_at_most:g}×: {verdict(met.api_cpu_met)})"
         )
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; minilm, "
+        f"{measured_on(doc)}; minilm, "
         f"{s['clients']} closed-loop clients, {s['duration_s']:g} s measured after "
         f"{s['warmup_s']:g} s of warm-up, each way in each of "
         f"{counted(s['rounds'], 'round', 'rounds')} (median, min–max); the stack serves "

@@ -50,10 +50,8 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -270,7 +268,7 @@ def render_pipeline(results: Results) -> list[str]:
     figures = pipeline_figures(report)
     rounds = max(m.round for m in report.modes)
     over = f"; median of {rounds} rounds (min–max)" if rounds > 1 else ""
-    lines = [f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}{over}:", ""]
+    lines = [f"{measured_on(doc)}{over}:", ""]
     names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
     rows = []
     for (database, mode), f in figures.items():

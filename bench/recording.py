@@ -27,7 +27,14 @@ from unittest import mock
 from sqlalchemy import insert
 
 from bench import results
-from bench.report import Figure, Results, Spread, commit_text, day, machine_text, table, times
+from bench.report import (
+    Figure,
+    Results,
+    Spread,
+    measured_on,
+    table,
+    times,
+)
 from core.db import migrate
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker, utcnow
@@ -168,7 +175,7 @@ def render_recording(results: Results) -> list[str]:
         for row in report.rows
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; median of "
+        f"{measured_on(doc)}; median of "
         f"{settings['batches']} batches of {settings['size']} (the ratio: batch by batch, "
         "median and range):",
         "",

@@ -214,6 +214,11 @@ def day(doc: Doc) -> str:
     return str(doc["date"])[:10]
 
 
+def measured_on(doc: Doc) -> str:
+    """Where a results file's figures come from: its day, its machine and its commit."""
+    return f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}"
+
+
 def machine_text(doc: Doc) -> str:
     """The machine as a results file recorded it (older files recorded less)."""
     found = doc.get("machine")

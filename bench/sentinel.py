@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
-from bench.report import Results, Spread, commit_text, day, machine_text, table
+from bench.report import Results, Spread, measured_on, table
 from core.config.settings import Settings
 from harness.sentinel import DOWN_AFTER_MS, SentinelRedis, failover_under_load
 from harness.services import migrated_postgres_database
@@ -147,7 +147,7 @@ def render_sentinel(results: Results) -> list[str]:
         for number, run in enumerate(runs, 1)
     ]
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['rate_per_s']:g} "
+        f"{measured_on(doc)}: {settings['rate_per_s']:g} "
         f"jobs/s for {settings['load_s']:g} s, the primary killed at "
         f"{settings['kill_at_s']:g} s (the sentinels call it down after "
         f"{settings['down_after_ms']:,} ms). Jobs flowed again **{recovered.median:.1f} s** "

@@ -57,10 +57,8 @@ from bench.quantiles import quantile
 from bench.report import (
     Figure,
     Results,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     times,
@@ -1326,7 +1324,7 @@ def render_scheduler_capacity(results: Results) -> list[str]:
     seeds = len(scheduler_seeds(report))
     command = doc.get("command", DEFAULT_SIMULATE)
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}; model `{report.model.name}`, "
+        f"{measured_on(doc)}; model `{report.model.name}`, "
         f"seed {report.seed}"
         + (
             f" (the targets over seeds {report.seed} to {report.seed + seeds - 1})"

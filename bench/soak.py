@@ -71,7 +71,7 @@ from typing import Any
 import httpx
 
 from bench import results, svgplot
-from bench.report import Results, commit_text, counted, day, machine_text, table
+from bench.report import Results, counted, measured_on, table
 from core.db import migrate
 from core.db.schema import make_engine
 from harness import webclient
@@ -571,7 +571,7 @@ def render_soak(results: Results) -> list[str]:
                      f"{m.peak_mib:.1f}", longest])  # fmt: skip
     problems = f" Problems: {', '.join(report.problems)}." if report.problems else ""
     return [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}: {settings['minutes']:g} minutes "
+        f"{measured_on(doc)}: {settings['minutes']:g} minutes "
         f"at {settings['rate_per_s']:g} jobs/s across the lanes, PostgreSQL, with SIGKILL for "
         f"{killed('worker', 'a sim worker')}, {killed('api', 'an API process')} and "
         f"{killed('redis', 'Redis')}, started again on its data "
