@@ -64,10 +64,8 @@ from bench.report import (
     Fmt,
     Results,
     Spread,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     verdict,
@@ -200,7 +198,7 @@ RESULT = Report
 class Bench:
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.args = args
-        self.settings = {**STACK, **dict(_pair(s) for s in args.set)}
+        self.settings = {**STACK, **args.set}
         # Celery's beat and worker feed the backfill to the queue.
         self.stack = FerryUp(root, celery=True, **self.settings)
         self.client: httpx.Client | None = None
@@ -450,15 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=30_000, help="backfill lines")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs, each on a fresh stack")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FERRY_NAME=VALUE",
-        help="another stack setting (repeatable); recorded in the report",
-    )
+    results.add_set_option(parser, "the stack")
     parser.add_argument("--out", type=Path, default=Path("bench/results/backfill.json"))
     args = parser.parse_args(argv)
+    args.set = results.set_pairs(parser, args.set)
     if not (0 < args.rate <= 200 and 0 < args.window <= 120 and 0 < args.alone <= 120):
         parser.error("--rate at most 200/s, --window and --alone at most 120 s")
     if not 1000 <= args.lines <= 200_000:
@@ -641,13 +634,6 @@ def print_summary(report: Run) -> None:
     print(f"wall time {report.wall_s:.0f} s; load average {report.load_average}")
 
 
-def _pair(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.startswith("FERRY_"):
-        raise SystemExit(f"--set takes FERRY_NAME=VALUE, not {text!r}")
-    return name, value
-
-
 def _loadavg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -674,7 +660,7 @@ def render_backfill_latency(results: Results) -> list[str]:
     ride = first.settings.get("FERRY_BULK_RIDE_FACTOR", "1.25")
     idle_lanes = first.idle.lanes if first.idle else {}
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{measured_on(doc)}, load average "
         f"{first.load_average['start'][0]:.1f} at the start, {wall} s of wall time a run, "
         f"`FERRY_BULK_RIDE_FACTOR={ride}`"
         + (" (the default)" if "FERRY_BULK_RIDE_FACTOR" not in first.settings else "")

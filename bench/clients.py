@@ -47,7 +47,7 @@ the best thread count is the one with the highest median ratio.
                             [--clients 64] [--threads 1,2] [--texts 1000]
                             [--raw-sizes 16,32,64] [--wait 30]
                             [--quiet-below 1.5] [--quiet-timeout 2400]
-                            [--set FERRY_X=value ...] [--out bench/results/clients.json]
+                            [--set FERRY_NAME=VALUE ...] [--out bench/results/clients.json]
     make bench-clients  # the same, after installing wrk when it is missing
 
 ``--quiet-below L`` first waits (polling every 30 s, at most
@@ -99,10 +99,8 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
     verdict,
@@ -726,19 +724,13 @@ def main(argv: list[str] | None = None) -> int:
         "--quiet-below", type=float, default=0.0, help="first wait for a 1-min load below this"
     )
     parser.add_argument("--quiet-timeout", type=float, default=2400.0)
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FERRY_X=VALUE",
-        help="another setting for both stacks (repeatable)",
-    )
+    results.add_set_option(parser, "both stacks")
     parser.add_argument("--out", type=Path, default=Path("bench/results/clients.json"))
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is not on the PATH (apt-get install -y wrk)", file=sys.stderr)
         return 2
-    extra = dict(item.split("=", 1) for item in args.set)
+    extra = results.set_pairs(parser, args.set)
     threads = [int(n) for n in args.threads.split(",")]
     sizes = [int(n) for n in args.raw_sizes.split(",")]
     options = Options(args.duration, args.rounds, args.warmup, args.clients, args.wait)
@@ -856,7 +848,7 @@ def render_clients_raw(results: Results) -> list[str]:
             row.append(f"**{rates[size]:.1f}** (the ceiling)" if best else f"{rates[size]:.1f}")
         rows.append(row)
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{measured_on(doc)}, load average "
         f"{report.load_average['at_start'][0]:.1f} at the start, "
         f"{report.sample['texts']:,} paragraphs of the corpus (mean "
         f"{report.sample['tokens_mean']} tokens). Raw model, texts/s:",

@@ -54,7 +54,7 @@ range (min-max).
                           [--raw-threads 1] [--raw-sizes 16,32,64]
                           [--ray-batch 32] [--ray-wait-ms 5]
                           [--celery-concurrency 2] [--wait 30]
-                          [--systems ray,celery,ferry] [--set FERRY_X=value ...]
+                          [--systems ray,celery,ferry] [--set FERRY_NAME=VALUE ...]
                           [--quiet-below L] [--out bench/results/peers.json]
     make bench-peers  # installs the bench extras (ray[serve]) first
 
@@ -101,11 +101,9 @@ from bench.report import (
     Figure,
     Results,
     Spread,
-    commit_text,
     counted,
-    day,
     decimal,
-    machine_text,
+    measured_on,
     percent,
     table,
 )
@@ -727,19 +725,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--celery-concurrency", type=int, default=2, help="worker children")
     parser.add_argument("--wait", type=int, default=30, help="Ferry's long-poll, seconds")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of them")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FERRY_X=VALUE",
-        help="another setting for the Ferry stacks (repeatable)",
-    )
+    results.add_set_option(parser, "the Ferry stacks")
     parser.add_argument(
         "--quiet-below", type=float, default=0.0, help="first wait for a 1-min load below this"
     )
     parser.add_argument("--quiet-timeout", type=float, default=2400.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/peers.json"))
     args = parser.parse_args(argv)
+    args.set = results.set_pairs(parser, args.set)
     systems = [s for s in args.systems.split(",") if s]
     if set(systems) - set(SYSTEMS):
         parser.error(f"--systems: one of {', '.join(SYSTEMS)}")
@@ -763,7 +756,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, systems: list[str]) ->
         ray_wait_s=args.ray_wait_ms / 1000.0,
         celery_concurrency=args.celery_concurrency,
         wait_s=args.wait,
-        extra=dict(item.split("=", 1) for item in args.set),
+        extra=args.set,
     )
     raw_threads = [int(n) for n in args.raw_threads.split(",")]
     sizes = [int(n) for n in args.raw_sizes.split(",")]
@@ -915,7 +908,7 @@ def render_peers(results: Results) -> list[str]:
     errors = {n: s.errors for n, s in summary.items() if s.errors}
     failed = {n: s.failed for n, s in summary.items() if s.failed}
     lines = [
-        f"{day(doc)}, {machine_text(doc)}, {commit_text(doc)}, load average "
+        f"{measured_on(doc)}, load average "
         f"{doc['machine']['load_average_at_start'][0]:.1f} at the start; "
         f"{report.sample['texts']:,} paragraphs of the corpus (mean {report.sample['tokens_mean']}"
         f" tokens); {settings['clients']} closed-loop clients, {settings['warmup_s']:g} s of "

@@ -19,6 +19,7 @@ check that the documents cite one set of results from one commit.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
@@ -102,6 +103,29 @@ def provenance(bench: str, argv: list[str] | None) -> dict[str, Any]:
         "git": git_state(),
         "machine": machine(),
     }
+
+
+def add_set_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--set FERRY_NAME=VALUE`` (repeatable): another setting for ``what``; read it back
+    with :func:`set_pairs`."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FERRY_NAME=VALUE",
+        help=f"another setting for {what} (repeatable); recorded in the report",
+    )
+
+
+def set_pairs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """The ``--set`` items by name; one that is not ``FERRY_NAME=VALUE`` is a usage error."""
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("FERRY_"):
+            parser.error(f"--set takes FERRY_NAME=VALUE, not {item!r}")
+        pairs[name] = value
+    return pairs
 
 
 def write(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from bench import results
 from core.config.settings import Settings
 from ferry.up import metrics_ports
 from harness.stack import SMOKE_ENV, FerryUp
@@ -33,3 +35,17 @@ def test_a_full_run_stack_keeps_celery_whatever_the_benchmark_says(
 def test_without_celery_no_metrics_port_is_kept_for_its_worker() -> None:
     settings = Settings(models="sim", metrics_port_base=9500, up_celery=False)
     assert metrics_ports(settings, list) == {"worker-sim": 9500}
+
+
+def test_a_stack_setting_from_the_command_line_is_a_ferry_name_and_a_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser(prog="bench")
+    results.add_set_option(parser, "the stack")
+    args = parser.parse_args(["--set", "FERRY_A=1", "--set", "FERRY_B=x=y"])
+    assert results.set_pairs(parser, args.set) == {"FERRY_A": "1", "FERRY_B": "x=y"}
+    for wrong in ("FERRY_A", "PATH=/bin"):
+        with pytest.raises(SystemExit) as stopped:
+            results.set_pairs(parser, [wrong])
+        assert stopped.value.code == 2
+        assert f"--set takes FERRY_NAME=VALUE, not {wrong!r}" in capsys.readouterr().err
