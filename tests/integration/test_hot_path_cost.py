@@ -171,13 +171,13 @@ def test_the_hot_path_sends_no_more_statements_or_redis_commands_per_job(
     # the arrival rate is read off the sequence.
     assert len(job_statements(submit.statements)) <= JOBS, why
     assert len(job_driven(submit.commands)) <= 5 * JOBS, why
-    # Running: per batch, not per job. Reading its rows (those started before left out),
-    # claiming them, writing the outcomes (which return what to tell webhooks and
-    # backfills), the keys' outstanding counts; one statement more once (the pending
-    # entries re-read at start). In Redis,
+    # Running: per batch, not per job. Claiming its jobs (one UPDATE returning those it
+    # started, those started before left out), writing the outcomes (which return what
+    # to tell webhooks and backfills), the keys' outstanding counts; one statement more
+    # once (the pending entries re-read at start). In Redis,
     # the acknowledging script's call, its XACK, XDEL and the queued bytes' DECRBY, and
     # the PUBLISH that wakes long-polls.
-    assert len(job_statements(run.statements)) <= 4 * batches + 1, why
+    assert len(job_statements(run.statements)) <= 3 * batches + 1, why
     assert len(job_driven(run.commands)) <= 5 * batches, why
     # A long-poll of a finished job: its row, and nothing of Redis.
     assert len(job_statements(poll.statements)) <= JOBS, why

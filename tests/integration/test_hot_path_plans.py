@@ -125,14 +125,20 @@ def test_every_statement_of_a_batch_reaches_jobs_by_primary_key(
             batch_id="batch-1",
             batch_size=len(claimed),
         )
+        # The claim (one UPDATE returning the jobs it started) and the outcomes (which
+        # return what follows a terminal write): a batch whose jobs all start sends no more.
+        assert (len(claimed), late, exhausted, held) == (BATCH, [], [], [])
+        assert sorted(written) == sorted(batch)
+        assert len([s for s, _ in sent.statements if re.search(r"\bjobs\b", s)]) == 2
+        # A batch with a job started before (held) reads why the others did not start.
+        recorder.claim(ids[BATCH : BATCH + 1], now, max_attempts=3)
+        again = recorder.claim(ids[BATCH : 2 * BATCH], now, max_attempts=3, hold_started=True)
+        assert (len(again.claimed), again.held) == (BATCH - 1, [ids[BATCH]])
     finally:
         event.remove(engine, "before_cursor_execute", sent)
-    assert (len(claimed), late, exhausted, held) == (BATCH, [], [], [])
-    assert sorted(written) == sorted(batch)
 
     on_jobs = [(s, p) for s, p in sent.statements if re.search(r"\bjobs\b", s)]
-    # The claim's read and update, the outcomes (which return what follows a terminal write).
-    assert len(on_jobs) >= 3, [s for s, _ in sent.statements]
+    assert len(on_jobs) == 5, [s for s, _ in sent.statements]
     for statement, parameters in on_jobs:
         plan = generic_plan(engine, statement, parameters)
         values = json.dumps(parameters, default=str)[:300]
