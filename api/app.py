@@ -83,6 +83,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 )
             ),
             accepted=hub.accepted,
+            taken_back=hub.taken_back,
         )
         group_commit: GroupCommit = GroupStage(
             "group-commit",

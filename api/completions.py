@@ -71,6 +71,10 @@ class CompletionHub:
             while len(self._unended) > UNENDED_MAX:
                 self._unended.popitem(last=False)
 
+    def __len__(self) -> int:
+        """How many jobs accepted here are remembered as not ended."""
+        return len(self._unended)
+
     def unended(self, job_id: str, key_id: str) -> bool:
         """Whether ``key_id``'s job ``job_id`` was accepted here and its completion has not
         come (so it has not ended, or its completion is on its way)."""
@@ -83,6 +87,13 @@ class CompletionHub:
         wait its length, not every wait after it.)"""
         if job_id in self._unended:
             with self._unended_lock:
+                self._unended.pop(job_id, None)
+
+    def taken_back(self, job_ids: Iterable[str]) -> None:
+        """Forget jobs accepted here whose rows were deleted again before any request was
+        answered with them (their enqueue refused): nothing will complete them."""
+        with self._unended_lock:
+            for job_id in job_ids:
                 self._unended.pop(job_id, None)
 
     def wake_all(self) -> None:

@@ -350,10 +350,13 @@ class GroupWriter:
         bound: QueueBound | None = None,
         breaker: Breaker | None = None,
         accepted: Callable[[Iterable[tuple[str, str]]], None] | None = None,
+        taken_back: Callable[[Iterable[str]], None] | None = None,
     ) -> None:
         self.sessions = sessions
-        # Told each group's new jobs (id, key id) once written, before they are enqueued.
+        # Told each group's new jobs (id, key id) once written, before they are enqueued,
+        # and the ids of those deleted again when Redis refused them (never answered).
         self.accepted = accepted
+        self.taken_back = taken_back
         self.breaker = breaker
         self.client = client
         self.prefix = prefix
@@ -772,6 +775,8 @@ class GroupWriter:
             # Still in the database: accepted after all, the reconciler enqueues them.
             log.warning("refused jobs could not be taken back; kept", exc_info=True)
             return
+        if self.taken_back is not None:
+            self.taken_back(deleted)
         for i, outcome in enumerate(outcomes):
             # The requests answered with a taken-back job (a repeat of its key in
             # this group included) are refused with it.

@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from api.state import app_state
 from core.config.settings import Settings
 from core.db import schema as db
 from core.db.schema import Job
@@ -50,6 +51,12 @@ def test_submit_with_redis_down_is_accepted_and_enqueued_when_redis_is_back(
         )
         assert short.status_code == 503
         assert short.headers["Retry-After"]
+        # Its row deleted again, the API's record of jobs it accepted holds only the first.
+        accepted = response.json()["id"]
+        with sessions() as session:
+            key_id = session.get_one(Job, accepted).api_key_id
+        hub = app_state(client.app).hub
+        assert len(hub) == 1 and hub.unended(accepted, key_id)
     with sessions() as session:
         assert session.query(Job).count() == 1
     job_id = response.json()["id"]
