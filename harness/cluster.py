@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -27,7 +26,7 @@ from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker
 from core.streams.protocol import stream_key
 from harness import webclient
-from harness.ports import free_port
+from harness.ports import bindable, free_port
 from harness.served import served
 from harness.services import redis_server, redis_started, stop_all
 from harness.settling import reconciling, settled
@@ -45,18 +44,9 @@ def _port_with_bus() -> int:
     free too."""
     for _ in range(100):
         port = free_port()
-        if port + BUS_OFFSET <= 65535 and _free(port + BUS_OFFSET):
+        if port + BUS_OFFSET <= 65535 and bindable(port + BUS_OFFSET):
             return port
     raise AssertionError("no free pair of ports for a cluster node")
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class ClusterRedis:

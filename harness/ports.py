@@ -78,7 +78,8 @@ def block_index(environ: dict[str, str] | None = None) -> int | None:
     return int(block) % MAX_WORKERS
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a listener could bind ``port`` on 127.0.0.1 now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -105,6 +106,6 @@ def free_port() -> int:
             offset = _next.get(index, 0)
             _next[index] = (offset + STRIDE) % BLOCK_PORTS
             # One still held by a server of an earlier test (the block wrapped) is passed over.
-            if _bindable(start + offset):
+            if bindable(start + offset):
                 return start + offset
     raise RuntimeError(f"no free port in {start}..{start + BLOCK_PORTS - 1}")
