@@ -78,6 +78,23 @@ class BuiltVersion:
         """The values the files are built from, as the stamp records them."""
         return f"{self.shape.flags()} --seed {self.seed}\n"
 
+    def build_files(self, dest: Path) -> Path:
+        """The files of the recipe, built into ``dest`` (a new folder): build_lm's."""
+        shape = self.shape
+        return build_lm(
+            dest,
+            shape.arch,
+            seed=self.seed,
+            layers=shape.layers,
+            hidden=shape.hidden,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            intermediate=shape.intermediate,
+            vocab_size=shape.vocab_size,
+            context_tokens=shape.context_tokens,
+            dtype=shape.dtype,
+        )
+
     def stamp(self) -> str | None:
         path = self.folder / STAMP
         return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
@@ -155,21 +172,8 @@ def build(version: BuiltVersion, force: bool = False) -> bool:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-        shape = version.shape
         with tempfile.TemporaryDirectory(prefix=_SCRATCH, dir=version.folder) as scratch:
-            built = build_lm(
-                Path(scratch) / "files",
-                shape.arch,
-                seed=version.seed,
-                layers=shape.layers,
-                hidden=shape.hidden,
-                heads=shape.heads,
-                kv_heads=shape.kv_heads,
-                intermediate=shape.intermediate,
-                vocab_size=shape.vocab_size,
-                context_tokens=shape.context_tokens,
-                dtype=shape.dtype,
-            )
+            built = version.build_files(Path(scratch) / "files")
             stamp = version.folder / STAMP
             stamp.write_text(_BUILDING)
             for path in built.iterdir():

@@ -27,7 +27,7 @@ from ferry.built_models import (
     read_recipe,
 )
 from ferry.cli import main
-from ferry.lm_build import build_lm, readme
+from ferry.lm_build import readme
 from ferry.up import up
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models"
@@ -113,20 +113,7 @@ def test_built_they_pass_the_check_and_take_prompts_and_chat(built: Path) -> Non
 
 def test_the_same_recipe_gives_the_same_bytes(built: Path, tmp_path: Path) -> None:
     version = read_recipe("tiny-llama", built / "tiny-llama" / "1")
-    shape = version.shape
-    again = build_lm(
-        tmp_path / "again",
-        shape.arch,
-        seed=version.seed,
-        layers=shape.layers,
-        hidden=shape.hidden,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        intermediate=shape.intermediate,
-        vocab_size=shape.vocab_size,
-        context_tokens=shape.context_tokens,
-        dtype=shape.dtype,
-    )
+    again = version.build_files(tmp_path / "again")
     assert digests(again) == digests(version.folder)
 
 
