@@ -9,6 +9,8 @@ loads and drives in three stages (prepare, launch, collect).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -150,6 +152,17 @@ class Runtime(Protocol):
 
     @property
     def peak_memory_bytes(self) -> float | None: ...
+
+
+def timed_best(run: Callable[[list[Any]], Any], inputs: list[Any]) -> float:
+    """Seconds of the best of two runs of ``run(inputs)`` (the first of a shape may pay
+    for allocation): a calibration's timing."""
+    best = float("inf")
+    for _ in range(2):
+        started = time.perf_counter()
+        run(inputs)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def autocast(device: str, precision: str) -> Any:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ from backends.base import (
     RuntimeOptions,
     file_problems,
     parameter_problems,
+    timed_best,
 )
 from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
@@ -678,8 +678,8 @@ class OnnxRuntime(HostRuntime):
         span_items = 16
         small_input = self._example(small=True)
         large_input = self._example(small=False)
-        small = _timed(self.run, [small_input])
-        large = _timed(self.run, [large_input] * span_items)
+        small = timed_best(self.run, [small_input])
+        large = timed_best(self.run, [large_input] * span_items)
         if self.kind == "text":
             small_work = len(self._tokenizer.encode(small_input).ids)
             span = span_items * self.max_tokens
@@ -688,16 +688,6 @@ class OnnxRuntime(HostRuntime):
             span = span_items * self.cost_per_input
         slope = max(0.0, (large - small) / max(span - small_work, 1))
         return max(0.0, small - slope * small_work), slope, float(span)
-
-
-def _timed(run: Any, inputs: list[Any]) -> float:
-    """The best of two runs (the first of a shape may pay for allocation)."""
-    best = float("inf")
-    for _ in range(2):
-        started = time.perf_counter()
-        run(inputs)
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _zeros(shape: tuple[int, ...], dtype: str) -> Any:

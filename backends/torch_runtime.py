@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import DeviceLost, OutOfMemory, RuntimeOptions
+from backends.base import DeviceLost, OutOfMemory, RuntimeOptions, timed_best
 from core.ops.metrics import GPU_MEMORY_RECLAIMS, MEMORY
 
 log = logging.getLogger(__name__)
@@ -282,26 +281,17 @@ class TorchRuntime:
     def _outputs(self, result: Any) -> list[Any]:
         raise NotImplementedError
 
-    def _timed(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> float:
-        """The best of two runs (the first of a shape may pay for allocation)."""
-        best = float("inf")
-        for _ in range(2):
-            started = time.perf_counter()
-            run(inputs)
-            best = min(best, time.perf_counter() - started)
-        return best
-
 
 def calibrate_text(runtime: Any, longest: str) -> tuple[float, float, float]:
     """``(a, b, span)`` for a padded text model: a short and a long batch, timed.
 
-    ``runtime`` has ``run``, ``_timed``, ``_tokenizer`` and ``max_tokens``;
+    ``runtime`` has ``run``, ``_tokenizer`` and ``max_tokens``;
     ``longest`` is a text of about ``max_tokens`` tokens.
     """
     short = "a short sentence"
-    small = runtime._timed(runtime.run, [short])
+    small = timed_best(runtime.run, [short])
     span_items = 16
-    large = runtime._timed(runtime.run, [longest] * span_items)
+    large = timed_best(runtime.run, [longest] * span_items)
     small_work = len(runtime._tokenizer.encode(short).ids)
     span = span_items * runtime.max_tokens
     slope = max(0.0, (large - small) / max(span - small_work, 1))

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.base import RuntimeOptions, autocast, parameter_problems
+from backends.base import RuntimeOptions, autocast, parameter_problems, timed_best
 from backends.torch_runtime import PinnedStager, TorchRuntime, staged
 from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
@@ -356,9 +356,9 @@ class TorchModuleRuntime(TorchRuntime):
     def calibrate(self) -> tuple[float, float, float] | None:
         """Time one input and a batch of 16, so the first estimates are measured, not guessed."""
         blank = self._blank()
-        small = self._timed(self.run, [blank])
+        small = timed_best(self.run, [blank])
         span_items = 16
-        large = self._timed(self.run, [blank] * span_items)
+        large = timed_best(self.run, [blank] * span_items)
         slope = max(0.0, (large - small) / ((span_items - 1) * self.cost))
         return max(0.0, small - slope * self.cost), slope, float(span_items * self.cost)
 
