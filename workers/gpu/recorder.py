@@ -229,25 +229,32 @@ class Recorder:
             else:
                 claim = statements.claim_hooks if webhooks else statements.claim
             parameters = {"now": now, "max_attempts": max_attempts, "version": self.model_version}
-            by_id = {
-                r.id: r for r in connection.execute(claim, {"ids": list(job_ids), **parameters})
-            }
-            claimed = [by_id[i] for i in dict.fromkeys(job_ids) if i in by_id]
+            ids = list(dict.fromkeys(job_ids))
+            by_id = {r.id: r for r in connection.execute(claim, {"ids": ids, **parameters})}
             late: list[str] = []
             exhausted: list[str] = []
             held: list[str] = []
-            rest = [i for i in dict.fromkeys(job_ids) if i not in by_id]
+            rest = [i for i in ids if i not in by_id]
             if rest:
-                # Not ended and not started: why, tested in the claim's order. A job
-                # neither late nor out of attempts was left out by hold_started alone
-                # (a deadline never moves, attempts only grow).
+                # Not ended and not started: why, tested in the claim's order. One that
+                # may start after all (this read sees a later state than the claim did:
+                # a deadline never moves and attempts only grow, so it should not
+                # happen) is claimed again rather than dropped with the ended ones.
+                again = []
                 for r in connection.execute(statements.unclaimed, {"ids": rest}):
                     if r.deadline_at is not None and r.deadline_at <= now:
                         late.append(r.id)
                     elif r.attempts >= max_attempts:
                         exhausted.append(r.id)
-                    elif hold_started:
+                    elif hold_started and r.attempts > 0:
                         held.append(r.id)
+                    else:
+                        again.append(r.id)
+                if again:
+                    by_id.update(
+                        (r.id, r) for r in connection.execute(claim, {"ids": again, **parameters})
+                    )
+            claimed = [by_id[i] for i in ids if i in by_id]
             if webhooks:
                 starting = [(r, r.attempts) for r in claimed if r.callback_url]
                 deliveries = add_started_deliveries(session, starting, now)
