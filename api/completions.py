@@ -90,8 +90,8 @@ class CompletionHub:
                 self._unended.pop(job_id, None)
 
     def taken_back(self, job_ids: Iterable[str]) -> None:
-        """Forget jobs accepted here whose rows were deleted again before any request was
-        answered with them (their enqueue refused): nothing will complete them."""
+        """Forget jobs accepted here whose rows were deleted again (their enqueue refused,
+        their requests answered with the refusal): nothing will complete them."""
         with self._unended_lock:
             for job_id in job_ids:
                 self._unended.pop(job_id, None)
