@@ -83,7 +83,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 )
             ),
             accepted=hub.accepted,
-            taken_back=hub.taken_back,
+            taken_back=hub.ended,
         )
         group_commit: GroupCommit = GroupStage(
             "group-commit",

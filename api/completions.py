@@ -80,21 +80,18 @@ class CompletionHub:
         come (so it has not ended, or its completion is on its way)."""
         return self._unended.get(job_id) == key_id
 
-    def ended(self, job_id: str) -> None:
-        """Forget ``job_id``: its completion came, or a read found it ended. (A completion
-        may never come: a worker that wrote the row and died before it published, the
-        entry then acknowledged by another without it. So a lost completion costs one
-        wait its length, not every wait after it.)"""
-        if job_id in self._unended:
+    def ended(self, job_ids: Iterable[str]) -> None:
+        """Forget jobs accepted here: their completion came, a read found them ended, or
+        the group commit took them back (their rows deleted again when their enqueue was
+        refused, their requests answered with the refusal). (A completion may never come:
+        a worker that wrote the row and died before it published, the entry then
+        acknowledged by another without it. So a lost completion costs one wait its
+        length, not every wait after it.)"""
+        known = [job_id for job_id in job_ids if job_id in self._unended]
+        if known:
             with self._unended_lock:
-                self._unended.pop(job_id, None)
-
-    def taken_back(self, job_ids: Iterable[str]) -> None:
-        """Forget jobs accepted here whose rows were deleted again (their enqueue refused,
-        their requests answered with the refusal): nothing will complete them."""
-        with self._unended_lock:
-            for job_id in job_ids:
-                self._unended.pop(job_id, None)
+                for job_id in known:
+                    self._unended.pop(job_id, None)
 
     def wake_all(self) -> None:
         """Every waiter reads its job again (completions may have been missed)."""
@@ -105,8 +102,9 @@ class CompletionHub:
                 event.set()
 
     def notify(self, job_ids: str) -> None:
-        for job_id in job_ids.split(","):
-            self.ended(job_id)
+        ended = job_ids.split(",")
+        self.ended(ended)
+        for job_id in ended:
             for event in self._waiters.get(job_id, ()):
                 event.set()
 

@@ -447,5 +447,5 @@ async def until_terminal(state: AppState, wanted: JobRead, wait: float) -> JobRe
             # One read at the wait's end covers a notification that never came.
             found = await reads.submit(wanted)
     if is_terminal(found):
-        hub.ended(wanted.job_id)
+        hub.ended([wanted.job_id])
     return found

@@ -354,7 +354,7 @@ class GroupWriter:
     ) -> None:
         self.sessions = sessions
         # Told each group's new jobs (id, key id) once written, before they are enqueued,
-        # and the ids of those deleted again when Redis refused them (never answered).
+        # and the ids of those deleted again when Redis refused them (answered refused).
         self.accepted = accepted
         self.taken_back = taken_back
         self.breaker = breaker

@@ -28,15 +28,6 @@ def test_an_accepted_job_is_unended_for_its_own_key_until_its_completion() -> No
     assert hub.unended("job-2", "key-b")
 
 
-def test_jobs_taken_back_before_any_answer_are_forgotten() -> None:
-    hub = _hub()
-    hub.accepted([("job-1", "key-a"), ("job-2", "key-a"), ("job-3", "key-b")])
-    hub.taken_back({"job-1", "job-3", "job-never-accepted"})
-    assert len(hub) == 1
-    assert hub.unended("job-2", "key-a")
-    assert not hub.unended("job-1", "key-a") and not hub.unended("job-3", "key-b")
-
-
 def test_a_completion_wakes_its_waiter_and_ends_the_record_at_once() -> None:
     async def main() -> None:
         hub = _hub()
@@ -49,13 +40,14 @@ def test_a_completion_wakes_its_waiter_and_ends_the_record_at_once() -> None:
     asyncio.run(main())
 
 
-def test_a_job_read_as_ended_is_forgotten() -> None:
+def test_jobs_read_as_ended_or_taken_back_are_forgotten() -> None:
     hub = _hub()
-    hub.accepted([("job-1", "key-a"), ("job-2", "key-a")])
-    hub.ended("job-1")
-    hub.ended("job-9")  # never accepted here: nothing to forget
-    assert not hub.unended("job-1", "key-a")
+    hub.accepted([("job-1", "key-a"), ("job-2", "key-a"), ("job-3", "key-b")])
+    hub.ended(["job-1"])  # a read found it ended
+    hub.ended({"job-3", "job-9"})  # taken back; job-9 never accepted here: nothing to forget
+    assert len(hub) == 1
     assert hub.unended("job-2", "key-a")
+    assert not hub.unended("job-1", "key-a") and not hub.unended("job-3", "key-b")
 
 
 def test_a_resubscription_forgets_every_record() -> None:
