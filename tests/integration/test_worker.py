@@ -13,6 +13,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
+from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
@@ -254,6 +255,37 @@ def test_a_batch_is_written_in_one_statement_as_one_per_job_would_write_it(
     assert [row[1] for row in batched[:6]] == outputs
     assert batched[6][:3] == ("failed", None, "boom")
     assert batched[7][0] == "cancelled" and batched[7][1] is None
+
+
+def test_a_job_the_claims_update_missed_that_may_start_is_claimed_again_not_dropped(
+    client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]
+) -> None:
+    """The read after the claim's UPDATE classifies what it left out; one that may start
+    after all (the UPDATE saw an older state: made to see nothing here) is claimed, where
+    falling in no list would have had its entry acknowledged and the job lost."""
+    job_id = submit(client, auth, model="sim", input={"cost": 1})
+    engine = sessions.kw["bind"]
+    missed: list[str] = []
+
+    def first_claim_misses(
+        _conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any
+    ) -> tuple[str, Any]:
+        if statement.startswith("UPDATE jobs SET") and "RETURNING" in statement and not missed:
+            missed.append(statement)
+            statement = statement.replace(" WHERE ", " WHERE 1 = 0 AND ", 1)
+        return statement, parameters
+
+    event.listen(engine, "before_cursor_execute", first_claim_misses, retval=True)
+    try:
+        claimed, late, exhausted, held = Recorder(sessions).claim([job_id], utcnow(), 3)
+    finally:
+        event.remove(engine, "before_cursor_execute", first_claim_misses)
+    assert missed
+    assert [(c.job_id, c.attempts) for c in claimed] == [(job_id, 1)]
+    assert late == exhausted == held == []
+    with sessions() as session:
+        row = session.get(Job, job_id)
+        assert row is not None and (row.status, row.attempts) == ("running", 1)
 
 
 def test_claim_reports_jobs_past_their_deadline(

@@ -63,15 +63,14 @@ class _ClaimStatements:
     before it (a write of each row's page of its own). Only when fewer come back are the
     others read, to say why each did not start."""
 
-    claim: Update
-    claim_hooks: Update
-    claim_first: Update  # hold_started: only jobs never started before
-    claim_first_hooks: Update
+    # By (hold_started: only jobs never started before, webhooks: with what a generation
+    # worker's started webhooks need).
+    claims: dict[tuple[bool, bool], Update]
     unclaimed: Select[Any]
 
 
 def _claim_statements(ids: ColumnElement[bool]) -> _ClaimStatements:
-    def claim(first_only: bool, columns: tuple[Any, ...]) -> Update:
+    def claim(first_only: bool, hooks: bool) -> Update:
         may_start: list[ColumnElement[bool]] = [
             ids,
             cast(ColumnElement[bool], _NOT_ENDED),
@@ -89,14 +88,15 @@ def _claim_statements(ids: ColumnElement[bool]) -> _ClaimStatements:
                 attempts=_JOBS.c.attempts + 1,
                 model_version=bindparam("version", type_=_JOBS.c.model_version.type),
             )
-            .returning(*columns)
+            .returning(*(_CLAIMED_HOOKS if hooks else _CLAIMED))
         )
 
     return _ClaimStatements(
-        claim=claim(False, _CLAIMED),
-        claim_hooks=claim(False, _CLAIMED_HOOKS),
-        claim_first=claim(True, _CLAIMED),
-        claim_first_hooks=claim(True, _CLAIMED_HOOKS),
+        claims={
+            (first, hooks): claim(first, hooks)
+            for first in (False, True)
+            for hooks in (False, True)
+        },
         unclaimed=select(_JOBS.c.id, _JOBS.c.attempts, _JOBS.c.deadline_at).where(ids, _NOT_ENDED),
     )
 
@@ -224,10 +224,7 @@ class Recorder:
         with self.sessions.begin() as session:
             connection = session.connection()
             statements = _CLAIMS.get(connection.dialect.name, _CLAIMS["sqlite"])
-            if hold_started:
-                claim = statements.claim_first_hooks if webhooks else statements.claim_first
-            else:
-                claim = statements.claim_hooks if webhooks else statements.claim
+            claim = statements.claims[hold_started, webhooks]
             parameters = {"now": now, "max_attempts": max_attempts, "version": self.model_version}
             ids = list(dict.fromkeys(job_ids))
             by_id = {r.id: r for r in connection.execute(claim, {"ids": ids, **parameters})}
