@@ -198,7 +198,7 @@ RESULT = Report
 class Bench:
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
         self.args = args
-        self.settings = {**STACK, **args.set}
+        self.settings = {**STACK, **dict(args.set)}
         # Celery's beat and worker feed the backfill to the queue.
         self.stack = FerryUp(root, celery=True, **self.settings)
         self.client: httpx.Client | None = None
@@ -451,7 +451,6 @@ def main(argv: list[str] | None = None) -> int:
     results.add_set_option(parser, "the stack")
     parser.add_argument("--out", type=Path, default=Path("bench/results/backfill.json"))
     args = parser.parse_args(argv)
-    args.set = results.set_pairs(parser, args.set)
     if not (0 < args.rate <= 200 and 0 < args.window <= 120 and 0 < args.alone <= 120):
         parser.error("--rate at most 200/s, --window and --alone at most 120 s")
     if not 1000 <= args.lines <= 200_000:

@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("wrk is not on the PATH (apt-get install -y wrk)", file=sys.stderr)
         return 2
-    extra = results.set_pairs(parser, args.set)
+    extra = dict(args.set)
     threads = [int(n) for n in args.threads.split(",")]
     sizes = [int(n) for n in args.raw_sizes.split(",")]
     options = Options(args.duration, args.rounds, args.warmup, args.clients, args.wait)

@@ -732,7 +732,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-timeout", type=float, default=2400.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/peers.json"))
     args = parser.parse_args(argv)
-    args.set = results.set_pairs(parser, args.set)
     systems = [s for s in args.systems.split(",") if s]
     if set(systems) - set(SYSTEMS):
         parser.error(f"--systems: one of {', '.join(SYSTEMS)}")
@@ -756,7 +755,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, systems: list[str]) ->
         ray_wait_s=args.ray_wait_ms / 1000.0,
         celery_concurrency=args.celery_concurrency,
         wait_s=args.wait,
-        extra=args.set,
+        extra=dict(args.set),
     )
     raw_threads = [int(n) for n in args.raw_threads.split(",")]
     sizes = [int(n) for n in args.raw_sizes.split(",")]

@@ -106,26 +106,23 @@ def provenance(bench: str, argv: list[str] | None) -> dict[str, Any]:
 
 
 def add_set_option(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--set FERRY_NAME=VALUE`` (repeatable): another setting for ``what``; read it back
-    with :func:`set_pairs`."""
+    """``--set FERRY_NAME=VALUE`` (repeatable): another setting for ``what``, parsed to a
+    (name, value) pair (``dict(args.set)``); anything else is a usage error."""
     parser.add_argument(
         "--set",
         action="append",
+        type=_setting,
         default=[],
         metavar="FERRY_NAME=VALUE",
         help=f"another setting for {what} (repeatable); recorded in the report",
     )
 
 
-def set_pairs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
-    """The ``--set`` items by name; one that is not ``FERRY_NAME=VALUE`` is a usage error."""
-    pairs = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("FERRY_"):
-            parser.error(f"--set takes FERRY_NAME=VALUE, not {item!r}")
-        pairs[name] = value
-    return pairs
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("FERRY_"):
+        raise argparse.ArgumentTypeError(f"--set takes FERRY_NAME=VALUE, not {text!r}")
+    return name, value
 
 
 def write(
