@@ -29,6 +29,16 @@ What it returns says, for each candidate, which of those happened:
 job) gets none of its rows in: the caller creates the row and sends those
 again. The quota is as exact as the transaction's: a key's counter never
 passes the limit, and what is refused would not have fit.
+
+A group of one key's jobs, none with an idempotency key (a busy tenant's, the
+usual group), is first sent as a leaner statement (:data:`ONE_KEY`): the key's
+counter moved by the group's size where all of it fits, and the rows inserted
+only if it moved. Without the numbering, the joins and the lock taken before the
+counter's update, it costs PostgreSQL about a quarter less per job
+(bench/README.md). One counter is one lock, so it cannot deadlock with groups
+that lock several in key order. Where the counter did not move (the key's first
+job, or not all of the group fits), the group goes through the statement above,
+which places each row.
 """
 
 from __future__ import annotations
@@ -81,13 +91,18 @@ def row_of(job: Job) -> dict[str, Any]:
 UNLIMITED = 2**62
 
 
-def _statement() -> str:
+def _values(source: str) -> str:
+    """The inserted columns' values, read from ``source``'s columns."""
     # A JSON null comes out of json_populate_recordset as SQL NULL; the ORM stores
     # Python's None in a JSON column as JSON null, and so does this.
-    values = ", ".join(
-        f"COALESCE(ranked.{name}, 'null'::json)" if name in JSON_COLUMNS else f"ranked.{name}"
+    return ", ".join(
+        f"COALESCE({source}.{name}, 'null'::json)" if name in JSON_COLUMNS else f"{source}.{name}"
         for name in COLUMNS
     )
+
+
+def _statement() -> str:
+    values = _values("ranked")
     return f"""
 WITH r AS (
     SELECT r.*, r.ordinality AS ord
@@ -119,6 +134,21 @@ SELECT 'counter', api_key_id, outstanding FROM counters
 
 
 STATEMENT = _statement()
+# One key's group, no idempotency key in it: the counter moves by the group's size if
+# all of it fits, and then every row is inserted; else nothing is written.
+ONE_KEY = f"""
+WITH counted AS (
+    UPDATE key_usage SET outstanding = outstanding + %(count)s
+    WHERE api_key_id = %(key_id)s AND outstanding + %(count)s <= %(limit)s
+    RETURNING api_key_id
+), inserted AS (
+    INSERT INTO jobs ({", ".join(COLUMNS)})
+    SELECT {_values("r")}
+    FROM json_populate_recordset(NULL::jobs, %(rows)s::json) AS r
+    WHERE EXISTS (SELECT FROM counted)
+)
+SELECT count(*) FROM counted
+"""
 # A key's counter row, where it has none (a key's first job).
 ADD_COUNTER = (
     "INSERT INTO key_usage (api_key_id, outstanding) VALUES (%(key_id)s, 0) "
@@ -150,6 +180,11 @@ def write(connection: Connection, rows: Sequence[dict[str, Any]], limit: int | N
     # stored text is the same whichever path wrote the row.
     document = json.dumps(rows, default=_encoded)
     bound = UNLIMITED if limit is None else limit
+    key_ids = {row["api_key_id"] for row in rows}
+    if len(key_ids) == 1 and all(row["idempotency_key"] is None for row in rows):
+        parameters = {"rows": document, "limit": bound, "count": len(rows), "key_id": key_ids.pop()}
+        if connection.exec_driver_sql(ONE_KEY, parameters).scalar_one():
+            return Written(inserted=list(range(len(rows))))
     ids: set[str] = set()
     counters: dict[str, int] = {}
     for kind, name, count in connection.exec_driver_sql(

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ApiError
+from api.jobs import at_once
 from api.jobs.at_once import Written, classify
 from api.jobs.schemas import JobCreate
 from api.jobs.submissions import GroupWriter, Submission, Submitted, prepare
@@ -176,6 +177,10 @@ def test_rows_written_at_once_are_stored_as_the_orm_stores_them(
 ) -> None:
     (key,) = keys(sessions, "rows")
     w = writer(settings, limit=None)
+    w.write([submission(settings, key)])  # the key's counter made
+    # Alone, a plain job is written by ONE_KEY; beside one with an idempotency key, by
+    # the statement that places each row.
+    (alone,) = w.write([submission(settings, key)])
     plain, full = w.write(
         [
             submission(settings, key),
@@ -191,8 +196,9 @@ def test_rows_written_at_once_are_stored_as_the_orm_stores_them(
         ]
     )
     assert isinstance(plain, Submitted) and isinstance(full, Submitted)
+    assert isinstance(alone, Submitted)
     with sessions() as session:
-        for sent in (plain.job, full.job):
+        for sent in (alone.job, plain.job, full.job):
             row = session.get(Job, sent.id)
             assert row is not None
             for column in (
@@ -201,11 +207,66 @@ def test_rows_written_at_once_are_stored_as_the_orm_stores_them(
             ):  # fmt: skip
                 assert getattr(row, column) == getattr(sent, column), column
         # JSON as the ORM writes it: an absent metadata is JSON null, as before.
-        stored = session.execute(
-            text("SELECT metadata::text, input::text FROM jobs WHERE id = :id"),
-            {"id": plain.job.id},
-        ).one()
-    assert stored == ("null", '{"cost": 1}')
+        stored = [
+            session.execute(
+                text("SELECT metadata::text, input::text FROM jobs WHERE id = :id"),
+                {"id": sent.id},
+            ).one()
+            for sent in (alone.job, plain.job)
+        ]
+    assert stored == [("null", '{"cost": 1}')] * 2
+
+
+def test_one_keys_group_is_one_statement_where_it_fits_whole_else_placed_row_by_row(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """ONE_KEY writes a group of one key's jobs with no idempotency key where all of it
+    fits; the key's first job, a group that fits only in part, and a group holding an
+    idempotency key go through the statement that places each row, and what fits of them
+    still goes in."""
+    lean, other = keys(sessions, "lean", "other")
+    w = writer(settings, limit=4)
+    engine = w.sessions.kw["bind"]
+    sent: list[str] = []
+    named = {at_once.ONE_KEY: "one key", at_once.STATEMENT: "each row"}
+    named[at_once.ADD_COUNTER] = "counter"
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        if statement in named:
+            sent.append(named[statement])
+
+    event.listen(engine, "before_cursor_execute", record)
+
+    def write(*group: Submission) -> tuple[list[str], list[str]]:
+        sent.clear()
+        found = w.write(list(group))
+        return list(sent), [type(f).__name__ for f in found]
+
+    # The key's first job: no counter row for ONE_KEY to move.
+    assert write(submission(settings, lean)) == (
+        ["one key", "each row", "counter", "one key"],
+        ["Submitted"],
+    )
+    assert write(submission(settings, lean), submission(settings, lean)) == (
+        ["one key"],
+        ["Submitted", "Submitted"],
+    )
+    # One place left of the limit's four: the first of three fits.
+    assert write(*(submission(settings, lean) for _ in range(3))) == (
+        ["one key", "each row"],
+        ["Submitted", "ApiError", "ApiError"],
+    )
+    assert write(submission(settings, other), submission(settings, other, "idem"))[0] == [
+        "each row",
+        "counter",
+        "each row",
+    ]
+    assert write(submission(settings, lean), submission(settings, other))[0] == ["each row"]
+    with sessions() as session:
+        counter = session.get(KeyUsage, lean.id)
+        stored = session.scalars(select(Job.id).where(Job.api_key_id == lean.id)).all()
+    assert counter is not None and counter.outstanding == 4
+    assert len(stored) == 4
 
 
 @pytest.mark.parametrize(
