@@ -108,7 +108,10 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), index=False)
+    # The key that authenticated the request; not a foreign key on PostgreSQL, whose
+    # row-by-row check locked the key's row for every job inserted (migration 0014). Keys
+    # are never deleted.
+    api_key_id: Mapped[str] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(64))
     # The version the job asked for (None: the model's active one), and the
     # version of the worker that last ran it.

@@ -36,6 +36,28 @@ def test_head_matches_the_models_and_downgrades_cleanly(database_url: str) -> No
         engine.dispose()
 
 
+def test_a_jobs_key_is_a_foreign_key_on_sqlite_only(database_url: str) -> None:
+    """PostgreSQL's check of it locked the key's row for each job inserted (0014)."""
+    engine = make_engine(database_url)
+    checked = engine.dialect.name != "postgresql"
+
+    def key_constraints() -> list[Any]:
+        return [
+            fk
+            for fk in inspect(engine).get_foreign_keys("jobs")
+            if fk["constrained_columns"] == ["api_key_id"]
+        ]
+
+    try:
+        assert bool(key_constraints()) is checked
+        command.downgrade(migrate.alembic_config(database_url), "0013")
+        assert [fk["referred_table"] for fk in key_constraints()] == ["api_keys"]
+    finally:
+        migrate.upgrade(database_url)
+    assert bool(key_constraints()) is checked
+    engine.dispose()
+
+
 def test_migrating_twice_changes_nothing(database_url: str, repo_root: Path) -> None:
     """What the Kubernetes migration Job runs (`ferry db upgrade`) is safe to run again:
     a database already at head keeps its schema, its revision and its rows."""
