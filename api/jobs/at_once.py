@@ -34,7 +34,7 @@ A group of one key's jobs, none with an idempotency key (a busy tenant's, the
 usual group), is first sent as a leaner statement (:data:`ONE_KEY`): the key's
 counter moved by the group's size where all of it fits, and the rows inserted
 only if it moved. Without the numbering, the joins and the lock taken before the
-counter's update, it costs PostgreSQL about a quarter less per job
+counter's update, it costs PostgreSQL about a fifth less per job
 (bench/README.md). One counter is one lock, so it cannot deadlock with groups
 that lock several in key order. Where the counter did not move (the key's first
 job, or not all of the group fits), the group goes through the statement above,
