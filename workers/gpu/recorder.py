@@ -16,6 +16,9 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     ColumnElement,
+    Connection,
+    Engine,
+    Row,
     Select,
     String,
     Table,
@@ -176,6 +179,15 @@ class Claim(NamedTuple):
     held: list[str]  # started before and never finished, left unclaimed (hold_started)
 
 
+class _Found(NamedTuple):
+    """A claim's rows (what its UPDATE returned), and the ids of each other kind."""
+
+    claimed: list[Row[Any]]
+    late: list[str]
+    exhausted: list[str]
+    held: list[str]
+
+
 @dataclass(frozen=True)
 class Outcome:
     job_id: str
@@ -188,6 +200,8 @@ class Outcome:
 class Recorder:
     def __init__(self, sessions: sessionmaker[Session], model_version: int | None = None) -> None:
         self.sessions = sessions
+        bind = sessions.kw.get("bind")
+        self._engine = bind if isinstance(bind, Engine) else None
         # Written on every job this worker claims: the version that ran it.
         self.model_version = model_version
         # Webhook deliveries committed with outcomes, not yet handed to Celery.
@@ -221,43 +235,25 @@ class Recorder:
         finished (one may be what killed a worker) are left unclaimed, in
         ``held``, to run alone, each claimed then.
         """
-        with self.sessions.begin() as session:
-            connection = session.connection()
-            statements = _CLAIMS.get(connection.dialect.name, _CLAIMS["sqlite"])
-            claim = statements.claims[hold_started, webhooks]
-            parameters = {"now": now, "max_attempts": max_attempts, "version": self.model_version}
-            ids = list(dict.fromkeys(job_ids))
-            by_id = {r.id: r for r in connection.execute(claim, {"ids": ids, **parameters})}
-            late: list[str] = []
-            exhausted: list[str] = []
-            held: list[str] = []
-            rest = [i for i in ids if i not in by_id]
-            if rest:
-                # Not ended and not started: why, tested in the claim's order. One that
-                # may start after all (this read sees a later state than the claim did:
-                # a deadline never moves and attempts only grow, so it should not
-                # happen) is claimed again rather than dropped with the ended ones.
-                again = []
-                for r in connection.execute(statements.unclaimed, {"ids": rest}):
-                    if r.deadline_at is not None and r.deadline_at <= now:
-                        late.append(r.id)
-                    elif r.attempts >= max_attempts:
-                        exhausted.append(r.id)
-                    elif hold_started and r.attempts > 0:
-                        held.append(r.id)
-                    else:
-                        again.append(r.id)
-                if again:
-                    by_id.update(
-                        (r.id, r) for r in connection.execute(claim, {"ids": again, **parameters})
-                    )
-            claimed = [by_id[i] for i in ids if i in by_id]
-            if webhooks:
-                starting = [(r, r.attempts) for r in claimed if r.callback_url]
-                deliveries = add_started_deliveries(session, starting, now)
-                if deliveries:
-                    with self._outbox_lock:
-                        self.outbox += deliveries
+        ids = list(dict.fromkeys(job_ids))
+        deliveries: list[str] = []
+        if webhooks or self._engine is None:
+            with self.sessions.begin() as session:
+                found = self._claim(
+                    session.connection(), ids, now, max_attempts, webhooks, hold_started
+                )
+                if webhooks:
+                    starting = [(r, r.attempts) for r in found.claimed if r.callback_url]
+                    deliveries = add_started_deliveries(session, starting, now)
+        else:
+            # No ORM session where nothing but the claim's statements runs: a Core
+            # transaction costs the worker about a tenth less per claim (a probe: 866
+            # against 984 µs of its CPU a claim of 32, eight rounds).
+            with self._engine.begin() as connection:
+                found = self._claim(connection, ids, now, max_attempts, False, hold_started)
+        if deliveries:
+            with self._outbox_lock:
+                self.outbox += deliveries
         return Claim(
             [
                 Claimed(
@@ -268,12 +264,52 @@ class Recorder:
                     and bool(r.callback_url)
                     and wants(r.callback_events, "progress"),
                 )
-                for r in claimed
+                for r in found.claimed
             ],
-            late,
-            exhausted,
-            held,
+            found.late,
+            found.exhausted,
+            found.held,
         )
+
+    def _claim(
+        self,
+        connection: Connection,
+        ids: list[str],
+        now: dt.datetime,
+        max_attempts: int,
+        webhooks: bool,
+        hold_started: bool,
+    ) -> _Found:
+        """:meth:`claim`'s statements on ``connection``: the claimed jobs' rows, in
+        ``ids``' order, and the ids of each other kind."""
+        statements = _CLAIMS.get(connection.dialect.name, _CLAIMS["sqlite"])
+        claim = statements.claims[hold_started, webhooks]
+        parameters = {"now": now, "max_attempts": max_attempts, "version": self.model_version}
+        by_id = {r.id: r for r in connection.execute(claim, {"ids": ids, **parameters}).all()}
+        late: list[str] = []
+        exhausted: list[str] = []
+        held: list[str] = []
+        rest = [i for i in ids if i not in by_id]
+        if rest:
+            # Not ended and not started: why, tested in the claim's order. One that
+            # may start after all (this read sees a later state than the claim did:
+            # a deadline never moves and attempts only grow, so it should not
+            # happen) is claimed again rather than dropped with the ended ones.
+            again = []
+            for r in connection.execute(statements.unclaimed, {"ids": rest}).all():
+                if r.deadline_at is not None and r.deadline_at <= now:
+                    late.append(r.id)
+                elif r.attempts >= max_attempts:
+                    exhausted.append(r.id)
+                elif hold_started and r.attempts > 0:
+                    held.append(r.id)
+                else:
+                    again.append(r.id)
+            if again:
+                by_id.update(
+                    (r.id, r) for r in connection.execute(claim, {"ids": again, **parameters})
+                )
+        return _Found([by_id[i] for i in ids if i in by_id], late, exhausted, held)
 
     def progress(self, tokens: dict[str, tuple[int, int]], now: dt.datetime) -> None:
         """Add a ``job.progress`` webhook for each running job of ``tokens`` (its tokens so
