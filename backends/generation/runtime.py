@@ -211,10 +211,18 @@ class StepRuntime:
             ).logits[0]
         # Every token is chosen before any is kept: a sampler that raises (logits
         # gone NaN) leaves every sequence as it was, for the step to be run again.
-        chosen = []
-        for row, id in enumerate(sampled_by):
-            sequence = self._sequences[id]
-            chosen.append(sequence.sampler.choose(logits[row], len(sequence.generated)))
+        # The greedy rows in one argmax and one copy to the host (on a GPU one wait for
+        # the device a step, where a row at a time waited once a sequence).
+        samplers = [self._sequences[id].sampler for id in sampled_by]
+        greedy = [row for row, sampler in enumerate(samplers) if sampler.params.greedy]
+        chosen: list[int] = [0] * len(sampled_by)
+        if greedy:
+            picked = logits[greedy].argmax(dim=-1).tolist()
+            for row, token in zip(greedy, picked, strict=True):
+                chosen[row] = token
+        for row, (id, sampler) in enumerate(zip(sampled_by, samplers, strict=True)):
+            if not sampler.params.greedy:
+                chosen[row] = sampler.choose(logits[row], len(self._sequences[id].generated))
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}

@@ -253,8 +253,15 @@ def test_sampling_with_a_seed_is_reproducible_whatever_shares_its_steps() -> Non
     jobs.insert(
         7, (GenerationRequest("t", len(target.ids), 24), GenerationInput(target.ids, 24, sampled))
     )
-    crowded = run(eng, jobs, arrivals(4))["t"].token_ids
+    ended = run(eng, jobs, arrivals(4))
+    crowded = ended["t"].token_ids
     assert crowded == alone == sample_alone()
+    # The greedy sequences that shared its steps (chosen together, apart from its draw)
+    # still equal generate().
+    mismatched = [
+        i for i, p in enumerate(cases[1:]) if list(ended[str(i)].token_ids) != reference("llama", p)
+    ]
+    assert mismatched == []
     other = GenerationInput(target.ids, 24, SamplingParams(temperature=0.9, top_p=0.9, seed=99))
     eng = engine("llama")
     different = run(eng, [(GenerationRequest("t", len(target.ids), 24), other)], iter([1] * 99))
