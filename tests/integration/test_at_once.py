@@ -105,6 +105,44 @@ def test_writers_of_many_processes_hold_each_keys_quota_exactly(
         assert counter is not None and counter.outstanding == 30
 
 
+def test_one_keys_groups_from_many_writers_hold_its_quota_exactly(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """Groups of one key's jobs only (each tried as ONE_KEY first), four writers at once,
+    up to the quota and past it: the key's counter and its rows end at the limit, and every
+    request is answered as what happened to its row."""
+    (key,) = keys(sessions, "one key")
+    writers = [writer(settings, limit=40) for _ in range(4)]
+    writers[0].write([submission(settings, key)])  # the counter made: ONE_KEY from here
+    outcomes: list[Any] = []
+    lock = threading.Lock()
+    start = threading.Barrier(len(writers))
+
+    def run(w: GroupWriter) -> None:
+        start.wait()
+        for size in (3, 1, 4, 2, 5):
+            found = w.write([submission(settings, key) for _ in range(size)])
+            with lock:
+                outcomes.extend(found)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(outcomes) == 4 * 15
+    accepted = [found for found in outcomes if isinstance(found, Submitted)]
+    refused = [found for found in outcomes if isinstance(found, ApiError)]
+    assert len(accepted) == 39
+    assert {r.type for r in refused} == {"quota_exceeded"}
+    with sessions() as session:
+        stored = session.scalars(select(Job.id).where(Job.api_key_id == key.id)).all()
+        counter = session.get(KeyUsage, key.id)
+    assert len(stored) == 40
+    assert {found.job.id for found in accepted} <= set(stored)
+    assert counter is not None and counter.outstanding == 40
+
+
 def test_groups_waiting_on_a_key_see_the_count_the_one_before_left(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
