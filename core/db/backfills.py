@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy import Connection, Table, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -380,9 +380,10 @@ def discard(
             session.execute(delete(Job).where(Job.id.in_(ids)))
 
 
-def count_outcomes(session: Session, outcomes: Mapping[tuple[str, str], int]) -> None:
-    """In the caller's transaction: add newly terminal jobs to their backfills' counts
-    (``outcomes``: how many jobs of each backfill reached each terminal status)."""
+def count_outcomes(session: Session | Connection, outcomes: Mapping[tuple[str, str], int]) -> None:
+    """In the caller's transaction (a session's or a connection's): add newly terminal
+    jobs to their backfills' counts (``outcomes``: how many jobs of each backfill reached
+    each terminal status)."""
     table: Table = Backfill.__table__  # type: ignore[assignment]
     for (backfill_id, status), count in sorted(outcomes.items()):
         column = COUNTER.get(status)

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from core.db.backfills import count_outcomes
@@ -21,20 +21,33 @@ TERMINAL_COLUMNS = (Job.id, Job.api_key_id, Job.backfill_id, Job.status, Job.cal
 
 
 def after_terminal(
-    session: Session, job_ids: Sequence[str], now: dt.datetime, rows: Sequence[Any] | None = None
+    target: Session | Connection,
+    job_ids: Sequence[str],
+    now: dt.datetime,
+    rows: Sequence[Any] | None = None,
 ) -> list[str]:
     """Count the jobs into their backfills or out of their keys' outstanding jobs, and
     add their webhook deliveries: one query of the jobs for all three, or none where the
     write returned their :data:`TERMINAL_COLUMNS` (``rows``).
 
     ``job_ids`` are the jobs this transaction just made terminal (its
-    conditional UPDATEs won). Returns the new delivery ids, for Celery.
+    conditional UPDATEs won); ``target``, the session or connection of that
+    transaction. Returns the new delivery ids, for Celery.
     """
     if not job_ids:
         return []
     if rows is None:
-        rows = session.execute(select(*TERMINAL_COLUMNS).where(Job.id.in_(job_ids))).all()
-    count_outcomes(session, Counter((r.backfill_id, r.status) for r in rows if r.backfill_id))
-    release(session, Counter(r.api_key_id for r in rows if r.backfill_id is None))
+        rows = target.execute(select(*TERMINAL_COLUMNS).where(Job.id.in_(job_ids))).all()
+    count_outcomes(target, Counter((r.backfill_id, r.status) for r in rows if r.backfill_id))
+    release(target, Counter(r.api_key_id for r in rows if r.backfill_id is None))
     called = [r.id for r in rows if r.callback_url]
-    return add_job_deliveries(session, called, now) if called else []
+    if not called:
+        return []
+    if isinstance(target, Session):
+        return add_job_deliveries(target, called, now)
+    # Deliveries are ORM rows: a session on the connection's transaction, flushed here;
+    # the caller commits (or rolls back) the transaction.
+    with Session(bind=target, join_transaction_mode="rollback_only") as session:
+        deliveries = add_job_deliveries(session, called, now)
+        session.flush()
+    return deliveries

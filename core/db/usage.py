@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, select, text, update
+from sqlalchemy import Connection, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -44,11 +44,13 @@ def reserve(session: Session, wanted: Mapping[str, int], limit: int | None) -> d
     return admitted
 
 
-def release(session: Session, counts: Mapping[str, int]) -> None:
-    """Uncount jobs this transaction made terminal or took back (``counts``: per key)."""
+def release(target: Session | Connection, counts: Mapping[str, int]) -> None:
+    """Uncount jobs this transaction (``target``'s) made terminal or took back
+    (``counts``: per key)."""
+    connection = target.connection() if isinstance(target, Session) else target
     for key_id, count in sorted(counts.items()):
         if count:
-            _add(session, key_id, -count)
+            connection.execute(_ADD, {"key_id": key_id, "delta": -count})
 
 
 def release_jobs(session: Session, job_ids: Sequence[str]) -> None:
