@@ -39,7 +39,7 @@ def reserve(session: Session, wanted: Mapping[str, int], limit: int | None) -> d
         now = _upsert(session, key_id, count)
         over = 0 if limit is None else min(count, max(0, now - limit))
         if over:
-            _add(session, key_id, -over)
+            _add(session.connection(), key_id, -over)
         admitted[key_id] = count - over
     return admitted
 
@@ -50,7 +50,7 @@ def release(target: Session | Connection, counts: Mapping[str, int]) -> None:
     connection = target.connection() if isinstance(target, Session) else target
     for key_id, count in sorted(counts.items()):
         if count:
-            connection.execute(_ADD, {"key_id": key_id, "delta": -count})
+            _add(connection, key_id, -count)
 
 
 def release_jobs(session: Session, job_ids: Sequence[str]) -> None:
@@ -136,5 +136,5 @@ def _upsert(session: Session, key_id: str, count: int) -> int:
     return int(connection.execute(statement, {"key_id": key_id, "count": count}).scalar_one())
 
 
-def _add(session: Session, key_id: str, delta: int) -> None:
-    session.connection().execute(_ADD, {"key_id": key_id, "delta": delta})
+def _add(connection: Connection, key_id: str, delta: int) -> None:
+    connection.execute(_ADD, {"key_id": key_id, "delta": delta})

@@ -4,10 +4,11 @@ for every job inserted.
 PostgreSQL checks a foreign key row by row, each check a ``SELECT ... FOR KEY SHARE`` of
 the referenced row: every job a group inserts locked its key's row again, and the
 groups of one key, from every API process at once, shared that lock (a multixact, kept
-in the key's row). That was 6 to 12 µs of the database's CPU per job, of about 100 for
-its group's statement (a probe; bench/README.md). A key is never deleted (a revoked one keeps its row, for the jobs
-that name it), and a job's key is the key that authenticated its request, read before
-the insert; so the constraint guarded against nothing the service does. SQLite keeps it:
+in the key's row). That was 6 to 12 µs of the database's CPU per job, of about 100
+for its group's statement (a probe; bench/README.md). A key is never deleted (a
+revoked one keeps its row, for the jobs that name it), and a job's key is the key
+that authenticated its request, read before the insert; so the constraint guarded
+against nothing the service does. SQLite keeps it:
 its check is one index lookup, and dropping it would copy the whole table.
 
 Revision ID: 0014
