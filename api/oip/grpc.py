@@ -42,8 +42,6 @@ from api.jobs.submissions import Submitted
 from api.middleware import request_id_for
 from api.models.routes import readiness
 from api.oip import protocol as oip
-from api.oip.proto import grpc_service_pb2 as pb
-from api.oip.proto import grpc_service_pb2_grpc as pb_grpc
 from api.oip.routes import (
     EXTENSIONS,
     VERSION,
@@ -56,6 +54,8 @@ from api.oip.routes import (
     submit_rows,
     unload_model,
 )
+from api.oip.third_party import grpc_service_pb2 as pb
+from api.oip.third_party import grpc_service_pb2_grpc as pb_grpc
 from api.state import AppState, app_state
 from core.db.schema import ApiKey
 from core.models.catalog import text_problem

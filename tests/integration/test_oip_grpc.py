@@ -19,8 +19,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
-from api.oip.proto import grpc_service_pb2 as pb
-from api.oip.proto import grpc_service_pb2_grpc as pb_grpc
+from api.oip.third_party import grpc_service_pb2 as pb
+from api.oip.third_party import grpc_service_pb2_grpc as pb_grpc
 from core.config.settings import Settings
 from core.db.keys import create_key
 from core.db.schema import Job, ModelUnload

@@ -11,6 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from api.oip import protocol as oip
+from api.oip import protos
 from api.oip.grpc import (
     CODES,
     CONTENTS,
@@ -22,9 +23,8 @@ from api.oip.grpc import (
     model_version,
     start_server,
 )
-from api.oip.proto import generate
-from api.oip.proto import grpc_service_pb2 as pb
 from api.oip.routes import _MEANINGS
+from api.oip.third_party import grpc_service_pb2 as pb
 from core.config.settings import Settings
 from harness.ports import free_port
 
@@ -180,7 +180,7 @@ def test_versions_addresses_and_codes() -> None:
 
 
 def test_the_generated_modules_are_what_protoc_writes_from_the_protos() -> None:
-    assert generate.stale() == [], f"run: {generate.COMMAND}"
+    assert protos.stale() == [], f"run: {protos.COMMAND}"
 
 
 @pytest.mark.parametrize("processes", [1, 2])

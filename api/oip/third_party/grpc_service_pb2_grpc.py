@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from api.oip.proto import grpc_service_pb2 as grpc__service__pb2
+from api.oip.third_party import grpc_service_pb2 as grpc__service__pb2
 
 GRPC_GENERATED_VERSION = '1.80.0'
 GRPC_VERSION = grpc.__version__

@@ -1,11 +1,12 @@
 """The Python modules of the inference protocol's gRPC service, generated from its .proto files.
 
 The .proto files are Triton's published ones (``grpc_service.proto`` and the
-``model_config.proto`` it imports), kept as they are. protoc writes modules
-that import each other as top-level modules; here they are rewritten to import
-from this package. After changing a .proto file (or the pinned grpcio-tools):
+``model_config.proto`` it imports), kept as they are in ``api/oip/third_party``
+beside what protoc writes from them. protoc writes modules that import each
+other as top-level modules; here they are rewritten to import from that
+package. After changing a .proto file (or the pinned grpcio-tools):
 
-    python -m api.oip.proto.generate --write
+    python -m api.oip.protos --write
 
 ``tests/unit/test_oip_grpc.py`` fails while the committed modules differ from
 what this writes.
@@ -19,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "third_party"
 PROTOS = ("grpc_service.proto", "model_config.proto")
-COMMAND = "python -m api.oip.proto.generate --write"
+COMMAND = "python -m api.oip.protos --write"
 # What protoc's gRPC plugin writes for a .proto without a service: nothing to import.
 SERVICELESS = frozenset({"model_config_pb2_grpc.py"})
 # protoc's imports of one generated module from another, in .py and .pyi.
@@ -49,7 +50,7 @@ def generated() -> dict[str, str]:
         for path in sorted(Path(out).iterdir()):
             if path.name in SERVICELESS:
                 continue
-            text = _IMPORT.sub(r"from api.oip.proto import \1 as ", path.read_text())
+            text = _IMPORT.sub(r"from api.oip.third_party import \1 as ", path.read_text())
             texts[path.name] = text
         return texts
 
