@@ -1,9 +1,4 @@
-"""Jobs and API keys.
-
-Revision ID: 0001
-Revises:
-Create Date: 2026-11-29
-"""
+"""Jobs and API keys."""
 
 import sqlalchemy as sa
 from alembic import op
@@ -12,8 +7,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

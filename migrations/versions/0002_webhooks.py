@@ -1,9 +1,4 @@
-"""Webhook deliveries and attempts; a signing secret per API key.
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-30
-"""
+"""Webhook deliveries and attempts; a signing secret per API key."""
 
 import base64
 import secrets
@@ -15,8 +10,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

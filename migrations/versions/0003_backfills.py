@@ -1,9 +1,4 @@
-"""Backfills: the table, and the columns that make a job one of a backfill's items.
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-11-30
-"""
+"""Backfills: the table, and the columns that make a job one of a backfill's items."""
 
 import sqlalchemy as sa
 from alembic import op
@@ -12,8 +7,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -1,17 +1,10 @@
-"""API key scopes: `client` (the default) and `admin` (operator endpoints).
-
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-11-30
-"""
+"""API key scopes: `client` (the default) and `admin` (operator endpoints)."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

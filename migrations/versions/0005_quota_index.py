@@ -3,10 +3,6 @@
 (api_key_id, status) over the jobs that are not backfill items: the quota counts
 only those, so backfill items never have to be read and thrown away. Built
 CONCURRENTLY on PostgreSQL, so submissions go on while it builds.
-
-Revision ID: 0005
-Revises: 0004
-Create Date: 2026-11-30
 """
 
 import sqlalchemy as sa
@@ -14,8 +10,6 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 WHERE = sa.text("backfill_id IS NULL")
 

@@ -1,9 +1,4 @@
-"""Model versions: the version a job asked for, the version that ran it, and activations.
-
-Revision ID: 0006
-Revises: 0005
-Create Date: 2026-12-01
-"""
+"""Model versions: the version a job asked for, the version that ran it, and activations."""
 
 import sqlalchemy as sa
 from alembic import op
@@ -12,8 +7,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0006"
 down_revision = "0005"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

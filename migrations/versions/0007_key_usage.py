@@ -1,17 +1,10 @@
-"""Each key's outstanding jobs, kept as a counter instead of counted per submission.
-
-Revision ID: 0007
-Revises: 0006
-Create Date: 2026-12-01
-"""
+"""Each key's outstanding jobs, kept as a counter instead of counted per submission."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0007"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

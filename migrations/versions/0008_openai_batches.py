@@ -1,9 +1,4 @@
-"""The OpenAI-compatible Files and Batch APIs; backfills that expire; a key's embeddings lane.
-
-Revision ID: 0008
-Revises: 0007
-Create Date: 2026-12-02
-"""
+"""The OpenAI-compatible Files and Batch APIs; backfills that expire; a key's embeddings lane."""
 
 import sqlalchemy as sa
 from alembic import op
@@ -12,8 +7,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -1,17 +1,10 @@
-"""A job keeps the traceparent of the request that made it (OpenTelemetry, when on).
-
-Revision ID: 0009
-Revises: 0008
-Create Date: 2026-12-02
-"""
+"""A job keeps the traceparent of the request that made it (OpenTelemetry, when on)."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
 down_revision = "0008"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -1,9 +1,4 @@
-"""Models an operator unloaded: they take no new jobs until loaded again.
-
-Revision ID: 0010
-Revises: 0009
-Create Date: 2026-12-04
-"""
+"""Models an operator unloaded: they take no new jobs until loaded again."""
 
 import sqlalchemy as sa
 from alembic import op
@@ -12,8 +7,6 @@ from core.db.schema import UTCDateTime
 
 revision = "0010"
 down_revision = "0009"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

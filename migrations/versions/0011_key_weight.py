@@ -1,17 +1,10 @@
-"""Each API key's weight: its share of a generation engine against other keys'.
-
-Revision ID: 0011
-Revises: 0010
-Create Date: 2026-12-04
-"""
+"""Each API key's weight: its share of a generation engine against other keys'."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
 down_revision = "0010"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -1,10 +1,6 @@
 """The webhook events a job asks for (started, progress, terminal; null: terminal only),
 and a delivery's ordinal, so that a job may have many started and progress deliveries
 but still one terminal one.
-
-Revision ID: 0012
-Revises: 0011
-Create Date: 2026-12-04
 """
 
 import sqlalchemy as sa
@@ -12,8 +8,6 @@ from alembic import op
 
 revision = "0012"
 down_revision = "0011"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

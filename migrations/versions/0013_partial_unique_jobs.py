@@ -10,10 +10,6 @@ a counter since 0007's key_usage; its rebuild (the reconciler's, rare) counts th
 outstanding jobs through the status index. The new indexes are built CONCURRENTLY on
 PostgreSQL, before the old ones are dropped, so submissions go on meanwhile and the
 rows are never unguarded.
-
-Revision ID: 0013
-Revises: 0012
-Create Date: 2026-12-06
 """
 
 import sqlalchemy as sa
@@ -21,8 +17,6 @@ from alembic import op
 
 revision = "0013"
 down_revision = "0012"
-branch_labels = None
-depends_on = None
 
 # (the new index, the old constraint, its columns, the column whose rows it holds)
 UNIQUE = (

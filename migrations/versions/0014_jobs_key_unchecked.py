@@ -10,10 +10,6 @@ revoked one keeps its row, for the jobs that name it), and a job's key is the ke
 that authenticated its request, read before the insert; so the constraint guarded
 against nothing the service does. SQLite keeps it:
 its check is one index lookup, and dropping it would copy the whole table.
-
-Revision ID: 0014
-Revises: 0013
-Create Date: 2026-12-07
 """
 
 import sqlalchemy as sa
@@ -21,8 +17,6 @@ from alembic import op
 
 revision = "0014"
 down_revision = "0013"
-branch_labels = None
-depends_on = None
 
 
 def _key_constraints() -> list[str]:
