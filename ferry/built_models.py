@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from core.models.repository import relative
-from ferry.lm_build import Shape, build_lm, shape_for
+from ferry.lm_build import Shape, build_shape, shape_for
 
 RECIPE = "lm-build.toml"
 # What build_lm writes.
@@ -80,20 +80,7 @@ class BuiltVersion:
 
     def build_files(self, dest: Path) -> Path:
         """The files of the recipe, built into ``dest`` (a new folder): build_lm's."""
-        shape = self.shape
-        return build_lm(
-            dest,
-            shape.arch,
-            seed=self.seed,
-            layers=shape.layers,
-            hidden=shape.hidden,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            intermediate=shape.intermediate,
-            vocab_size=shape.vocab_size,
-            context_tokens=shape.context_tokens,
-            dtype=shape.dtype,
-        )
+        return build_shape(dest, self.shape, seed=self.seed)
 
     def stamp(self) -> str | None:
         path = self.folder / STAMP

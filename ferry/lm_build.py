@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -114,37 +114,32 @@ def shape_for(
     )
 
 
+class Dimensions(TypedDict, total=False):
+    """``shape_for``'s keywords, each optional: a model's dimensions."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    intermediate: int | None
+    vocab_size: int
+    context_tokens: int
+    dtype: str
+
+
 def build_lm(
-    dest: Path,
-    arch: str,
-    *,
-    seed: int = 0,
-    layers: int = LAYERS,
-    hidden: int = HIDDEN,
-    heads: int = HEADS,
-    kv_heads: int | None = None,
-    intermediate: int | None = None,
-    vocab_size: int = VOCAB_SIZE,
-    context_tokens: int = CONTEXT_TOKENS,
-    dtype: str = "float32",
-    force: bool = False,
+    dest: Path, arch: str, *, seed: int = 0, force: bool = False, **dimensions: Unpack[Dimensions]
 ) -> Path:
+    """Write a model folder of ``arch`` at ``dest`` and return it; see ``build_shape``."""
+    return build_shape(dest, shape_for(arch, **dimensions), seed=seed, force=force)
+
+
+def build_shape(dest: Path, shape: Shape, *, seed: int = 0, force: bool = False) -> Path:
     """Write a model folder at ``dest`` and return it.
 
     ``dest`` must be missing or empty unless ``force``. The folder is written beside ``dest``
     and renamed into place at the end, so an interrupted build leaves no folder at ``dest``.
     """
-    shape = shape_for(
-        arch,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        vocab_size=vocab_size,
-        context_tokens=context_tokens,
-        dtype=dtype,
-    )
     dest = Path(dest)
     if not force and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise FileExistsError(f"{dest} exists and is not empty")
