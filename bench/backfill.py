@@ -59,17 +59,7 @@ import httpx
 
 from bench import results
 from bench.quantiles import nearest_rank
-from bench.report import (
-    Figure,
-    Fmt,
-    Results,
-    Spread,
-    decimal,
-    measured_on,
-    percent,
-    table,
-    verdict,
-)
+from bench.report import Figure, Fmt, Results, Spread, decimal, measured_on, percent, table, verdict
 from harness import webclient
 from harness.stack import FerryUp
 

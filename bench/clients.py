@@ -95,16 +95,7 @@ from bench.api import (
     working_tree,
 )
 from bench.quantiles import nearest_rank
-from bench.report import (
-    Figure,
-    Results,
-    Spread,
-    decimal,
-    measured_on,
-    percent,
-    table,
-    verdict,
-)
+from bench.report import Figure, Results, Spread, decimal, measured_on, percent, table, verdict
 from harness.stack import FerryUp
 
 MODEL = "minilm"

@@ -26,16 +26,7 @@ from urllib.parse import urlsplit
 import redis
 
 from bench import results
-from bench.report import (
-    Figure,
-    Results,
-    Spread,
-    decimal,
-    measured_on,
-    percent,
-    table,
-    times,
-)
+from bench.report import Figure, Results, Spread, decimal, measured_on, percent, table, times
 from core.streams.protocol import JobMessage, Scripts, done_channel
 from core.streams.target import RedisTarget
 from harness.cluster import ClusterRedis, models_on_every_shard

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench import results
 from bench.corpus import load_corpus
@@ -193,14 +194,19 @@ def wait_done(db: Path, ids: list[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
-    """Throughput and latency of these jobs, from the results table."""
+def job_rows(db: Path, ids: list[str], columns: str) -> list[Any]:
+    """``columns`` (SQL: names, or aggregates of them) of these jobs' rows in the SQLite
+    database ``db``; the rows in no particular order."""
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-        rows = conn.execute(
-            "SELECT created_at, started_at, finished_at, status, cost, batch_id FROM jobs "
-            "WHERE id IN (SELECT value FROM json_each(?))",
+        return conn.execute(
+            f"SELECT {columns} FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
             (json.dumps(ids),),
         ).fetchall()
+
+
+def measure(db: Path, ids: list[str], clock_from: str) -> Phase:
+    """Throughput and latency of these jobs, from the results table."""
+    rows = job_rows(db, ids, "created_at, started_at, finished_at, status, cost, batch_id")
     created = [_ts(r[0]) for r in rows]
     started = [_ts(r[1]) for r in rows if r[1]]
     finished = [_ts(r[2]) for r in rows]

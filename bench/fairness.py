@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import json
 import sqlite3
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import results
-from bench.e2e import _ts, wait_done
+from bench.e2e import _ts, job_rows, wait_done
 from bench.quantiles import nearest_rank
 from bench.report import (
     Figure,
@@ -143,20 +142,13 @@ def steady(base: str, token: str, rate: float, seconds: float) -> list[str]:
 def phase(
     name: str, db: Path, ids: list[str], window: tuple[float, float], flood: list[str]
 ) -> PhaseResult:
+    rows = job_rows(db, ids, "created_at, finished_at, batch_id")
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-        rows = conn.execute(
-            "SELECT created_at, finished_at, batch_id FROM jobs "
-            "WHERE id IN (SELECT value FROM json_each(?))",
-            (json.dumps(ids),),
-        ).fetchall()
         batches = conn.execute(
             "SELECT batch_id, min(started_at), max(finished_at) FROM jobs "
             "WHERE batch_id IS NOT NULL GROUP BY batch_id"
         ).fetchall()
-        flood_finished = conn.execute(
-            "SELECT finished_at FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
-            (json.dumps(flood),),
-        ).fetchall()
+    flood_finished = job_rows(db, flood, "finished_at")
     begin, end = window
     starts = {batch: _ts(start) for batch, start, _f in batches if start}
     ordered = sorted(starts.values())

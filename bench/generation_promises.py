@@ -66,7 +66,7 @@ from bench.generation_workload import (
     draw_workload,
     ratio_spread,
 )
-from bench.quantiles import quantile
+from bench.quantiles import median_range, quantile
 from bench.report import (
     Figure,
     Fmt,
@@ -429,17 +429,6 @@ class Report:
 RESULT = Report
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Median and range of one figure over the repeats."""
-    if not values:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def p(values: Sequence[float], q: float) -> float:
     return round(quantile(values, q), 2)
 
@@ -684,38 +673,40 @@ def figures(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     costs = [r["checkpoint"]["cost"] for r in rounds]
     return {
         "urgent_ttft_p99_ms": {
-            "preemption": spread([r["urgent_ttft_ms"]["preemption"]["p99"] for r in pre]),
-            "no_preemption": spread([r["urgent_ttft_ms"]["no_preemption"]["p99"] for r in pre]),
+            "preemption": median_range([r["urgent_ttft_ms"]["preemption"]["p99"] for r in pre]),
+            "no_preemption": median_range(
+                [r["urgent_ttft_ms"]["no_preemption"]["p99"] for r in pre]
+            ),
         },
         "urgent_ttft_gain": ratio_spread(
             [r["urgent_ttft_ms"]["no_preemption"]["p99"] for r in pre],
             [r["urgent_ttft_ms"]["preemption"]["p99"] for r in pre],
         ),
-        "preempted_delay_p50_ms": spread([r["preempted_delay_ms"]["p50"] for r in pre]),
+        "preempted_delay_p50_ms": median_range([r["preempted_delay_ms"]["p50"] for r in pre]),
         "preempted_jobs": sum(r["preempted_jobs"] for r in pre),
         "preempted_outputs_equal": sum(r["preempted_outputs_equal"] for r in pre),
         "restarted_from_zero": sum(r["restarted_from_zero"] for r in pre),
         "light_ttft_p99_ms": {
-            "idle": spread([r["light_ttft_ms"]["idle"]["p99"] for r in fair]),
-            "flood": spread([r["light_ttft_ms"]["flood"]["p99"] for r in fair]),
+            "idle": median_range([r["light_ttft_ms"]["idle"]["p99"] for r in fair]),
+            "flood": median_range([r["light_ttft_ms"]["flood"]["p99"] for r in fair]),
         },
         "light_ttft_p99_ratio": ratio_spread(
             [r["light_ttft_ms"]["flood"]["p99"] for r in fair],
             [r["light_ttft_ms"]["idle"]["p99"] for r in fair],
         ),
         "light_ttft_p99_steps": {
-            "idle": spread([r["light_ttft_steps"]["idle"]["p99"] for r in fair]),
-            "flood": spread([r["light_ttft_steps"]["flood"]["p99"] for r in fair]),
+            "idle": median_range([r["light_ttft_steps"]["idle"]["p99"] for r in fair]),
+            "flood": median_range([r["light_ttft_steps"]["flood"]["p99"] for r in fair]),
         },
-        "flood_kv_share": spread([r["flood_kv_share"] for r in fair]),
+        "flood_kv_share": median_range([r["flood_kv_share"] for r in fair]),
         "step_ms_ratio": ratio_spread(
             [r["step_ms"]["flood"] for r in fair], [r["step_ms"]["idle"] for r in fair]
         ),
-        "heavy_kv_share": spread([r["heavy_kv_share"] for r in split]),
-        "heavy_token_share": spread([r["heavy_token_share"] for r in split]),
-        "checkpoint_cost": spread([c["with"] for c in costs]),
-        "checkpoint_cost_in_loop": spread([c["in_loop"] for c in costs if "in_loop" in c]),
-        "checkpoint_cost_every_50_ms": spread(
+        "heavy_kv_share": median_range([r["heavy_kv_share"] for r in split]),
+        "heavy_token_share": median_range([r["heavy_token_share"] for r in split]),
+        "checkpoint_cost": median_range([c["with"] for c in costs]),
+        "checkpoint_cost_in_loop": median_range([c["in_loop"] for c in costs if "in_loop" in c]),
+        "checkpoint_cost_every_50_ms": median_range(
             [c["every_50_ms"] for c in costs if "every_50_ms" in c]
         ),
     }

@@ -66,16 +66,7 @@ from sqlalchemy import select
 
 from bench import results
 from bench.generation_workload import ratio_spread
-from bench.report import (
-    Figure,
-    Fmt,
-    Results,
-    Spread,
-    counted,
-    decimal,
-    measured_on,
-    table,
-)
+from bench.report import Figure, Fmt, Results, Spread, counted, decimal, measured_on, table
 from core.streams.events import JobEvent
 from core.streams.protocol import GROUP, events_key
 from harness.faults import Stack

@@ -56,16 +56,7 @@ from bench.generation_workload import (
     workload_facts,
 )
 from bench.quantiles import quantile
-from bench.report import (
-    Figure,
-    Results,
-    Spread,
-    counted,
-    decimal,
-    measured_on,
-    percent,
-    table,
-)
+from bench.report import Figure, Results, Spread, counted, decimal, measured_on, percent, table
 from harness import webclient
 from harness.stack import FerryUp
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from bench.quantiles import quantile
+from bench.quantiles import median_range, quantile
 
 
 @dataclass(frozen=True)
@@ -153,14 +153,7 @@ def gaps_ms(times_s: Sequence[float]) -> list[float]:
 
 def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
     """Round by round ``ours / theirs`` (each pair ran side by side): median and range."""
-    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
-    if not ratios:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {
-        "median": round(statistics.median(ratios), 3),
-        "min": round(min(ratios), 3),
-        "max": round(max(ratios), 3),
-    }
+    return median_range([a / b for a, b in zip(ours, theirs, strict=True) if b > 0])
 
 
 def lengths_summary(values: Sequence[int]) -> dict[str, Any]:

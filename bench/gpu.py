@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import io
-import json
 import os
 import random
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -45,7 +42,7 @@ from typing import Any
 
 from bench import results
 from bench.corpus import load_corpus
-from bench.e2e import _ts, wait_done
+from bench.e2e import _ts, job_rows, wait_done
 from bench.generation import GENERATION_SYSTEMS
 from bench.generation import Report as GenerationReport
 from bench.quantiles import nearest_rank
@@ -231,12 +228,7 @@ def stack(
             count = max(1, int(result.load_per_s * seconds))
             sent = paced(up.base, up.token, model, inputs_for(model, count), result.load_per_s)
             wait_done(db, sent, timeout_s=600)
-            with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
-                rows = conn.execute(
-                    "SELECT created_at, finished_at FROM jobs "
-                    "WHERE id IN (SELECT value FROM json_each(?))",
-                    (json.dumps(sent),),
-                ).fetchall()
+            rows = job_rows(db, sent, "created_at, finished_at")
             latencies = sorted((_ts(f) - _ts(c)) * 1000.0 for c, f in rows)
             result.p50_ms = round(nearest_rank(latencies, 0.5), 1)
             result.p99_ms = round(nearest_rank(latencies, 0.99), 1)
@@ -283,12 +275,7 @@ def saturate(
     finally:
         up.env = stack_env
     wait_done(up.root / "ferry.db", queued, timeout_s=600)
-    with contextlib.closing(sqlite3.connect(up.root / "ferry.db", timeout=30)) as conn:
-        first, last = conn.execute(
-            "SELECT min(started_at), max(finished_at) FROM jobs "
-            "WHERE id IN (SELECT value FROM json_each(?))",
-            (json.dumps(queued),),
-        ).fetchone()
+    first, last = job_rows(up.root / "ferry.db", queued, "min(started_at), max(finished_at)")[0]
     span = _ts(last) - _ts(first)
     busy = compute_seconds(port, model)
     figures = batch_figures(port, model)

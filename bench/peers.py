@@ -96,17 +96,7 @@ from bench.clients import (
     started_ferry,
     wait_quiet,
 )
-from bench.report import (
-    Doc,
-    Figure,
-    Results,
-    Spread,
-    counted,
-    decimal,
-    measured_on,
-    percent,
-    table,
-)
+from bench.report import Doc, Figure, Results, Spread, counted, decimal, measured_on, percent, table
 from harness import webclient
 from harness.stack import FerryUp
 

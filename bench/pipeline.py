@@ -46,16 +46,7 @@ import sqlalchemy
 
 from bench import results
 from bench.fairness import submit_many
-from bench.report import (
-    Figure,
-    Results,
-    Spread,
-    decimal,
-    measured_on,
-    percent,
-    table,
-    times,
-)
+from bench.report import Figure, Results, Spread, decimal, measured_on, percent, table, times
 from ferry.local_redis import free_port
 from harness.services import postgres_database
 from harness.stack import FerryUp, compute_seconds

@@ -27,14 +27,7 @@ from unittest import mock
 from sqlalchemy import insert
 
 from bench import results
-from bench.report import (
-    Figure,
-    Results,
-    Spread,
-    measured_on,
-    table,
-    times,
-)
+from bench.report import Figure, Results, Spread, measured_on, table, times
 from core.db import migrate
 from core.db.keys import create_key
 from core.db.schema import Job, make_engine, make_sessionmaker, utcnow

@@ -27,13 +27,14 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+from bench.quantiles import median_range
 
 # Set by `python -m bench all --smoke` for the benchmarks it starts (their stacks start
 # no Flower then: harness.stack reads it too).
@@ -161,14 +162,7 @@ def repeated(count: int, once: Callable[[], T], show: Callable[[T], None]) -> li
 
 def spread(values: list[float]) -> dict[str, float]:
     """The median of repeated runs and their range (NaN, a run that measured nothing, left out)."""
-    clean = [v for v in values if v == v]
-    if not clean:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {
-        "median": round(statistics.median(clean), 3),
-        "min": round(min(clean), 3),
-        "max": round(max(clean), 3),
-    }
+    return median_range([v for v in values if v == v])
 
 
 def commit_of(doc: Mapping[str, Any]) -> str | None:

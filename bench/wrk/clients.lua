@@ -10,18 +10,16 @@
 --                  "batch_sizes":{"<size>":<jobs>,..},
 --                  "job_ms":[<timings.total_ms of each job seen terminal>,..]}
 --
--- The ids of jobs submitted and not yet seen terminal wait in a FIFO, as in
--- longpoll.lua; since a connection sends its next request right after its
+-- The ids of jobs submitted and not yet seen terminal wait in common.lua's FIFO,
+-- as for longpoll.lua; since a connection sends its next request right after its
 -- response, each connection alternates one submission and the polls of one
 -- job: FERRY_BENCH_CONNECTIONS closed-loop clients, one job each in hand.
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
 dofile(here .. "common.lua")
 
-local TERMINAL = {succeeded = true, failed = true, expired = true, cancelled = true}
 local bodies = {}
 local submit_headers, get_headers, wait
 local next_body = 1
-local pending, head, tail = {}, 1, 0
 
 body_count = 0    -- bodies read at init
 submitted = 0     -- jobs this thread submitted (2xx or not)
@@ -48,11 +46,9 @@ function init(args)
 end
 
 function request()
-   if head <= tail then
-      local id = pending[head]
-      pending[head] = nil
-      head = head + 1
-      return wrk.format("GET", "/v1/jobs/" .. id .. "?wait=" .. wait, get_headers)
+   local poll = next_poll(wait, get_headers)
+   if poll ~= nil then
+      return poll
    end
    local body = bodies[next_body]
    next_body = next_body % #bodies + 1
@@ -61,30 +57,12 @@ function request()
 end
 
 function response(status, headers, body)
-   count_status(status)
-   if status ~= 200 and status ~= 202 then
-      return
-   end
-   -- The job's own id comes first in its resource; the batch's id comes later.
-   local id = body:match('"id":"([^"]+)"')
-   local state = body:match('"status":"(%a+)"')
-   if id == nil then
-      return
-   end
-   if status == 200 and TERMINAL[state] then
-      completed = completed + 1
+   local state = job_response(status, body)
+   if state ~= nil then
       states[state] = (states[state] or 0) + 1
-      local total = body:match('"total_ms":([%d%.eE+-]+)')
-      if total ~= nil then
-         table.insert(job_ms, tonumber(total))
-      end
       local batch = body:match('"batch":(%b{})')
       local size = batch and batch:match('"size":(%d+)') or "none"
       batch_sizes[size] = (batch_sizes[size] or 0) + 1
-   else
-      -- Accepted, or not terminal when the long-poll's wait ran out: poll it (again).
-      tail = tail + 1
-      pending[tail] = id
    end
 end
 

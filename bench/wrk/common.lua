@@ -42,6 +42,50 @@ function auth_headers(with_body)
    return headers
 end
 
+-- For the scripts that submit jobs and long-poll them (longpoll.lua, clients.lua): the ids
+-- of jobs submitted and not yet seen terminal wait in a FIFO, the thread's own (wrk's
+-- request() is not told which connection it is for).
+local TERMINAL = {succeeded = true, failed = true, expired = true, cancelled = true}
+local pending, head, tail = {}, 1, 0
+
+-- The GET that long-polls the oldest job not yet seen terminal; nil when none is waiting.
+function next_poll(wait, headers)
+   if head > tail then
+      return nil
+   end
+   local id = pending[head]
+   pending[head] = nil
+   head = head + 1
+   return wrk.format("GET", "/v1/jobs/" .. id .. "?wait=" .. wait, headers)
+end
+
+-- Counts the response to a submission or a poll. A terminal answer counts as a job done
+-- (its timings.total_ms kept) and its status is returned; a job accepted, or not terminal
+-- when the long-poll's wait ran out, is queued to be polled (again).
+function job_response(status, body)
+   count_status(status)
+   if status ~= 200 and status ~= 202 then
+      return nil
+   end
+   -- The job's own id comes first in its resource; the batch's id comes later.
+   local id = body:match('"id":"([^"]+)"')
+   local state = body:match('"status":"(%a+)"')
+   if id == nil then
+      return nil
+   end
+   if status == 200 and TERMINAL[state] then
+      completed = completed + 1
+      local total = body:match('"total_ms":([%d%.eE+-]+)')
+      if total ~= nil then
+         table.insert(job_ms, tonumber(total))
+      end
+      return state
+   end
+   tail = tail + 1
+   pending[tail] = id
+   return nil
+end
+
 local function json_object(map)
    local parts = {}
    for key, value in pairs(map) do

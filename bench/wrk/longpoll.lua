@@ -14,9 +14,7 @@
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
 dofile(here .. "common.lua")
 
-local TERMINAL = {succeeded = true, failed = true, expired = true, cancelled = true}
 local submit, get_headers, wait
-local pending, head, tail = {}, 1, 0
 
 function init(args)
    submit = wrk.format("POST", "/v1/jobs", auth_headers(true), env("FERRY_BENCH_BODY"))
@@ -24,38 +22,10 @@ function init(args)
    wait = env("FERRY_BENCH_WAIT", "10")
 end
 
-local function push(id)
-   tail = tail + 1
-   pending[tail] = id
-end
-
 function request()
-   if head <= tail then
-      local id = pending[head]
-      pending[head] = nil
-      head = head + 1
-      return wrk.format("GET", "/v1/jobs/" .. id .. "?wait=" .. wait, get_headers)
-   end
-   return submit
+   return next_poll(wait, get_headers) or submit
 end
 
 function response(status, headers, body)
-   count_status(status)
-   if status ~= 200 and status ~= 202 then
-      return
-   end
-   local id = body:match('"id":"([^"]+)"')
-   local state = body:match('"status":"(%a+)"')
-   if id == nil then
-      return
-   end
-   if status == 200 and TERMINAL[state] then
-      completed = completed + 1
-      local total = body:match('"total_ms":([%d%.eE+-]+)')
-      if total ~= nil then
-         table.insert(job_ms, tonumber(total))
-      end
-   else
-      push(id)
-   end
+   job_response(status, body)
 end
