@@ -165,6 +165,22 @@ def timed_best(run: Callable[[list[Any]], Any], inputs: list[Any]) -> float:
     return best
 
 
+def calibrated(
+    run: Callable[[list[Any]], Any],
+    small: list[Any],
+    small_work: float,
+    large: list[Any],
+    large_work: float,
+) -> tuple[float, float, float]:
+    """``(a, b, span)`` of :meth:`Runtime.calibrate`: the line through the timings of a
+    small and a large batch, ``small_work`` and ``large_work`` (the span) the work of each
+    in the units of the model's cost."""
+    small_s = timed_best(run, small)
+    large_s = timed_best(run, large)
+    slope = max(0.0, (large_s - small_s) / max(large_work - small_work, 1))
+    return max(0.0, small_s - slope * small_work), slope, float(large_work)
+
+
 def autocast(device: str, precision: str) -> Any:
     """The forward pass's autocast context for ``precision`` (fp32: none)."""
     import contextlib

@@ -56,9 +56,9 @@ from backends.base import (
     HostRuntime,
     OutOfMemory,
     RuntimeOptions,
+    calibrated,
     file_problems,
     parameter_problems,
-    timed_best,
 )
 from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
@@ -678,16 +678,13 @@ class OnnxRuntime(HostRuntime):
         span_items = 16
         small_input = self._example(small=True)
         large_input = self._example(small=False)
-        small = timed_best(self.run, [small_input])
-        large = timed_best(self.run, [large_input] * span_items)
         if self.kind == "text":
             small_work = len(self._tokenizer.encode(small_input).ids)
             span = span_items * self.max_tokens
         else:
             small_work = self.cost_per_input
             span = span_items * self.cost_per_input
-        slope = max(0.0, (large - small) / max(span - small_work, 1))
-        return max(0.0, small - slope * small_work), slope, float(span)
+        return calibrated(self.run, [small_input], small_work, [large_input] * span_items, span)
 
 
 def _zeros(shape: tuple[int, ...], dtype: str) -> Any:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import DeviceLost, OutOfMemory, RuntimeOptions, timed_best
+from backends.base import DeviceLost, OutOfMemory, RuntimeOptions, calibrated
 from core.ops.metrics import GPU_MEMORY_RECLAIMS, MEMORY
 
 log = logging.getLogger(__name__)
@@ -289,13 +289,14 @@ def calibrate_text(runtime: Any, longest: str) -> tuple[float, float, float]:
     ``longest`` is a text of about ``max_tokens`` tokens.
     """
     short = "a short sentence"
-    small = timed_best(runtime.run, [short])
     span_items = 16
-    large = timed_best(runtime.run, [longest] * span_items)
-    small_work = len(runtime._tokenizer.encode(short).ids)
-    span = span_items * runtime.max_tokens
-    slope = max(0.0, (large - small) / max(span - small_work, 1))
-    return max(0.0, small - slope * small_work), slope, float(span)
+    return calibrated(
+        runtime.run,
+        [short],
+        len(runtime._tokenizer.encode(short).ids),
+        [longest] * span_items,
+        span_items * runtime.max_tokens,
+    )
 
 
 def check_device(torch: Any, device: Any, exc: BaseException) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.base import RuntimeOptions, autocast, parameter_problems, timed_best
+from backends.base import RuntimeOptions, autocast, calibrated, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime, staged
 from core.models.repository import ModelConfig, ModelVersion, Problem, TensorSpec
 
@@ -356,11 +356,10 @@ class TorchModuleRuntime(TorchRuntime):
     def calibrate(self) -> tuple[float, float, float] | None:
         """Time one input and a batch of 16, so the first estimates are measured, not guessed."""
         blank = self._blank()
-        small = timed_best(self.run, [blank])
         span_items = 16
-        large = timed_best(self.run, [blank] * span_items)
-        slope = max(0.0, (large - small) / ((span_items - 1) * self.cost))
-        return max(0.0, small - slope * self.cost), slope, float(span_items * self.cost)
+        return calibrated(
+            self.run, [blank], self.cost, [blank] * span_items, span_items * self.cost
+        )
 
     def _host_inputs(self, inputs: list[Any], stager: PinnedStager | None) -> list[Any]:
         import torch

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from backends.base import RuntimeOptions, autocast, parameter_problems, timed_best
+from backends.base import RuntimeOptions, autocast, calibrated, parameter_problems
 from backends.torch_runtime import PinnedStager, TorchRuntime
 from core.models.repository import ModelConfig, ModelVersion, Problem
 
@@ -175,11 +175,10 @@ class TorchvisionRuntime(TorchRuntime):
 
     def calibrate(self) -> tuple[float, float, float] | None:
         blank = _encoded_blank(self.image_size)
-        small = timed_best(self.run, [blank])
         large_items = 4
-        large = timed_best(self.run, [blank] * large_items)
-        slope = max(0.0, (large - small) / ((large_items - 1) * self.cost))
-        return max(0.0, small - slope * self.cost), slope, float(large_items * self.cost)
+        return calibrated(
+            self.run, [blank], self.cost, [blank] * large_items, large_items * self.cost
+        )
 
     def _host_inputs(self, inputs: list[Any], stager: PinnedStager | None) -> list[Any]:
         """Decode on the pool's threads, each image straight into its row of the batch."""

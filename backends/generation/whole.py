@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from backends.generation.runtime import Completion, Emitted, GenerationInput, St
 from scheduler.generation import FinishReason, StepOutput, StepPlan
 
 
+@dataclass(eq=False)
 class WholeRuntime:
     """``generate()`` over the sequences a step admits, each run to its end."""
 
@@ -33,25 +35,18 @@ class WholeRuntime:
     # part of it to go on from, and a job taken over runs again from its prompt.
     resumable = False
 
-    def __init__(
-        self,
-        name: str,
-        model: Any,
-        tokenizer: Any,
-        eos_ids: Sequence[int],
-        device: str,
-        kv_blocks: int,
-        block_size: int,
-    ) -> None:
-        self.name = name
-        self.model = model
-        self.tokenizer = tokenizer
-        self.eos_ids = tuple(eos_ids)
-        self.device = device
-        self.kv_blocks = kv_blocks
-        self.block_size = block_size
-        self._jobs: dict[str, GenerationInput] = {}
-        self._done: dict[str, Completion] = {}
+    name: str
+    model: Any = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    eos_ids: Sequence[int]
+    device: str
+    kv_blocks: int
+    block_size: int
+    _jobs: dict[str, GenerationInput] = field(init=False, repr=False, default_factory=dict)
+    _done: dict[str, Completion] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.eos_ids = tuple(self.eos_ids)
 
     def add(self, id: str, job: GenerationInput) -> None:
         self._jobs[id] = job
