@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import redis
 
 from core.streams.events import JobEvent, append_tokens, run_appends
+from workers.gpu.pipelined import Pipelined
 
 
 class TokenWriter:
@@ -46,15 +47,17 @@ class TokenWriter:
         self.every_tokens = every_tokens
         self.every_ms = every_ms
         self.clock = clock
-        self._thread = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"append-{name}") if pipelined else None
-        )
+        self._appends: Pipelined[list[Any]] = Pipelined(f"append-{name}", pipelined)
         self._tokens: list[tuple[str, JobEvent]] = []
         self._unwritten: dict[str, int] = {}  # stream -> its tokens not yet written
         self._expiries: dict[str, int] = {}  # stream -> its expiry (s), set at the next write
         self._written_at = clock()
-        self.in_flight: Future[list[Any]] | None = None
         self.writes = 0
+
+    @property
+    def in_flight(self) -> Future[list[Any]] | None:
+        """The write handed to the writer's thread and not yet waited for."""
+        return self._appends.in_flight
 
     @property
     def unwritten(self) -> int:
@@ -95,26 +98,20 @@ class TokenWriter:
         self._tokens, self._unwritten, self._expiries = [], {}, {}
         self._written_at = self.clock()
         self.writes += 1
-        if self._thread is None:
-            run_appends(self.client, pipe)
-            return
         self.wait()
-        self.in_flight = self._thread.submit(run_appends, self.client, pipe)
+        self._appends.submit(run_appends, self.client, pipe)
 
     def wait(self) -> None:
         """Until the write in flight is done; re-raises what it raised."""
-        if self.in_flight is not None:
-            in_flight, self.in_flight = self.in_flight, None
-            in_flight.result()
+        self._appends.wait()
 
     def done(self) -> bool:
         """Whether a write was in flight and has finished (what it raised is for ``wait``)."""
-        return self.in_flight is not None and self.in_flight.done()
+        return self._appends.done()
 
     def discard(self) -> None:
         """Forget what is held (the jobs are read again, and go on from their streams)."""
         self._tokens, self._unwritten, self._expiries = [], {}, {}
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        self._appends.close()

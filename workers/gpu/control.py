@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -56,25 +57,18 @@ class Handlers(dict[str, Callable[..., Any]]):
         return refuse
 
 
+@dataclass(eq=False)
 class ControlResponder:
     """Answers inspections for one GPU worker (its node name is the presence's)."""
 
-    def __init__(
-        self,
-        app: Celery,
-        presence: CeleryPresence,
-        prefix: str,
-        facts: Callable[[], dict[str, Any]],
-        conf: dict[str, Any],
-    ) -> None:
-        self.app = app
-        self.presence = presence
-        self.prefix = prefix
-        self.facts = facts
-        self.conf = conf
-        self.started = time.monotonic()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    app: Celery
+    presence: CeleryPresence
+    prefix: str
+    facts: Callable[[], dict[str, Any]]
+    conf: dict[str, Any] = field(repr=False)
+    started: float = field(init=False, default_factory=time.monotonic)
+    _stop: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
+    _thread: threading.Thread | None = field(init=False, repr=False, default=None)
 
     @property
     def hostname(self) -> str:

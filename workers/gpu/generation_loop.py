@@ -25,7 +25,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -50,6 +50,7 @@ from workers.gpu.engine import GenerationEngine, StepEvents
 from workers.gpu.generation_signals import GenerationSignals
 from workers.gpu.key_weights import KeyWeights
 from workers.gpu.learned import Publisher
+from workers.gpu.pipelined import Pipelined
 from workers.gpu.recorder import Outcome, Recorder
 from workers.gpu.recording import utc_at
 from workers.gpu.versions import Loaded, VersionManager
@@ -145,12 +146,9 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         self.weights = KeyWeights(recorder.sessions)
         # Pipelined: one thread writes what ended (result, done event, acknowledgement,
         # webhooks) while the loop's thread steps on.
-        self._recording = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"record-{consumer.model}")
-            if config.pipeline
-            else None
+        self._recording: Pipelined[list[str]] = Pipelined(
+            f"record-{consumer.model}", config.pipeline
         )
-        self._recorded: Future[list[str]] | None = None
         # The tokens to their events streams (the checkpoint): pipelined, on a thread of
         # their own while the next step computes.
         self.writer = TokenWriter(
@@ -232,8 +230,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.writer.write()  # the tokens of generations still held, for whoever goes on
         self._settle_recording()
         self.writer.close()
-        if self._recording is not None:
-            self._recording.shutdown(wait=True)
+        self._recording.close()
         if self.versions is not None:
             self.versions.stop()
 
@@ -254,7 +251,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
     def upkeep(self) -> None:
         if self.versions is not None:
             self.versions.collect_dropped()
-        if self.writer.done() or (self._recorded is not None and self._recorded.done()):
+        if self.writer.done() or self._recording.done():
             self._wait_recorded()  # a write that failed is heard of now, even when idle
         self.publisher.heartbeat()
         self._upkeep()
@@ -489,17 +486,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 self.versions.unloaded(self._switching)  # superseded before it served
             self._switching = loaded
             self._let_go_unstarted()
-        elif (
-            self.versions.restart_for is not None
-            and not self.restart_requested
-            and self.versions.take_restart_turn()
-        ):
-            log.info(
-                "restarting to load another version alone",
-                extra={"model": self.model, "version": self.versions.restart_for},
-            )
-            self.restart_requested = True
-            self.request_stop()  # what runs finishes first (finish_running)
+        else:
+            self._restart_in_turn(self.versions)  # what runs finishes first (finish_running)
         if self._switching is not None and self._switching.version != self.versions.wanted:
             # Rolled back (or another activated) before it served: what was let go runs
             # on the version served, once what ended meanwhile is written.
@@ -715,23 +703,13 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         if not outcomes:
             return
         self.writer.write()  # a job's done event follows its last tokens
-        if self._recording is None:
-            self._write(outcomes, entries)
-            return
         try:
-            self._wait_recording()
+            self._recording.wait()
         finally:
             # Handed over even when the last recording failed: these jobs ended, and
             # their own recording may well succeed. Their last tokens may still be on
             # their way to the streams: the recording waits for them.
-            self._recorded = self._recording.submit(
-                self._write, outcomes, entries, self.writer.in_flight
-            )
-
-    def _wait_recording(self) -> None:
-        if self._recorded is not None:
-            recorded, self._recorded = self._recorded, None
-            recorded.result()
+            self._recording.submit(self._write, outcomes, entries, self.writer.in_flight)
 
     def _wait_recorded(self) -> None:
         """Until the appends and the recording in flight are done; re-raises what they
@@ -739,7 +717,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         try:
             self.writer.wait()
         finally:
-            self._wait_recording()
+            self._recording.wait()
 
     def _settle_recording(self) -> None:
         """Wait for the recording in flight; one that failed leaves its jobs to run again."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, field
 
 from core.streams.protocol import JobMessage
 from scheduler import Batcher, PendingItem
@@ -39,30 +40,25 @@ def pending_item(key: str, message: JobMessage) -> PendingItem:
     )
 
 
+@dataclass(eq=False)
 class Intake:
     """Reads ``consumer``'s streams into ``batcher``; holds at most ``prefetch`` entries."""
 
-    def __init__(
-        self,
-        consumer: StreamConsumer,
-        batcher: Batcher[Entry],
-        observer: BatchObserver,
-        *,
-        prefetch: int,
-        visibility_timeout_s: float,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.consumer = consumer
-        self.batcher = batcher
-        self.observer = observer
+    consumer: StreamConsumer
+    batcher: Batcher[Entry]
+    observer: BatchObserver
+    _: KW_ONLY
+    prefetch: int
+    visibility_timeout_s: float
+    clock: Callable[[], float] = time.time
+    # Entries taken into a batch and not yet acknowledged (on the device,
+    # being recorded): reading this consumer's backlog again returns them.
+    running: set[str] = field(init=False, repr=False, default_factory=set)
+    _last_upkeep: float = field(init=False, repr=False, default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
         # At least one full batch, or a batch could never fill.
-        self.prefetch = max(prefetch, batcher.state.tuning.most_batch_items)
-        self.visibility_timeout_s = visibility_timeout_s
-        self.clock = clock
-        # Entries taken into a batch and not yet acknowledged (on the device,
-        # being recorded): reading this consumer's backlog again returns them.
-        self.running: set[str] = set()
-        self._last_upkeep = time.monotonic()
+        self.prefetch = max(self.prefetch, self.batcher.state.tuning.most_batch_items)
 
     def fill(self, block_ms: int | None) -> None:
         """Read what fits, waiting up to ``block_ms`` for something to arrive."""

@@ -18,7 +18,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from redis.exceptions import OutOfMemoryError
@@ -94,28 +94,21 @@ class LoopStats:
         self.efficiency += alpha * (eff - self.efficiency)
 
 
+@dataclass(eq=False)
 class Publisher:
     """Publishes what ``state`` has learned (at most every PUBLISH_S) and the heartbeat."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        prefix: str,
-        model: str,
-        consumer: str,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.client = client
-        self.clock = clock  # the wall clock of the heartbeat's score
-        self.prefix = prefix
-        self.model = model
-        self.consumer = consumer
-        self.stats = LoopStats()
-        self.recent = RecentLatencies()
-        self.memory_fraction: float | None = None
-        self._published_at = 0.0
-        self._unpublished = False
-        self._last_beat = 0.0
+    client: redis.Redis
+    prefix: str
+    model: str
+    consumer: str
+    clock: Callable[[], float] = time.time  # the wall clock of the heartbeat's score
+    stats: LoopStats = field(init=False, default_factory=LoopStats)
+    recent: RecentLatencies = field(init=False, repr=False, default_factory=RecentLatencies)
+    memory_fraction: float | None = field(init=False, default=None)
+    _published_at: float = field(init=False, repr=False, default=0.0)
+    _unpublished: bool = field(init=False, repr=False, default=False)
+    _last_beat: float = field(init=False, repr=False, default=0.0)
 
     def learned(self, state: SchedulerState, seen: BatchObservation, eff: float) -> None:
         """A batch was learned from (``state`` already holds it)."""

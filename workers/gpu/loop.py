@@ -560,17 +560,8 @@ class BatchLoop(WorkerLoop[BatchPlan, list[tuple[InFlight, Computed]], list[Land
             loaded = self.versions.poll()
             if loaded is not None:
                 self._switch(loaded)
-            elif (
-                self.versions.restart_for is not None
-                and not self.restart_requested
-                and self.versions.take_restart_turn()
-            ):
-                log.info(
-                    "restarting to load another version alone",
-                    extra={"model": self.model, "version": self.versions.restart_for},
-                )
-                self.restart_requested = True
-                self.request_stop()  # drains: the batch on the device is recorded first
+            else:
+                self._restart_in_turn(self.versions)  # the batch on the device is recorded first
         self._settle_unserved_pins()
 
     def _switch(self, loaded: Loaded) -> None:

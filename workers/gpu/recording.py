@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -27,6 +27,7 @@ from core.streams.target import REDIS_ERRORS
 from workers.gpu.consumer import Entry
 from workers.gpu.events import BatchObserver, JobDone
 from workers.gpu.intake import Intake
+from workers.gpu.pipelined import Pipelined
 from workers.gpu.recorder import Claimed, Outcome, Recorder
 
 log = logging.getLogger(__name__)
@@ -73,38 +74,28 @@ class Drain:
         return self._requested_at + self.drain_s - time.monotonic()
 
 
+@dataclass(eq=False)
 class Recording:
     """Writes outcomes through ``recorder`` and acknowledges their entries through ``intake``."""
 
-    def __init__(
-        self,
-        model: str,
-        recorder: Recorder,
-        intake: Intake,
-        observer: BatchObserver,
-        drain: Drain,
-        *,
-        prefix: str,
-        max_attempts: int,
-        pipeline: bool,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.model = model
-        self.recorder = recorder
-        self.intake = intake
-        self.observer = observer
-        self.drain = drain
-        self.prefix = prefix
-        self.max_attempts = max_attempts
-        self.clock = clock
-        # Terminal statuses written and not yet acknowledged, for the observers.
-        self._written_status: dict[str, str] = {}
+    model: str
+    recorder: Recorder
+    intake: Intake
+    observer: BatchObserver
+    drain: Drain
+    _: KW_ONLY
+    prefix: str
+    max_attempts: int
+    pipeline: InitVar[bool]
+    clock: Callable[[], float] = time.time
+    # Terminal statuses written and not yet acknowledged, for the observers.
+    _written_status: dict[str, str] = field(init=False, repr=False, default_factory=dict)
+    _recording: Pipelined[None] = field(init=False, repr=False)
+
+    def __post_init__(self, pipeline: bool) -> None:
         # Pipelined: one thread records batch N (result write, acknowledgement,
         # webhooks) while the loop's computes batch N + 1.
-        self._thread = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"record-{model}") if pipeline else None
-        )
-        self._recorded: Future[None] | None = None
+        self._recording = Pipelined(f"record-{self.model}", pipeline)
 
     # --- before a batch runs ---------------------------------------------------
 
@@ -163,7 +154,9 @@ class Recording:
     ) -> list[str]:
         """Write the outcomes; remember what was written, for the observers."""
         began = time.perf_counter()
-        written = self._write(outcomes, now, batch_id, batch_size, entries)
+        written = self._write(
+            outcomes, lambda some: self.recorder.finish(some, now, batch_id, batch_size), entries
+        )
         if outcomes:
             self.observer.stage_timed("record", time.perf_counter() - began, batch_id)
         done = set(written)
@@ -175,16 +168,13 @@ class Recording:
     def _write(
         self,
         outcomes: list[Outcome],
-        now: dt.datetime,
-        batch_id: str | None,
-        batch_size: int | None,
+        finish: Callable[[list[Outcome]], list[str]],
         entries: list[Entry],
     ) -> list[str]:
-        """Write the outcomes; one the database refuses to store fails on its own."""
+        """Write the outcomes through ``finish``; one the database refuses to store fails on
+        its own."""
         try:
-            return self._durably(
-                lambda: self.recorder.finish(outcomes, now, batch_id, batch_size), entries
-            )
+            return self._durably(lambda: finish(outcomes), entries)
         except StatementError as exc:
             if connection_lost(exc):
                 raise  # unreachable past the drain time: leave it unacknowledged
@@ -202,12 +192,10 @@ class Recording:
                     "failed",
                     error=f"the result could not be stored ({type(exc).__name__})",
                 )
-                return self._durably(
-                    lambda: self.recorder.finish([failed], now, batch_id, batch_size), entries
-                )
+                return self._durably(lambda: finish([failed]), entries)
             written: list[str] = []
             for outcome in outcomes:
-                written += self._write([outcome], now, batch_id, batch_size, entries)
+                written += self._write([outcome], finish, entries)
             return written
 
     def _durably(self, write: Callable[[], list[str]], entries: list[Entry]) -> list[str]:
@@ -279,30 +267,24 @@ class Recording:
         handing over, the previous recording must be done, and an error it
         raised (the database gone) is raised here, in the loop.
         """
-        if self._thread is None:
-            finish()
-            return
         try:
             self.wait()
         finally:
             # Recorded even when the previous recording failed: this batch ran,
             # and its own recording may well succeed (the loop then waits for
             # it before reading the streams again).
-            self._recorded = self._thread.submit(finish)
+            self._recording.submit(finish)
 
     def wait(self) -> None:
         """Until the batch being recorded is; re-raises what its recording raised."""
-        if self._recorded is not None:
-            recorded, self._recorded = self._recorded, None
-            recorded.result()
+        self._recording.wait()
 
     def done_recording(self) -> bool:
         """A recording was handed over and has ended (well or not)."""
-        return self._recorded is not None and self._recorded.done()
+        return self._recording.done()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        self._recording.close()
 
 
 def acknowledge_failed(exc: BaseException) -> bool:

@@ -173,16 +173,11 @@ class VersionManager:
                 # A load that hangs (a user's __init__ that never returns) must not
                 # block later activations: it is given up; its thread is a daemon.
                 self._loading = None
-                self._failed[version] = stamp
-                reason = f"did not load within {self.load_timeout_s:g} s"
-                self._report(version, "failed", reason)
-                log.error(
+                self._give_up(
+                    version,
+                    stamp,
+                    f"did not load within {self.load_timeout_s:g} s",
                     "version load timed out; the one serving goes on",
-                    extra={
-                        "model": self.model,
-                        "version": version,
-                        "serving": self.serving.version,
-                    },
                 )
             return None
         self._loading = None
@@ -200,19 +195,24 @@ class VersionManager:
                     f"load it ({reason})",
                 )
                 return None
-            self._failed[version] = stamp
-            self._report(version, "failed", reason)
-            log.error(
-                "version failed to load; the one serving goes on",
-                extra={
-                    "model": self.model,
-                    "version": version,
-                    "reason": reason,
-                    "serving": self.serving.version,
-                },
-            )
+            self._give_up(version, stamp, reason, "version failed to load; the one serving goes on")
             return None
         return loaded
+
+    def _give_up(self, version: int, stamp: str, reason: str, message: str) -> None:
+        """``version`` failed: it is not tried again until what it failed on (``stamp``)
+        changes."""
+        self._failed[version] = stamp
+        self._report(version, "failed", reason)
+        log.error(
+            message,
+            extra={
+                "model": self.model,
+                "version": version,
+                "reason": reason,
+                "serving": self.serving.version,
+            },
+        )
 
     def take_restart_turn(self) -> bool:
         """Whether this worker may restart now: one worker of the model at a time."""

@@ -44,6 +44,7 @@ from core.streams.target import REDIS_ERRORS, RedisTarget
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.learned import Publisher
 from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S
+from workers.gpu.versions import VersionManager
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,21 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
     @abstractmethod
     def request_stop(self) -> None:
         """Stop after what runs now (a signal handler calls this)."""
+
+    def _restart_in_turn(self, versions: VersionManager) -> None:
+        """Stop, once it is this worker's turn, so that its process restarts to load the
+        version that did not fit beside the one serving (what runs finishes first)."""
+        if (
+            versions.restart_for is not None
+            and not self.restart_requested
+            and versions.take_restart_turn()
+        ):
+            log.info(
+                "restarting to load another version alone",
+                extra={"model": self.model, "version": versions.restart_for},
+            )
+            self.restart_requested = True
+            self.request_stop()
 
     # --- running ---------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 import redis
 from sqlalchemy import select, update
@@ -52,28 +53,18 @@ SWEEP_EVERY_S = 30.0
 CANCEL_CHUNK = 5000
 
 
+@dataclass(eq=False)
 class Feeder:
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        client: redis.Redis,
-        prefix: str,
-        *,
-        outstanding: int,
-        chunk: int,
-        stale_upload_s: float,
-        kick: Callable[[Sequence[str]], None] | None = None,
-        clock: Callable[[], dt.datetime] = utcnow,
-    ) -> None:
-        self.sessions = sessions
-        self.client = client
-        self.prefix = prefix
-        self.outstanding = outstanding
-        self.chunk = chunk
-        self.stale_upload_s = stale_upload_s
-        self.kick = kick
-        self.clock = clock
-        self._last_sweep = 0.0
+    sessions: sessionmaker[Session]
+    client: redis.Redis
+    prefix: str
+    _: KW_ONLY
+    outstanding: int
+    chunk: int
+    stale_upload_s: float
+    kick: Callable[[Sequence[str]], None] | None = None
+    clock: Callable[[], dt.datetime] = utcnow
+    _last_sweep: float = field(default=0.0, init=False, repr=False)
 
     def run(self, budget_s: float, poll_s: float = 0.05) -> int:
         """Feed for up to ``budget_s`` (only one run at a time); returns jobs queued."""

@@ -24,10 +24,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from urllib.parse import urlsplit
 
 import redis
+from redis.commands.core import Script
 
 # A delivery whose receiver has all its attempts in flight is due again after this.
 BUSY_RETRY_S = 1.0
@@ -70,29 +71,24 @@ class Entered:
     held: bool = False  # the receiver is held off (else: all its slots are taken)
 
 
+@dataclass(eq=False)
 class HostGate:
     """The per-receiver limits above, in Redis under ``prefix``."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        prefix: str,
-        *,
-        concurrency: int,
-        failures: int,
-        hold_s: float,
-        lease_s: float,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.client = client
-        self.prefix = prefix
-        self.concurrency = concurrency
-        self.failures = failures
-        self.hold_s = hold_s
-        self.lease_s = lease_s
-        self.clock = clock
-        self._enter = client.register_script(_ENTER)
-        self._leave = client.register_script(_LEAVE)
+    client: redis.Redis
+    prefix: str
+    _: KW_ONLY
+    concurrency: int
+    failures: int
+    hold_s: float
+    lease_s: float
+    clock: Callable[[], float] = time.time
+    _enter: Script = field(init=False, repr=False)
+    _leave: Script = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._enter = self.client.register_script(_ENTER)
+        self._leave = self.client.register_script(_LEAVE)
 
     def _keys(self, receiver: str) -> list[str]:
         base = f"{self.prefix}:webhook-receiver:{{{receiver}}}"
