@@ -437,3 +437,17 @@ def tagged(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def sim_jobs(count: int, costs: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict[str, Any]]:
     return [{"model": MODEL, "input": {"cost": costs[i % len(costs)]}} for i in range(count)]
+
+
+def sim_batches(
+    base_ms: float, per_cost_ms: float | None = None, max_size: int | None = None
+) -> dict[str, str]:
+    """A stack's settings for the sim's batches: each takes ``base_ms`` plus ``per_cost_ms``
+    a unit of cost, and holds ``max_size`` jobs at the most (Ferry's defaults where not
+    given)."""
+    settings = {"FERRY_SIM_LATENCY_BASE_MS": f"{base_ms:g}"}
+    if per_cost_ms is not None:
+        settings["FERRY_SIM_LATENCY_PER_COST_MS"] = f"{per_cost_ms:g}"
+    if max_size is not None:
+        settings["FERRY_BATCH_MAX_SIZE"] = str(max_size)
+    return settings

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db.schema import Job
+from harness.threads import on_a_thread
 from workers.tasks.app import reconcile_streams
 
 
@@ -21,22 +22,16 @@ def reconciling(settings: Settings, every_s: float = 1.0) -> Iterator[list[int]]
     """The reconciler every ``every_s`` on a thread until the block ends; yields the number
     of jobs each run enqueued again."""
     requeued: list[int] = []
-    stop = threading.Event()
 
-    def run() -> None:
+    def run(stop: threading.Event) -> None:
         while not stop.wait(every_s):
             try:
                 requeued.append(reconcile_streams(settings))
             except Exception:
                 continue  # Redis failing over or a slot moving: the next run does it
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
+    with on_a_thread(run):
         yield requeued
-    finally:
-        stop.set()
-        thread.join(timeout=30)
 
 
 def settled(sessions: sessionmaker[Session], ids: list[str], settle_s: float) -> dict[str, Job]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,15 @@ class FerryUp:
         # What a process started beside the stack needs to join it.
         self.env["FERRY_REDIS_URL"] = _after(text, "Redis")
         self.env["FERRY_DATABASE_URL"] = _after(text, "Database")
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 120.0) -> Iterator[None]:
+        """The stack up (:meth:`start`) for the block, stopped after it however it ends."""
+        try:
+            self.start(timeout_s)
+            yield
+        finally:
+            self.stop(self.process)
 
     def spawn(self, args: list[str]) -> subprocess.Popen[str]:
         """A process with the stack's settings, its output collected with the stack's."""

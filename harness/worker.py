@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from core.config.settings import Settings
+from harness.threads import on_a_thread
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
 
@@ -15,11 +15,5 @@ from workers.gpu.main import build_loop
 def running_worker(settings: Settings, model: str, name: str) -> Iterator[BatchLoop]:
     """A worker's batch loop on a thread of this process, stopped afterwards."""
     loop = build_loop(settings, model, name=name)
-    stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with on_a_thread(loop.run):
         yield loop
-    finally:
-        stop.set()
-        thread.join(timeout=30)

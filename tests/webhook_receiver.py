@@ -23,6 +23,14 @@ from standardwebhooks import Webhook, WebhookVerificationError
 
 from tests.e2e.netguard.sitecustomize import patch
 
+# A stack's settings for deliveries to a Receiver: plain HTTP to loopback allowed (the
+# SSRF guard refuses both by default), and retries at the schedule's times, with no jitter.
+LOOPBACK_WEBHOOKS = {
+    "FERRY_WEBHOOK_ALLOW_HTTP": "true",
+    "FERRY_WEBHOOK_ALLOWED_NETWORKS": '["127.0.0.0/8"]',
+    "FERRY_WEBHOOK_RETRY_JITTER": "0",
+}
+
 
 @dataclass(frozen=True)
 class Answer:

@@ -32,11 +32,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
         FERRY_SIM_LATENCY_PER_COST_MS="0.01",
         FERRY_BATCH_MAX_SIZE="256",
     )
-    try:
-        stack.start(timeout_s=180)
+    with stack.running(timeout_s=180):
         yield stack
-    finally:
-        stack.stop(stack.process)
 
 
 def bulk_finished(stack: FerryUp) -> float:

@@ -62,11 +62,8 @@ class Flower:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
     stack = FerryUp(tmp_path_factory.mktemp("flower"), FERRY_MODELS="sim")
-    try:
-        stack.start()
+    with stack.running():
         yield stack
-    finally:
-        FerryUp.stop(stack.process)
 
 
 @pytest.fixture(scope="module")

@@ -33,11 +33,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
         tmp_path_factory.mktemp("flower-bound"), FERRY_MODELS="sim",
         FERRY_FLOWER_MAX_TASKS=str(BOUND),
     )  # fmt: skip
-    try:
-        stack.start()
+    with stack.running():
         yield stack
-    finally:
-        FerryUp.stop(stack.process)
 
 
 def _counted(page: str, name: str, **labels: str) -> int:

@@ -37,11 +37,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FerryUp]:
         FERRY_MODEL_REPOSITORY=str(root / "models"),
         FERRY_FLOWER_PORT="0",  # no Flower: nothing here looks at it
     )
-    try:
-        stack.start(timeout_s=240)
+    with stack.running(timeout_s=240):
         yield stack
-    finally:
-        FerryUp.stop(stack.process)
 
 
 def _auth(stack: FerryUp) -> dict[str, str]:

@@ -82,11 +82,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         FERRY_TEST_NETGUARD_LOG=str(root / "netguard.log"),
         PYTHONPATH=os.pathsep.join(filter(None, [str(GUARD_DIR), os.environ.get("PYTHONPATH")])),
     )
-    try:
-        stack.start(timeout_s=180)
+    with stack.running(timeout_s=180):
         yield stack
-    finally:
-        stack.stop(stack.process)
 
 
 def test_outcomes_reach_a_real_receiver_through_celery_and_beat(stack: Stack) -> None:

@@ -1,18 +1,21 @@
-"""The database scenarios' shared parts: the stack they break, its run up to the fault, and
-what the API answers while its database is down (503 with Retry-After, never a 500)."""
+"""The database scenarios' shared parts: the stack they break, its run up to the fault,
+what the API answers while its database is down (503 with Retry-After, never a 500), and
+what a database server stopped and brought back must leave."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from harness import webclient
-from harness.faults import MODEL, Stack, sim_jobs
+from harness.accounting import Figures
+from harness.faults import MODEL, Stack, sim_batches, sim_jobs
 from harness.processes import Proc, wait_for
 
 
@@ -87,9 +90,7 @@ class SteadySubmissions:
 # each, a visibility timeout short enough for a lost batch to come back within the
 # scenario, and the reconciler every second.
 DATABASE_FAULT_ENV = {
-    "FERRY_SIM_LATENCY_BASE_MS": "50",
-    "FERRY_SIM_LATENCY_PER_COST_MS": "5",
-    "FERRY_BATCH_MAX_SIZE": "32",
+    **sim_batches(50, 5, max_size=32),
     "FERRY_VISIBILITY_TIMEOUT_S": "10",
     "FERRY_RECONCILE_INTERVAL_S": "1",
     "FERRY_RECONCILE_GRACE_S": "2",
@@ -130,3 +131,51 @@ def run_up_to_the_fault(stack: Stack, backlog: int) -> Busy:
         done_before=stack.terminal_count(),
         still_submitting=not steady.submitted.done(),
     )
+
+
+class ServerOutage:
+    """The database server stopped (``stop`` returns once it is down) mid-run: the API refuses
+    as it promises (``assert_unavailable``) until a server that takes writes is back
+    (:meth:`restore`)."""
+
+    def __init__(self, stack: Stack, busy: Busy, stop: Callable[[], None]) -> None:
+        self.stack, self.busy = stack, busy
+        self.stopped_at = time.monotonic()
+        stop()
+        self.answers = assert_unavailable(stack, busy.steady.submission.accepted[0])
+        self.seconds = 0.0
+
+    def restore(self, start: Callable[[], None], after_s: float) -> None:
+        """``start`` a server that takes writes ``after_s`` after the stop; then wait until
+        the API is ready and has taken jobs again, and send no more."""
+        time.sleep(max(0.0, after_s - (time.monotonic() - self.stopped_at)))
+        start()
+        self.seconds = time.monotonic() - self.stopped_at
+        wait_ready(self.stack)
+        self.busy.steady.stop_once_accepted_again()
+
+    def assert_waited_out(
+        self, scenario: str, record: Callable[[Figures], None], moment: str, length: str
+    ) -> dict[str, Any]:
+        """Count the scenario and assert what the outage must leave: nothing lost, and no
+        process died (a worker that waits for the database keeps its batch, so nothing is
+        computed twice); it was felt too, as clients turned away while it lasted. The
+        figures' details, which name the stop ``moment`` (``done_before_<moment>``) and the
+        seconds until the restore ``length``."""
+        stack, busy = self.stack, self.busy
+        submission, workers = busy.steady.submission, busy.workers
+        accounting = stack.account(scenario, submission, busy.started, 120, record)
+        details = accounting.figures.details
+        details[length] = round(self.seconds, 1)
+        details[f"done_before_{moment}"] = busy.done_before
+        details[f"submitting_at_{moment}"] = busy.still_submitting
+        details["answers_while_down"] = self.answers
+        details["reenqueued"] = stack.reenqueued(busy.celery_worker)
+        details["worker_retries"] = stack.write_retries(workers)
+        stack.assert_nothing_lost(accounting)
+        stack.assert_computed_once(accounting)
+        assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
+        assert all(worker.alive() and worker.starts == 1 for worker in workers), details
+        assert stack.procs["api"].alive()
+        assert busy.still_submitting and details["retried"], details
+        return details

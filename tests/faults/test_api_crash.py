@@ -19,7 +19,7 @@ import pytest
 
 from harness import enqueue_crash
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack, sim_batches, sim_jobs
 from harness.processes import wait_for
 
 pytestmark = pytest.mark.faults
@@ -41,9 +41,7 @@ def test_an_api_killed_between_commit_and_enqueue_loses_nothing_and_doubles_noth
         database=database,
         FERRY_RECONCILE_INTERVAL_S="1",
         FERRY_RECONCILE_GRACE_S="2",
-        FERRY_SIM_LATENCY_BASE_MS="20",
-        FERRY_SIM_LATENCY_PER_COST_MS="2",
-        FERRY_BATCH_MAX_SIZE="32",
+        **sim_batches(20, 2, max_size=32),
     )
     site = enqueue_crash.sitecustomize_dir(tmp_path, ROOT)
     python_path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 
 from core.db.schema import Backfill, Job
 from harness import webclient
-from harness.faults import MODEL, Stack
+from harness.faults import MODEL, Stack, sim_batches
 from harness.processes import wait_for
 from harness.witness import read_transitions, terminal_writes
 from tests.faults.test_kill import stopped_mid_batch
@@ -40,9 +40,7 @@ def test_a_backfill_ends_with_one_result_per_line_whatever_is_killed(
     make_stack: Callable[..., Stack], victim: str
 ) -> None:
     stack = make_stack(
-        FERRY_SIM_LATENCY_BASE_MS="20",
-        FERRY_SIM_LATENCY_PER_COST_MS="0.02",
-        FERRY_BATCH_MAX_SIZE="256",
+        **sim_batches(20, 0.02, max_size=256),
         FERRY_VISIBILITY_TIMEOUT_S="3",
         FERRY_RECONCILE_INTERVAL_S="1",
         FERRY_RECONCILE_GRACE_S="3",

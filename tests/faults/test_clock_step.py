@@ -19,7 +19,7 @@ from core.streams.protocol import workers_key
 from core.streams.queues import live_workers
 from harness.accounting import Figures
 from harness.clock_step import SteppedClock, library, logged_times
-from harness.faults import MODEL, Stack, sim_jobs, tagged
+from harness.faults import MODEL, Stack, sim_batches, sim_jobs, tagged
 from harness.processes import wait_for
 from harness.submitting import Submission
 from tests.conftest import missing_service
@@ -124,9 +124,7 @@ def test_a_worker_clock_stepped_ahead_and_back_expires_no_meetable_deadline(
         FERRY_VISIBILITY_TIMEOUT_S="5",
         # A batch of up to 8 takes 100 ms + 5 ms per unit of cost: about 40 jobs a second
         # a worker, so that both are busy and the stepped one claims its share.
-        FERRY_SIM_LATENCY_BASE_MS="100",
-        FERRY_SIM_LATENCY_PER_COST_MS="5",
-        FERRY_BATCH_MAX_SIZE="8",
+        **sim_batches(100, 5, max_size=8),
     )
     stack.start_api(wait=False)
     steady = stack.start_worker("w1", wait=False)

@@ -17,7 +17,7 @@ from harness.clock_step import SteppedClock, library, logged_times
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
 from tests.conftest import missing_service
-from tests.webhook_receiver import Answer, Receiver, loopback_only
+from tests.webhook_receiver import LOOPBACK_WEBHOOKS, Answer, Receiver, loopback_only
 
 pytestmark = pytest.mark.faults
 
@@ -40,10 +40,8 @@ def test_a_celery_worker_clock_ahead_signs_deliveries_receivers_accept(
     clock = SteppedClock(tmp_path / "clock", so)
     clock.step(AHEAD_S)
     stack = make_stack(
-        FERRY_WEBHOOK_ALLOW_HTTP="true",
-        FERRY_WEBHOOK_ALLOWED_NETWORKS='["127.0.0.0/8"]',
+        **LOOPBACK_WEBHOOKS,
         FERRY_WEBHOOK_RETRY_SCHEDULE_S=f"[0, {RETRY_S}, {RETRY_S}, {RETRY_S}]",
-        FERRY_WEBHOOK_RETRY_JITTER="0",
         FERRY_WEBHOOK_DISPATCH_INTERVAL_S="0.5",
     )
     stack.start("w1")

@@ -30,7 +30,7 @@ import redis
 
 from harness import webclient
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs, tagged
+from harness.faults import Stack, sim_batches, sim_jobs, tagged
 from harness.processes import wait_for
 from harness.submitting import Submission
 from tests.conftest import missing_service
@@ -44,10 +44,7 @@ PROBES = 20
 RATE_PER_S = 80
 FULL_S = 5.0
 SIM = {
-    # A batch of 32 takes about half a second.
-    "FERRY_SIM_LATENCY_BASE_MS": "50",
-    "FERRY_SIM_LATENCY_PER_COST_MS": "5",
-    "FERRY_BATCH_MAX_SIZE": "32",
+    **sim_batches(50, 5, max_size=32),  # a batch of 32 takes about half a second
     "FERRY_VISIBILITY_TIMEOUT_S": "10",
 }
 
@@ -93,6 +90,57 @@ def fill(disk: Path) -> Path:
     return filler
 
 
+class FullDisk:
+    """``disk`` filled mid-run, then waited on until the stack meets it (``met``; ``felt``
+    says what is waited for): what it accepted and finished before, while the disk was full
+    (:meth:`hold`) and once it was freed (:meth:`free`)."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        submission: Submission,
+        disk: Path,
+        felt: str,
+        met: Callable[[], bool],
+        poll_s: float,
+    ) -> None:
+        self.stack, self.submission = stack, submission
+        self.accepted_before = len(submission.ids)
+        self.filler = fill(disk)
+        wait_for(felt, met, 30, poll_s)
+        self.full_at = time.monotonic()
+        self.accepted_at_full, self.done_at_full = len(submission.ids), stack.terminal_count()
+        self.accepted_while_full = self.done_while_full = self.accepted_at_free = 0
+        self.freed_at = self.resumed_s = 0.0
+
+    def hold(self, not_counted: int = 0) -> None:
+        """Until ``FULL_S`` after the stack met it; then what it accepted (``not_counted``
+        less) and finished meanwhile."""
+        time.sleep(max(0.0, self.full_at + FULL_S - time.monotonic()))
+        accepted_at_end = len(self.submission.ids) - not_counted
+        self.accepted_while_full = accepted_at_end - self.accepted_at_full
+        self.done_while_full = self.stack.terminal_count() - self.done_at_full
+
+    def free(self, resumed: str, again: Callable[[], bool], poll_s: float) -> None:
+        """The space freed, until the stack has ``resumed`` (``again``, which may compare
+        with ``accepted_at_free``, what had been accepted when it was freed)."""
+        self.filler.unlink()
+        self.freed_at = time.monotonic()
+        self.accepted_at_free = len(self.submission.ids)
+        wait_for(resumed, again, 60, poll_s)
+        self.resumed_s = time.monotonic() - self.freed_at
+
+    def details(self, resumed_after: str) -> dict[str, Any]:
+        """The figures' details of the fault; ``resumed_after`` names the seconds from the
+        free until the stack resumed."""
+        return {
+            "full_s": round(self.freed_at - self.full_at, 1),
+            resumed_after: round(self.resumed_s, 1),
+            "accepted_before_fill": self.accepted_before,
+            "accepted_while_full": self.accepted_while_full,
+        }
+
+
 Paced = Callable[[Stack, int, float], tuple[Submission, Future[None]]]
 
 
@@ -112,8 +160,9 @@ def paced() -> Iterator[Paced]:
     stop.set()
 
 
-def aof_write_status(stack: Stack) -> str:
-    return str(stack.redis.info("persistence")["aof_last_write_status"])
+def aof_failed(stack: Stack) -> bool:
+    """Redis's last write to its append-only file failed."""
+    return str(stack.redis.info("persistence")["aof_last_write_status"]) == "err"
 
 
 def redis_writes(stack: Stack) -> bool:
@@ -146,11 +195,9 @@ def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_b
     submission, submitted = paced(stack, JOBS, RATE_PER_S)
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
 
-    accepted_before = len(submission.ids)
-    filler = fill(disk)
-    wait_for("Redis to fail its AOF write", lambda: aof_write_status(stack) == "err", 30, 0.1)
-    full_at = time.monotonic()
-    accepted_at_full, done_at_full = len(submission.ids), stack.terminal_count()
+    full = FullDisk(
+        stack, submission, disk, "Redis to fail its AOF write", lambda: aof_failed(stack), 0.1
+    )
     # Every write refused, a PING too; reads still answered.
     with pytest.raises(redis.ResponseError, match="MISCONF Errors writing to the AOF file"):
         stack.redis.ping()
@@ -158,26 +205,18 @@ def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_b
     time.sleep(FULL_S / 2)
     # The API stays ready (Redis's state reported): its database holds what it takes.
     ready = webclient.get(f"{stack.base}/readyz", timeout=10)
-    time.sleep(max(0.0, full_at + FULL_S - time.monotonic()))
-    accepted_while_full = len(submission.ids) - accepted_at_full
-    done_while_full = stack.terminal_count() - done_at_full
-    still_full = aof_write_status(stack) == "err"
+    full.hold()
+    still_full = aof_failed(stack)
 
-    filler.unlink()
-    freed_at = time.monotonic()
-    wait_for("Redis to write again", lambda: redis_writes(stack), 60, 0.1)
-    resumed_s = time.monotonic() - freed_at
+    full.free("Redis to write again", lambda: redis_writes(stack), 0.1)
     accepted_at_freed = len(submission.ids)
     submitted.result(timeout=180)
 
     accounting = stack.account("Redis AOF on a full disk", submission, started, 120, record)
     details = accounting.figures.details
-    details["full_s"] = round(freed_at - full_at, 1)
-    details["writes_again_after_s"] = round(resumed_s, 1)
-    details["accepted_before_fill"] = accepted_before
-    details["accepted_while_full"] = accepted_while_full
+    details.update(full.details("writes_again_after_s"))
     details["accepted_after_freed"] = len(submission.ids) - accepted_at_freed
-    details["done_while_full"] = done_while_full
+    details["done_while_full"] = full.done_while_full
     details["readyz_while_full"] = (ready.status_code, ready.json()["checks"])
     details["reenqueued"] = stack.reenqueued(celery_worker)
     details["worker_retries"] = stack.count_logs(worker, "dependency error; retrying")
@@ -198,7 +237,7 @@ def test_a_full_disk_under_redis_aof_loses_no_accepted_job_and_service_resumes_b
     # The fault held until the space was freed, and was felt: Redis refused the worker's
     # reads and the reconciler queued what the API took meanwhile.
     assert still_full, details
-    assert accepted_while_full > 0 and details["accepted_after_freed"] > 0, details
+    assert full.accepted_while_full > 0 and details["accepted_after_freed"] > 0, details
     assert details["worker_retries"] > 0, details
     assert details["reenqueued"] > 0, details
     assert ready.status_code == 200, details
@@ -245,32 +284,21 @@ def test_a_full_disk_under_sqlite_refuses_new_jobs_with_503_and_loses_no_accepte
     submission, submitted = paced(stack, JOBS, RATE_PER_S)
     wait_for("a few hundred jobs to finish", lambda: stack.terminal_count() >= 300, 60, 0.1)
 
-    accepted_before = len(submission.ids)
-    filler = fill(disk)
-    wait_for("the API to refuse", lambda: submission.retried["503"] > 0, 30, 0.05)
-    full_at = time.monotonic()
-    accepted_at_full, done_at_full = len(submission.ids), stack.terminal_count()
+    full = FullDisk(
+        stack, submission, disk, "the API to refuse", lambda: submission.retried["503"] > 0, 0.05
+    )
     refusal = probe(stack, submission)
     probes_taken = sum(1 for i in list(submission.ids) if i >= JOBS)  # list: threads add
-    time.sleep(max(0.0, full_at + FULL_S - time.monotonic()))
-    accepted_while_full = len(submission.ids) - accepted_at_full - probes_taken
-    done_while_full = stack.terminal_count() - done_at_full
+    full.hold(not_counted=probes_taken)
     refusals_while_full = submission.retried["503"]
 
-    filler.unlink()
-    freed_at = time.monotonic()
-    resumed = len(submission.ids)
-    wait_for("a submission to be taken", lambda: len(submission.ids) > resumed, 60, 0.05)
-    resumed_s = time.monotonic() - freed_at
+    full.free("a submission to be taken", lambda: len(submission.ids) > full.accepted_at_free, 0.05)
     submitted.result(timeout=180)
 
     accounting = stack.account("SQLite on a full disk", submission, started, 120, record)
     details = accounting.figures.details
-    details["full_s"] = round(freed_at - full_at, 1)
-    details["taken_again_after_s"] = round(resumed_s, 1)
-    details["accepted_before_fill"] = accepted_before
-    details["accepted_while_full"] = accepted_while_full
-    details["done_while_full"] = done_while_full
+    details.update(full.details("taken_again_after_s"))
+    details["done_while_full"] = full.done_while_full
     details["refusals_while_full"] = refusals_while_full
     details["refusals"] = {
         f"{kind}, Retry-After {wait}": count

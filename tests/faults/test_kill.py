@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import RECORDING_DEPTH, Figures
-from harness.faults import MODEL, Stack, sim_jobs
+from harness.faults import MODEL, Stack, sim_batches, sim_jobs
 from harness.processes import Proc, stopped_when, wait_for
 from tests.streams import held_jobs
 
@@ -35,9 +35,7 @@ def two_workers(
     per unit of cost."""
     stack = make_stack(
         FERRY_VISIBILITY_TIMEOUT_S=str(visibility_timeout_s),
-        FERRY_SIM_LATENCY_BASE_MS=str(base_ms),
-        FERRY_SIM_LATENCY_PER_COST_MS="1",
-        FERRY_BATCH_MAX_SIZE=str(BATCH_MAX_SIZE),
+        **sim_batches(base_ms, 1, max_size=BATCH_MAX_SIZE),
     )
     stack.start_api()
     return stack, stack.start_worker("w1"), stack.start_worker("w2")

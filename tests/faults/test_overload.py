@@ -26,7 +26,7 @@ import pytest
 
 from harness import webclient
 from harness.accounting import Figures
-from harness.faults import Stack
+from harness.faults import Stack, sim_batches
 from harness.overload import Answers, Client, latencies_ms, paced, summary_ms
 from harness.processes import wait_for
 from harness.submitting import Submission
@@ -47,9 +47,7 @@ def test_a_flood_at_ten_times_capacity_degrades_and_recovers_by_itself(
 ) -> None:
     stack = make_stack(
         # Batches of at most 4 of about 400 ms (a GPU's: their time is mostly fixed).
-        FERRY_SIM_LATENCY_BASE_MS="400",
-        FERRY_SIM_LATENCY_PER_COST_MS="1",
-        FERRY_BATCH_MAX_SIZE="4",
+        **sim_batches(400, 1, max_size=4),
         FERRY_LATENCY_TARGET_MS="1000",
         FERRY_QUEUE_MAX_JOBS=str(QUEUE_MAX_JOBS),
         FERRY_BREAKER_COOL_S=str(COOL_S),

@@ -7,7 +7,6 @@ had committed. The test owns the server (``initdb``, harness.postgres).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
@@ -15,12 +14,7 @@ import pytest
 from harness.accounting import Figures
 from harness.faults import Stack
 from harness.postgres import PostgresServers, create_database
-from tests.faults.database_down import (
-    DATABASE_FAULT_ENV,
-    assert_unavailable,
-    run_up_to_the_fault,
-    wait_ready,
-)
+from tests.faults.database_down import DATABASE_FAULT_ENV, ServerOutage, run_up_to_the_fault
 
 pytestmark = pytest.mark.faults
 
@@ -36,31 +30,12 @@ def test_postgres_stopped_and_restarted_mid_run_loses_nothing_and_records_nothin
     server = postgres.primary()
     stack = make_stack(url=create_database(server, "ferry"), **DATABASE_FAULT_ENV)
     busy = run_up_to_the_fault(stack, BACKLOG)
-    submission, workers = busy.steady.submission, busy.workers
-    stopped_at = time.monotonic()
-    server.stop("fast")  # every session ended, batches in flight; returns once it is down
-    answers = assert_unavailable(stack, submission.accepted[0])
-    time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped_at)))
-    server.start()
-    down_s = time.monotonic() - stopped_at
-    wait_ready(stack)
-    busy.steady.stop_once_accepted_again()
+    # Every session ended, batches in flight; the stop returns once the server is down.
+    outage = ServerOutage(stack, busy, stop=lambda: server.stop("fast"))
+    outage.restore(server.start, after_s=DOWN_S)
 
-    accounting = stack.account("PostgreSQL stopped 4 s", submission, busy.started, 120, record)
-    details = accounting.figures.details
-    details["down_s"] = round(down_s, 1)
-    details["done_before_stop"] = busy.done_before
-    details["submitting_at_stop"] = busy.still_submitting
-    details["answers_while_down"] = answers
-    details["reenqueued"] = stack.reenqueued(busy.celery_worker)
-    details["worker_retries"] = retries = stack.write_retries(workers)
-    stack.assert_nothing_lost(accounting)
-    # No process died: a worker that waits for the database keeps its batch, so
-    # nothing is computed twice.
-    stack.assert_computed_once(accounting)
-    assert {r.status for r in accounting.rows.values()} == {"succeeded"}, details
-    assert all(worker.alive() and worker.starts == 1 for worker in workers), details
-    assert stack.procs["api"].alive()
-    # The stop was felt: clients were turned away while it lasted, and workers waited.
-    assert busy.still_submitting and details["retried"], details
-    assert any(retries.values()), f"no worker met the stopped server: {details}"
+    details = outage.assert_waited_out(
+        "PostgreSQL stopped 4 s", record, moment="stop", length="down_s"
+    )
+    # The stop was felt by the workers too: they waited.
+    assert any(details["worker_retries"].values()), f"no worker met the stopped server: {details}"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack, sim_batches, sim_jobs
 from harness.processes import wait_for
 
 pytestmark = pytest.mark.faults
@@ -32,12 +32,7 @@ FLOOD_PER_S = 400
 def test_redis_at_maxmemory_refuses_new_jobs_and_loses_none(
     make_stack: Callable[..., Stack], record: Callable[[Figures], None]
 ) -> None:
-    stack = make_stack(
-        # Batches of at most 32, of about 100 ms.
-        FERRY_SIM_LATENCY_BASE_MS="50",
-        FERRY_SIM_LATENCY_PER_COST_MS="0.5",
-        FERRY_BATCH_MAX_SIZE="32",
-    )
+    stack = make_stack(**sim_batches(50, 0.5, max_size=32))  # batches of about 100 ms
     # No Celery: it has no part in a job's path, and its worker exits at start while
     # its broker (this Redis) refuses writes (`ferry up` restarts it, with a backoff).
     (worker,) = stack.start("w1")

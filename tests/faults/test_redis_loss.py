@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import Stack, sim_jobs
+from harness.faults import Stack, sim_batches, sim_jobs
 from harness.processes import wait_for
 
 pytestmark = pytest.mark.faults
@@ -25,10 +25,7 @@ def test_redis_restarted_without_its_data_loses_no_accepted_job(
         FERRY_RECONCILE_INTERVAL_S="1",
         FERRY_RECONCILE_GRACE_S="2",
         FERRY_VISIBILITY_TIMEOUT_S="10",
-        # A batch of 32 takes about half a second.
-        FERRY_SIM_LATENCY_BASE_MS="50",
-        FERRY_SIM_LATENCY_PER_COST_MS="5",
-        FERRY_BATCH_MAX_SIZE="32",
+        **sim_batches(50, 5, max_size=32),  # a batch of 32 takes about half a second
     )
     stack.start_api()
     # Supervised, as `ferry up` and the Compose file run them (restarted when

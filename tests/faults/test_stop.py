@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.accounting import Figures
-from harness.faults import MODEL, Stack, sim_jobs, without_nonce
+from harness.faults import MODEL, Stack, sim_batches, sim_jobs, without_nonce
 from harness.processes import wait_for
 
 pytestmark = pytest.mark.faults
@@ -21,11 +21,7 @@ DRAIN_S = 10.0
 def test_sigterm_mid_batch_finishes_the_batch_and_exits_zero(
     make_stack: Callable[..., Stack], record: Callable[[Figures], None]
 ) -> None:
-    stack = make_stack(
-        FERRY_SIM_LATENCY_BASE_MS="20",
-        FERRY_SIM_LATENCY_PER_COST_MS="1",
-        FERRY_WORKER_DRAIN_S=str(DRAIN_S),
-    )
+    stack = make_stack(**sim_batches(20, 1), FERRY_WORKER_DRAIN_S=str(DRAIN_S))
     (worker,) = stack.start("w1")
     started = time.monotonic()
     long_job = stack.submit([{"model": MODEL, "input": {"cost": 3000}}])  # a 3 s batch

@@ -16,7 +16,7 @@ import pytest
 from harness import webclient
 from harness.faults import MODEL, Stack
 from harness.processes import wait_for
-from tests.webhook_receiver import Answer, Receiver, loopback_only
+from tests.webhook_receiver import LOOPBACK_WEBHOOKS, Answer, Receiver, loopback_only
 
 pytestmark = pytest.mark.faults
 
@@ -29,10 +29,8 @@ def test_a_celery_worker_killed_mid_attempt_still_delivers_once(
     make_stack: Callable[..., Stack],
 ) -> None:
     stack = make_stack(
-        FERRY_WEBHOOK_ALLOW_HTTP="true",
-        FERRY_WEBHOOK_ALLOWED_NETWORKS='["127.0.0.0/8"]',
+        **LOOPBACK_WEBHOOKS,
         FERRY_WEBHOOK_RETRY_SCHEDULE_S="[0, 0.5, 0.5, 0.5]",
-        FERRY_WEBHOOK_RETRY_JITTER="0",
         FERRY_WEBHOOK_DISPATCH_INTERVAL_S="0.5",
         FERRY_WEBHOOK_TIMEOUT_S=str(TIMEOUT_S),
         FERRY_WEBHOOK_LEASE_MARGIN_S=str(LEASE_MARGIN_S),

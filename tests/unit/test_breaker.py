@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from api.breaker import Breaker, BreakerPolicy, Load
@@ -51,38 +53,38 @@ def test_it_sheds_bulk_then_normal_never_urgent_and_says_why() -> None:
     assert breaker.sheds("other", "bulk", None) is None  # each model its own
 
 
-def test_it_opens_at_once_and_closes_a_level_per_cool_period_of_calm() -> None:
+def levels_on_a_clock(cool_s: float) -> Callable[[float, Load | None], int]:
+    """A breaker on a clock of its own: ``level_at(now, load)`` updates model m's level with
+    ``load`` at ``now`` and returns it."""
     clock = Clock()
-    breaker = Breaker(BreakerPolicy(cool_s=5.0), clock=clock)
-    assert breaker.update("m", load(900))[0] == 2
-    clock.now = 1.0
-    assert breaker.update("m", load(10))[0] == 2  # calm from now
-    clock.now = 5.9
-    assert breaker.update("m", load(10))[0] == 2
-    clock.now = 6.0
-    assert breaker.update("m", load(10))[0] == 1
-    clock.now = 10.9
-    assert breaker.update("m", load(10))[0] == 1
-    clock.now = 11.0
-    assert breaker.update("m", None)[0] == 0  # nothing published any more: it closes too
-    clock.now = 12.0
-    assert breaker.update("m", load(500))[0] == 1  # and opens again at once
+    breaker = Breaker(BreakerPolicy(cool_s=cool_s), clock=clock)
+
+    def level_at(now: float, signal: Load | None) -> int:
+        clock.now = now
+        return breaker.update("m", signal)[0]
+
+    return level_at
+
+
+def test_it_opens_at_once_and_closes_a_level_per_cool_period_of_calm() -> None:
+    level_at = levels_on_a_clock(cool_s=5.0)
+    assert level_at(0.0, load(900)) == 2
+    assert level_at(1.0, load(10)) == 2  # calm from now
+    assert level_at(5.9, load(10)) == 2
+    assert level_at(6.0, load(10)) == 1
+    assert level_at(10.9, load(10)) == 1
+    assert level_at(11.0, None) == 0  # nothing published any more: it closes too
+    assert level_at(12.0, load(500)) == 1  # and opens again at once
 
 
 def test_a_storm_in_the_calm_starts_the_cool_period_over() -> None:
-    clock = Clock()
-    breaker = Breaker(BreakerPolicy(cool_s=5.0), clock=clock)
-    breaker.update("m", load(500))
-    clock.now = 1.0
-    breaker.update("m", load(10))
-    clock.now = 4.0
-    assert breaker.update("m", load(500))[0] == 1
-    clock.now = 8.0
-    assert breaker.update("m", load(10))[0] == 1
-    clock.now = 12.9
-    assert breaker.update("m", load(10))[0] == 1
-    clock.now = 13.0
-    assert breaker.update("m", load(10))[0] == 0
+    level_at = levels_on_a_clock(cool_s=5.0)
+    level_at(0.0, load(500))
+    level_at(1.0, load(10))
+    assert level_at(4.0, load(500)) == 1
+    assert level_at(8.0, load(10)) == 1
+    assert level_at(12.9, load(10)) == 1
+    assert level_at(13.0, load(10)) == 0
 
 
 def test_the_published_p99_is_of_the_window_by_lane() -> None:
