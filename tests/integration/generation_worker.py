@@ -135,7 +135,7 @@ def slow_steps(running: Worker, step_s: float) -> Worker:
 
 def submit(client: TestClient, auth: dict[str, str], **input: Any) -> str:
     body: dict[str, Any] = {"model": MODEL, "input": input}
-    for field in ("priority", "version"):  # the job's own fields, not its input's
+    for field in ("priority", "version", "deadline_ms"):  # the job's own, not its input's
         if field in input:
             body[field] = input.pop(field)
     response = client.post("/v1/jobs", json=body, headers=auth)

@@ -3,22 +3,17 @@ metrics, and stops them all cleanly."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from core.db.keys import create_key
-from core.db.schema import make_engine, make_sessionmaker
 from harness import webclient
 from harness.ports import free_port
+from tests.integration.api_process import key_token, ready, start_api
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -33,24 +28,21 @@ def _children(pid: int) -> list[int]:
 def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
     redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
-    engine = make_engine(database_url)
-    with make_sessionmaker(engine)() as session:
-        token = create_key(session, "processes").token
-    engine.dispose()
+    token = key_token(database_url, "processes")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-    env.update(
-        FERRY_REDIS_URL=redis_url, FERRY_DATABASE_URL=database_url, FERRY_KEY_PREFIX=key_prefix,
-        FERRY_DATA_DIR=str(tmp_path), FERRY_API_PROCESSES="2", FERRY_API_SHUTDOWN_DELAY_S="0.5",
-        FERRY_LOG_LEVEL="WARNING",
-    )  # fmt: skip
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ferry", "api", "--port", str(port)], env=env, cwd=tmp_path
+    process = start_api(
+        redis_url,
+        database_url,
+        key_prefix,
+        tmp_path,
+        port,
+        FERRY_API_PROCESSES="2",
+        FERRY_API_SHUTDOWN_DELAY_S="0.5",
     )
     base = f"http://127.0.0.1:{port}"
     try:
         until = time.monotonic() + 90
-        while len(_children(process.pid)) < 2 or not _ready(base):
+        while len(_children(process.pid)) < 2 or not ready(base):
             assert process.poll() is None and time.monotonic() < until, "the API did not start"
             time.sleep(0.2)
         servers = _children(process.pid)
@@ -81,10 +73,3 @@ def test_two_api_processes_share_the_port_and_their_metrics_and_stop_cleanly(
         if process.poll() is None:
             process.kill()
             process.wait(10)
-
-
-def _ready(base: str) -> bool:
-    try:
-        return webclient.get(f"{base}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.db.keys import create_key
-from core.db.schema import make_engine, make_sessionmaker
 from harness import webclient
 from harness.ports import free_port
+from tests.integration.api_process import key_token, ready, start_api
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -28,27 +25,14 @@ pytestmark = pytest.mark.one_database("postgresql")
 def api(
     redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
-    engine = make_engine(database_url)
-    with make_sessionmaker(engine)() as session:
-        token = create_key(session, "shutdown").token
-    engine.dispose()
+    token = key_token(database_url, "shutdown")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-    env.update(
-        FERRY_REDIS_URL=redis_url, FERRY_DATABASE_URL=database_url, FERRY_KEY_PREFIX=key_prefix,
-        FERRY_DATA_DIR=str(tmp_path), FERRY_API_SHUTDOWN_DELAY_S="1.5", FERRY_LOG_LEVEL="WARNING",
-    )  # fmt: skip
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ferry", "api", "--port", str(port)], env=env, cwd=tmp_path
+    process = start_api(
+        redis_url, database_url, key_prefix, tmp_path, port, FERRY_API_SHUTDOWN_DELAY_S="1.5"
     )
     base = f"http://127.0.0.1:{port}"
     until = time.monotonic() + 60
-    while True:
-        try:
-            if webclient.get(f"{base}/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
+    while not ready(base):
         assert process.poll() is None and time.monotonic() < until, "the API did not start"
         time.sleep(0.1)
     try:

@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from core.config.settings import Settings
-from harness.served import Served, served
+from harness.served import Served
 from tests.integration.conftest import RunningLoop
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
@@ -21,12 +20,6 @@ from tests.integration.conftest import RunningLoop
 pytestmark = pytest.mark.one_database("postgresql")
 
 Ferry = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def api(settings: Settings) -> Iterator[Served]:
-    with served(settings) as running:
-        yield running
 
 
 @pytest.fixture

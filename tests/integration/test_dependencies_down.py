@@ -19,8 +19,7 @@ from core.config.settings import Settings
 from core.db import schema as db
 from core.db.schema import Job
 from ferry.local_redis import free_port
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import wait_terminal
+from tests.integration.conftest import RunningLoop, build_sim_loop, wait_terminal
 from workers.gpu.recording import connection_lost
 from workers.tasks.reconcile import reconcile
 

@@ -23,8 +23,7 @@ from core.streams.protocol import JobMessage, Scripts, done_channel
 from core.streams.queues import lane_depths
 from harness.accounting import count_executions
 from harness.processes import wait_for
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, build_sim_loop, submit, wait_terminal
 from workers.gpu.executions import read_executions
 
 BATCH_S = 1.5  # long enough for the second worker to claim the job while it computes

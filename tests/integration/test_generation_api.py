@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db.schema import Job, utcnow
-from core.streams.protocol import cancels_key, events_key
+from core.streams.protocol import cancels_key
 from harness import webclient
 from harness.served import Served
 from tests.integration.conftest import RunningLoop
@@ -141,11 +141,11 @@ def test_a_finished_job_whose_stream_is_gone_gets_one_done_from_its_row(
     submit: Callable[..., str],
     worker: Callable[[str], PlayedWorker],
     redis_client: redis.Redis,
-    key_prefix: str,
 ) -> None:
     job_id = submit()
-    worker(job_id).run(TOKENS, finish_reason="stop")
-    redis_client.delete(events_key(key_prefix, MODEL, job_id))  # expired
+    played = worker(job_id)
+    played.run(TOKENS, finish_reason="stop")
+    redis_client.delete(played.key)  # expired
     got = events(http, job_id)
     assert [(m.event, m.data, m.id) for m in got] == [
         ("status", {"status": "succeeded"}, None),

@@ -13,19 +13,17 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
-from core.db.keys import create_key
 from core.db.versions import version_states
 from core.streams.events import JobEvent
 from core.streams.protocol import events_key
+from tests.integration.conftest import activate
 from tests.integration.generation_worker import (
     MODEL,
     events,
@@ -58,7 +56,7 @@ def active_version_is(client: TestClient, auth: dict[str, str], version: int) ->
 
 
 @pytest.fixture
-def two_versions(settings: Settings, tmp_path: Path) -> Settings:
+def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
     """The generation model with versions 1 and 2 (other weights), 1 active, polled often."""
     reload = generation_settings(settings, tmp_path, eos=False).model_copy(
         update={"model_poll_s": 0.2}
@@ -72,38 +70,31 @@ def two_versions(settings: Settings, tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-def client(two_versions: Settings) -> Iterator[TestClient]:
-    from api.app import create_app
-
-    with TestClient(create_app(two_versions)) as test_client:
-        yield test_client
+def folder(gen_settings: Settings) -> Path:
+    """The generation model's folder in the repository: a folder a version."""
+    assert gen_settings.model_repository is not None
+    return gen_settings.model_repository / MODEL
 
 
 def test_a_running_generation_ends_on_its_version_and_the_next_jobs_run_on_the_new_one(
-    two_versions: Settings,
-    client: TestClient,
+    gen_settings: Settings,
+    gen_client: TestClient,
     auth: dict[str, str],
-    sessions: sessionmaker[Session],
+    admin: dict[str, str],
+    folder: Path,
 ) -> None:
-    settings = two_versions
-    assert settings.model_repository is not None
-    folder = settings.model_repository / MODEL
-    with sessions() as session:
-        admin = {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
+    settings = gen_settings
     rclient = redis.Redis.from_url(str(settings.redis_url), decode_responses=True)
     worker = start_worker(settings)
     # Version 1's steps take 20 ms more: the long job outlasts version 2's load.
     slow_steps(worker, 0.02)
     with worker as loop:
-        long = submit(client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
+        long = submit(gen_client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
         key = events_key(settings.key_prefix, MODEL, long)
         ends = time.monotonic() + 60
         while rclient.xlen(key) < 4 and time.monotonic() < ends:
             time.sleep(0.01)
-        response = client.post(
-            f"/v1/admin/models/{MODEL}/activate", json={"version": 2}, headers=admin
-        )
-        assert response.status_code == 200, response.text
+        activate(gen_client, admin, MODEL, 2)
         # Loaded beside 1 while the long job runs: 1 is still the one serving it.
         ends = time.monotonic() + 60
         while loop.switching_to is None and loop.version == 1 and time.monotonic() < ends:
@@ -113,10 +104,10 @@ def test_a_running_generation_ends_on_its_version_and_the_next_jobs_run_on_the_n
         assert loop.switching_to == 2 and loop.version == 1, states
         assert states[1].state == "ready" and states[2].state == "loading", states
         after = [
-            submit(client, auth, prompt=p, max_tokens=8, temperature=0)
+            submit(gen_client, auth, prompt=p, max_tokens=8, temperature=0)
             for p in ("next", "and another")
         ]
-        done = {job_id: result(client, auth, job_id) for job_id in (long, *after)}
+        done = {job_id: result(gen_client, auth, job_id) for job_id in (long, *after)}
         assert loop.version == 2
     first = done[long]
     assert first["status"] == "succeeded" and first["model_version"] == 1, first
@@ -133,28 +124,24 @@ def test_a_running_generation_ends_on_its_version_and_the_next_jobs_run_on_the_n
 
 
 def test_a_job_pinned_to_a_version_no_longer_served_fails_and_one_pinned_to_the_served_runs(
-    two_versions: Settings,
-    client: TestClient,
+    gen_settings: Settings,
+    gen_client: TestClient,
     auth: dict[str, str],
-    sessions: sessionmaker[Session],
+    admin: dict[str, str],
+    folder: Path,
 ) -> None:
-    folder = two_versions.model_repository
-    assert folder is not None
-    with sessions() as session:
-        admin = {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
-    old = submit(client, auth, prompt="pinned", max_tokens=4, temperature=0, version=1)
-    response = client.post(f"/v1/admin/models/{MODEL}/activate", json={"version": 2}, headers=admin)
-    assert response.status_code == 200, response.text
+    old = submit(gen_client, auth, prompt="pinned", max_tokens=4, temperature=0, version=1)
+    activate(gen_client, admin, MODEL, 2)
     ends = time.monotonic() + 30
-    while not active_version_is(client, auth, 2):  # the API sees it within its poll interval
+    while not active_version_is(gen_client, auth, 2):  # the API sees it within its poll interval
         assert time.monotonic() < ends, "the API never saw version 2 active"
         time.sleep(0.05)
-    new = submit(client, auth, prompt="pinned", max_tokens=4, temperature=0, version=2)
-    with start_worker(two_versions) as loop:  # it starts on the active version, 2
-        done = {job_id: result(client, auth, job_id) for job_id in (old, new)}
+    new = submit(gen_client, auth, prompt="pinned", max_tokens=4, temperature=0, version=2)
+    with start_worker(gen_settings) as loop:  # it starts on the active version, 2
+        done = {job_id: result(gen_client, auth, job_id) for job_id in (old, new)}
         assert loop.version == 2
     assert done[new]["status"] == "succeeded" and done[new]["model_version"] == 2, done[new]
-    assert done[new]["output"]["token_ids"] == greedy(folder / MODEL / "2", "pinned", 4)
+    assert done[new]["output"]["token_ids"] == greedy(folder / "2", "pinned", 4)
     assert done[old]["status"] == "failed", done[old]
     assert done[old]["error"] == (
         f"version 1 of {MODEL} is not served now (the active version is 2; serving 2)"
@@ -162,40 +149,30 @@ def test_a_job_pinned_to_a_version_no_longer_served_fails_and_one_pinned_to_the_
 
 
 def test_a_rollback_before_the_switch_keeps_the_version_serving_and_its_jobs(
-    two_versions: Settings,
-    client: TestClient,
+    gen_settings: Settings,
+    gen_client: TestClient,
     auth: dict[str, str],
-    sessions: sessionmaker[Session],
+    admin: dict[str, str],
+    folder: Path,
 ) -> None:
-    settings = two_versions
-    assert settings.model_repository is not None
-    folder = settings.model_repository / MODEL
-    with sessions() as session:
-        admin = {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
-
-    def activate(version: int) -> None:
-        response = client.post(
-            f"/v1/admin/models/{MODEL}/activate", json={"version": version}, headers=admin
-        )
-        assert response.status_code == 200, response.text
-
+    settings = gen_settings
     worker = start_worker(settings)
     slow_steps(worker, 0.02)  # version 1's long job outlasts the load of 2 and the rollback
     with worker as loop:
-        long = submit(client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
+        long = submit(gen_client, auth, prompt="a long one", max_tokens=LONG_TOKENS, temperature=0)
         ends = time.monotonic() + 60
         while loop.engine.scheduler.running_count == 0 and time.monotonic() < ends:
             time.sleep(0.01)
-        activate(2)
+        activate(gen_client, admin, MODEL, 2)
         while loop.switching_to != 2 and time.monotonic() < ends:
             time.sleep(0.01)
         assert loop.switching_to == 2, "version 2 never loaded"
-        waiting = submit(client, auth, prompt="next", max_tokens=8, temperature=0)
-        activate(1)  # rolled back before 2 served
+        waiting = submit(gen_client, auth, prompt="next", max_tokens=8, temperature=0)
+        activate(gen_client, admin, MODEL, 1)  # rolled back before 2 served
         while loop.switching_to is not None and time.monotonic() < ends:
             time.sleep(0.01)
         assert loop.switching_to is None and loop.version == 1
-        done = {job_id: result(client, auth, job_id) for job_id in (long, waiting)}
+        done = {job_id: result(gen_client, auth, job_id) for job_id in (long, waiting)}
         assert loop.version == 1
     for job_id, prompt, tokens in ((long, "a long one", LONG_TOKENS), (waiting, "next", 8)):
         job = done[job_id]

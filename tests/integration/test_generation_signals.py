@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,12 @@ from prometheus_client import REGISTRY
 
 from core.config.settings import Settings
 from core.models.generation_estimates import GenerationEstimate
-from core.streams.broker import celery_for_events
 from core.streams.queues import stats_text
-from core.streams.target import RedisSettings, RedisTarget
 from tests.integration.generation_worker import (
     MODEL,
     Worker,
     generation_settings,
     result,
-    start_worker,
     submit,
 )
 from tests.integration.test_presence import Watcher
@@ -43,22 +40,6 @@ def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
     return generation_settings(settings, tmp_path, max_running=4)
 
 
-@pytest.fixture
-def gen_client(gen_settings: Settings) -> Iterator[TestClient]:
-    from api.app import create_app
-
-    with TestClient(create_app(gen_settings)) as test_client:
-        yield test_client
-
-
-@pytest.fixture
-def worker(gen_settings: Settings) -> Callable[..., Worker]:
-    def start(name: str = "gen-worker", settings: Settings | None = None) -> Worker:
-        return start_worker(settings or gen_settings, name)
-
-    return start
-
-
 def post(client: TestClient, auth: dict[str, str], **body: Any) -> Any:
     return client.post("/v1/jobs", json={"model": MODEL, **body}, headers=auth)
 
@@ -70,13 +51,13 @@ def sample(name: str, **labels: str) -> float:
 def test_a_new_jobs_estimated_wait_follows_the_learned_step_time_and_a_short_deadline_is_refused(
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen_worker: Callable[..., Worker],
     gen_settings: Settings,
 ) -> None:
     def job(i: int) -> dict[str, Any]:
         return {"prompt": f"job number {i} of the load", "max_tokens": 32, "temperature": 0}
 
-    with worker():
+    with gen_worker():
         # Some jobs run first: the worker learns its step time and the usual job.
         warm = [submit(gen_client, auth, **job(i)) for i in range(8)]
         for job_id in warm:
@@ -134,13 +115,13 @@ def learned_estimate(settings: Settings) -> GenerationEstimate:
 def test_a_deadline_bounds_the_whole_generation_refused_or_accepted_with_fewer_tokens(
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen_worker: Callable[..., Worker],
 ) -> None:
     def job(i: int, max_tokens: int = 32) -> dict[str, Any]:
         return {"prompt": f"job number {i} of the load", "max_tokens": max_tokens,
                 "temperature": 0}  # fmt: skip
 
-    with worker():
+    with gen_worker():
         warm = [submit(gen_client, auth, **job(i)) for i in range(8)]
         for job_id in warm:
             assert result(gen_client, auth, job_id)["status"] == "succeeded"
@@ -186,7 +167,7 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
     gen_settings: Settings,
     tmp_path: Path,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen_worker: Callable[..., Worker],
 ) -> None:
     from api.app import create_app
 
@@ -209,7 +190,7 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
             submit(client, auth, prompt=f"bulk {i}", max_tokens=60, priority="bulk")
             for i in range(2)
         ]
-        with worker(settings=two) as loop:
+        with gen_worker(settings=two) as loop:
             ends = time.monotonic() + 60
             # The gauges are set after each step, from the scheduler's counts.
             while sample("ferry_generation_sequences", state="running") < 2:
@@ -251,21 +232,14 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
     assert model["generation"]["step_per_token_ms"] >= 0
 
 
-@pytest.fixture
-def app(settings: Settings) -> Iterator[Celery]:
-    app = celery_for_events(RedisTarget.of(settings.section(RedisSettings)))
-    yield app
-    app.close()
-
-
 def test_a_generation_worker_shows_in_flower_with_its_sequences_and_token_rate(
     app: Celery,
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen_worker: Callable[..., Worker],
     gen_settings: Settings,
 ) -> None:
-    running = worker("flower-gen")
+    running = gen_worker("flower-gen")
     loop = running.loop
     presence = CeleryPresence(app, MODEL, loop.consumer.consumer, heartbeat_s=0.5)
     hostname = presence.hostname

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,39 +45,35 @@ class WorkerKilled(BaseException):
 
 
 @pytest.fixture
-def takeover_settings(settings: Settings, tmp_path: Path) -> Settings:
+def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
     # No end-of-sequence token: every job runs to MAX_TOKENS, past the kill.
     return generation_settings(settings, tmp_path, eos=False).model_copy(
         update={"visibility_timeout_s": 1.0}
     )
 
 
-@pytest.fixture
-def client(takeover_settings: Settings) -> Iterator[TestClient]:
-    from api.app import create_app
-
-    with TestClient(create_app(takeover_settings)) as test_client:
-        yield test_client
-
-
 def test_a_worker_that_dies_mid_generation_loses_no_token(
-    takeover_settings: Settings,
-    client: TestClient,
+    gen_settings: Settings,
+    gen_client: TestClient,
     auth: dict[str, str],
     sessions: sessionmaker[Session],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="workers.gpu.generation_loop")
-    settings = takeover_settings
+    settings = gen_settings
     assert settings.model_repository is not None
     folder = settings.model_repository / MODEL / "1"
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == []
     jobs = {
-        "greedy": submit(client, auth, prompt="a long one", max_tokens=MAX_TOKENS, temperature=0),
-        "seeded": submit(
-            client, auth, prompt="seeded", max_tokens=MAX_TOKENS, temperature=0.9, seed=7
+        "greedy": submit(
+            gen_client, auth, prompt="a long one", max_tokens=MAX_TOKENS, temperature=0
         ),
-        "unseeded": submit(client, auth, prompt="no seed", max_tokens=MAX_TOKENS, temperature=1),
+        "seeded": submit(
+            gen_client, auth, prompt="seeded", max_tokens=MAX_TOKENS, temperature=0.9, seed=7
+        ),
+        "unseeded": submit(
+            gen_client, auth, prompt="no seed", max_tokens=MAX_TOKENS, temperature=1
+        ),
     }
     rclient = redis.Redis.from_url(str(settings.redis_url), decode_responses=True)
 
@@ -112,11 +107,11 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
         assert {r.status for r in rows.values() if r is not None} == {"running"}
 
     with start_worker(settings, "worker-b"):  # takes A's entries over after 1 s idle
-        done = {name: result(client, auth, job_id) for name, job_id in jobs.items()}
+        done = {name: result(gen_client, auth, job_id) for name, job_id in jobs.items()}
         # The sampled jobs again, uninterrupted, with the seed each one used.
         again = {
             name: submit(
-                client,
+                gen_client,
                 auth,
                 prompt=prompt,
                 max_tokens=MAX_TOKENS,
@@ -125,7 +120,7 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
             )
             for name, prompt, temperature in (("seeded", "seeded", 0.9), ("unseeded", "no seed", 1))
         }
-        uninterrupted = {name: result(client, auth, job_id) for name, job_id in again.items()}
+        uninterrupted = {name: result(gen_client, auth, job_id) for name, job_id in again.items()}
 
     assert done["seeded"]["output"]["seed"] == 7
     # B went on from each job's streamed tokens (less the last, computed again).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from api.app import create_app
 from backends.generation.load import eos_ids
 from backends.generation.runtime import StepRuntime
 from core.config.settings import Settings
@@ -37,7 +39,6 @@ from tests.integration.generation_worker import (
     generation_settings,
     result,
     slow_steps,
-    start_worker,
     submit,
 )
 from tests.lm import lm_folder
@@ -74,26 +75,24 @@ def gen_settings(settings: Settings, tmp_path: Path) -> Settings:
     return generation_settings(settings, tmp_path)
 
 
-@pytest.fixture
-def gen_client(gen_settings: Settings) -> Iterator[TestClient]:
-    from api.app import create_app
+@dataclass
+class Gen:
+    """The handles most tests here use: the generation settings, a worker of them, Redis."""
 
-    with TestClient(create_app(gen_settings)) as test_client:
-        yield test_client
+    settings: Settings
+    root: Path
+    worker: Callable[..., Worker]
+    redis: redis.Redis
 
-
-@pytest.fixture
-def worker(gen_settings: Settings) -> Callable[..., Worker]:
-    def start(name: str = "gen-worker", settings: Settings | None = None) -> Worker:
-        return start_worker(settings or gen_settings, name)
-
-    return start
+    def variant(self, name: str, **repository_args: Any) -> Settings:
+        """The settings serving a repository of their own, made under the test's folder."""
+        return generation_settings(self.settings, self.root / name, **repository_args)
 
 
 @pytest.fixture
-def rclient(gen_settings: Settings) -> Iterator[redis.Redis]:
+def gen(gen_settings: Settings, tmp_path: Path, gen_worker: Callable[..., Worker]) -> Iterator[Gen]:
     client = redis.Redis.from_url(str(gen_settings.redis_url), decode_responses=True)
-    yield client
+    yield Gen(gen_settings, tmp_path, gen_worker, client)
     client.close()
 
 
@@ -110,13 +109,11 @@ PROMPTS = [
 def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
-    gen_settings: Settings,
+    gen: Gen,
     pipeline: bool,
 ) -> None:
     ids = [submit(gen_client, auth, prompt=p, max_tokens=12, temperature=0) for p in PROMPTS]
-    running = worker(settings=gen_settings.model_copy(update={"pipeline": pipeline}))
+    running = gen.worker(settings=gen.settings.model_copy(update={"pipeline": pipeline}))
     finish = running.loop.recorder.finish
     writers: set[str] = set()
 
@@ -142,7 +139,7 @@ def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
         }
         assert output["finish_reason"] in ("stop", "length")
         assert output["timings"]["ttft_ms"] > 0
-        seen = events(rclient, gen_settings, job_id)
+        seen = events(gen.redis, gen.settings, job_id)
         assert seen[0] == JobEvent.running()
         tokens = [e for e in seen if e.kind == "token"]
         assert [e.index for e in tokens] == list(range(len(expected)))
@@ -154,9 +151,7 @@ def test_jobs_run_to_the_librarys_tokens_and_stream_every_token_in_order(
 def test_a_step_that_raises_fails_only_the_job_at_fault_and_the_others_resume(
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
-    gen_settings: Settings,
+    gen: Gen,
 ) -> None:
     tokenizer = lm_folder("llama") / "tokenizer.json"
     expected = [reference(prompt_token_ids({"prompt": p}, tokenizer), 12) for p in PROMPTS]
@@ -164,7 +159,7 @@ def test_a_step_that_raises_fails_only_the_job_at_fault_and_the_others_resume(
     # The job at fault: the one that decodes longest, so that the others have
     # tokens of their own when the steps it is in raise.
     poison = ids[max(range(len(ids)), key=lambda i: len(expected[i]))]
-    running = worker()
+    running = gen.worker()
     runtime = running.loop.engine.runtime
     assert isinstance(runtime, StepRuntime)  # the llama folder is stepped natively
     execute = runtime.execute
@@ -185,7 +180,7 @@ def test_a_step_that_raises_fails_only_the_job_at_fault_and_the_others_resume(
     # It raised beside the others first, then alone: only then did it fail.
     assert failed_steps[0] > 1 and failed_steps[-1] == 1, failed_steps
     for job_id, tokens in zip(ids, expected, strict=True):
-        seen = events(rclient, gen_settings, job_id)
+        seen = events(gen.redis, gen.settings, job_id)
         assert [e for e in seen if e == JobEvent.running()] == [JobEvent.running()]  # claimed once
         if job_id == poison:
             assert seen[-1] == JobEvent.done("failed", None)
@@ -200,25 +195,19 @@ def test_a_step_that_raises_fails_only_the_job_at_fault_and_the_others_resume(
 
 
 def test_cancelling_a_running_job_keeps_its_tokens_and_lets_a_waiting_one_start(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
-    one_slot = generation_settings(gen_settings, tmp_path / "one", max_running=1)
+    one_slot = gen.variant("one", max_running=1)
     with TestClient(create_app(one_slot)) as client:
         long = submit(client, auth, prompt="a long one", max_tokens=400, temperature=0)
         waiting = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
-        with worker(settings=one_slot):
+        with gen.worker(settings=one_slot):
             key = events_key(one_slot.key_prefix, MODEL, long)
             ends = time.monotonic() + 60
-            while rclient.xlen(key) < 6 and time.monotonic() < ends:
+            while gen.redis.xlen(key) < 6 and time.monotonic() < ends:
                 time.sleep(0.01)
             assert client.get(f"/v1/jobs/{waiting}", headers=auth).json()["status"] == "queued"
-            rclient.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
+            gen.redis.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
             cancelled = result(client, auth, long)
             started = result(client, auth, waiting)
     assert cancelled["status"] == "cancelled"
@@ -226,27 +215,21 @@ def test_cancelling_a_running_job_keeps_its_tokens_and_lets_a_waiting_one_start(
     assert 5 <= len(produced) < 400
     assert cancelled["output"]["finish_reason"] == "cancelled"
     assert started["status"] == "succeeded"
-    seen = events(rclient, one_slot, long)
+    seen = events(gen.redis, one_slot, long)
     assert [e.token for e in seen if e.kind == "token"] == produced
     assert seen[-1] == JobEvent.done("cancelled", "cancelled")
 
 
 def test_an_urgent_job_gets_its_first_token_within_a_few_steps_of_a_full_bulk_batch(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
-    full = generation_settings(gen_settings, tmp_path / "full", max_running=4, kv_blocks=40)
+    full = gen.variant("full", max_running=4, kv_blocks=40)
     with TestClient(create_app(full)) as client:
         bulk = [
             submit(client, auth, prompt=f"bulk work {i}", max_tokens=120, priority="bulk")
             for i in range(8)
         ]
-        with worker(settings=full) as loop:
+        with gen.worker(settings=full) as loop:
             ends = time.monotonic() + 60
             while loop.engine.scheduler.running_count < 4 and time.monotonic() < ends:
                 time.sleep(0.005)
@@ -256,7 +239,7 @@ def test_an_urgent_job_gets_its_first_token_within_a_few_steps_of_a_full_bulk_ba
             key = events_key(full.key_prefix, MODEL, urgent)
             while not any(
                 JobEvent.decode(f).kind == "token"  # type: ignore[arg-type]
-                for _, f in rclient.xrange(key)  # type: ignore[union-attr]
+                for _, f in gen.redis.xrange(key)  # type: ignore[union-attr]
             ):
                 assert time.monotonic() < ends, "the urgent job never produced a token"
                 time.sleep(0.002)
@@ -272,17 +255,12 @@ def test_an_urgent_job_gets_its_first_token_within_a_few_steps_of_a_full_bulk_ba
 
 
 def test_the_kv_budget_holds_under_a_load_that_naive_admission_would_overflow(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
-    tight = generation_settings(gen_settings, tmp_path / "tight", max_running=16, kv_blocks=24)
+    tight = gen.variant("tight", max_running=16, kv_blocks=24)
     with TestClient(create_app(tight)) as client:
         ids = [submit(client, auth, prompt=f"job {i} " * 3, max_tokens=40) for i in range(24)]
-        running = worker(settings=tight)
+        running = gen.worker(settings=tight)
         with running:
             jobs = [result(client, auth, job_id, wait_s=120) for job_id in ids]
     # Each job reserves ceil((prompt + 40) / 16) = 4 blocks: 24 jobs would need 96.
@@ -291,62 +269,36 @@ def test_the_kv_budget_holds_under_a_load_that_naive_admission_would_overflow(
 
 
 def test_a_job_that_cannot_start_before_its_deadline_expires_without_reaching_the_device(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
     # No EOS: the urgent job holds the only slot until it is cancelled.
-    one_slot = generation_settings(gen_settings, tmp_path / "deadline", max_running=1, eos=False)
+    one_slot = gen.variant("deadline", max_running=1, eos=False)
     with TestClient(create_app(one_slot)) as client:
         # Submitted first, while nothing is queued ahead of it, so it is accepted.
-        late = client.post(
-            "/v1/jobs",
-            json={"model": MODEL, "input": {"prompt": "too late", "max_tokens": 4},
-                  "deadline_ms": 1500},
-            headers=auth,
-        )  # fmt: skip
-        assert late.status_code == 202, late.text
-        late_id = late.json()["id"]
+        late_id = submit(client, auth, prompt="too late", max_tokens=4, deadline_ms=1500)
         long = submit(client, auth, prompt="first", max_tokens=1500, priority="urgent")
-        with worker(settings=one_slot):
+        with gen.worker(settings=one_slot):
             expired = result(client, auth, late_id)
             client.delete(f"/v1/jobs/{long}", headers=auth)
-            rclient.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
+            gen.redis.sadd(cancels_key(one_slot.key_prefix, MODEL), long)
             ended = result(client, auth, long)
     assert (expired["status"], ended["output"]["finish_reason"]) == ("expired", "cancelled")
-    seen = events(rclient, one_slot, late_id)
+    seen = events(gen.redis, one_slot, late_id)
     assert seen == [JobEvent.done("expired")]  # never running, no token
 
 
 def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_tokens(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
     # No EOS: the job would run to its 1,500 tokens; its deadline bounds the whole job.
-    no_eos = generation_settings(gen_settings, tmp_path / "late", eos=False)
+    no_eos = gen.variant("late", eos=False)
     # Loaded before the job is sent (not running yet: nothing published), so that however
     # slowly the machine loads a model, the job's 3 s start when its worker is ready.
-    running = worker(settings=no_eos)
+    running = gen.worker(settings=no_eos)
     slow_steps(running, 0.01)  # a step at least 10 ms: 1,500 tokens cannot fit 3 s
     with TestClient(create_app(no_eos)) as client:
         # Accepted while no worker has published a step time (nothing to refuse it on).
-        response = client.post(
-            "/v1/jobs",
-            json={"model": MODEL, "input": {"prompt": "out of time", "max_tokens": 1500},
-                  "deadline_ms": 3000},
-            headers=auth,
-        )  # fmt: skip
-        assert response.status_code == 202, response.text
-        job_id = response.json()["id"]
+        job_id = submit(client, auth, prompt="out of time", max_tokens=1500, deadline_ms=3000)
         following = submit(client, auth, prompt="next", max_tokens=4, temperature=0)
         with running as loop:
             job = result(client, auth, job_id)
@@ -359,61 +311,47 @@ def test_a_job_whose_deadline_passes_while_it_generates_ends_expired_with_its_to
     produced = output["token_ids"]
     assert 1 <= len(produced) < 1500
     assert output["usage"]["completion_tokens"] == len(produced)
-    seen = events(rclient, no_eos, job_id)
+    seen = events(gen.redis, no_eos, job_id)
     assert [e.token for e in seen if e.kind == "token"] == produced
     assert seen[-1] == JobEvent.done("expired", "expired")
     assert after["status"] == "succeeded"
 
 
 def test_a_generation_longer_than_the_events_ttl_keeps_its_whole_stream(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
     """The events stream is the generation's checkpoint: it must outlive FERRY_EVENTS_TTL_S
     while the job runs (its expiry set once at the first token let it vanish mid-run)."""
-    from api.app import create_app
-
     ttl_s = 2
-    short = generation_settings(gen_settings, tmp_path / "ttl", eos=False).model_copy(
-        update={"events_ttl_s": float(ttl_s)}
-    )
+    short = gen.variant("ttl", eos=False).model_copy(update={"events_ttl_s": float(ttl_s)})
     with TestClient(create_app(short)) as client:
         job_id = submit(client, auth, prompt="a long run", max_tokens=150, temperature=0)
-        running = worker(settings=short)
+        running = gen.worker(settings=short)
         slow_steps(running, 0.04)  # 150 steps of at least 40 ms: three times the TTL
         with running:
             job = result(client, auth, job_id)
     assert job["status"] == "succeeded", job
     produced = job["output"]["token_ids"]
     assert len(produced) == 150
-    seen = events(rclient, short, job_id)
+    seen = events(gen.redis, short, job_id)
     assert seen[0] == JobEvent.running()
     tokens = [e for e in seen if e.kind == "token"]
     assert [e.index for e in tokens] == list(range(150))
     assert [e.token for e in tokens] == produced
     assert seen[-1] == JobEvent.done("succeeded", "length")
     key = events_key(short.key_prefix, MODEL, job_id)
-    assert 0 < rclient.ttl(key) <= ttl_s
+    assert 0 < gen.redis.ttl(key) <= ttl_s
 
 
 def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
-    gen_settings: Settings,
-    tmp_path: Path,
-    auth: dict[str, str],
-    worker: Callable[..., Worker],
-    rclient: redis.Redis,
+    gen: Gen, auth: dict[str, str]
 ) -> None:
-    from api.app import create_app
-
-    no_eos = generation_settings(gen_settings, tmp_path / "progress", eos=False)
+    no_eos = gen.variant("progress", eos=False)
     with TestClient(create_app(no_eos)) as client:
         job_id = submit(client, auth, prompt="how far along", max_tokens=200, temperature=0)
         queued = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
         assert queued["status"] == "queued" and queued["progress"] is None
-        running = worker(settings=no_eos)
+        running = gen.worker(settings=no_eos)
         slow_steps(running, 0.02)  # 200 steps of at least 20 ms: it is seen running
         key = events_key(no_eos.key_prefix, MODEL, job_id)
         seen: list[dict[str, Any]] = []
@@ -426,7 +364,7 @@ def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
                     continue
                 if job["status"] != "running":
                     break
-                streamed = sum(1 for e in events(rclient, no_eos, job_id) if e.kind == "token")
+                streamed = sum(1 for e in events(gen.redis, no_eos, job_id) if e.kind == "token")
                 progress = job["progress"]
                 assert progress is not None and progress["max_tokens"] == 200, job
                 # Read before the stream was: at most what it holds now.
@@ -442,23 +380,18 @@ def test_a_running_generation_reports_its_tokens_so_far_and_an_eta(
             done = result(client, auth, job_id)
     assert done["status"] == "succeeded" and done["progress"] is None
     assert len(done["output"]["token_ids"]) == 200
-    assert rclient.exists(key)
+    assert gen.redis.exists(key)
 
 
 def test_two_keys_share_the_running_slots_by_weight_and_a_preempted_job_loses_no_work(
-    gen_settings: Settings,
-    tmp_path: Path,
-    sessions: sessionmaker[Session],
-    worker: Callable[..., Worker],
+    gen: Gen, sessions: sessionmaker[Session]
 ) -> None:
-    from api.app import create_app
-
     with sessions() as session:
         heavy_key, light_key = create_key(session, "heavy"), create_key(session, "light")
         set_weight(session, heavy_key.id, 3)
     heavy = {"Authorization": f"Bearer {heavy_key.token}"}
     light = {"Authorization": f"Bearer {light_key.token}"}
-    four = generation_settings(gen_settings, tmp_path / "shares", max_running=4, eos=False)
+    four = gen.variant("shares", max_running=4, eos=False)
     with TestClient(create_app(four)) as client:
         # Six of the heavy key's, all greedy on one prompt: whichever is preempted and
         # resumed must still produce the same tokens as the others.
@@ -466,7 +399,7 @@ def test_two_keys_share_the_running_slots_by_weight_and_a_preempted_job_loses_no
             submit(client, heavy, prompt="the same words", max_tokens=80, temperature=0)
             for _ in range(6)
         ]
-        running = worker(settings=four)
+        running = gen.worker(settings=four)
         scheduler = running.loop.engine.scheduler
         runtime: Any = running.loop.engine.runtime
         execute = runtime.execute
@@ -511,10 +444,10 @@ def test_two_keys_share_the_running_slots_by_weight_and_a_preempted_job_loses_no
 def test_redis_failing_between_a_steps_plan_and_its_output_loses_and_fails_nothing(
     gen_client: TestClient,
     auth: dict[str, str],
-    worker: Callable[..., Worker],
+    gen_worker: Callable[..., Worker],
 ) -> None:
     ids = [submit(gen_client, auth, prompt=p, max_tokens=8, temperature=0) for p in PROMPTS]
-    running = worker()
+    running = gen_worker()
     loop = running.loop
     claim = loop.recorder.claim
     failures: list[int] = []

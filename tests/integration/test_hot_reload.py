@@ -24,11 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from core.config.settings import Settings
-from core.db.keys import create_key
 from core.db.schema import Job, ModelActivation
 from core.db.versions import version_states
-from tests.integration.conftest import RunningLoop
-from tests.integration.test_worker import wait_terminal
+from tests.integration.conftest import RunningLoop, activate, wait_terminal
 from tests.models import minilm_files
 from tests.vectors import cosine
 from workers.gpu.main import build_loop
@@ -82,16 +80,23 @@ class Echo:
 
 
 def echo_repository(root: Path) -> None:
-    model = root / "echo"
     for version in (1, 2):
-        (model / str(version)).mkdir(parents=True)
-        (model / str(version) / "echo.py").write_text(textwrap.dedent(ECHO_PY))
-        (model / str(version) / "VERSION").write_text(str(version))
-    (model / "model.toml").write_text(ECHO)
+        add_version(root, version, ECHO_PY)
+    (root / "echo" / "model.toml").write_text(ECHO)
+
+
+def add_version(root: Path, version: int, source: str) -> None:
+    """Version ``version`` of the echo model in the repository at ``root``, from ``source``."""
+    folder = root / "echo" / str(version)
+    folder.mkdir(parents=True)
+    (folder / "echo.py").write_text(textwrap.dedent(source))
+    (folder / "VERSION").write_text(str(version))
 
 
 @pytest.fixture
 def reload_settings(settings: Settings, tmp_path: Path) -> Settings:
+    """Settings serving the echo repository, built under ``tmp_path / "models"``."""
+    echo_repository(tmp_path / "models")
     return settings.model_copy(
         update={
             "model_repository": tmp_path / "models",
@@ -103,12 +108,6 @@ def reload_settings(settings: Settings, tmp_path: Path) -> Settings:
             "max_outstanding_jobs": 100_000,
         }
     )
-
-
-@pytest.fixture
-def admin(sessions: sessionmaker[Session]) -> dict[str, str]:
-    with sessions() as session:
-        return {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
 
 
 class Load:
@@ -155,16 +154,44 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> float:
     return time.monotonic()
 
 
-def activate(client: TestClient, admin: dict[str, str], model: str, version: int) -> None:
-    response = client.post(
-        f"/v1/admin/models/{model}/activate", json={"version": version}, headers=admin
-    )
-    assert response.status_code == 200, response.text
-
-
 def versions(client: TestClient, auth: dict[str, str], model: str) -> dict[int, dict[str, Any]]:
     data = client.get("/v1/models", headers=auth).json()["data"]
     return {v["version"]: v for v in next(m for m in data if m["name"] == model)["versions"]}
+
+
+def start_echo(running: ExitStack, settings: Settings, workers: int) -> TestClient:
+    """The API and ``workers`` echo workers, on ``running``, once every worker serves 1."""
+    client = running.enter_context(TestClient(create_app(settings)))
+    for n in range(1, workers + 1):
+        running.enter_context(RunningLoop(build_loop(settings, "echo", name=f"echo-{n}")))
+    wait_until(all_ready_on(settings, "echo", 1, workers))
+    return client
+
+
+def start_load(
+    running: ExitStack,
+    client: TestClient,
+    auth: dict[str, str],
+    model: str = "echo",
+    make: Callable[[int], Any] = lambda n: n,
+) -> Load:
+    """A :class:`Load` on ``running``: stopped first, should anything fail."""
+    load = Load(client, auth, model, make).__enter__()
+    running.callback(load.__exit__)
+    return load
+
+
+def failed_on(
+    client: TestClient, auth: dict[str, str], model: str, version: int, workers: int
+) -> Callable[[], bool]:
+    """Whether the API shows ``version`` failed on ``workers`` workers (a worker still loading
+    it shows as loading: each follows an activation at its own poll)."""
+
+    def failed() -> bool:
+        found = versions(client, auth, model).get(version, {})
+        return found.get("state") == "failed" and found.get("workers") == workers
+
+    return failed
 
 
 def all_ready_on(settings: Settings, model: str, version: int, workers: int) -> Callable[[], bool]:
@@ -188,30 +215,19 @@ def test_versions_switch_and_roll_back_under_load_and_a_broken_one_never_serves(
     admin: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    echo_repository(tmp_path / "models")
     settings = reload_settings
     with ExitStack() as running:
-        client = running.enter_context(TestClient(create_app(settings)))
-        for n in (1, 2):
-            running.enter_context(RunningLoop(build_loop(settings, "echo", name=f"echo-{n}")))
-        wait_until(all_ready_on(settings, "echo", 1, 2))
-        load = Load(client, auth, "echo", lambda n: n).__enter__()
-        running.callback(load.__exit__)  # stopped first, should anything fail
+        client = start_echo(running, settings, workers=2)
+        load = start_load(running, client, auth)
         wait_until(lambda: len(load.accepted) >= 200)
 
         # A broken version: added, activated, refused by every worker; 1 keeps serving.
-        (tmp_path / "models" / "echo" / "3").mkdir()
-        (tmp_path / "models" / "echo" / "3" / "echo.py").write_text(BROKEN_PY)
+        add_version(tmp_path / "models", 3, BROKEN_PY)
         activate(client, admin, "echo", 3)
 
         # The API sees the activation within its poll interval, the workers' failure as it comes
-        # (a worker still loading it shows as loading: each follows the activation at its own
-        # poll, so it is failed once both have refused it).
-        def refused_by_both() -> bool:
-            found = versions(client, auth, "echo").get(3, {})
-            return found.get("state") == "failed" and found.get("workers") == 2
-
-        wait_until(refused_by_both)
+        # (it is failed once both have refused it).
+        wait_until(failed_on(client, auth, "echo", 3, workers=2))
         wait_until(lambda: versions(client, auth, "echo")[3]["active"])
         broken = versions(client, auth, "echo")[3]
         assert "weights are corrupt: checksum mismatch" in (broken["reason"] or ""), broken
@@ -274,8 +290,7 @@ def test_a_real_minilm_version_switch_keeps_every_job(
         client = running.enter_context(TestClient(create_app(settings)))
         running.enter_context(RunningLoop(build_loop(settings, "minilm", name="minilm-1")))
         wait_until(all_ready_on(settings, "minilm", 1, 1), timeout=60)
-        load = Load(client, auth, "minilm", lambda n: texts[n % 40]).__enter__()
-        running.callback(load.__exit__)
+        load = start_load(running, client, auth, "minilm", lambda n: texts[n % 40])
         wait_until(lambda: len(load.accepted) >= 40)
         activate(client, admin, "minilm", 2)
         switched = wait_until(all_ready_on(settings, "minilm", 2, 1), timeout=120)
@@ -304,11 +319,9 @@ def test_a_version_with_no_room_beside_the_old_restarts_one_worker_at_a_time(
     sessions: sessionmaker[Session],
     auth: dict[str, str],
     admin: dict[str, str],
-    tmp_path: Path,
 ) -> None:
     from backends.base import OutOfMemory
 
-    echo_repository(tmp_path / "models")
     settings = reload_settings
 
     def no_room(_config: object, _version: int) -> Any:
@@ -328,8 +341,7 @@ def test_a_version_with_no_room_beside_the_old_restarts_one_worker_at_a_time(
         for runner in runners.values():
             running.enter_context(runner)
         wait_until(all_ready_on(settings, "echo", 1, 2))
-        load = Load(client, auth, "echo", lambda n: n).__enter__()
-        running.callback(load.__exit__)
+        load = start_load(running, client, auth)
         wait_until(lambda: len(load.accepted) >= 100)
         activate(client, admin, "echo", 2)
 
@@ -398,13 +410,6 @@ class Echo:
 """
 
 
-def add_version(root: Path, version: int, source: str) -> None:
-    folder = root / "models" / "echo" / str(version)
-    folder.mkdir()
-    (folder / "echo.py").write_text(textwrap.dedent(source))
-    (folder / "VERSION").write_text(str(version))
-
-
 def test_a_version_that_loads_and_fails_every_batch_is_rolled_back_and_no_job_fails(
     reload_settings: Settings,
     sessions: sessionmaker[Session],
@@ -412,26 +417,16 @@ def test_a_version_that_loads_and_fails_every_batch_is_rolled_back_and_no_job_fa
     admin: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    echo_repository(tmp_path / "models")
     settings = reload_settings.model_copy(update={"rollback_after_failed_batches": 3})
     with ExitStack() as running:
-        client = running.enter_context(TestClient(create_app(settings)))
-        for n in (1, 2):
-            running.enter_context(RunningLoop(build_loop(settings, "echo", name=f"echo-{n}")))
-        wait_until(all_ready_on(settings, "echo", 1, 2))
-        load = Load(client, auth, "echo", lambda n: n).__enter__()
-        running.callback(load.__exit__)
+        client = start_echo(running, settings, workers=2)
+        load = start_load(running, client, auth)
         wait_until(lambda: len(load.accepted) >= 100)
 
-        add_version(tmp_path, 3, FAILING_PY)
+        add_version(tmp_path / "models", 3, FAILING_PY)
         activated = time.monotonic()
         activate(client, admin, "echo", 3)
-
-        def rolled_back_by_both() -> bool:
-            found = versions(client, auth, "echo").get(3, {})
-            return found.get("state") == "failed" and found.get("workers") == 2
-
-        wait_until(rolled_back_by_both)
+        wait_until(failed_on(client, auth, "echo", 3, workers=2))  # rolled back by both
         rolled_back = time.monotonic()
         wait_until(lambda: len(load.ids(after=rolled_back)) >= 100)
         load.__exit__()
@@ -467,13 +462,10 @@ def test_a_version_that_fails_some_inputs_only_is_kept_and_those_jobs_fail(
     admin: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    echo_repository(tmp_path / "models")
-    add_version(tmp_path, 3, PICKY_PY)
+    add_version(tmp_path / "models", 3, PICKY_PY)
     settings = reload_settings.model_copy(update={"rollback_after_failed_batches": 2})
     with ExitStack() as running:
-        client = running.enter_context(TestClient(create_app(settings)))
-        running.enter_context(RunningLoop(build_loop(settings, "echo", name="echo-1")))
-        wait_until(all_ready_on(settings, "echo", 1, 1))
+        client = start_echo(running, settings, workers=1)
         activate(client, admin, "echo", 3)
         wait_until(lambda: versions(client, auth, "echo")[3]["state"] == "ready")
 

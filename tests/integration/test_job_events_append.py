@@ -8,9 +8,11 @@ job over and streamed on, or finished it; those writes must change nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from core.streams.events import JobEvent, append_token, append_tokens, run_appends
@@ -18,6 +20,21 @@ from core.streams.protocol import events_key
 from harness.ports import free_port
 from harness.processes import wait_for
 from harness.services import redis_server, redis_with_conf
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[redis.Redis]:
+    """A client of a Redis of the test's own, whose scripts the test may flush."""
+    port = free_port()
+    server = redis_with_conf(redis_server(), tmp_path / "redis", port, [])
+    client = redis.Redis(port=port, decode_responses=True)
+    try:
+        wait_for("a Redis of the test's own", client.ping, 10, 0.05)
+        yield client
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def indices(client: redis.Redis, key: str) -> list[int | None]:
@@ -64,29 +81,20 @@ def test_in_a_pipeline_the_tokens_of_one_step_land_in_order(
     assert redis_client.exists(second) == 0
 
 
-def test_a_redis_that_forgot_the_script_still_takes_the_tokens(tmp_path: Path) -> None:
+def test_a_redis_that_forgot_the_script_still_takes_the_tokens(own_redis: redis.Redis) -> None:
     """Sent by the script's SHA: a Redis that restarted (or flushed its scripts) answers
     NOSCRIPT, and the calls are sent again whole, in order."""
-    port = free_port()
-    server = redis_with_conf(redis_server(), tmp_path / "redis", port, [])
-    client = redis.Redis(port=port, decode_responses=True)
-    try:
-        wait_for("a Redis of the test's own", client.ping, 10, 0.05)
-        key = events_key("forgot", "tiny", "job")
-        assert append_token(client, key, token(0)) == 1  # alone: loaded by its first EVAL
-        client.script_flush()
-        pipe = client.pipeline(transaction=False)
-        for index in (1, 2, 2):
-            append_token(pipe, key, token(index))
-        pipe.xlen(key)
-        assert run_appends(client, pipe) == [1, 1, 0, 1]  # the XLEN ran before the retries
-        assert indices(client, key) == [0, 1, 2]
-        client.script_flush()
-        assert append_token(client, key, token(3)) == 1
-    finally:
-        client.close()
-        server.terminate()
-        server.wait(timeout=10)
+    key = events_key("forgot", "tiny", "job")
+    assert append_token(own_redis, key, token(0)) == 1  # alone: loaded by its first EVAL
+    own_redis.script_flush()
+    pipe = own_redis.pipeline(transaction=False)
+    for index in (1, 2, 2):
+        append_token(pipe, key, token(index))
+    pipe.xlen(key)
+    assert run_appends(own_redis, pipe) == [1, 1, 0, 1]  # the XLEN ran before the retries
+    assert indices(own_redis, key) == [0, 1, 2]
+    own_redis.script_flush()
+    assert append_token(own_redis, key, token(3)) == 1
 
 
 def test_a_steps_tokens_in_one_call_land_as_each_alone_would(
@@ -105,24 +113,17 @@ def test_a_steps_tokens_in_one_call_land_as_each_alone_would(
     assert append_tokens(redis_client, []) == []
 
 
-def test_a_redis_that_forgot_the_steps_script_still_takes_its_tokens(tmp_path: Path) -> None:
-    port = free_port()
-    server = redis_with_conf(redis_server(), tmp_path / "redis", port, [])
-    client = redis.Redis(port=port, decode_responses=True)
-    try:
-        wait_for("a Redis of the test's own", client.ping, 10, 0.05)
-        key = events_key("forgot", "tiny", "job")
-        pipe = client.pipeline(transaction=False)
-        append_tokens(pipe, [(key, token(0)), (key, token(1))])
-        pipe.xlen(key)
-        # Never loaded: NOSCRIPT, sent again whole after the pipeline (the XLEN ran before).
-        assert run_appends(client, pipe) == [[1, 1], 0]
-        client.script_flush()
-        pipe = client.pipeline(transaction=False)
-        append_tokens(pipe, [(key, token(2)), (key, token(2))])
-        assert run_appends(client, pipe) == [[1, 0]]
-        assert indices(client, key) == [0, 1, 2]
-    finally:
-        client.close()
-        server.terminate()
-        server.wait(timeout=10)
+def test_a_redis_that_forgot_the_steps_script_still_takes_its_tokens(
+    own_redis: redis.Redis,
+) -> None:
+    key = events_key("forgot", "tiny", "job")
+    pipe = own_redis.pipeline(transaction=False)
+    append_tokens(pipe, [(key, token(0)), (key, token(1))])
+    pipe.xlen(key)
+    # Never loaded: NOSCRIPT, sent again whole after the pipeline (the XLEN ran before).
+    assert run_appends(own_redis, pipe) == [[1, 1], 0]
+    own_redis.script_flush()
+    pipe = own_redis.pipeline(transaction=False)
+    append_tokens(pipe, [(key, token(2)), (key, token(2))])
+    assert run_appends(own_redis, pipe) == [[1, 0]]
+    assert indices(own_redis, key) == [0, 1, 2]

@@ -13,18 +13,13 @@ import time
 from typing import Any
 
 import pytest
-import redis
-from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session, sessionmaker
 
 from backends.base import DeviceLost
 from backends.sim import SimRuntime
 from core.config.settings import Settings
 from core.db.schema import Job
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, Stack, build_sim_loop
 from tests.models import with_parameters
-from tests.streams import lane_pending
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -37,16 +32,10 @@ def slow_settings(settings: Settings) -> Settings:
     return with_parameters(settings, "sim", latency_base_ms=40.0)
 
 
-def test_the_next_batch_is_prepared_while_the_device_computes(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
+def test_the_next_batch_is_prepared_while_the_device_computes(stack: Stack) -> None:
     # 300 ms a batch on the device: the loop's claim, prepare and launch of the next batch
     # (a database write among them) fit in it with room to spare on a loaded machine.
-    slow_settings = with_parameters(settings, "sim", latency_base_ms=300.0)
+    slow_settings = with_parameters(stack.settings, "sim", latency_base_ms=300.0)
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
     assert isinstance(runtime, SimRuntime) and loop.device.ahead
@@ -81,9 +70,9 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
     runtime.prepare = timed_prepare  # type: ignore[method-assign]
     runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
     runtime.collect = ordered_collect  # type: ignore[method-assign]
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(48)]
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(48)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = stack.wait(ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     assert {row.attempts for row in rows.values()} == {1}  # nothing ran twice
     assert len(on_device) >= 4
@@ -98,20 +87,15 @@ def test_the_next_batch_is_prepared_while_the_device_computes(
         n for n in range(1, len(on_device)) if at[("launch", n)] < at[("collect", n - 1)]
     ]
     assert len(queued_behind) >= (len(on_device) - 1) // 2, events
-    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
+    assert stack.pending() == 0
 
 
-def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-) -> None:
+def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(stack: Stack) -> None:
     # Batches of 4 at 400 ms on the device, 8 jobs queued: the second batch is full as
     # soon as the first launches. It is decided only shortly before the first ends (as
     # late as its preparation allows), so a vip job that arrives while the first computes
     # goes in it, and it is still prepared before the first ends.
-    slow = with_parameters(settings, "sim", latency_base_ms=400.0).model_copy(
+    slow = with_parameters(stack.settings, "sim", latency_base_ms=400.0).model_copy(
         update={"batch_max_size": 4}
     )
     loop = build_sim_loop(slow)
@@ -134,12 +118,12 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
 
     runtime.prepare = timed_prepare  # type: ignore[method-assign]
     runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
-    normal = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
+    normal = [stack.submit(model="sim", input={"cost": 1}) for _ in range(8)]
     with RunningLoop(loop):
         assert first_on_device.wait(10)
         time.sleep(0.05)
-        vip = submit(client, auth, model="sim", input={"cost": 1}, priority="vip")
-        rows = wait_terminal(sessions, [*normal, vip], timeout=30)
+        vip = stack.submit(model="sim", input={"cost": 1}, priority="vip")
+        rows = stack.wait([*normal, vip], timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     batches: dict[str, list[Job]] = {}
     for row in rows.values():
@@ -156,10 +140,7 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(
 
 
 def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    slow_settings: Settings,
+    stack: Stack, slow_settings: Settings
 ) -> None:
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
@@ -205,11 +186,9 @@ def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
     runtime.collect = gated_collect  # type: ignore[method-assign]
     runtime.run = watched_run  # type: ignore[method-assign]
     # Batches of 8: the culprit is in the second, prepared while the first computes.
-    ids = [
-        submit(client, auth, model="sim", input={"cost": 7 if n == 11 else 1}) for n in range(24)
-    ]
+    ids = [stack.submit(model="sim", input={"cost": 7 if n == 11 else 1}) for n in range(24)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=60)
+        rows = stack.wait(ids, timeout=60)
     assert rows[ids[11]].status == "failed"
     assert "ValueError: input 7 does not decode" in (rows[ids[11]].error or "")
     assert {rows[i].status for i in ids if i != ids[11]} == {"succeeded"}
@@ -218,16 +197,11 @@ def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
     assert slices_beside_a_batch and not any(slices_beside_a_batch)
 
 
-def test_a_launch_out_of_memory_splits_the_batch(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-) -> None:
+def test_a_launch_out_of_memory_splits_the_batch(stack: Stack) -> None:
     # Room on the device for a batch of cost 20 at most; the scheduler is told
     # nothing of it, so it sends larger batches until it learns.
     limited = with_parameters(
-        settings,
+        stack.settings,
         "sim",
         memory_base_bytes=0,
         memory_per_cost_bytes=2**20,
@@ -245,20 +219,16 @@ def test_a_launch_out_of_memory_splits_the_batch(
             raise
 
     loop.runtime.launch = counting_launch  # type: ignore[method-assign, assignment]
-    ids = [submit(client, auth, model="sim", input={"cost": 6}) for _ in range(8)]
+    ids = [stack.submit(model="sim", input={"cost": 6}) for _ in range(8)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = stack.wait(ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     assert ooms, "no batch ran out of memory"
     assert loop.state.memory_ceiling < float("inf")
 
 
 def test_a_stopping_worker_records_the_batch_on_the_device(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    slow_settings: Settings,
-    redis_client: redis.Redis,
+    stack: Stack, slow_settings: Settings
 ) -> None:
     loop = build_sim_loop(slow_settings)
     running = RunningLoop(loop)
@@ -272,21 +242,18 @@ def test_a_stopping_worker_records_the_batch_on_the_device(
         return result
 
     loop.runtime.launch = stopping_launch  # type: ignore[method-assign, assignment]
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(8)]
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(8)]
     with running:
         running.thread.join(10)
     assert len(launched) == 1
-    rows = wait_terminal(sessions, ids, timeout=1)
+    rows = stack.wait(ids, timeout=1)
     assert {row.status for row in rows.values()} == {"succeeded"}
-    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") == 0
+    assert stack.pending() == 0
     assert loop.device.in_flight is None
 
 
 def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    slow_settings: Settings,
+    stack: Stack, slow_settings: Settings
 ) -> None:
     loop = build_sim_loop(slow_settings.model_copy(update={"pipeline_prepare": False}))
     assert not loop.device.ahead
@@ -300,19 +267,15 @@ def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
         return prepare(inputs)
 
     runtime.prepare = watched_prepare  # type: ignore[method-assign]
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(24)]
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(24)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = stack.wait(ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     assert len(busy) >= 3 and not any(busy)
 
 
 def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    slow_settings: Settings,
-    redis_client: redis.Redis,
+    stack: Stack, slow_settings: Settings
 ) -> None:
     loop = build_sim_loop(slow_settings)
     runtime = loop.runtime
@@ -337,12 +300,12 @@ def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
         return Broken() if len(launches) == 3 else launch(batch)
 
     runtime.launch = failing_launch  # type: ignore[method-assign, assignment]
-    ids = [submit(client, auth, model="sim", input={"cost": n + 1}) for n in range(32)]
+    ids = [stack.submit(model="sim", input={"cost": n + 1}) for n in range(32)]
     stop = threading.Event()
     with pytest.raises(DeviceLost):
         loop.run(stop)
     lost = set(launches[2])
-    with sessions() as session:
+    with stack.sessions() as session:
         rows = {j.id: j for j in session.query(Job).filter(Job.id.in_(ids))}
     tags = {job_id: int(rows[job_id].input["cost"]) for job_id in ids}
     # The batches before it were recorded; its own jobs were not, nor acknowledged.
@@ -351,9 +314,9 @@ def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
             assert rows[job_id].status == "succeeded"
         if tags[job_id] in lost:
             assert rows[job_id].status == "running"
-    assert lane_pending(redis_client, slow_settings.key_prefix, "sim", "normal") >= len(lost)
+    assert stack.pending() >= len(lost)
     # Started again (same consumer name), the worker runs them: nothing is lost.
     with RunningLoop(build_sim_loop(slow_settings)):
-        done = wait_terminal(sessions, ids, timeout=30)
+        done = stack.wait(ids, timeout=30)
     assert {row.status for row in done.values()} == {"succeeded"}
     assert {done[i].attempts for i in ids if tags[i] in lost} == {2}

@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from core.config.settings import Settings
 from core.db.schema import Job
 from harness import webclient
-from harness.served import Served, served
+from harness.served import Served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.models import runtime
 from tests.vectors import cosine
@@ -33,12 +33,6 @@ TEXTS = [
     "Quarterly tax filing deadlines are near.",
     "Der Zug fährt um acht Uhr ab.",
 ]
-
-
-@pytest.fixture
-def api(settings: Settings) -> Iterator[Served]:
-    with served(settings) as running:
-        yield running
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from tritonclient.utils import InferenceServerException
 
 from core.config.settings import Settings
-from core.db.keys import create_key
 from core.db.schema import ModelActivation, ModelUnload
 from harness import webclient
 from harness.served import Served, served
@@ -67,12 +66,6 @@ def client(api: Served) -> Iterator[triton.InferenceServerClient]:
 
 
 @pytest.fixture
-def admin(sessions: sessionmaker[Session]) -> dict[str, str]:
-    with sessions() as session:
-        return {"Authorization": f"Bearer {create_key(session, 'ops', 'admin').token}"}
-
-
-@pytest.fixture
 def headers(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -91,6 +84,12 @@ def index(client: triton.InferenceServerClient, admin: dict[str, str]) -> dict[s
 
 def state(client: triton.InferenceServerClient, admin: dict[str, str], which: str) -> str:
     return index(client, admin)[which]["state"]
+
+
+def recorded(sessions: sessionmaker[Session], column: Any) -> list[Any]:
+    """What the database holds in ``column``: the operators' unloads and activations."""
+    with sessions() as session:
+        return list(session.scalars(select(column)).all())
 
 
 def infer_echo(client: triton.InferenceServerClient, headers: dict[str, str], x: int) -> Any:
@@ -141,8 +140,7 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
         assert before.status_code == 202, before.text
         client.unload_model("echo", headers=dict(admin))
         client.unload_model("echo", headers=dict(admin))  # again: nothing more changes
-        with sessions() as session:
-            assert session.scalars(select(ModelUnload.model)).all() == ["echo"]
+        assert recorded(sessions, ModelUnload.model) == ["echo"]
         for version in ("1", "2"):
             entry = index(client, admin)[f"echo/{version}"]
             assert entry["state"] == "UNAVAILABLE"
@@ -168,8 +166,7 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
             ]  # fmt: skip
 
             client.load_model("echo", headers=dict(admin))
-            with sessions() as session:
-                assert session.scalars(select(ModelUnload.model)).all() == []
+            assert recorded(sessions, ModelUnload.model) == []
             wait_until(lambda: state(client, admin, "echo/1") == "READY")
             assert client.is_model_ready("echo", headers=dict(headers))
             assert infer_echo(client, headers, 9) == {"v": 1, "x": 9}
@@ -191,9 +188,8 @@ def test_load_with_a_version_activates_it_and_a_refused_one_changes_nothing(
         assert missing.status_code == 400
         assert missing.json() == {"error": "version: echo has no version 9 (versions: 1, 2)"}
         assert state(client, admin, "echo/1") == "UNAVAILABLE"
-        with sessions() as session:
-            assert session.scalars(select(ModelUnload.model)).all() == ["echo"]
-            assert session.scalars(select(ModelActivation.version)).all() == []
+        assert recorded(sessions, ModelUnload.model) == ["echo"]
+        assert recorded(sessions, ModelActivation.version) == []
 
         loaded = http.post("/v2/repository/models/echo/load", json={"parameters": {"version": 2}})
         assert loaded.status_code == 200, loaded.text
@@ -201,8 +197,7 @@ def test_load_with_a_version_activates_it_and_a_refused_one_changes_nothing(
         first, second = loaded.json()
         assert (first["version"], first["reason"]) == ("1", "not the active version (2 is)")
         assert second["version"] == "2" and second["state"] in ("UNAVAILABLE", "LOADING", "READY")
-        with sessions() as session:
-            assert session.scalars(select(ModelActivation.version)).all() == [2]
+        assert recorded(sessions, ModelActivation.version) == [2]
         # The workers follow the activation, as after POST /v1/admin/models/echo/activate.
         wait_until(lambda: state(client, admin, "echo/2") == "READY")
         assert infer_echo(client, headers, 3) == {"v": 2, "x": 3}
@@ -262,9 +257,8 @@ def test_only_admin_keys_reach_the_repository_and_bad_requests_change_nothing(
             assert answer.status_code == 400, answer.text
             assert answer.json() == {"error": said}
     assert index(client, admin) == before
-    with sessions() as session:
-        assert session.scalars(select(ModelUnload.model)).all() == []
-        assert session.scalars(select(ModelActivation.model)).all() == []
+    assert recorded(sessions, ModelUnload.model) == []
+    assert recorded(sessions, ModelActivation.model) == []
 
 
 def test_another_api_process_follows_an_unload_and_a_load_within_its_poll(

@@ -35,12 +35,6 @@ def texts() -> list[str]:
 
 
 @pytest.fixture
-def api(settings: Settings) -> Iterator[Served]:
-    with served(settings) as running:
-        yield running
-
-
-@pytest.fixture
 def minilm(settings: Settings) -> Iterator[None]:
     with RunningLoop(build_loop(settings, "minilm", name="openai-test")):
         yield

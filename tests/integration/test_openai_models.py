@@ -23,12 +23,6 @@ from tests.models import REPOSITORY
 
 
 @pytest.fixture
-def api(settings: Settings) -> Iterator[Served]:
-    with served(settings) as running:
-        yield running
-
-
-@pytest.fixture
 def client(api: Served, token: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{api.base}/v1", api_key=token, max_retries=0) as client:
         yield client

@@ -23,8 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.config.settings import Settings
 from core.models.repository import RepositoryError
-from tests.integration.conftest import RunningLoop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, submit, wait_terminal
 from workers.gpu.main import build_loop
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"

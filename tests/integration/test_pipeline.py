@@ -7,23 +7,12 @@ import time
 from typing import Any
 
 import redis
-from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session, sessionmaker
 
-from core.config.settings import Settings
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
-from tests.streams import lane_pending
+from tests.integration.conftest import RunningLoop, Stack, build_sim_loop
 
 
-def test_the_next_batch_runs_while_the_last_one_is_recorded(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    loop = build_sim_loop(settings)
+def test_the_next_batch_runs_while_the_last_one_is_recorded(stack: Stack) -> None:
+    loop = build_sim_loop(stack.settings)
     spans: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
@@ -56,9 +45,9 @@ def test_the_next_batch_runs_while_the_last_one_is_recorded(
         return launched
 
     loop.runtime.launch = timed_launch  # type: ignore[method-assign, assignment]
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(40)]
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(40)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = stack.wait(ids, timeout=30)
     assert {row.status for row in rows.values()} == {"succeeded"}
     records = [(a - 0.1, b) for kind, a, b in spans if kind == "record"]  # with the sleep
     computes = [(a, b) for kind, a, b in spans if kind == "compute"]
@@ -68,17 +57,11 @@ def test_the_next_batch_runs_while_the_last_one_is_recorded(
     # run one after the other, no compute would overlap any recording).
     overlapped = [c for c in computes if any(c[0] < r1 and r0 < c[1] for r0, r1 in records)]
     assert len(overlapped) >= 2, (records, computes)
-    assert lane_pending(redis_client, settings.key_prefix, "sim", "normal") == 0
+    assert stack.pending() == 0
 
 
-def test_a_recording_that_fails_leaves_its_jobs_to_run_again(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    loop = build_sim_loop(settings)
+def test_a_recording_that_fails_leaves_its_jobs_to_run_again(stack: Stack) -> None:
+    loop = build_sim_loop(stack.settings)
     ack = loop.consumer.ack
     failures: list[int] = []
 
@@ -89,11 +72,11 @@ def test_a_recording_that_fails_leaves_its_jobs_to_run_again(
         ack(entries, publish)
 
     loop.consumer.ack = flaky_ack  # type: ignore[method-assign]
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(20)]
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(20)]
     with RunningLoop(loop):
-        rows = wait_terminal(sessions, ids, timeout=30)
+        rows = stack.wait(ids, timeout=30)
         deadline = time.monotonic() + 10
-        while lane_pending(redis_client, settings.key_prefix, "sim", "normal"):
+        while stack.pending():
             assert time.monotonic() < deadline, "entries left unacknowledged"
             time.sleep(0.05)
     assert failures, "the acknowledgement never failed"

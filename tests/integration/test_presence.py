@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from core.config.settings import Settings
 from core.streams.broker import celery_for_events
-from core.streams.target import RedisSettings, RedisTarget
+from core.streams.target import RedisTarget
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from workers.gpu.control import ControlResponder
 from workers.gpu.loop import BatchLoop
@@ -75,13 +75,6 @@ def _worker(app: Celery, settings: Settings) -> tuple[BatchLoop, CeleryPresence]
     presence = CeleryPresence(app, "sim", consumer, heartbeat_s=0.5)
     loop.observers.add(presence)
     return loop, presence
-
-
-@pytest.fixture
-def app(settings: Settings) -> Iterator[Celery]:
-    app = celery_for_events(RedisTarget.of(settings.section(RedisSettings)))
-    yield app
-    app.close()
 
 
 def test_a_worker_and_its_batches_show_as_a_celery_worker_and_tasks(

@@ -9,13 +9,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from api.errors import ApiError
 from api.limits import RequestLimits
 from core.config.settings import Settings
-from core.db.keys import create_key
 from tests.integration.conftest import RunningLoop
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
@@ -32,12 +30,11 @@ def limited(settings: Settings) -> Iterator[TestClient]:
 
 def test_a_burst_over_the_limit_is_refused_and_what_was_accepted_completes(
     limited: TestClient,
-    sessions: sessionmaker[Session],
+    make_token: Callable[[str], str],
     sim_worker: Callable[..., RunningLoop],
 ) -> None:
-    with sessions() as session:
-        greedy = {"Authorization": f"Bearer {create_key(session, 'greedy').token}"}
-        calm = {"Authorization": f"Bearer {create_key(session, 'calm').token}"}
+    greedy = {"Authorization": f"Bearer {make_token('greedy')}"}
+    calm = {"Authorization": f"Bearer {make_token('calm')}"}
     responses = [
         limited.post("/v1/jobs", json={"model": "sim", "input": {"cost": 1}}, headers=greedy)
         for _ in range(12)
@@ -93,11 +90,10 @@ def test_an_unreachable_redis_costs_no_wait_and_the_process_still_counts() -> No
 
 
 def test_an_address_that_keeps_failing_to_authenticate_is_refused_before_any_lookup(
-    settings: Settings, sessions: sessionmaker[Session]
+    settings: Settings, make_token: Callable[[str], str]
 ) -> None:
     configured = settings.model_copy(update={"auth_failure_limit": "3/second;30/minute"})
-    with sessions() as session:
-        good = {"Authorization": f"Bearer {create_key(session, 'good').token}"}
+    good = {"Authorization": f"Bearer {make_token('good')}"}
     guess = {"Authorization": "Bearer fy_0123456789abcdef_guess"}
     with TestClient(create_app(configured)) as api:
         assert [api.get("/v1/jobs", headers=guess).status_code for _ in range(3)] == [401] * 3
@@ -113,11 +109,10 @@ def test_an_address_that_keeps_failing_to_authenticate_is_refused_before_any_loo
 
 
 def test_api_processes_share_each_keys_budget_through_redis(
-    settings: Settings, sessions: sessionmaker[Session]
+    settings: Settings, make_token: Callable[[str], str]
 ) -> None:
     configured = settings.model_copy(update={"rate_limit": "10/minute"})
-    with sessions() as session:
-        headers = {"Authorization": f"Bearer {create_key(session, 'shared').token}"}
+    headers = {"Authorization": f"Bearer {make_token('shared')}"}
     # Two apps, as two API processes would be: their own counts, one Redis.
     with TestClient(create_app(configured)) as one, TestClient(create_app(configured)) as two:
         assert [one.get("/v1/jobs", headers=headers).status_code for _ in range(6)] == [200] * 6

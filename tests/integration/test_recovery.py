@@ -8,15 +8,12 @@ from typing import Any
 
 import pytest
 import redis
-from fastapi.testclient import TestClient
-from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db.schema import Job
 from core.streams.protocol import GROUP, stream_key
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
-from tests.streams import forget_model, lane_pending, model_messages
+from tests.integration.conftest import RunningLoop, Stack, build_sim_loop
+from tests.streams import forget_model, model_messages
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.recorder import Outcome
 from workers.tasks.app import RECONCILE_LOCK_S, RECONCILE_TASK, create_celery, reconcile_streams
@@ -27,26 +24,25 @@ def later(seconds: float) -> dt.datetime:
     return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
 
 
-def stream_jobs(client: redis.Redis, settings: Settings) -> list[str]:
-    return [m.job_id for m in model_messages(client, settings.key_prefix, "sim")]
+def stream_jobs(stack: Stack) -> list[str]:
+    return [m.job_id for m in model_messages(stack.redis, stack.settings.key_prefix, "sim")]
 
 
-def test_another_worker_takes_over_entries_a_dead_one_left(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(6)]
-    dead = StreamConsumer(redis_client, settings.key_prefix, "sim", "dead-worker")
+def reconcile_on(stack: Stack, *args: Any, **kwargs: Any) -> int:
+    """``reconcile`` over the stack's database and Redis (its grace and the rest as given)."""
+    return reconcile(stack.sessions, stack.redis, stack.settings.key_prefix, *args, **kwargs)
+
+
+def test_another_worker_takes_over_entries_a_dead_one_left(stack: Stack) -> None:
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(6)]
+    dead = StreamConsumer(stack.redis, stack.settings.key_prefix, "sim", "dead-worker")
     dead.ensure_groups()
     assert len(dead.read(10, None)) == 6  # read, then never acknowledged: it "died"
-    survivor = settings.model_copy(update={"visibility_timeout_s": 0.6})
+    survivor = stack.settings.model_copy(update={"visibility_timeout_s": 0.6})
     with RunningLoop(build_sim_loop(survivor, name="survivor")):
-        rows = wait_terminal(sessions, ids, timeout=20)
+        rows = stack.wait(ids, timeout=20)
     assert {r.status for r in rows.values()} == {"succeeded"}
-    assert lane_pending(redis_client, settings.key_prefix, "sim", "normal") == 0
+    assert stack.pending() == 0
 
 
 def test_touched_entries_are_not_reclaimed(redis_client: redis.Redis, settings: Settings) -> None:
@@ -70,46 +66,34 @@ def test_touched_entries_are_not_reclaimed(redis_client: redis.Redis, settings: 
     assert {o["consumer"] for o in owners} == {"other"}
 
 
-def test_reconcile_re_enqueues_only_what_was_lost(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    lost = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(4)]
-    forget_model(redis_client, settings.key_prefix, "sim")  # Redis "lost its data"
-    kept = [submit(client, auth, model="sim", input={"cost": 2}) for _ in range(2)]
-    with sessions() as session:  # a finished job is never re-enqueued
+def test_reconcile_re_enqueues_only_what_was_lost(stack: Stack) -> None:
+    lost = [stack.submit(model="sim", input={"cost": 1}) for _ in range(4)]
+    forget_model(stack.redis, stack.settings.key_prefix, "sim")  # Redis "lost its data"
+    kept = [stack.submit(model="sim", input={"cost": 2}) for _ in range(2)]
+    with stack.sessions() as session:  # a finished job is never re-enqueued
         job = session.get(Job, lost[0])
         assert job is not None
         job.status, job.finished_at = "succeeded", job.created_at
         session.commit()
 
     # Within the grace nothing is touched: the API may still be about to XADD.
-    assert reconcile(sessions, redis_client, settings.key_prefix, grace_s=60) == 0
-    assert reconcile(sessions, redis_client, settings.key_prefix, 60, now=later(120)) == 3
-    assert sorted(stream_jobs(redis_client, settings)) == sorted(lost[1:] + kept)
+    assert reconcile_on(stack, grace_s=60) == 0
+    assert reconcile_on(stack, 60, now=later(120)) == 3
+    assert sorted(stream_jobs(stack)) == sorted(lost[1:] + kept)
     # Run again: everything has its entry now, nothing is doubled.
-    assert reconcile(sessions, redis_client, settings.key_prefix, 60, now=later(120)) == 0
-    assert len(stream_jobs(redis_client, settings)) == 5
+    assert reconcile_on(stack, 60, now=later(120)) == 0
+    assert len(stream_jobs(stack)) == 5
 
 
-def test_a_worker_survives_redis_losing_its_groups(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    with RunningLoop(build_sim_loop(settings)):
-        first = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
-        wait_terminal(sessions, first)
-        forget_model(redis_client, settings.key_prefix, "sim")  # streams and groups gone
+def test_a_worker_survives_redis_losing_its_groups(stack: Stack) -> None:
+    with RunningLoop(build_sim_loop(stack.settings)):
+        first = [stack.submit(model="sim", input={"cost": 1}) for _ in range(3)]
+        stack.wait(first)
+        forget_model(stack.redis, stack.settings.key_prefix, "sim")  # streams and groups gone
         # Accepted now: in the database; the entries go to streams with no group.
-        second = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
+        second = [stack.submit(model="sim", input={"cost": 1}) for _ in range(3)]
         # The worker's reads fail with NOGROUP; it makes the groups again.
-        rows = wait_terminal(sessions, second, timeout=20)
+        rows = stack.wait(second, timeout=20)
     assert {r.status for r in rows.values()} == {"succeeded"}
 
 
@@ -125,15 +109,9 @@ def test_the_reconciler_is_scheduled_and_runs_one_at_a_time(
     assert reconcile_streams(settings) == 0  # another run holds the lock: skipped
 
 
-def test_a_reconcile_run_that_lost_its_lock_stops_before_the_next_model(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    redis_client: redis.Redis,
-) -> None:
-    lost = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
-    forget_model(redis_client, settings.key_prefix, "sim")
+def test_a_reconcile_run_that_lost_its_lock_stops_before_the_next_model(stack: Stack) -> None:
+    lost = [stack.submit(model="sim", input={"cost": 1}) for _ in range(3)]
+    forget_model(stack.redis, stack.settings.key_prefix, "sim")
     asked: list[int] = []
 
     def lost_the_lock() -> bool:
@@ -141,12 +119,10 @@ def test_a_reconcile_run_that_lost_its_lock_stops_before_the_next_model(
         return False
 
     # Another run took the lock over: this one enqueues nothing more.
-    assert (
-        reconcile(sessions, redis_client, settings.key_prefix, 60, later(120), lost_the_lock) == 0
-    )
-    assert asked and stream_jobs(redis_client, settings) == []
-    assert reconcile(sessions, redis_client, settings.key_prefix, 60, later(120)) == 3
-    assert sorted(stream_jobs(redis_client, settings)) == sorted(lost)
+    assert reconcile_on(stack, 60, later(120), lost_the_lock) == 0
+    assert asked and stream_jobs(stack) == []
+    assert reconcile_on(stack, 60, later(120)) == 3
+    assert sorted(stream_jobs(stack)) == sorted(lost)
 
 
 def test_the_reconcilers_lock_is_short_and_renewed_while_the_run_goes_on(
@@ -173,14 +149,10 @@ def test_the_reconcilers_lock_is_short_and_renewed_while_the_run_goes_on(
 
 
 def test_a_result_the_database_refuses_fails_that_job_alone(
-    client: TestClient,
-    auth: dict[str, str],
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    database_url: str,
+    stack: Stack, database_url: str
 ) -> None:
-    ids = [submit(client, auth, model="sim", input={"cost": 1}) for _ in range(3)]
-    loop = build_sim_loop(settings)
+    ids = [stack.submit(model="sim", input={"cost": 1}) for _ in range(3)]
+    loop = build_sim_loop(stack.settings)
     now = dt.datetime.now(dt.UTC)
     outcomes = [
         Outcome(ids[0], "succeeded", output={"ok": 1}),
@@ -190,7 +162,7 @@ def test_a_result_the_database_refuses_fails_that_job_alone(
     ]
     written = loop.recording.record(outcomes, now, "batch-1", 3, [])
     assert sorted(written) == sorted(ids)  # every job got exactly one outcome
-    with sessions() as session:
+    with stack.sessions() as session:
         rows = {j.id: j for j in session.query(Job).filter(Job.id.in_(ids))}
     assert rows[ids[0]].status == rows[ids[2]].status == "succeeded"
     if database_url.startswith("postgresql"):

@@ -16,8 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backends.torchvision import TorchvisionRuntime, build_resnet50
 from core.config.settings import Settings
-from tests.integration.conftest import RunningLoop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, submit, wait_terminal
 from tests.models import runtime as shipped_runtime
 from workers.gpu.execute import run_isolating
 from workers.gpu.main import build_loop

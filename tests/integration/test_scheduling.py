@@ -14,8 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from core.config.settings import Settings
 from core.db.schema import Job
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, build_sim_loop, submit, wait_terminal
 from tests.models import with_parameters
 
 # The database is not this module's subject: it runs on PostgreSQL only (both

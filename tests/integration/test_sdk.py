@@ -80,12 +80,6 @@ class Wire:
 
 
 @pytest.fixture
-def api(settings: Settings) -> Iterator[Served]:
-    with served(settings) as running:
-        yield running
-
-
-@pytest.fixture
 def ferry(api: Served, token: str) -> Iterator[Client]:
     with Client(api.base, token, retries=FAST, timeout_s=10) as client:
         yield client

@@ -17,8 +17,7 @@ from core.config.settings import Settings
 from core.streams.protocol import JobMessage, Scripts, bulk_seq_key, stream_key
 from core.streams.queues import arrivals, lane_depths, lane_tenants
 from harness.services import started_redis
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, build_sim_loop, submit, wait_terminal
 from tests.models import with_parameters
 from workers.gpu import consumer as consumer_module
 from workers.gpu.consumer import PRECISE_BELOW_MS, StreamConsumer

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,38 +124,74 @@ def drive(
     return run
 
 
-def run_job(
+@dataclass
+class Hooks:
+    """The handles most tests here use: the API with a key, the sim worker, the
+    delivery driver and the database."""
+
+    api: TestClient
+    auth: dict[str, str]
+    sim_worker: Callable[..., RunningLoop]
+    drive: Drive
+    sessions: sessionmaker[Session]
+    settings: Settings
+    resolver: dict[str, list[str]]
+
+    def run_job(self, callback_url: str, **body: Any) -> dict[str, Any]:
+        """Submit a sim job with ``callback_url`` and run a worker until it ends."""
+        body.setdefault("input", {"cost": 1})
+        response = self.api.post(
+            "/v1/jobs",
+            json={"model": "sim", "callback_url": callback_url, **body},
+            headers=self.auth,
+        )
+        assert response.status_code == 202, response.text
+        assert response.json()["callback"]["status"] == "pending"
+        with self.sim_worker():
+            job: dict[str, Any] = self.api.get(
+                f"/v1/jobs/{response.json()['id']}?wait=10", headers=self.auth
+            ).json()
+        return job
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        shown: dict[str, Any] = self.api.get(f"/v1/jobs/{job_id}", headers=self.auth).json()
+        return shown
+
+    def deliveries(self, job_id: str) -> list[dict[str, Any]]:
+        listed: list[dict[str, Any]] = self.api.get(
+            f"/v1/jobs/{job_id}/deliveries", headers=self.auth
+        ).json()["data"]
+        return listed
+
+    def delivery_id(self) -> str:
+        """The one delivery's id (the test made one)."""
+        with self.sessions() as session:
+            (delivery_id,) = session.scalars(select(WebhookDelivery.id)).all()
+        return delivery_id
+
+
+@pytest.fixture
+def hooks(
     api: TestClient,
     auth: dict[str, str],
-    worker: RunningLoop,
-    callback_url: str,
-    **body: Any,
-) -> dict[str, Any]:
-    body.setdefault("input", {"cost": 1})
-    response = api.post(
-        "/v1/jobs", json={"model": "sim", "callback_url": callback_url, **body}, headers=auth
-    )
-    assert response.status_code == 202, response.text
-    assert response.json()["callback"]["status"] == "pending"
-    with worker:
-        job: dict[str, Any] = api.get(
-            f"/v1/jobs/{response.json()['id']}?wait=10", headers=auth
-        ).json()
-    return job
+    sim_worker: Callable[..., RunningLoop],
+    drive: Drive,
+    sessions: sessionmaker[Session],
+    hook_settings: Settings,
+    resolver: dict[str, list[str]],
+) -> Hooks:
+    return Hooks(api, auth, sim_worker, drive, sessions, hook_settings, resolver)
 
 
 def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhook_id(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
 ) -> None:
     script = [Answer(500), Answer(500), Answer(500), Answer(200)]
     with Receiver([secret], script) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
+        job = hooks.run_job(receiver.url)
         assert job["status"] == "succeeded"
-        (delivery,) = drive()
+        (delivery,) = hooks.drive()
         requests = receiver.wait_for(4)
 
     assert delivery.status == "delivered"
@@ -172,7 +209,7 @@ def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhoo
     for request in requests:
         assert abs(request.received_at - request.timestamp) < 2.0
 
-    shown = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]
+    shown = hooks.job(job["id"])["callback"]
     assert shown == {
         "url": receiver.url,
         "status": "delivered",
@@ -181,7 +218,7 @@ def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhoo
         "last_error": None,
         "next_attempt_at": None,
     }
-    listed = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"]
+    listed = hooks.deliveries(job["id"])
     assert len(listed) == 1
     assert listed[0]["id"] == delivery.id
     assert listed[0]["type"] == "job.succeeded"
@@ -193,24 +230,21 @@ def test_a_receiver_that_fails_three_times_gets_it_on_the_fourth_with_one_webhoo
 
 
 def test_a_receiver_down_for_the_whole_schedule_fails_the_delivery_not_the_job(
-    api: TestClient,
-    auth: dict[str, str],
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
+    hooks: Hooks,
 ) -> None:
     with Receiver([]) as receiver:
         url = receiver.url  # closed when the block ends: nothing listens there
-    job = run_job(api, auth, sim_worker(), url)
-    (delivery,) = drive()
+    job = hooks.run_job(url)
+    (delivery,) = hooks.drive()
 
     assert delivery.status == "failed"
     assert delivery.attempts == len(SCHEDULE_S)
-    listed = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    (listed,) = hooks.deliveries(job["id"])
     assert len(listed["attempt_log"]) == len(SCHEDULE_S)
     for attempt in listed["attempt_log"]:
         assert attempt["status_code"] is None
         assert attempt["error"].startswith("connection failed: ConnectionRefusedError")
-    again = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()
+    again = hooks.job(job["id"])
     assert again["status"] == "succeeded"
     assert again["output"] == job["output"]
     assert again["callback"]["status"] == "failed"
@@ -218,35 +252,29 @@ def test_a_receiver_down_for_the_whole_schedule_fails_the_delivery_not_the_job(
 
 
 def test_410_gone_stops_at_once(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
 ) -> None:
     with Receiver([secret], [Answer(410)]) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
-        (delivery,) = drive()
+        job = hooks.run_job(receiver.url)
+        (delivery,) = hooks.drive()
         assert len(receiver.requests) == 1
     assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("failed", 1, 410)
     assert delivery.last_error is not None and "410" in delivery.last_error
-    assert api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]["status"] == "failed"
+    assert hooks.job(job["id"])["callback"]["status"] == "failed"
 
 
 def test_a_slow_receiver_is_cut_off_at_the_timeout_and_retried(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
 ) -> None:
     with Receiver([secret], [Answer(200, delay_s=3.0), Answer(200)]) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
-        (delivery,) = drive(webhook_timeout_s=0.5)
+        job = hooks.run_job(receiver.url)
+        (delivery,) = hooks.drive(webhook_timeout_s=0.5)
         requests = receiver.wait_for(2)
     assert delivery.status == "delivered"
     assert requests[0].webhook_id == requests[1].webhook_id
-    log = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    (log,) = hooks.deliveries(job["id"])
     first, second = log["attempt_log"]
     assert first["error"].startswith("timed out")
     assert first["status_code"] is None
@@ -255,16 +283,13 @@ def test_a_slow_receiver_is_cut_off_at_the_timeout_and_retried(
 
 
 def test_retry_after_is_honoured(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
 ) -> None:
     script = [Answer(503, {"Retry-After": "1"}), Answer(200)]
     with Receiver([secret], script) as receiver:
-        run_job(api, auth, sim_worker(), receiver.url)
-        drive(webhook_retry_schedule_s=[0.0, 0.05, 5.0])
+        hooks.run_job(receiver.url)
+        hooks.drive(webhook_retry_schedule_s=[0.0, 0.05, 5.0])
         first, second = receiver.wait_for(2)
     # The schedule said 0.05 s; the receiver asked for 1 s.
     assert second.received_at - first.received_at >= 0.95
@@ -278,18 +303,15 @@ def test_retry_after_is_honoured(
     ],
 )
 def test_failed_and_expired_jobs_are_delivered_too(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
     body: dict[str, Any],
     event: str,
 ) -> None:
     with Receiver([secret]) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url, **body)
+        job = hooks.run_job(receiver.url, **body)
         assert f"job.{job['status']}" == event
-        (delivery,) = drive()
+        (delivery,) = hooks.drive()
         (request,) = receiver.wait_for(1)
     assert delivery.status == "delivered"
     assert request.verified
@@ -299,8 +321,9 @@ def test_failed_and_expired_jobs_are_delivered_too(
 
 
 def test_a_cancelled_job_is_delivered_and_can_be_redelivered_with_the_same_id(
-    api: TestClient, auth: dict[str, str], secret: str, drive: Drive
+    hooks: Hooks, secret: str
 ) -> None:
+    api, auth = hooks.api, hooks.auth
     with Receiver([secret]) as receiver:
         response = api.post(
             "/v1/jobs",
@@ -309,11 +332,11 @@ def test_a_cancelled_job_is_delivered_and_can_be_redelivered_with_the_same_id(
         )
         job_id = response.json()["id"]
         assert api.delete(f"/v1/jobs/{job_id}", headers=auth).status_code == 200
-        drive()
+        hooks.drive()
         redelivered = api.post(f"/v1/jobs/{job_id}/deliveries/redeliver", headers=auth)
         assert redelivered.status_code == 202, redelivered.text
         assert redelivered.json()["status"] == "pending"
-        (delivery,) = drive()
+        (delivery,) = hooks.drive()
         first, second = receiver.wait_for(2)
 
     assert first.body["type"] == "job.cancelled"
@@ -321,7 +344,7 @@ def test_a_cancelled_job_is_delivered_and_can_be_redelivered_with_the_same_id(
     assert first.body == second.body
     assert len(receiver.processed) == 1  # the receiver's de-duplication saw one event
     assert delivery.attempts == 2
-    log = api.get(f"/v1/jobs/{job_id}/deliveries", headers=auth).json()["data"][0]
+    (log,) = hooks.deliveries(job_id)
     assert [a["number"] for a in log["attempt_log"]] == [1, 2]
 
 
@@ -362,21 +385,19 @@ def test_another_key_sees_no_deliveries(
 
 
 def test_a_rotated_secret_signs_beside_the_old_one_during_the_grace(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
 ) -> None:
+    api, auth = hooks.api, hooks.auth
     rotated = api.post("/v1/webhook-secret/rotate", headers=auth).json()
     assert rotated["secret"].startswith("whsec_") and rotated["secret"] != secret
     assert rotated["previous_secret_valid_until"] is not None
     assert api.get("/v1/webhook-secret", headers=auth).json()["secret"] == rotated["secret"]
 
     with Receiver([secret]) as old_only, Receiver([rotated["secret"]]) as new_only:
-        run_job(api, auth, sim_worker(), old_only.url)
-        run_job(api, auth, sim_worker(), new_only.url)
-        drive()
+        hooks.run_job(old_only.url)
+        hooks.run_job(new_only.url)
+        hooks.drive()
         (old,) = old_only.wait_for(1)
         (new,) = new_only.wait_for(1)
     assert old.verified and new.verified
@@ -384,19 +405,15 @@ def test_a_rotated_secret_signs_beside_the_old_one_during_the_grace(
 
 
 def test_a_name_that_resolves_to_a_private_address_later_fails_with_the_reason(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
-    resolver: dict[str, list[str]],
     no_network: list[str],
 ) -> None:
     with Receiver([secret]) as receiver:
         url = receiver.url.replace("127.0.0.1", "hooks.partner.test")
-        job = run_job(api, auth, sim_worker(), url)
-        resolver["hooks.partner.test"] = ["10.9.8.7"]  # DNS rebinding after the check
-        (delivery,) = drive()
+        job = hooks.run_job(url)
+        hooks.resolver["hooks.partner.test"] = ["10.9.8.7"]  # DNS rebinding after the check
+        (delivery,) = hooks.drive()
         assert receiver.requests == []
     assert delivery.status == "failed"
     assert delivery.attempts == 1  # an address Ferry may not call is not retried
@@ -404,28 +421,25 @@ def test_a_name_that_resolves_to_a_private_address_later_fails_with_the_reason(
         "refused: hooks.partner.test resolves to 10.9.8.7, a private address"
     )
     assert no_network == []  # refused before any connection was tried
-    callback = api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["callback"]
+    callback = hooks.job(job["id"])["callback"]
     assert callback["status"] == "failed"
     assert "10.9.8.7" in callback["last_error"]
 
 
 def test_a_redirect_is_not_followed(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    drive: Drive,
     no_network: list[str],
 ) -> None:
     script = [Answer(302, {"Location": "http://10.0.0.1/internal"})]
     with Receiver([secret], script) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
-        (delivery,) = drive()
+        job = hooks.run_job(receiver.url)
+        (delivery,) = hooks.drive()
         assert len(receiver.requests) == len(SCHEDULE_S)
     assert delivery.status == "failed"
     assert delivery.last_error == "redirect not followed (HTTP 302 to http://10.0.0.1/internal)"
     assert no_network == []
-    assert api.get(f"/v1/jobs/{job['id']}", headers=auth).json()["status"] == "succeeded"
+    assert hooks.job(job["id"])["status"] == "succeeded"
 
 
 @pytest.mark.parametrize(
@@ -479,14 +493,9 @@ def test_the_allow_list_admits_loopback_for_http(api: TestClient, auth: dict[str
     assert "10.0.0.1, a private address" in refused.json()["error"]["message"]
 
 
-def test_the_delivery_row_is_committed_with_the_outcome(
-    api: TestClient,
-    auth: dict[str, str],
-    sim_worker: Callable[..., RunningLoop],
-    sessions: sessionmaker[Session],
-) -> None:
-    job = run_job(api, auth, sim_worker(), "http://127.0.0.1:9/x")
-    with sessions() as session:
+def test_the_delivery_row_is_committed_with_the_outcome(hooks: Hooks) -> None:
+    job = hooks.run_job("http://127.0.0.1:9/x")
+    with hooks.sessions() as session:
         (delivery,) = session.scalars(select(WebhookDelivery)).all()
     assert delivery.job_id == job["id"]
     assert (delivery.status, delivery.attempts, delivery.event_type) == (
@@ -557,18 +566,13 @@ def test_only_the_first_bytes_of_a_large_answer_are_read() -> None:
 
 
 def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease(
-    api: TestClient,
-    auth: dict[str, str],
-    secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    sessions: sessionmaker[Session],
-    hook_settings: Settings,
+    hooks: Hooks, secret: str
 ) -> None:
-    config = DeliveryConfig.of(hook_settings.section(WebhookSettings))
+    sessions = hooks.sessions
+    config = DeliveryConfig.of(hooks.settings.section(WebhookSettings))
     with Receiver([secret]) as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
-        with sessions() as session:
-            (delivery_id,) = session.scalars(select(WebhookDelivery.id)).all()
+        job = hooks.run_job(receiver.url)
+        delivery_id = hooks.delivery_id()
         # A sender claims the delivery, then dies before it sends or records anything.
         assert _claim(sessions, delivery_id, utcnow(), lease_s=30.0) is not None
         assert attempt_delivery(sessions, delivery_id, config) is None  # its lease holds
@@ -576,7 +580,7 @@ def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease
         assert attempt_delivery(sessions, delivery_id, config, clock=lambda: later) == "delivered"
         (request,) = receiver.wait_for(1)
     assert request.verified and request.webhook_id == delivery_id
-    log = api.get(f"/v1/jobs/{job['id']}/deliveries", headers=auth).json()["data"][0]
+    (log,) = hooks.deliveries(job["id"])
     abandoned, delivered = log["attempt_log"]
     assert abandoned["number"] == 1 and abandoned["duration_ms"] is None
     assert abandoned["error"].startswith("abandoned")
@@ -588,13 +592,8 @@ def test_an_attempt_whose_sender_died_is_recorded_and_made_again_after_its_lease
     [("hooks.partner.test", "delivered"), ("someone-else.test", "retrying")],
 )
 def test_https_goes_to_the_checked_address_with_the_name_for_tls_and_host(
-    api: TestClient,
-    auth: dict[str, str],
+    hooks: Hooks,
     secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    sessions: sessionmaker[Session],
-    hook_settings: Settings,
-    resolver: dict[str, list[str]],
     tmp_path: Path,
     certificate_for: str,
     outcome: str,
@@ -602,16 +601,16 @@ def test_https_goes_to_the_checked_address_with_the_name_for_tls_and_host(
     """The name resolves (to 127.0.0.1, allowed); the connection goes to that address, and
     TLS verifies the certificate against the URL's name, not the address."""
     server_tls, ca_file = make_tls(tmp_path, [certificate_for])
-    private_ca = hook_settings.model_copy(update={"webhook_ca_file": ca_file})
+    private_ca = hooks.settings.model_copy(update={"webhook_ca_file": ca_file})
     config = DeliveryConfig.of(private_ca.section(WebhookSettings))
     with Receiver([secret], tls=server_tls, host="hooks.partner.test") as receiver:
-        job = run_job(api, auth, sim_worker(), receiver.url)
-        with sessions() as session:
-            (delivery_id,) = session.scalars(select(WebhookDelivery.id)).all()
-        status = attempt_delivery(sessions, delivery_id, config, resolve=fake_resolver(resolver))
+        job = hooks.run_job(receiver.url)
+        delivery_id = hooks.delivery_id()
+        resolve = fake_resolver(hooks.resolver)
+        status = attempt_delivery(hooks.sessions, delivery_id, config, resolve=resolve)
         requests = list(receiver.requests)
     assert status == outcome
-    with sessions() as session:
+    with hooks.sessions() as session:
         delivery = session.get(WebhookDelivery, delivery_id)
         assert delivery is not None
     if outcome == "delivered":
@@ -776,15 +775,7 @@ def _still_open(connection: socket.socket) -> bool:
 
 
 def test_a_receiver_that_never_answers_is_held_off_and_holds_up_no_other(
-    api: TestClient,
-    auth: dict[str, str],
-    secret: str,
-    sim_worker: Callable[..., RunningLoop],
-    sessions: sessionmaker[Session],
-    hook_settings: Settings,
-    resolver: dict[str, list[str]],
-    redis_url: str,
-    key_prefix: str,
+    hooks: Hooks, secret: str, redis_url: str, key_prefix: str
 ) -> None:
     import redis as redis_client
 
@@ -794,12 +785,12 @@ def test_a_receiver_that_never_answers_is_held_off_and_holds_up_no_other(
         redis_client.Redis.from_url(redis_url, decode_responses=True), key_prefix,
         concurrency=1, failures=2, hold_s=60.0, lease_s=5.0,
     )  # fmt: skip
-    webhooks = hook_settings.model_copy(update={"webhook_timeout_s": 0.5}).section(WebhookSettings)
+    api, auth, sessions = hooks.api, hooks.auth, hooks.sessions
+    webhooks = hooks.settings.model_copy(update={"webhook_timeout_s": 0.5}).section(WebhookSettings)
     config = DeliveryConfig.of(webhooks)
-    resolve = fake_resolver(resolver)
+    resolve = fake_resolver(hooks.resolver)
     with Silent() as silent, Receiver([secret]) as good:
-        worker = sim_worker()
-        with worker:
+        with hooks.sim_worker():
             for url in [silent.url] * 8 + [good.url] * 8:
                 response = api.post(
                     "/v1/jobs", json={"model": "sim", "input": {"cost": 1}, "callback_url": url},

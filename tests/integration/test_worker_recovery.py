@@ -13,8 +13,7 @@ from api.app import create_app
 from core.config.settings import Settings
 from ferry.local_redis import start_redis
 from harness.ports import free_port
-from tests.integration.conftest import RunningLoop, build_sim_loop
-from tests.integration.test_worker import submit, wait_terminal
+from tests.integration.conftest import RunningLoop, build_sim_loop, submit, wait_terminal
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
