@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +128,16 @@ class Statements:
             event.remove(Engine, "before_cursor_execute", self)
 
 
+@dataclass(eq=False)
 class Counters:
     """Readings of every counter a phase moves."""
 
-    def __init__(
-        self, client: redis.Redis, admin: Engine, engine: Engine, database: str, sql: Statements
-    ) -> None:
-        self.client = client
-        self.admin = admin
-        self.engine = engine
-        self.database = database
-        self.sql = sql
-        self.backends: dict[int, float] = {}
+    client: redis.Redis
+    admin: Engine
+    engine: Engine
+    database: str
+    sql: Statements
+    backends: dict[int, float] = field(init=False, default_factory=dict)
 
     def read(self) -> dict[str, float]:
         """The counters now; PostgreSQL's backends' CPU kept apart, by process id."""
