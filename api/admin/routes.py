@@ -6,7 +6,7 @@ import datetime as dt
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.admin import service as admin_service
 from api.deps import AdminDep, CatalogDep, RedisDep, SessionDep, SettingsDep
@@ -15,7 +15,6 @@ from api.models import service as model_service
 from api.schemas import error_responses
 from api.state import app_state
 from core.db.keys import list_keys, revoke_key
-from core.db.schema import ApiKey
 from core.streams.queues import lane_states, live_workers
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -46,6 +45,8 @@ class QueueOverview(BaseModel):
 
 
 class KeyInfo(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # read from an ApiKey row
+
     id: str
     name: str
     scope: str
@@ -124,21 +125,10 @@ def queues(
     return QueueOverview(data=data)
 
 
-def _info(key: ApiKey) -> KeyInfo:
-    return KeyInfo(
-        id=key.id,
-        name=key.name,
-        scope=key.scope,
-        created_at=key.created_at,
-        revoked_at=key.revoked_at,
-        weight=key.weight,
-    )
-
-
 @router.get("/keys", response_model=KeyList, responses=error_responses(401, 403))
 def keys(_admin: AdminDep, session: SessionDep) -> KeyList:
     """Every key, without its hash or secrets."""
-    return KeyList(data=[_info(key) for key in list_keys(session)])
+    return KeyList(data=[KeyInfo.model_validate(key) for key in list_keys(session)])
 
 
 @router.post(
@@ -152,7 +142,7 @@ async def revoke(key_id: str, request: Request, _admin: AdminDep) -> KeyInfo:
     def revoked() -> KeyInfo | None:
         with sessions() as session:
             key = revoke_key(session, key_id)
-            return None if key is None else _info(key)
+            return None if key is None else KeyInfo.model_validate(key)
 
     info = await run_in_threadpool(revoked)
     if info is None:

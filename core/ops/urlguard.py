@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -144,14 +144,7 @@ def check_url(url: str, policy: UrlPolicy, resolve: Resolver) -> Target:
         if why is not None:
             shown = "" if literal is not None else f"{target.host} resolves to "
             raise UrlRefused(f"{shown}{address}, {why}")
-    return Target(
-        url=target.url,
-        scheme=target.scheme,
-        host=target.host,
-        port=target.port,
-        path=target.path,
-        addresses=tuple(addresses),
-    )
+    return replace(target, addresses=tuple(addresses))
 
 
 def refusal(address: IPAddress, policy: UrlPolicy) -> str | None:
