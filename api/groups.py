@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Generic, TypeVar, cast
 
 from api.errors import ApiError
@@ -63,6 +63,7 @@ SHARE = 0.5
 _COMING: ContextVar[_Coming | None] = ContextVar("ferry_group_coming", default=None)
 
 
+@dataclass(eq=False)
 class GroupStage(Generic[In, Out]):
     """``await stage.submit(item)``: the item's result, or its exception raised.
 
@@ -71,27 +72,23 @@ class GroupStage(Generic[In, Out]):
     runs in the stage's threads, a coroutine function on the event loop.
     """
 
-    def __init__(
-        self,
-        name: str,
-        work: Callable[[Sequence[In]], Sequence[Out | Exception]]
-        | Callable[[Sequence[In]], Awaitable[Sequence[Out | Exception]]],
-        *,
-        max_items: int,
-        wait_s: float,
-        workers: int = 1,
-    ) -> None:
-        self.name = name
-        self._work = work
-        self.max_items = max_items
-        self.wait_s = wait_s
-        self.workers = workers
+    name: str
+    work: (
+        Callable[[Sequence[In]], Sequence[Out | Exception]]
+        | Callable[[Sequence[In]], Awaitable[Sequence[Out | Exception]]]
+    )
+    _: KW_ONLY
+    max_items: int
+    wait_s: float
+    workers: int = 1
+
+    def __post_init__(self) -> None:
         self._queue: asyncio.Queue[tuple[In, asyncio.Future[Out]]] = asyncio.Queue()
-        self._in_loop = inspect.iscoroutinefunction(work)
+        self._in_loop = inspect.iscoroutinefunction(self.work)
         self._executor = (
             None
             if self._in_loop
-            else ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+            else ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.name)
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
@@ -100,7 +97,7 @@ class GroupStage(Generic[In, Out]):
         self._gathering = asyncio.Lock()
         # The recent gap between arrivals (an exponentially weighted mean, seconds), so
         # that a group waits only where another arrival is likely within ``wait_s``.
-        self._gap_ceiling = max(GAP_CEILING_S, 2 * wait_s)
+        self._gap_ceiling = max(GAP_CEILING_S, 2 * self.wait_s)
         self._gap = self._gap_ceiling
         self._last_arrival = 0.0
         # Items submitted and not yet answered, and the recent share of arrivals that came
@@ -228,13 +225,11 @@ class GroupStage(Generic[In, Out]):
                 results: Sequence[Out | Exception]
                 try:
                     if self._in_loop:
-                        results = await cast(
-                            Awaitable[Sequence[Out | Exception]], self._work(items)
-                        )
+                        results = await cast(Awaitable[Sequence[Out | Exception]], self.work(items))
                     else:
                         results = await loop.run_in_executor(
                             self._executor,
-                            cast(Callable[[Sequence[In]], Sequence[Out | Exception]], self._work),
+                            cast(Callable[[Sequence[In]], Sequence[Out | Exception]], self.work),
                             items,
                         )
                     if len(results) != len(group):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -220,26 +220,21 @@ class HFClassifierBackend:
 BACKENDS = {"hf-classifier": HFClassifierBackend()}
 
 
+@dataclass(eq=False)
 class HFClassifierRuntime(TorchRuntime):
     padded = True  # every text in a batch is padded to the longest
 
-    def __init__(
-        self,
-        name: str,
-        files: Path,
-        tokenizer: Path,
-        config: ClassifierConfig,
-        max_tokens: int,
-        top_k: int,
-        options: RuntimeOptions,
-    ) -> None:
+    name: str
+    files: Path
+    tokenizer_path: Path
+    config: ClassifierConfig
+    max_tokens: int
+    top_k: int
+    options: InitVar[RuntimeOptions]
+
+    def __post_init__(self, options: RuntimeOptions) -> None:
         super().__init__(options)
-        self.name = name
-        self.files = files
-        self.tokenizer_path = tokenizer
-        self.config = config
-        self.max_tokens = max_tokens
-        self.top_k = min(top_k, len(config.labels))
+        self.top_k = min(self.top_k, len(self.config.labels))
         self._tokenizer: Any = None
         self._token_types = False  # whether the model's forward takes token_type_ids
 

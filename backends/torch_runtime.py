@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import DeviceLost, OutOfMemory, RuntimeOptions, calibrated
@@ -330,23 +330,16 @@ class Prepared:
     stager: PinnedStager | None
 
 
+@dataclass(eq=False)
 class TorchLaunched:
     """A batch queued on the model's stream (or, on the CPU, already computed)."""
 
-    def __init__(
-        self,
-        runtime: TorchRuntime,
-        result: Any,
-        stager: PinnedStager | None,
-        events: tuple[Any, Any] | None = None,
-        device_s: float = 0.0,
-    ) -> None:
-        self.runtime = runtime
-        self.result = result
-        self.stager = stager
-        self.events = events
-        self.device_s = device_s
-        self.peak_memory_bytes: float | None = None
+    runtime: TorchRuntime
+    result: Any
+    stager: PinnedStager | None
+    events: tuple[Any, Any] | None = None
+    device_s: float = 0.0
+    peak_memory_bytes: float | None = field(init=False, default=None)
 
     def done(self) -> bool:
         """Whether this stream's work is done; an error of the device's counts as done

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import zipfile
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -271,26 +271,21 @@ class Layout:
         )
 
 
+@dataclass(eq=False)
 class TorchModuleRuntime(TorchRuntime):
     padded = False  # every input of a tensor model has the same shape
 
-    def __init__(
-        self,
-        name: str,
-        format: Format,
-        path: Path,
-        tensors: tuple[TensorSpec, ...],
-        outputs: tuple[str, ...] | None,
-        cost: int,
-        options: RuntimeOptions,
-    ) -> None:
+    name: str
+    format: Format
+    path: Path
+    tensors: tuple[TensorSpec, ...]
+    output_names: tuple[str, ...] | None
+    cost: int
+    options: InitVar[RuntimeOptions]
+
+    def __post_init__(self, options: RuntimeOptions) -> None:
         super().__init__(options)
-        self.name = name
-        self.format = format
-        self.path = path
-        self.tensors = tensors
-        self.output_names = outputs
-        self.cost = max(cost, 1)
+        self.cost = max(self.cost, 1)
         # The outputs' layout, fixed by the first batch: on a GPU the launch
         # copies one tensor back, so several outputs travel packed in one.
         self._layout: Layout | None = None

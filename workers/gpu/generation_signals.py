@@ -54,26 +54,19 @@ class _Mean:
         self.value += (1.0 if self.seen == 1 else SIZE_ALPHA) * (x - self.value)
 
 
+@dataclass(eq=False)
 class GenerationSignals:
     """One generation worker's published figures, metrics and facts for Flower."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        prefix: str,
-        model: str,
-        limits: GenerationLimits,
-        execution: Execution,
-        why: str = "",
-        bytes_per_block: int = 0,
-    ) -> None:
-        self.client = client
-        self.prefix = prefix
-        self.model = model
-        self.limits = limits
-        self.execution: Execution = execution
-        self.why = why
-        self.bytes_per_block = bytes_per_block
+    client: redis.Redis
+    prefix: str
+    model: str
+    limits: GenerationLimits
+    execution: Execution
+    why: str = ""
+    bytes_per_block: int = 0
+
+    def __post_init__(self) -> None:
         self.prompt_tokens = _Mean()
         self.max_tokens = _Mean()
         self.completion_tokens = _Mean()
@@ -82,6 +75,7 @@ class GenerationSignals:
         self._rate_at = time.monotonic()
         self._rate_tokens = 0
         # Bound once: a labelled child is a dictionary look-up fewer per step.
+        model = self.model
         self._tokens = GENERATION_TOKENS.labels(model)
         self._steps = GENERATION_STEPS.labels(model)
         self._step_s = GENERATION_STEP_SECONDS.labels(model)
@@ -89,7 +83,7 @@ class GenerationSignals:
         self._running = GENERATION_SEQUENCES.labels(model, "running")
         self._waiting = GENERATION_SEQUENCES.labels(model, "waiting")
         self._preempted = GENERATION_PREEMPTIONS.labels(model)
-        GENERATION_KV_BLOCKS_BUDGET.labels(model).set(limits.kv_blocks)
+        GENERATION_KV_BLOCKS_BUDGET.labels(model).set(self.limits.kv_blocks)
 
     # --- the loop's side ---------------------------------------------------------
 

@@ -38,6 +38,11 @@ RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
 
 
+def retry_extra(model: str, exc: BaseException, backoff_s: float) -> dict[str, object]:
+    """The log fields of an outage that is waited out for ``backoff_s`` before a retry."""
+    return {"model": model, "error_type": type(exc).__name__, "retry_in_s": backoff_s}
+
+
 def connection_lost(exc: BaseException) -> bool:
     """Whether a write failed for want of its connection, not for what it wrote.
 
@@ -218,11 +223,7 @@ class Recording:
                     raise
                 log.warning(
                     "database unavailable; retrying the result write",
-                    extra={
-                        "model": self.model,
-                        "error_type": type(exc).__name__,
-                        "retry_in_s": backoff_s,
-                    },
+                    extra=retry_extra(self.model, exc, backoff_s),
                 )
                 self.drain.stop.wait(backoff_s if left_s is None else min(backoff_s, left_s))
                 backoff_s = min(backoff_s * 2, RETRY_MAX_S)

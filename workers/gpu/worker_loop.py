@@ -43,7 +43,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from core.streams.target import REDIS_ERRORS, RedisTarget
 from workers.gpu.consumer import StreamConsumer
 from workers.gpu.learned import Publisher
-from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S
+from workers.gpu.recording import RETRY_MAX_S, RETRY_MIN_S, retry_extra
 from workers.gpu.versions import VersionManager
 
 log = logging.getLogger(__name__)
@@ -213,12 +213,7 @@ class WorkerLoop(ABC, Generic[PlanT, OutputT, EventsT]):
                 except OUTAGES as exc:
                     self.ready.clear()  # it can run nothing until Redis and the database are back
                     log.warning(
-                        "dependency error; retrying",
-                        extra={
-                            "model": self.model,
-                            "error_type": type(exc).__name__,
-                            "retry_in_s": backoff_s,
-                        },
+                        "dependency error; retrying", extra=retry_extra(self.model, exc, backoff_s)
                     )
                     self.forget()
                     stop.wait(backoff_s)
