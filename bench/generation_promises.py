@@ -440,14 +440,7 @@ def preemption_round(ferry: Trace, without: Trace, jobs: Sequence[Job]) -> dict[
     preempted = [j for j in bulk if ferry.preempted.get(j.id)]
     delays = [1000.0 * (ferry.end_s[j.id] - without.end_s[j.id]) for j in preempted]
     return {
-        "urgent_ttft_ms": {
-            "preemption": _quantiles(ferry.ttft_ms(urgent)),
-            "no_preemption": _quantiles(without.ttft_ms(urgent)),
-        },
-        "urgent_ttft_steps": {
-            "preemption": _quantiles(ferry.ttft_steps(urgent)),
-            "no_preemption": _quantiles(without.ttft_steps(urgent)),
-        },
+        **_ttfts("urgent", urgent, preemption=ferry, no_preemption=without),
         "bulk_jobs": len(bulk),
         "preempted_jobs": len(preempted),
         "preemptions": sum(ferry.preempted.values()),
@@ -467,19 +460,21 @@ def _quantiles(values: Sequence[float]) -> dict[str, float]:
     return {"p50": p(values, 0.5), "p99": p(values, 0.99), "max": p(values, 1.0)}
 
 
+def _ttfts(name: str, jobs: Sequence[Job], **traces: Trace) -> dict[str, Any]:
+    """``jobs``' times to first token in each trace, by the trace's name: in ms
+    (``{name}_ttft_ms``) and in steps (``{name}_ttft_steps``)."""
+    return {
+        f"{name}_ttft_ms": {run: _quantiles(t.ttft_ms(jobs)) for run, t in traces.items()},
+        f"{name}_ttft_steps": {run: _quantiles(t.ttft_steps(jobs)) for run, t in traces.items()},
+    }
+
+
 def fairness_round(idle: Trace, flooded: Trace, jobs: Sequence[Job]) -> dict[str, Any]:
     light = [j for j in jobs if j.tenant == "light"]
     shares = weighted_share(flooded.steps, "flood", "blocks")
     return {
         "light_requests": len(light),
-        "light_ttft_ms": {
-            "idle": _quantiles(idle.ttft_ms(light)),
-            "flood": _quantiles(flooded.ttft_ms(light)),
-        },
-        "light_ttft_steps": {
-            "idle": _quantiles(idle.ttft_steps(light)),
-            "flood": _quantiles(flooded.ttft_steps(light)),
-        },
+        **_ttfts("light", light, idle=idle, flood=flooded),
         "flood_requests": sum(1 for j in jobs if j.tenant == "flood"),
         "flood_kv_share": shares,
         "step_ms": {"idle": round(idle.step_ms(), 2), "flood": round(flooded.step_ms(), 2)},

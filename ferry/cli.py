@@ -15,7 +15,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from ferry import backfill_cli, jobs_cli, keys_cli, models_cli
-from ferry.console import on_terminal, one_of
+from ferry.console import choice_argument, on_terminal
 
 app = typer.Typer(
     help="Ferry: queue-driven asynchronous inference jobs.",
@@ -110,13 +110,7 @@ def _worker(
 def _celery(
     role: Annotated[
         str,
-        typer.Argument(
-            metavar="ROLE",
-            help="worker or beat",
-            callback=one_of("worker", "beat"),
-            autocompletion=lambda: ["worker", "beat"],
-            show_default=False,
-        ),
+        choice_argument("ROLE", ("worker", "beat"), "worker or beat"),
     ],
     metrics_port: Annotated[
         int | None,

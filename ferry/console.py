@@ -106,6 +106,26 @@ def one_of(*allowed: str) -> Callable[[str | None], str | None]:
     return check
 
 
+def _choice(metavar: str, allowed: Sequence[str], help_: str) -> dict[str, Any]:
+    return {
+        "metavar": metavar,
+        "callback": one_of(*allowed),
+        "autocompletion": lambda: list(allowed),
+        "help": help_,
+        "show_default": False,
+    }
+
+
+def choice_option(flag: str, metavar: str, allowed: Sequence[str], help_: str) -> Any:
+    """An option with fixed values: checked as :func:`one_of` does, and completed."""
+    return typer.Option(flag, **_choice(metavar, allowed, help_))
+
+
+def choice_argument(metavar: str, allowed: Sequence[str], help_: str) -> Any:
+    """An argument with fixed values: checked as :func:`one_of` does, and completed."""
+    return typer.Argument(**_choice(metavar, allowed, help_))
+
+
 # --- progress bars -------------------------------------------------------------
 
 

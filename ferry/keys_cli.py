@@ -7,12 +7,19 @@ only a salted hash. ``list`` never prints a secret.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from ferry.console import IdArgument, Row, one_of, show_table
+from ferry.console import (
+    IdArgument,
+    Row,
+    choice_argument,
+    choice_option,
+    one_of,
+    show_table,
+)
 from scheduler.vocabulary import Lane
 
 if TYPE_CHECKING:
@@ -71,14 +78,12 @@ def create(
     ] = "client",
     embeddings_lane: Annotated[
         str | None,
-        typer.Option(
+        choice_option(
             "--embeddings-lane",
-            metavar="LANE",
-            callback=one_of(*LANES),
-            autocompletion=lambda: LANES,
-            help="the lane of its POST /v1/embeddings inputs when a request names none "
+            "LANE",
+            LANES,
+            "the lane of its POST /v1/embeddings inputs when a request names none "
             "(X-Ferry-Priority); default normal",
-            show_default=False,
         ),
     ] = None,
 ) -> int:
@@ -122,14 +127,27 @@ def list_() -> int:
     return 0
 
 
+Changed = TypeVar("Changed")
+
+
+def _changed(
+    change: Callable[..., Changed | None], id: str, *args: Any, missing: str = "no API key"
+) -> Changed | None:
+    """``change(session, id, *args)`` in a session of its own; None, said, where it finds
+    no key."""
+    with database_session() as session:
+        key = change(session, id, *args)
+    if key is None:
+        print(f"{missing} {id!r}")
+    return key
+
+
 @app.command("revoke", help="refuse a key's token from now on")
 def revoke(id: IdArgument) -> int:
     from core.db.keys import revoke_key
 
-    with database_session() as session:
-        key = revoke_key(session, id)
+    key = _changed(revoke_key, id)
     if key is None:
-        print(f"no API key {id!r}")
         return 1
     print(f"revoked API key {key.id} ({key.name}): its token is refused from now on")
     return 0
@@ -140,21 +158,13 @@ def embeddings_lane(
     id: IdArgument,
     lane: Annotated[
         str,
-        typer.Argument(
-            metavar="LANE",
-            callback=one_of(*LANES, "default"),
-            autocompletion=lambda: [*LANES, "default"],
-            help="a lane, or default (normal)",
-            show_default=False,
-        ),
+        choice_argument("LANE", [*LANES, "default"], "a lane, or default (normal)"),
     ],
 ) -> int:
     from core.db.keys import set_embeddings_lane
 
-    with database_session() as session:
-        key = set_embeddings_lane(session, id, None if lane == "default" else lane)
+    key = _changed(set_embeddings_lane, id, None if lane == "default" else lane)
     if key is None:
-        print(f"no API key {id!r}")
         return 1
     print(
         f"API key {key.id} ({key.name}): embeddings in the {key.embeddings_lane or 'normal'} "
@@ -178,13 +188,11 @@ def weight(
     from core.db.keys import set_weight
 
     try:
-        with database_session() as session:
-            key = set_weight(session, id, value)
+        key = _changed(set_weight, id, value)
     except ValueError as exc:
         print(exc)
         return 2
     if key is None:
-        print(f"no API key {id!r}")
         return 1
     print(
         f"API key {key.id} ({key.name}): weight {key.weight:g} (generation workers follow it "
@@ -197,10 +205,8 @@ def weight(
 def rotate(id: IdArgument) -> int:
     from core.db.keys import rotate_key
 
-    with database_session() as session:
-        key = rotate_key(session, id)
+    key = _changed(rotate_key, id, missing="no live API key")
     if key is None:
-        print(f"no live API key {id!r}")
         return 1
     print(f"new token for API key {key.id} ({key.name}); the old one is refused from now on.")
     # Whoever held the old token could read the signing secret too.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ferry import lm_build
-from ferry.console import Row, one_of, print_json, show_table
+from ferry.console import Row, choice_option, print_json, show_table
 from ferry.remote import ApiOption, JsonOption, KeyOption, connect, given, remember, reported
 
 if TYPE_CHECKING:
@@ -235,13 +235,11 @@ def build_lm_folder(
     dest: Annotated[Path, typer.Argument(metavar="DEST", show_default=False)],
     arch: Annotated[
         str,
-        typer.Option(
+        choice_option(
             "--arch",
-            metavar="ARCH",
-            callback=one_of(*lm_build.ARCHES),
-            autocompletion=lambda: list(lm_build.ARCHES),
-            help="gpt2 or llama (grouped-query attention, rotary positions, a chat template)",
-            show_default=False,
+            "ARCH",
+            lm_build.ARCHES,
+            "gpt2 or llama (grouped-query attention, rotary positions, a chat template)",
         ),
     ],
     seed: Annotated[int, typer.Option("--seed", help="the weights' seed")] = 0,
@@ -269,13 +267,11 @@ def build_lm_folder(
     ] = lm_build.CONTEXT_TOKENS,
     dtype: Annotated[
         str,
-        typer.Option(
+        choice_option(
             "--dtype",
-            metavar="DTYPE",
-            callback=one_of(*lm_build.DTYPES),
-            autocompletion=lambda: list(lm_build.DTYPES),
-            help="the weights' type: float32 (default), bfloat16 or float16",
-            show_default=False,
+            "DTYPE",
+            lm_build.DTYPES,
+            "the weights' type: float32 (default), bfloat16 or float16",
         ),
     ] = "float32",
     force: Annotated[bool, typer.Option("--force", help="replace a non-empty DEST")] = False,

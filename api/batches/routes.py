@@ -259,9 +259,7 @@ def list_files(
 @router.get("/v1/files/{file_id}", response_model=FileObject)
 def read_file(file_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
     sessions = app_state(request).sessions
-    with sessions() as session:
-        stored = services.get_file(session, key, file_id)
-    return services.file_object(sessions, stored)
+    return services.file_object(sessions, services.stored_file(sessions, key, file_id))
 
 
 @router.get(
@@ -272,8 +270,7 @@ def read_file(file_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
 )
 def read_file_content(file_id: str, request: Request, key: KeyDep) -> StreamingResponse:
     sessions = app_state(request).sessions
-    with sessions() as session:
-        stored = services.get_file(session, key, file_id)
+    stored = services.stored_file(sessions, key, file_id)
     return StreamingResponse(
         services.file_content(sessions, stored), media_type="application/jsonl"
     )
@@ -295,9 +292,7 @@ def create_batch(body: BatchCreate, request: Request, key: KeyDep) -> dict[str, 
     batch_id = services.create_batch(
         state.sessions, key, body, state.catalog, state.versions, state.settings
     )
-    with state.sessions() as session:
-        batch = services.get_batch(session, key, batch_id)
-    return services.batch_view(state.sessions, batch)
+    return services.batch_object(state.sessions, key, batch_id)
 
 
 @router.get("/v1/batches", response_model=BatchList)
@@ -312,10 +307,7 @@ def list_batches(
 
 @router.get("/v1/batches/{batch_id}", response_model=BatchObject)
 def read_batch(batch_id: str, request: Request, key: KeyDep) -> dict[str, Any]:
-    sessions = app_state(request).sessions
-    with sessions() as session:
-        batch = services.get_batch(session, key, batch_id)
-    return services.batch_view(sessions, batch)
+    return services.batch_object(app_state(request).sessions, key, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject)

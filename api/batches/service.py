@@ -115,6 +115,12 @@ def get_file(session: Session, key: ApiKey, file_id: str, param: str = "file_id"
     return found
 
 
+def stored_file(sessions: sessionmaker[Session], key: ApiKey, file_id: str) -> StoredFile:
+    """The key's file as :func:`get_file` finds it, in a session of its own."""
+    with sessions() as session:
+        return get_file(session, key, file_id)
+
+
 def file_object(sessions: sessionmaker[Session], stored: StoredFile) -> dict[str, Any]:
     """OpenAI's file object. An output file's size is counted the first time it is asked for."""
     size = stored.bytes
@@ -424,6 +430,13 @@ def get_batch(session: Session, key: ApiKey, batch_id: str) -> OpenAIBatch:
     if found is None or found.api_key_id != key.id:
         raise ApiError(404, "not_found", f"no batch {batch_id!r}")
     return found
+
+
+def batch_object(sessions: sessionmaker[Session], key: ApiKey, batch_id: str) -> dict[str, Any]:
+    """The key's batch (or a 404) as :func:`batch_view` shows it."""
+    with sessions() as session:
+        batch = get_batch(session, key, batch_id)
+    return batch_view(sessions, batch)
 
 
 def batch_view(sessions: sessionmaker[Session], batch: OpenAIBatch) -> dict[str, Any]:

@@ -309,14 +309,5 @@ def to_delivery_resource(
         last_error=delivery.last_error,
         created_at=delivery.created_at,
         finished_at=delivery.finished_at,
-        attempt_log=[
-            AttemptResource(
-                number=a.number,
-                started_at=a.started_at,
-                duration_ms=a.duration_ms,
-                status_code=a.status_code,
-                error=a.error,
-            )
-            for a in attempts
-        ],
+        attempt_log=[AttemptResource.model_validate(a, from_attributes=True) for a in attempts],
     )

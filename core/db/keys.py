@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -73,10 +74,16 @@ def set_embeddings_lane(session: Session, key_id: str, lane: str | None) -> ApiK
     """The lane of the key's embeddings when a request names none (None: normal).
     None if there is no such key."""
     _check_lane(lane)
+    return _set(session, key_id, embeddings_lane=lane)
+
+
+def _set(session: Session, key_id: str, **columns: Any) -> ApiKey | None:
+    """Set ``columns`` on the key under a row lock; None if there is no such key."""
     row = session.get(ApiKey, key_id, with_for_update=True)
     if row is None:
         return None
-    row.embeddings_lane = lane
+    for name, value in columns.items():
+        setattr(row, name, value)
     session.commit()
     return row
 
@@ -90,12 +97,7 @@ def set_weight(session: Session, key_id: str, weight: float) -> ApiKey | None:
     is no such key; ValueError for a weight not in (0, MAX_WEIGHT]."""
     if not (0 < weight <= MAX_WEIGHT):  # NaN fails this too
         raise ValueError(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {weight}")
-    row = session.get(ApiKey, key_id, with_for_update=True)
-    if row is None:
-        return None
-    row.weight = weight
-    session.commit()
-    return row
+    return _set(session, key_id, weight=weight)
 
 
 def list_keys(session: Session) -> list[ApiKey]:

@@ -165,35 +165,32 @@ class RedisTarget:
 
     def client(self, **options: Any) -> redis.Redis:
         """A redis-py client (``options``: decode_responses, timeouts, ...)."""
-        if self.cluster:
-            assert self.url is not None
-            # Not a redis.Redis, but it has every command Ferry sends (see ``is_cluster``
-            # for the few that differ).
-            return cast(redis.Redis, RedisCluster.from_url(self.url, **options))
-        if not self.sentinels:
-            assert self.url is not None
-            return redis.Redis.from_url(self.url, **options)
-        sentinel = Sentinel(
-            list(self.sentinels),
-            socket_timeout=options.get("socket_timeout", 2.0),
-            socket_connect_timeout=options.get("socket_connect_timeout", 2.0),
-        )
-        return sentinel.master_for(self.service, **(self._auth() | options))
+        # A cluster client is not a redis.Redis, but it has every command Ferry sends (see
+        # ``is_cluster`` for the few that differ).
+        return cast(redis.Redis, self._client(RedisCluster, redis.Redis, Sentinel, options))
 
     def async_client(self, **options: Any) -> aioredis.Redis:
         """An asyncio redis-py client."""
+        return cast(
+            aioredis.Redis,
+            self._client(AsyncRedisCluster, aioredis.Redis, AsyncSentinel, options),
+        )
+
+    def _client(self, cluster: Any, plain: Any, sentinel: Any, options: dict[str, Any]) -> Any:
+        """The target's client, from ``cluster``, ``plain`` or ``sentinel``: redis-py's
+        blocking classes or its asyncio ones."""
         if self.cluster:
             assert self.url is not None
-            return cast(aioredis.Redis, AsyncRedisCluster.from_url(self.url, **options))
+            return cluster.from_url(self.url, **options)
         if not self.sentinels:
             assert self.url is not None
-            return aioredis.Redis.from_url(self.url, **options)
-        sentinel = AsyncSentinel(
+            return plain.from_url(self.url, **options)
+        sentinels = sentinel(
             list(self.sentinels),
             socket_timeout=options.get("socket_timeout", 2.0),
             socket_connect_timeout=options.get("socket_connect_timeout", 2.0),
         )
-        return sentinel.master_for(self.service, **(self._auth() | options))
+        return sentinels.master_for(self.service, **(self._auth() | options))
 
     def broker(self) -> tuple[str, dict[str, Any]]:
         """Celery's broker URL and the transport options it needs."""
