@@ -21,6 +21,7 @@ from typing import Any
 
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from harness.threads import ServingThread
 from tests.e2e.netguard.sitecustomize import patch
 
 # A stack's settings for deliveries to a Receiver: plain HTTP to loopback allowed (the
@@ -52,7 +53,7 @@ class Received:
     headers: dict[str, str] = field(default_factory=dict)  # every header, names lower-cased
 
 
-class Receiver:
+class Receiver(ServingThread):
     def __init__(
         self,
         secrets: list[str],
@@ -68,24 +69,16 @@ class Receiver:
         self.seen: set[str] = set()  # webhook-ids processed (the receiver's de-duplication)
         self.processed: list[dict[str, Any]] = []  # events acted on once each
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
+        server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        server.daemon_threads = True
         if tls is not None:
-            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+            server.socket = tls.wrap_socket(server.socket, server_side=True)
+        super().__init__(server)
 
     @property
     def url(self) -> str:
         scheme = "https" if self.tls is not None else "http"
         return f"{scheme}://{self.host}:{self.server.server_address[1]}/hooks/ferry"
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def wait_for(self, count: int, timeout_s: float = 20.0) -> list[Received]:
         deadline = time.monotonic() + timeout_s

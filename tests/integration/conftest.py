@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pytest
 import redis
@@ -169,20 +169,32 @@ def build_sim_loop(settings: Settings, name: str = "test-worker") -> BatchLoop:
     return build_loop(settings, "sim", name=name)
 
 
-class RunningLoop:
-    def __init__(self, loop: BatchLoop) -> None:
+class Loop(Protocol):
+    def run(self, stop: threading.Event) -> None: ...
+
+
+L = TypeVar("L", bound=Loop)
+
+
+class RunningLoop(Generic[L]):
+    """``loop`` run on a thread of the test for a ``with`` block (which gets the loop); it
+    must stop within ``join_s`` of the block's end."""
+
+    join_s = 10.0
+
+    def __init__(self, loop: L) -> None:
         self.loop = loop
         self.stop = threading.Event()
         self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
 
-    def __enter__(self) -> BatchLoop:
+    def __enter__(self) -> L:
         self.thread.start()
         return self.loop
 
     def __exit__(self, *_exc: object) -> None:
         self.stop.set()
-        self.thread.join(timeout=10)
-        assert not self.thread.is_alive(), "worker loop did not stop"
+        self.thread.join(timeout=self.join_s)
+        assert not self.thread.is_alive(), f"{type(self.loop).__name__} did not stop"
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from backends.catalog import repository_for
 from core.config.settings import Settings
 from core.streams.events import JobEvent
 from core.streams.protocol import events_key
+from tests.integration.conftest import RunningLoop
 from tests.lm import lm_folder
 from tests.models import REPOSITORY
 from workers.gpu.generation_loop import GenerationLoop
@@ -88,11 +88,14 @@ def generation_settings(settings: Settings, root: Path, **repository_args: Any) 
     )
 
 
-class Worker:
+class Worker(RunningLoop[GenerationLoop]):
+    """A generation loop on a thread of the test, keeping the most KV blocks its scheduler
+    held at once (``peak_blocks``)."""
+
+    join_s = 30.0
+
     def __init__(self, loop: GenerationLoop) -> None:
-        self.loop = loop
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
+        super().__init__(loop)
         self.peak_blocks = 0
 
     def __enter__(self) -> GenerationLoop:
@@ -104,13 +107,7 @@ class Worker:
             self.peak_blocks = max(self.peak_blocks, scheduler.blocks_used)
 
         self.loop.step = watched  # type: ignore[method-assign]
-        self.thread.start()
-        return self.loop
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the generation worker did not stop"
+        return super().__enter__()
 
 
 def start_worker(settings: Settings, name: str = "gen-worker") -> Worker:

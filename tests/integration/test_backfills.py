@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.config.settings import Settings
 from core.db.schema import Backfill, Job, WebhookDelivery
 from core.streams.queues import lane_depths
+from harness.threads import OnAThread
 from tests.integration.conftest import RunningLoop
 from workers.tasks.feeder import Feeder
 
@@ -50,27 +51,18 @@ def make_feeder(
     return Feeder(sessions, redis_client, settings.key_prefix, **options)
 
 
-class RunningFeeder:
+class RunningFeeder(OnAThread):
     def __init__(self, feeder: Feeder) -> None:
         self.feeder = feeder
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
         self.max_live = 0
+        super().__init__(self._run, join_s=10)
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             self.feeder.step()
             live = lane_depths(self.feeder.client, self.feeder.prefix, "sim")["bulk"]
             self.max_live = max(self.max_live, live)
             time.sleep(0.02)
-
-    def __enter__(self) -> RunningFeeder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from api.app import create_app
 from core.config.settings import Settings
 from core.db.schema import Job, ModelActivation
 from core.db.versions import version_states
+from harness.threads import OnAThread
 from tests.integration.conftest import RunningLoop, activate, wait_terminal
 from tests.models import minilm_files
 from tests.vectors import cosine
@@ -110,7 +111,7 @@ def reload_settings(settings: Settings, tmp_path: Path) -> Settings:
     )
 
 
-class Load:
+class Load(OnAThread):
     """Submits jobs from a thread until stopped, remembering when each was accepted."""
 
     def __init__(
@@ -119,12 +120,11 @@ class Load:
         self.client, self.auth, self.model, self.make = client, auth, model, make
         self.accepted: list[tuple[float, str]] = []
         self.refused: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(self._run)
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         n = 0
-        while not self._stop.is_set():
+        while not stop.is_set():
             response = self.client.post(
                 "/v1/jobs", json={"model": self.model, "input": self.make(n)}, headers=self.auth
             )
@@ -133,14 +133,6 @@ class Load:
             else:
                 self.refused.append(response.text)
             n += 1
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def ids(self, after: float = 0.0, before: float = float("inf")) -> list[str]:
         return [job for at, job in list(self.accepted) if after <= at < before]

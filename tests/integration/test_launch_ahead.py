@@ -20,6 +20,7 @@ from core.config.settings import Settings
 from core.db.schema import Job
 from tests.integration.conftest import RunningLoop, Stack, build_sim_loop
 from tests.models import with_parameters
+from workers.gpu.loop import BatchLoop
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -32,13 +33,19 @@ def slow_settings(settings: Settings) -> Settings:
     return with_parameters(settings, "sim", latency_base_ms=40.0)
 
 
+def sim_loop(settings: Settings) -> tuple[BatchLoop, SimRuntime]:
+    """A sim worker's loop and its runtime, whose steps the tests wrap."""
+    loop = build_sim_loop(settings)
+    assert isinstance(loop.runtime, SimRuntime)
+    return loop, loop.runtime
+
+
 def test_the_next_batch_is_prepared_while_the_device_computes(stack: Stack) -> None:
     # 300 ms a batch on the device: the loop's claim, prepare and launch of the next batch
     # (a database write among them) fit in it with room to spare on a loaded machine.
     slow_settings = with_parameters(stack.settings, "sim", latency_base_ms=300.0)
-    loop = build_sim_loop(slow_settings)
-    runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime) and loop.device.ahead
+    loop, runtime = sim_loop(slow_settings)
+    assert loop.device.ahead
     lock = threading.Lock()
     prepared: list[float] = []  # when each batch was prepared
     on_device: list[tuple[float, float]] = []  # each batch's time on the device
@@ -98,9 +105,8 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(stack: Stac
     slow = with_parameters(stack.settings, "sim", latency_base_ms=400.0).model_copy(
         update={"batch_max_size": 4}
     )
-    loop = build_sim_loop(slow)
-    runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime) and loop.device.ahead
+    loop, runtime = sim_loop(slow)
+    assert loop.device.ahead
     first_on_device = threading.Event()
     prepared: list[float] = []  # when each batch's preparation began (the runtime's clock)
     on_device: list[tuple[float, float]] = []  # each batch's time on the device
@@ -142,9 +148,7 @@ def test_a_job_arriving_while_a_batch_computes_rides_in_the_next_one(stack: Stac
 def test_a_batch_that_cannot_be_prepared_fails_only_its_culprit(
     stack: Stack, slow_settings: Settings
 ) -> None:
-    loop = build_sim_loop(slow_settings)
-    runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime)
+    loop, runtime = sim_loop(slow_settings)
     prepare, launch, collect, run = runtime.prepare, runtime.launch, runtime.collect, runtime.run
     lock = threading.Lock()
     on_device: set[int] = set()  # batches launched and not yet collected
@@ -255,10 +259,8 @@ def test_a_stopping_worker_records_the_batch_on_the_device(
 def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
     stack: Stack, slow_settings: Settings
 ) -> None:
-    loop = build_sim_loop(slow_settings.model_copy(update={"pipeline_prepare": False}))
+    loop, runtime = sim_loop(slow_settings.model_copy(update={"pipeline_prepare": False}))
     assert not loop.device.ahead
-    runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime)
     busy: list[bool] = []  # whether the device was computing when a batch was prepared
     prepare = runtime.prepare
 
@@ -277,9 +279,7 @@ def test_without_launching_ahead_each_batch_is_prepared_after_the_last_is_done(
 def test_a_lost_device_stops_the_worker_and_its_batch_runs_again(
     stack: Stack, slow_settings: Settings
 ) -> None:
-    loop = build_sim_loop(slow_settings)
-    runtime = loop.runtime
-    assert isinstance(runtime, SimRuntime)
+    loop, runtime = sim_loop(slow_settings)
     launch = runtime.launch
     launches: list[list[int]] = []  # each batch's costs: every job's cost is its own
 

@@ -8,10 +8,11 @@ import asyncio
 import contextlib
 import datetime as dt
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from sqlalchemy import make_url, text
+import pytest
+from sqlalchemy import Engine, make_url, text
 
 from api.errors import ApiError
 from api.jobs.reads import JobRead, JobReader, LoopReader
@@ -85,6 +86,13 @@ def _jobs(url: str) -> tuple[str, str, list[str]]:
     return key, other, ids
 
 
+@pytest.fixture
+def engine(postgres_database: str) -> Iterator[Engine]:
+    engine = make_engine(postgres_database)
+    yield engine
+    engine.dispose()
+
+
 def _dumped(answers: list[JobResource | Exception]) -> list[object]:
     out: list[object] = []
     for answer in answers:
@@ -108,16 +116,14 @@ def in_loop(reader: LoopReader, work: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(run())
 
 
-def test_the_loop_reader_answers_as_the_engines_reads_do(postgres_database: str) -> None:
+def test_the_loop_reader_answers_as_the_engines_reads_do(
+    postgres_database: str, engine: Engine
+) -> None:
     key, _other, ids = _jobs(postgres_database)
     group = [JobRead(key, job_id) for job_id in [*ids, str(uuid.uuid4())]]
-    engine = make_engine(postgres_database)
-    try:
-        threaded = JobReader(read_only(engine)).read(group)
-        reader = LoopReader.of(engine)
-        answers = in_loop(reader, lambda: reader.read(group))
-    finally:
-        engine.dispose()
+    threaded = JobReader(read_only(engine)).read(group)
+    reader = LoopReader.of(engine)
+    answers = in_loop(reader, lambda: reader.read(group))
     assert _dumped(answers) == _dumped(threaded)
     # What both said: the rows as stored, another key's job and a missing one as 404s.
     first, succeeded, failed, others, missing = _dumped(answers)
@@ -133,10 +139,9 @@ def test_the_loop_reader_answers_as_the_engines_reads_do(postgres_database: str)
 
 
 def test_a_connection_the_server_closed_between_reads_is_replaced_unseen(
-    postgres_database: str,
+    postgres_database: str, engine: Engine
 ) -> None:
     key, _other, ids = _jobs(postgres_database)
-    engine = make_engine(postgres_database)
     reader = LoopReader.of(engine)
     backends: list[int] = []
 
@@ -152,10 +157,7 @@ def test_a_connection_the_server_closed_between_reads_is_replaced_unseen(
         backends.append(kept[0].info.backend_pid)
         return answers
 
-    try:
-        before, after = in_loop(reader, reads)
-    finally:
-        engine.dispose()
+    before, after = in_loop(reader, reads)
     assert _dumped(after) == _dumped(before)
     assert isinstance(after[0], JobResource) and after[0].status == "succeeded"
     assert backends[0] != backends[1]
@@ -163,10 +165,9 @@ def test_a_connection_the_server_closed_between_reads_is_replaced_unseen(
 
 
 def test_an_unreachable_database_is_a_503_and_the_next_read_recovers(
-    postgres_database: str,
+    postgres_database: str, engine: Engine
 ) -> None:
     key, _other, ids = _jobs(postgres_database)
-    engine = make_engine(postgres_database)
     reader = LoopReader.of(engine)
     reachable = reader.connect
     # Nothing listens on port 1: the connection is refused at once.
@@ -177,21 +178,19 @@ def test_an_unreachable_database_is_a_503_and_the_next_read_recovers(
         reader.connect = reachable
         return refused, await reader.read([JobRead(key, ids[0])])
 
-    try:
-        refused, answered = in_loop(reader, reads)
-    finally:
-        engine.dispose()
+    refused, answered = in_loop(reader, reads)
     assert [(a.status, a.type) for a in refused if isinstance(a, ApiError)] == [
         (503, "unavailable")
     ] * 2
     assert isinstance(answered[0], JobResource) and answered[0].status == "queued"
 
 
-def test_a_read_cancelled_midway_closes_its_connection(postgres_database: str) -> None:
+def test_a_read_cancelled_midway_closes_its_connection(
+    postgres_database: str, engine: Engine
+) -> None:
     """The API stopping cancels a read in flight: its connection, in an unknown state, is
     closed, not kept for the next read."""
     key, _other, ids = _jobs(postgres_database)
-    engine = make_engine(postgres_database)
     reader = LoopReader.of(engine)
     opened: list[Any] = []
 
@@ -211,10 +210,7 @@ def test_a_read_cancelled_midway_closes_its_connection(postgres_database: str) -
             locker.rollback()
         await reader.close()
 
-    try:
-        asyncio.run(cancelled())
-    finally:
-        engine.dispose()
+    asyncio.run(cancelled())
     assert reader._idle == []
     assert opened[0].closed
 

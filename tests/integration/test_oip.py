@@ -7,6 +7,7 @@ import io
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -37,9 +38,10 @@ TEXTS = [
 
 @pytest.fixture
 def client(api: Served) -> Iterator[triton.InferenceServerClient]:
-    client = triton.InferenceServerClient(api.base.removeprefix("http://"), network_timeout=30)
-    yield client
-    client.close()
+    with triton.InferenceServerClient(
+        api.base.removeprefix("http://"), network_timeout=30
+    ) as client:
+        yield client
 
 
 @pytest.fixture
@@ -122,6 +124,15 @@ def wait_ready(client: triton.InferenceServerClient, model: str, headers: dict[s
         time.sleep(0.1)
 
 
+def assert_minilm_embeddings(got: np.ndarray | None) -> None:
+    """``got``, minilm's embeddings of TEXTS, agree row by row with the model run directly."""
+    assert got is not None and got.shape == (4, 384) and got.dtype == np.float32
+    direct = runtime("minilm").run(TEXTS)
+    for row, expected in zip(got, direct, strict=True):
+        assert cosine(row.tolist(), expected) >= 0.999
+    assert cosine(got[0].tolist(), got[1].tolist()) < 0.99  # rows are not mixed up
+
+
 def test_minilm_in_binary_agrees_with_the_model_run_directly(
     client: triton.InferenceServerClient, headers: dict[str, str], minilm: None
 ) -> None:
@@ -129,12 +140,7 @@ def test_minilm_in_binary_agrees_with_the_model_run_directly(
     assert result.get_response()["id"] == "r-17"
     assert result.get_response()["model_version"] == "1"
     assert result.get_response()["outputs"][0]["parameters"]["binary_data_size"] == 4 * 384 * 4
-    got = result.as_numpy("embedding")
-    assert got is not None and got.shape == (4, 384) and got.dtype == np.float32
-    direct = runtime("minilm").run(TEXTS)
-    for row, expected in zip(got, direct, strict=True):
-        assert cosine(row.tolist(), expected) >= 0.999
-    assert cosine(got[0].tolist(), got[1].tolist()) < 0.99  # rows are not mixed up
+    assert_minilm_embeddings(result.as_numpy("embedding"))
 
 
 def test_json_tensors_in_and_out_on_sim(
@@ -161,49 +167,85 @@ def test_json_tensors_in_and_out_on_sim(
     assert sorted(map(json.dumps, answers)) == sorted(json.dumps(job.output) for job in mine)
 
 
+def assert_lanes_and_deadlines(
+    client: triton.InferenceServerClient,
+    headers: dict[str, str],
+    sessions: sessionmaker[Session],
+    documents_input: Callable[[list[object]], triton.InferInput],
+    prefix: str,
+) -> dict[int, Job]:
+    """An inference on sim at each priority with a timeout of 9 s (in microseconds), request
+    id ``prefix`` and the priority, over tritonclient's HTTP or gRPC client: each job is in
+    the priority's lane, its deadline 9 s after it was made. The jobs by priority."""
+    jobs_by_priority: dict[int, Job] = {}
+    for priority, lane in ((1, "urgent"), (2, "vip"), (0, "normal"), (7, "bulk")):
+        client.infer(
+            "sim", [documents_input([{"cost": 2}])], headers=headers, priority=priority,
+            timeout=9_000_000, request_id=f"{prefix}{priority}",
+        )  # fmt: skip
+        with sessions() as session:
+            jobs = session.scalars(select(Job)).all()
+        (job,) = [j for j in jobs if (j.metadata_ or {}).get("request_id") == f"{prefix}{priority}"]
+        assert job.priority == lane and job.status == "succeeded"
+        assert job.deadline_at is not None
+        allowed_ms = (job.deadline_at - job.created_at).total_seconds() * 1000
+        assert allowed_ms == pytest.approx(9_000, abs=5)
+        jobs_by_priority[priority] = job
+    return jobs_by_priority
+
+
 def test_priority_and_timeout_become_the_lane_and_the_deadline(
     client: triton.InferenceServerClient,
     headers: dict[str, str],
     sim: None,
     sessions: sessionmaker[Session],
 ) -> None:
-    for priority, lane in ((1, "urgent"), (2, "vip"), (0, "normal"), (7, "bulk")):
-        client.infer(
-            "sim", [json_input([{"cost": 2}])], headers=headers, priority=priority,
-            timeout=9_000_000, request_id=f"p{priority}",
-        )  # fmt: skip
-        with sessions() as session:
-            jobs = session.scalars(select(Job)).all()
-        (job,) = [j for j in jobs if (j.metadata_ or {}).get("request_id") == f"p{priority}"]
-        assert job.priority == lane and job.status == "succeeded"
-        assert job.deadline_at is not None
-        allowed_ms = (job.deadline_at - job.created_at).total_seconds() * 1000
-        assert allowed_ms == pytest.approx(9_000, abs=5)
+    assert_lanes_and_deadlines(client, headers, sessions, json_input, "p")
+
+
+def refused(call: Callable[[], object]) -> InferenceServerException:
+    """What ``call``, which tritonclient (HTTP or gRPC) must refuse, raised."""
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value
+
+
+def assert_bad_inputs_refused(
+    client: triton.InferenceServerClient,
+    headers: dict[str, str],
+    protocol: ModuleType,
+    texts: Callable[[list[str]], triton.InferInput],
+    not_found: str,
+    invalid: str,
+) -> None:
+    """Bad inputs for minilm over tritonclient's HTTP or gRPC client (``protocol`` the
+    module, ``texts`` its maker of a texts tensor): each refused with why, and the status
+    of its kind as the protocol says it (``not_found`` or ``invalid``)."""
+
+    def infer(*inputs: triton.InferInput, model: str = "minilm") -> InferenceServerException:
+        return refused(lambda: client.infer(model, list(inputs), headers=headers))
+
+    unknown = infer(texts(["x"]), model="bert-large")
+    assert unknown.status() == not_found and "unknown model" in unknown.message()
+    floats = protocol.InferInput("text", [1], "FP32")
+    floats.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    wrong_type = infer(floats)
+    assert wrong_type.status() == invalid
+    assert wrong_type.message() == "input 'text': datatype FP32, the model takes BYTES"
+    wide = protocol.InferInput("text", [1, 2], "BYTES")
+    wide.set_data_from_numpy(np.array([[b"a", b"b"]], dtype=object))
+    assert "shape [1, 2], the model takes [N] or [N, 1]" in infer(wide).message()
+    other = protocol.InferInput("sentence", [1], "BYTES")
+    other.set_data_from_numpy(np.array([b"a"], dtype=object))
+    assert "has no such input" in infer(other).message()
+    too_long = infer(texts(["word " * 5000]))
+    assert too_long.status() == invalid and too_long.message().startswith("row 0: input")
 
 
 def test_each_error_is_the_protocols(
     client: triton.InferenceServerClient, headers: dict[str, str]
 ) -> None:
-    def refused(*inputs: triton.InferInput, model: str = "minilm") -> InferenceServerException:
-        with pytest.raises(InferenceServerException) as caught:
-            client.infer(model, list(inputs), headers=headers)
-        return caught.value
-
-    unknown = refused(texts_input(["x"]), model="bert-large")
-    assert unknown.status() == "404" and "unknown model" in unknown.message()
-    floats = triton.InferInput("text", [1], "FP32")
-    floats.set_data_from_numpy(np.array([1.0], dtype=np.float32))
-    wrong_type = refused(floats)
-    assert wrong_type.status() == "400"
-    assert wrong_type.message() == "input 'text': datatype FP32, the model takes BYTES"
-    wide = triton.InferInput("text", [1, 2], "BYTES")
-    wide.set_data_from_numpy(np.array([[b"a", b"b"]], dtype=object))
-    assert "shape [1, 2], the model takes [N] or [N, 1]" in refused(wide).message()
-    other = triton.InferInput("sentence", [1], "BYTES")
-    other.set_data_from_numpy(np.array([b"a"], dtype=object))
-    assert "has no such input" in refused(other).message()
-    too_long = refused(texts_input(["word " * 5000]))
-    assert too_long.status() == "400" and too_long.message().startswith("row 0: input")
+    assert_bad_inputs_refused(client, headers, triton, texts_input, "404", "400")
     with pytest.raises(InferenceServerException) as no_key:
         client.infer("minilm", [texts_input(["x"])])
     assert no_key.value.status() == "401"

@@ -17,7 +17,6 @@ import pytest
 import tritonclient.grpc as triton
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
-from tritonclient.utils import InferenceServerException
 
 from api.oip.third_party import grpc_service_pb2 as pb
 from api.oip.third_party import grpc_service_pb2_grpc as pb_grpc
@@ -29,9 +28,14 @@ from harness.ports import free_port
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.integration.test_hot_reload import echo_repository, wait_until
-from tests.integration.test_oip import TEXTS, wait_ready
-from tests.models import runtime
-from tests.vectors import cosine
+from tests.integration.test_oip import (
+    TEXTS,
+    assert_bad_inputs_refused,
+    assert_lanes_and_deadlines,
+    assert_minilm_embeddings,
+    refused,
+    wait_ready,
+)
 from workers.gpu.main import build_loop
 
 # The database is not this module's subject: it runs on PostgreSQL only.
@@ -50,9 +54,8 @@ def grpc_port(api: Served) -> int:
 
 @pytest.fixture
 def client(api: Served) -> Iterator[triton.InferenceServerClient]:
-    client = triton.InferenceServerClient(f"127.0.0.1:{grpc_port(api)}")
-    yield client
-    client.close()
+    with triton.InferenceServerClient(f"127.0.0.1:{grpc_port(api)}") as client:
+        yield client
 
 
 @pytest.fixture
@@ -79,12 +82,6 @@ def json_input(documents: list[object]) -> triton.InferInput:
     tensor = triton.InferInput("input", [len(documents)], "BYTES")
     tensor.set_data_from_numpy(np.array([json.dumps(d).encode() for d in documents], dtype=object))
     return tensor
-
-
-def refused(call: Callable[[], object]) -> InferenceServerException:
-    with pytest.raises(InferenceServerException) as caught:
-        call()
-    return caught.value
 
 
 def test_health_and_metadata_over_grpc(
@@ -119,12 +116,7 @@ def test_minilm_over_grpc_agrees_with_the_model_run_directly(
         result = client.infer("minilm", [texts_input(TEXTS)], headers=headers, request_id="g-1")
     response = result.get_response(as_json=True)
     assert response["id"] == "g-1" and response["model_version"] == "1"
-    got = result.as_numpy("embedding")
-    assert got is not None and got.shape == (4, 384) and got.dtype == np.float32
-    direct = runtime("minilm").run(TEXTS)
-    for row, expected in zip(got, direct, strict=True):
-        assert cosine(row.tolist(), expected) >= 0.999
-    assert cosine(got[0].tolist(), got[1].tolist()) < 0.99  # rows are not mixed up
+    assert_minilm_embeddings(result.as_numpy("embedding"))
 
 
 def test_typed_contents_and_raw_contents_make_the_same_jobs(
@@ -168,49 +160,22 @@ def test_priority_and_timeout_over_grpc_become_the_lane_and_the_deadline(
     sim: None,
     sessions: sessionmaker[Session],
 ) -> None:
-    for priority, lane in ((1, "urgent"), (2, "vip"), (0, "normal"), (7, "bulk")):
-        client.infer(
-            "sim", [json_input([{"cost": 2}])], headers=headers, priority=priority,
-            timeout=9_000_000, request_id=f"g{priority}",
-        )  # fmt: skip
-        with sessions() as session:
-            jobs = session.scalars(select(Job)).all()
-        (job,) = [j for j in jobs if (j.metadata_ or {}).get("request_id") == f"g{priority}"]
-        assert job.priority == lane and job.status == "succeeded"
+    jobs = assert_lanes_and_deadlines(client, headers, sessions, json_input, "g")
+    for priority, job in jobs.items():
         assert job.metadata_ == {"protocol": "v2", "request_id": f"g{priority}"}
-        assert job.deadline_at is not None
-        allowed_ms = (job.deadline_at - job.created_at).total_seconds() * 1000
-        assert allowed_ms == pytest.approx(9_000, abs=5)
 
 
 def test_each_error_is_a_grpc_status_with_the_rest_message(
     client: triton.InferenceServerClient, headers: dict[str, str], sessions: sessionmaker[Session]
 ) -> None:
-    def infer(*inputs: triton.InferInput, model: str = "minilm") -> InferenceServerException:
-        return refused(lambda: client.infer(model, list(inputs), headers=headers))
-
     with sessions() as session:
         before = len(session.scalars(select(Job.id)).all())
-    unknown = infer(texts_input(["x"]), model="bert-large")
-    assert unknown.status() == "StatusCode.NOT_FOUND" and "unknown model" in unknown.message()
-    floats = triton.InferInput("text", [1], "FP32")
-    floats.set_data_from_numpy(np.array([1.0], dtype=np.float32))
-    wrong_type = infer(floats)
-    assert wrong_type.status() == "StatusCode.INVALID_ARGUMENT"
-    assert wrong_type.message() == "input 'text': datatype FP32, the model takes BYTES"
-    wide = triton.InferInput("text", [1, 2], "BYTES")
-    wide.set_data_from_numpy(np.array([[b"a", b"b"]], dtype=object))
-    assert "shape [1, 2], the model takes [N] or [N, 1]" in infer(wide).message()
-    other = triton.InferInput("sentence", [1], "BYTES")
-    other.set_data_from_numpy(np.array([b"a"], dtype=object))
-    assert "has no such input" in infer(other).message()
-    too_long = infer(texts_input(["word " * 5000]))
-    assert too_long.status() == "StatusCode.INVALID_ARGUMENT"
-    assert too_long.message().startswith("row 0: input")
+    invalid = "StatusCode.INVALID_ARGUMENT"
+    assert_bad_inputs_refused(client, headers, triton, texts_input, "StatusCode.NOT_FOUND", invalid)
     bad_version = refused(
         lambda: client.infer("minilm", [texts_input(["x"])], model_version="v2", headers=headers)
     )
-    assert bad_version.status() == "StatusCode.INVALID_ARGUMENT"
+    assert bad_version.status() == invalid
     assert bad_version.message() == "version 'v2' is not a version number (1 or more)"
     no_key = refused(lambda: client.infer("minilm", [texts_input(["x"])]))
     assert no_key.status() == "StatusCode.UNAUTHENTICATED"

@@ -9,7 +9,7 @@ answering with its number) and a model whose files have a problem, which is not 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_hot_reload import ECHO, echo_repository, wait_until
-from tests.integration.test_oip import json_input
+from tests.integration.test_oip import json_input, refused
 from workers.gpu.main import build_loop
 
 Entry = dict[str, str]
@@ -60,14 +60,10 @@ def api(repository_settings: Settings) -> Iterator[Served]:
 
 @pytest.fixture
 def client(api: Served) -> Iterator[triton.InferenceServerClient]:
-    client = triton.InferenceServerClient(api.base.removeprefix("http://"), network_timeout=30)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def headers(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    with triton.InferenceServerClient(
+        api.base.removeprefix("http://"), network_timeout=30
+    ) as client:
+        yield client
 
 
 @pytest.fixture
@@ -130,11 +126,11 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
     api: Served,
     client: triton.InferenceServerClient,
     admin: dict[str, str],
-    headers: dict[str, str],
+    auth: dict[str, str],
     sessions: sessionmaker[Session],
     repository_settings: Settings,
 ) -> None:
-    with webclient.client(base_url=api.base, headers=headers, timeout=30) as http:
+    with webclient.client(base_url=api.base, headers=auth, timeout=30) as http:
         # Accepted before the unload (no worker yet): it runs all the same.
         before = http.post("/v1/jobs", json={"model": "echo", "input": 7})
         assert before.status_code == 202, before.text
@@ -149,9 +145,9 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
             done = http.get(f"/v1/jobs/{before.json()['id']}", params={"wait": 10}).json()
             assert done["status"] == "succeeded" and done["output"] == {"v": 1, "x": 7}
             # New jobs are refused on every route, with why, and none is made.
-            assert not client.is_model_ready("echo", headers=dict(headers))
+            assert not client.is_model_ready("echo", headers=dict(auth))
             with pytest.raises(InferenceServerException) as refused:
-                infer_echo(client, headers, 8)
+                infer_echo(client, auth, 8)
             assert refused.value.status() == "400"
             assert refused.value.message() == (
                 "model: 'echo' is unloaded: it takes no new jobs until an operator loads it "
@@ -161,22 +157,22 @@ def test_unload_refuses_new_jobs_and_load_takes_them_again(
             assert direct.status_code == 422 and "'echo' is unloaded" in direct.text
             assert len(http.get("/v1/jobs").json()["data"]) == 1
             # Its metadata is still read.
-            assert client.get_model_metadata("echo", headers=dict(headers))["versions"] == [
+            assert client.get_model_metadata("echo", headers=dict(auth))["versions"] == [
                 "1", "2",
             ]  # fmt: skip
 
             client.load_model("echo", headers=dict(admin))
             assert recorded(sessions, ModelUnload.model) == []
             wait_until(lambda: state(client, admin, "echo/1") == "READY")
-            assert client.is_model_ready("echo", headers=dict(headers))
-            assert infer_echo(client, headers, 9) == {"v": 1, "x": 9}
+            assert client.is_model_ready("echo", headers=dict(auth))
+            assert infer_echo(client, auth, 9) == {"v": 1, "x": 9}
 
 
 def test_load_with_a_version_activates_it_and_a_refused_one_changes_nothing(
     api: Served,
     client: triton.InferenceServerClient,
     admin: dict[str, str],
-    headers: dict[str, str],
+    auth: dict[str, str],
     sessions: sessionmaker[Session],
     echo: None,
 ) -> None:
@@ -200,7 +196,7 @@ def test_load_with_a_version_activates_it_and_a_refused_one_changes_nothing(
         assert recorded(sessions, ModelActivation.version) == [2]
         # The workers follow the activation, as after POST /v1/admin/models/echo/activate.
         wait_until(lambda: state(client, admin, "echo/2") == "READY")
-        assert infer_echo(client, headers, 3) == {"v": 2, "x": 3}
+        assert infer_echo(client, auth, 3) == {"v": 2, "x": 3}
         # That route is the same activation.
         rolled_back = http.post("/v1/admin/models/echo/activate", json={"version": 1})
         assert rolled_back.json() == {"model": "echo", "version": 1, "previous": 2}
@@ -210,7 +206,7 @@ def test_only_admin_keys_reach_the_repository_and_bad_requests_change_nothing(
     api: Served,
     client: triton.InferenceServerClient,
     admin: dict[str, str],
-    headers: dict[str, str],
+    auth: dict[str, str],
     sessions: sessionmaker[Session],
 ) -> None:
     before = index(client, admin)
@@ -220,17 +216,12 @@ def test_only_admin_keys_reach_the_repository_and_bad_requests_change_nothing(
         lambda h: client.unload_model("echo", headers=h),
     ):
         with pytest.raises(InferenceServerException) as forbidden:
-            call(dict(headers))
+            call(dict(auth))
         assert forbidden.value.status() == "403"
         assert forbidden.value.message() == "this endpoint needs an API key with the admin scope"
         with pytest.raises(InferenceServerException) as anonymous:
             call(None)
         assert anonymous.value.status() == "401"
-
-    def refused(call: Callable[[], object]) -> InferenceServerException:
-        with pytest.raises(InferenceServerException) as caught:
-            call()
-        return caught.value
 
     for unknown in (
         refused(lambda: client.load_model("bert-large", headers=dict(admin))),
@@ -265,7 +256,7 @@ def test_another_api_process_follows_an_unload_and_a_load_within_its_poll(
     api: Served,
     client: triton.InferenceServerClient,
     admin: dict[str, str],
-    headers: dict[str, str],
+    auth: dict[str, str],
     repository_settings: Settings,
 ) -> None:
     def status(http: httpx.Client) -> int:
@@ -273,7 +264,7 @@ def test_another_api_process_follows_an_unload_and_a_load_within_its_poll(
 
     with (
         served(repository_settings) as other,
-        webclient.client(base_url=other.base, headers=headers, timeout=30) as http,
+        webclient.client(base_url=other.base, headers=auth, timeout=30) as http,
     ):
         assert status(http) == 202  # it has read the unloads: none
         client.unload_model("echo", headers=dict(admin))

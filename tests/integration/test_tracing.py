@@ -24,6 +24,7 @@ from core.db.schema import Job, WebhookDelivery, utcnow
 from core.ops import tracing
 from harness import webclient
 from harness.served import served
+from harness.threads import ServingThread
 from tests.integration.conftest import RunningLoop, build_sim_loop
 from tests.webhook_receiver import Receiver
 from workers.tasks.webhooks import DeliveryConfig, WebhookSettings, attempt_delivery, dispatch_due
@@ -45,7 +46,7 @@ class Got:
     service: str
 
 
-class Collector:
+class Collector(ServingThread):
     """An OTLP/HTTP trace receiver (protobuf), as a collector would run it."""
 
     def __init__(self) -> None:
@@ -93,20 +94,11 @@ class Collector:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> Collector:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def named(self, name: str) -> list[Got]:
         with self.lock:

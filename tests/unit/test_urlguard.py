@@ -289,38 +289,20 @@ def test_port_zero_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "policy", "expected"),
+    ("url", "policy", "scheme", "host", "port", "path"),
     [
-        (
-            "https://example.com",
-            HTTPS_ONLY,
-            Target("https://example.com", "https", "example.com", 443, "/"),
-        ),
-        (
-            "HTTPS://Example.COM/a?b=c",
-            HTTPS_ONLY,
-            Target("HTTPS://Example.COM/a?b=c", "https", "example.com", 443, "/a?b=c"),
-        ),
-        (
-            "https://example.com:65535/x/y?",
-            HTTPS_ONLY,
-            Target("https://example.com:65535/x/y?", "https", "example.com", 65535, "/x/y"),
-        ),
-        (
-            "http://example.com:8080/x",
-            ALLOW_HTTP,
-            Target("http://example.com:8080/x", "http", "example.com", 8080, "/x"),
-        ),
-        (
-            f"https://[{PUBLIC_V6}]:8443/",
-            HTTPS_ONLY,
-            Target(f"https://[{PUBLIC_V6}]:8443/", "https", PUBLIC_V6, 8443, "/"),
-        ),
+        ("https://example.com", HTTPS_ONLY, "https", "example.com", 443, "/"),
+        ("HTTPS://Example.COM/a?b=c", HTTPS_ONLY, "https", "example.com", 443, "/a?b=c"),
+        ("https://example.com:65535/x/y?", HTTPS_ONLY, "https", "example.com", 65535, "/x/y"),
+        ("http://example.com:8080/x", ALLOW_HTTP, "http", "example.com", 8080, "/x"),
+        (f"https://[{PUBLIC_V6}]:8443/", HTTPS_ONLY, "https", PUBLIC_V6, 8443, "/"),
     ],
 )
-def test_parse_url_reads_the_target(url: str, policy: UrlPolicy, expected: Target) -> None:
+def test_parse_url_reads_the_target(
+    url: str, policy: UrlPolicy, scheme: str, host: str, port: int, path: str
+) -> None:
     target = parse_url(url, policy)
-    assert target == expected
+    assert target == Target(url, scheme, host, port, path)
     assert target.addresses == ()
 
 
