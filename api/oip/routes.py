@@ -24,6 +24,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from fastapi.types import DecoratedCallable
 from pydantic import BaseModel
 
 from api.deps import AdminDep, KeyDep, RedisDep
@@ -131,40 +132,24 @@ INDEX_ENTRY = {
         "reason": {"type": "string", "description": "Why it is in that state (empty: READY)."},
     },
 }
-INDEX_BODY = {
-    "required": False,
-    "description": "May be empty.",
-    "content": {
-        "application/json": {
-            "schema": {
-                "type": "object",
-                "properties": {
-                    "ready": {
-                        "type": "boolean",
-                        "description": "Only the versions ready for inference.",
-                    }
-                },
-            }
-        }
-    },
-}
 
 
-def repository_body(parameters: dict[str, Any]) -> dict[str, Any]:
+def optional_body(properties: dict[str, Any]) -> dict[str, Any]:
+    """An optional JSON object request body with ``properties``, for the OpenAPI document."""
     return {
         "required": False,
         "description": "May be empty.",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"parameters": {"type": "object", "properties": parameters}},
-                }
-            }
-        },
+        "content": {"application/json": {"schema": {"type": "object", "properties": properties}}},
     }
 
 
+def repository_body(parameters: dict[str, Any]) -> dict[str, Any]:
+    return optional_body({"parameters": {"type": "object", "properties": parameters}})
+
+
+INDEX_BODY = optional_body(
+    {"ready": {"type": "boolean", "description": "Only the versions ready for inference."}}
+)
 LOAD_BODY = repository_body(
     {"version": {"type": "integer", "minimum": 1, "description": "The version to activate."}}
 )
@@ -187,6 +172,14 @@ try:
 except metadata.PackageNotFoundError:  # run from a source tree not installed
     VERSION = "0"
 VersionPath = Annotated[int, Path(ge=1, description="The model's version (its active one).")]
+
+
+def _posted(
+    path: str, body: dict[str, Any], responses: dict[int | str, dict[str, Any]]
+) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """A POST route that reads its body itself (the protocol's JSON, or binary tensors):
+    ``body`` describes it in the OpenAPI document."""
+    return router.post(path, responses=responses, openapi_extra={"requestBody": body})
 
 
 @router.get("")
@@ -238,31 +231,19 @@ def model_version_ready(
     return _ready(request, client, model, version)
 
 
-@router.post(
-    "/models/{model}/infer",
-    responses=INFER_RESPONSES,
-    openapi_extra={"requestBody": INFER_BODY},
-)
+@_posted("/models/{model}/infer", INFER_BODY, INFER_RESPONSES)
 async def infer(model: str, request: Request, key: KeyDep) -> Response:
     return await _infer(request, key, model, None)
 
 
-@router.post(
-    "/models/{model}/versions/{version}/infer",
-    responses=INFER_RESPONSES,
-    openapi_extra={"requestBody": INFER_BODY},
-)
+@_posted("/models/{model}/versions/{version}/infer", INFER_BODY, INFER_RESPONSES)
 async def infer_version(
     model: str, version: VersionPath, request: Request, key: KeyDep
 ) -> Response:
     return await _infer(request, key, model, version)
 
 
-@router.post(
-    "/repository/index",
-    responses=REPOSITORY_RESPONSES,
-    openapi_extra={"requestBody": INDEX_BODY},
-)
+@_posted("/repository/index", INDEX_BODY, REPOSITORY_RESPONSES)
 async def repository_index(request: Request, client: RedisDep, _admin: AdminDep) -> JSONResponse:
     """Every version of every model in the repository, its state, and why (admin keys)."""
     ready = _parsed(oip.parse_index_request, await request.body())
@@ -270,11 +251,7 @@ async def repository_index(request: Request, client: RedisDep, _admin: AdminDep)
     return JSONResponse([e for e in entries if e["state"] == oip.READY] if ready else entries)
 
 
-@router.post(
-    "/repository/models/{model}/load",
-    responses=REPOSITORY_RESPONSES,
-    openapi_extra={"requestBody": LOAD_BODY},
-)
+@_posted("/repository/models/{model}/load", LOAD_BODY, REPOSITORY_RESPONSES)
 async def repository_load(
     model: str, request: Request, client: RedisDep, _admin: AdminDep
 ) -> JSONResponse:
@@ -284,11 +261,7 @@ async def repository_load(
     return JSONResponse(await run_in_threadpool(load_model, request, client, model, version))
 
 
-@router.post(
-    "/repository/models/{model}/unload",
-    responses=REPOSITORY_RESPONSES,
-    openapi_extra={"requestBody": UNLOAD_BODY},
-)
+@_posted("/repository/models/{model}/unload", UNLOAD_BODY, REPOSITORY_RESPONSES)
 async def repository_unload(
     model: str, request: Request, client: RedisDep, _admin: AdminDep
 ) -> JSONResponse:
