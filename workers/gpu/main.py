@@ -140,7 +140,7 @@ def build_loop(
             settings.key_prefix,
             consumer.consumer,
             poll_s=settings.model_poll_s,
-            failed=unloadable,
+            unloadable=unloadable,
             load_timeout_s=settings.model_load_timeout_s,
         )
     return loop

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import redis
@@ -62,51 +62,42 @@ ReadConfig = Callable[[], ModelConfig | None]
 LoadVersion = Callable[[ModelConfig, int], Loaded]
 
 
+@dataclass(eq=False)
 class VersionManager:
     """Decides when the worker loads another version; the loop switches to it.
 
-    ``failed``: versions this worker must not try again as they are (one that
-    did not load even alone, at the start of this process), with the reason.
+    ``unloadable``: versions this worker must not try again as they are (one
+    that did not load even alone, at the start of this process): each one's
+    signature and why.
     """
 
-    def __init__(
-        self,
-        model: str,
-        serving: Loaded,
-        read_config: ReadConfig,
-        load: LoadVersion,
-        sessions: sessionmaker[Session],
-        client: redis.Redis,
-        prefix: str,
-        consumer: str,
-        poll_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-        failed: dict[int, tuple[str, str]] | None = None,
-        load_timeout_s: float = 900.0,
-    ) -> None:
-        self.model = model
-        self.serving = serving
-        self.read_config = read_config
-        self.load = load
-        self.sessions = sessions
-        self.client = client
-        self.prefix = prefix
-        self.consumer = consumer
-        self.poll_s = poll_s
-        self.clock = clock
-        self.load_timeout_s = load_timeout_s
+    model: str
+    serving: Loaded
+    read_config: ReadConfig
+    load: LoadVersion
+    sessions: sessionmaker[Session]
+    client: redis.Redis
+    prefix: str
+    consumer: str
+    poll_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    unloadable: InitVar[dict[int, tuple[str, str]] | None] = None
+    load_timeout_s: float = 900.0
+    # The version the worker should serve, as of the last poll.
+    wanted: int = field(init=False)
+    # A version that did not fit beside the one serving: the worker
+    # restarts to load it alone, when it is its turn.
+    restart_for: int | None = field(init=False, default=None)
+
+    def __post_init__(self, unloadable: dict[int, tuple[str, str]] | None) -> None:
         self._load_started = 0.0
         self._next_poll = 0.0
         self._loading: tuple[int, str, Future[Loaded]] | None = None
         # A version that failed, with what it failed on: not tried again until that changes.
-        self._failed: dict[int, str] = {v: sig for v, (sig, _why) in (failed or {}).items()}
-        self._failed_why = {v: why for v, (_sig, why) in (failed or {}).items()}
+        self._failed = {v: sig for v, (sig, _why) in (unloadable or {}).items()}
+        self._failed_why = {v: why for v, (_sig, why) in (unloadable or {}).items()}
         self._lock = threading.Lock()
-        # The version the worker should serve, as of the last poll.
-        self.wanted = serving.version
-        # A version that did not fit beside the one serving: the worker
-        # restarts to load it alone, when it is its turn.
-        self.restart_for: int | None = None
+        self.wanted = self.serving.version
         self._dropped = False  # a version was dropped since collect_dropped last ran
 
     def start(self) -> None:
