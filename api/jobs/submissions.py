@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import redis
@@ -118,10 +118,10 @@ def prepare(
     """Everything about one submission that needs neither the database nor Redis;
     ``received_at``: when it came (None: now by this host's clock)."""
     spec, requested_version = resolve(catalog, body.model, body.version, live)
-    for field, value in (("input", body.input), ("metadata", body.metadata)):
+    for name, value in (("input", body.input), ("metadata", body.metadata)):
         problem = nesting_problem(value, max_json_depth)
         if problem:
-            raise ApiError(422, "invalid_request", f"{field}: must not contain {problem}")
+            raise ApiError(422, "invalid_request", f"{name}: must not contain {problem}")
     problem = metadata_problem(body.metadata, max_metadata_bytes)
     if problem:
         raise ApiError(422, "invalid_request", f"metadata: {problem}")
@@ -335,40 +335,30 @@ class QueueViews:
         return view
 
 
+@dataclass(eq=False)
 class GroupWriter:
     """Writes a group of submissions: one transaction, one Redis pipeline (a thread's work)."""
 
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        client: redis.Redis,
-        prefix: str,
-        *,
-        max_outstanding: int | None,
-        requeue_within_s: float,
-        views: QueueViews | None = None,
-        bound: QueueBound | None = None,
-        breaker: Breaker | None = None,
-        accepted: Callable[[Iterable[tuple[str, str]]], None] | None = None,
-        taken_back: Callable[[Iterable[str]], None] | None = None,
-    ) -> None:
-        self.sessions = sessions
-        # Told each group's new jobs (id, key id) once written, before they are enqueued,
-        # and the ids of those deleted again when Redis refused them (answered refused).
-        self.accepted = accepted
-        self.taken_back = taken_back
-        self.breaker = breaker
-        self.client = client
-        self.prefix = prefix
-        self.max_outstanding = max_outstanding
-        self.requeue_within_s = requeue_within_s
-        self.bound = bound or QueueBound()
-        self.views = views or QueueViews(client, prefix, bound=self.bound)
-        self.scripts = Scripts(client)
+    sessions: sessionmaker[Session]
+    client: redis.Redis
+    prefix: str
+    _: KW_ONLY
+    max_outstanding: int | None
+    requeue_within_s: float
+    bound: QueueBound = field(default_factory=QueueBound)
+    breaker: Breaker | None = None
+    # Told each group's new jobs (id, key id) once written, before they are enqueued,
+    # and the ids of those deleted again when Redis refused them (answered refused).
+    accepted: Callable[[Iterable[tuple[str, str]]], None] | None = None
+    taken_back: Callable[[Iterable[str]], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.views = QueueViews(self.client, self.prefix, bound=self.bound)
+        self.scripts = Scripts(self.client)
         # Until then (monotonic), Redis is taken to be at its maxmemory: refused unwritten.
         self.memory_full_until = 0.0
         # PostgreSQL: a group is written in one statement (api.jobs.at_once), in autocommit.
-        engine = sessions.kw.get("bind")
+        engine = self.sessions.kw.get("bind")
         self.at_once = (
             read_only(engine)
             if isinstance(engine, Engine) and engine.dialect.name == "postgresql"
