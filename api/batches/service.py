@@ -51,20 +51,8 @@ def store_upload(
     max_bytes: int,
 ) -> StoredFile:
     """Store an uploaded batch input file. Refused (and nothing kept) over ``max_bytes``."""
-    file_id = openai_batches.new_file_id()
-    with sessions.begin() as session:
-        # bytes stays None until the last part is in: a file cut off mid-way is never served.
-        session.add(
-            StoredFile(
-                id=file_id,
-                api_key_id=key.id,
-                purpose="batch",
-                filename=filename,
-                bytes=None,
-                created_at=utcnow(),
-                expires_at=expires_at,
-            )
-        )
+    # Its bytes are set once the last part is in: a file cut off mid-way is never served.
+    file_id = _file_to_come(key.id, "batch", filename, expires_at=expires_at, sessions=sessions)
     size = 0
     part = 0
     try:
@@ -92,6 +80,31 @@ def store_upload(
     except BaseException:
         _drop_parts(sessions, file_id, drop_file=True)
         raise
+
+
+def _file_to_come(
+    api_key_id: str,
+    purpose: str,
+    filename: str,
+    *,
+    sessions: sessionmaker[Session],
+    **columns: Any,
+) -> str:
+    """Commit a new file's row, its bytes still to come (None: not served until set); its id."""
+    file_id = openai_batches.new_file_id()
+    with sessions.begin() as session:
+        session.add(
+            StoredFile(
+                id=file_id,
+                api_key_id=api_key_id,
+                purpose=purpose,
+                filename=filename,
+                bytes=None,
+                created_at=utcnow(),
+                **columns,
+            )
+        )
+    return file_id
 
 
 def _drop_parts(sessions: sessionmaker[Session], file_id: str, drop_file: bool) -> None:
@@ -474,22 +487,15 @@ def _result_files(
     for role, needed in wanted.items():
         if not needed or role in files:
             continue
-        file_id = openai_batches.new_file_id()
         try:
-            with sessions.begin() as writing:
-                writing.add(
-                    StoredFile(
-                        id=file_id,
-                        api_key_id=batch.api_key_id,
-                        purpose="batch_output",
-                        filename=f"{batch.id}_{role}.jsonl",
-                        bytes=None,
-                        batch_id=batch.id,
-                        role=role,
-                        created_at=utcnow(),
-                    )
-                )
-            files[role] = file_id
+            files[role] = _file_to_come(
+                batch.api_key_id,
+                "batch_output",
+                f"{batch.id}_{role}.jsonl",
+                batch_id=batch.id,
+                role=role,
+                sessions=sessions,
+            )
         except IntegrityError:
             # Another read made it first: use that one.
             with sessions() as reading:
