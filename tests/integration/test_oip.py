@@ -36,11 +36,14 @@ TEXTS = [
 ]
 
 
+def http_client(api: Served) -> triton.InferenceServerClient:
+    """Triton's HTTP client of the served API (closed by its ``with``)."""
+    return triton.InferenceServerClient(api.base.removeprefix("http://"), network_timeout=30)
+
+
 @pytest.fixture
 def client(api: Served) -> Iterator[triton.InferenceServerClient]:
-    with triton.InferenceServerClient(
-        api.base.removeprefix("http://"), network_timeout=30
-    ) as client:
+    with http_client(api) as client:
         yield client
 
 

@@ -26,7 +26,7 @@ from harness import webclient
 from harness.served import Served, served
 from tests.integration.conftest import RunningLoop
 from tests.integration.test_hot_reload import ECHO, echo_repository, wait_until
-from tests.integration.test_oip import json_input, refused
+from tests.integration.test_oip import http_client, json_input, refused
 from workers.gpu.main import build_loop
 
 Entry = dict[str, str]
@@ -60,9 +60,7 @@ def api(repository_settings: Settings) -> Iterator[Served]:
 
 @pytest.fixture
 def client(api: Served) -> Iterator[triton.InferenceServerClient]:
-    with triton.InferenceServerClient(
-        api.base.removeprefix("http://"), network_timeout=30
-    ) as client:
+    with http_client(api) as client:
         yield client
 
 
