@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.config.settings import Settings
 from core.db.schema import Job
-from harness.threads import on_a_thread
+from harness.threads import OnAThread
 from workers.tasks.app import reconcile_streams
 
 
@@ -30,7 +30,7 @@ def reconciling(settings: Settings, every_s: float = 1.0) -> Iterator[list[int]]
             except Exception:
                 continue  # Redis failing over or a slot moving: the next run does it
 
-    with on_a_thread(run):
+    with OnAThread(run):
         yield requeued
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Self
 
@@ -25,14 +24,6 @@ class OnAThread:
     def __exit__(self, *_exc: object) -> None:
         self.stop.set()
         self.thread.join(timeout=self.join_s)
-
-
-@contextmanager
-def on_a_thread(run: Callable[[threading.Event], object]) -> Iterator[None]:
-    """``run(stop)`` on a daemon thread for the block; ``stop`` is set once the block ends,
-    and the thread given 30 s to end."""
-    with OnAThread(run):
-        yield
 
 
 class ServingThread(OnAThread):

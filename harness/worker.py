@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from core.config.settings import Settings
-from harness.threads import on_a_thread
+from harness.threads import OnAThread
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
 
@@ -15,5 +15,5 @@ from workers.gpu.main import build_loop
 def running_worker(settings: Settings, model: str, name: str) -> Iterator[BatchLoop]:
     """A worker's batch loop on a thread of this process, stopped afterwards."""
     loop = build_loop(settings, model, name=name)
-    with on_a_thread(loop.run):
+    with OnAThread(loop.run):
         yield loop

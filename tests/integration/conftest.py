@@ -23,6 +23,7 @@ from core.streams.broker import celery_for_events
 from core.streams.target import RedisSettings, RedisTarget
 from harness.served import Served, served
 from harness.services import migrated_postgres_database
+from harness.threads import OnAThread
 from tests.streams import lane_pending
 from workers.gpu.loop import BatchLoop
 from workers.gpu.main import build_loop
@@ -184,16 +185,15 @@ class RunningLoop(Generic[L]):
 
     def __init__(self, loop: L) -> None:
         self.loop = loop
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=loop.run, args=(self.stop,), daemon=True)
+        self.running = OnAThread(loop.run, self.join_s)
+        self.stop, self.thread = self.running.stop, self.running.thread
 
     def __enter__(self) -> L:
-        self.thread.start()
+        self.running.__enter__()
         return self.loop
 
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=self.join_s)
+    def __exit__(self, *exc: object) -> None:
+        self.running.__exit__(*exc)
         assert not self.thread.is_alive(), f"{type(self.loop).__name__} did not stop"
 
 
