@@ -52,7 +52,7 @@ def store_upload(
 ) -> StoredFile:
     """Store an uploaded batch input file. Refused (and nothing kept) over ``max_bytes``."""
     # Its bytes are set once the last part is in: a file cut off mid-way is never served.
-    file_id = _file_to_come(key.id, "batch", filename, expires_at=expires_at, sessions=sessions)
+    file_id = _file_to_come(sessions, key.id, "batch", filename, expires_at=expires_at)
     size = 0
     part = 0
     try:
@@ -83,12 +83,7 @@ def store_upload(
 
 
 def _file_to_come(
-    api_key_id: str,
-    purpose: str,
-    filename: str,
-    *,
-    sessions: sessionmaker[Session],
-    **columns: Any,
+    sessions: sessionmaker[Session], api_key_id: str, purpose: str, filename: str, **columns: Any
 ) -> str:
     """Commit a new file's row, its bytes still to come (None: not served until set); its id."""
     file_id = openai_batches.new_file_id()
@@ -489,12 +484,12 @@ def _result_files(
             continue
         try:
             files[role] = _file_to_come(
+                sessions,
                 batch.api_key_id,
                 "batch_output",
                 f"{batch.id}_{role}.jsonl",
                 batch_id=batch.id,
                 role=role,
-                sessions=sessions,
             )
         except IntegrityError:
             # Another read made it first: use that one.
