@@ -71,6 +71,9 @@ from harness.services import migrated_postgres_database, started_redis
 from harness.worker import running_worker
 
 TICKS = os.sysconf("SC_CLK_TCK")
+# PostgreSQL's PGSTAT_IDLE_INTERVAL (10 s) and a margin: by then an idle backend has
+# reported what it counted.
+STATS_FLUSH_S = 11.0
 # Each table's scans and rows (pg_stat_user_tables), per phase: which table a phase
 # reads by sequential scan, and which it writes.
 TABLE_COUNTERS = (
@@ -139,9 +142,11 @@ class Counters:
     sql: Statements
     backends: dict[int, float] = field(init=False, default_factory=dict)
 
-    def read(self) -> dict[str, float]:
-        """The counters now; PostgreSQL's backends' CPU kept apart, by process id."""
-        self.backends = postgres_cpu_s(self.admin, self.database)
+    def read(self, backends: bool = True) -> dict[str, float]:
+        """The counters now; PostgreSQL's backends' CPU kept apart, by process id (and
+        left as last read unless ``backends``)."""
+        if backends:
+            self.backends = postgres_cpu_s(self.admin, self.database)
         info = self.client.info("all")
         commands = {
             name.removeprefix("cmdstat_"): float(stats["calls"])
@@ -308,11 +313,19 @@ def one_round(
             started = time.perf_counter()
             work()
             seconds = time.perf_counter() - started
-            # A backend reports its counters at most once a second, and an idle one may
-            # hold them up to 10 s (PostgreSQL 15): a phase's table counters can land in
-            # the next phase's (its CPU, read from /proc, cannot).
-            time.sleep(1.5)
             found = delta(before, counters.read())
+            # A backend reports its counters at most once a second, and an idle one may
+            # hold them up to 10 s (PostgreSQL 15): read at once, a phase's last second of
+            # rows would land in the gap before the next phase (the submissions' inserts
+            # read 0.71 a job that way). So PostgreSQL's are read again once reported;
+            # the CPU (from /proc and INFO), Redis's commands and the statements sent, at
+            # once.
+            time.sleep(STATS_FLUSH_S)
+            found |= {
+                name: value
+                for name, value in delta(before, counters.read(backends=False)).items()
+                if name.startswith(("db_rows", "db_transactions", "table:"))
+            }
             # A backend that started meanwhile counts from zero; one that ended, as it
             # was last read.
             found["postgres_cpu_s"] = sum(
