@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
+from core.models.generation import MEMBERS
 from scheduler.vocabulary import LANES
 
 Endpoint = Literal["chat", "completions"]
@@ -30,7 +31,9 @@ ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
 MAX_USER_CHARS = 256
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 # Passed on to the generation input as they are (core.models.generation checks them).
-SAMPLING = ("temperature", "top_p", "stop", "seed")
+# The generation input's members a request gives under the same names (the prompt, the
+# messages and max_tokens are read apart: OpenAI shapes them otherwise).
+SAMPLING = tuple(m for m in MEMBERS if m not in ("prompt", "messages", "max_tokens"))
 COMMON = frozenset({"model", "n", "user", "stream", "stream_options", *SAMPLING, "max_tokens"})
 TAKEN: dict[Endpoint, frozenset[str]] = {
     "completions": COMMON | {"prompt"},
@@ -40,16 +43,9 @@ TAKEN: dict[Endpoint, frozenset[str]] = {
 EXTENSIONS = frozenset({"priority", "deadline_ms", "ferry_cancel_on_disconnect"})
 # OpenAI's parameters Ferry does not honour, with the values that ask for nothing
 # (null is always one): a client sending those loses nothing.
-_NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-}
 NEUTRAL: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
-    "completions": _NEUTRAL_BOTH
-    | {"best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": ()},
-    "chat": _NEUTRAL_BOTH
-    | {
+    "completions": {"best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": ()},
+    "chat": {
         "logprobs": (False,),
         "top_logprobs": (0,),
         "tools": ([],),

@@ -35,6 +35,15 @@ class GenerationBody(BaseModel):
     top_p: float | None = Field(default=None, description="Above 0, at most 1.")
     stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
     seed: int | None = Field(default=None, description="Makes sampling repeatable.")
+    presence_penalty: float | None = Field(
+        default=None, description="-2 to 2: taken off a token's logit once it has come."
+    )
+    frequency_penalty: float | None = Field(
+        default=None, description="-2 to 2: taken off a token's logit each time it has come."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token ids (as strings) and -100 to 100 added to their logits."
+    )
     n: int | None = Field(default=None, description="Only 1.")
     user: str | None = Field(default=None, description="Kept in the job's metadata.")
     stream: bool | None = Field(default=None, description="Answer with Server-Sent Events.")

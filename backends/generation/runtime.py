@@ -89,6 +89,11 @@ class _Sequence:
         self.shown = job.shown
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy on the logits as they are: chosen with the step's other such rows at once."""
+    return params.greedy and not params.adjusts
+
+
 class StepRuntime:
     """A causal LM the scheduler steps: load once, then ``execute(plan)`` each step."""
 
@@ -214,15 +219,16 @@ class StepRuntime:
         # The greedy rows in one argmax and one copy to the host (on a GPU one wait for
         # the device a step, where a row at a time waited once a sequence).
         samplers = [self._sequences[id].sampler for id in sampled_by]
-        greedy = [row for row, sampler in enumerate(samplers) if sampler.params.greedy]
+        plain = [row for row, sampler in enumerate(samplers) if _plain_greedy(sampler.params)]
         chosen: list[int] = [0] * len(sampled_by)
-        if greedy:
-            picked = logits[greedy].argmax(dim=-1).tolist()
-            for row, token in zip(greedy, picked, strict=True):
+        if plain:
+            picked = logits[plain].argmax(dim=-1).tolist()
+            for row, token in zip(plain, picked, strict=True):
                 chosen[row] = token
         for row, (id, sampler) in enumerate(zip(sampled_by, samplers, strict=True)):
-            if not sampler.params.greedy:
-                chosen[row] = sampler.choose(logits[row], len(self._sequences[id].generated))
+            if not _plain_greedy(sampler.params):
+                generated = self._sequences[id].generated
+                chosen[row] = sampler.choose(logits[row], len(generated), generated)
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}

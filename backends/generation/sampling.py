@@ -1,5 +1,10 @@
 """Choosing each sequence's next token: greedy, or sampled with temperature and top-p.
 
+Before either, the logits may be adjusted as OpenAI's API defines it: a
+``logit_bias`` added to the tokens it names, and for each token already
+generated, ``presence_penalty`` once and ``frequency_penalty`` per time it
+came (the prompt's tokens do not count).
+
 Every sampled sequence has a generator of its own, seeded from its job's
 ``seed`` and the token's position, so the same job gives the same tokens
 whatever else shares its steps (the draw depends on its own logits and its
@@ -11,6 +16,8 @@ depends on how many draws came before it in this process.
 from __future__ import annotations
 
 import secrets
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +26,41 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature`` 0 is greedy; ``top_p`` keeps the smallest set of tokens whose
-    probability reaches it; ``seed`` None draws one (reported back with the job)."""
+    probability reaches it; ``seed`` None draws one (reported back with the job).
+    ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id and the
+    number added to its logit) adjust the logits first."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]
+) -> torch.Tensor:
+    """One row of logits (``vocab``,) with the bias and the penalties applied, as float32."""
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([i for i, _ in params.logit_bias], device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], device=out.device))
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts), device=out.device)
+        times = torch.tensor(list(counts.values()), dtype=out.dtype, device=out.device)
+        out.index_add_(0, ids, -(params.presence_penalty + params.frequency_penalty * times))
+    return out
 
 
 # Mixes a seed and a token's position into the seed of that token's draw
@@ -53,9 +86,12 @@ class Sampler:
         self._generator: torch.Generator | None = None
         self._device = device
 
-    def choose(self, logits: torch.Tensor, position: int) -> int:
+    def choose(self, logits: torch.Tensor, position: int, generated: Sequence[int] = ()) -> int:
         """Token ``position`` of the sequence's output (0: its first) from one row of
-        logits (``vocab``,)."""
+        logits (``vocab``,); ``generated``: the output before it, which the penalties
+        count."""
+        if self.params.adjusts:
+            logits = adjusted(logits, self.params, generated)
         if self.params.greedy:
             return int(torch.argmax(logits).item())
         if self._generator is None:

@@ -6,7 +6,7 @@ and decoded to its end inside that step: a batch is held for its longest
 member, as a user's own ``generate()`` loop holds it. ``GET /v1/models``
 says ``execution: generate`` for such a model.
 
-Sequences that sample differently (temperature, top-p) run as separate
+Sequences that sample differently (temperature, top-p, penalties, bias) run as separate
 ``generate()`` calls; a seed makes a job reproducible only beside the same
 neighbours, since one batch shares one random stream.
 """
@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from backends.generation.detok import Detokenizer
 from backends.generation.runtime import Completion, Emitted, GenerationInput, StepResult
+from backends.generation.sampling import SamplingParams, adjusted
 from scheduler.generation import FinishReason, StepOutput, StepPlan
 
 
@@ -77,10 +80,10 @@ class WholeRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         ids = [chunk.id for chunk in plan.prefill if chunk.last]
-        groups: dict[tuple[float, float], list[str]] = {}
+        groups: dict[SamplingParams, list[str]] = {}
         for id in ids:
             sampling = self._jobs[id].sampling
-            groups.setdefault((sampling.temperature, sampling.top_p), []).append(id)
+            groups.setdefault(replace(sampling, seed=None), []).append(id)
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}
@@ -108,9 +111,18 @@ class WholeRuntime:
             device=self.device,
         )
         sampling = jobs[0].sampling
+        # The processors in the order Ferry's own sampler applies them (the library's
+        # add theirs first and a caller's after; its default top-k is not Ferry's).
+        processors = LogitsProcessorList()
+        if sampling.adjusts:
+            processors.append(_Adjust(sampling, longest))
         options: dict[str, Any] = {"do_sample": not sampling.greedy}
         if not sampling.greedy:
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            options.update(temperature=1.0, top_p=1.0, top_k=0)
+            if sampling.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_p < 1.0:
+                processors.append(TopPLogitsWarper(sampling.top_p))
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
         with torch.inference_mode():
@@ -120,6 +132,7 @@ class WholeRuntime:
                 max_new_tokens=max(j.max_tokens for j in jobs),
                 pad_token_id=pad,
                 eos_token_id=list(self.eos_ids) or None,
+                logits_processor=processors,
                 **options,
             )
         completions = []
@@ -142,3 +155,21 @@ class WholeRuntime:
                 Completion(detok.text, tuple(tokens), reason, len(job.prompt_ids), sampling.seed)
             )
         return completions
+
+
+class _Adjust(LogitsProcessor):
+    """The bias and penalties of ``backends.generation.sampling``, on each row's tokens
+    after the (left-padded) prompts."""
+
+    def __init__(self, params: SamplingParams, prompt_width: int) -> None:
+        self.params = params
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = [
+            adjusted(row, self.params, generated)
+            for row, generated in zip(
+                scores, input_ids[:, self.prompt_width :].tolist(), strict=True
+            )
+        ]
+        return torch.stack(rows).to(scores.dtype)  # type: ignore[return-value]

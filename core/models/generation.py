@@ -31,7 +31,22 @@ from core.models.inputs import InputError, Validated, json_type, load_tokenizer
 from core.models.repository import InputConfig, ModelConfig
 
 ROLES = ("system", "user", "assistant")
-MEMBERS = ("prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed")
+MEMBERS = (
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
+PENALTIES = ("presence_penalty", "frequency_penalty")
+PENALTY_LIMIT = 2.0
+BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS = 300
 MESSAGE_MEMBERS = ("role", "content")
 MAX_STOPS = 4
 SEED_LIMIT = 2**63
@@ -143,6 +158,29 @@ class GenerationSpec:
                 ]
             },
             "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": SEED_LIMIT - 1},
+            **{
+                name: {
+                    "type": ["number", "null"],
+                    "minimum": -PENALTY_LIMIT,
+                    "maximum": PENALTY_LIMIT,
+                    "default": 0,
+                    "description": f"Subtracted from a generated token's logit {what}.",
+                }
+                for name, what in zip(
+                    PENALTIES, ("once it has come", "each time it has come"), strict=True
+                )
+            },
+            "logit_bias": {
+                "type": ["object", "null"],
+                "maxProperties": MAX_LOGIT_BIAS,
+                "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
+                "additionalProperties": {
+                    "type": "number",
+                    "minimum": -BIAS_LIMIT,
+                    "maximum": BIAS_LIMIT,
+                },
+                "description": "Token ids (as strings) and the number added to their logits.",
+            },
         }
         required = [["prompt"], ["messages"]] if self.chat is not None else [["prompt"]]
         return {
@@ -166,6 +204,12 @@ class GenerationSpec:
                 )
         normalised: dict[str, Any] = self._prompt(value)
         normalised |= _sampling(value)
+        vocab = load_tokenizer(self.tokenizer).get_vocab_size(with_added_tokens=True)
+        for token in normalised.get("logit_bias", {}):
+            if int(token) >= vocab:
+                raise InputError(
+                    f"logit_bias.{token}", f"is no token of {self.name} (its ids are below {vocab})"
+                )
         where = "messages" if "messages" in normalised else "prompt"
         prompt_tokens = len(prompt_token_ids(normalised, self.tokenizer))
         context = self.context_tokens
@@ -282,13 +326,53 @@ def _sampling(value: Mapping[str, Any]) -> dict[str, Any]:
         isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT
     ):
         raise InputError("seed", f"must be an integer from 0 to 2**63 - 1, got {_shown(seed)}")
-    return {
+    sampling: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": top_p,
         "stop": _stop(value.get("stop")),
         "seed": seed,
     }
+    # Stored only when they ask for something: an input without them reads as before.
+    for name in PENALTIES:
+        penalty = _number(value, name, 0.0)
+        if not -PENALTY_LIMIT <= penalty <= PENALTY_LIMIT:
+            raise InputError(name, f"must be between -2 and 2, got {penalty}")
+        if penalty:
+            sampling[name] = penalty
+    if bias := _logit_bias(value.get("logit_bias")):
+        sampling["logit_bias"] = bias
+    return sampling
+
+
+def _logit_bias(value: Any) -> dict[str, float]:
+    """Token ids (decimal strings, as JSON's keys are) and their biases, checked; the
+    zero biases dropped."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(
+            "logit_bias", f"must be an object of token ids and numbers, got {json_type(value)}"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InputError("logit_bias", f"holds {len(value)} tokens; at most {MAX_LOGIT_BIAS}")
+    bias: dict[str, float] = {}
+    for token, found in value.items():
+        if not (token.isascii() and token.isdigit() and str(int(token)) == token):
+            raise InputError("logit_bias", f"has the key {token!r}: keys are token ids, as 50256")
+        where = f"logit_bias.{token}"
+        if (
+            isinstance(found, bool)
+            or not isinstance(found, int | float)
+            or not math.isfinite(found)
+        ):
+            raise InputError(where, f"must be a number, got {_shown(found)}")
+        number = float(found)
+        if not -BIAS_LIMIT <= number <= BIAS_LIMIT:
+            raise InputError(where, f"must be between -100 and 100, got {number}")
+        if number:
+            bias[token] = number
+    return bias
 
 
 def _number(value: Mapping[str, Any], member: str, default: float) -> float:

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from backends.base import RuntimeOptions
 from backends.generation import CausalLMRuntime, GenerationSettings
-from backends.generation.runtime import Completion, GenerationInput
+from backends.generation.runtime import GREEDY, Completion, GenerationInput
 from backends.generation.sampling import SamplingParams
 from scheduler.generation import GenerationLimits, GenerationRequest, GenerationScheduler, Lane
 from tests.lm import ARCHES, lm_folder
@@ -84,11 +84,36 @@ def library_model(arch: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(lm_folder(arch)).eval()
 
 
-def reference(arch: str, prompt: Prompt) -> list[int]:
-    """The library's greedy ``generate()`` on the prompt alone."""
+class OpenAIAdjust(LogitsProcessor):
+    """OpenAI's logit_bias, presence_penalty and frequency_penalty, written from its
+    definition, token by token, for the library's ``generate()``."""
+
+    def __init__(self, params: SamplingParams, prompt_length: int) -> None:
+        self.params = params
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()  # type: ignore[assignment]
+        for row, ids in enumerate(input_ids.tolist()):
+            generated = ids[self.prompt_length :]
+            for token, bias in self.params.logit_bias:
+                scores[row, token] += bias
+            for token in set(generated):
+                times = generated.count(token)
+                scores[row, token] -= self.params.presence_penalty
+                scores[row, token] -= self.params.frequency_penalty * times
+        return scores
+
+
+def reference(arch: str, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
+    """The library's greedy ``generate()`` on the prompt alone (the logits adjusted by
+    ``params``' bias and penalties, when given)."""
     model = library_model(arch)
     eos = list(loaded(arch).runner.eos_ids)
     ids = torch.tensor([prompt.ids])
+    processors = LogitsProcessorList()
+    if params is not None:
+        processors.append(OpenAIAdjust(params, len(prompt.ids)))
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -97,6 +122,7 @@ def reference(arch: str, prompt: Prompt) -> list[int]:
             do_sample=False,
             eos_token_id=eos,
             pad_token_id=eos[0],
+            logits_processor=processors,
         )
     return [int(t) for t in out[0, len(prompt.ids) :]]
 
@@ -268,6 +294,59 @@ def test_sampling_with_a_seed_is_reproducible_whatever_shares_its_steps() -> Non
     assert different["t"].token_ids != alone
 
 
+def adjusting(rng: random.Random, prompt: Prompt, vocab: int) -> SamplingParams:
+    """Greedy, with penalties and a bias drawn for the prompt: on its own tokens (some
+    pushed up, some down), and on tokens anywhere in the vocabulary."""
+    biased = [*rng.sample(prompt.ids, min(2, len(prompt.ids))), *rng.sample(range(vocab), 3)]
+    return SamplingParams(
+        temperature=0.0,
+        presence_penalty=rng.choice([0.0, 0.5, 1.5, -0.5]),
+        frequency_penalty=rng.choice([0.0, 0.3, 2.0]),
+        logit_bias=tuple(sorted({t: rng.choice([-100.0, -2.0, 1.5, 5.0]) for t in biased}.items())),
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_penalties_and_logit_bias_equal_generate_with_openais_definition(arch: str) -> None:
+    """Adjusted greedy jobs share steps with plain ones; each equals generate() on its
+    prompt alone with OpenAI's bias and penalties applied, and the plain ones are
+    unchanged."""
+    rng = random.Random(17)
+    vocab = library_model(arch).config.vocab_size
+    cases = [Prompt(p.ids[:80], max(p.max_tokens, 8)) for p in prompts(arch, 40, seed=13)]
+    params = [adjusting(rng, p, vocab) if i % 4 else None for i, p in enumerate(cases)]
+    jobs = []
+    for i, (prompt, adjust) in enumerate(zip(cases, params, strict=True)):
+        request = GenerationRequest(str(i), len(prompt.ids), prompt.max_tokens)
+        jobs.append((request, GenerationInput(prompt.ids, prompt.max_tokens, adjust or GREEDY)))
+    ended = run(engine(arch), jobs, arrivals(8))
+    mismatched = [
+        i
+        for i, (prompt, adjust) in enumerate(zip(cases, params, strict=True))
+        if list(ended[str(i)].token_ids) != reference(arch, prompt, adjust)
+    ]
+    assert mismatched == []
+    changed = [
+        i
+        for i, (prompt, adjust) in enumerate(zip(cases, params, strict=True))
+        if adjust is not None and list(ended[str(i)].token_ids) != reference(arch, prompt)
+    ]
+    assert len(changed) >= 10, "the adjustments changed almost nothing: the test proves little"
+
+
+def test_a_resumed_job_counts_its_earlier_tokens_in_the_penalties() -> None:
+    """Taken over after 6 tokens, a penalised job goes on as the uninterrupted run did:
+    the tokens it made elsewhere are counted as if made here."""
+    prompt = Prompt(prompts("llama", 20, seed=21)[3].ids[:30], 20)
+    adjust = SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=1.5)
+    whole = reference("llama", prompt, adjust)
+    assert len(whole) > 8 and whole != reference("llama", prompt)
+    request = GenerationRequest("r", len(prompt.ids), prompt.max_tokens, generated=6)
+    job = GenerationInput(prompt.ids, prompt.max_tokens, adjust, resumed=tuple(whole[:6]))
+    ended = run(engine("llama"), [(request, job)], iter([1] + [0] * 10_000))
+    assert list(ended["r"].token_ids) == whole
+
+
 @cache
 def neox_folder() -> Path:
     """A GPT-NeoX-shaped model (an architecture Ferry does not step) beside the gpt2 tokenizer."""
@@ -291,11 +370,17 @@ def neox_folder() -> Path:
     return folder
 
 
-def test_an_architecture_not_stepped_natively_runs_through_generate_on_whole_batches() -> None:
+@cache
+def neox_runtime() -> CausalLMRuntime:
     settings = GenerationSettings(max_running=8, step_tokens=1024)
     options = RuntimeOptions("cpu", cpu_threads=1)
     runtime = CausalLMRuntime("neox", neox_folder(), settings, options)
     runtime.load()
+    return runtime
+
+
+def test_an_architecture_not_stepped_natively_runs_through_generate_on_whole_batches() -> None:
+    runtime = neox_runtime()
     assert runtime.execution == "generate"
     assert "gpt_neox" in runtime.why
     cases = [Prompt(p.ids[:60], p.max_tokens) for p in prompts("gpt2", 20, seed=7)]
@@ -371,3 +456,49 @@ def test_a_job_taken_over_keeps_the_token_its_stream_showed_whatever_is_computed
     assert list(ended["same"].token_ids) == ref
     after = reference(arch, Prompt((*prompt.ids, *ref[:5], other), prompt.max_tokens - 6))
     assert list(ended["other"].token_ids) == [*ref[:5], other, *after]
+
+
+def test_the_whole_batch_path_applies_the_same_bias_and_penalties() -> None:
+    """Through generate() on whole batches, two adjusted jobs (one call: they sample
+    alike; run apart from a plain one) equal the library's generate() on the same
+    left-padded batch with OpenAI's definition, which counts no prompt token."""
+    runtime = neox_runtime()
+    by_length = sorted((p.ids for p in prompts("gpt2", 20, seed=23)), key=len)
+    short = Prompt(next(ids for ids in by_length if len(ids) >= 4)[:8], 16)
+    long = Prompt(by_length[-1][:40], 16)
+    assert len(short.ids) + 10 < len(long.ids)
+    adjust = SamplingParams(
+        temperature=0.0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias=((long.ids[-1], 3.0), (short.ids[-1], 3.0)),
+    )
+    jobs = [(GenerationRequest("plain", len(long.ids), 16), GenerationInput(long.ids, 16))]
+    for name, prompt in (("short", short), ("long", long)):
+        request = GenerationRequest(name, len(prompt.ids), 16)
+        jobs.append((request, GenerationInput(prompt.ids, 16, adjust)))
+    eng = GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner)
+    ended = run(eng, jobs, iter([3]))
+    library = AutoModelForCausalLM.from_pretrained(neox_folder()).eval()
+    pad = runtime.runner.eos_ids[0]
+    ids = torch.tensor([[pad] * (len(long.ids) - len(short.ids)) + list(short.ids), list(long.ids)])
+    mask = (torch.arange(len(long.ids)) >= len(long.ids) - len(short.ids)).long()
+    mask = torch.stack([mask, torch.ones_like(mask)])
+    made = {}
+    for name, batch, attention, processors in (
+        ("plain", ids[1:], mask[1:], []),
+        ("adjusted", ids, mask, [OpenAIAdjust(adjust, len(long.ids))]),
+    ):
+        with torch.inference_mode():
+            out = library.generate(
+                input_ids=batch, attention_mask=attention, do_sample=False, max_new_tokens=16,
+                pad_token_id=pad, logits_processor=LogitsProcessorList(processors),
+            )  # fmt: skip
+        made[name] = out[:, len(long.ids) :].tolist()
+    assert list(ended["plain"].token_ids) == made["plain"][0]
+    for row, name in enumerate(("short", "long")):
+        expected = made["adjusted"][row]
+        if pad in expected:  # generate() pads a row that ended before the others
+            expected = expected[: expected.index(pad) + 1]
+        assert list(ended[name].token_ids) == expected, name
+    assert made["plain"][0] != made["adjusted"][1]

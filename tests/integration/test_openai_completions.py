@@ -168,6 +168,9 @@ def test_a_completion_streamed_and_not(
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"extra_body": {"top_k": 5}}, "top_k"),
         ({"extra_body": {"priority": "soon"}}, "priority"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(
@@ -178,6 +181,34 @@ def test_a_bad_parameter_is_a_400_naming_it(
         client.chat.completions.create(**arguments)
     assert refused.value.status_code == 400
     assert refused.value.param == param, refused.value.message
+
+
+def test_a_logit_bias_and_penalties_steer_the_tokens(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    """A bias of 100 on one token makes greedy decoding choose it every time; a bias of
+    -100 on every token the unbiased answer chose keeps each of them out."""
+    plain = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Ferry queues", max_tokens=6, temperature=0
+    )
+    chosen = job_of(http, plain.headers["X-Ferry-Job-Id"])["output"]["token_ids"]
+    forced = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Ferry queues", max_tokens=6, temperature=0, logit_bias={"42": 100}
+    )
+    job = job_of(http, forced.headers["X-Ferry-Job-Id"])
+    assert job["output"]["token_ids"] == [42] * 6
+    assert forced.parse().choices[0].text == job["output"]["text"]
+    banned = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(t): -100 for t in set(chosen)},
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+    )
+    job = job_of(http, banned.headers["X-Ferry-Job-Id"])
+    assert set(job["output"]["token_ids"]).isdisjoint(chosen)
 
 
 def test_the_model_must_be_a_generation_model_and_the_key_good(

@@ -225,6 +225,24 @@ def test_every_member_given(spec: GenerationSpec) -> None:
 def test_null_is_the_same_as_absent(spec: GenerationSpec) -> None:
     given = {"prompt": "hello", "max_tokens": None, "temperature": None, "top_p": None}
     assert spec.validate(given | {"stop": None, "seed": None}) == spec.validate({"prompt": "hello"})
+    nothing_asked = {"presence_penalty": None, "frequency_penalty": 0, "logit_bias": {"3": 0}}
+    assert spec.validate(given | nothing_asked) == spec.validate({"prompt": "hello"})
+
+
+def test_penalties_and_a_bias_are_stored_when_they_ask_for_something(
+    spec: GenerationSpec,
+) -> None:
+    value = {
+        "prompt": "hello",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -2,
+        "logit_bias": {"3": 5, "0": -100, "7": 0},
+    }
+    found = spec.validate(value).input
+    assert (found["presence_penalty"], found["frequency_penalty"]) == (0.5, -2.0)
+    assert found["logit_bias"] == {"3": 5.0, "0": -100.0}  # a bias of 0 asks for nothing
+    assert isinstance(found["frequency_penalty"], float)
+    json.dumps(found)
 
 
 def test_messages_are_rendered_by_the_chat_template(spec: GenerationSpec) -> None:
@@ -378,6 +396,27 @@ HELLO = [{"role": "user", "content": "hello"}]
             "must be an integer from 0 to 2**63 - 1, got boolean",
         ),
         ({"prompt": "a", "seed": 1.0}, "seed", "must be an integer from 0 to 2**63 - 1, got 1.0"),
+        ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "must be between -2 and 2"),
+        ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty", "must be between -2 and 2"),
+        (
+            {"prompt": "a", "frequency_penalty": True},
+            "frequency_penalty",
+            "must be a number, got boolean",
+        ),
+        ({"prompt": "a", "presence_penalty": "0"}, "presence_penalty", "must be a number, got"),
+        ({"prompt": "a", "logit_bias": [1]}, "logit_bias", "must be an object of token ids"),
+        ({"prompt": "a", "logit_bias": {"a": 1}}, "logit_bias", "has the key 'a': keys are token"),
+        ({"prompt": "a", "logit_bias": {"07": 1}}, "logit_bias", "has the key '07'"),
+        ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias", "has the key '-1'"),
+        ({"prompt": "a", "logit_bias": {"3": 101}}, "logit_bias.3", "must be between -100 and"),
+        ({"prompt": "a", "logit_bias": {"3": "1"}}, "logit_bias.3", "must be a number, got string"),
+        ({"prompt": "a", "logit_bias": {"3": None}}, "logit_bias.3", "must be a number, got null"),
+        (
+            {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
+            "logit_bias",
+            "holds 301 tokens; at most 300",
+        ),
+        ({"prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias.99999", "is no token of tiny-lm"),
     ],
 )
 def test_each_refusal_names_the_member(
@@ -396,6 +435,7 @@ def test_the_schema_describes_what_validate_takes(spec: GenerationSpec) -> None:
     taken = [
         {"prompt": "hello", "max_tokens": 3, "temperature": 0, "stop": ["a"], "seed": 1},
         {"messages": HELLO, "top_p": 0.9, "stop": "x"},
+        {"prompt": "a", "presence_penalty": -1, "frequency_penalty": 2, "logit_bias": {"3": -1}},
     ]
     for value in taken:
         spec.validate(value)
@@ -405,6 +445,9 @@ def test_the_schema_describes_what_validate_takes(spec: GenerationSpec) -> None:
         {"prompt": "a", "messages": HELLO},
         {"prompt": "a", "n": 1},
         {"prompt": ""},
+        {"prompt": "a", "presence_penalty": 3},
+        {"prompt": "a", "logit_bias": {"07": 1}},
+        {"prompt": "a", "logit_bias": {"3": -101}},
     ]
     for value in refused:
         with pytest.raises(InputError):

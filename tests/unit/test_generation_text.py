@@ -7,7 +7,13 @@ import torch
 from tokenizers import Tokenizer
 
 from backends.generation.detok import Detokenizer
-from backends.generation.sampling import Sampler, SamplingParams, draw_seed, top_p_filter
+from backends.generation.sampling import (
+    Sampler,
+    SamplingParams,
+    adjusted,
+    draw_seed,
+    top_p_filter,
+)
 from tests.lm import lm_folder
 
 TEXTS = [
@@ -123,3 +129,38 @@ def test_sampling_never_draws_outside_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.6, 0.3, 0.07, 0.03]))
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=1), "cpu")
     assert {sampler.choose(logits, n) for n in range(200)} == {0, 1}
+
+
+def test_the_bias_and_penalties_follow_openais_definition() -> None:
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    params = SamplingParams(
+        temperature=0.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias=((0, 10.0), (4, -100.0)),
+    )
+    # Token 1 came twice, token 3 once; the prompt's tokens are not passed and not counted.
+    found = adjusted(logits, params, [1, 3, 1])
+    assert found.tolist() == pytest.approx(
+        [1.0 + 10.0, 2.0 - 0.5 - 2 * 0.25, 3.0, 4.0 - 0.5 - 0.25, 5.0 - 100.0]
+    )
+    assert logits.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # the step's logits are left as they were
+    assert Sampler(params, "cpu").choose(logits, 3, [1, 3, 1]) == 0
+    assert Sampler(SamplingParams(temperature=0.0), "cpu").choose(logits, 3, [1, 3, 1]) == 4
+
+
+def test_a_penalty_may_be_negative_and_favour_what_came() -> None:
+    logits = torch.tensor([2.0, 1.0])
+    params = SamplingParams(temperature=0.0, presence_penalty=-1.5)
+    sampler = Sampler(params, "cpu")
+    assert sampler.choose(logits, 0, []) == 0
+    assert sampler.choose(logits, 1, [1]) == 1  # 1.0 + 1.5 beats 2.0
+    assert not SamplingParams().adjusts and params.adjusts
+
+
+def test_sampling_draws_from_the_adjusted_distribution() -> None:
+    # A bias of -100 takes a token out of reach, whatever the draw.
+    logits = torch.zeros(4)
+    params = SamplingParams(temperature=1.0, seed=3, logit_bias=((1, -100.0), (2, -100.0)))
+    sampler = Sampler(params, "cpu")
+    assert {sampler.choose(logits, n) for n in range(200)} == {0, 3}

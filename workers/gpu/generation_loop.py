@@ -788,6 +788,13 @@ def generation_input(
             temperature=float(value.get("temperature", 1.0)),
             top_p=float(value.get("top_p", 1.0)),
             seed=seed,
+            presence_penalty=float(value.get("presence_penalty") or 0.0),
+            frequency_penalty=float(value.get("frequency_penalty") or 0.0),
+            logit_bias=tuple(
+                sorted(
+                    (int(token), float(bias)) for token, bias in value.get("logit_bias", {}).items()
+                )
+            ),
         ),
         stop=tuple(value.get("stop") or ()),
     )
