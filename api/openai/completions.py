@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request, Response
@@ -35,6 +36,7 @@ from api.openai.generation import (
     chunk_object,
     completion_object,
     is_generation_output,
+    logprobs_object,
     parse_request,
     usage_chunk,
     usage_of,
@@ -187,17 +189,29 @@ def _stream(
     async def chunks() -> AsyncIterator[bytes]:
         if endpoint == "chat":
             yield _data(chunk_object(endpoint, job.id, created, job.model, text="", role=True))
+        logprobs = _ChunkLogprobs(endpoint)
         async for seen in follow(state, key.id, job, generation=True):
             if seen is None:
                 yield KEEP_ALIVE
                 continue
             event = seen.event
+            if event.kind == "token" and event.logprob is not None:
+                logprobs.pending.append(event.logprob)  # sent with the next text
             if event.kind == "token" and event.text:
-                yield _data(chunk_object(endpoint, job.id, created, job.model, text=event.text))
+                yield _data(
+                    chunk_object(
+                        endpoint,
+                        job.id,
+                        created,
+                        job.model,
+                        text=event.text,
+                        logprobs=logprobs.take(),
+                    )
+                )
             elif event.kind == "done":
                 # The worker commits the row before it writes the done event.
                 found = await state.group_read.submit(JobRead(key.id, job.id))
-                for chunk in _last_chunks(asked, found, created):
+                for chunk in _last_chunks(asked, found, created, logprobs):
                     yield chunk
                 yield DONE
                 return
@@ -209,7 +223,34 @@ def _stream(
     return EventStreamResponse(chunks(), headers, disconnected)
 
 
-def _last_chunks(asked: GenerationRequest, job: JobResource, created: int) -> list[bytes]:
+@dataclass
+class _ChunkLogprobs:
+    """The logprobs of a stream's tokens, each sent once: with the chunk of text its
+    token made visible (a token that makes none, half a character, waits for the next),
+    and those of tokens streamed without them (a model run through ``generate()``
+    streams its text at its end) from the job's output, with the last chunk."""
+
+    endpoint: Endpoint
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    sent: int = 0
+    chars: int = 0  # the characters of the tokens sent: the legacy text_offset's origin
+
+    def take(self, output: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The pending ones in OpenAI's shape (and, given the output's list, the rest of
+        it); None when there are none."""
+        entries = self.pending if not output else list(output[self.sent :])
+        self.pending = []
+        if not entries:
+            return None
+        found = logprobs_object(self.endpoint, entries, self.chars)
+        self.sent += len(entries)
+        self.chars += sum(len(e["text"]) for e in entries)
+        return found
+
+
+def _last_chunks(
+    asked: GenerationRequest, job: JobResource, created: int, logprobs: _ChunkLogprobs
+) -> list[bytes]:
     output = job.output
     if job.status not in WITH_OUTPUT or not is_generation_output(output):
         error = _failure(job)
@@ -228,7 +269,12 @@ def _last_chunks(asked: GenerationRequest, job: JobResource, created: int) -> li
     last = [
         _data(
             chunk_object(
-                asked.endpoint, job.id, created, job.model, finish_reason=output["finish_reason"]
+                asked.endpoint,
+                job.id,
+                created,
+                job.model,
+                finish_reason=output["finish_reason"],
+                logprobs=logprobs.take(output.get("logprobs") or ()),
             )
         )
     ]

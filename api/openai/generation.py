@@ -5,9 +5,9 @@
 generation input of a job (``core.models.generation`` checks it further) and the
 options that shape the answer; every refusal is a :class:`ParamError`
 naming OpenAI's parameter. A parameter OpenAI defines that Ferry does not
-honour (``logprobs``, ``n`` above 1, ``tools`` ...) is refused, not ignored;
-its neutral value (``null``, ``n: 1``, ``presence_penalty: 0`` ...) is
-taken, since clients send those by default. The other functions render a
+honour (``n`` above 1, ``tools``, ``echo`` ...) is refused, not ignored;
+its neutral value (``null``, ``n: 1``, ``tools: []`` ...) is taken, since
+clients send those by default. The other functions render a
 finished job (or its tokens, as they come) in OpenAI's shapes.
 
 Pure: no I/O, no clock (times are passed in).
@@ -15,7 +15,7 @@ Pure: no I/O, no clock (times are passed in).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
@@ -29,25 +29,26 @@ CHUNK_OBJECTS = {"chat": "chat.completion.chunk", "completions": "text_completio
 ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 MAX_USER_CHARS = 256
+# The most alternatives a token's logprobs may list: OpenAI's limits (chat's top_logprobs,
+# the legacy completions' logprobs).
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 # Passed on to the generation input as they are (core.models.generation checks them).
 # The generation input's members a request gives under the same names (the prompt, the
-# messages and max_tokens are read apart: OpenAI shapes them otherwise).
-SAMPLING = tuple(m for m in MEMBERS if m not in ("prompt", "messages", "max_tokens"))
+# messages, max_tokens and logprobs are read apart: OpenAI shapes them otherwise).
+SAMPLING = tuple(m for m in MEMBERS if m not in ("prompt", "messages", "max_tokens", "logprobs"))
 COMMON = frozenset({"model", "n", "user", "stream", "stream_options", *SAMPLING, "max_tokens"})
 TAKEN: dict[Endpoint, frozenset[str]] = {
-    "completions": COMMON | {"prompt"},
-    "chat": COMMON | {"messages", "max_completion_tokens"},
+    "completions": COMMON | {"prompt", "logprobs"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 # Ferry's own fields beside OpenAI's, on the HTTP routes (a batch line has none).
 EXTENSIONS = frozenset({"priority", "deadline_ms", "ferry_cancel_on_disconnect"})
 # OpenAI's parameters Ferry does not honour, with the values that ask for nothing
 # (null is always one): a client sending those loses nothing.
 NEUTRAL: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
-    "completions": {"best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": ()},
+    "completions": {"best_of": (1,), "echo": (False,), "suffix": ("",)},
     "chat": {
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "tools": ([],),
         "tool_choice": ("none",),
         "parallel_tool_calls": (True, False),
@@ -142,6 +143,9 @@ def parse_request(
         max_tokens_param = "max_completion_tokens"
     if body.get(max_tokens_param) is not None:
         given["max_tokens"] = body[max_tokens_param]
+    logprobs = _logprobs(endpoint, body)
+    if logprobs is not None:
+        given["logprobs"] = logprobs
     cancel_on_disconnect = _flag(body, "ferry_cancel_on_disconnect")
     if cancel_on_disconnect and not stream:
         raise ParamError("ferry_cancel_on_disconnect", "is only taken with stream: true")
@@ -170,6 +174,25 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
         and type(value) in (type(n), float)
         for n in neutral
     )
+
+
+def _logprobs(endpoint: Endpoint, body: Mapping[str, Any]) -> int | None:
+    """How many alternatives each token's logprob lists (None: no logprobs asked): chat's
+    ``logprobs: true`` and ``top_logprobs``, the legacy completions' ``logprobs: k``."""
+    most = MAX_TOP_LOGPROBS[endpoint]
+    name = "top_logprobs" if endpoint == "chat" else "logprobs"
+    count = body.get(name)
+    if count is not None and (
+        isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= most
+    ):
+        raise ParamError(name, f"must be an integer from 0 to {most}, got {_shown(count)}")
+    if endpoint == "completions":
+        return count
+    if not _flag(body, "logprobs"):
+        if count is not None:
+            raise ParamError("top_logprobs", "is only taken with logprobs: true")
+        return None
+    return count or 0
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:
@@ -318,7 +341,11 @@ def completion_object(
         choice["message"] = {"role": "assistant", "content": output["text"], "refusal": None}
     else:
         choice["text"] = output["text"]
-    choice |= {"logprobs": None, "finish_reason": output.get("finish_reason")}
+    logprobs = output.get("logprobs")
+    choice |= {
+        "logprobs": None if logprobs is None else logprobs_object(endpoint, logprobs),
+        "finish_reason": output.get("finish_reason"),
+    }
     return {
         "id": response_id(endpoint, job_id),
         "object": OBJECTS[endpoint],
@@ -339,9 +366,11 @@ def chunk_object(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk: a text delta (``role`` on the first chat chunk), or the last
-    chunk, with its ``finish_reason`` and no text."""
+    chunk, with its ``finish_reason`` and no text; ``logprobs``: those of the tokens
+    the chunk brings (:func:`logprobs_object`)."""
     choice: dict[str, Any] = {"index": 0}
     if endpoint == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -350,7 +379,7 @@ def chunk_object(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    choice |= {"logprobs": None, "finish_reason": finish_reason}
+    choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": response_id(endpoint, job_id),
         "object": CHUNK_OBJECTS[endpoint],
@@ -374,3 +403,36 @@ def usage_chunk(
         "usage": dict(usage),
         "system_fingerprint": None,
     }
+
+
+def logprobs_object(
+    endpoint: Endpoint, entries: Sequence[Mapping[str, Any]], offset: int = 0
+) -> dict[str, Any]:
+    """Tokens' logprobs (a job output's ``logprobs`` entries) in OpenAI's shape: chat's
+    ``content`` list, or the legacy completions' parallel lists, whose ``text_offset``
+    counts from ``offset`` (the characters of the tokens before these)."""
+    if endpoint == "chat":
+        return {"content": [_chat_logprob(e, top=True) for e in entries], "refusal": None}
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["text"])
+    return {
+        "tokens": [e["text"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["text"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprob(entry: Mapping[str, Any], top: bool) -> dict[str, Any]:
+    # A token's text may be part of a character (a byte-level token): its bytes are those
+    # of the text as decoded, the replacement character included.
+    found = {
+        "token": entry["text"],
+        "logprob": entry["logprob"],
+        "bytes": list(entry["text"].encode("utf-8", errors="replace")),
+    }
+    if top:
+        found["top_logprobs"] = [_chat_logprob(t, top=False) for t in entry["top_logprobs"]]
+    return found

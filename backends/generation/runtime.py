@@ -30,6 +30,17 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model's own distribution (the
+    logits before any bias, penalty or temperature), and the ``k`` likeliest tokens
+    there with theirs, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationInput:
     """One job, as the runtime takes it: the prompt's token ids and how to continue."""
 
@@ -45,14 +56,20 @@ class GenerationInput:
     # the computation (from a prefill where it came from a decode) may round otherwise in
     # reduced precision.
     shown: int | None = None
+    # Each token's log probability, and the ``logprobs`` likeliest alternatives' (None:
+    # not asked); ``resumed_logprobs``: those of the ``resumed`` tokens, as streamed.
+    logprobs: int | None = None
+    resumed_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Emitted:
-    """What one sequence produced in a step: its token and the text it makes visible."""
+    """What one sequence produced in a step: its token, the text it makes visible and,
+    when its job asked, the token's log probability."""
 
     token: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,7 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     seed: int | None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,35 @@ class _Sequence:
         self.table_tensor: torch.Tensor | None = None
         self.finish: FinishReason | None = None
         self.shown = job.shown
+        self.logprobs: list[TokenLogprob] | None = (
+            None if job.logprobs is None else list(job.resumed_logprobs)
+        )
+
+
+def token_logprobs(
+    logits: torch.Tensor, asked: Mapping[int, int], chosen: Sequence[int]
+) -> dict[int, TokenLogprob]:
+    """For each row of ``asked`` (its number of alternatives), the log probability of
+    its chosen token and its likeliest ones, from the rows' logits as the model gave
+    them: one softmax and one copy to the host for all of them."""
+    if not asked:
+        return {}
+    rows = list(asked)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    picked = logprobs[torch.arange(len(rows)), torch.tensor([chosen[r] for r in rows])].tolist()
+    widest = max(asked.values())
+    top_values, top_ids = (
+        logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
+    )
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return {
+        row: TokenLogprob(
+            chosen[row],
+            picked[i],
+            tuple(zip(ids[i][: asked[row]], values[i][: asked[row]], strict=True)),
+        )
+        for i, row in enumerate(rows)
+    }
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
@@ -164,6 +211,7 @@ class StepRuntime:
             finish_reason=reason,
             prompt_tokens=len(sequence.job.prompt_ids),
             seed=None if sequence.job.sampling.greedy else sequence.sampler.seed,
+            logprobs=None if sequence.logprobs is None else tuple(sequence.logprobs),
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -232,10 +280,22 @@ class StepRuntime:
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
         emitted: dict[str, Emitted] = {}
-        for id, token in zip(sampled_by, chosen, strict=True):
+        for row, id in enumerate(sampled_by):
+            shown = self._sequences[id].shown
+            if shown is not None:  # the token a client was shown stands (see GenerationInput)
+                chosen[row] = shown
+        asked = {
+            row: wanted
+            for row, id in enumerate(sampled_by)
+            if (wanted := self._sequences[id].job.logprobs) is not None
+        }
+        found = token_logprobs(logits, asked, chosen)
+        for row, (id, token) in enumerate(zip(sampled_by, chosen, strict=True)):
             sequence = self._sequences[id]
-            if sequence.shown is not None:
-                token, sequence.shown = sequence.shown, None
+            sequence.shown = None
+            logprob = found.get(row)
+            if sequence.logprobs is not None and logprob is not None:
+                sequence.logprobs.append(logprob)
             sampled[id] = token
             sequence.tokens.append(token)
             sequence.generated.append(token)
@@ -245,7 +305,7 @@ class StepRuntime:
                 finished[id] = reason
                 # What was held back (half a character, a possible stop string's start).
                 text += sequence.detok.finish()
-            emitted[id] = Emitted(token, text)
+            emitted[id] = Emitted(token, text, logprob)
         return StepResult(
             StepOutput(sampled, finished, step_s=time.perf_counter() - started), emitted
         )

@@ -23,7 +23,13 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from backends.generation.detok import Detokenizer
-from backends.generation.runtime import Completion, Emitted, GenerationInput, StepResult
+from backends.generation.runtime import (
+    Completion,
+    Emitted,
+    GenerationInput,
+    StepResult,
+    token_logprobs,
+)
 from backends.generation.sampling import SamplingParams, adjusted
 from scheduler.generation import FinishReason, StepOutput, StepPlan
 
@@ -75,7 +81,7 @@ class WholeRuntime:
         job = self._jobs.pop(id)
         if done is None:
             return Completion("", (), reason, len(job.prompt_ids), job.sampling.seed)
-        return Completion(done.text, done.token_ids, reason, done.prompt_tokens, done.seed)
+        return replace(done, finish_reason=reason)
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -125,6 +131,10 @@ class WholeRuntime:
                 processors.append(TopPLogitsWarper(sampling.top_p))
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
+        wanted = any(job.logprobs is not None for job in jobs)
+        if wanted:
+            # The model's own logits at each step (before any processor), for logprobs.
+            options.update(output_logits=True, return_dict_in_generate=True)
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids,
@@ -135,8 +145,9 @@ class WholeRuntime:
                 logits_processor=processors,
                 **options,
             )
+        sequences, steps = (out.sequences, out.logits) if wanted else (out, ())
         completions = []
-        for row, job in zip(out[:, longest:].tolist(), jobs, strict=True):
+        for i, (row, job) in enumerate(zip(sequences[:, longest:].tolist(), jobs, strict=True)):
             tokens: list[int] = []
             reason = FinishReason.LENGTH
             for token in row[: job.max_tokens]:
@@ -151,8 +162,17 @@ class WholeRuntime:
             detok.finish()
             if detok.stopped:
                 reason = FinishReason.STOP
+            logprobs = None
+            if job.logprobs is not None:
+                rows = torch.stack([steps[t][i] for t in range(len(tokens))])
+                found = token_logprobs(
+                    rows, dict.fromkeys(range(len(tokens)), job.logprobs), tokens
+                )
+                logprobs = tuple(found[t] for t in range(len(tokens)))
             completions.append(
-                Completion(detok.text, tuple(tokens), reason, len(job.prompt_ids), sampling.seed)
+                Completion(
+                    detok.text, tuple(tokens), reason, len(job.prompt_ids), sampling.seed, logprobs
+                )
             )
         return completions
 

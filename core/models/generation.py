@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,8 +42,10 @@ MEMBERS = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "logprobs",
 )
 PENALTIES = ("presence_penalty", "frequency_penalty")
+MAX_LOGPROBS = 20
 PENALTY_LIMIT = 2.0
 BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS = 300
@@ -169,6 +171,13 @@ class GenerationSpec:
                 for name, what in zip(
                     PENALTIES, ("once it has come", "each time it has come"), strict=True
                 )
+            },
+            "logprobs": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": MAX_LOGPROBS,
+                "description": "Each generated token's log probability in the output, with "
+                "this many of the likeliest tokens at its place.",
             },
             "logit_bias": {
                 "type": ["object", "null"],
@@ -342,7 +351,31 @@ def _sampling(value: Mapping[str, Any]) -> dict[str, Any]:
             sampling[name] = penalty
     if bias := _logit_bias(value.get("logit_bias")):
         sampling["logit_bias"] = bias
+    logprobs = value.get("logprobs")
+    if logprobs is not None:
+        if (
+            isinstance(logprobs, bool)
+            or not isinstance(logprobs, int)
+            or not 0 <= logprobs <= MAX_LOGPROBS
+        ):
+            raise InputError(
+                "logprobs", f"must be an integer from 0 to {MAX_LOGPROBS}, got {_shown(logprobs)}"
+            )
+        sampling["logprobs"] = logprobs
     return sampling
+
+
+def token_logprob_entry(
+    tokenizer: Path, token: int, logprob: float, top: Iterable[tuple[int, float]]
+) -> dict[str, Any]:
+    """A generated token's log probability as a job's output and its events carry it:
+    the token, its own text, and the likeliest tokens at its place with theirs."""
+    decode = load_tokenizer(tokenizer).decode
+
+    def entry(id: int, value: float) -> dict[str, Any]:
+        return {"token": id, "text": decode([id], skip_special_tokens=False), "logprob": value}
+
+    return entry(token, logprob) | {"top_logprobs": [entry(id, value) for id, value in top]}
 
 
 def _logit_bias(value: Any) -> dict[str, float]:

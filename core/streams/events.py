@@ -5,7 +5,9 @@ Each event is one entry of the job's events stream (``core.streams.protocol.even
 - ``status``: the job changed state (``running`` when a worker starts it);
 - ``token``: a generation produced its token number ``index`` (0-based), with
   ``text``, the text it makes visible (possibly "": half a character, or what
-  could be the start of a stop string, is held back until it is whole);
+  could be the start of a stop string, is held back until it is whole), and,
+  when the job asked for them, the token's ``logprob`` (its own text, its log
+  probability and the likeliest tokens at its place with theirs);
 - ``done``: the job ended, with its terminal ``status`` and, for a
   generation, its ``finish_reason``. Nothing follows it.
 
@@ -19,6 +21,7 @@ row instead. Malformed entries raise :class:`ProtocolError`.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,14 +46,17 @@ class JobEvent:
     token: int | None = None
     text: str | None = None
     finish_reason: str | None = None
+    logprob: dict[str, Any] | None = None
 
     @classmethod
     def running(cls) -> JobEvent:
         return cls("status", status="running")
 
     @classmethod
-    def token_event(cls, index: int, token: int, text: str) -> JobEvent:
-        return cls("token", index=index, token=token, text=text)
+    def token_event(
+        cls, index: int, token: int, text: str, logprob: dict[str, Any] | None = None
+    ) -> JobEvent:
+        return cls("token", index=index, token=token, text=text, logprob=logprob)
 
     @classmethod
     def done(cls, status: str, finish_reason: str | None = None) -> JobEvent:
@@ -68,6 +74,8 @@ class JobEvent:
             fields["txt"] = self.text
         if self.finish_reason is not None:
             fields["fr"] = self.finish_reason
+        if self.logprob is not None:
+            fields["lp"] = _encoded(self.logprob)
         return fields
 
     @classmethod
@@ -84,20 +92,33 @@ class JobEvent:
                 token=int(f["tok"]) if "tok" in f else None,
                 text=f.get("txt"),
                 finish_reason=f.get("fr"),
+                logprob=_logprob(f["lp"]) if "lp" in f else None,
             )
         except ProtocolError:
             raise
-        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed job event: {exc!r}") from exc
 
     @property
     def data(self) -> dict[str, Any]:
         if self.kind == "token":
-            return {"index": self.index, "token": self.token, "text": self.text}
+            data = {"index": self.index, "token": self.token, "text": self.text}
+            return data if self.logprob is None else data | {"logprob": self.logprob}
         out: dict[str, Any] = {"status": self.status}
         if self.finish_reason is not None:
             out["finish_reason"] = self.finish_reason
         return out
+
+
+def _encoded(logprob: dict[str, Any]) -> str:
+    return json.dumps(logprob, ensure_ascii=False, separators=(",", ":"))
+
+
+def _logprob(encoded: str) -> dict[str, Any]:
+    found = json.loads(encoded)
+    if not isinstance(found, dict) or not isinstance(found.get("logprob"), int | float):
+        raise ValueError(f"not a token's logprob: {encoded[:80]!r}")
+    return found
 
 
 # A token event is appended only where it comes next: right after the job's token before
@@ -134,15 +155,20 @@ return 1
 """
 )
 # A step's tokens in one call. KEYS: the events streams; ARGV: for each, the token's index,
-# the token and its text. For each, 1 if appended, else 0.
+# the token, its text and its logprob ("": not asked). For each, 1 if appended, else 0.
 _APPEND_TOKENS = (
     _NEWEST
     + """
 local appended = {}
 for n = 1, #KEYS do
-  local index, token, text = ARGV[3 * n - 2], ARGV[3 * n - 1], ARGV[3 * n]
+  local index, token, text, lp = ARGV[4 * n - 3], ARGV[4 * n - 2], ARGV[4 * n - 1], ARGV[4 * n]
   if newest(KEYS[n]) == tonumber(index) - 1 then
-    redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text)
+    if lp == '' then
+      redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text)
+    else
+      redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text,
+        'lp', lp)
+    end
     appended[n] = 1
   else
     appended[n] = 0
@@ -183,7 +209,8 @@ def append_tokens(
     for key, event in tokens:
         assert event.kind == "token" and event.index is not None
         keys.append(key)
-        args += [event.index, event.token, event.text or ""]
+        lp = "" if event.logprob is None else _encoded(event.logprob)
+        args += [event.index, event.token, event.text or "", lp]
     return _call(target, _APPEND_TOKENS_SHA, keys, args)
 
 

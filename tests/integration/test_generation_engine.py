@@ -105,25 +105,27 @@ class OpenAIAdjust(LogitsProcessor):
         return scores
 
 
-def reference(arch: str, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
+def library_generate(
+    model: Any, prompt: Prompt, eos: list[int], params: SamplingParams | None, **options: Any
+) -> Any:
     """The library's greedy ``generate()`` on the prompt alone (the logits adjusted by
     ``params``' bias and penalties, when given)."""
-    model = library_model(arch)
-    eos = list(loaded(arch).runner.eos_ids)
     ids = torch.tensor([prompt.ids])
     processors = LogitsProcessorList()
     if params is not None:
         processors.append(OpenAIAdjust(params, len(prompt.ids)))
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=prompt.max_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-            logits_processor=processors,
-        )
+        return model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=prompt.max_tokens,
+            do_sample=False, eos_token_id=eos, pad_token_id=eos[0], logits_processor=processors,
+            **options,
+        )  # fmt: skip
+
+
+def reference(arch: str, prompt: Prompt, params: SamplingParams | None = None) -> list[int]:
+    """The library's greedy tokens for the prompt alone."""
+    eos = list(loaded(arch).runner.eos_ids)
+    out = library_generate(library_model(arch), prompt, eos, params)
     return [int(t) for t in out[0, len(prompt.ids) :]]
 
 
@@ -347,6 +349,92 @@ def test_a_resumed_job_counts_its_earlier_tokens_in_the_penalties() -> None:
     assert list(ended["r"].token_ids) == whole
 
 
+def library_logprobs(
+    model: Any, prompt: Prompt, eos: list[int], k: int, params: SamplingParams | None = None
+) -> tuple[list[int], list[tuple[float, list[int]]]]:
+    """The library's greedy ``generate()`` on the prompt alone: its tokens, and for each
+    the log probability the model's own logits (before any processor) gave it, with the
+    ``k`` likeliest tokens there."""
+    out = library_generate(
+        model, prompt, eos, params, output_logits=True, return_dict_in_generate=True
+    )
+    tokens = out.sequences[0, len(prompt.ids) :].tolist()
+    found = []
+    for step, token in zip(out.logits, tokens, strict=False):
+        logprobs = torch.log_softmax(step[0].float(), dim=-1)
+        found.append((float(logprobs[token]), logprobs.topk(k).indices.tolist()))
+    return tokens, found
+
+
+def assert_logprobs_match(
+    completion: Completion, expected: list[tuple[float, list[int]]], k: int
+) -> None:
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == len(completion.token_ids) == len(expected)
+    for got, token, (logprob, top) in zip(
+        completion.logprobs, completion.token_ids, expected, strict=True
+    ):
+        assert got.token == token
+        assert got.logprob == pytest.approx(logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == top and len(got.top) == k
+        values = [v for _, v in got.top]
+        assert values == sorted(values, reverse=True)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_logprobs_are_the_models_own_distribution_as_generate_sees_it(arch: str) -> None:
+    """Jobs asking for logprobs (some adjusted by a bias) share steps with others; each
+    token's log probability and its likeliest alternatives are those of the library's
+    own logits for that prompt alone, before any bias."""
+    rng = random.Random(29)
+    model = library_model(arch)
+    eos = list(loaded(arch).runner.eos_ids)
+    cases = [Prompt(p.ids[:60], max(p.max_tokens, 6)) for p in prompts(arch, 24, seed=31)]
+    asks = [rng.choice([None, 0, 3, 5]) for _ in cases]
+    adjusts = [adjusting(rng, p, model.config.vocab_size) if i % 3 == 0 else None
+               for i, p in enumerate(cases)]  # fmt: skip
+    jobs = []
+    for i, (prompt, k, adjust) in enumerate(zip(cases, asks, adjusts, strict=True)):
+        request = GenerationRequest(str(i), len(prompt.ids), prompt.max_tokens)
+        job = GenerationInput(prompt.ids, prompt.max_tokens, adjust or GREEDY, logprobs=k)
+        jobs.append((request, job))
+    ended = run(engine(arch), jobs, arrivals(3))
+    for i, (prompt, k, adjust) in enumerate(zip(cases, asks, adjusts, strict=True)):
+        completion = ended[str(i)]
+        if k is None:
+            assert completion.logprobs is None
+            continue
+        tokens, expected = library_logprobs(model, prompt, eos, k, adjust)
+        assert list(completion.token_ids) == tokens, i
+        assert_logprobs_match(completion, expected, k)
+    assert sum(k is not None for k in asks) >= 12
+
+
+def test_a_resumed_job_keeps_the_logprobs_its_stream_holds() -> None:
+    prompt = Prompt(prompts("gpt2", 20, seed=33)[4].ids[:30], 12)
+    model, eos = library_model("gpt2"), list(loaded("gpt2").runner.eos_ids)
+    tokens, expected = library_logprobs(model, prompt, eos, 2)
+    assert len(tokens) == 12
+    whole = run(
+        engine("gpt2"),
+        [
+            (
+                GenerationRequest("w", len(prompt.ids), 12),
+                GenerationInput(prompt.ids, 12, logprobs=2),
+            )
+        ],
+        iter([1] + [0] * 10_000),
+    )["w"]
+    assert whole.logprobs is not None
+    streamed = whole.logprobs[:5]
+    request = GenerationRequest("r", len(prompt.ids), 12, generated=5)
+    job = GenerationInput(prompt.ids, 12, resumed=tuple(tokens[:5]), shown=tokens[5],
+                          logprobs=2, resumed_logprobs=streamed)  # fmt: skip
+    resumed = run(engine("gpt2"), [(request, job)], iter([1] + [0] * 10_000))["r"]
+    assert resumed.logprobs is not None and resumed.logprobs[:5] == streamed
+    assert_logprobs_match(resumed, expected, 2)
+
+
 @cache
 def neox_folder() -> Path:
     """A GPT-NeoX-shaped model (an architecture Ferry does not step) beside the gpt2 tokenizer."""
@@ -502,3 +590,20 @@ def test_the_whole_batch_path_applies_the_same_bias_and_penalties() -> None:
             expected = expected[: expected.index(pad) + 1]
         assert list(ended[name].token_ids) == expected, name
     assert made["plain"][0] != made["adjusted"][1]
+
+
+def test_the_whole_batch_path_gives_the_same_logprobs() -> None:
+    runtime = neox_runtime()
+    prompt = Prompt(prompts("gpt2", 10, seed=37)[1].ids[:30], 10)
+    jobs = [
+        (GenerationRequest("a", len(prompt.ids), 10), GenerationInput(prompt.ids, 10, logprobs=4)),
+        (GenerationRequest("b", len(prompt.ids), 10), GenerationInput(prompt.ids, 10)),
+    ]
+    eng = GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner)
+    ended = run(eng, jobs, iter([2]))
+    library = AutoModelForCausalLM.from_pretrained(neox_folder()).eval()
+    eos = list(runtime.runner.eos_ids)
+    tokens, expected = library_logprobs(library, prompt, eos, 4)
+    assert list(ended["a"].token_ids) == tokens
+    assert_logprobs_match(ended["a"], expected, 4)
+    assert ended["b"].logprobs is None

@@ -74,6 +74,10 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
         "unseeded": submit(
             gen_client, auth, prompt="no seed", max_tokens=MAX_TOKENS, temperature=1
         ),
+        # Its tokens' logprobs: those streamed before the death are kept, not recomputed.
+        "logprobs": submit(
+            gen_client, auth, prompt="a long one", max_tokens=MAX_TOKENS, temperature=0, logprobs=2
+        ),
     }
     rclient = redis.Redis.from_url(str(settings.redis_url), decode_responses=True)
 
@@ -138,7 +142,7 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
         assert len(tokens) == MAX_TOKENS
         expected = (
             greedy(folder, "a long one", MAX_TOKENS)
-            if name == "greedy"
+            if name in ("greedy", "logprobs")
             else uninterrupted[name]["output"]["token_ids"]
         )
         assert tokens == expected, name
@@ -151,4 +155,17 @@ def test_a_worker_that_dies_mid_generation_loses_no_token(
         # Two starts (a pause in the stream, not an error), one end.
         assert [e for e in seen if e == JobEvent.running()] == [JobEvent.running()] * 2
         assert seen[-1] == JobEvent.done("succeeded", "length")
+        if name != "logprobs":
+            assert "logprobs" not in job["output"]
+            continue
+        # One per token, each as its event streamed it: A's (read back by B) and B's;
+        # the token B computed again (A's last) as A streamed it, to the float's noise.
+        stored = job["output"]["logprobs"]
+        assert [e["token"] for e in stored] == tokens
+        at_death = before[name] - 1
+        assert [e.logprob for e in streamed_tokens[:at_death]] == stored[:at_death]
+        assert [e.logprob for e in streamed_tokens[at_death + 1 :]] == stored[at_death + 1 :]
+        again_computed = streamed_tokens[at_death].logprob
+        assert again_computed is not None
+        assert again_computed["logprob"] == pytest.approx(stored[at_death]["logprob"], abs=1e-4)
     rclient.close()

@@ -111,6 +111,14 @@ def test_a_steps_tokens_in_one_call_land_as_each_alone_would(
     events: Any = redis_client.xrange(first)
     assert [JobEvent.decode(f) for _, f in events] == [token(0), token(1)]  # fields as one's
     assert append_tokens(redis_client, []) == []
+    # A token's logprob travels with it, where its job asked for one.
+    logprob = {"token": 5, "text": "x", "logprob": -0.25, "top_logprobs": []}
+    asked = JobEvent.token_event(2, 5, "x", logprob)
+    assert append_tokens(redis_client, [(first, asked), (second, token(0))]) == [1, 1]
+    events = redis_client.xrange(first)
+    assert JobEvent.decode(events[-1][1]) == asked
+    events = redis_client.xrange(second)
+    assert JobEvent.decode(events[0][1]).logprob is None
 
 
 def test_a_redis_that_forgot_the_steps_script_still_takes_its_tokens(

@@ -159,7 +159,8 @@ def test_a_completion_streamed_and_not(
     ("options", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"temperature": 5}, "temperature"),
         ({"max_completion_tokens": 5000}, "max_completion_tokens"),
@@ -275,6 +276,73 @@ def test_a_stream_resumed_after_its_last_event_gets_every_token_once(
     assert "".join(t["text"] for t in tokens) == job["output"]["text"]
 
 
+def test_a_jobs_logprobs_are_in_its_output_and_its_token_events(
+    http: httpx.Client, worker: None
+) -> None:
+    asked = {"prompt": "Ferry", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    job_id = http.post("/v1/jobs", json={"model": MODEL, "input": asked}).json()["id"]
+    with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+        tokens = [m.data for m in EventReader(response).all() if m.event == "token"]
+    output = job_of(http, job_id)["output"]
+    assert [t["logprob"] for t in tokens] == output["logprobs"]
+    assert [e["token"] for e in output["logprobs"]] == output["token_ids"]
+    for entry in output["logprobs"]:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        # Greedy, nothing adjusted: the token chosen is the likeliest.
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+    plain = {"prompt": "Ferry", "max_tokens": 2}
+    job_id = http.post("/v1/jobs", json={"model": MODEL, "input": plain}).json()["id"]
+    assert "logprobs" not in job_of(http, job_id)["output"]
+
+
+def test_logprobs_through_the_openai_client_streamed_and_not(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    options: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    raw = client.chat.completions.with_raw_response.create(**options, logprobs=True, top_logprobs=3)
+    job = job_of(http, raw.headers["X-Ferry-Job-Id"])
+    logprobs = raw.parse().choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    content = logprobs.content
+    assert len(content) == job["output"]["usage"]["completion_tokens"]
+    for entry, stored in zip(content, job["output"]["logprobs"], strict=True):
+        assert (entry.token, entry.logprob) == (stored["text"], stored["logprob"])
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == [
+            t["logprob"] for t in stored["top_logprobs"]
+        ]
+        assert len(entry.top_logprobs) == 3
+    chunks = list(client.chat.completions.create(**options, stream=True, logprobs=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert all(e.top_logprobs == [] for e in streamed)  # top_logprobs 0: the token's alone
+    legacy = client.completions.create(
+        model=MODEL, prompt="Ferry queues", max_tokens=6, temperature=0, logprobs=2
+    )
+    found = legacy.choices[0].logprobs
+    assert found is not None and found.tokens is not None and found.text_offset is not None
+    assert len(found.tokens) == len(found.token_logprobs or []) == 6
+    assert all(len(top) <= 2 for top in found.top_logprobs or [])
+    lengths = [len(t) for t in found.tokens]
+    assert found.text_offset == [sum(lengths[:i]) for i in range(6)]
+    pieces = client.completions.create(
+        model=MODEL, prompt="Ferry queues", max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    parts = [c.choices[0].logprobs for c in pieces if c.choices[0].logprobs is not None]
+    assert [t for p in parts for t in p.tokens or []] == found.tokens
+    assert [o for p in parts for o in p.text_offset or []] == found.text_offset
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", logprobs=6)
+    assert refused.value.param == "logprobs"
+
+
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(
     client: openai.OpenAI,
     http: httpx.Client,
@@ -293,7 +361,9 @@ def test_a_batch_of_chat_lines_has_one_output_line_per_line(
                 "messages": [{"role": "user", "content": f"Question {n}"}],
                 "max_tokens": 4 + n,
                 "temperature": 0,
-            },
+            }
+            # Every other line asks for its tokens' logprobs (an evaluation's usual batch).
+            | ({"logprobs": True, "top_logprobs": 2} if n % 2 else {}),
         }
         for n in range(6)
     ]
@@ -323,6 +393,14 @@ def test_a_batch_of_chat_lines_has_one_output_line_per_line(
         assert body["usage"] == job["output"]["usage"]
         assert body["usage"]["completion_tokens"] <= 4 + n
         made += body["usage"]["completion_tokens"]
+        logprobs = body["choices"][0]["logprobs"]
+        if n % 2:
+            assert [e["logprob"] for e in logprobs["content"]] == [
+                e["logprob"] for e in job["output"]["logprobs"]
+            ]
+            assert all(len(e["top_logprobs"]) == 2 for e in logprobs["content"])
+        else:
+            assert logprobs is None
     assert batch.usage is not None and batch.usage.output_tokens == made
 
 
@@ -333,7 +411,7 @@ def test_a_bad_chat_line_fails_the_batch_naming_it(client: openai.OpenAI) -> Non
         "url": "/v1/chat/completions",
         "body": {"model": MODEL, "messages": CHAT},
     }
-    bad = {**good, "custom_id": "b", "body": {**good["body"], "logprobs": True}}  # type: ignore[dict-item]
+    bad = {**good, "custom_id": "b", "body": {**good["body"], "top_logprobs": 3}}  # type: ignore[dict-item]
     raw = "".join(json.dumps(line) + "\n" for line in (good, bad)).encode()
     uploaded = client.files.create(file=("chat.jsonl", io.BytesIO(raw)), purpose="batch")
     batch = client.batches.create(
@@ -341,7 +419,7 @@ def test_a_bad_chat_line_fails_the_batch_naming_it(client: openai.OpenAI) -> Non
     )
     assert batch.status == "failed" and batch.errors is not None
     (error,) = batch.errors.data or []
-    assert (error.line, error.param) == (2, "body.logprobs")
+    assert (error.line, error.param) == (2, "body.top_logprobs")
 
 
 def test_a_batch_of_chat_lines_counts_lines_as_they_finish_and_a_cancel_keeps_them(

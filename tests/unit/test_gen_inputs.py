@@ -245,6 +245,12 @@ def test_penalties_and_a_bias_are_stored_when_they_ask_for_something(
     json.dumps(found)
 
 
+@pytest.mark.parametrize("asked", [0, 3, 20])
+def test_logprobs_are_stored_as_asked(spec: GenerationSpec, asked: int) -> None:
+    assert spec.validate({"prompt": "hello", "logprobs": asked}).input["logprobs"] == asked
+    assert "logprobs" not in spec.validate({"prompt": "hello", "logprobs": None}).input
+
+
 def test_messages_are_rendered_by_the_chat_template(spec: GenerationSpec) -> None:
     messages = [
         {"role": "system", "content": "hello"},
@@ -417,6 +423,10 @@ HELLO = [{"role": "user", "content": "hello"}]
             "holds 301 tokens; at most 300",
         ),
         ({"prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias.99999", "is no token of tiny-lm"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs", "must be an integer from 0 to 20, got 21"),
+        ({"prompt": "a", "logprobs": -1}, "logprobs", "must be an integer from 0 to 20"),
+        ({"prompt": "a", "logprobs": True}, "logprobs", "must be an integer from 0 to 20, got boo"),
+        ({"prompt": "a", "logprobs": 2.0}, "logprobs", "must be an integer from 0 to 20, got 2.0"),
     ],
 )
 def test_each_refusal_names_the_member(
@@ -436,6 +446,7 @@ def test_the_schema_describes_what_validate_takes(spec: GenerationSpec) -> None:
         {"prompt": "hello", "max_tokens": 3, "temperature": 0, "stop": ["a"], "seed": 1},
         {"messages": HELLO, "top_p": 0.9, "stop": "x"},
         {"prompt": "a", "presence_penalty": -1, "frequency_penalty": 2, "logit_bias": {"3": -1}},
+        {"prompt": "a", "logprobs": 5},
     ]
     for value in taken:
         spec.validate(value)
@@ -448,6 +459,7 @@ def test_the_schema_describes_what_validate_takes(spec: GenerationSpec) -> None:
         {"prompt": "a", "presence_penalty": 3},
         {"prompt": "a", "logit_bias": {"07": 1}},
         {"prompt": "a", "logit_bias": {"3": -101}},
+        {"prompt": "a", "logprobs": 21},
     ]
     for value in refused:
         with pytest.raises(InputError):

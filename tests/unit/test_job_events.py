@@ -7,6 +7,13 @@ import pytest
 from core.streams.events import JobEvent
 from core.streams.protocol import ProtocolError, cancels_key, events_key
 
+LOGPROB = {
+    "token": 9,
+    "text": "é",
+    "logprob": -0.5,
+    "top_logprobs": [{"token": 9, "text": "é", "logprob": -0.5}],
+}
+
 
 @pytest.mark.parametrize(
     "event",
@@ -15,6 +22,7 @@ from core.streams.protocol import ProtocolError, cancels_key, events_key
         JobEvent.token_event(0, 17, "Hello"),
         JobEvent.token_event(41, 3, ""),
         JobEvent.token_event(2, 9, "naïve 🙂\n"),
+        JobEvent.token_event(3, 9, "é", LOGPROB),
         JobEvent.done("succeeded", "length"),
         JobEvent.done("cancelled", "cancelled"),
         JobEvent.done("failed"),
@@ -34,9 +42,21 @@ def test_the_data_a_client_sees() -> None:
         "finish_reason": "stop",
     }
     assert JobEvent.running().data == {"status": "running"}
+    with_logprob = JobEvent.token_event(3, 9, "é", LOGPROB).data
+    assert with_logprob == {"index": 3, "token": 9, "text": "é", "logprob": LOGPROB}
 
 
-@pytest.mark.parametrize("fields", [{}, {"k": "tokens"}, {"k": "token", "i": "x"}, {"k": b"\xff"}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"k": "tokens"},
+        {"k": "token", "i": "x"},
+        {"k": b"\xff"},
+        {"k": "token", "i": "0", "tok": "1", "lp": "{"},
+        {"k": "token", "i": "0", "tok": "1", "lp": '{"text": "a"}'},
+    ],
+)
 def test_a_malformed_event_is_one_error(fields: dict[str, object]) -> None:
     with pytest.raises(ProtocolError):
         JobEvent.decode(fields)  # type: ignore[arg-type]

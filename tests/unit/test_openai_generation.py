@@ -10,6 +10,7 @@ from api.openai.generation import (
     ParamError,
     chunk_object,
     completion_object,
+    logprobs_object,
     parse_request,
     usage_chunk,
 )
@@ -74,13 +75,17 @@ def test_a_completions_prompt_may_be_a_list_of_one() -> None:
         ("completions", {"prompt": [1, 2, 3]}, "prompt"),
         ("completions", {}, "prompt"),
         ("completions", {"prompt": "a", "n": 2}, "n"),
-        ("completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+        ("completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+        ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
         ("completions", {"prompt": "a", "echo": True}, "echo"),
         ("completions", {"prompt": "a", "best_of": 3}, "best_of"),
         ("completions", {"prompt": "a", "messages": MESSAGES}, "messages"),
         ("completions", {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens"),
-        ("chat", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ("chat", {"messages": MESSAGES, "logprobs": 1}, "logprobs"),
         ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"messages": MESSAGES, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
         (
             "chat",
@@ -172,3 +177,71 @@ def test_the_chunks_of_a_stream() -> None:
     assert chunk_object("completions", JOB, 1, "m", text="lo")["choices"][0]["text"] == "lo"
     usage = usage_chunk("chat", JOB, 1, "m", OUTPUT["usage"])  # type: ignore[arg-type]
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "asked"),
+    [
+        ("chat", {"logprobs": True}, 0),
+        ("chat", {"logprobs": True, "top_logprobs": 20}, 20),
+        ("chat", {"logprobs": True, "top_logprobs": None}, 0),
+        ("chat", {"logprobs": False}, None),
+        ("chat", {"logprobs": None, "top_logprobs": None}, None),
+        ("completions", {"logprobs": 5}, 5),
+        ("completions", {"logprobs": 0}, 0),
+        ("completions", {"logprobs": None}, None),
+    ],
+)
+def test_logprobs_asked_the_openai_ways_become_one_count(
+    endpoint: Any, body: dict[str, Any], asked: int | None
+) -> None:
+    what = {"messages": MESSAGES} if endpoint == "chat" else {"prompt": "a"}
+    found = parse_request(endpoint, {"model": "m", **what, **body}).input
+    assert found.get("logprobs") == asked
+    assert ("logprobs" in found) == (asked is not None)
+
+
+LOGPROBS = [
+    {
+        "token": 7,
+        "text": "hel",
+        "logprob": -0.5,
+        "top_logprobs": [
+            {"token": 7, "text": "hel", "logprob": -0.5},
+            {"token": 9, "text": "\ufffd", "logprob": -1.25},
+        ],
+    },
+    {"token": 8, "text": "lo", "logprob": -0.125, "top_logprobs": []},
+]
+
+
+def test_a_finished_jobs_logprobs_in_openais_two_shapes() -> None:
+    output = {**OUTPUT, "logprobs": LOGPROBS}
+    chat = completion_object("chat", JOB, 1, "m", output)["choices"][0]["logprobs"]
+    assert chat == {
+        "content": [
+            {
+                "token": "hel",
+                "logprob": -0.5,
+                "bytes": [104, 101, 108],
+                "top_logprobs": [
+                    {"token": "hel", "logprob": -0.5, "bytes": [104, 101, 108]},
+                    # Half a character: the replacement character's bytes.
+                    {"token": "\ufffd", "logprob": -1.25, "bytes": [239, 191, 189]},
+                ],
+            },
+            {"token": "lo", "logprob": -0.125, "bytes": [108, 111], "top_logprobs": []},
+        ],
+        "refusal": None,
+    }
+    text = completion_object("completions", JOB, 1, "m", output)["choices"][0]["logprobs"]
+    assert text == {
+        "tokens": ["hel", "lo"],
+        "token_logprobs": [-0.5, -0.125],
+        "top_logprobs": [{"hel": -0.5, "\ufffd": -1.25}, {}],
+        "text_offset": [0, 3],
+    }
+    # A stream's later chunk counts its offsets from the characters sent before it.
+    assert logprobs_object("completions", LOGPROBS[1:], 3)["text_offset"] == [3]
+    streamed = chunk_object("chat", JOB, 1, "m", text="lo", logprobs={"content": []})
+    assert streamed["choices"][0]["logprobs"] == {"content": []}

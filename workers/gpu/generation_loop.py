@@ -35,11 +35,11 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from backends.generation.runtime import Completion, GenerationInput, StepResult
+from backends.generation.runtime import Completion, GenerationInput, StepResult, TokenLogprob
 from backends.generation.sampling import SamplingParams
 from backends.torch_runtime import check_device
 from core.db.schema import TERMINAL_STATUSES, Job
-from core.models.generation import prompt_token_ids
+from core.models.generation import prompt_token_ids, token_logprob_entry
 from core.streams.events import JobEvent
 from core.streams.protocol import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
@@ -429,6 +429,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         """
         key = events_key(self.prefix, self.model, held.entry.message.job_id)
         tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
         first_ms: int | None = None
         stream = cast(list[tuple[str, dict[bytes | str, bytes | str]]], self.client.xrange(key))
         for entry_id, fields in stream:
@@ -437,6 +438,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 if first_ms is None:
                     first_ms = int(entry_id.split("-", 1)[0])  # the id's milliseconds
                 tokens.append(event.token)
+                logprobs.append(_token_logprob(event.token, event.logprob))
         held.streamed = len(tokens)
         if first_ms is not None:
             held.first_token_s = first_ms / 1000.0
@@ -444,12 +446,17 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             return job
         kept = tuple(tokens[: min(len(tokens), job.max_tokens) - 1])
         shown = tokens[len(kept)]
+        kept_logprobs = tuple(lp for lp in logprobs[: len(kept)] if lp is not None)
+        if job.logprobs is not None and len(kept_logprobs) < len(kept):
+            # Streamed without them (by a worker before this version): run it again whole,
+            # the tokens already streamed not repeated, so that every token has its own.
+            return job
         held.tokens = len(kept)
         log.info(
             "generation taken over from its checkpoint",
             extra={"model": self.model, "job_id": held.entry.message.job_id, "tokens": len(kept)},
         )
-        return replace(job, resumed=kept, shown=shown)
+        return replace(job, resumed=kept, shown=shown, resumed_logprobs=kept_logprobs)
 
     def _upkeep(self) -> None:
         now = time.monotonic()
@@ -564,7 +571,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 held.last_token_s = now
                 key = events_key(self.prefix, self.model, job_id)
                 if held.tokens >= held.streamed:  # not already streamed by a worker before
-                    event = JobEvent.token_event(held.tokens, emitted.token, emitted.text)
+                    logprob = (
+                        None
+                        if emitted.logprob is None
+                        else logprob_entry(self.tokenizer_path, emitted.logprob)
+                    )
+                    event = JobEvent.token_event(held.tokens, emitted.token, emitted.text, logprob)
                     self.writer.add(key, event)
                 if self._expiry_due(held, now):
                     self.writer.expire(key, max(1, int(self.config.events_ttl_s)))
@@ -659,7 +671,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         lane = held.entry.message.lane
         if reason == FinishReason.EXPIRED and held.claimed:
             # Out of time mid-generation: it ends expired, with the tokens it produced.
-            output = completion_output(completion, held, now)
+            output = completion_output(completion, held, now, self.tokenizer_path)
             self.signals.job_ended(lane, str(reason), len(completion.token_ids), {})
             return Outcome(
                 job_id,
@@ -677,7 +689,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             # is acknowledged; whatever ended it recorded it already.
             return Outcome(job_id, "cancelled", error="cancelled by the client")
         status = "cancelled" if reason == FinishReason.CANCELLED else "succeeded"
-        output = completion_output(completion, held, now)
+        output = completion_output(completion, held, now, self.tokenizer_path)
         self.signals.job_ended(lane, str(reason), len(completion.token_ids), output["timings"])
         return Outcome(
             job_id,
@@ -797,11 +809,15 @@ def generation_input(
             ),
         ),
         stop=tuple(value.get("stop") or ()),
+        logprobs=value.get("logprobs"),
     )
 
 
-def completion_output(completion: Completion, held: _Held, now: float) -> dict[str, Any]:
-    """What a generation job's row stores as its output."""
+def completion_output(
+    completion: Completion, held: _Held, now: float, tokenizer: Path
+) -> dict[str, Any]:
+    """What a generation job's row stores as its output (``tokenizer``: the model's
+    tokenizer.json, for the texts of the tokens in ``logprobs``)."""
     completion_tokens = len(completion.token_ids)
     ttft_ms = (
         None
@@ -827,4 +843,20 @@ def completion_output(completion: Completion, held: _Held, now: float) -> dict[s
         },
         "seed": completion.seed,
         "timings": {"queue_ms": queue_ms, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
-    }
+    } | (
+        {}
+        if completion.logprobs is None
+        else {"logprobs": [logprob_entry(tokenizer, found) for found in completion.logprobs]}
+    )
+
+
+def logprob_entry(tokenizer: Path, found: TokenLogprob) -> dict[str, Any]:
+    return token_logprob_entry(tokenizer, found.token, found.logprob, found.top)
+
+
+def _token_logprob(token: int, entry: dict[str, Any] | None) -> TokenLogprob | None:
+    """A streamed token's logprob (an event's), as the runtime holds it."""
+    if entry is None:
+        return None
+    top = tuple((int(t["token"]), float(t["logprob"])) for t in entry.get("top_logprobs", ()))
+    return TokenLogprob(token, float(entry["logprob"]), top)
