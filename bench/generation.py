@@ -18,8 +18,10 @@ shipped corpus with lognormal prompt and output lengths, all arriving at 0
 (offline) and, in a second pass, as an open-loop Poisson process at ``--load``
 (70 %) of Ferry's measured capacity. Each round runs, interleaved, ferry,
 static, single offline, then the same on the Poisson arrivals, then Ferry on
-the chunked-prefill load with ``prefill_chunk_tokens`` 0 and 256. After the
-rounds one Ferry run is profiled: where a step's milliseconds go.
+the chunked-prefill load with ``prefill_chunk_tokens`` 0 and 256, then Ferry
+on a load of chat-like requests that begin with one of two long system
+prompts, with prefix caching off and on. After the rounds one Ferry run is
+profiled: where a step's milliseconds go.
 
     python -m bench.generation [--rounds 3] [--requests 48] [--smoke]
                                [--device cuda --precision bf16 --layers 12 --hidden 768]
@@ -45,6 +47,7 @@ from bench.generation_workload import (
     PROMPTS,
     ChunkedLoad,
     Lengths,
+    PrefixLoad,
     Request,
     RunFigures,
     Workload,
@@ -81,6 +84,10 @@ SMOKE_OUTPUTS = Lengths(median=8.0, sigma=0.5, low=4, high=32)
 SMOKE_CHUNKED = ChunkedLoad(
     decoders=4, decoder_tokens=24, long_prompts=2, long_prompt=300, long_tokens=4, every_s=0.05
 )
+SMOKE_PREFIX = PrefixLoad(system_tokens=64, requests=6, question_tokens=8, output_tokens=4,
+                          every_s=0.02)  # fmt: skip
+# The prefix caching comparison's figures, off and on.
+PREFIX_FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "computed_per_request")
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,17 @@ def chunked(setup: Setup, load: ChunkedLoad, chunk: int, seed: int) -> dict[str,
     return {**decoders_figures(run.token_times_s, run.records), **run.figures()}
 
 
+def prefixed(setup: Setup, load: PrefixLoad, caching: bool, seed: int) -> dict[str, Any]:
+    from bench.generation_runs import run_ferry
+
+    requests = load.draw(setup.corpus_ids, seed)
+    run = run_ferry(setup.runtime.runner, setup.runtime.limits, requests, prefix_caching=caching)
+    found = {**summary(list(run.records.values())), **run.figures()}
+    # The prompt tokens the step computed, a request: the decodes' one a token taken off.
+    prompts = found["computed_tokens"] - sum(max(0, r.max_tokens - 1) for r in requests)
+    return {**found, "computed_per_request": round(prompts / len(requests), 1)}
+
+
 def calibrate(
     setup: Setup, offline: list[Request], grid: Sequence[int], load: float, seed: int
 ) -> dict[str, Any]:
@@ -218,6 +236,8 @@ class ChunkedRun:
     kv_blocks: int
     steps: int
     step_ms_mean: float
+    computed_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -225,6 +245,7 @@ class Round:
     offline: dict[str, RunFigures]  # by system: ferry, static, single
     poisson: dict[str, RunFigures] | None = None
     chunked: dict[int, ChunkedRun] | None = None  # by prefill_chunk_tokens
+    prefix: dict[str, RunFigures] | None = None  # by prefix caching: off, on
 
 
 @dataclass
@@ -283,6 +304,9 @@ class Report:
     peak_kv_blocks: int
     poisson: ModeFigures | None = None
     chunked: dict[int, dict[str, Spread]] | None = None  # by prefill_chunk_tokens
+    # By prefix caching (off, on): each figure, and on over off round by round.
+    prefix: dict[str, dict[str, Spread]] | None = None
+    prefix_ratios: dict[str, Spread] | None = None
     ceiling: Ceiling | None = None
     profile: Profile | None = None
     seconds: float = 0.0  # written with the last file
@@ -297,6 +321,7 @@ def one_round(
     batch: int,
     chunked_load: ChunkedLoad | None,
     seed: int,
+    prefix_load: PrefixLoad | None = None,
 ) -> dict[str, Any]:
     round_: dict[str, Any] = {}
     for mode, requests in workloads.items():
@@ -323,6 +348,17 @@ def one_round(
                 f"  chunk {chunk:3}: decode TPOT p99 {found['decode_tpot_p99_ms']:.1f} ms, "
                 f"gap p99 {found['decode_gap_p99_ms']:.1f} max {found['decode_gap_max_ms']:.1f}"
                 f" ms; long prompts' TTFT p50 {found['long_ttft_p50_ms']:.0f} ms",
+                flush=True,
+            )
+    if prefix_load is not None:
+        round_["prefix"] = {}
+        for caching in (False, True):
+            found = prefixed(setup, prefix_load, caching, seed)
+            round_["prefix"]["on" if caching else "off"] = found
+            print(
+                f"  prefix caching {'on ' if caching else 'off'}: {found['tokens_per_s']:.1f} "
+                f"tokens/s, TTFT p50 {found['ttft_p50_ms']:.0f} p99 {found['ttft_p99_ms']:.0f} "
+                f"ms, {found['computed_per_request']:.0f} prompt tokens computed a request",
                 flush=True,
             )
     return round_
@@ -365,6 +401,18 @@ def figures(rounds: list[dict[str, Any]], modes: Sequence[str] = MODES) -> dict[
         out["chunked"] = {
             chunk: {k: results.spread([r["chunked"][chunk][k] for r in rounds]) for k in keys}
             for chunk in ("0", "256")
+        }
+    if all("prefix" in r for r in rounds):
+        out["prefix"] = {
+            state: {k: results.spread([r["prefix"][state][k] for r in rounds]) for k in keys}
+            for state in ("off", "on")
+            for keys in [PREFIX_FIGURES]
+        }
+        out["prefix_ratios"] = {
+            k: ratio_spread(
+                [r["prefix"]["on"][k] for r in rounds], [r["prefix"]["off"][k] for r in rounds]
+            )
+            for k in PREFIX_FIGURES
         }
     out["peak_kv_blocks"] = max(r[m]["ferry"]["peak_kv_blocks"] for r in rounds for m in modes)
     return out
@@ -435,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=float, default=0.0, help="0: the backend's default")
     parser.add_argument("--modes", default=",".join(MODES), help="arrivals: offline,poisson")
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked prefill runs")
+    parser.add_argument("--no-prefix", action="store_true", help="skip the prefix caching runs")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run")
     parser.add_argument("--out", type=Path, default=Path("bench/results/generation.json"))
     args = parser.parse_args(argv)
@@ -447,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     prompts, outputs = (SMOKE_PROMPTS, SMOKE_OUTPUTS) if smoke else (PROMPTS, OUTPUTS)
     chunked_load = None if args.no_chunked else (SMOKE_CHUNKED if smoke else ChunkedLoad())
+    prefix_load = None if args.no_prefix else (SMOKE_PREFIX if smoke else PrefixLoad())
     grid = [int(s) for s in args.grid.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     if "offline" not in modes or not set(modes) <= set(MODES):
@@ -464,11 +514,14 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {}
         for number in range(1, args.rounds + 1):
             print(f"round {number} of {args.rounds}", flush=True)
-            rounds.append(one_round(setup, workloads, static_batch, chunked_load, args.seed))
+            rounds.append(
+                one_round(setup, workloads, static_batch, chunked_load, args.seed, prefix_load)
+            )
             report = {
                 "workload": {
                     **workload_facts(offline, prompts, outputs),
                     "chunked": asdict(chunked_load) if chunked_load else None,
+                    "prefix": asdict(prefix_load) if prefix_load else None,
                 },
                 "calibration": calibration,
                 "rounds": rounds,
@@ -674,6 +727,44 @@ def render_generation_chunked(results: Results) -> list[str]:
             "lrrrr",
             rows,
         ),
+    ]  # fmt: skip
+
+
+def render_generation_prefix(results: Results) -> list[str]:
+    report = results.typed("generation", Report)
+    load, found, ratios = report.workload.prefix, report.prefix, report.prefix_ratios
+    if load is None or found is None or ratios is None:
+        return ["The prefix caching runs were left out of this file's run."]
+
+    def ratio(key: str) -> str:
+        return Figure.summary(ratios[key]).text(times(2))
+
+    rows = [
+        [
+            state,
+            Figure.summary(found[key]["tokens_per_s"]).text(decimal(1)),
+            Figure.summary(found[key]["ttft_p50_ms"]).text(decimal(0, " ms")),
+            Figure.summary(found[key]["ttft_p99_ms"]).text(decimal(0, " ms")),
+            Figure.summary(found[key]["computed_per_request"]).text(decimal(0)),
+        ]
+        for key, state in (("off", "off"), ("on", "on (the default)"))
+    ]
+    return [
+        f"{load.requests} requests, one every {load.every_s:g} s, each one of "
+        f"{load.systems} system prompts of {load.system_tokens} tokens and a question of "
+        f"{load.question_tokens} of its own, generating {load.output_tokens} tokens (median of "
+        f"{counted(len(report.rounds), 'round', 'rounds')}, min–max):",
+        "",
+        *table(
+            ["prefix caching", "output tokens/s", "TTFT p50", "TTFT p99",
+             "prompt tokens computed a request"],
+            "lrrrr",
+            rows,
+        ),
+        "",
+        f"On over off, round by round: output tokens/s {ratio('tokens_per_s')}, TTFT p50 "
+        f"{ratio('ttft_p50_ms')}, TTFT p99 {ratio('ttft_p99_ms')}, prompt tokens computed "
+        f"{ratio('computed_per_request')}.",
     ]  # fmt: skip
 
 

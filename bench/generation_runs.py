@@ -37,6 +37,7 @@ from scheduler.generation import (
     GenerationScheduler,
     StepPlan,
 )
+from scheduler.generation_state import prefix_hashes
 from workers.gpu.engine import GenerationEngine
 
 
@@ -102,6 +103,7 @@ class WatchedRunner:
         self.peak_blocks = 0
         self.execute_s: list[float] = []
         self.step_tokens: list[int] = []
+        self.cached_tokens = 0  # prompt tokens found in the cache, not computed
 
     def add(self, id: str, job: GenerationInput) -> None:
         self.runner.add(id, job)
@@ -126,6 +128,7 @@ class WatchedRunner:
                 f"{used} KV blocks in use, the pool has {self.scheduler.limits.kv_blocks}"
             )
         self.peak_blocks = max(self.peak_blocks, used)
+        self.cached_tokens += sum(plan.cached.values())
         started = time.perf_counter()
         result: StepResult = self.runner.execute(plan)
         if not plan.empty:
@@ -146,6 +149,7 @@ class FerryRun:
     step_s: list[float] = field(default_factory=list)  # engine.step, whole
     execute_s: list[float] = field(default_factory=list)  # the runtime's part of it
     step_tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def figures(self) -> dict[str, Any]:
         running = self.step_s
@@ -154,11 +158,20 @@ class FerryRun:
             "kv_blocks": self.kv_blocks,
             "steps": self.steps,
             "step_ms_mean": round(1000.0 * sum(running) / len(running), 2) if running else None,
+            "computed_tokens": sum(self.step_tokens),
+            "cached_tokens": self.cached_tokens,
         }
 
 
-def run_ferry(runner: Any, limits: GenerationLimits, requests: Sequence[Request]) -> FerryRun:
-    """The workload through a fresh scheduler on ``runner``, stepped on the real clock."""
+def run_ferry(
+    runner: Any,
+    limits: GenerationLimits,
+    requests: Sequence[Request],
+    prefix_caching: bool = False,
+) -> FerryRun:
+    """The workload through a fresh scheduler on ``runner``, stepped on the real clock;
+    ``prefix_caching``: each request names its prompt's prefix blocks, as the worker
+    does by default."""
     scheduler = GenerationScheduler(limits)
     watched = WatchedRunner(runner, scheduler)
     engine = GenerationEngine(scheduler, watched)
@@ -172,8 +185,11 @@ def run_ferry(runner: Any, limits: GenerationLimits, requests: Sequence[Request]
         now = time.perf_counter() - start
         while next_up < len(pending) and pending[next_up].arrival_s <= now:
             r = pending[next_up]
+            prefix = prefix_hashes(r.prompt_ids, limits.block_size) if prefix_caching else ()
             engine.add(
-                GenerationRequest(r.id, len(r.prompt_ids), r.max_tokens, arrival=r.arrival_s),
+                GenerationRequest(
+                    r.id, len(r.prompt_ids), r.max_tokens, arrival=r.arrival_s, prefix=prefix
+                ),
                 GenerationInput(r.prompt_ids, r.max_tokens),
             )
             next_up += 1
@@ -206,4 +222,5 @@ def run_ferry(runner: Any, limits: GenerationLimits, requests: Sequence[Request]
         step_s=step_s,
         execute_s=watched.execute_s,
         step_tokens=watched.step_tokens,
+        cached_tokens=watched.cached_tokens,
     )

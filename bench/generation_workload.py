@@ -23,7 +23,7 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -168,6 +168,17 @@ def lengths_summary(values: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def _windows(corpus_ids: Sequence[int], seed: int) -> Callable[[int], tuple[int, ...]]:
+    """Draws of ``length`` consecutive tokens of the corpus, seeded."""
+    rng = random.Random(seed)
+
+    def window(length: int) -> tuple[int, ...]:
+        start = rng.randrange(len(corpus_ids) - length)
+        return tuple(corpus_ids[start : start + length])
+
+    return window
+
+
 @dataclass(frozen=True)
 class ChunkedLoad:
     """Long prompts arriving while short ones decode (the chunked-prefill comparison).
@@ -187,12 +198,7 @@ class ChunkedLoad:
     every_s: float = 0.5
 
     def draw(self, corpus_ids: Sequence[int], seed: int) -> list[Request]:
-        rng = random.Random(seed)
-
-        def window(length: int) -> tuple[int, ...]:
-            start = rng.randrange(len(corpus_ids) - length)
-            return tuple(corpus_ids[start : start + length])
-
+        window = _windows(corpus_ids, seed)
         drawn = [
             Request(f"d{i}", window(self.decoder_prompt), self.decoder_tokens)
             for i in range(self.decoders)
@@ -202,6 +208,37 @@ class ChunkedLoad:
             for i in range(self.long_prompts)
         ]
         return drawn
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """Chat-like requests that begin with one of a few long system prompts (the prefix
+    caching comparison).
+
+    ``requests`` requests, one every ``every_s`` from 0, each one of
+    ``systems`` system prompts of ``system_tokens`` tokens (in turn), then a question of
+    ``question_tokens`` tokens of its own, generating ``output_tokens``.
+    """
+
+    systems: int = 2
+    system_tokens: int = 400
+    requests: int = 32
+    question_tokens: int = 24
+    output_tokens: int = 24
+    every_s: float = 0.1
+
+    def draw(self, corpus_ids: Sequence[int], seed: int) -> list[Request]:
+        window = _windows(corpus_ids, seed)
+        systems = [window(self.system_tokens) for _ in range(self.systems)]
+        return [
+            Request(
+                f"p{i}",
+                systems[i % self.systems] + window(self.question_tokens),
+                self.output_tokens,
+                i * self.every_s,
+            )
+            for i in range(self.requests)
+        ]
 
 
 def decoders_figures(
@@ -277,6 +314,7 @@ class Workload:
     prompt_tokens: TokenCounts
     output_tokens: TokenCounts
     chunked: ChunkedLoad | None = None  # the chunked-prefill comparison's load, if it ran
+    prefix: PrefixLoad | None = None  # the prefix caching comparison's load, if it ran
 
 
 @dataclass(frozen=True)
@@ -297,3 +335,7 @@ class RunFigures:
     steps: int | None = None
     step_ms_mean: float | None = None
     cpu_share: float | None = None  # of a core, over the run (bench/generation.py's runs)
+    # The tokens its steps computed, and the prompt tokens found in the cache instead.
+    computed_tokens: int | None = None
+    cached_tokens: int | None = None
+    computed_per_request: float | None = None  # prompt tokens (the prefix caching runs)

@@ -121,6 +121,7 @@ RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     "generation-targets": generation.render_generation_targets,
     "generation-chunked": generation.render_generation_chunked,
     "generation-profile": generation.render_generation_profile,
+    "generation-prefix": generation.render_generation_prefix,
     "generation_stack": generation_stack.render_generation_stack,
     "generation_promises": generation_promises.render_generation_promises,
     "generation_resume": generation_resume.render_generation_resume,

@@ -118,6 +118,7 @@ class _Draft:
     preempted: list[str] = field(default_factory=list)
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     moved: set[str] = field(default_factory=set)  # admitted or preempted: not moved again
+    cached: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,7 @@ class GenerationScheduler:
             resumed=tuple(draft.resumed),
             ended=self._ended,
             predicted_s=predicted_s,
+            cached=draft.cached,
         )
         self._released, self._ended = [], {}
         self._pending = plan
@@ -438,7 +440,7 @@ class GenerationScheduler:
             if t != tenant
         }
         victims: list[SequenceState] = []
-        blocks = self._pool.free
+        blocks = self._pool.free  # once the victims so far are preempted
         slots = limits.max_running - len(self._running)
         budget = draft.budget
         need = limits.blocks_for(sequence.request.total_tokens)
@@ -456,7 +458,7 @@ class GenerationScheduler:
                 continue
             held[owner] = (owned - len(victim.blocks), running - 1)
             victims.append(victim)
-            blocks += len(victim.blocks)
+            blocks = self._pool.free + self._pool.freed_by(s.id for s in victims)
             slots += 1
             budget += 1 if victim.id in draft.decoders else 0
             budget += sum(c.length for c in draft.chunks if c.id == victim.id)
@@ -512,10 +514,19 @@ class GenerationScheduler:
         draft.budget -= more
         return more
 
+    def _prefix(self, sequence: SequenceState) -> tuple[int, ...]:
+        """The hashes of ``sequence``'s prefix blocks it may take from the cache: never its
+        last known token's block, whose computation gives the token it samples next; and
+        none for a suspect running alone (:meth:`abort`): it computes its prompt itself."""
+        if sequence.alone:
+            return ()
+        return sequence.request.prefix[: (sequence.known - 1) // self.limits.block_size]
+
     def _fits(self, sequence: SequenceState, draft: _Draft) -> bool:
+        need = self.limits.blocks_for(sequence.request.total_tokens)
         return (
             len(self._running) < self.limits.max_running
-            and self.limits.blocks_for(sequence.request.total_tokens) <= self._pool.free
+            and self._pool.needed(need, self._prefix(sequence)) <= self._pool.free
             and self._chunk_length(sequence, draft.budget) > 0
             and not self._kept_apart(sequence, self._running.values())
         )
@@ -541,7 +552,7 @@ class GenerationScheduler:
         evicted = {s.id for s in victims}
         if self._kept_apart(sequence, [s for s in self._running.values() if s.id not in evicted]):
             return False  # what must stay running cannot run beside it
-        blocks = self._pool.free + sum(len(s.blocks) for s in victims)
+        blocks = self._pool.free + self._pool.freed_by(s.id for s in victims)
         slots = limits.max_running - len(self._running) + len(victims)
         budget = draft.budget + sum(1 for s in victims if s.id in draft.decoders)
         tokens = sequence.known if limits.prefill_chunk_tokens == 0 else 1
@@ -561,7 +572,7 @@ class GenerationScheduler:
             draft.budget += chunk.length
         self._pool.give_back(sequence.id, sequence.blocks)
         sequence.blocks = ()
-        sequence.computed = 0
+        sequence.computed = sequence.registered = 0
         sequence.prefilling = True
         del self._running[sequence.id]
         self._waiting.add(sequence)
@@ -572,9 +583,18 @@ class GenerationScheduler:
 
     def _start(self, sequence: SequenceState, draft: _Draft) -> None:
         self._waiting.remove(sequence.id)  # first: the queue files it by whether it started
-        blocks = self._pool.take(sequence.id, self.limits.blocks_for(sequence.request.total_tokens))
+        prefix = self._prefix(sequence)
+        hits = len(self._pool.hits(prefix))
+        blocks = self._pool.take(
+            sequence.id, self.limits.blocks_for(sequence.request.total_tokens), prefix
+        )
         sequence.blocks = blocks
         draft.blocks[sequence.id] = blocks
+        if hits:
+            # Their KV is there: its first chunk starts after them.
+            sequence.computed = hits * self.limits.block_size
+            sequence.registered = hits
+            draft.cached[sequence.id] = sequence.computed
         self._admissions += 1
         sequence.admitted_at = self._admissions
         if sequence.started:
@@ -597,6 +617,14 @@ class GenerationScheduler:
             self._released.append(sequence.id)
             self._ended[sequence.id] = reason
 
+    def _register(self, sequence: SequenceState) -> None:
+        """Offer the pool ``sequence``'s prefix blocks whose KV is computed now."""
+        prefix = sequence.request.prefix
+        full = min(len(prefix), sequence.computed // self.limits.block_size)
+        for index in range(sequence.registered, full):
+            self._pool.register(sequence.blocks[index], prefix[index])
+        sequence.registered = max(sequence.registered, full)
+
     # --- what the runtime reports ------------------------------------------------
 
     def abort(self, plan: StepPlan) -> tuple[str, ...]:
@@ -618,9 +646,12 @@ class GenerationScheduler:
             if sequence.cancelled:
                 self._drop(sequence, FinishReason.CANCELLED)
                 continue
+            # Run again alone, it computes its whole prompt itself (see _prefix), and the
+            # prefix blocks it held are shared no more, in case what failed was in them.
+            self._pool.forget(sequence.blocks)
             self._pool.give_back(sequence.id, sequence.blocks)
             sequence.blocks = ()
-            sequence.computed = 0
+            sequence.computed = sequence.registered = 0
             sequence.prefilling = True
             sequence.alone = True
             del self._running[id]
@@ -644,6 +675,7 @@ class GenerationScheduler:
             sequence = self._running[chunk.id]
             sequence.computed = chunk.end
             sequence.prefilling = not chunk.last
+            self._register(sequence)
         for id in plan.decode:
             self._running[id].computed += 1
         for id in output.sampled:

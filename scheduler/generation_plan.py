@@ -53,6 +53,10 @@ class GenerationRequest:
     ``weight``: its tenant's share of the engine against other tenants' (the
     key's weight, default 1): while another tenant waits, a tenant holds at
     most its weight's share of the KV blocks and of the running slots.
+    ``prefix``: the hashes of its prompt's full blocks
+    (:func:`~scheduler.generation_state.prefix_hashes`): blocks whose KV holds
+    the same prefix are shared, not computed again (prefix caching); empty:
+    none is.
     """
 
     id: str
@@ -64,6 +68,7 @@ class GenerationRequest:
     arrival: float = 0.0
     generated: int = 0
     weight: float = 1.0
+    prefix: tuple[int, ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -204,6 +209,10 @@ class StepPlan:
     every request's end exactly once.
     ``predicted_s``: how long the step is predicted to take (the learned fit
     of its tokens; 0 for a plan that computes nothing).
+    ``cached``: for each sequence admitted or resumed this step whose prompt
+    began with blocks already in the pool, the tokens those blocks hold: its
+    first chunk starts after them (the table's first blocks are shared, and
+    the runtime only reads them).
     """
 
     prefill: tuple[Chunk, ...] = ()
@@ -217,6 +226,7 @@ class StepPlan:
     resumed: tuple[str, ...] = ()
     ended: Mapping[str, FinishReason] = field(default_factory=dict)
     predicted_s: float = 0.0
+    cached: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:

@@ -3,8 +3,8 @@ and the order in which running sequences are preempted."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Mapping
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.generation_plan import GenerationRequest
@@ -14,18 +14,30 @@ NEVER = -1  # the admission number of a tenant never admitted (it goes first)
 
 
 class BlockPool:
-    """The free list of KV block ids ``0 .. count - 1`` and who holds each taken one.
+    """The free list of KV block ids ``0 .. count - 1``, who holds each taken one, and the
+    prompt prefixes whose keys and values blocks still hold (prefix caching).
 
     Blocks are handed out from the front of the free list and come back at
-    its end, so the ids a plan names depend only on the calls made.
+    its end (a sequence's last block first), so the ids a plan names depend
+    only on the calls made. A block
+    whose keys and values are a full block of some prompt's prefix is
+    registered under that prefix's hash (:func:`prefix_hashes`); a later
+    request with the same prefix takes it again instead of computing it: a
+    block in use is shared (its holders only read it: a sequence writes only
+    past its prefix), and a free one keeps its contents until it is handed
+    out for something else, the least recently freed first.
     """
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError("a block pool needs at least one block")
         self.capacity = count
-        self._free: deque[int] = deque(range(count))
-        self._owner: dict[int, str] = {}
+        # An ordered set: blocks leave from the front, come back at the end, and one
+        # taken again for its prefix leaves from where it is.
+        self._free: dict[int, None] = dict.fromkeys(range(count))
+        self._holders: dict[int, list[str]] = {}
+        self._cached: dict[int, int] = {}  # prefix hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> its prefix hash
 
     @property
     def free(self) -> int:
@@ -33,33 +45,107 @@ class BlockPool:
 
     @property
     def used(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
 
-    def take(self, owner: str, count: int) -> tuple[int, ...]:
-        """``count`` blocks for ``owner``; ValueError if fewer are free."""
-        if count > len(self._free):
-            raise ValueError(f"{owner}: {count} blocks asked, {len(self._free)} free")
-        blocks = tuple(self._free.popleft() for _ in range(count))
+    @property
+    def cached(self) -> int:
+        """Blocks holding a registered prefix, in use or free."""
+        return len(self._hash_of)
+
+    def hits(self, prefix: Sequence[int]) -> list[int]:
+        """The blocks of ``prefix``'s leading hashes that are cached, in order."""
+        found = []
+        for hashed in prefix:
+            block = self._cached.get(hashed)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def needed(self, count: int, prefix: Sequence[int] = ()) -> int:
+        """The free blocks :meth:`take` of ``count`` with ``prefix`` would use."""
+        hits = self.hits(prefix[:count])
+        return count - sum(1 for block in hits if block in self._holders)
+
+    def freed_by(self, owners: Iterable[str]) -> int:
+        """The blocks that would be free once ``owners`` gave theirs back (a block shared
+        with another holder stays taken)."""
+        leaving = set(owners)
+        return sum(1 for holders in self._holders.values() if leaving.issuperset(holders))
+
+    def take(self, owner: str, count: int, prefix: Sequence[int] = ()) -> tuple[int, ...]:
+        """``count`` blocks for ``owner``, the first of them those of ``prefix``'s hashes
+        that are cached (as many as :meth:`hits` names); ValueError if too few are free."""
+        hits = self.hits(prefix[:count])
+        needed = self.needed(count, prefix)
+        if needed > len(self._free):
+            raise ValueError(f"{owner}: {needed} blocks asked, {len(self._free)} free")
+        for block in hits:
+            self._free.pop(block, None)
+        fresh = []
+        for _ in range(count - len(hits)):
+            block = next(iter(self._free))
+            del self._free[block]
+            hashed = self._hash_of.pop(block, None)
+            if hashed is not None:  # its old prefix is overwritten from now on
+                del self._cached[hashed]
+            fresh.append(block)
+        blocks = (*hits, *fresh)
         for block in blocks:
-            self._owner[block] = owner
+            self._holders.setdefault(block, []).append(owner)
         return blocks
+
+    def register(self, block: int, hashed: int) -> None:
+        """``block`` now holds the full prefix block ``hashed``: later prompts may share it.
+        A prefix cached in another block already stays there."""
+        if hashed not in self._cached and block not in self._hash_of:
+            self._cached[hashed] = block
+            self._hash_of[block] = hashed
+
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Share none of ``blocks`` from now on (what they hold is suspect)."""
+        for block in blocks:
+            hashed = self._hash_of.pop(block, None)
+            if hashed is not None:
+                del self._cached[hashed]
 
     def give_back(self, owner: str, blocks: Iterable[int]) -> None:
         """Return ``owner``'s blocks; ValueError for a block it does not hold."""
         blocks = tuple(blocks)
         for block in blocks:
-            if self._owner.get(block) != owner:
-                raise ValueError(f"{owner} returns block {block}, held by {self._owner.get(block)}")
-        for block in blocks:
-            del self._owner[block]
-            self._free.append(block)
+            if owner not in self._holders.get(block, ()):
+                held = self._holders.get(block)
+                raise ValueError(
+                    f"{owner} returns block {block}, held by {', '.join(held) if held else None}"
+                )
+        # Last block first: a sequence's tail is handed out again before its prefix,
+        # which a later prompt may share.
+        for block in reversed(blocks):
+            holders = self._holders[block]
+            holders.remove(owner)
+            if not holders:
+                del self._holders[block]
+                self._free[block] = None
 
     def owners(self) -> Mapping[str, tuple[int, ...]]:
-        """Every taken block by its holder, in the order taken."""
+        """Every taken block by its holders, in the order taken (a shared block under each)."""
         held: dict[str, list[int]] = {}
-        for block, owner in self._owner.items():
-            held.setdefault(owner, []).append(block)
+        for block, owners in self._holders.items():
+            for owner in owners:
+                held.setdefault(owner, []).append(block)
         return {owner: tuple(blocks) for owner, blocks in held.items()}
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """One hash for each full block of ``tokens``, each covering every token up to its
+    block's end (two prompts share block ``i``'s hash only if their first ``(i + 1) *
+    block_size`` tokens are the same): what :class:`BlockPool` caches blocks under."""
+    hashes = []
+    digest = hashlib.blake2b(digest_size=16)
+    for end in range(block_size, len(tokens) + 1, block_size):
+        digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - block_size : end]))
+        hashes.append(int.from_bytes(digest.copy().digest(), "little"))
+    return tuple(hashes)
 
 
 @dataclass(eq=False)
@@ -88,6 +174,7 @@ class SequenceState:
     first_admitted: int = NEVER
     cancelled: bool = False
     alone: bool = False
+    registered: int = 0  # its prefix blocks registered in the pool (their KV computed)
 
     @property
     def id(self) -> str:

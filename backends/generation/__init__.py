@@ -18,7 +18,9 @@ the model and a measured step's activations come out of it and the KV pool
 gets the rest; on the CPU, where nothing is measured, it is the KV pool's
 alone; 0: the device's memory share, on the CPU 256 MiB), ``native``
 (``auto``, or ``never`` to run even a natively stepped architecture through
-``generate()``).
+``generate()``), ``prefix_caching`` (true: prompts that begin alike share the
+KV blocks of their common prefix, computed once; natively stepped models
+only).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "prefill_chunk_tokens": int,
     "kv_cache_bytes": int,
     "native": str,
+    "prefix_caching": bool,
 }
 CPU_KV_BYTES = 256 * 2**20
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -53,6 +56,7 @@ class GenerationSettings:
     prefill_chunk_tokens: int = 256
     kv_cache_bytes: int = 0
     native: str = "auto"
+    prefix_caching: bool = True
 
     @classmethod
     def of(cls, model: ModelConfig) -> GenerationSettings:
@@ -180,7 +184,9 @@ class CausalLMRuntime:
             block_size=settings.block_size,
         )
         if loaded.native:
-            self.runner = StepRuntime(self.name, dtype=dtype, **common)
+            self.runner = StepRuntime(
+                self.name, dtype=dtype, prefix_caching=settings.prefix_caching, **common
+            )
             chunk = settings.prefill_chunk_tokens
         else:
             self.runner = WholeRuntime(self.name, **common)

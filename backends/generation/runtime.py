@@ -158,8 +158,12 @@ class StepRuntime:
         kv_blocks: int,
         block_size: int,
         dtype: torch.dtype,
+        prefix_caching: bool = True,
     ) -> None:
         self.name = name
+        # Whether requests name their prompt's prefix blocks (the scheduler shares them):
+        # a sequence only reads the blocks before its first chunk, so nothing here changes.
+        self.prefix_caching = prefix_caching
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)

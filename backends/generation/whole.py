@@ -43,6 +43,7 @@ class WholeRuntime:
     # A job runs whole in one step, streamed only when it ends: there is never a
     # part of it to go on from, and a job taken over runs again from its prompt.
     resumable = False
+    prefix_caching = False  # generate() keeps no KV between calls
 
     name: str
     model: Any = field(repr=False)

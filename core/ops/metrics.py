@@ -198,6 +198,12 @@ GENERATION_TOKENS = Counter(
     "Tokens generated (sampled) by a generation worker.",
     ["model"],
 )
+GENERATION_CACHED_TOKENS = Counter(
+    "ferry_generation_prompt_tokens_cached_total",
+    "Prompt tokens a generation worker found in its KV cache (a prefix another prompt "
+    "computed) and did not compute.",
+    ["model"],
+)
 GENERATION_STEPS = Counter(
     "ferry_generation_steps_total",
     "Steps a generation worker ran (each a forward pass).",

@@ -27,6 +27,7 @@ from backends.generation import CausalLMRuntime, GenerationSettings
 from backends.generation.runtime import GREEDY, Completion, GenerationInput
 from backends.generation.sampling import SamplingParams
 from scheduler.generation import GenerationLimits, GenerationRequest, GenerationScheduler, Lane
+from scheduler.generation_state import prefix_hashes
 from tests.lm import ARCHES, lm_folder
 from workers.gpu.engine import GenerationEngine
 
@@ -433,6 +434,38 @@ def test_a_resumed_job_keeps_the_logprobs_its_stream_holds() -> None:
     resumed = run(engine("gpt2"), [(request, job)], iter([1] + [0] * 10_000))["r"]
     assert resumed.logprobs is not None and resumed.logprobs[:5] == streamed
     assert_logprobs_match(resumed, expected, 2)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prompts_sharing_a_prefix_compute_it_once_and_still_equal_generate(arch: str) -> None:
+    """Chat-like prompts that begin with one of two system prompts (and a few alike
+    whole): the later ones take the prefix's blocks from the cache, their tokens still
+    those of the library's generate() on each prompt alone."""
+    rng = random.Random(41)
+    tokenizer = loaded(arch).runner.tokenizer
+    words = CORPUS.read_text(encoding="utf-8").split()
+    systems = [tokenizer.encode(" ".join(words[i : i + 60])).ids[:70] for i in (100, 900)]
+    cases = []
+    for i, p in enumerate(prompts(arch, 40, seed=43)):
+        system = systems[i % 2]
+        question = p.ids[: rng.choice([1, 5, 20])] if i % 7 else ()  # a few: the system alone
+        cases.append(Prompt((*system, *question), rng.choice([2, 6, 12])))
+    size = engine(arch).scheduler.limits.block_size
+    cached: dict[str, int] = {}
+    jobs = []
+    for i, prompt in enumerate(cases):
+        prefix = prefix_hashes(prompt.ids, size)
+        request = GenerationRequest(str(i), len(prompt.ids), prompt.max_tokens, prefix=prefix)
+        jobs.append((request, GenerationInput(prompt.ids, prompt.max_tokens)))
+    ended = run(
+        engine(arch), jobs, arrivals(9), on_step=lambda events: cached.update(events.plan.cached)
+    )
+    mismatched = [
+        i for i, p in enumerate(cases) if list(ended[str(i)].token_ids) != reference(arch, p)
+    ]
+    assert mismatched == []
+    assert len(cached) >= 30, cached  # most found their system prompt computed
+    assert max(cached.values()) >= 64
 
 
 @cache

@@ -20,7 +20,7 @@ from scheduler.generation import (
     StepPlan,
 )
 from scheduler.generation_queue import WaitingQueue
-from scheduler.generation_state import NEVER, BlockPool, SequenceState
+from scheduler.generation_state import NEVER, BlockPool, SequenceState, prefix_hashes
 from scheduler.policy import LinearFit
 from scheduler.vocabulary import Lane
 
@@ -203,10 +203,10 @@ CASES = [
         {"admitted": ("a",)},
     ),
     Case(
-        "a finished sequence's blocks are free for the next step",
+        "a finished sequence's blocks are free for the next step (its last block first)",
         {"kv_blocks": 4},
         (Step(add=(req("a", 4, 8), req("b")), finish={"a": STOP}), Step(now=1)),
-        {"admitted": ("b",), "blocks": {"b": (3, 0)}, "decode": ()},
+        {"admitted": ("b",), "blocks": {"b": (3, 2)}, "decode": ()},
     ),
     Case(
         "max_running bounds the running batch",
@@ -276,7 +276,7 @@ CASES = [
         "an urgent request preempts the lowest lane first to get blocks",
         {"kv_blocks": 4},
         (Step(add=(req("n", lane=N), req("b", lane=B))), Step(now=1, add=(req("u", lane=U),))),
-        {"preempted": ("b",), "admitted": ("u",), "blocks": {"u": (2, 3)}, "decode": ("n",)},
+        {"preempted": ("b",), "admitted": ("u",), "blocks": {"u": (3, 2)}, "decode": ("n",)},
     ),
     Case(
         "within the lowest lane, the most recently admitted is preempted first",
@@ -858,3 +858,114 @@ def test_with_nobody_else_waiting_a_tenants_prefills_take_the_whole_step() -> No
     plan = run(scheduler, (Step(now=2.0),))
     assert plan.decode == ("b0",)
     assert sum(c.length for c in plan.prefill) == 127
+
+
+# --- prefix caching ----------------------------------------------------------------
+
+
+def test_the_pool_shares_a_cached_prefix_and_keeps_it_once_free() -> None:
+    pool = BlockPool(6)
+    assert pool.take("a", 3, prefix=(11, 12)) == (0, 1, 2)  # nothing cached yet
+    pool.register(0, 11)
+    pool.register(1, 12)
+    assert pool.needed(3, (11, 12, 13)) == 1  # two of the three are there, in use
+    assert pool.take("b", 3, prefix=(11, 12, 13)) == (0, 1, 3)
+    assert pool.owners() == {"a": (0, 1, 2), "b": (0, 1, 3)} and pool.used == 4
+    with pytest.raises(ValueError, match="held by a, b"):
+        pool.give_back("c", (0,))
+    pool.give_back("a", (0, 1, 2))
+    assert pool.owners() == {"b": (0, 1, 3)} and pool.free == 3  # 0 and 1 still b's
+    pool.give_back("b", (0, 1, 3))
+    assert pool.free == 6 and pool.cached == 2
+    # Free, the prefix is still there: taken again from where it waits in the free list.
+    assert pool.take("c", 2, prefix=(11, 12)) == (0, 1)
+    # The oldest free blocks go first (a holder's last block first), and a cached one
+    # handed out loses its prefix.
+    pool.give_back("c", (0, 1))
+    assert pool.take("d", 5) == (4, 5, 2, 3, 1)
+    assert pool.hits((11, 12)) == [0] and pool.cached == 1
+    with pytest.raises(ValueError, match="2 blocks asked, 1 free"):
+        pool.take("e", 2, prefix=(99,))
+
+
+def test_a_different_block_breaks_the_shared_prefix_there() -> None:
+    one = prefix_hashes(list(range(12)), 4)
+    two = prefix_hashes([*range(4), 9, *range(5, 12)], 4)
+    assert len(one) == 3 and one[0] == two[0]
+    assert one[1] != two[1] and one[2] != two[2]  # each hash covers everything before it
+    assert prefix_hashes(list(range(11)), 4) == one[:2]  # only full blocks
+
+
+def prefixed(id: str, prompt: int, common: list[int], **fields: Any) -> GenerationRequest:
+    tokens = common + [1000 + ord(c) for c in id] * prompt
+    return GenerationRequest(id, prompt, 4, prefix=prefix_hashes(tokens[:prompt], 4), **fields)
+
+
+# Three steps: an 18-token prompt prefilled in chunks of 8, 8 and 2 (its blocks are
+# offered to the cache as their KV is computed).
+PREFILLED = (Step(), Step())
+
+
+def test_a_prompt_whose_prefix_is_cached_prefills_only_the_rest() -> None:
+    scheduler = make()
+    common = list(range(16))
+    first = run(scheduler, (Step(add=(prefixed("a", 18, common),)),))
+    assert first.cached == {} and first.prefill[0].start == 0  # nothing there before it
+    run(scheduler, PREFILLED)
+    plan = run(scheduler, (Step(add=(prefixed("b", 18, common), prefixed("c", 8, common))),))
+    # b: 16 of its 18 tokens are a's four full blocks; c's prompt is two blocks, of which
+    # the last is computed again: its last token's computation gives its first token.
+    assert plan.cached == {"b": 16, "c": 4}
+    assert [(c.id, c.start, c.length) for c in plan.prefill] == [("b", 16, 2), ("c", 4, 4)]
+    owned = scheduler.owned_blocks()
+    assert owned["b"][:4] == owned["a"][:4] and owned["c"][:1] == owned["a"][:1]
+    assert scheduler.blocks_used == 6 + 2 + 2  # a's 6, then b's and c's own
+
+
+def test_blocks_are_shared_only_once_their_kv_is_computed() -> None:
+    scheduler = make()
+    common = list(range(16))
+    plan = run(scheduler, (Step(add=(prefixed("a", 18, common), prefixed("b", 18, common))),))
+    assert plan.cached == {} and scheduler.blocks_used == 12  # alike, admitted together
+    # c comes after a's first chunk only: the two blocks it computed are shared.
+    plan = run(scheduler, (Step(add=(prefixed("c", 18, common),)),))
+    assert plan.cached == {"c": 8}
+
+
+def test_a_shared_prefix_needs_no_free_block_and_outlives_its_first_holder() -> None:
+    scheduler = make(kv_blocks=8)
+    common = list(range(16))
+    run(scheduler, (Step(add=(prefixed("a", 18, common),)), *PREFILLED))  # 6 blocks of 8
+    plan = run(scheduler, (Step(add=(prefixed("b", 18, common),)),))
+    assert plan.admitted == ("b",) and plan.cached == {"b": 16}  # 2 free blocks were enough
+    plan = run(scheduler, (Step(finish={"a": STOP}),))
+    assert scheduler.owned_blocks().keys() == {"b"} and scheduler.blocks_used == 6
+
+
+def test_a_preempted_sequence_takes_its_own_prefix_back() -> None:
+    scheduler = make(kv_blocks=8)
+    common = list(range(16))
+    run(scheduler, (Step(add=(prefixed("b", 18, common, lane=B),)), *PREFILLED))
+    plan = run(scheduler, (Step(add=(req("u", prompt=12, max_tokens=8, lane=U),)),))
+    assert plan.preempted == ("b",) and plan.admitted == ("u",)
+    run(scheduler, (Step(finish={"u": STOP}),))
+    plan = run(scheduler, (Step(),))
+    # u's blocks were the free ones, then b's last three (the last first): the prefix
+    # blocks u did not take are still b's to take back.
+    assert plan.resumed == ("b",) and plan.cached == {"b": 12}
+    assert [(c.start, c.length) for c in plan.prefill] == [(12, 7)]
+
+
+def test_a_sequence_in_a_failed_step_computes_its_prompt_itself_and_shares_nothing() -> None:
+    scheduler = make()
+    common = list(range(16))
+    run(scheduler, (Step(add=(prefixed("a", 18, common),)), *PREFILLED))
+    scheduler.add(prefixed("b", 18, common))
+    plan = scheduler.schedule(0.0)
+    assert plan.cached == {"b": 16}
+    assert scheduler.abort(plan) == ("b", "a")
+    # The blocks the failed step read are no one's prefix any more...
+    assert scheduler._pool.hits(prefixed("c", 18, common).prefix) == []
+    # ...and each one, alone, computes its prompt itself (a first: admitted first).
+    plan = scheduler.schedule(0.0)
+    assert plan.cached == {} and [(c.id, c.start) for c in plan.prefill] == [("a", 0)]

@@ -3,8 +3,11 @@
 A fake paged-KV runtime executes each plan the way a real one must (free,
 then append blocks, then compute) and checks the plan against what it holds:
 chunks continue where the KV ends, decodes follow a sampled token, no block
-is held twice or past the pool. Hundreds of requests with skewed prompt and
-output lengths, random cancels and urgent arrivals; no clock.
+is held past the pool, and a block is shared only where it holds the
+sharers' common prompt prefix (prefix caching: the runtime remembers what
+each block's KV is of) and is never written while shared. Hundreds of
+requests with skewed prompt and output lengths, half of them beginning with
+one of a few system prompts, random cancels and urgent arrivals; no clock.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from scheduler.generation import (
     StepOutput,
     StepPlan,
 )
+from scheduler.generation_state import prefix_hashes
 from scheduler.policy import LinearFit
 from scheduler.vocabulary import Lane
 
@@ -37,6 +41,7 @@ class Job:
     generated: int = 0
     computed: int = 0  # positions whose KV the runtime holds
     table: list[int] = field(default_factory=list)
+    fresh: bool = False  # given its table this step: its first chunk may start past 0
 
     @property
     def known(self) -> int:
@@ -50,13 +55,18 @@ class Runtime:
         self.limits = limits
         self.rng = rng
         self.jobs: dict[str, Job] = {}
-        self.owner: dict[int, str] = {}
+        self.owner: dict[int, set[str]] = {}
+        # What each block's KV is of: a prompt prefix block's hash, else its writer's.
+        self.content: dict[int, object] = {}
         self.unreported: set[str] = set()  # reached max_tokens, length not reported
 
     def free(self, id: str) -> None:
         job = self.jobs[id]
         for block in job.table:
-            assert self.owner.pop(block) == id
+            holders = self.owner[block]
+            holders.remove(id)
+            if not holders:
+                del self.owner[block]
         job.table.clear()
         job.computed = 0
 
@@ -68,12 +78,28 @@ class Runtime:
         for id, blocks in plan.blocks.items():
             job = self.jobs[id]
             assert not job.table, f"{id} is given a table while it holds one"
-            for block in blocks:
+            cached = plan.cached.get(id, 0) // self.limits.block_size
+            for index, block in enumerate(blocks):
                 assert 0 <= block < self.limits.kv_blocks
-                assert block not in self.owner, f"block {block} held by {self.owner[block]}"
-                self.owner[block] = id
+                if index < cached:  # shared: it must hold this prompt's prefix already
+                    assert self.content.get(block) == job.request.prefix[index], (id, index)
+                else:
+                    assert block not in self.owner, f"block {block} held by {self.owner[block]}"
+                self.owner.setdefault(block, set()).add(id)
             job.table.extend(blocks)
+            job.computed = cached * self.limits.block_size
+            job.fresh = True
         assert len(self.owner) <= self.limits.kv_blocks
+
+    def write(self, job: Job, start: int, end: int) -> None:
+        """Compute the KV of positions ``[start, end)`` into the job's own blocks."""
+        size = self.limits.block_size
+        prefix = job.request.prefix
+        for index in range(start // size, (end - 1) // size + 1):
+            block = job.table[index]
+            assert self.owner[block] == {job.request.id}, f"writes block {block}, shared"
+            full = (index + 1) * size <= end
+            self.content[block] = prefix[index] if full and index < len(prefix) else job
 
     def compute(self, plan: StepPlan) -> StepOutput:
         size = self.limits.block_size
@@ -82,11 +108,14 @@ class Runtime:
             assert chunk.length >= 1 and chunk.start == job.computed, chunk
             assert chunk.end <= job.known and chunk.last == (chunk.end == job.known), chunk
             assert chunk.end <= len(job.table) * size, f"{chunk} past its blocks"
+            self.write(job, chunk.start, chunk.end)
             job.computed = chunk.end
+            job.fresh = False
         for id in plan.decode:
             job = self.jobs[id]
             assert job.computed == job.known - 1, f"{id} decodes without a sampled token"
             assert job.known <= len(job.table) * size, f"{id} decodes past its blocks"
+            self.write(job, job.computed, job.computed + 1)
             job.computed += 1
         sampled: dict[str, int] = {}
         finished: dict[str, FinishReason] = {}
@@ -107,15 +136,31 @@ class Runtime:
         return StepOutput(sampled, finished, 0.002 + 2e-5 * plan.tokens)
 
 
-def new_request(rng: random.Random, n: int, now: float) -> GenerationRequest:
+# System prompts that half the requests begin with (the rest of each prompt its own).
+SYSTEMS = [[1_000 * s + i for i in range(length)] for s, length in enumerate((3, 40, 130))]
+
+
+def new_request(rng: random.Random, n: int, now: float, block_size: int = 16) -> GenerationRequest:
     lane = rng.choices(LANES, LANE_WEIGHTS)[0]
     prompt = max(1, min(900, int(4 * rng.paretovariate(1.1))))
+    tokens = [10**6 + 10**3 * n + i for i in range(prompt)]
+    if rng.random() < 0.5:
+        system = rng.choice(SYSTEMS)
+        tokens = (system + tokens)[:900]
+        prompt = len(tokens)
     max_tokens = max(1, min(400, int(8 * rng.paretovariate(1.0))))
     deadline = None
     if lane is not Lane.URGENT and rng.random() < 0.2:
         deadline = now + rng.uniform(0.005, 0.3)
     return GenerationRequest(
-        f"r{n}", prompt, max_tokens, lane, f"t{rng.randrange(4)}", deadline, arrival=now
+        f"r{n}",
+        prompt,
+        max_tokens,
+        lane,
+        f"t{rng.randrange(4)}",
+        deadline,
+        arrival=now,
+        prefix=prefix_hashes(tokens, block_size),
     )
 
 
@@ -148,6 +193,7 @@ class Run:
     plans: list[StepPlan] = field(default_factory=list)
     urgent_checked: int = 0  # urgent arrivals asserted to start at the next step
     urgent_preempting: int = 0  # of those, ones that preempted to start
+    cached_tokens: int = 0  # prompt tokens found in the cache, not computed
 
 
 def simulate(limits: GenerationLimits, seed: int, requests: int = 400) -> Run:
@@ -165,7 +211,7 @@ def simulate(limits: GenerationLimits, seed: int, requests: int = 400) -> Run:
     for _ in range(100_000):
         urgent_new: list[GenerationRequest] = []
         while arrived < requests and next_arrival <= now:
-            request = new_request(rng, arrived, next_arrival)
+            request = new_request(rng, arrived, next_arrival, limits.block_size)
             arrived += 1
             next_arrival += rng.expovariate(ARRIVALS_PER_S)
             never = limits.blocks_for(request.total_tokens) > limits.kv_blocks or (
@@ -189,11 +235,13 @@ def simulate(limits: GenerationLimits, seed: int, requests: int = 400) -> Run:
             assert scheduler.cancel(id)
             cancel_asked.add(id)
         # Urgent arrivals that preempting could make room for start at this very step.
+        # (Waiting: not running, so a preempted urgent one, which heads the lane, too.)
         urgent_waiting = (
             {id for id in accepted if jobs[id].request.lane is Lane.URGENT}
-            - ever_admitted
+            - running
             - set(ended)
             - cancel_asked
+            - runtime.unreported
         )
         must_start = [
             request.id
@@ -222,9 +270,11 @@ def simulate(limits: GenerationLimits, seed: int, requests: int = 400) -> Run:
             ended[id] = reason
 
         runtime.apply_blocks(plan)
-        assert scheduler.owned_blocks() == {
-            id: tuple(job.table) for id, job in jobs.items() if job.table
+        owned = scheduler.owned_blocks()
+        assert {id: sorted(blocks) for id, blocks in owned.items()} == {
+            id: sorted(job.table) for id, job in jobs.items() if job.table
         }
+        result.cached_tokens += sum(plan.cached.values())
         assert scheduler.blocks_free == limits.kv_blocks - len(runtime.owner)
         assert scheduler.running_count == len(running) <= limits.max_running
         output = runtime.compute(plan)
@@ -289,6 +339,7 @@ def test_a_random_load_keeps_every_invariant(name: str, seed: int) -> None:
     plans = run.plans
     # The load exercised the rules, not just the easy path.
     assert run.urgent_checked > 0 and run.urgent_preempting > 0
+    assert run.cached_tokens > 1000  # prompts shared their system prompt's blocks
     assert sum(len(plan.preempted) for plan in plans) > 0
     assert sum(len(plan.expired) for plan in plans) > 0
     assert sum(len(plan.resumed) for plan in plans) > 0

@@ -43,6 +43,7 @@ from core.models.generation import prompt_token_ids, token_logprob_entry
 from core.streams.events import JobEvent
 from core.streams.protocol import cancels_key, done_channel, events_key
 from scheduler.generation import FinishReason, GenerationRequest, StepPlan
+from scheduler.generation_state import prefix_hashes
 from scheduler.vocabulary import Lane
 from workers.gpu.checkpoint import TokenWriter
 from workers.gpu.consumer import Entry, StreamConsumer
@@ -403,6 +404,7 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                     arrival=message.enqueued_at_ms / 1000.0,
                     generated=len(job.resumed),
                     weight=self.weights.of(message.tenant),
+                    prefix=self._prefix(job),
                 )
                 self.engine.add(request, job)
                 held.max_tokens = request.max_tokens
@@ -412,6 +414,12 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
             self.held[message.job_id] = held
         if refused:
             self._record(refused)
+
+    def _prefix(self, job: GenerationInput) -> tuple[int, ...]:
+        """The prompt's prefix blocks, for the scheduler to share (prefix caching)."""
+        if not getattr(self.engine.runtime, "prefix_caching", False):
+            return ()
+        return prefix_hashes(job.prompt_ids, self.engine.scheduler.limits.block_size)
 
     def _resume(self, job: GenerationInput, held: _Held) -> GenerationInput:
         """A job taken over goes on from the tokens its events stream holds (its checkpoint).

@@ -19,6 +19,7 @@ import redis
 
 from core.models.generation_estimates import Execution, GenerationEstimate
 from core.ops.metrics import (
+    GENERATION_CACHED_TOKENS,
     GENERATION_JOBS_ENDED,
     GENERATION_KV_BLOCKS_BUDGET,
     GENERATION_KV_BLOCKS_IN_USE,
@@ -83,6 +84,7 @@ class GenerationSignals:
         self._running = GENERATION_SEQUENCES.labels(model, "running")
         self._waiting = GENERATION_SEQUENCES.labels(model, "waiting")
         self._preempted = GENERATION_PREEMPTIONS.labels(model)
+        self._cached = GENERATION_CACHED_TOKENS.labels(model)
         GENERATION_KV_BLOCKS_BUDGET.labels(model).set(self.limits.kv_blocks)
 
     # --- the loop's side ---------------------------------------------------------
@@ -114,6 +116,8 @@ class GenerationSignals:
                 self._rate_tokens += len(events.emitted)
             if events.plan.preempted:
                 self._preempted.inc(len(events.plan.preempted))
+            if events.plan.cached:
+                self._cached.inc(sum(events.plan.cached.values()))
         self._in_use.set(scheduler.blocks_used)
         self._running.set(scheduler.running_count)
         self._waiting.set(scheduler.waiting_count)
