@@ -458,7 +458,7 @@ class GenerationScheduler:
                 continue
             held[owner] = (owned - len(victim.blocks), running - 1)
             victims.append(victim)
-            blocks = self._pool.free + self._pool.freed_by(s.id for s in victims)
+            blocks = self._pool.free + self._pool.freed_by(victims)
             slots += 1
             budget += 1 if victim.id in draft.decoders else 0
             budget += sum(c.length for c in draft.chunks if c.id == victim.id)
@@ -552,7 +552,7 @@ class GenerationScheduler:
         evicted = {s.id for s in victims}
         if self._kept_apart(sequence, [s for s in self._running.values() if s.id not in evicted]):
             return False  # what must stay running cannot run beside it
-        blocks = self._pool.free + self._pool.freed_by(s.id for s in victims)
+        blocks = self._pool.free + self._pool.freed_by(victims)
         slots = limits.max_running - len(self._running) + len(victims)
         budget = draft.budget + sum(1 for s in victims if s.id in draft.decoders)
         tokens = sequence.known if limits.prefill_chunk_tokens == 0 else 1

@@ -67,11 +67,13 @@ class BlockPool:
         hits = self.hits(prefix[:count])
         return count - sum(1 for block in hits if block in self._holders)
 
-    def freed_by(self, owners: Iterable[str]) -> int:
-        """The blocks that would be free once ``owners`` gave theirs back (a block shared
-        with another holder stays taken)."""
-        leaving = set(owners)
-        return sum(1 for holders in self._holders.values() if leaving.issuperset(holders))
+    def freed_by(self, leaving: Iterable[SequenceState]) -> int:
+        """The blocks that would be free once the ``leaving`` sequences gave theirs back (a
+        block shared with another holder stays taken)."""
+        sequences = list(leaving)
+        owners = {s.id for s in sequences}
+        blocks = {block for s in sequences for block in s.blocks}
+        return sum(1 for block in blocks if owners.issuperset(self._holders[block]))
 
     def take(self, owner: str, count: int, prefix: Sequence[int] = ()) -> tuple[int, ...]:
         """``count`` blocks for ``owner``, the first of them those of ``prefix``'s hashes
