@@ -64,6 +64,14 @@ generation); once past that computation it runs beside the others again.
 A preempted sequence loses its KV but keeps what it generated: it returns to
 the front of its lane, is *resumed* (not admitted again) and then prefills
 its prompt and generated tokens before it decodes again.
+
+Prefix caching: a request may name its prompt's full blocks by hash
+(``GenerationRequest.prefix``). Once a step has computed such a block, the
+pool registers it; a sequence admitted or resumed later whose prompt begins
+with registered blocks takes them (shared, read only: it writes only past
+them) and its first chunk starts after them, never past the block of its
+last known token. Admission counts only the blocks it must take from the
+free list. A freed block keeps its prefix until the pool hands it out again.
 """
 
 from __future__ import annotations

@@ -154,33 +154,46 @@ redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
 return 1
 """
 )
-# A step's tokens in one call. KEYS: the events streams; ARGV: for each, the token's index,
-# the token, its text and its logprob ("": not asked). For each, 1 if appended, else 0.
-_APPEND_TOKENS = (
-    _NEWEST
-    + """
+
+
+def _steps_script(logprobs: bool) -> str:
+    """A step's tokens in one call. KEYS: the events streams; ARGV: for each, the token's
+    index, the token, its text and, with ``logprobs``, its logprob ("": its job asked for
+    none). For each, 1 if appended, else 0. A step of jobs that asked for no logprobs
+    sends the script without, an argument fewer a token."""
+    stride, logprob = "3", ""
+    if logprobs:
+        stride = "4"
+        logprob = (
+            "if ARGV[at + 4] ~= '' then table.insert(f, 'lp'); table.insert(f, ARGV[at + 4]) end"
+        )
+    return _NEWEST + (
+        """
 local appended = {}
 for n = 1, #KEYS do
-  local index, token, text, lp = ARGV[4 * n - 3], ARGV[4 * n - 2], ARGV[4 * n - 1], ARGV[4 * n]
+  local at = STRIDE * (n - 1)
+  local index = ARGV[at + 1]
   if newest(KEYS[n]) == tonumber(index) - 1 then
-    if lp == '' then
-      redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text)
-    else
-      redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text,
-        'lp', lp)
-    end
+    local f = {'k', 'token', 'i', index, 'tok', ARGV[at + 2], 'txt', ARGV[at + 3]}
+    LOGPROB
+    redis.call('XADD', KEYS[n], '*', unpack(f))
     appended[n] = 1
   else
     appended[n] = 0
   end
 end
 return appended
-"""
-)
+""".replace("STRIDE", stride).replace("LOGPROB", logprob)
+    )
+
+
+_APPEND_TOKENS = _steps_script(logprobs=False)
+_APPEND_TOKENS_LOGPROBS = _steps_script(logprobs=True)
 _SCRIPTS = {
-    hashlib.sha1(script.encode()).hexdigest(): script for script in (_APPEND_TOKEN, _APPEND_TOKENS)
+    hashlib.sha1(script.encode()).hexdigest(): script
+    for script in (_APPEND_TOKEN, _APPEND_TOKENS, _APPEND_TOKENS_LOGPROBS)
 }
-_APPEND_TOKEN_SHA, _APPEND_TOKENS_SHA = _SCRIPTS
+_APPEND_TOKEN_SHA, _APPEND_TOKENS_SHA, _APPEND_TOKENS_LOGPROBS_SHA = _SCRIPTS
 
 
 def append_token(target: redis.Redis | redis.client.Pipeline, key: str, event: JobEvent) -> Any:
@@ -206,12 +219,16 @@ def append_tokens(
     if is_cluster(target):
         return [append_token(target, key, event) for key, event in tokens]
     keys, args = [], []
+    logprobs = any(event.logprob is not None for _, event in tokens)
     for key, event in tokens:
         assert event.kind == "token" and event.index is not None
         keys.append(key)
-        lp = "" if event.logprob is None else _encoded(event.logprob)
-        args += [event.index, event.token, event.text or "", lp]
-    return _call(target, _APPEND_TOKENS_SHA, keys, args)
+        args += [event.index, event.token, event.text or ""]
+        if logprobs:
+            args.append("" if event.logprob is None else _encoded(event.logprob))
+    return _call(
+        target, _APPEND_TOKENS_LOGPROBS_SHA if logprobs else _APPEND_TOKENS_SHA, keys, args
+    )
 
 
 def _call(
