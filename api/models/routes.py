@@ -112,6 +112,7 @@ def _model_info(
             chat=spec.input.chat is not None,
             execution=None if learned is None else learned.execution,
             why=(learned.why or None) if learned is not None else None,
+            prefix_caching=None if learned is None else learned.prefix_caching,
             step_fixed_ms=None if learned is None else _ms(learned.step_a_s),
             step_per_token_ms=None if learned is None else _ms(learned.step_b_s, 6),
         )

@@ -34,6 +34,11 @@ class GenerationInfo(BaseModel):
     why: str | None = Field(
         default=None, description="With execution generate: why it is not stepped natively."
     )
+    prefix_caching: bool | None = Field(
+        default=None,
+        description="Whether prompts that begin alike share their prefix's KV blocks, "
+        "computed once (null until a worker says).",
+    )
     step_fixed_ms: float | None = Field(
         default=None,
         description="Learned: a step's time = fixed + per_token x its tokens (null until a "

@@ -36,6 +36,8 @@ class GenerationEstimate:
     ``running``, ``waiting``: sequences in the worker when it published.
     ``mean_prompt_tokens``, ``mean_max_tokens``: recent jobs' sizes;
     ``mean_completion_tokens``: what recent jobs generated (0: none seen yet).
+    ``prefix_caching``: prompts that begin alike share their prefix's KV blocks (read
+    when given: a worker of an earlier version publishes no such field).
     """
 
     execution: Execution
@@ -53,6 +55,7 @@ class GenerationEstimate:
     mean_prompt_tokens: float = 0.0
     mean_max_tokens: float = 0.0
     mean_completion_tokens: float = 0.0
+    prefix_caching: bool = False
 
     def step_s(self, tokens: float) -> float:
         return self.step_a_s + self.step_b_s * tokens if tokens > 0 else 0.0
@@ -78,7 +81,7 @@ class GenerationEstimate:
             numbers = {
                 f.name: float(raw[f.name])
                 for f in fields(cls)
-                if f.name not in ("execution", "why")
+                if f.name not in ("execution", "why", "prefix_caching")
             }
         except (KeyError, ValueError):
             return None
@@ -95,7 +98,12 @@ class GenerationEstimate:
         values = {name: int(v) if name in ints else v for name, v in numbers.items()}
         for name in ("kv_blocks", "block_size", "max_running", "step_tokens"):
             values[name] = max(1, values[name])
-        return cls(execution=execution, why=raw.get("why", ""), **values)  # type: ignore[arg-type]
+        return cls(
+            execution=execution,
+            why=raw.get("why", ""),
+            prefix_caching=raw.get("prefix_caching") == "True",
+            **values,  # type: ignore[arg-type]
+        )
 
 
 def first_token_s(

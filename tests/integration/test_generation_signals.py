@@ -228,6 +228,7 @@ def test_models_shows_the_execution_and_metrics_move_as_jobs_run(
     (model,) = [m for m in listed if m["id"] == MODEL]
     assert model["generation"]["execution"] == "step"
     assert model["generation"]["why"] is None
+    assert model["generation"]["prefix_caching"] is True  # the default, on a stepped model
     assert model["generation"]["step_fixed_ms"] > 0
     assert model["generation"]["step_per_token_ms"] >= 0
 

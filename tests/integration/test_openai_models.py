@@ -116,6 +116,7 @@ def test_a_generation_model_says_its_context(
         "chat": True,
         "execution": None,
         "why": None,
+        "prefix_caching": None,
         "step_fixed_ms": None,
         "step_per_token_ms": None,
     }
@@ -125,6 +126,7 @@ def test_a_generation_model_says_its_context(
         "chat": False,
         "execution": None,
         "why": None,
+        "prefix_caching": None,
         "step_fixed_ms": None,
         "step_per_token_ms": None,
     }

@@ -129,6 +129,11 @@ def test_the_hash_round_trips_and_an_encoders_hash_is_not_a_generations() -> Non
     assert GenerationEstimate.from_hash(raw) == BASE
     whole = replace(BASE, execution="generate", why="gpt_neox is not stepped natively")
     assert GenerationEstimate.from_hash(whole.to_hash()) == whole
+    cached = replace(BASE, prefix_caching=True)
+    assert GenerationEstimate.from_hash(cached.to_hash()) == cached
+    # A worker of an earlier version publishes no prefix_caching: read as off, not as none.
+    older = {k: v for k, v in cached.to_hash().items() if k != "prefix_caching"}
+    assert GenerationEstimate.from_hash(older) == BASE
     # Neither reads the other's fields.
     assert ModelEstimate.from_hash({k: 1.0 for k in raw if k not in ("execution", "why")}) is None
     encoder = ModelEstimate(0.01, 0.001, False, 32, float("inf"), 10.0).to_hash()

@@ -63,6 +63,7 @@ def load_generation(
         "step" if runtime.execution == "step" else "generate",
         runtime.why or "",
         runtime.bytes_per_block,
+        bool(getattr(runtime.runner, "prefix_caching", False)),
     )
     serving = GenerationServing(
         GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner),

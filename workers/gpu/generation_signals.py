@@ -66,6 +66,7 @@ class GenerationSignals:
     execution: Execution
     why: str = ""
     bytes_per_block: int = 0
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_tokens = _Mean()
@@ -147,6 +148,7 @@ class GenerationSignals:
             mean_prompt_tokens=self.prompt_tokens.value,
             mean_max_tokens=self.max_tokens.value,
             mean_completion_tokens=self.completion_tokens.value,
+            prefix_caching=self.prefix_caching,
         )
 
     def publish(self, scheduler: GenerationScheduler, now: float) -> None:
