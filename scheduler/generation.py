@@ -451,7 +451,8 @@ class GenerationScheduler:
         blocks = self._pool.free  # once the victims so far are preempted
         slots = limits.max_running - len(self._running)
         budget = draft.budget
-        need = limits.blocks_for(sequence.request.total_tokens)
+        count, prefix = limits.blocks_for(sequence.request.total_tokens), self._prefix(sequence)
+        need = self._pool.needed(count, prefix)
         tokens = sequence.known if limits.prefill_chunk_tokens == 0 else 1
         for victim in preemption_order(self._running.values(), sequence.rank - 1):
             if blocks >= need and slots >= 1 and budget >= tokens:
@@ -467,6 +468,7 @@ class GenerationScheduler:
             held[owner] = (owned - len(victim.blocks), running - 1)
             victims.append(victim)
             blocks = self._pool.free + self._pool.freed_by(victims)
+            need = self._pool.needed(count, prefix, victims)
             slots += 1
             budget += 1 if victim.id in draft.decoders else 0
             budget += sum(c.length for c in draft.chunks if c.id == victim.id)
@@ -564,7 +566,8 @@ class GenerationScheduler:
         slots = limits.max_running - len(self._running) + len(victims)
         budget = draft.budget + sum(1 for s in victims if s.id in draft.decoders)
         tokens = sequence.known if limits.prefill_chunk_tokens == 0 else 1
-        need = limits.blocks_for(sequence.request.total_tokens)
+        count = limits.blocks_for(sequence.request.total_tokens)
+        need = self._pool.needed(count, self._prefix(sequence), victims)
         if blocks < need or slots < 1 or budget < tokens:
             return False
         for victim in victims:

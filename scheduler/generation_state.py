@@ -62,10 +62,18 @@ class BlockPool:
             found.append(block)
         return found
 
-    def needed(self, count: int, prefix: Sequence[int] = ()) -> int:
-        """The free blocks :meth:`take` of ``count`` with ``prefix`` would use."""
+    def needed(
+        self, count: int, prefix: Sequence[int] = (), leaving: Iterable[SequenceState] = ()
+    ) -> int:
+        """The free blocks :meth:`take` of ``count`` with ``prefix`` would use (once the
+        ``leaving`` sequences gave theirs back: a hit only they hold is free by then)."""
+        owners = {s.id for s in leaving}
         hits = self.hits(prefix[:count])
-        return count - sum(1 for block in hits if block in self._holders)
+        return count - sum(
+            1
+            for block in hits
+            if block in self._holders and not owners.issuperset(self._holders[block])
+        )
 
     def freed_by(self, leaving: Iterable[SequenceState]) -> int:
         """The blocks that would be free once the ``leaving`` sequences gave theirs back (a

@@ -196,7 +196,7 @@ def _stream(
                 continue
             event = seen.event
             if event.kind == "token" and event.logprob is not None:
-                logprobs.pending.append(event.logprob)  # sent with the next text
+                logprobs.add(event.index, event.logprob)  # sent with the next text
             if event.kind == "token" and event.text:
                 yield _data(
                     chunk_object(
@@ -231,21 +231,28 @@ class _ChunkLogprobs:
     streams its text at its end) from the job's output, with the last chunk."""
 
     endpoint: Endpoint
-    pending: list[dict[str, Any]] = field(default_factory=list)
-    sent: int = 0
+    pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # by token index
+    # By index, not counted: a stream may lack some (a takeover by a worker that ran the
+    # job again, the tokens already streamed not repeated).
+    sent: set[int] = field(default_factory=set)
     chars: int = 0  # the characters of the tokens sent: the legacy text_offset's origin
 
+    def add(self, index: int | None, entry: dict[str, Any]) -> None:
+        if index is not None and index not in self.sent:
+            self.pending[index] = entry
+
     def take(self, output: Sequence[Any] = ()) -> dict[str, Any] | None:
-        """The pending ones in OpenAI's shape (and, given the output's list, the rest of
-        it); None when there are none."""
-        entries = self.pending if not output else list(output[self.sent :])
-        self.pending = []
-        if not entries:
+        """The pending ones in OpenAI's shape (and, given the output's list, every one of
+        it not sent yet); None when there are none."""
+        found = self.pending | {i: e for i, e in enumerate(output) if i not in self.sent}
+        self.pending = {}
+        if not found:
             return None
-        found = logprobs_object(self.endpoint, entries, self.chars)
-        self.sent += len(entries)
+        entries = [found[i] for i in sorted(found)]
+        shaped = logprobs_object(self.endpoint, entries, self.chars)
+        self.sent |= set(found)
         self.chars += sum(len(e["text"]) for e in entries)
-        return found
+        return shaped
 
 
 def _last_chunks(

@@ -420,18 +420,22 @@ def logprobs_object(
     return {
         "tokens": [e["text"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["text"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        # The sampled token's too, as OpenAI's: up to k + 1 of them.
+        "top_logprobs": [
+            {t["text"]: t["logprob"] for t in e["top_logprobs"]} | {e["text"]: e["logprob"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 
 
 def _chat_logprob(entry: Mapping[str, Any], top: bool) -> dict[str, Any]:
-    # A token's text may be part of a character (a byte-level token): its bytes are those
-    # of the text as decoded, the replacement character included.
+    # A token's text may be part of a character (a byte-level token): its bytes are its
+    # own (an entry written before they were kept: those of its text as decoded).
     found = {
         "token": entry["text"],
         "logprob": entry["logprob"],
-        "bytes": list(entry["text"].encode("utf-8", errors="replace")),
+        "bytes": entry.get("bytes") or list(entry["text"].encode("utf-8", errors="replace")),
     }
     if top:
         found["top_logprobs"] = [_chat_logprob(t, top=False) for t in entry["top_logprobs"]]

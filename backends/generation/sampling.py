@@ -52,9 +52,12 @@ def adjusted(
 ) -> torch.Tensor:
     """One row of logits (``vocab``,) with the bias and the penalties applied, as float32."""
     out = logits.float().clone()
-    if params.logit_bias:
-        ids = torch.tensor([i for i, _ in params.logit_bias], device=out.device)
-        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], device=out.device))
+    # Past the model's vocabulary (a tokenizer with more tokens than the model's head)
+    # nothing is biased: an index out of range would stop a CUDA device.
+    bias = [(i, b) for i, b in params.logit_bias if i < out.numel()]
+    if bias:
+        ids = torch.tensor([i for i, _ in bias], device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in bias], device=out.device))
     if generated and (params.presence_penalty or params.frequency_penalty):
         counts = Counter(generated)
         ids = torch.tensor(list(counts), device=out.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,13 +370,48 @@ def token_logprob_entry(
     tokenizer: Path, token: int, logprob: float, top: Iterable[tuple[int, float]]
 ) -> dict[str, Any]:
     """A generated token's log probability as a job's output and its events carry it:
-    the token, its own text, and the likeliest tokens at its place with theirs."""
-    decode = load_tokenizer(tokenizer).decode
+    the token, its own text and bytes, and the likeliest tokens at its place with theirs."""
+    loaded = load_tokenizer(tokenizer)
 
     def entry(id: int, value: float) -> dict[str, Any]:
-        return {"token": id, "text": decode([id], skip_special_tokens=False), "logprob": value}
+        text = loaded.decode([id], skip_special_tokens=False)
+        return {
+            "token": id,
+            "text": text,
+            "bytes": _token_bytes(loaded, id, text),
+            "logprob": value,
+        }
 
     return entry(token, logprob) | {"top_logprobs": [entry(id, value) for id, value in top]}
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE's characters back to the bytes they stand for (GPT-2's table)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
+
+
+BYTE_LEVEL = _byte_level_decoder()
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _token_bytes(tokenizer: Any, id: int, text: str) -> list[int]:
+    """A token's own bytes: part of a character where a byte-level token holds one (its
+    text then reads "\ufffd"), so that a client can join them back into the text."""
+    piece = tokenizer.id_to_token(id) or ""
+    if type(tokenizer.decoder).__name__ == "ByteLevel" and all(c in BYTE_LEVEL for c in piece):
+        return [BYTE_LEVEL[c] for c in piece]
+    if found := BYTE_FALLBACK.fullmatch(piece):
+        return [int(found.group(1), 16)]
+    return list(text.encode("utf-8"))
 
 
 def _logit_bias(value: Any) -> dict[str, float]:

@@ -640,3 +640,25 @@ def test_the_whole_batch_path_gives_the_same_logprobs() -> None:
     assert list(ended["a"].token_ids) == tokens
     assert_logprobs_match(ended["a"], expected, 4)
     assert ended["b"].logprobs is None
+
+
+def test_a_tokens_logprob_entry_keeps_its_own_bytes_where_it_is_part_of_a_character() -> None:
+    from core.models.generation import token_logprob_entry
+
+    tokenizer = lm_folder("gpt2") / "tokenizer.json"
+    snowman = "☃".encode()  # three bytes, each a token of the byte-level vocabulary alone
+    ids = [loaded("gpt2").runner.tokenizer.token_to_id(chr(byte)) for byte in (0x21, 0x41)]
+    whole = token_logprob_entry(tokenizer, ids[0], -0.5, [(ids[1], -1.0)])
+    assert (whole["text"], whole["bytes"]) == ("!", [0x21])
+    assert whole["top_logprobs"][0]["bytes"] == [0x41]
+    pieces = []
+    for byte in snowman:
+        piece = next(
+            id
+            for id in range(library_model("gpt2").config.vocab_size)
+            if token_logprob_entry(tokenizer, id, 0.0, [])["bytes"] == [byte]
+        )
+        entry = token_logprob_entry(tokenizer, piece, 0.0, [])
+        assert entry["text"] == "\ufffd"  # alone, half a character
+        pieces += entry["bytes"]
+    assert bytes(pieces).decode() == "☃"  # joined, the character again

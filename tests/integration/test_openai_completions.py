@@ -308,7 +308,7 @@ def test_logprobs_through_the_openai_client_streamed_and_not(
     assert len(content) == job["output"]["usage"]["completion_tokens"]
     for entry, stored in zip(content, job["output"]["logprobs"], strict=True):
         assert (entry.token, entry.logprob) == (stored["text"], stored["logprob"])
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == stored["bytes"]  # its own: a byte-level token's, exactly
         assert [t.logprob for t in entry.top_logprobs] == [
             t["logprob"] for t in stored["top_logprobs"]
         ]

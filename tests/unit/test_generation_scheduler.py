@@ -969,3 +969,15 @@ def test_a_sequence_in_a_failed_step_computes_its_prompt_itself_and_shares_nothi
     # ...and each one, alone, computes its prompt itself (a first: admitted first).
     plan = scheduler.schedule(0.0)
     assert plan.cached == {} and [(c.id, c.start) for c in plan.prefill] == [("a", 0)]
+
+
+def test_an_urgent_request_counts_the_prefix_blocks_it_shares_when_it_evicts() -> None:
+    scheduler = make(kv_blocks=9)
+    common = list(range(16))
+    # h, urgent, holds 6 blocks (4 of them its prefix); b, bulk, the other 3.
+    run(scheduler, (Step(add=(prefixed("h", 18, common, lane=U),)), *PREFILLED))
+    run(scheduler, (Step(add=(req("b", prompt=8, max_tokens=4, lane=B),)),))
+    assert scheduler.blocks_free == 0
+    # u shares h's 4 prefix blocks: it needs 2 more, which evicting b frees.
+    plan = run(scheduler, (Step(add=(prefixed("u", 18, common, lane=U),)),))
+    assert plan.preempted == ("b",) and plan.admitted == ("u",) and plan.cached == {"u": 16}

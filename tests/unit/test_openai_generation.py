@@ -238,10 +238,27 @@ def test_a_finished_jobs_logprobs_in_openais_two_shapes() -> None:
     assert text == {
         "tokens": ["hel", "lo"],
         "token_logprobs": [-0.5, -0.125],
-        "top_logprobs": [{"hel": -0.5, "\ufffd": -1.25}, {}],
+        # The sampled token's logprob always among them, as OpenAI's (up to k + 1).
+        "top_logprobs": [{"hel": -0.5, "\ufffd": -1.25}, {"lo": -0.125}],
         "text_offset": [0, 3],
     }
     # A stream's later chunk counts its offsets from the characters sent before it.
     assert logprobs_object("completions", LOGPROBS[1:], 3)["text_offset"] == [3]
     streamed = chunk_object("chat", JOB, 1, "m", text="lo", logprobs={"content": []})
     assert streamed["choices"][0]["logprobs"] == {"content": []}
+
+
+def test_a_streams_logprobs_go_once_each_by_token_index() -> None:
+    from api.openai.completions import _ChunkLogprobs
+
+    found = _ChunkLogprobs("completions")
+    found.add(4, LOGPROBS[0])  # streamed: token 4 (tokens 0 to 3 were streamed without)
+    first = found.take()
+    assert first is not None and first["tokens"] == ["hel"]
+    found.add(4, LOGPROBS[0])  # the same token again (a stream read twice): not sent again
+    assert found.take() is None
+    output = [LOGPROBS[1]] * 4 + [LOGPROBS[0]] + [LOGPROBS[1]]
+    last = found.take(output)  # the rest from the output: 0 to 3 and 5, none twice
+    assert last is not None and last["tokens"] == ["lo"] * 5
+    assert last["text_offset"] == [3, 5, 7, 9, 11]
+    assert found.take(output) is None
