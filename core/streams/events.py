@@ -160,30 +160,27 @@ def _steps_script(logprobs: bool) -> str:
     """A step's tokens in one call. KEYS: the events streams; ARGV: for each, the token's
     index, the token, its text and, with ``logprobs``, its logprob ("": its job asked for
     none). For each, 1 if appended, else 0. A step of jobs that asked for no logprobs
-    sends the script without, an argument fewer a token."""
-    stride, logprob = "3", ""
+    sends the script without, an argument fewer a token, each token one XADD as before."""
+    add = "redis.call('XADD', KEYS[n], '*', 'k', 'token', 'i', index, 'tok', token, 'txt', text"
+    stride, append = "3", add + ")"
     if logprobs:
         stride = "4"
-        logprob = (
-            "if ARGV[at + 4] ~= '' then table.insert(f, 'lp'); table.insert(f, ARGV[at + 4]) end"
-        )
+        append = f"""if ARGV[at + 4] == '' then {add}) else {add}, 'lp', ARGV[at + 4]) end"""
     return _NEWEST + (
         """
 local appended = {}
 for n = 1, #KEYS do
   local at = STRIDE * (n - 1)
-  local index = ARGV[at + 1]
+  local index, token, text = ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   if newest(KEYS[n]) == tonumber(index) - 1 then
-    local f = {'k', 'token', 'i', index, 'tok', ARGV[at + 2], 'txt', ARGV[at + 3]}
-    LOGPROB
-    redis.call('XADD', KEYS[n], '*', unpack(f))
+    APPEND
     appended[n] = 1
   else
     appended[n] = 0
   end
 end
 return appended
-""".replace("STRIDE", stride).replace("LOGPROB", logprob)
+""".replace("STRIDE", stride).replace("APPEND", append)
     )
 
 

@@ -172,6 +172,9 @@ def test_a_completion_streamed_and_not(
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"7": 101}}, "logit_bias.7"),
         ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
+        ({"logit_bias": {"7": "high"}}, "logit_bias.7"),
+        ({"logit_bias": [7]}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(

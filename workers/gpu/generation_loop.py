@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -87,6 +87,9 @@ class _Held:
     progress_s: float = 0.0  # when its last progress webhook was made (or it started)
     progress_tokens: int = 0  # the tokens that one said
     max_tokens: int = 0
+    # Its tokens' logprob entries as its events carried them: its output reuses them
+    # rather than decoding each token's texts again.
+    logprobs: dict[TokenLogprob, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -579,11 +582,10 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
                 held.last_token_s = now
                 key = events_key(self.prefix, self.model, job_id)
                 if held.tokens >= held.streamed:  # not already streamed by a worker before
-                    logprob = (
-                        None
-                        if emitted.logprob is None
-                        else logprob_entry(self.tokenizer_path, emitted.logprob)
-                    )
+                    logprob = None
+                    if emitted.logprob is not None:
+                        logprob = logprob_entry(self.tokenizer_path, emitted.logprob)
+                        held.logprobs[emitted.logprob] = logprob
                     event = JobEvent.token_event(held.tokens, emitted.token, emitted.text, logprob)
                     self.writer.add(key, event)
                 if self._expiry_due(held, now):
@@ -854,7 +856,12 @@ def completion_output(
     } | (
         {}
         if completion.logprobs is None
-        else {"logprobs": [logprob_entry(tokenizer, found) for found in completion.logprobs]}
+        else {
+            "logprobs": [
+                held.logprobs.get(found) or logprob_entry(tokenizer, found)
+                for found in completion.logprobs
+            ]
+        }
     )
 
 
