@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.openai.embeddings import EncodingFormat, as_vector, cut, dimensions_problem, encoded
 from api.openai.generation import PATHS as GENERATION_PATHS
 from api.openai.generation import (
+    Echo,
     ParamError,
     completion_object,
     is_generation_output,
@@ -210,6 +211,8 @@ class RequestLines:
         options: dict[str, Any] = {"openai": "batch"}
         if asked.user is not None:
             options["user"] = asked.user
+        if asked.echo:  # the output line echoes the prompt (read from the job's input)
+            options["echo"] = "prompt" if asked.generated else "prompt_only"
         return Item(line, identifier, checked.input, checked.cost, options)
 
     def _text(self, body: dict[str, Any], line: int) -> Any:
@@ -267,6 +270,11 @@ def role_of(status: str, output: Any) -> str:
     return OUTPUT if status == "succeeded" and made else ERROR
 
 
+def _generated(options: Any) -> bool:
+    """Whether a line's answer holds what its job generated (not with max_tokens 0)."""
+    return not (isinstance(options, dict) and options.get("echo") == "prompt_only")
+
+
 def request_line(row: Any, model: str, endpoint: str = EMBEDDINGS) -> dict[str, Any]:
     """A finished job as one line of a batch's output or error file, in OpenAI's format.
 
@@ -288,6 +296,7 @@ def request_line(row: Any, model: str, endpoint: str = EMBEDDINGS) -> dict[str, 
             int(created.timestamp()) if created is not None else 0,
             model,
             row.output,
+            Echo(row.input["prompt"], _generated(options)) if options.get("echo") else None,
         )
         record["response"] = {"status_code": 200, "request_id": row.id, "body": body}
         record["error"] = None
@@ -329,7 +338,7 @@ def file_lines(
     endpoint: str = EMBEDDINGS,
 ) -> Iterator[bytes]:
     """A batch's output or error file, in input order, a page of lines at a time."""
-    columns = (
+    columns: tuple[Any, ...] = (
         Job.id,
         Job.custom_id,
         Job.output,
@@ -338,6 +347,8 @@ def file_lines(
         Job.metadata_,
         Job.created_at,
     )
+    if endpoint in GENERATION_PATHS:
+        columns += (Job.input,)  # the prompt a line's echo repeats
     for rows in terminal_rows(sessions, backfill_id, columns):
         lines = [
             json.dumps(
@@ -354,10 +365,10 @@ def generation_tokens(sessions: sessionmaker[Session], backfill_id: str) -> tupl
     """The prompt and completion tokens of a generation batch's lines that ran, from
     each job's usage (its cost counts max_tokens, not what was made)."""
     prompt = completion = 0
-    for rows in terminal_rows(sessions, backfill_id, (Job.output,)):
+    for rows in terminal_rows(sessions, backfill_id, (Job.output, Job.metadata_)):
         for row in rows:
             if row.status == "succeeded" and is_generation_output(row.output):
-                usage = usage_of(row.output)
+                usage = usage_of(row.output, _generated(row.metadata_))
                 prompt += usage["prompt_tokens"]
                 completion += usage["completion_tokens"]
     return prompt, completion

@@ -152,7 +152,9 @@ def _finished(asked: GenerationRequest, job: JobResource, headers: dict[str, str
         )
     output = job.output
     if job.status in WITH_OUTPUT and is_generation_output(output):
-        return completion_object(asked.endpoint, job.id, _created(job), job.model, output)
+        return completion_object(
+            asked.endpoint, job.id, _created(job), job.model, output, asked.echo_of(asked.input)
+        )
     raise _failure(job, headers)
 
 

@@ -5,7 +5,7 @@
 generation input of a job (``core.models.generation`` checks it further) and the
 options that shape the answer; every refusal is a :class:`ParamError`
 naming OpenAI's parameter. A parameter OpenAI defines that Ferry does not
-honour (``n`` above 1, ``tools``, ``echo`` ...) is refused, not ignored;
+honour (``n`` above 1, ``tools``, ``suffix`` ...) is refused, not ignored;
 its neutral value (``null``, ``n: 1``, ``tools: []`` ...) is taken, since
 clients send those by default. The other functions render a
 finished job (or its tokens, as they come) in OpenAI's shapes.
@@ -36,10 +36,15 @@ MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 # Passed on to the generation input as they are (core.models.generation checks them).
 # The generation input's members a request gives under the same names (the prompt, the
 # messages, max_tokens and logprobs are read apart: OpenAI shapes them otherwise).
-SAMPLING = tuple(m for m in MEMBERS if m not in ("prompt", "messages", "max_tokens", "logprobs"))
+# (prompt_logprobs is completions' echo with logprobs.)
+SAMPLING = tuple(
+    m
+    for m in MEMBERS
+    if m not in ("prompt", "messages", "max_tokens", "logprobs", "prompt_logprobs")
+)
 COMMON = frozenset({"model", "n", "user", "stream", "stream_options", *SAMPLING, "max_tokens"})
 TAKEN: dict[Endpoint, frozenset[str]] = {
-    "completions": COMMON | {"prompt", "logprobs"},
+    "completions": COMMON | {"prompt", "logprobs", "echo"},
     "chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 # Ferry's own fields beside OpenAI's, on the HTTP routes (a batch line has none).
@@ -47,7 +52,7 @@ EXTENSIONS = frozenset({"priority", "deadline_ms", "ferry_cancel_on_disconnect"}
 # OpenAI's parameters Ferry does not honour, with the values that ask for nothing
 # (null is always one): a client sending those loses nothing.
 NEUTRAL: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
-    "completions": {"best_of": (1,), "echo": (False,), "suffix": ("",)},
+    "completions": {"best_of": (1,), "suffix": ("",)},
     "chat": {
         "tools": ([],),
         "tool_choice": ("none",),
@@ -94,6 +99,15 @@ class GenerationRequest:
     deadline_ms: int | None = None
     cancel_on_disconnect: bool = False
     max_tokens_param: str = "max_tokens"  # the name the request gave max_tokens under
+    # completions' echo: the prompt before the completion, in its text and its logprobs;
+    # ``generated`` False: ``max_tokens: 0``, the prompt scored and nothing generated (the
+    # job generates one token, which the answer leaves out).
+    echo: bool = False
+    generated: bool = True
+
+    def echo_of(self, stored: Mapping[str, Any]) -> Echo | None:
+        """What the answer echoes, given the job's stored input."""
+        return Echo(stored["prompt"], self.generated) if self.echo else None
 
     def param(self, field: str) -> str:
         """OpenAI's name for a field of the generation input that its check refused
@@ -103,6 +117,15 @@ class GenerationRequest:
         if field == "max_tokens":
             return self.max_tokens_param
         return field
+
+
+@dataclass(frozen=True)
+class Echo:
+    """completions' ``echo``: the prompt's text before the completion's, its tokens'
+    logprobs before theirs; ``generated`` False: only the prompt (``max_tokens: 0``)."""
+
+    prompt: str
+    generated: bool = True
 
 
 def parse_request(
@@ -146,6 +169,19 @@ def parse_request(
     logprobs = _logprobs(endpoint, body)
     if logprobs is not None:
         given["logprobs"] = logprobs
+    echo = _flag(body, "echo")
+    if echo and stream:
+        raise ParamError("echo", "is not taken with stream: true")
+    generated = True
+    if given.get("max_tokens") == 0 and not isinstance(given["max_tokens"], bool):
+        if not echo:
+            raise ParamError(
+                max_tokens_param, "0 is only taken with echo: true (the prompt scored alone)"
+            )
+        given["max_tokens"] = 1
+        generated = False
+    if echo and logprobs is not None:
+        given["prompt_logprobs"] = logprobs
     cancel_on_disconnect = _flag(body, "ferry_cancel_on_disconnect")
     if cancel_on_disconnect and not stream:
         raise ParamError("ferry_cancel_on_disconnect", "is only taken with stream: true")
@@ -159,6 +195,8 @@ def parse_request(
         deadline_ms=_deadline(body.get("deadline_ms")),
         cancel_on_disconnect=cancel_on_disconnect,
         max_tokens_param=max_tokens_param,
+        echo=echo,
+        generated=generated,
     )
 
 
@@ -313,14 +351,14 @@ def response_id(endpoint: Endpoint, job_id: str) -> str:
     return ID_PREFIXES[endpoint] + job_id.replace("-", "")
 
 
-def usage_of(output: Mapping[str, Any]) -> dict[str, int]:
+def usage_of(output: Mapping[str, Any], generated: bool = True) -> dict[str, int]:
     usage = output.get("usage") or {}
     prompt = int(usage.get("prompt_tokens", 0))
-    completion = int(usage.get("completion_tokens", 0))
+    completion = int(usage.get("completion_tokens", 0)) if generated else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": int(usage.get("total_tokens", prompt + completion)),
+        "total_tokens": prompt + completion,
     }
 
 
@@ -333,15 +371,29 @@ def is_generation_output(output: Any) -> TypeGuard[dict[str, Any]]:
 
 
 def completion_object(
-    endpoint: Endpoint, job_id: str, created_s: int, model: str, output: Mapping[str, Any]
+    endpoint: Endpoint,
+    job_id: str,
+    created_s: int,
+    model: str,
+    output: Mapping[str, Any],
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """A finished job's output as OpenAI's ``chat.completion`` or ``text_completion``."""
+    """A finished job's output as OpenAI's ``chat.completion`` or ``text_completion``
+    (``echo``: completions' prompt before it)."""
     choice: dict[str, Any] = {"index": 0}
-    if endpoint == "chat":
-        choice["message"] = {"role": "assistant", "content": output["text"], "refusal": None}
-    else:
-        choice["text"] = output["text"]
+    generated = echo is None or echo.generated
+    text = output["text"] if generated else ""
     logprobs = output.get("logprobs")
+    if not generated and logprobs is not None:
+        logprobs = []
+    if echo is not None:
+        text = echo.prompt + text
+        if logprobs is not None:
+            logprobs = [*output.get("prompt_logprobs", ()), *logprobs]
+    if endpoint == "chat":
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        choice["text"] = text
     choice |= {
         "logprobs": None if logprobs is None else logprobs_object(endpoint, logprobs),
         "finish_reason": output.get("finish_reason"),
@@ -352,7 +404,7 @@ def completion_object(
         "created": created_s,
         "model": model,
         "choices": [choice],
-        "usage": usage_of(output),
+        "usage": usage_of(output, generated),
         "system_fingerprint": None,
     }
 
@@ -420,9 +472,12 @@ def logprobs_object(
     return {
         "tokens": [e["text"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        # The sampled token's too, as OpenAI's: up to k + 1 of them.
+        # The sampled token's too, as OpenAI's: up to k + 1 of them (none for an echoed
+        # prompt's first token, which has no logprob).
         "top_logprobs": [
-            {t["text"]: t["logprob"] for t in e["top_logprobs"]} | {e["text"]: e["logprob"]}
+            None
+            if e["logprob"] is None
+            else {t["text"]: t["logprob"] for t in e["top_logprobs"]} | {e["text"]: e["logprob"]}
             for e in entries
         ],
         "text_offset": offsets,

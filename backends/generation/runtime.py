@@ -60,6 +60,9 @@ class GenerationInput:
     # not asked); ``resumed_logprobs``: those of the ``resumed`` tokens, as streamed.
     logprobs: int | None = None
     resumed_logprobs: tuple[TokenLogprob, ...] = ()
+    # Each prompt token's log probability given the tokens before it, and the
+    # ``prompt_logprobs`` likeliest tokens at its place (None: not asked): a prompt scored.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Completion:
     prompt_tokens: int
     seed: int | None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
+    # One per prompt token, when asked; the first None (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_ids: tuple[int, ...] = ()  # the prompt, when its logprobs were asked
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,15 @@ class _Sequence:
         self.logprobs: list[TokenLogprob] | None = (
             None if job.logprobs is None else list(job.resumed_logprobs)
         )
+        # By prompt position: a prompt prefilled again (preempted, a step that raised,
+        # taken over) computes the same entries again.
+        self.prompt_logprobs: dict[int, TokenLogprob] = {}
+
+    def prompt_logprobs_found(self) -> tuple[TokenLogprob | None, ...] | None:
+        if self.job.prompt_logprobs is None:
+            return None
+        prompt = self.job.prompt_ids
+        return (None, *(self.prompt_logprobs.get(p) for p in range(len(prompt) - 1)))
 
 
 def token_logprobs(
@@ -216,6 +231,8 @@ class StepRuntime:
             prompt_tokens=len(sequence.job.prompt_ids),
             seed=None if sequence.job.sampling.greedy else sequence.sampler.seed,
             logprobs=None if sequence.logprobs is None else tuple(sequence.logprobs),
+            prompt_logprobs=sequence.prompt_logprobs_found(),
+            prompt_ids=() if sequence.job.prompt_logprobs is None else sequence.job.prompt_ids,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -237,6 +254,8 @@ class StepRuntime:
         writes: list[torch.Tensor] = []
         rows: list[int] = []
         sampled_by: list[str] = []
+        # A scored prompt's positions in this step (each row predicts the next prompt token).
+        scored: list[tuple[int, str, int]] = []  # (row, id, position)
         spans = [(c.id, c.start, c.length, c.last) for c in plan.prefill]
         for id in plan.decode:
             known = len(self._sequences[id].tokens)
@@ -251,6 +270,10 @@ class StepRuntime:
             if last:
                 rows.append(len(ids) - 1)
                 sampled_by.append(id)
+            if sequence.job.prompt_logprobs is not None:
+                first_row = len(ids) - length
+                end = min(start + length, len(sequence.job.prompt_ids) - 1)
+                scored += [(first_row + p - start, id, p) for p in range(start, end)]
         decodes = None
         if self.batched_decode and len(plan.decode) > 1:
             first = len(segments) - len(plan.decode)
@@ -263,9 +286,14 @@ class StepRuntime:
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),
                 use_cache=False,
-                logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
+                logits_to_keep=torch.tensor(
+                    rows + [row for row, _, _ in scored], dtype=torch.long, device=self.device
+                ),
                 **{paged.STEP_KWARG: layout},
             ).logits[0]
+        if scored:
+            prompt_rows, logits = logits[len(rows) :], logits[: len(rows)]
+            self._score_prompts(prompt_rows, scored)
         # Every token is chosen before any is kept: a sampler that raises (logits
         # gone NaN) leaves every sequence as it was, for the step to be run again.
         # The greedy rows in one argmax and one copy to the host (on a GPU one wait for
@@ -313,6 +341,18 @@ class StepRuntime:
         return StepResult(
             StepOutput(sampled, finished, step_s=time.perf_counter() - started), emitted
         )
+
+    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[int, str, int]]) -> None:
+        """Each scored position's entry: the next prompt token's log probability there."""
+        asked: dict[int, int] = {}
+        chosen: list[int] = []
+        for i, (_, id, position) in enumerate(scored):
+            job = self._sequences[id].job
+            asked[i] = job.prompt_logprobs or 0
+            chosen.append(job.prompt_ids[position + 1])
+        found = token_logprobs(logits, asked, chosen)
+        for i, (_, id, position) in enumerate(scored):
+            self._sequences[id].prompt_logprobs[position] = found[i]
 
     def _finished(self, sequence: _Sequence, token: int) -> FinishReason | None:
         if token in self.eos_ids or sequence.detok.stopped:

@@ -28,6 +28,7 @@ from backends.generation.runtime import (
     Emitted,
     GenerationInput,
     StepResult,
+    TokenLogprob,
     token_logprobs,
 )
 from backends.generation.sampling import SamplingParams, adjusted
@@ -172,10 +173,32 @@ class WholeRuntime:
                 logprobs = tuple(found[t] for t in range(len(tokens)))
             completions.append(
                 Completion(
-                    detok.text, tuple(tokens), reason, len(job.prompt_ids), sampling.seed, logprobs
+                    detok.text,
+                    tuple(tokens),
+                    reason,
+                    len(job.prompt_ids),
+                    sampling.seed,
+                    logprobs,
+                    self._scored(job),
+                    () if job.prompt_logprobs is None else job.prompt_ids,
                 )
             )
         return completions
+
+    def _scored(self, job: GenerationInput) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt's own log probabilities, when asked: one forward of the prompt alone
+        (``generate()`` returns no logits for the prompt's positions)."""
+        if job.prompt_logprobs is None:
+            return None
+        prompt = list(job.prompt_ids)
+        if len(prompt) < 2:
+            return (None,)
+        with torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([prompt], device=self.device)).logits[0]
+        found = token_logprobs(
+            logits[:-1], dict.fromkeys(range(len(prompt) - 1), job.prompt_logprobs), prompt[1:]
+        )
+        return (None, *(found[p] for p in range(len(prompt) - 1)))
 
 
 class _Adjust(LogitsProcessor):

@@ -44,6 +44,7 @@ MEMBERS = (
     "frequency_penalty",
     "logit_bias",
     "logprobs",
+    "prompt_logprobs",
 )
 PENALTIES = ("presence_penalty", "frequency_penalty")
 MAX_LOGPROBS = 20
@@ -179,6 +180,14 @@ class GenerationSpec:
                 "maximum": MAX_LOGPROBS,
                 "description": "Each generated token's log probability in the output, with "
                 "this many of the likeliest tokens at its place.",
+            },
+            "prompt_logprobs": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": MAX_LOGPROBS,
+                "description": "Each prompt token's log probability given the tokens before "
+                "it in the output (the first has none), with this many of the likeliest "
+                "tokens at its place: a prompt scored.",
             },
             "logit_bias": {
                 "type": ["object", "null"],
@@ -352,28 +361,27 @@ def _sampling(value: Mapping[str, Any]) -> dict[str, Any]:
             sampling[name] = penalty
     if bias := _logit_bias(value.get("logit_bias")):
         sampling["logit_bias"] = bias
-    logprobs = value.get("logprobs")
-    if logprobs is not None:
-        if (
-            isinstance(logprobs, bool)
-            or not isinstance(logprobs, int)
-            or not 0 <= logprobs <= MAX_LOGPROBS
-        ):
+    for name in ("logprobs", "prompt_logprobs"):
+        count = value.get(name)
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS:
             raise InputError(
-                "logprobs", f"must be an integer from 0 to {MAX_LOGPROBS}, got {_shown(logprobs)}"
+                name, f"must be an integer from 0 to {MAX_LOGPROBS}, got {_shown(count)}"
             )
-        sampling["logprobs"] = logprobs
+        sampling[name] = count
     return sampling
 
 
 def token_logprob_entry(
-    tokenizer: Path, token: int, logprob: float, top: Iterable[tuple[int, float]]
+    tokenizer: Path, token: int, logprob: float | None, top: Iterable[tuple[int, float]]
 ) -> dict[str, Any]:
-    """A generated token's log probability as a job's output and its events carry it:
-    the token, its own text and bytes, and the likeliest tokens at its place with theirs."""
+    """A token's log probability as a job's output and its events carry it: the token,
+    its own text and bytes, and the likeliest tokens at its place with theirs (a prompt's
+    first token has none: nothing comes before it)."""
     loaded = load_tokenizer(tokenizer)
 
-    def entry(id: int, value: float) -> dict[str, Any]:
+    def entry(id: int, value: float | None) -> dict[str, Any]:
         text = loaded.decode([id], skip_special_tokens=False)
         return {
             "token": id,

@@ -642,6 +642,88 @@ def test_the_whole_batch_path_gives_the_same_logprobs() -> None:
     assert ended["b"].logprobs is None
 
 
+def library_prompt_logprobs(
+    model: Any, ids: tuple[int, ...], k: int
+) -> list[tuple[float, list[int]]]:
+    """Each prompt token's log probability given those before it, from one forward of the
+    prompt through the library's model, with the ``k`` likeliest tokens at its place."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(ids)])).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return [
+        (float(logprobs[p, ids[p + 1]]), logprobs[p].topk(k).indices.tolist())
+        for p in range(len(ids) - 1)
+    ]
+
+
+def assert_prompt_scored(completion: Completion, ids: tuple[int, ...], k: int, model: Any) -> None:
+    found = completion.prompt_logprobs
+    assert found is not None and completion.prompt_ids == ids
+    assert len(found) == len(ids) and found[0] is None
+    expected = library_prompt_logprobs(model, ids, k)
+    for position, (got, (logprob, top)) in enumerate(zip(found[1:], expected, strict=True)):
+        assert got is not None and got.token == ids[position + 1], position
+        assert got.logprob == pytest.approx(logprob, abs=1e-4), position
+        assert [t for t, _ in got.top] == top, position
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_scored_prompts_logprobs_are_the_librarys_for_every_position(arch: str) -> None:
+    """Prompts asking for their own logprobs, some past a prefill chunk (64 tokens here),
+    share steps with others: each position's is the library's forward of the prompt
+    alone, and what they generate is still generate()'s."""
+    rng = random.Random(41)
+    model = library_model(arch)
+    cases = [p for p in prompts(arch, 40, seed=43) if len(p.ids) >= 2][:18]
+    asks = [rng.choice([None, 0, 2]) if i % 4 else 3 for i in range(len(cases))]
+    jobs = [
+        (
+            GenerationRequest(str(i), len(p.ids), p.max_tokens),
+            GenerationInput(p.ids, p.max_tokens, prompt_logprobs=k),
+        )
+        for i, (p, k) in enumerate(zip(cases, asks, strict=True))
+    ]
+    ended = run(engine(arch), jobs, arrivals(5))
+    for i, (prompt, k) in enumerate(zip(cases, asks, strict=True)):
+        completion = ended[str(i)]
+        assert list(completion.token_ids) == reference(arch, prompt), i
+        if k is None:
+            assert completion.prompt_logprobs is None
+        else:
+            assert_prompt_scored(completion, prompt.ids, k, model)
+    scored = [p for p, k in zip(cases, asks, strict=True) if k is not None]
+    assert len(scored) >= 8 and any(len(p.ids) > 64 for p in scored)
+
+
+def test_a_scored_prompt_taken_over_is_scored_whole_again() -> None:
+    """A job resumed from its streamed tokens prefills prompt and tokens again; its
+    prompt's logprobs are the prompt's alone, every position once."""
+    prompt = Prompt(prompts("gpt2", 20, seed=47)[3].ids[:90], 10)
+    tokens = reference("gpt2", prompt)
+    request = GenerationRequest("r", len(prompt.ids), 10, generated=4)
+    job = GenerationInput(
+        prompt.ids, 10, resumed=tuple(tokens[:4]), shown=tokens[4], prompt_logprobs=1
+    )
+    resumed = run(engine("gpt2"), [(request, job)], iter([1] + [0] * 10_000))["r"]
+    assert list(resumed.token_ids) == tokens
+    assert_prompt_scored(resumed, prompt.ids, 1, library_model("gpt2"))
+
+
+def test_the_whole_batch_path_scores_a_prompt_too() -> None:
+    runtime = neox_runtime()
+    prompt = Prompt(prompts("gpt2", 10, seed=53)[2].ids[:40], 4)
+    scored = GenerationInput(prompt.ids, 4, prompt_logprobs=2)
+    jobs = [
+        (GenerationRequest("a", len(prompt.ids), 4), scored),
+        (GenerationRequest("b", len(prompt.ids), 4), GenerationInput(prompt.ids, 4)),
+    ]
+    eng = GenerationEngine(GenerationScheduler(runtime.limits), runtime.runner)
+    ended = run(eng, jobs, iter([2]))
+    library = AutoModelForCausalLM.from_pretrained(neox_folder()).eval()
+    assert_prompt_scored(ended["a"], prompt.ids, 2, library)
+    assert ended["b"].prompt_logprobs is None
+
+
 def test_a_tokens_logprob_entry_keeps_its_own_bytes_where_it_is_part_of_a_character() -> None:
     from core.models.generation import token_logprob_entry
 

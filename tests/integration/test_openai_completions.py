@@ -346,6 +346,43 @@ def test_logprobs_through_the_openai_client_streamed_and_not(
     assert refused.value.param == "logprobs"
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (``echo``, ``logprobs: 1``,
+    ``max_tokens: 1``; and ``max_tokens: 0``): the prompt's text and each of its tokens'
+    logprobs (the first has none), then the generated token's; every position scored
+    though an earlier job computed the prompt's blocks (prefix caching passes it by)."""
+    prompt = " ".join(["Ferry queues jobs for the models it serves"] * 6)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    ask: dict[str, Any] = {"model": MODEL, "prompt": prompt, "temperature": 0, "echo": True}
+    raw = client.completions.with_raw_response.create(**ask, logprobs=1, max_tokens=1)
+    output = job_of(http, raw.headers["X-Ferry-Job-Id"])["output"]
+    scored = output["prompt_logprobs"]
+    assert len(scored) == output["usage"]["prompt_tokens"] > 32
+    assert scored[0]["logprob"] is None
+    assert all(e["logprob"] is not None and e["logprob"] <= 0 for e in scored[1:])
+    choice = raw.parse().choices[0]
+    assert choice.text == prompt + output["text"]
+    found = choice.logprobs
+    assert found is not None and found.token_logprobs is not None and found.top_logprobs
+    entries = [*scored, *output["logprobs"]]
+    assert found.tokens == [e["text"] for e in entries]
+    assert found.token_logprobs == [e["logprob"] for e in entries]
+    assert found.top_logprobs[0] is None
+    # lm-eval's is_greedy: the token's own logprob is the top one's (greedy, nothing adjusted).
+    last = found.top_logprobs[-1]
+    assert max(last.values()) == found.token_logprobs[-1]
+    alone = client.completions.create(**ask, logprobs=1, max_tokens=0)
+    assert alone.choices[0].text == prompt
+    assert alone.choices[0].logprobs is not None
+    assert alone.choices[0].logprobs.token_logprobs == found.token_logprobs[:-1]
+    assert alone.usage is not None and alone.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**ask, max_tokens=2, stream=True)
+    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+
+
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(
     client: openai.OpenAI,
     http: httpx.Client,

@@ -249,6 +249,8 @@ def test_penalties_and_a_bias_are_stored_when_they_ask_for_something(
 def test_logprobs_are_stored_as_asked(spec: GenerationSpec, asked: int) -> None:
     assert spec.validate({"prompt": "hello", "logprobs": asked}).input["logprobs"] == asked
     assert "logprobs" not in spec.validate({"prompt": "hello", "logprobs": None}).input
+    scored = spec.validate({"prompt": "hello", "prompt_logprobs": asked}).input
+    assert scored["prompt_logprobs"] == asked and "logprobs" not in scored
 
 
 def test_messages_are_rendered_by_the_chat_template(spec: GenerationSpec) -> None:
@@ -424,6 +426,16 @@ HELLO = [{"role": "user", "content": "hello"}]
         ),
         ({"prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias.99999", "is no token of tiny-lm"),
         ({"prompt": "a", "logprobs": 21}, "logprobs", "must be an integer from 0 to 20, got 21"),
+        (
+            {"prompt": "a", "prompt_logprobs": -1},
+            "prompt_logprobs",
+            "must be an integer from 0 to 20, got -1",
+        ),
+        (
+            {"prompt": "a", "prompt_logprobs": True},
+            "prompt_logprobs",
+            "must be an integer from 0 to 20, got boolean",
+        ),
         ({"prompt": "a", "logprobs": -1}, "logprobs", "must be an integer from 0 to 20"),
         ({"prompt": "a", "logprobs": True}, "logprobs", "must be an integer from 0 to 20, got boo"),
         ({"prompt": "a", "logprobs": 2.0}, "logprobs", "must be an integer from 0 to 20, got 2.0"),

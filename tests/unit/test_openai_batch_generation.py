@@ -114,3 +114,31 @@ def test_a_failed_line_goes_to_the_error_file() -> None:
     record = request_line(failed, "tiny-lm", CHAT)
     assert record["response"]["status_code"] == 500
     assert record["response"]["body"]["error"]["message"] == "the worker died"
+
+
+def test_an_echo_line_scores_its_prompt_and_its_output_line_echoes_it(tiny: ModelSpec) -> None:
+    parse = RequestLines("/v1/completions", "tiny-lm", tiny)
+    body = {"prompt": "the cat", "echo": True, "logprobs": 1, "max_tokens": 0}
+    item = parse(line("/v1/completions", **body), 1)
+    assert item is not None
+    assert (item.input["prompt_logprobs"], item.input["max_tokens"]) == (1, 1)
+    assert item.metadata == {"openai": "batch", "echo": "prompt_only"}
+    scored = {
+        **OUTPUT_VALUE,
+        "logprobs": [{"token": 12, "text": "sat", "logprob": -1.0, "top_logprobs": []}],
+        "prompt_logprobs": [
+            {"token": 3, "text": "the", "logprob": None, "top_logprobs": []},
+            {"token": 4, "text": " cat", "logprob": -3.0, "top_logprobs": []},
+        ],
+    }
+    done = row("succeeded", scored)
+    done.metadata_, done.input = item.metadata, item.input
+    answer = request_line(done, "tiny-lm", "/v1/completions")["response"]["body"]
+    choice = answer["choices"][0]
+    assert choice["text"] == "the cat"  # the prompt alone: max_tokens 0
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0]
+    assert answer["usage"]["completion_tokens"] == 0
+    done.metadata_ = {"openai": "batch", "echo": "prompt"}
+    choice = request_line(done, "tiny-lm", "/v1/completions")["response"]["body"]["choices"][0]
+    assert choice["text"] == "the catsat on"
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -1.0]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from api.openai.generation import (
+    Echo,
     ParamError,
     chunk_object,
     completion_object,
@@ -77,7 +78,10 @@ def test_a_completions_prompt_may_be_a_list_of_one() -> None:
         ("completions", {"prompt": "a", "n": 2}, "n"),
         ("completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
         ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
-        ("completions", {"prompt": "a", "echo": True}, "echo"),
+        ("completions", {"prompt": "a", "echo": True, "stream": True}, "echo"),
+        ("completions", {"prompt": "a", "echo": 1}, "echo"),
+        ("completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ("chat", {"messages": MESSAGES, "echo": True}, "echo"),
         ("completions", {"prompt": "a", "best_of": 3}, "best_of"),
         ("completions", {"prompt": "a", "messages": MESSAGES}, "messages"),
         ("completions", {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens"),
@@ -262,3 +266,59 @@ def test_a_streams_logprobs_go_once_each_by_token_index() -> None:
     assert last is not None and last["tokens"] == ["lo"] * 5
     assert last["text_offset"] == [3, 5, 7, 9, 11]
     assert found.take(output) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "stored", "generated"),
+    [
+        ({"echo": True}, {}, True),
+        ({"echo": False, "max_tokens": 3}, {"max_tokens": 3}, True),
+        ({"echo": True, "logprobs": 2}, {"logprobs": 2, "prompt_logprobs": 2}, True),
+        # lm-eval's loglikelihood request: the prompt scored, one token after it.
+        ({"echo": True, "logprobs": 1, "max_tokens": 1},
+         {"logprobs": 1, "prompt_logprobs": 1, "max_tokens": 1}, True),
+        # Nothing generated: the job makes one token, which the answer leaves out.
+        ({"echo": True, "logprobs": 0, "max_tokens": 0},
+         {"logprobs": 0, "prompt_logprobs": 0, "max_tokens": 1}, False),
+        ({"echo": True, "max_tokens": 0}, {"max_tokens": 1}, False),
+    ],
+)  # fmt: skip
+def test_echo_asks_for_the_prompts_own_logprobs(
+    body: dict[str, Any], stored: dict[str, Any], generated: bool
+) -> None:
+    asked = parse_request("completions", {"model": "m", "prompt": "the cat", **body})
+    assert asked.input == {"prompt": "the cat", **stored}
+    assert asked.echo == bool(body.get("echo")) and asked.generated == generated
+    assert asked.echo_of(asked.input) == (Echo("the cat", generated) if asked.echo else None)
+
+
+PROMPT_LOGPROBS = [
+    {"token": 1, "text": "the", "logprob": None, "top_logprobs": []},
+    {"token": 5, "text": " cat", "logprob": -2.5, "top_logprobs": [
+        {"token": 6, "text": " dog", "logprob": -1.5}]},
+]  # fmt: skip
+
+
+def test_an_echoed_answer_puts_the_prompt_before_the_completion() -> None:
+    output = {**OUTPUT, "logprobs": LOGPROBS, "prompt_logprobs": PROMPT_LOGPROBS}
+    echoed = completion_object("completions", JOB, 1, "m", output, Echo("the cat"))
+    choice = echoed["choices"][0]
+    assert choice["text"] == "the cathello"
+    assert choice["logprobs"] == {
+        "tokens": ["the", " cat", "hel", "lo"],
+        "token_logprobs": [None, -2.5, -0.5, -0.125],
+        "top_logprobs": [None, {" dog": -1.5, " cat": -2.5}, {"hel": -0.5, "\ufffd": -1.25},
+                         {"lo": -0.125}],
+        "text_offset": [0, 3, 7, 10],
+    }  # fmt: skip
+    assert echoed["usage"] == OUTPUT["usage"]
+    scored = completion_object("completions", JOB, 1, "m", output, Echo("the cat", False))
+    choice = scored["choices"][0]
+    assert choice["text"] == "the cat"
+    assert choice["logprobs"]["tokens"] == ["the", " cat"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -2.5]
+    assert scored["usage"] == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+    # Without logprobs asked, the text alone.
+    plain = completion_object("completions", JOB, 1, "m", OUTPUT, Echo("the cat"))
+    assert plain["choices"][0]["text"] == "the cathello"
+    assert plain["choices"][0]["logprobs"] is None

@@ -422,6 +422,8 @@ class GenerationLoop(WorkerLoop[GenerationStep, StepResult | Exception, StepEven
         """The prompt's prefix blocks, for the scheduler to share (prefix caching)."""
         if not getattr(self.engine.runtime, "prefix_caching", False):
             return ()
+        if job.prompt_logprobs is not None:
+            return ()  # a scored prompt computes every position: none is shared
         return prefix_hashes(job.prompt_ids, self.engine.scheduler.limits.block_size)
 
     def _resume(self, job: GenerationInput, held: _Held) -> GenerationInput:
@@ -820,6 +822,7 @@ def generation_input(
         ),
         stop=tuple(value.get("stop") or ()),
         logprobs=value.get("logprobs"),
+        prompt_logprobs=value.get("prompt_logprobs"),
     )
 
 
@@ -842,7 +845,7 @@ def completion_output(
         tpot_ms = round(
             (held.last_token_s - held.first_token_s) * 1000.0 / (completion_tokens - 1), 3
         )
-    return {
+    output: dict[str, Any] = {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "finish_reason": str(completion.finish_reason),
@@ -853,16 +856,20 @@ def completion_output(
         },
         "seed": completion.seed,
         "timings": {"queue_ms": queue_ms, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
-    } | (
-        {}
-        if completion.logprobs is None
-        else {
-            "logprobs": [
-                held.logprobs.get(found) or logprob_entry(tokenizer, found)
-                for found in completion.logprobs
-            ]
-        }
-    )
+    }
+    if completion.logprobs is not None:
+        output["logprobs"] = [
+            held.logprobs.get(found) or logprob_entry(tokenizer, found)
+            for found in completion.logprobs
+        ]
+    if completion.prompt_logprobs is not None:
+        output["prompt_logprobs"] = [
+            token_logprob_entry(tokenizer, token, None, ())  # the first: nothing before it
+            if found is None
+            else logprob_entry(tokenizer, found)
+            for token, found in zip(completion.prompt_ids, completion.prompt_logprobs, strict=True)
+        ]
+    return output
 
 
 def logprob_entry(tokenizer: Path, found: TokenLogprob) -> dict[str, Any]:
