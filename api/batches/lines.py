@@ -199,6 +199,10 @@ class RequestLines:
             raise LineError(line, f"body.{exc}") from None
         if asked.stream:
             raise LineError(line, "body.stream: a batch's requests are not streamed")
+        if asked.n > 1:
+            raise LineError(
+                line, f"body.n: must be 1 in a batch's lines, got {asked.n} (a line is one job)"
+            )
         identifier = custom_id(value, line)
         for field, part in (("custom_id", identifier), ("body", asked.input)):
             problem = text_problem(part, max_depth=self.max_depth)

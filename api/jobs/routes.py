@@ -24,6 +24,7 @@ from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
 from api.jobs.reads import JobRead, is_terminal, until_terminal
 from api.jobs.schemas import (
+    MAX_IDEMPOTENCY_KEY,
     CancelRequested,
     DeliveryList,
     DeliveryResource,
@@ -53,7 +54,7 @@ WAIT_QUERY = Query(
 # The two parameters as declared once: in the endpoints' signatures (the OpenAPI
 # document) and in the adapters their fast readings validate with (api.fastparse).
 Wait = Annotated[float, WAIT_QUERY]
-IdempotencyKey = Annotated[str | None, Header(max_length=255)]
+IdempotencyKey = Annotated[str | None, Header(max_length=MAX_IDEMPOTENCY_KEY)]
 
 
 async def create_job(

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from core.models.catalog import text_problem
 from scheduler.vocabulary import Lane
 
+# The longest idempotency key (the column's width).
+MAX_IDEMPOTENCY_KEY = 255
+
 JobStatus = Literal["waiting", "queued", "running", "succeeded", "failed", "expired", "cancelled"]
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
@@ -54,7 +57,7 @@ class JobCreate(BaseModel):
         "(a worker began it, at each attempt) and progress (its tokens so far, at most every "
         "FERRY_PROGRESS_EVERY_S) for a generation job, terminal (its outcome) for any.",
     )
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=MAX_IDEMPOTENCY_KEY)
     metadata: dict[str, Any] | None = None
 
     @field_validator("model", "idempotency_key", "callback_url")

@@ -1,18 +1,22 @@
 """What ``POST /v1/completions`` and ``POST /v1/chat/completions`` do.
 
-Each request is one Ferry job, submitted with the same admission as
-``POST /v1/jobs`` (the group commit: quota, deadline, durable before
-anything is answered), then waited for: the finished job as OpenAI's
-``text_completion`` or ``chat.completion``, or, with ``stream: true``, its
-events stream as OpenAI's chunks (``api.jobs.events``). The job is durable: a
-client that disconnects from a stream leaves it running (unless it asked
-for ``ferry_cancel_on_disconnect``), and every answer carries the job's id
-in ``X-Ferry-Job-Id`` so its result can be read later from ``/v1/jobs``.
+Each choice of a request (``n``, one by default) is one Ferry job, the
+request's jobs submitted together with the same admission as ``POST
+/v1/jobs`` (the group commit: quota, deadline, durable before anything is
+answered), then waited for: the finished jobs as OpenAI's
+``text_completion`` or ``chat.completion``, or, with ``stream: true``, their
+events streams as OpenAI's chunks (``api.jobs.events``), each choice's under
+its index. The jobs are durable: a client that disconnects from a stream
+leaves them running (unless it asked for ``ferry_cancel_on_disconnect``), and
+every answer carries the first job's id in ``X-Ferry-Job-Id`` (every one's in
+``X-Ferry-Job-Ids``) so results can be read later from ``/v1/jobs``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +30,7 @@ from api.errors import ApiError
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow
 from api.jobs.reads import JobRead, is_terminal, until_terminal
-from api.jobs.schemas import JobCreate, JobResource
+from api.jobs.schemas import MAX_IDEMPOTENCY_KEY, JobCreate, JobResource
 from api.jobs.submissions import GroupCommit, Submitted, prepare_request
 from api.models import service as model_service
 from api.openai.generation import (
@@ -39,7 +43,6 @@ from api.openai.generation import (
     logprobs_object,
     parse_request,
     usage_chunk,
-    usage_of,
 )
 from api.state import app_state
 from core.db.schema import ApiKey
@@ -70,12 +73,19 @@ async def complete(
         raise ApiError(422, "invalid_request", str(exc), param=exc.param) from None
     _check_model(state, body["model"])
     submitted = await _submit(request, key, asked, body["model"], lane_header, idempotency_key)
-    job = submitted.job
-    headers = {"X-Ferry-Job-Id": job.id, "Location": f"/v1/jobs/{job.id}"}
-    resource = services.to_resource(job)
+    first = submitted[0].job
+    headers = {"X-Ferry-Job-Id": first.id, "Location": f"/v1/jobs/{first.id}"}
+    if len(submitted) > 1:
+        headers["X-Ferry-Job-Ids"] = ",".join(s.job.id for s in submitted)
+    resources = [services.to_resource(s.job) for s in submitted]
     if asked.stream:
-        return _stream(state, key, asked, resource, headers)
-    found = await until_terminal(state, JobRead(key.id, job.id), state.settings.max_wait_s)
+        return _stream(state, key, asked, resources, headers)
+    found = await asyncio.gather(
+        *(
+            until_terminal(state, JobRead(key.id, job.id), state.settings.max_wait_s)
+            for job in resources
+        )
+    )
     return JSONResponse(_finished(asked, found, headers), headers=headers)
 
 
@@ -104,28 +114,47 @@ async def _submit(
     model: str,
     lane_header: Lane | None,
     idempotency_key: str | None,
-) -> Submitted:
+) -> list[Submitted]:
+    """The request's jobs, one a choice, committed in one group."""
     metadata: dict[str, Any] = {
         "openai": "chat.completions" if asked.endpoint == "chat" else "completions"
     }
     if asked.user is not None:
         metadata["user"] = asked.user
-    job = JobCreate(
-        model=model,
-        input=asked.input,
-        priority=Lane(asked.priority) if asked.priority else lane_header or Lane.NORMAL,
-        deadline_ms=asked.deadline_ms,
-        metadata=metadata,
-    )
-    try:
-        submission = prepare_request(request, key, job, idempotency_key)
-    except ApiError as exc:
-        raise _named(asked, exc) from exc
+    submissions = []
+    for index in range(asked.n):
+        job = JobCreate(
+            model=model,
+            input=asked.choice_input(index),
+            priority=Lane(asked.priority) if asked.priority else lane_header or Lane.NORMAL,
+            deadline_ms=asked.deadline_ms,
+            metadata=metadata | ({"choice": index} if asked.n > 1 else {}),
+        )
+        try:
+            submissions.append(
+                prepare_request(request, key, job, _choice_key(idempotency_key, index))
+            )
+        except ApiError as exc:
+            raise _named(asked, exc) from exc
     commit: GroupCommit = app_state(request).group_commit
-    submitted = await commit.submit(submission)
-    if not submitted.replayed:
-        JOBS_ACCEPTED.labels(submitted.job.model, submitted.job.priority).inc()
+    submitted = [await commit.submit(submissions[0])] if asked.n == 1 else []
+    if not submitted:
+        submitted = await commit.submit_all(submissions)
+    for done in submitted:
+        if not done.replayed:
+            JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
     return submitted
+
+
+def _choice_key(key: str | None, index: int) -> str | None:
+    """Choice ``index``'s idempotency key: the request's for the first, derived for the
+    next (a replay of the request finds every choice's job)."""
+    if key is None or index == 0:
+        return key
+    derived = f"{key}#{index}"
+    if len(derived) <= MAX_IDEMPOTENCY_KEY:
+        return derived
+    return f"{hashlib.sha256(key.encode()).hexdigest()}#{index}"
 
 
 def _named(asked: GenerationRequest, exc: ApiError) -> ApiError:
@@ -141,21 +170,26 @@ def _created(job: JobResource) -> int:
     return int(job.created_at.timestamp())
 
 
-def _finished(asked: GenerationRequest, job: JobResource, headers: dict[str, str]) -> Any:
-    if not is_terminal(job):
-        raise ApiError(
-            504,
-            "timeout",
-            f"job {job.id} is still {job.status}; it runs all the same (read it at "
-            f"/v1/jobs/{job.id}), but this request waited as long as it may",
-            headers,
-        )
-    output = job.output
-    if job.status in WITH_OUTPUT and is_generation_output(output):
-        return completion_object(
-            asked.endpoint, job.id, _created(job), job.model, output, asked.echo_of(asked.input)
-        )
-    raise _failure(job, headers)
+def _finished(
+    asked: GenerationRequest, jobs: Sequence[JobResource], headers: dict[str, str]
+) -> Any:
+    outputs = []
+    for job in jobs:
+        if not is_terminal(job):
+            raise ApiError(
+                504,
+                "timeout",
+                f"job {job.id} is still {job.status}; it runs all the same (read it at "
+                f"/v1/jobs/{job.id}), but this request waited as long as it may",
+                headers,
+            )
+        if job.status not in WITH_OUTPUT or not is_generation_output(job.output):
+            raise _failure(job, headers)
+        outputs.append(job.output)
+    first = jobs[0]
+    return completion_object(
+        asked.endpoint, first.id, _created(first), first.model, outputs, asked.echo_of(asked.input)
+    )
 
 
 def _failure(job: JobResource, headers: dict[str, str] | None = None) -> ApiError:
@@ -183,46 +217,93 @@ def _stream(
     state: AppState,
     key: ApiKey,
     asked: GenerationRequest,
-    job: JobResource,
+    jobs: list[JobResource],
     headers: dict[str, str],
 ) -> EventStreamResponse:
-    endpoint, created = asked.endpoint, _created(job)
+    first = jobs[0]
+    endpoint, created, model = asked.endpoint, _created(first), first.model
+
+    def chunk(index: int, **fields: Any) -> bytes:
+        return _data(chunk_object(endpoint, first.id, created, model, index=index, **fields))
 
     async def chunks() -> AsyncIterator[bytes]:
         if endpoint == "chat":
-            yield _data(chunk_object(endpoint, job.id, created, job.model, text="", role=True))
-        logprobs = _ChunkLogprobs(endpoint)
-        async for seen in follow(state, key.id, job, generation=True):
+            for index in range(len(jobs)):
+                yield chunk(index, text="", role=True)
+        logprobs = [_ChunkLogprobs(endpoint) for _ in jobs]
+        outputs: list[Any] = []
+        streams = [follow(state, key.id, job, generation=True) for job in jobs]
+        async for index, seen in _merged(streams):
             if seen is None:
                 yield KEEP_ALIVE
                 continue
             event = seen.event
             if event.kind == "token" and event.logprob is not None:
-                logprobs.add(event.index, event.logprob)  # sent with the next text
+                logprobs[index].add(event.index, event.logprob)  # sent with the next text
             if event.kind == "token" and event.text:
-                yield _data(
-                    chunk_object(
-                        endpoint,
-                        job.id,
-                        created,
-                        job.model,
-                        text=event.text,
-                        logprobs=logprobs.take(),
-                    )
-                )
+                yield chunk(index, text=event.text, logprobs=logprobs[index].take())
             elif event.kind == "done":
                 # The worker commits the row before it writes the done event.
-                found = await state.group_read.submit(JobRead(key.id, job.id))
-                for chunk in _last_chunks(asked, found, created, logprobs):
-                    yield chunk
-                yield DONE
-                return
+                found = await state.group_read.submit(JobRead(key.id, jobs[index].id))
+                output = found.output
+                if found.status not in WITH_OUTPUT or not is_generation_output(output):
+                    yield _error_chunk(found)
+                    yield DONE
+                    return
+                taken = logprobs[index].take(output.get("logprobs") or ())
+                yield chunk(index, finish_reason=output["finish_reason"], logprobs=taken)
+                outputs.append(output)
+        if len(outputs) < len(jobs):
+            return  # the API is draining: the client reads the jobs later
+        if asked.include_usage:
+            usage = completion_object(endpoint, first.id, created, model, outputs)["usage"]
+            yield _data(usage_chunk(endpoint, first.id, created, model, usage))
+        yield DONE
 
     async def disconnected() -> None:
         if asked.cancel_on_disconnect:
-            await run_in_threadpool(_cancel_quietly, state, key, job.id)
+            for job in jobs:
+                await run_in_threadpool(_cancel_quietly, state, key, job.id)
 
     return EventStreamResponse(chunks(), headers, disconnected)
+
+
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of every stream as they come, each with its stream's index; ends when
+    they have all ended, re-raises what one raised."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, _END))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            index, item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -257,40 +338,18 @@ class _ChunkLogprobs:
         return shaped
 
 
-def _last_chunks(
-    asked: GenerationRequest, job: JobResource, created: int, logprobs: _ChunkLogprobs
-) -> list[bytes]:
-    output = job.output
-    if job.status not in WITH_OUTPUT or not is_generation_output(output):
-        error = _failure(job)
-        return [
-            _data(
-                {
-                    "error": {
-                        "message": error.message,
-                        "type": "server_error",
-                        "param": None,
-                        "code": error.type,
-                    }
-                }
-            )
-        ]
-    last = [
-        _data(
-            chunk_object(
-                asked.endpoint,
-                job.id,
-                created,
-                job.model,
-                finish_reason=output["finish_reason"],
-                logprobs=logprobs.take(output.get("logprobs") or ()),
-            )
-        )
-    ]
-    if asked.include_usage:
-        usage = usage_of(output)
-        last.append(_data(usage_chunk(asked.endpoint, job.id, created, job.model, usage)))
-    return last
+def _error_chunk(job: JobResource) -> bytes:
+    error = _failure(job)
+    return _data(
+        {
+            "error": {
+                "message": error.message,
+                "type": "server_error",
+                "param": None,
+                "code": error.type,
+            }
+        }
+    )
 
 
 def _cancel_quietly(state: AppState, key: ApiKey, job_id: str) -> None:

@@ -5,8 +5,8 @@
 generation input of a job (``core.models.generation`` checks it further) and the
 options that shape the answer; every refusal is a :class:`ParamError`
 naming OpenAI's parameter. A parameter OpenAI defines that Ferry does not
-honour (``n`` above 1, ``tools``, ``suffix`` ...) is refused, not ignored;
-its neutral value (``null``, ``n: 1``, ``tools: []`` ...) is taken, since
+honour (``tools``, ``suffix``, ``best_of`` ...) is refused, not ignored;
+its neutral value (``null``, ``tools: []`` ...) is taken, since
 clients send those by default. The other functions render a
 finished job (or its tokens, as they come) in OpenAI's shapes.
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
-from core.models.generation import MEMBERS
+from core.models.generation import MEMBERS, SEED_LIMIT
 from scheduler.vocabulary import LANES
 
 Endpoint = Literal["chat", "completions"]
@@ -29,6 +29,8 @@ CHUNK_OBJECTS = {"chat": "chat.completion.chunk", "completions": "text_completio
 ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 MAX_USER_CHARS = 256
+# The most choices (``n``) one request asks for: each is a job of its own.
+MAX_CHOICES = 16
 # The most alternatives a token's logprobs may list: OpenAI's limits (chat's top_logprobs,
 # the legacy completions' logprobs).
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
@@ -104,6 +106,15 @@ class GenerationRequest:
     # job generates one token, which the answer leaves out).
     echo: bool = False
     generated: bool = True
+    n: int = 1  # choices: one job each
+
+    def choice_input(self, index: int) -> dict[str, Any]:
+        """The input of choice ``index``'s job: a seed given is the first choice's, the
+        next ones' the seeds after it (so that sampled choices differ, each reproducible)."""
+        seed = self.input.get("seed")
+        if index == 0 or not isinstance(seed, int) or isinstance(seed, bool):
+            return self.input
+        return self.input | {"seed": (seed + index) % SEED_LIMIT}
 
     def echo_of(self, stored: Mapping[str, Any]) -> Echo | None:
         """What the answer echoes, given the job's stored input."""
@@ -150,8 +161,10 @@ def parse_request(
     if not isinstance(model, str) or not model:
         raise ParamError("model", "must be a model's name")
     n = body.get("n")
-    if n is not None and n != 1:
-        raise ParamError("n", f"must be 1: Ferry makes one choice per request (got {_shown(n)})")
+    if n is None:
+        n = 1
+    elif isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ParamError("n", f"must be an integer from 1 to {MAX_CHOICES}, got {_shown(n)}")
     stream = _flag(body, "stream")
     include_usage = _stream_options(body.get("stream_options"), stream)
     given: dict[str, Any] = {name: body[name] for name in SAMPLING if name in body}
@@ -197,6 +210,7 @@ def parse_request(
         max_tokens_param=max_tokens_param,
         echo=echo,
         generated=generated,
+        n=n,
     )
 
 
@@ -375,12 +389,37 @@ def completion_object(
     job_id: str,
     created_s: int,
     model: str,
-    output: Mapping[str, Any],
+    output: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """A finished job's output as OpenAI's ``chat.completion`` or ``text_completion``
-    (``echo``: completions' prompt before it)."""
-    choice: dict[str, Any] = {"index": 0}
+    """A finished job's output (or the outputs of a request's ``n`` jobs, a choice each)
+    as OpenAI's ``chat.completion`` or ``text_completion`` (``echo``: completions'
+    prompt before each choice). The prompt's tokens are counted once, as OpenAI's."""
+    outputs = [output] if isinstance(output, Mapping) else list(output)
+    generated = echo is None or echo.generated
+    usages = [usage_of(found, generated) for found in outputs]
+    completion = sum(usage["completion_tokens"] for usage in usages)
+    prompt = usages[0]["prompt_tokens"]
+    return {
+        "id": response_id(endpoint, job_id),
+        "object": OBJECTS[endpoint],
+        "created": created_s,
+        "model": model,
+        "choices": [choice_object(endpoint, i, found, echo) for i, found in enumerate(outputs)],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+        "system_fingerprint": None,
+    }
+
+
+def choice_object(
+    endpoint: Endpoint, index: int, output: Mapping[str, Any], echo: Echo | None = None
+) -> dict[str, Any]:
+    """One choice of a completion: a finished job's text, logprobs and finish reason."""
+    choice: dict[str, Any] = {"index": index}
     generated = echo is None or echo.generated
     text = output["text"] if generated else ""
     logprobs = output.get("logprobs")
@@ -394,18 +433,9 @@ def completion_object(
         choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
         choice["text"] = text
-    choice |= {
+    return choice | {
         "logprobs": None if logprobs is None else logprobs_object(endpoint, logprobs),
         "finish_reason": output.get("finish_reason"),
-    }
-    return {
-        "id": response_id(endpoint, job_id),
-        "object": OBJECTS[endpoint],
-        "created": created_s,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_of(output, generated),
-        "system_fingerprint": None,
     }
 
 
@@ -419,11 +449,12 @@ def chunk_object(
     role: bool = False,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk: a text delta (``role`` on the first chat chunk), or the last
-    chunk, with its ``finish_reason`` and no text; ``logprobs``: those of the tokens
-    the chunk brings (:func:`logprobs_object`)."""
-    choice: dict[str, Any] = {"index": 0}
+    """One streamed chunk of choice ``index``: a text delta (``role`` on the first chat
+    chunk), or the last chunk, with its ``finish_reason`` and no text; ``logprobs``: those
+    of the tokens the chunk brings (:func:`logprobs_object`)."""
+    choice: dict[str, Any] = {"index": index}
     if endpoint == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

@@ -158,7 +158,7 @@ def test_a_completion_streamed_and_not(
 @pytest.mark.parametrize(
     ("options", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -381,6 +381,50 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(**ask, max_tokens=2, stream=True)
     assert refused.value.body["param"] == "echo"  # type: ignore[index]
+
+
+def test_n_choices_are_n_jobs_streamed_and_not(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    """``n: 3`` sampled with a seed: three jobs (seeds 7, 8, 9), three choices, each its
+    job's output; the same request streamed gives each choice's text under its index, and
+    a replay of an Idempotency-Key finds the same three jobs."""
+    ask: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "n": 3}
+    ask |= {"temperature": 1.0, "seed": 7}
+    raw = client.chat.completions.with_raw_response.create(
+        **ask, extra_headers={"Idempotency-Key": "three-choices"}
+    )
+    ids = raw.headers["X-Ferry-Job-Ids"].split(",")
+    assert len(ids) == 3 and raw.headers["X-Ferry-Job-Id"] == ids[0]
+    answer = raw.parse()
+    jobs = [job_of(http, job_id) for job_id in ids]
+    assert [job["output"]["seed"] for job in jobs] == [7, 8, 9]
+    assert [job["metadata"]["choice"] for job in jobs] == [0, 1, 2]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    texts = [c.message.content for c in answer.choices]
+    assert texts == [job["output"]["text"] for job in jobs]
+    assert len(set(texts)) > 1  # sampled from different seeds
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == jobs[0]["output"]["usage"]["prompt_tokens"]
+    assert answer.usage.completion_tokens == sum(
+        job["output"]["usage"]["completion_tokens"] for job in jobs
+    )
+    replayed = client.chat.completions.with_raw_response.create(
+        **ask, extra_headers={"Idempotency-Key": "three-choices"}
+    )
+    assert replayed.headers["X-Ferry-Job-Ids"].split(",") == ids
+    chunks = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = ["", "", ""]
+    finished = [None, None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert streamed == texts  # the same seeds, the same tokens
+    assert finished == [c.finish_reason for c in answer.choices]
+    assert chunks[-1].usage is not None and chunks[-1].usage == answer.usage
 
 
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(

@@ -75,7 +75,9 @@ def test_a_completions_prompt_may_be_a_list_of_one() -> None:
         ("completions", {"prompt": ["a", "b"]}, "prompt"),
         ("completions", {"prompt": [1, 2, 3]}, "prompt"),
         ("completions", {}, "prompt"),
-        ("completions", {"prompt": "a", "n": 2}, "n"),
+        ("completions", {"prompt": "a", "n": 17}, "n"),
+        ("completions", {"prompt": "a", "n": 0}, "n"),
+        ("chat", {"messages": MESSAGES, "n": True}, "n"),
         ("completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
         ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
         ("completions", {"prompt": "a", "echo": True, "stream": True}, "echo"),
@@ -322,3 +324,24 @@ def test_an_echoed_answer_puts_the_prompt_before_the_completion() -> None:
     plain = completion_object("completions", JOB, 1, "m", OUTPUT, Echo("the cat"))
     assert plain["choices"][0]["text"] == "the cathello"
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_n_choices_are_n_jobs_each_seeded_after_the_first() -> None:
+    asked = parse_request("completions", {"model": "m", "prompt": "a", "n": 3, "seed": 7})
+    assert asked.n == 3
+    assert [asked.choice_input(i)["seed"] for i in range(3)] == [7, 8, 9]
+    assert asked.choice_input(0) is asked.input  # the first choice is the request's own
+    unseeded = parse_request("chat", {"model": "m", "messages": MESSAGES, "n": 2})
+    assert "seed" not in unseeded.choice_input(1)  # each job draws its own from its id
+    assert parse_request("chat", {"model": "m", "messages": MESSAGES}).n == 1
+
+
+def test_n_outputs_are_one_completion_of_n_choices_with_the_prompt_counted_once() -> None:
+    second = {**OUTPUT, "text": "bye", "finish_reason": "length",
+              "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}}  # fmt: skip
+    both = completion_object("chat", JOB, 1, "m", [OUTPUT, second])
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in both["choices"]] == ["hello", "bye"]
+    assert [c["finish_reason"] for c in both["choices"]] == ["stop", "length"]
+    assert both["usage"] == {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}
+    assert chunk_object("completions", JOB, 1, "m", text="x", index=2)["choices"][0]["index"] == 2
