@@ -163,6 +163,10 @@ class GroupStage(Generic[In, Out]):
         exception raised, as :func:`asyncio.gather` would."""
         return list(await asyncio.gather(*self._queued(items)))
 
+    async def submit_each(self, items: Sequence[In]) -> list[Out | BaseException]:
+        """Each item's result, or what it raised, the items queued together."""
+        return list(await asyncio.gather(*self._queued(items), return_exceptions=True))
+
     def _queued(self, items: Sequence[In]) -> list[asyncio.Future[Out]]:
         """Queue the items, noting their arrival and closing the request's announcement."""
         if self._stopped:

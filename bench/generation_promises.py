@@ -256,7 +256,7 @@ class Shape:
     light_tokens: int = 16
     flood_factor: float = 50.0
     flood_tokens: int = 128
-    split_jobs: int = 64  # per key, all at once
+    split_jobs: int = 160  # per key, all at once (the run ends when a key has none waiting)
     split_s: float = 12.0
     checkpoint_requests: int = 32
     checkpoint_trials: int = 5  # the four checkpoint arms, each this many times a round
@@ -497,7 +497,7 @@ def weighted_share(steps: Sequence[StepSeen], tenant: str, what: str) -> float:
 
 def split_round(trace: Trace, jobs: Sequence[Job]) -> dict[str, Any]:
     """The heavy key's shares while both keys still had work waiting (the run stops at
-    ``split_s``, long before either runs out)."""
+    ``split_s``, or once a key has nothing waiting: :func:`_split_over`)."""
     steps = trace.steps[5:]  # the first admissions settle
     return {
         "steps": len(steps),
@@ -617,7 +617,8 @@ def run(
         fairness = fairness_round(idle, flooded, flood_jobs)
         split_jobs = split_load(corpus, shape, round_seed)
         split = split_round(
-            drive(runner, loaded, split_jobs, until=lambda _, now: now >= shape.split_s), split_jobs
+            drive(runner, loaded, split_jobs, until=_split_over(split_jobs, shape.split_s)),
+            split_jobs,
         )
         workload = [
             Job(r.id, r.prompt_ids, r.max_tokens, 0.0)
@@ -651,6 +652,21 @@ def run(
 
 def _ordered(ways: list[Any], number: int) -> list[Any]:
     return ways if number % 2 == 0 else list(reversed(ways))
+
+
+def _split_over(jobs: Sequence[Job], seconds: float) -> Callable[[Trace, float], bool]:
+    """The split's end: ``seconds`` in, or as soon as a key has nothing waiting (every job
+    of it started): past that its share is no longer the scheduler's choice (on a fast
+    host the heavier key once ran out of work within the run and its share fell)."""
+    by_key: dict[str, list[str]] = {}
+    for job in jobs:
+        by_key.setdefault(job.tenant, []).append(job.id)
+
+    def over(trace: Trace, now: float) -> bool:
+        started = trace.first_s
+        return now >= seconds or any(all(id in started for id in ids) for ids in by_key.values())
+
+    return over
 
 
 def _all_ended(ids: Sequence[str]) -> Callable[[Trace, float], bool]:

@@ -203,6 +203,8 @@ class RequestLines:
             raise LineError(
                 line, f"body.n: must be 1 in a batch's lines, got {asked.n} (a line is one job)"
             )
+        if len(asked.prompts) > 1:
+            raise LineError(line, "body.prompt: one prompt in a batch's line (a line is one job)")
         identifier = custom_id(value, line)
         for field, part in (("custom_id", identifier), ("body", asked.input)):
             problem = text_problem(part, max_depth=self.max_depth)
@@ -351,8 +353,8 @@ def file_lines(
         Job.metadata_,
         Job.created_at,
     )
-    if endpoint in GENERATION_PATHS:
-        columns += (Job.input,)  # the prompt a line's echo repeats
+    if GENERATION_PATHS.get(endpoint) == "completions":
+        columns += (Job.input,)  # the prompt a line's echo repeats (chat has no echo)
     for rows in terminal_rows(sessions, backfill_id, columns):
         lines = [
             json.dumps(

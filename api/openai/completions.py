@@ -18,10 +18,11 @@ import asyncio
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -30,8 +31,8 @@ from api.errors import ApiError
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow
 from api.jobs.reads import JobRead, is_terminal, until_terminal
-from api.jobs.schemas import MAX_IDEMPOTENCY_KEY, JobCreate, JobResource
-from api.jobs.submissions import GroupCommit, Submitted, prepare_request
+from api.jobs.schemas import JobCreate, JobResource
+from api.jobs.submissions import GroupCommit, Submission, Submitted, prepare_request
 from api.models import service as model_service
 from api.openai.generation import (
     Endpoint,
@@ -42,6 +43,7 @@ from api.openai.generation import (
     is_generation_output,
     logprobs_object,
     parse_request,
+    unscored,
     usage_chunk,
 )
 from api.state import app_state
@@ -86,7 +88,8 @@ async def complete(
             for job in resources
         )
     )
-    return JSONResponse(_finished(asked, found, headers), headers=headers)
+    stored = [s.job.input for s in submitted]
+    return JSONResponse(_finished(asked, found, stored, headers), headers=headers)
 
 
 def _check_model(state: AppState, model: str) -> None:
@@ -121,48 +124,84 @@ async def _submit(
     }
     if asked.user is not None:
         metadata["user"] = asked.user
-    submissions = []
-    for index in range(asked.n):
+    several = asked.choices > 1
+    submissions: list[Submission] = []
+    for prompt in range(max(1, len(asked.prompts))):
+        index = prompt * asked.n
         job = JobCreate(
             model=model,
             input=asked.choice_input(index),
             priority=Lane(asked.priority) if asked.priority else lane_header or Lane.NORMAL,
             deadline_ms=asked.deadline_ms,
-            metadata=metadata | ({"choice": index} if asked.n > 1 else {}),
+            metadata=metadata | ({"choice": index} if several else {}),
         )
+        choice_key = idempotency_key if index == 0 or idempotency_key is None else None
+        if index and idempotency_key is not None:
+            choice_key = _choice_key(idempotency_key, index)
         try:
-            submissions.append(
-                prepare_request(request, key, job, _choice_key(idempotency_key, index))
-            )
+            first = prepare_request(request, key, job, choice_key)
         except ApiError as exc:
-            raise _named(asked, exc) from exc
-    commit: GroupCommit = app_state(request).group_commit
-    submitted = [await commit.submit(submissions[0])] if asked.n == 1 else []
-    if not submitted:
-        submitted = await commit.submit_all(submissions)
+            raise _named(asked, exc, prompt if len(asked.prompts) > 1 else None) from exc
+        # The prompt's next choices differ from its first by their seed alone: checked once.
+        submissions += [first] + [
+            _choice(first, asked, index + draw, idempotency_key) for draw in range(1, asked.n)
+        ]
+    state = app_state(request)
+    commit: GroupCommit = state.group_commit
+    if not several:
+        submitted = [await commit.submit(submissions[0])]
+    else:
+        outcomes = await commit.submit_each(submissions)
+        submitted = [o for o in outcomes if not isinstance(o, BaseException)]
+        refused = [o for o in outcomes if isinstance(o, BaseException)]
+        if refused:
+            # All or nothing: a request some of whose choices were refused (the key's
+            # quota, the queue's bound) is refused whole, the ones admitted cancelled.
+            taken = [done.job.id for done in submitted if not done.replayed]
+            await run_in_threadpool(_take_back, state, key, taken)
+            raise refused[0]
     for done in submitted:
         if not done.replayed:
             JOBS_ACCEPTED.labels(done.job.model, done.job.priority).inc()
     return submitted
 
 
-def _choice_key(key: str | None, index: int) -> str | None:
-    """Choice ``index``'s idempotency key: the request's for the first, derived for the
-    next (a replay of the request finds every choice's job)."""
-    if key is None or index == 0:
-        return key
-    derived = f"{key}#{index}"
-    if len(derived) <= MAX_IDEMPOTENCY_KEY:
-        return derived
-    return f"{hashlib.sha256(key.encode()).hexdigest()}#{index}"
+def _choice(
+    first: Submission, asked: GenerationRequest, index: int, idempotency_key: str | None
+) -> Submission:
+    """Choice ``index``'s submission: the first's, with its own seed (when one was given),
+    metadata and idempotency key."""
+    seeded = asked.choice_input(index)
+    body = first.body.model_copy(
+        update={"input": seeded, "metadata": {**(first.body.metadata or {}), "choice": index}}
+    )
+    stored = first.input | ({"seed": seeded["seed"]} if "seed" in seeded else {})
+    key = None if idempotency_key is None else _choice_key(idempotency_key, index)
+    return replace(first, body=body, input=stored, idempotency_key=key)
 
 
-def _named(asked: GenerationRequest, exc: ApiError) -> ApiError:
-    """The input check's refusal under OpenAI's name for the field it names."""
+def _choice_key(key: str, index: int) -> str:
+    """Choice ``index``'s idempotency key (1 and up; the first's is the request's), in a
+    namespace of its own: a replay of the request finds every choice's job, and no key a
+    client chose collides with one derived from another."""
+    digest = hashlib.sha256(f"{index}\0{key}".encode()).hexdigest()
+    return f"ferry-choice-{index}-{digest}"
+
+
+def _take_back(state: AppState, key: ApiKey, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        _cancel_quietly(state, key, job_id)
+
+
+def _named(asked: GenerationRequest, exc: ApiError, prompt: int | None = None) -> ApiError:
+    """The input check's refusal under OpenAI's name for the field it names (``prompt``:
+    which of a list of prompts it was, ``prompt[2]``)."""
     field, sep, why = exc.message.partition(": ")
     if exc.status != 422 or not sep or " " in field:
         return exc
     param = asked.param(field)
+    if prompt is not None and param.startswith("prompt"):
+        param = f"prompt[{prompt}]{param.removeprefix('prompt')}"
     return ApiError(exc.status, exc.type, f"{param}: {why}", exc.headers, param=param)
 
 
@@ -171,10 +210,14 @@ def _created(job: JobResource) -> int:
 
 
 def _finished(
-    asked: GenerationRequest, jobs: Sequence[JobResource], headers: dict[str, str]
+    asked: GenerationRequest,
+    jobs: Sequence[JobResource],
+    stored: Sequence[Any],
+    headers: dict[str, str],
 ) -> Any:
+    """The finished jobs (``stored``: their inputs as stored) as one completion."""
     outputs = []
-    for job in jobs:
+    for job, kept in zip(jobs, stored, strict=True):
         if not is_terminal(job):
             raise ApiError(
                 504,
@@ -185,10 +228,20 @@ def _finished(
             )
         if job.status not in WITH_OUTPUT or not is_generation_output(job.output):
             raise _failure(job, headers)
+        if unscored(kept, job.output):
+            raise ApiError(
+                409 if job.status == "cancelled" else 500,
+                job.status,
+                f"job {job.id} {job.status} before its prompt was scored: the prompt has no "
+                "logprobs to echo",
+                headers,
+            )
         outputs.append(job.output)
     first = jobs[0]
+    echoes = [asked.echo_of(kept) for kept in stored]
+    created = _created(first)
     return completion_object(
-        asked.endpoint, first.id, _created(first), first.model, outputs, asked.echo_of(asked.input)
+        asked.endpoint, first.id, created, first.model, outputs, echoes, asked.n
     )
 
 
@@ -231,32 +284,35 @@ def _stream(
             for index in range(len(jobs)):
                 yield chunk(index, text="", role=True)
         logprobs = [_ChunkLogprobs(endpoint) for _ in jobs]
-        outputs: list[Any] = []
+        outputs: dict[int, Any] = {}  # by choice
         streams = [follow(state, key.id, job, generation=True) for job in jobs]
-        async for index, seen in _merged(streams):
-            if seen is None:
-                yield KEEP_ALIVE
-                continue
-            event = seen.event
-            if event.kind == "token" and event.logprob is not None:
-                logprobs[index].add(event.index, event.logprob)  # sent with the next text
-            if event.kind == "token" and event.text:
-                yield chunk(index, text=event.text, logprobs=logprobs[index].take())
-            elif event.kind == "done":
-                # The worker commits the row before it writes the done event.
-                found = await state.group_read.submit(JobRead(key.id, jobs[index].id))
-                output = found.output
-                if found.status not in WITH_OUTPUT or not is_generation_output(output):
-                    yield _error_chunk(found)
-                    yield DONE
-                    return
-                taken = logprobs[index].take(output.get("logprobs") or ())
-                yield chunk(index, finish_reason=output["finish_reason"], logprobs=taken)
-                outputs.append(output)
+        async with contextlib.aclosing(_merged(streams)) as merged:
+            async for index, seen in merged:
+                if seen is None:
+                    yield KEEP_ALIVE
+                    continue
+                event = seen.event
+                if event.kind == "token" and event.logprob is not None:
+                    logprobs[index].add(event.index, event.logprob)  # sent with the next text
+                if event.kind == "token" and event.text:
+                    yield chunk(index, text=event.text, logprobs=logprobs[index].take())
+                elif event.kind == "done":
+                    # The worker commits the row before it writes the done event.
+                    found = await state.group_read.submit(JobRead(key.id, jobs[index].id))
+                    output = found.output
+                    if found.status not in WITH_OUTPUT or not is_generation_output(output):
+                        yield _error_chunk(found)
+                        yield DONE
+                        return
+                    taken = logprobs[index].take(output.get("logprobs") or ())
+                    yield chunk(index, finish_reason=output["finish_reason"], logprobs=taken)
+                    outputs[index] = output
         if len(outputs) < len(jobs):
             return  # the API is draining: the client reads the jobs later
         if asked.include_usage:
-            usage = completion_object(endpoint, first.id, created, model, outputs)["usage"]
+            ordered = [outputs[i] for i in range(len(jobs))]
+            usage = completion_object(endpoint, first.id, created, model, ordered, n=asked.n)
+            usage = usage["usage"]
             yield _data(usage_chunk(endpoint, first.id, created, model, usage))
         yield DONE
 
@@ -271,7 +327,7 @@ def _stream(
 _END = object()
 
 
-async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int, Any]]:
     """The items of every stream as they come, each with its stream's index; ends when
     they have all ended, re-raises what one raised."""
     if len(streams) == 1:
@@ -303,7 +359,11 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int,
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Shielded, and asyncio.wait, which cancels nothing when cancelled: a disconnect
+        # cancels this scope at every await, and a second cancel of the pumps would cut
+        # the shielded close of their events clients short.
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
 
 
 @dataclass

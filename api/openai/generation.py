@@ -29,8 +29,11 @@ CHUNK_OBJECTS = {"chat": "chat.completion.chunk", "completions": "text_completio
 ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 MAX_USER_CHARS = 256
-# The most choices (``n``) one request asks for: each is a job of its own.
+# The most choices (``n``) one request asks for, the most prompts a completions request
+# gives, and the most jobs (prompts times choices) it makes: each is a job of its own.
 MAX_CHOICES = 16
+MAX_PROMPTS = 64
+MAX_JOBS = 64
 # The most alternatives a token's logprobs may list: OpenAI's limits (chat's top_logprobs,
 # the legacy completions' logprobs).
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
@@ -106,15 +109,26 @@ class GenerationRequest:
     # job generates one token, which the answer leaves out).
     echo: bool = False
     generated: bool = True
-    n: int = 1  # choices: one job each
+    n: int = 1  # choices of each prompt: one job each
+    # completions' prompts (a list of them is a choice, or n, each); ``input`` holds the
+    # first.
+    prompts: tuple[Any, ...] = ()
+
+    @property
+    def choices(self) -> int:
+        """The jobs the request makes: n for each of its prompts."""
+        return max(1, len(self.prompts)) * self.n
 
     def choice_input(self, index: int) -> dict[str, Any]:
-        """The input of choice ``index``'s job: a seed given is the first choice's, the
-        next ones' the seeds after it (so that sampled choices differ, each reproducible)."""
-        seed = self.input.get("seed")
-        if index == 0 or not isinstance(seed, int) or isinstance(seed, bool):
-            return self.input
-        return self.input | {"seed": (seed + index) % SEED_LIMIT}
+        """The input of choice ``index``'s job (OpenAI's order: prompt by prompt, n
+        choices each): a seed given is each prompt's first choice's, the next ones' the
+        seeds after it (so that sampled choices differ, each reproducible)."""
+        prompt, draw = divmod(index, self.n)
+        found = self.input if prompt == 0 else self.input | {"prompt": self.prompts[prompt]}
+        seed = found.get("seed")
+        if draw == 0 or not isinstance(seed, int) or isinstance(seed, bool):
+            return found
+        return found | {"seed": (seed + draw) % SEED_LIMIT}
 
     def echo_of(self, stored: Mapping[str, Any]) -> Echo | None:
         """What the answer echoes, given the job's stored input."""
@@ -171,7 +185,14 @@ def parse_request(
     if endpoint == "chat":
         given["messages"] = _messages(body.get("messages"))
     else:
-        given["prompt"] = _prompt(body.get("prompt"))
+        prompts = _prompts(body.get("prompt"))
+        given["prompt"] = prompts[0]
+        if len(prompts) * n > MAX_JOBS:
+            raise ParamError(
+                "n",
+                f"{len(prompts)} prompts of {n} choices are {len(prompts) * n} jobs; "
+                f"at most {MAX_JOBS} in one request",
+            )
     max_tokens_param = "max_tokens"
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
@@ -186,7 +207,8 @@ def parse_request(
     if echo and stream:
         raise ParamError("echo", "is not taken with stream: true")
     generated = True
-    if given.get("max_tokens") == 0 and not isinstance(given["max_tokens"], bool):
+    zero = given.get("max_tokens") == 0 and not isinstance(given["max_tokens"], bool)
+    if zero and endpoint == "completions":  # (chat's is refused with the input's check)
         if not echo:
             raise ParamError(
                 max_tokens_param, "0 is only taken with echo: true (the prompt scored alone)"
@@ -211,6 +233,7 @@ def parse_request(
         echo=echo,
         generated=generated,
         n=n,
+        prompts=tuple(prompts) if endpoint == "completions" else (),
     )
 
 
@@ -272,20 +295,37 @@ def _stream_options(value: Any, stream: bool) -> bool:
     return bool(include)
 
 
-def _prompt(value: Any) -> str:
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise ParamError(
-                "prompt", f"one prompt per request (a string, or a list of one), got {len(value)}"
-            )
-        value = value[0]
+def _prompts(value: Any) -> list[Any]:
+    """completions' ``prompt``: a string, token ids, or a list of either (a prompt each)."""
     if value is None:
         raise ParamError("prompt", "is required")
-    if not isinstance(value, str):
+    if isinstance(value, str) or _token_ids(value):
+        return [value]
+    if not isinstance(value, list) or not value:
         raise ParamError(
-            "prompt", f"must be a string (token ids are not taken), got {_shown(value)}"
+            "prompt", f"must be a string, token ids, or a list of either, got {_shown(value)}"
         )
-    return value
+    if not _is_list_of_prompts(value):
+        raise ParamError(
+            "prompt", "a list holds strings or lists of token ids, one a prompt, all alike"
+        )
+    if len(value) > MAX_PROMPTS:
+        raise ParamError("prompt", f"{len(value)} prompts; at most {MAX_PROMPTS} in one request")
+    return list(value)
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    )
+
+
+def _is_list_of_prompts(value: list[Any]) -> bool:
+    return bool(value) and (
+        all(isinstance(p, str) for p in value) or all(_token_ids(p) for p in value)
+    )
 
 
 def _messages(value: Any) -> Any:
@@ -365,6 +405,12 @@ def response_id(endpoint: Endpoint, job_id: str) -> str:
     return ID_PREFIXES[endpoint] + job_id.replace("-", "")
 
 
+def unscored(stored: Mapping[str, Any], output: Mapping[str, Any]) -> bool:
+    """Whether a job asked to score its prompt and its output has no scores (it ended
+    during its prefill): an echo with logprobs cannot be answered from it."""
+    return stored.get("prompt_logprobs") is not None and output.get("prompt_logprobs") is None
+
+
 def usage_of(output: Mapping[str, Any], generated: bool = True) -> dict[str, int]:
     usage = output.get("usage") or {}
     prompt = int(usage.get("prompt_tokens", 0))
@@ -390,22 +436,30 @@ def completion_object(
     created_s: int,
     model: str,
     output: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-    echo: Echo | None = None,
+    echo: Echo | Sequence[Echo | None] | None = None,
+    n: int = 1,
 ) -> dict[str, Any]:
-    """A finished job's output (or the outputs of a request's ``n`` jobs, a choice each)
-    as OpenAI's ``chat.completion`` or ``text_completion`` (``echo``: completions'
-    prompt before each choice). The prompt's tokens are counted once, as OpenAI's."""
+    """A finished job's output (or the outputs of a request's jobs, a choice each: ``n``
+    of each prompt, prompt by prompt) as OpenAI's ``chat.completion`` or
+    ``text_completion``; ``echo``: completions' prompt before the choice (one for all, or
+    one a choice). Each prompt's tokens are counted once, as OpenAI counts them."""
     outputs = [output] if isinstance(output, Mapping) else list(output)
-    generated = echo is None or echo.generated
-    usages = [usage_of(found, generated) for found in outputs]
+    echoes = list(echo) if isinstance(echo, Sequence) else [echo] * len(outputs)
+    usages = [
+        usage_of(found, e is None or e.generated) for found, e in zip(outputs, echoes, strict=True)
+    ]
     completion = sum(usage["completion_tokens"] for usage in usages)
-    prompt = usages[0]["prompt_tokens"]
+    prompt = sum(usage["prompt_tokens"] for usage in usages[::n])
+    choices = [
+        choice_object(endpoint, i, found, e)
+        for i, (found, e) in enumerate(zip(outputs, echoes, strict=True))
+    ]
     return {
         "id": response_id(endpoint, job_id),
         "object": OBJECTS[endpoint],
         "created": created_s,
         "model": model,
-        "choices": [choice_object(endpoint, i, found, echo) for i, found in enumerate(outputs)],
+        "choices": choices,
         "usage": {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -435,7 +489,8 @@ def choice_object(
         choice["text"] = text
     return choice | {
         "logprobs": None if logprobs is None else logprobs_object(endpoint, logprobs),
-        "finish_reason": output.get("finish_reason"),
+        # max_tokens 0: nothing generated, whatever ended the token left out.
+        "finish_reason": output.get("finish_reason") if generated else "length",
     }
 
 

@@ -214,7 +214,8 @@ async def create_completion(
     x_ferry_priority: LaneHeader = None,
     idempotency_key: IdempotencyHeader = None,
 ) -> Response:
-    """A prompt continued by a generation model: one durable job (``X-Ferry-Job-Id``)."""
+    """A prompt (or prompts) continued by a generation model: one durable job a choice
+    (``X-Ferry-Job-Id``, ``X-Ferry-Job-Ids``)."""
     given = body.model_dump(exclude_unset=True)
     return await completions_openai.complete(
         request, key, "completions", given, x_ferry_priority, idempotency_key

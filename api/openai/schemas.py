@@ -64,7 +64,10 @@ class GenerationBody(BaseModel):
 class CompletionRequest(GenerationBody):
     """OpenAI's completions request."""
 
-    prompt: str | list[str] = Field(description="The text to continue (or a list of one).")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="The text to continue, or its token ids (nothing added to them); or a "
+        "list of either, each prompt a choice (n of each)."
+    )
 
 
 class ChatMessage(BaseModel):

@@ -27,6 +27,11 @@ from scheduler.generation import FinishReason, StepOutput, StepPlan
 log = logging.getLogger(__name__)
 
 GREEDY = SamplingParams(temperature=0.0)
+# A scored prompt's positions get their logits this many at a time, from the final hidden
+# states: a whole prefill chunk's (up to step_tokens rows of the vocabulary's width, then
+# in float32 for the softmax) would be gigabytes on a large vocabulary, outside the KV
+# pool's budget.
+SCORE_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -119,10 +124,14 @@ class _Sequence:
         self.prompt_logprobs: dict[int, TokenLogprob] = {}
 
     def prompt_logprobs_found(self) -> tuple[TokenLogprob | None, ...] | None:
-        if self.job.prompt_logprobs is None:
+        """Every prompt position's entry (None for the first); None when not asked, or
+        when the prompt was not all computed (the job ended during its prefill)."""
+        positions = range(len(self.job.prompt_ids) - 1)
+        if self.job.prompt_logprobs is None or any(
+            p not in self.prompt_logprobs for p in positions
+        ):
             return None
-        prompt = self.job.prompt_ids
-        return (None, *(self.prompt_logprobs.get(p) for p in range(len(prompt) - 1)))
+        return (None, *(self.prompt_logprobs[p] for p in positions))
 
 
 def token_logprobs(
@@ -281,19 +290,30 @@ class StepRuntime:
                 segments[first].offset, [segment.slots for segment in segments[first:]]
             )
         layout = paged.StepLayout(self.pool, tuple(segments), torch.cat(writes), decodes)
-        with torch.inference_mode():
-            logits = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                logits_to_keep=torch.tensor(
-                    rows + [row for row, _, _ in scored], dtype=torch.long, device=self.device
-                ),
-                **{paged.STEP_KWARG: layout},
-            ).logits[0]
+        # A scored prompt's rows are taken from the model's final hidden states (what its
+        # head turns into logits), kept by a hook for this step only.
+        hidden: list[torch.Tensor] = []
+        hook = (
+            self.model.base_model.register_forward_hook(
+                lambda _module, _args, output: hidden.append(output[0][0])
+            )
+            if scored
+            else None
+        )
+        try:
+            with torch.inference_mode():
+                logits = self.model(
+                    input_ids=torch.tensor([ids], device=self.device),
+                    position_ids=torch.tensor([positions], device=self.device),
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
+                    **{paged.STEP_KWARG: layout},
+                ).logits[0]
+        finally:
+            if hook is not None:
+                hook.remove()
         if scored:
-            prompt_rows, logits = logits[len(rows) :], logits[: len(rows)]
-            self._score_prompts(prompt_rows, scored)
+            self._score_prompts(hidden[0], scored)
         # Every token is chosen before any is kept: a sampler that raises (logits
         # gone NaN) leaves every sequence as it was, for the step to be run again.
         # The greedy rows in one argmax and one copy to the host (on a GPU one wait for
@@ -342,17 +362,24 @@ class StepRuntime:
             StepOutput(sampled, finished, step_s=time.perf_counter() - started), emitted
         )
 
-    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[int, str, int]]) -> None:
-        """Each scored position's entry: the next prompt token's log probability there."""
-        asked: dict[int, int] = {}
-        chosen: list[int] = []
-        for i, (_, id, position) in enumerate(scored):
-            job = self._sequences[id].job
-            asked[i] = job.prompt_logprobs or 0
-            chosen.append(job.prompt_ids[position + 1])
-        found = token_logprobs(logits, asked, chosen)
-        for i, (_, id, position) in enumerate(scored):
-            self._sequences[id].prompt_logprobs[position] = found[i]
+    def _score_prompts(self, hidden: torch.Tensor, scored: list[tuple[int, str, int]]) -> None:
+        """Each scored position's entry: the next prompt token's log probability there,
+        from ``hidden`` (the step's final hidden states), :data:`SCORE_ROWS` at a time."""
+        head = self.model.get_output_embeddings()
+        for start in range(0, len(scored), SCORE_ROWS):
+            part = scored[start : start + SCORE_ROWS]
+            rows = torch.tensor([row for row, _, _ in part], device=hidden.device)
+            with torch.inference_mode():
+                logits = head(hidden[rows])
+            asked: dict[int, int] = {}
+            chosen: list[int] = []
+            for i, (_, id, position) in enumerate(part):
+                job = self._sequences[id].job
+                asked[i] = job.prompt_logprobs or 0
+                chosen.append(job.prompt_ids[position + 1])
+            found = token_logprobs(logits, asked, chosen)
+            for i, (_, id, position) in enumerate(part):
+                self._sequences[id].prompt_logprobs[position] = found[i]
 
     def _finished(self, sequence: _Sequence, token: int) -> FinishReason | None:
         if token in self.eos_ids or sequence.detok.stopped:

@@ -24,6 +24,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from backends.generation.detok import Detokenizer
 from backends.generation.runtime import (
+    SCORE_ROWS,
     Completion,
     Emitted,
     GenerationInput,
@@ -191,14 +192,25 @@ class WholeRuntime:
         if job.prompt_logprobs is None:
             return None
         prompt = list(job.prompt_ids)
-        if len(prompt) < 2:
-            return (None,)
-        with torch.inference_mode():
-            logits = self.model(input_ids=torch.tensor([prompt], device=self.device)).logits[0]
-        found = token_logprobs(
-            logits[:-1], dict.fromkeys(range(len(prompt) - 1), job.prompt_logprobs), prompt[1:]
-        )
-        return (None, *(found[p] for p in range(len(prompt) - 1)))
+        input_ids = torch.tensor([prompt], device=self.device)
+        entries: list[TokenLogprob | None] = [None]
+        # SCORE_ROWS positions a forward (the model's own head, whatever it does to its
+        # logits), so that no forward keeps a whole long prompt's logits.
+        for start in range(0, len(prompt) - 1, SCORE_ROWS):
+            positions = list(range(start, min(start + SCORE_ROWS, len(prompt) - 1)))
+            with torch.inference_mode():
+                logits = self.model(
+                    input_ids=input_ids,
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(positions, device=self.device),
+                ).logits[0]
+            found = token_logprobs(
+                logits,
+                dict.fromkeys(range(len(positions)), job.prompt_logprobs),
+                [prompt[p + 1] for p in positions],
+            )
+            entries += [found[i] for i in range(len(positions))]
+        return tuple(entries)
 
 
 class _Adjust(LogitsProcessor):

@@ -12,6 +12,7 @@ both, so the count priced here is the count the worker runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -65,8 +66,11 @@ def prompt_token_ids(value: Mapping[str, Any], tokenizer: Path) -> list[int]:
     as text gets the special tokens the tokenizer's post-processor adds
     (Llama's BOS; none for GPT-2); a prompt rendered from ``messages`` gets
     none added, because the chat template writes its own (transformers'
-    ``apply_chat_template`` encodes it the same way).
+    ``apply_chat_template`` encodes it the same way); a prompt given as token
+    ids is those ids, nothing added.
     """
+    if "prompt_ids" in value:  # given as token ids: taken as they are
+        return [int(id) for id in value["prompt_ids"]]
     add_special_tokens = "messages" not in value
     encoded = load_tokenizer(tokenizer).encode(
         value["prompt"], add_special_tokens=add_special_tokens
@@ -124,7 +128,19 @@ class GenerationSpec:
     def input_schema(self) -> dict[str, Any]:
         text = {"type": "string", "minLength": 1}
         properties: dict[str, Any] = {
-            "prompt": {**text, "maxLength": self.max_chars, "description": "The text to continue."}
+            "prompt": {
+                "anyOf": [
+                    {**text, "maxLength": self.max_chars},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": self.context_tokens - 1,
+                        "items": {"type": "integer", "minimum": 0},
+                    },
+                ],
+                "description": "The text to continue, or its token ids (taken as they are: "
+                "no special token added).",
+            }
         }
         if self.chat is not None:
             message = {
@@ -265,8 +281,12 @@ class GenerationSpec:
                 what = "prompt (a string) or messages" if self.chat else "prompt (a string)"
                 raise InputError("prompt", f"is missing: give {what}")
             prompt = value["prompt"]
+            if isinstance(prompt, list):
+                return self._prompt_ids(prompt)
             if not isinstance(prompt, str):
-                raise InputError("prompt", f"must be a string, got {json_type(prompt)}")
+                raise InputError(
+                    "prompt", f"must be a string or token ids, got {json_type(prompt)}"
+                )
             if not prompt:
                 raise InputError("prompt", "must not be empty")
             if len(prompt) > self.max_chars:
@@ -290,6 +310,19 @@ class GenerationSpec:
         except TemplateRefused as exc:
             raise InputError("messages", f"the chat template refuses them: {exc}") from None
         return {"prompt": prompt, "messages": messages}
+
+    def _prompt_ids(self, ids: list[Any]) -> dict[str, Any]:
+        """A prompt given as token ids: stored as they are, with the text they decode to."""
+        if not ids:
+            raise InputError("prompt", "must not be empty")
+        loaded = load_tokenizer(self.tokenizer)
+        vocab = loaded.get_vocab_size(with_added_tokens=True)
+        for i, id in enumerate(ids):
+            if isinstance(id, bool) or not isinstance(id, int) or not 0 <= id < vocab:
+                raise InputError(
+                    f"prompt[{i}]", f"must be a token id of {self.name} (0 to {vocab - 1})"
+                )
+        return {"prompt": loaded.decode(ids, skip_special_tokens=False), "prompt_ids": ids}
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -379,16 +412,10 @@ def token_logprob_entry(
     """A token's log probability as a job's output and its events carry it: the token,
     its own text and bytes, and the likeliest tokens at its place with theirs (a prompt's
     first token has none: nothing comes before it)."""
-    loaded = load_tokenizer(tokenizer)
 
     def entry(id: int, value: float | None) -> dict[str, Any]:
-        text = loaded.decode([id], skip_special_tokens=False)
-        return {
-            "token": id,
-            "text": text,
-            "bytes": _token_bytes(loaded, id, text),
-            "logprob": value,
-        }
+        text, bytes_ = _token_text(tokenizer, id)
+        return {"token": id, "text": text, "bytes": list(bytes_), "logprob": value}
 
     return entry(token, logprob) | {"top_logprobs": [entry(id, value) for id, value in top]}
 
@@ -409,6 +436,15 @@ def _byte_level_decoder() -> dict[str, int]:
 
 BYTE_LEVEL = _byte_level_decoder()
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _token_text(tokenizer: Path, id: int) -> tuple[str, tuple[int, ...]]:
+    """A token's text and bytes, decoded once per process (a scored prompt's entries are
+    thousands, built on the worker's step loop)."""
+    loaded = load_tokenizer(tokenizer)
+    text = loaded.decode([id], skip_special_tokens=False)
+    return text, tuple(_token_bytes(loaded, id, text))
 
 
 def _token_bytes(tokenizer: Any, id: int, text: str) -> list[int]:

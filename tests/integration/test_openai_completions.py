@@ -427,6 +427,42 @@ def test_n_choices_are_n_jobs_streamed_and_not(
     assert chunks[-1].usage is not None and chunks[-1].usage == answer.usage
 
 
+def test_token_id_prompts_in_a_list_score_as_lm_eval_sends_them(
+    client: openai.OpenAI, http: httpx.Client, worker: None
+) -> None:
+    """lm-evaluation-harness's default requests: prompts as token ids (nothing added to
+    them), several in one request (its batch), each a choice by index; a prompt given as
+    the ids its text tokenizes to scores exactly as the text does."""
+    texts = ["Ferry queues jobs", "A ferry crosses the river at dawn"]
+    ask: dict[str, Any] = {"model": MODEL, "temperature": 0, "echo": True, "logprobs": 1}
+    by_text = [client.completions.create(**ask, prompt=t, max_tokens=1) for t in texts]
+    raw = client.completions.with_raw_response.create(**ask, prompt=texts, max_tokens=1)
+    ids = [
+        job_of(http, i)["output"]["prompt_logprobs"]
+        for i in raw.headers["X-Ferry-Job-Ids"].split(",")
+    ]
+    token_ids = [[e["token"] for e in entries] for entries in ids]
+    as_ids = client.completions.create(**ask, prompt=token_ids, max_tokens=1)
+    together = raw.parse()
+    for answers in (together, as_ids):
+        assert [c.index for c in answers.choices] == [0, 1]
+        for choice, alone in zip(answers.choices, by_text, strict=True):
+            assert choice.logprobs is not None and alone.choices[0].logprobs is not None
+            found, expected = choice.logprobs, alone.choices[0].logprobs
+            assert found.tokens == expected.tokens
+            assert found.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-4)
+    assert as_ids.usage is not None and together.usage is not None
+    assert as_ids.usage.prompt_tokens == sum(len(t) for t in token_ids)
+    assert together.usage.prompt_tokens == as_ids.usage.prompt_tokens
+    # Ids without the tokenizer's first token: taken as they are, scored from the second.
+    cut = client.completions.create(**ask, prompt=token_ids[0][1:], max_tokens=0)
+    assert cut.choices[0].logprobs is not None
+    assert len(cut.choices[0].logprobs.token_logprobs or []) == len(token_ids[0]) - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**ask, prompt=[[1, 2], [10**7]], max_tokens=1)
+    assert refused.value.param == "prompt[1][0]"
+
+
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(
     client: openai.OpenAI,
     http: httpx.Client,

@@ -245,6 +245,23 @@ def test_penalties_and_a_bias_are_stored_when_they_ask_for_something(
     json.dumps(found)
 
 
+def test_a_prompt_of_token_ids_is_taken_as_it_is(spec: GenerationSpec) -> None:
+    text = spec.validate({"prompt": "the cat"}).input
+    ids = prompt_token_ids(text, spec.tokenizer)
+    assert ids[0] == BOS  # a text gets the tokenizer's special tokens
+    given = spec.validate({"prompt": ids[1:], "max_tokens": 2})
+    assert given.input["prompt_ids"] == ids[1:]  # ids get none added
+    assert prompt_token_ids(given.input, spec.tokenizer) == ids[1:]
+    assert given.input["prompt_tokens"] == len(ids) - 1 and given.cost == len(ids) + 1
+    assert "cat" in given.input["prompt"]  # the text they decode to, for an echo
+    with pytest.raises(InputError) as refused:
+        spec.validate({"prompt": [1, 10**6]})
+    assert refused.value.field == "prompt[1]"
+    with pytest.raises(InputError) as empty:
+        spec.validate({"prompt": []})
+    assert empty.value.field == "prompt"
+
+
 @pytest.mark.parametrize("asked", [0, 3, 20])
 def test_logprobs_are_stored_as_asked(spec: GenerationSpec, asked: int) -> None:
     assert spec.validate({"prompt": "hello", "logprobs": asked}).input["logprobs"] == asked
@@ -347,7 +364,7 @@ HELLO = [{"role": "user", "content": "hello"}]
         ("hello", "input", "must be an object with prompt or messages, got string"),
         ({}, "prompt", "is missing: give prompt (a string) or messages"),
         ({"prompt": "a", "messages": HELLO}, "messages", "cannot be given with prompt"),
-        ({"prompt": 3}, "prompt", "must be a string, got number"),
+        ({"prompt": 3}, "prompt", "must be a string or token ids, got number"),
         ({"prompt": ""}, "prompt", "must not be empty"),
         ({"prompt": "a", "n": 2}, "n", "is not a field of generation inputs (prompt, messages, "),
         ({"messages": []}, "messages", "must hold at least one message"),

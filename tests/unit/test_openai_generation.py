@@ -72,8 +72,12 @@ def test_a_completions_prompt_may_be_a_list_of_one() -> None:
 @pytest.mark.parametrize(
     ("endpoint", "body", "param"),
     [
-        ("completions", {"prompt": ["a", "b"]}, "prompt"),
-        ("completions", {"prompt": [1, 2, 3]}, "prompt"),
+        ("completions", {"prompt": []}, "prompt"),
+        ("completions", {"prompt": [1, "a"]}, "prompt"),
+        ("completions", {"prompt": ["a", [1]]}, "prompt"),
+        ("completions", {"prompt": [True]}, "prompt"),
+        ("completions", {"prompt": ["a"] * 65}, "prompt"),
+        ("completions", {"prompt": ["a"] * 9, "n": 8}, "n"),
         ("completions", {}, "prompt"),
         ("completions", {"prompt": "a", "n": 17}, "n"),
         ("completions", {"prompt": "a", "n": 0}, "n"),
@@ -339,9 +343,26 @@ def test_n_choices_are_n_jobs_each_seeded_after_the_first() -> None:
 def test_n_outputs_are_one_completion_of_n_choices_with_the_prompt_counted_once() -> None:
     second = {**OUTPUT, "text": "bye", "finish_reason": "length",
               "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}}  # fmt: skip
-    both = completion_object("chat", JOB, 1, "m", [OUTPUT, second])
+    both = completion_object("chat", JOB, 1, "m", [OUTPUT, second], n=2)
     assert [c["index"] for c in both["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in both["choices"]] == ["hello", "bye"]
     assert [c["finish_reason"] for c in both["choices"]] == ["stop", "length"]
     assert both["usage"] == {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}
     assert chunk_object("completions", JOB, 1, "m", text="x", index=2)["choices"][0]["index"] == 2
+
+
+def test_a_list_of_prompts_is_a_choice_each_and_token_ids_are_a_prompt() -> None:
+    asked = parse_request(
+        "completions", {"model": "m", "prompt": ["the cat", "a dog"], "n": 2, "seed": 5}
+    )
+    assert (asked.choices, asked.prompts) == (4, ("the cat", "a dog"))
+    inputs = [asked.choice_input(i) for i in range(4)]
+    assert [i["prompt"] for i in inputs] == ["the cat", "the cat", "a dog", "a dog"]
+    assert [i["seed"] for i in inputs] == [5, 6, 5, 6]
+    ids = parse_request("completions", {"model": "m", "prompt": [3, 1, 4]})
+    assert ids.input["prompt"] == [3, 1, 4] and ids.choices == 1
+    lists = parse_request("completions", {"model": "m", "prompt": [[3, 1], [4]]})
+    assert lists.prompts == ([3, 1], [4]) and lists.input["prompt"] == [3, 1]
+    # Each prompt's tokens counted once: two prompts, one choice each.
+    two = completion_object("completions", JOB, 1, "m", [OUTPUT, OUTPUT])
+    assert two["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
