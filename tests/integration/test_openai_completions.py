@@ -463,6 +463,23 @@ def test_token_id_prompts_in_a_list_score_as_lm_eval_sends_them(
     assert refused.value.param == "prompt[1][0]"
 
 
+def test_a_request_whose_choices_are_not_all_admitted_is_refused_whole(
+    gen_settings: Settings, auth: dict[str, str], token: str
+) -> None:
+    """Room in the key's quota for 3 jobs, a request for 5 choices: a 429, and the 3 jobs
+    admitted before the refusal are cancelled at once (nothing runs that no one asked
+    for, and the quota is whole again)."""
+    with served(gen_settings, max_outstanding_jobs=3) as capped:
+        client = openai.OpenAI(base_url=f"{capped.base}/v1", api_key=token, max_retries=0)
+        with client, pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="Ferry", max_tokens=2, n=5)
+        with webclient.client(base_url=capped.base, headers=auth, timeout=30) as http:
+            jobs = http.get("/v1/jobs", params={"limit": 50}).json()["data"]
+            assert len(jobs) == 3 and {job["status"] for job in jobs} == {"cancelled"}
+            body = {"model": MODEL, "input": {"prompt": "Ferry", "max_tokens": 2}}
+            assert [http.post("/v1/jobs", json=body).status_code for _ in range(3)] == [202] * 3
+
+
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(
     client: openai.OpenAI,
     http: httpx.Client,
