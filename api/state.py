@@ -47,6 +47,7 @@ class ApiSettings:
     backfill_max_bytes: int
     backfill_max_lines: int
     max_outstanding_backfill_lines: int
+    max_outstanding_jobs: int
     webhook_secret_grace_s: float
     model_repository_path: Path
     metrics_bearer: str | None

@@ -161,6 +161,30 @@ def prepare(
     )
 
 
+def withdraw(state: AppState, job_ids: Sequence[str]) -> list[str]:
+    """Take back jobs this process has just admitted, for a request refused whole: those
+    still queued are deleted (uncounted from their keys' quotas, their idempotency keys
+    free again, their stream entries dropped by the worker that finds no row); returns
+    the ids of those a worker took meanwhile, which are the caller's to cancel."""
+    if not job_ids:
+        return []
+    with state.sessions() as session:
+        rows = session.execute(
+            delete(Job)
+            .where(Job.id.in_(list(job_ids)), Job.status == "queued")
+            .returning(Job.id, Job.api_key_id, Job.backfill_id)
+        ).all()
+        counts: dict[str, int] = {}
+        for row in rows:
+            if row.backfill_id is None:
+                counts[row.api_key_id] = counts.get(row.api_key_id, 0) + 1
+        release(session, counts)
+        session.commit()
+    deleted = {row.id for row in rows}
+    state.hub.ended(deleted)
+    return [id for id in job_ids if id not in deleted]
+
+
 def input_size(value: Any) -> int:
     """An input's bytes as the jobs table stores it (compact JSON, UTF-8)."""
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=True)

@@ -18,21 +18,29 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 
 from api.errors import ApiError
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow
 from api.jobs.reads import JobRead, is_terminal, until_terminal
 from api.jobs.schemas import JobCreate, JobResource
-from api.jobs.submissions import GroupCommit, Submission, Submitted, prepare_request
+from api.jobs.submissions import (
+    GroupCommit,
+    Submission,
+    Submitted,
+    prepare_request,
+    withdraw,
+)
 from api.models import service as model_service
 from api.openai.generation import (
     Endpoint,
@@ -49,7 +57,11 @@ from api.openai.generation import (
 from api.state import app_state
 from core.db.schema import ApiKey
 from core.ops.metrics import JOBS_ACCEPTED
+from core.streams.target import REDIS_ERRORS
 from scheduler.vocabulary import Lane
+
+log = logging.getLogger(__name__)
+OUTAGES: tuple[type[Exception], ...] = (SQLAlchemyError, *REDIS_ERRORS)
 
 if TYPE_CHECKING:
     from api.state import AppState
@@ -74,6 +86,16 @@ async def complete(
     except ParamError as exc:
         raise ApiError(422, "invalid_request", str(exc), param=exc.param) from None
     _check_model(state, body["model"])
+    most = state.settings.max_outstanding_jobs
+    if asked.choices > most:
+        param = "n" if asked.n > 1 else "prompt"
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"{param}: the request is {asked.choices} jobs, more than a key may have "
+            f"outstanding ({most}, FERRY_MAX_OUTSTANDING_JOBS): it could never be admitted",
+            param=param,
+        )
     submitted = await _submit(request, key, asked, body["model"], lane_header, idempotency_key)
     first = submitted[0].job
     headers = {"X-Ferry-Job-Id": first.id, "Location": f"/v1/jobs/{first.id}"}
@@ -156,7 +178,7 @@ async def _submit(
         refused = [o for o in outcomes if isinstance(o, BaseException)]
         if refused:
             # All or nothing: a request some of whose choices were refused (the key's
-            # quota, the queue's bound) is refused whole, the ones admitted cancelled.
+            # quota, the queue's bound) is refused whole, the ones admitted taken back.
             taken = [done.job.id for done in submitted if not done.replayed]
             await run_in_threadpool(_take_back, state, key, taken)
             raise refused[0]
@@ -189,8 +211,19 @@ def _choice_key(key: str, index: int) -> str:
 
 
 def _take_back(state: AppState, key: ApiKey, job_ids: list[str]) -> None:
-    for job_id in job_ids:
-        _cancel_quietly(state, key, job_id)
+    """Delete the admitted jobs still queued; cancel any a worker took meanwhile. An
+    outage here leaves them accepted (they run, readable at /v1/jobs): the request is
+    refused all the same."""
+    try:
+        started = withdraw(state, job_ids)
+    except SQLAlchemyError:
+        log.warning("a refused request's jobs could not be taken back; kept", exc_info=True)
+        return
+    for job_id in started:
+        try:
+            _cancel_quietly(state, key, job_id)
+        except OUTAGES:
+            log.warning("a refused request's running job was not cancelled", exc_info=True)
 
 
 def _named(asked: GenerationRequest, exc: ApiError, prompt: int | None = None) -> ApiError:
@@ -231,7 +264,7 @@ def _finished(
         if unscored(kept, job.output):
             raise ApiError(
                 409 if job.status == "cancelled" else 500,
-                job.status,
+                "cancelled" if job.status == "cancelled" else "job_failed",
                 f"job {job.id} {job.status} before its prompt was scored: the prompt has no "
                 "logprobs to echo",
                 headers,
@@ -331,8 +364,9 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int
     """The items of every stream as they come, each with its stream's index; ends when
     they have all ended, re-raises what one raised."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(cast(AsyncGenerator[Any], streams[0])) as only:
+            async for item in only:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 

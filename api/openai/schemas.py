@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from scheduler.vocabulary import Lane
 
@@ -64,7 +64,7 @@ class GenerationBody(BaseModel):
 class CompletionRequest(GenerationBody):
     """OpenAI's completions request."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="The text to continue, or its token ids (nothing added to them); or a "
         "list of either, each prompt a choice (n of each)."
     )

@@ -192,24 +192,26 @@ class WholeRuntime:
         if job.prompt_logprobs is None:
             return None
         prompt = list(job.prompt_ids)
-        input_ids = torch.tensor([prompt], device=self.device)
         entries: list[TokenLogprob | None] = [None]
-        # SCORE_ROWS positions a forward (the model's own head, whatever it does to its
-        # logits), so that no forward keeps a whole long prompt's logits.
+        # Prefilled SCORE_ROWS positions a forward, each on the KV of those before it (the
+        # model's own head, whatever it does to its logits): no forward holds a whole long
+        # prompt's logits, and none computes a position twice.
+        past: Any = None
         for start in range(0, len(prompt) - 1, SCORE_ROWS):
-            positions = list(range(start, min(start + SCORE_ROWS, len(prompt) - 1)))
+            end = min(start + SCORE_ROWS, len(prompt) - 1)
             with torch.inference_mode():
-                logits = self.model(
-                    input_ids=input_ids,
-                    use_cache=False,
-                    logits_to_keep=torch.tensor(positions, device=self.device),
-                ).logits[0]
+                out = self.model(
+                    input_ids=torch.tensor([prompt[start:end]], device=self.device),
+                    cache=past,
+                    use_cache=True,
+                )
+            past = out.cache
             found = token_logprobs(
-                logits,
-                dict.fromkeys(range(len(positions)), job.prompt_logprobs),
-                [prompt[p + 1] for p in positions],
+                out.logits[0],
+                dict.fromkeys(range(end - start), job.prompt_logprobs),
+                prompt[start + 1 : end + 1],
             )
-            entries += [found[i] for i in range(len(positions))]
+            entries += [found[i] for i in range(end - start)]
         return tuple(entries)
 
 

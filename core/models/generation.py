@@ -322,7 +322,10 @@ class GenerationSpec:
                 raise InputError(
                     f"prompt[{i}]", f"must be a token id of {self.name} (0 to {vocab - 1})"
                 )
-        return {"prompt": loaded.decode(ids, skip_special_tokens=False), "prompt_ids": ids}
+        # The text is for reading (an echo, the job's input); the ids are what runs. A NUL
+        # (a byte-level vocabulary's byte 0) is one no database's text column stores.
+        text = loaded.decode(ids, skip_special_tokens=False).replace("\x00", "\ufffd")
+        return {"prompt": text, "prompt_ids": ids}
 
 
 def _messages(value: Any) -> list[dict[str, str]]:

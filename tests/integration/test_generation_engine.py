@@ -711,7 +711,10 @@ def test_a_scored_prompt_taken_over_is_scored_whole_again() -> None:
 
 def test_the_whole_batch_path_scores_a_prompt_too() -> None:
     runtime = neox_runtime()
-    prompt = Prompt(prompts("gpt2", 10, seed=53)[2].ids[:40], 4)
+    # Past one forward's 128 positions: scored in three, each on the KV of the ones before.
+    long = tuple(t for p in prompts("gpt2", 40, seed=53) for t in p.ids)[:300]
+    assert len(long) == 300
+    prompt = Prompt(long, 4)
     scored = GenerationInput(prompt.ids, 4, prompt_logprobs=2)
     jobs = [
         (GenerationRequest("a", len(prompt.ids), 4), scored),

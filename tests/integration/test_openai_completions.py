@@ -20,6 +20,7 @@ import openai
 import pytest
 import redis
 from sqlalchemy.orm import Session, sessionmaker
+from tokenizers import Tokenizer
 
 from core.config.settings import Settings
 from harness import webclient
@@ -32,6 +33,7 @@ from tests.integration.generation_worker import (
     start_worker,
 )
 from tests.integration.test_backfills import RunningFeeder, make_feeder
+from tests.lm import lm_folder
 
 # The database is not this module's subject: it runs on PostgreSQL only (both
 # databases are the subject of the job path's own tests).
@@ -461,23 +463,45 @@ def test_token_id_prompts_in_a_list_score_as_lm_eval_sends_them(
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(**ask, prompt=[[1, 2], [10**7]], max_tokens=1)
     assert refused.value.param == "prompt[1][0]"
+    # A token that decodes to NUL (the byte-level vocabulary's byte 0) runs as given; the
+    # text stored beside the ids, which PostgreSQL's text cannot hold a NUL of, has none.
+    tokenizer = Tokenizer.from_file(str(lm_folder("llama") / "tokenizer.json"))
+    nul = next(i for i in range(tokenizer.get_vocab_size()) if tokenizer.decode([i]) == "\x00")
+    raw = client.completions.with_raw_response.create(
+        **ask, prompt=[nul, *token_ids[0][1:]], max_tokens=1
+    )
+    job = job_of(http, raw.headers["X-Ferry-Job-Id"])
+    assert job["output"]["prompt_logprobs"][0]["token"] == nul
+    assert raw.parse().choices[0].text.startswith("\ufffd")
 
 
 def test_a_request_whose_choices_are_not_all_admitted_is_refused_whole(
     gen_settings: Settings, auth: dict[str, str], token: str
 ) -> None:
-    """Room in the key's quota for 3 jobs, a request for 5 choices: a 429, and the 3 jobs
-    admitted before the refusal are cancelled at once (nothing runs that no one asked
-    for, and the quota is whole again)."""
-    with served(gen_settings, max_outstanding_jobs=3) as capped:
-        client = openai.OpenAI(base_url=f"{capped.base}/v1", api_key=token, max_retries=0)
-        with client, pytest.raises(openai.RateLimitError):
-            client.completions.create(model=MODEL, prompt="Ferry", max_tokens=2, n=5)
+    """Room in the key's quota for 4 jobs, 1 taken: a request for 4 choices is a 429, and
+    the 3 jobs admitted before the refusal are taken back at once (nothing runs that no
+    one asked for, the quota is whole again, the request's idempotency key free); a
+    request for more jobs than the quota could ever hold is refused as such."""
+    with served(gen_settings, max_outstanding_jobs=4) as capped:
+        body = {"model": MODEL, "input": {"prompt": "Ferry", "max_tokens": 2}}
         with webclient.client(base_url=capped.base, headers=auth, timeout=30) as http:
-            jobs = http.get("/v1/jobs", params={"limit": 50}).json()["data"]
-            assert len(jobs) == 3 and {job["status"] for job in jobs} == {"cancelled"}
-            body = {"model": MODEL, "input": {"prompt": "Ferry", "max_tokens": 2}}
-            assert [http.post("/v1/jobs", json=body).status_code for _ in range(3)] == [202] * 3
+            assert http.post("/v1/jobs", json=body).status_code == 202
+        client = openai.OpenAI(base_url=f"{capped.base}/v1", api_key=token, max_retries=0)
+        with client:
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(
+                    model=MODEL, prompt="Ferry", max_tokens=2, n=4,
+                    extra_headers={"Idempotency-Key": "four"},
+                )  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as never:
+                client.completions.create(model=MODEL, prompt="Ferry", max_tokens=2, n=5)
+            assert never.value.param == "n"
+        with webclient.client(base_url=capped.base, headers=auth, timeout=30) as http:
+            assert len(http.get("/v1/jobs", params={"limit": 50}).json()["data"]) == 1
+            again = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "four"})
+            assert again.status_code == 202 and "Idempotent-Replayed" not in again.headers
+            assert [http.post("/v1/jobs", json=body).status_code for _ in range(2)] == [202] * 2
+            assert http.post("/v1/jobs", json=body).status_code == 429
 
 
 def test_a_batch_of_chat_lines_has_one_output_line_per_line(
