@@ -129,19 +129,28 @@ def _logprob(encoded: str) -> dict[str, Any]:
 # newest(key): the index of the stream's last token (-1: none yet), nil once it ended.
 _NEWEST = """
 local function newest(key)
-  local top = '+'
+  local top, count = '+', 1
   repeat
-    local page = redis.call('XREVRANGE', key, top, '-', 'COUNT', 4)
+    local page = redis.call('XREVRANGE', key, top, '-', 'COUNT', count)
     for _, entry in ipairs(page) do
-      local f, kind, index = entry[2], nil, nil
-      for i = 1, #f, 2 do
-        if f[i] == 'k' then kind = f[i + 1] elseif f[i] == 'i' then index = f[i + 1] end
+      local f = entry[2]
+      local kind = f[2]
+      if f[1] ~= 'k' then
+        kind = nil
+        for i = 1, #f, 2 do
+          if f[i] == 'k' then kind = f[i + 1] end
+        end
       end
       if kind == 'done' then return nil end
-      if kind == 'token' then return tonumber(index) end
+      if kind == 'token' then
+        for i = 1, #f, 2 do
+          if f[i] == 'i' then return tonumber(f[i + 1]) end
+        end
+      end
     end
-    if #page < 4 then return -1 end
+    if #page < count then return -1 end
     top = '(' .. page[#page][1]
+    count = 4
   until false
 end
 """
