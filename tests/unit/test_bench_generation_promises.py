@@ -14,6 +14,7 @@ from bench.generation_promises import (
     Shape,
     StepSeen,
     Trace,
+    _split_over,
     checkpoint_round,
     fairness_load,
     figures,
@@ -160,3 +161,18 @@ def test_the_flood_key_arrives_at_its_factor_of_the_light_keys_rate() -> None:
     light = sum(1 for j in jobs if j.tenant == "light")
     flood = sum(1 for j in jobs if j.tenant == "flood")
     assert flood / light == pytest.approx(50.0, rel=0.15)
+
+
+def test_the_split_ends_once_a_key_has_nothing_waiting_or_at_its_time() -> None:
+    jobs = split_load(CORPUS, SMOKE, seed=3)
+    over = _split_over(jobs, seconds=10.0)
+    trace = Trace()
+    assert not over(trace, 1.0)
+    heavy = [j.id for j in jobs if j.tenant == "heavy"]
+    light = [j.id for j in jobs if j.tenant == "light"]
+    for id in heavy[:-1] + light[:1]:
+        trace.first_s[id] = 0.5
+    assert not over(trace, 1.0)  # both keys still have one waiting
+    trace.first_s[heavy[-1]] = 0.6
+    assert over(trace, 1.0)  # every heavy job started: its share is no longer chosen
+    assert _split_over(jobs, seconds=10.0)(Trace(), 10.0)
