@@ -277,6 +277,12 @@ class Ceiling:
     floor_s: float
     vs_single: Spread | None
     vs_static: Spread | None
+    # A scheduler that steps (one token a sequence a step, as Ferry's and every
+    # continuous batcher's): at least as many forwards as the longest output's tokens.
+    decode_ms: float | None = None  # one sequence's one-token forward, on its KV cache
+    steps: int | None = None
+    stepped_floor_s: float | None = None
+    vs_single_stepped: Spread | None = None
 
 
 @dataclass
@@ -446,12 +452,29 @@ def compute_floor(setup: Setup, repeats: int = 5) -> dict[str, float]:
                     times.append(time.perf_counter() - began)
         return statistics.median(times)
 
+    def decode_seconds(context: int, steps: int = 20) -> float:
+        """One token's forward on the KV cache of ``context`` tokens (a decode step)."""
+        ids = torch.tensor([setup.corpus_ids[:context]], device=setup.device)
+        times = []
+        with torch.inference_mode():
+            cache = setup.reference(input_ids=ids, use_cache=True).cache
+            token = ids[:, -1:]
+            for number in range(steps + 1):
+                began = time.perf_counter()
+                cache = setup.reference(input_ids=token, cache=cache, use_cache=True).cache
+                if setup.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                if number:
+                    times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
     short, long = FLOOR_TOKENS
     short_s, long_s = seconds(short), seconds(long)
     per_token_s = max(0.0, (long_s - short_s) / (long - short))
     return {
         "per_token_ms": round(per_token_s * 1000, 4),
         "fixed_ms": round(max(0.0, short_s - short * per_token_s) * 1000, 3),
+        "decode_ms": round(decode_seconds(short) * 1000, 3),
     }
 
 
@@ -470,6 +493,18 @@ def ceiling(
         found[f"vs_{system}"] = (
             results.spread([span / floor_s for span in spans]) if floor_s else None
         )
+    if "decode_ms" in floor:
+        # Stepped, the longest request's tokens take a step each, each step a forward of
+        # at least one token (decode_ms), and every token beyond one a step at least the
+        # per-token cost: a bound for any scheduler that steps, if not for static batches.
+        steps = max(r.max_tokens for r in requests)
+        stepped_s = (steps * floor["decode_ms"] + (tokens - steps) * floor["per_token_ms"]) / 1e3
+        spans = [r["offline"]["single"]["span_s"] for r in rounds]
+        found |= {
+            "steps": steps,
+            "stepped_floor_s": round(stepped_s, 3),
+            "vs_single_stepped": results.spread([span / stepped_s for span in spans]),
+        }
     return found
 
 
@@ -694,6 +729,18 @@ def render_generation_targets(results: Results) -> list[str]:
             f"{found.tokens:,} tokens take at least {found.floor_s:g} s, and one at a "
             f"time's spans are {best} that floor: the most a scheduler that wastes nothing "
             f"could gain over it here.",
+        ]
+    if found and found.vs_single_stepped and found.decode_ms and found.steps:
+        stepped = Figure.summary(found.vs_single_stepped).text(times(), True)
+        lines += [
+            "",
+            f"A scheduler that steps, as Ferry's does, cannot reach that: its longest "
+            f"request's {found.steps} tokens take a step each, and a step is a forward of at "
+            f"least one token ({found.decode_ms:g} ms for one sequence on its KV cache here), "
+            f"so the workload takes it at least {found.stepped_floor_s:g} s ({found.steps} "
+            f"such forwards and {found.per_token_ms:g} ms for each other token), and one at "
+            f"a time's spans are {stepped} that: the most step-level batching could gain "
+            f"over it on this device.",
         ]
     return lines
 
