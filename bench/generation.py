@@ -739,8 +739,9 @@ def render_generation_targets(results: Results) -> list[str]:
             f"least one token ({found.decode_ms:g} ms for one sequence on its KV cache here), "
             f"so the workload takes it at least {found.stepped_floor_s:g} s ({found.steps} "
             f"such forwards and {found.per_token_ms:g} ms for each other token), and one at "
-            f"a time's spans are {stepped} that: the most step-level batching could gain "
-            f"over it on this device.",
+            f"a time's spans are {stepped} that: about the most step-level batching could "
+            f"gain over it on this device (the forwards are timed once, after the rounds, on "
+            f"a shared host).",
         ]
     return lines
 
