@@ -40,7 +40,7 @@ from api.jobs.schemas import JobCreate, metadata_problem
 from api.models.service import resolve_model
 from api.state import AppState, app_state
 from backends.catalog import LiveVersions
-from core.db.schema import ApiKey, Job, read_only, utcnow
+from core.db.schema import ApiKey, Job, KeyUsage, read_only, utcnow
 from core.db.usage import release, release_jobs, reserve
 from core.models.catalog import InputError, ModelSpec, nesting_problem
 from core.models.estimates import ModelEstimate, estimate_wait_s, jobs_ahead
@@ -161,14 +161,20 @@ def prepare(
     )
 
 
-def withdraw(state: AppState, job_ids: Sequence[str]) -> list[str]:
-    """Take back jobs this process has just admitted, for a request refused whole: those
-    still queued are deleted (uncounted from their keys' quotas, their idempotency keys
-    free again, their stream entries dropped by the worker that finds no row); returns
-    the ids of those a worker took meanwhile, which are the caller's to cancel."""
+def withdraw(state: AppState, key_id: str, job_ids: Sequence[str]) -> list[str]:
+    """Take back jobs of key ``key_id`` this process has just admitted, for a request
+    refused whole: those still queued are deleted (uncounted from the key's quota, their
+    idempotency keys free again, their stream entries dropped by the worker that finds no
+    row); returns the ids of those a worker took meanwhile, which are the caller's to
+    cancel."""
     if not job_ids:
         return []
     with state.sessions() as session:
+        # The key's counter first, as a group's insert takes it (then its rows): the two
+        # never wait for each other's locks in opposite orders.
+        session.execute(
+            select(KeyUsage.api_key_id).where(KeyUsage.api_key_id == key_id).with_for_update()
+        )
         rows = session.execute(
             delete(Job)
             .where(Job.id.in_(list(job_ids)), Job.status == "queued")

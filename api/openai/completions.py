@@ -215,7 +215,7 @@ def _take_back(state: AppState, key: ApiKey, job_ids: list[str]) -> None:
     outage here leaves them accepted (they run, readable at /v1/jobs): the request is
     refused all the same."""
     try:
-        started = withdraw(state, job_ids)
+        started = withdraw(state, key.id, job_ids)
     except SQLAlchemyError:
         log.warning("a refused request's jobs could not be taken back; kept", exc_info=True)
         return
