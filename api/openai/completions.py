@@ -51,6 +51,7 @@ from api.openai.generation import (
     is_generation_output,
     logprobs_object,
     parse_request,
+    total_usage,
     unscored,
     usage_chunk,
 )
@@ -157,11 +158,8 @@ async def _submit(
             deadline_ms=asked.deadline_ms,
             metadata=metadata | ({"choice": index} if several else {}),
         )
-        choice_key = idempotency_key if index == 0 or idempotency_key is None else None
-        if index and idempotency_key is not None:
-            choice_key = _choice_key(idempotency_key, index)
         try:
-            first = prepare_request(request, key, job, choice_key)
+            first = prepare_request(request, key, job, _choice_key(idempotency_key, index))
         except ApiError as exc:
             raise _named(asked, exc, prompt if len(asked.prompts) > 1 else None) from exc
         # The prompt's next choices differ from its first by their seed alone: checked once.
@@ -198,14 +196,17 @@ def _choice(
         update={"input": seeded, "metadata": {**(first.body.metadata or {}), "choice": index}}
     )
     stored = first.input | ({"seed": seeded["seed"]} if "seed" in seeded else {})
-    key = None if idempotency_key is None else _choice_key(idempotency_key, index)
-    return replace(first, body=body, input=stored, idempotency_key=key)
+    return replace(
+        first, body=body, input=stored, idempotency_key=_choice_key(idempotency_key, index)
+    )
 
 
-def _choice_key(key: str, index: int) -> str:
-    """Choice ``index``'s idempotency key (1 and up; the first's is the request's), in a
-    namespace of its own: a replay of the request finds every choice's job, and no key a
-    client chose collides with one derived from another."""
+def _choice_key(key: str | None, index: int) -> str | None:
+    """Choice ``index``'s idempotency key: the request's own for the first, a derived one
+    in a namespace of its own for the next (a replay of the request finds every choice's
+    job, and no key a client chose collides with one derived from another)."""
+    if key is None or index == 0:
+        return key
     digest = hashlib.sha256(f"{index}\0{key}".encode()).hexdigest()
     return f"ferry-choice-{index}-{digest}"
 
@@ -343,9 +344,7 @@ def _stream(
         if len(outputs) < len(jobs):
             return  # the API is draining: the client reads the jobs later
         if asked.include_usage:
-            ordered = [outputs[i] for i in range(len(jobs))]
-            usage = completion_object(endpoint, first.id, created, model, ordered, n=asked.n)
-            usage = usage["usage"]
+            usage = total_usage([outputs[i] for i in range(len(jobs))], asked.n)
             yield _data(usage_chunk(endpoint, first.id, created, model, usage))
         yield DONE
 
@@ -364,6 +363,7 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int
     """The items of every stream as they come, each with its stream's index; ends when
     they have all ended, re-raises what one raised."""
     if len(streams) == 1:
+        # follow() is an async generator (typed as the iterator it is used as).
         async with contextlib.aclosing(cast(AsyncGenerator[Any], streams[0])) as only:
             async for item in only:
                 yield 0, item

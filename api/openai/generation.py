@@ -445,11 +445,7 @@ def completion_object(
     one a choice). Each prompt's tokens are counted once, as OpenAI counts them."""
     outputs = [output] if isinstance(output, Mapping) else list(output)
     echoes = list(echo) if isinstance(echo, Sequence) else [echo] * len(outputs)
-    usages = [
-        usage_of(found, e is None or e.generated) for found, e in zip(outputs, echoes, strict=True)
-    ]
-    completion = sum(usage["completion_tokens"] for usage in usages)
-    prompt = sum(usage["prompt_tokens"] for usage in usages[::n])
+    generated = [e is None or e.generated for e in echoes]
     choices = [
         choice_object(endpoint, i, found, e)
         for i, (found, e) in enumerate(zip(outputs, echoes, strict=True))
@@ -460,12 +456,26 @@ def completion_object(
         "created": created_s,
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
+        "usage": total_usage(outputs, n, generated),
         "system_fingerprint": None,
+    }
+
+
+def total_usage(
+    outputs: Sequence[Mapping[str, Any]], n: int = 1, generated: Sequence[bool] = ()
+) -> dict[str, int]:
+    """A request's usage from its choices' outputs (``n`` of each prompt, prompt by
+    prompt; ``generated``: False where a choice's token is left out): each prompt's
+    tokens counted once, every choice's completion tokens."""
+    usages = [
+        usage_of(found, generated[i] if generated else True) for i, found in enumerate(outputs)
+    ]
+    prompt = sum(usage["prompt_tokens"] for usage in usages[::n])
+    completion = sum(usage["completion_tokens"] for usage in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
