@@ -17,6 +17,7 @@ from api.breaker import Breaker, BreakerPolicy
 from api.completions import CompletionHub
 from api.errors import install_error_handlers
 from api.groups import GroupStage
+from api.hotpath import HotRoutes
 from api.jobs import routes as jobs
 from api.jobs import webhook_routes as webhooks
 from api.jobs.reads import GenerationProgress, GroupRead, JobReader, LoopReader
@@ -190,6 +191,8 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
     app.include_router(openai.router)
     app.include_router(oip.router)
     app.include_router(batches.router)
+    # Innermost: the hottest routes' requests go straight to their handlers.
+    app.add_middleware(HotRoutes, owner=app, routes=jobs.HOT)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,

@@ -20,6 +20,7 @@ from api.deps import (
 )
 from api.errors import ApiError
 from api.fastparse import Read, parsed_by, read_request
+from api.hotpath import HotRoute
 from api.jobs import service as services
 from api.jobs.events import KEEP_ALIVE, EventStreamResponse, follow, resume_after, sse
 from api.jobs.reads import JobRead, is_terminal, until_terminal
@@ -199,6 +200,10 @@ router.add_api_route(
     responses=error_responses(404),
     route_class_override=parsed_by(poll_job),
 )
+
+# Served straight from the app's innermost middleware (api.hotpath): the two requests a
+# job's client makes most.
+HOT = (HotRoute("POST", "/v1/jobs", submit_job), HotRoute("GET", "/v1/jobs/{job_id}", poll_job))
 
 
 @router.delete(
