@@ -14,9 +14,11 @@ router (``route``, ``endpoint``, ``path_params``). Everything outside it (the ed
 the body limit, CORS) is unchanged; every other request goes on to the router.
 
 A route is taken only where the app's router would pick it: when the middleware is
-built, no route the router tries before it may match its paths with its method (or
-have a path it matches); if one does, building the app fails, rather than a request
-reaching another handler than the router's.
+built, no route the router tries before it (included routers' routes with their
+include's prefix) may match a path of its with its method; where one might, building
+the app fails, rather than a request reaching another handler than the router's. A
+route's body limit (its own, its router's or its include's) is kept, as the router
+keeps it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
-from fastapi.routing import APIRoute
+from fastapi._body_limit import wrap_app_with_body_limit
+from fastapi.routing import APIRoute, RouteContext, iter_route_contexts
+from starlette._utils import get_route_path
+from starlette.convertors import Convertor
 from starlette.middleware.exceptions import ExceptionMiddleware
-from starlette.routing import BaseRoute
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
@@ -47,9 +52,10 @@ class HotRoute:
 
 @dataclass(frozen=True)
 class _Served:
-    route: APIRoute
-    pattern: re.Pattern[str]
-    app: ASGIApp  # the handler behind the app's exception handlers
+    route: APIRoute  # what the router puts in the scope: the route as declared
+    pattern: re.Pattern[str]  # its path as served (an include's prefix in it)
+    convertors: dict[str, Convertor[Any]]
+    app: ASGIApp  # the handler, behind its body limit and the app's exception handlers
 
 
 class HotRoutes:
@@ -64,25 +70,36 @@ class HotRoutes:
             for key, value in owner.exception_handlers.items()
             if key not in (500, Exception)
         }
+        contexts = list(iter_route_contexts(owner.router.routes))
         self._served: dict[str, list[_Served]] = {}
         for hot in routes:
-            route = _served_route(owner.router.routes, hot.method, hot.path)
-            handled = ExceptionMiddleware(_responder(hot.handler), handlers, owner.debug)
+            context = _served_context(contexts, hot.method, hot.path)
+            # As the router runs a route: its body limit (a route's, its router's or its
+            # include's, if any) around the handler, the exception handlers around both.
+            limited = wrap_app_with_body_limit(
+                _responder(hot.handler), getattr(context, "max_body_size", None)
+            )
             self._served.setdefault(hot.method, []).append(
-                _Served(route, route.path_regex, handled)
+                _Served(
+                    cast(APIRoute, context.original_route),
+                    context.path_regex,
+                    context.param_convertors,
+                    ExceptionMiddleware(limited, handlers, owner.debug),
+                )
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            path = get_route_path(scope)
             for served in self._served.get(scope["method"], ()):
-                found = served.pattern.match(scope["path"])
+                found = served.pattern.match(path)
                 if found is None:
                     continue
                 route = served.route
                 scope["route"] = route
                 scope["endpoint"] = route.endpoint
                 scope["path_params"] = {
-                    name: route.param_convertors[name].convert(value)
+                    name: served.convertors[name].convert(value)
                     for name, value in found.groupdict().items()
                 }
                 await served.app(scope, receive, send)
@@ -98,47 +115,44 @@ def _responder(handler: Handler) -> ASGIApp:
     return respond
 
 
-def _flat(routes: Sequence[BaseRoute]) -> list[BaseRoute]:
-    """The routes in the order the app's router tries them, included routers' in place."""
-    flat: list[BaseRoute] = []
-    for route in routes:
-        original = getattr(route, "original_router", None)
-        flat += [route] if original is None else _flat(original.routes)
-    return flat
-
-
-def _served_route(routes: Sequence[BaseRoute], method: str, path: str) -> APIRoute:
-    """The APIRoute declared for ``method`` and ``path`` (prefix included), checked to be
-    the one the app's router picks for every path it matches: no route tried before it
-    takes a path of its (or its of theirs) with that method."""
-    ordered = _flat(routes)
-    number, route = next(
+def _served_context(contexts: Sequence[RouteContext], method: str, path: str) -> RouteContext:
+    """The APIRoute's context (its path as served) for ``method`` and ``path``, checked to
+    be what the app's router picks for every path it matches: no route tried before it
+    may take one with that method."""
+    number, context = next(
         (
-            (number, route)
-            for number, route in enumerate(ordered)
-            if isinstance(route, APIRoute)
-            and route.path == path
-            and method in (route.methods or ())
+            (number, context)
+            for number, context in enumerate(contexts)
+            if isinstance(context.original_route, APIRoute)
+            and context.path == path
+            and method in (context.methods or ())
         ),
         (-1, None),
     )
-    if route is None:
+    if context is None:
         raise LookupError(f"no route {method} {path}")
-    sample = _sample(route.path)
-    for before in ordered[:number]:
-        methods = getattr(before, "methods", None)
-        regex = getattr(before, "path_regex", None)
+    for before in contexts[:number]:
+        methods = before.methods
         if methods is not None and method not in methods:
             continue
-        if (
-            regex is None
-            or regex.match(sample)
-            or route.path_regex.match(_sample(getattr(before, "path", "")))
-        ):
-            raise ValueError(f"{method} {path}: {before!r}, tried before it, may take its paths")
-    return route
+        if _may_overlap(before, context):
+            raise ValueError(f"{method} {path}: {before.path}, tried before it, may take its paths")
+    return context
 
 
-def _sample(template: str) -> str:
-    """A path of the template, each parameter given a value."""
-    return re.sub(r"{[^}]*}", "x", template)
+def _may_overlap(one: RouteContext, other: RouteContext) -> bool:
+    """Whether a path may match both routes (``other`` a route of the app's). Exact where
+    either is a route without parameters (its one path tried against the other's
+    pattern); otherwise whenever the literal text before one's first parameter (a
+    mount's whole path) begins the other's: a parameter may hold anything, slashes too
+    with the ``path`` convertor, as may what follows a mount's path."""
+    one_path, other_path = one.path, other.path
+    one_regex = getattr(one, "path_regex", None)
+    if one_path is None or other_path is None or one_regex is None:
+        return True  # not a path route (a host's, say): it may take anything
+    if isinstance(one.original_route, Route) and "{" not in one_path:
+        return other.path_regex.match(one_path) is not None
+    if "{" not in other_path:
+        return one_regex.match(other_path) is not None
+    one_head, other_head = one_path.split("{", 1)[0], other_path.split("{", 1)[0]
+    return one_head.startswith(other_head) or other_head.startswith(one_head)

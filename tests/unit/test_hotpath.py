@@ -179,3 +179,112 @@ def test_a_route_tried_first_keeps_its_paths() -> None:
     other.build_middleware_stack()
     with pytest.raises(LookupError):
         HotRoutes(other, other, (HotRoute("PUT", "/v1/things/{job_id}", handled),))
+
+
+def test_an_included_router_is_served_under_its_prefix() -> None:
+    """The route as the router serves it: an include's prefix in its path (and a route
+    under another included router, tried before, that would take its paths refuses)."""
+    from fastapi import APIRouter
+
+    things = APIRouter(prefix="/v1/things")
+    things.add_api_route(
+        "/{job_id}", documented, methods=["GET"], route_class_override=parsed_by(handled)
+    )
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(things, prefix="/api")
+    app.add_middleware(
+        HotRoutes, owner=app, routes=(HotRoute("GET", "/api/v1/things/{job_id}", handled),)
+    )
+    with TestClient(app) as client:
+        SERVED.clear()
+        answer = client.get("/api/v1/things/7")
+        assert (answer.status_code, SERVED) == (201, ["hot"])
+        assert answer.json()["params"] == {"job_id": "7"}
+        SERVED.clear()
+        assert client.get("/v1/things/7").status_code == 404
+        assert SERVED == []
+
+    other = APIRouter()
+    other.add_api_route("/{kind}/{n:int}", listed, methods=["GET"])
+    crowded = FastAPI()
+    crowded.include_router(other, prefix="/api/v1")
+    crowded.include_router(things, prefix="/api")
+    crowded.add_middleware(
+        HotRoutes, owner=crowded, routes=(HotRoute("GET", "/api/v1/things/{job_id}", handled),)
+    )
+    with pytest.raises(ValueError, match="tried before it"):
+        crowded.build_middleware_stack()
+
+
+@pytest.mark.parametrize(
+    ("before", "method", "served"),
+    [
+        ("/v1/{kind}/{n:int}", "GET", "/v1/things/{job_id}"),  # both with parameters
+        ("/v1/{kind}", "POST", "/v1/things"),  # its pattern takes the served one's path
+        ("/v1/things/latest", "GET", "/v1/things/{job_id}"),  # its one path is the served's
+    ],
+)
+def test_a_route_tried_first_that_may_take_its_paths_refuses(
+    before: str, method: str, served: str
+) -> None:
+    app = FastAPI()
+    app.router.add_api_route(before, listed, methods=[method])
+    app.router.add_api_route(
+        served, documented, methods=[method], route_class_override=parsed_by(handled)
+    )
+    app.add_middleware(HotRoutes, owner=app, routes=(HotRoute(method, served, handled),))
+    with pytest.raises(ValueError, match="tried before it"):
+        app.build_middleware_stack()
+
+
+def test_a_routes_body_limit_holds() -> None:
+    """A route's own body limit, which the router puts around its handler, is kept."""
+    apps = []
+    for hot in (True, False):
+        app = FastAPI()
+        install_error_handlers(app)
+        app.router.add_api_route(
+            "/v1/things",
+            documented,
+            methods=["POST"],
+            route_class_override=parsed_by(handled),
+            max_body_size=10,
+        )
+        if hot:
+            app.add_middleware(
+                HotRoutes, owner=app, routes=(HotRoute("POST", "/v1/things", handled),)
+            )
+        apps.append(app)
+    answers = []
+    for app in apps:
+        with TestClient(app) as client:
+            SERVED.clear()
+            small, large = (
+                client.post("/v1/things", content=b"{}"),
+                client.post("/v1/things", content=b"x" * 100),
+            )
+            answers.append((small.status_code, large.status_code, large.text, list(SERVED)))
+    assert answers[0][:3] == answers[1][:3] == (201, 413, answers[1][2])
+    # (The limit holds as the handler reads the body: both requests reach it, each way.)
+    assert (answers[0][3], answers[1][3]) == (["hot", "hot"], ["router", "router"])
+
+
+def test_the_app_serves_the_job_routes_so(tmp_path: Any) -> None:
+    """The API's app puts the middleware innermost, with the two job routes."""
+    from api.app import create_app
+    from api.jobs import routes as jobs
+    from core.config.settings import Settings
+
+    # Never connected to: building the app talks to nothing.
+    app = create_app(Settings(redis_url="redis://127.0.0.1:9/0", data_dir=tmp_path, models="sim"))
+    layer: Any = app.build_middleware_stack()
+    found = []
+    while layer is not None:
+        if isinstance(layer, HotRoutes):
+            found.append(layer)
+        layer = getattr(layer, "app", None)
+    assert len(found) == 1
+    served = {(method, s.route.path) for method, all_ in found[0]._served.items() for s in all_}
+    assert served == {(hot.method, hot.path) for hot in jobs.HOT}
+    assert served == {("POST", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}")}
