@@ -23,6 +23,7 @@ from api.jobs import webhook_routes as webhooks
 from api.jobs.reads import GenerationProgress, GroupRead, JobReader, LoopReader
 from api.jobs.service import callback_checker
 from api.jobs.submissions import GroupCommit, GroupWriter
+from api.jobs.tails import StreamTails
 from api.keycache import KeyCache
 from api.limits import RequestLimits
 from api.middleware import BodyLimitMiddleware, EdgeMiddleware
@@ -69,6 +70,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
         )
         hub.start()
         limits.start()
+        tails = StreamTails(target, settings.key_prefix)
         writer = GroupWriter(
             sessions,
             client,
@@ -131,6 +133,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
                 target=target,
                 redis=client,
                 hub=hub,
+                tails=tails,
                 limits=limits,
                 clock=clock,
                 group_read=group_read,
@@ -163,6 +166,7 @@ def create_app(settings: Settings, resolve: Resolver = system_resolver) -> FastA
             await reader.close()
             await limits.stop()
             kicker.close()
+            await tails.stop()
             await hub.stop()
             client.close()
             engine.dispose()

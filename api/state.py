@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from api.completions import CompletionHub
     from api.jobs.reads import GroupRead, JobReader, LoopReader
     from api.jobs.submissions import GroupCommit
+    from api.jobs.tails import StreamTails
     from api.keycache import KeyCache
     from api.limits import RequestLimits
     from backends.catalog import LiveVersions
@@ -62,8 +63,9 @@ class AppState:
     the database says, followed every FERRY_MODEL_POLL_S. ``group_commit`` and
     ``group_read``: the process's batched database writes and reads; ``reader``,
     what does the reads.
-    ``target``: where Redis is, for a client of a request's own (an event
-    stream's); ``redis``, the process's shared client.
+    ``target``: where Redis is; ``redis``, the process's shared client;
+    ``tails``: the process's readers of job events streams (one blocked XREAD a
+    model for all of them).
     ``clock``: the Redis server's clock, jobs are stamped by.
     ``draining``: set at the first stop signal (``/readyz`` answers 503, long
     polls and event streams end).
@@ -80,6 +82,7 @@ class AppState:
     target: RedisTarget
     redis: redis.Redis
     hub: CompletionHub
+    tails: StreamTails
     limits: RequestLimits
     clock: ServerClock
     group_read: GroupRead

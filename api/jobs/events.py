@@ -3,21 +3,23 @@ routes' ``stream: true`` read.
 
 A generation's worker writes its events to the job's events stream
 (``core.streams.protocol.events_key``, entries of ``core.streams.events.JobEvent``);
-:func:`follow` reads that stream with XREAD BLOCK on a Redis connection of
-its own, from the start or after the last event a client saw (the entry ids
-are the events' ids), until the ``done`` event. A job that ends without
-writing one (cancelled or expired while queued, failed by the reconciler)
-is noticed through the process's done-channel subscription, as long-polls
-are, and ends with a ``done`` made from its row; so does a finished job
-whose stream has expired. A job of an encoder model writes no events: for
-it :func:`follow` waits on the done channel only.
+:func:`follow` reads that stream from the start or after the last event a client saw
+(the entry ids are the events' ids) until the ``done`` event: while the job runs,
+as the process's one blocked XREAD of its model's streams hands its entries over
+(``api.jobs.tails``), and once it has ended, what is left of it at once. A job that
+ends without writing one (cancelled or expired while queued, failed by the
+reconciler) is noticed through the process's done-channel subscription, as
+long-polls are, and ends with a ``done`` made from its row; so does a finished job
+whose stream has expired. A job of an encoder model writes no events: for it
+:func:`follow` waits on the done channel only.
 
-Nothing here outlives its reader: a client that disconnects cancels the
-response, and the connection is closed under a shield.
+Nothing here outlives its reader: a client that disconnects cancels the response,
+and its place among the stream's readers is given up with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -30,7 +32,6 @@ import redis.asyncio as aioredis
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.background import close_client
 from api.errors import ApiError
 from api.jobs.reads import JobRead, is_terminal, until_terminal
 from api.jobs.schemas import JobResource
@@ -89,16 +90,6 @@ def done_of(job: JobResource) -> JobEvent:
     return JobEvent.done(job.status, reason if isinstance(reason, str) else None)
 
 
-def open_client(state: AppState, job_id: str, block_ms: int) -> aioredis.Redis:
-    """A client for one reader: its own connection (named, so an operator can see it)."""
-    return state.target.async_client(
-        decode_responses=True,
-        socket_timeout=block_ms / 1000.0 + 5.0,
-        socket_connect_timeout=2,
-        client_name=f"ferry-events-{job_id}",
-    )
-
-
 async def follow(
     state: AppState,
     key_id: str,
@@ -111,10 +102,11 @@ async def follow(
 ) -> AsyncIterator[Seen | None]:
     """The job's events until its ``done`` (None: nothing happened for ``heartbeat_s``).
 
-    ``state``: the app's state (settings, completion hub, group read);
-    ``job``: the job as read when the client came; ``after``: the last event
+    ``state``: the app's state (settings, completion hub, stream readers, group
+    read); ``job``: the job as read when the client came; ``after``: the last event
     id the client saw. Ends early, without a done, when the API drains.
-    ``heartbeat_s`` and ``block_ms`` default to HEARTBEAT_S and BLOCK_MS.
+    ``heartbeat_s`` and ``block_ms`` (how long a wait for events lasts before the
+    job's row is looked at again) default to HEARTBEAT_S and BLOCK_MS.
     """
     heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
     block_ms = BLOCK_MS if block_ms is None else block_ms
@@ -122,14 +114,8 @@ async def follow(
         async for seen in _until_done(state, key_id, job, heartbeat_s):
             yield seen
         return
-    client = open_client(state, job.id, block_ms)
-    try:
-        async for seen in _read(state, key_id, job, client, after, heartbeat_s, block_ms):
-            yield seen
-    finally:
-        # A cancelled response cancels every await in it: the close is shielded.
-        with anyio.CancelScope(shield=True):
-            await close_client(client)
+    async for seen in _read(state, key_id, job, after, heartbeat_s, block_ms):
+        yield seen
 
 
 async def _until_done(
@@ -149,7 +135,6 @@ async def _read(
     state: AppState,
     key_id: str,
     job: JobResource,
-    client: aioredis.Redis,
     after: str | None,
     heartbeat_s: float,
     block_ms: int,
@@ -157,39 +142,50 @@ async def _read(
     key = events_key(state.settings.key_prefix, job.model, job.id)
     last = after or FIRST
     clock = anyio.current_time
+    tails = state.tails
     with state.hub.watch(job.id) as woken:
         finished = job if is_terminal(job) else None
-        if finished is not None and not await client.exists(key):
+        if finished is not None and not await tails.client.exists(key):
             yield Seen(done_of(finished))  # expired long ago
             return
         quiet_since = clock()
-        while True:
-            # A finished job's stream holds all it will: read what is left, without waiting.
-            entries = await _entries(client, key, last, None if finished else block_ms)
-            for entry_id, fields in entries:
-                last = entry_id
-                try:
-                    event = JobEvent.decode(fields)
-                except ProtocolError as exc:
-                    log.warning("malformed job event", extra={"job_id": job.id, "error": str(exc)})
-                    continue
-                yield Seen(event, entry_id)
-                if event.kind == "done":
+        with contextlib.ExitStack() as scope:
+            # Followed as it grows only while it runs (a job does not run again once it
+            # has ended).
+            tail = None if finished else scope.enter_context(tails.tail(job.model, key, last))
+            while True:
+                # A finished job's stream holds all it will: what is left of it is read at
+                # once, without waiting (and what its tail was handed is left unread).
+                if finished is None and tail is not None:
+                    entries = await tail.next(block_ms)
+                else:
+                    entries = await _entries(tails.client, key, last, None)
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        event = JobEvent.decode(fields)
+                    except ProtocolError as exc:
+                        log.warning(
+                            "malformed job event", extra={"job_id": job.id, "error": str(exc)}
+                        )
+                        continue
+                    yield Seen(event, entry_id)
+                    if event.kind == "done":
+                        return
+                if entries:
+                    quiet_since = clock()
+                elif finished is not None:
+                    yield Seen(done_of(finished))  # it ended without a done event
                     return
-            if entries:
-                quiet_since = clock()
-            elif finished is not None:
-                yield Seen(done_of(finished))  # it ended without a done event
-                return
-            if woken.is_set():
-                woken.clear()
-                found = await state.group_read.submit(JobRead(key_id, job.id))
-                finished = found if is_terminal(found) else None
-            if state.draining:
-                return
-            if clock() - quiet_since >= heartbeat_s:
-                quiet_since = clock()
-                yield None
+                if woken.is_set():
+                    woken.clear()
+                    found = await state.group_read.submit(JobRead(key_id, job.id))
+                    finished = found if is_terminal(found) else None
+                if state.draining:
+                    return
+                if clock() - quiet_since >= heartbeat_s:
+                    quiet_since = clock()
+                    yield None
 
 
 Entry = tuple[str, Mapping[bytes | str, bytes | str]]

@@ -200,25 +200,33 @@ def test_a_quiet_stream_gets_keep_alive_comments(
 
 
 def test_a_client_that_disconnects_ends_the_reading(
-    http: httpx.Client, submit: Callable[..., str], redis_client: redis.Redis
+    http: httpx.Client, submit: Callable[..., str], redis_client: redis.Redis, key_prefix: str
 ) -> None:
     job_id = submit()
-    name = f"ferry-events-{job_id}"
+    # The process's reader of the model's events streams (api.jobs.tails): one
+    # connection, blocked in XREAD while a client follows one of them.
+    name = f"{key_prefix}-events-{MODEL}"
 
-    def readers() -> list[object]:
-        return [c for c in redis_client.client_list() if c.get("name") == name]
+    def blocked() -> list[object]:
+        return [
+            c
+            for c in redis_client.client_list()
+            if c.get("name") == name and "b" in str(c.get("flags", ""))
+        ]
 
     with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
         reader = EventReader(response)  # held: dropping its line iterator closes the response
         assert reader.next() is not None
         until = time.monotonic() + 5
-        while not readers():
-            assert time.monotonic() < until, "the reader's connection never showed"
+        while not blocked():
+            assert time.monotonic() < until, "the reader's XREAD never showed"
             time.sleep(0.05)
-    # The client is gone mid-XREAD BLOCK: the server's reader closes its connection.
+        assert len([c for c in redis_client.client_list() if c.get("name") == name]) == 1
+    # The client is gone mid-XREAD BLOCK: its place among the readers is given up, and
+    # with no reader left the XREAD is not sent again.
     until = time.monotonic() + 5
-    while readers():
-        assert time.monotonic() < until, "the reader's connection outlived its client"
+    while blocked():
+        assert time.monotonic() < until, "the read outlived its client"
         time.sleep(0.05)
 
 
