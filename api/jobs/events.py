@@ -74,7 +74,9 @@ def resume_after(header: str | None) -> str | None:
     if header is None or not header.strip():
         return None
     value = header.strip()
-    if not _STREAM_ID.match(value):
+    # Each part an unsigned 64-bit number, as Redis's: a larger one would fail the read
+    # of every stream this process follows for the model (api.jobs.tails).
+    if not _STREAM_ID.match(value) or any(int(part) >= 2**64 for part in value.split("-")):
         raise ApiError(
             422,
             "invalid_request",

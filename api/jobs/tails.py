@@ -10,11 +10,12 @@ one XREAD may name them all, on a Redis Cluster too): each reader's stream with 
 id of the last entry handed to it, the entries that come handed to the readers of
 each stream, each reader's own from where it is.
 
-A reader that joins while the XREAD is blocked is read at once: the blocked
-connection is unblocked (``CLIENT UNBLOCK``, Redis 5 and later) and the XREAD sent
-again with its stream. A Redis Cluster routes no such command to the node that holds
-the blocked connection, so there the XREAD blocks at most :data:`CLUSTER_BLOCK_MS`
-at a time.
+A reader that joins while the XREAD is blocked is read at once: the XREAD also
+names a wake stream of this process's for the model (same hash tag), and a join
+adds an entry to it, so the XREAD returns and is sent again with the new stream. A
+join can never be missed (the entry waits in the wake stream for the next XREAD if
+none is blocked), and it needs no administrative command and no connection id, on a
+Redis Cluster as on one server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,14 +41,9 @@ Entry = tuple[str, Mapping[bytes | str, bytes | str]]
 # One XREAD blocks at most this long (then it is sent again): its connection's timeout
 # is set past it.
 BLOCK_MS = 2000
-# On a Redis Cluster, where no CLIENT UNBLOCK reaches the blocked connection, a reader
-# that joins waits at most this long for its first read.
-CLUSTER_BLOCK_MS = 50
 READ_COUNT = 256
-# A reader that joins unblocks the XREAD: tried this often, this many times (its XREAD
-# may not be blocking yet).
-UNBLOCK_EVERY_S = 0.002
-UNBLOCK_TRIES = 50
+# A wake stream outlives a process that dies without deleting it by at most this long.
+WAKE_TTL_S = 24 * 3600
 
 
 def _order(entry_id: str) -> tuple[int, int]:
@@ -63,6 +60,7 @@ class Tail:
     _queue: asyncio.Queue[list[Entry] | BaseException] = field(
         default_factory=asyncio.Queue, repr=False
     )
+    _error: BaseException | None = field(default=None, repr=False)
 
     def _hand(self, entries: list[Entry]) -> None:
         after = _order(self.delivered)
@@ -73,7 +71,10 @@ class Tail:
 
     async def next(self, wait_ms: int | None) -> list[Entry]:
         """The entries come since the last call, waiting up to ``wait_ms`` for some (none:
-        do not wait); [] if none came. Raises what the read raised (Redis unreachable)."""
+        do not wait); [] if none came. Raises what the read raised (Redis unreachable),
+        once the entries handed before it have been returned."""
+        if self._error is not None:
+            raise self._error
         if self._queue.empty() and wait_ms:
             with anyio.move_on_after(wait_ms / 1000.0):
                 self._queue.put_nowait(await self._queue.get())
@@ -81,21 +82,34 @@ class Tail:
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if isinstance(item, BaseException):
-                raise item
+                if not entries:
+                    raise item
+                self._error = item  # after what came before it
+                break
             entries += item
         return entries
+
+    def _fail(self, exc: BaseException) -> None:
+        # Each reader its own error (one object raised in many tasks would gather every
+        # task's traceback).
+        error = type(exc)(str(exc)) if isinstance(exc, Exception) else exc
+        error.__cause__ = exc
+        self._queue.put_nowait(error)
 
 
 @dataclass(eq=False)
 class _Reader:
-    """The blocked XREAD of one model's streams: its connection, its readers."""
+    """The blocked XREAD of one model's streams: its connection, its readers, its wake
+    stream."""
 
     client: aioredis.Redis
+    wake_key: str
     tails: dict[str, set[Tail]] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
-    connection_id: int | None = None  # its connection's, while it blocks
-    blocked: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    wake_last: str = "0-0"  # the wake stream's last entry read
+    # A wake sent and not yet taken by the reader (its next XREAD names every stream
+    # added before it): a burst of joins sends one.
+    waking: bool = False
 
 
 class StreamTails:
@@ -104,15 +118,15 @@ class StreamTails:
     def __init__(self, target: RedisTarget, prefix: str) -> None:
         self.target = target
         self.prefix = prefix
-        self.cluster = target.cluster
         # Reads that do not wait (a finished job's last entries, whether its stream is
-        # there) and the unblocking of a reader's XREAD: pooled connections, none held.
+        # there) and the wakes: pooled connections, none held.
         self.client: aioredis.Redis = target.async_client(
             decode_responses=True, socket_timeout=5, socket_connect_timeout=2
         )
         self._readers: dict[str, _Reader] = {}
         self._wakes: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._process = uuid.uuid4().hex  # names this process's wake streams
 
     @contextlib.contextmanager
     def tail(self, model: str, key: str, after: str) -> Iterator[Tail]:
@@ -123,7 +137,8 @@ class StreamTails:
         tail = Tail(key, after)
         reader = self._readers.get(model)
         if reader is None:
-            reader = self._readers[model] = _Reader(self._blocking_client(model))
+            wake_key = f"{self.prefix}:{{{model}}}:events-wake:{self._process}"
+            reader = self._readers[model] = _Reader(self._blocking_client(model), wake_key)
         reader.tails.setdefault(key, set()).add(tail)
         if reader.task is None or reader.task.done():
             reader.task = asyncio.create_task(self._read(model, reader), name=f"tails-{model}")
@@ -153,51 +168,38 @@ class StreamTails:
         )
 
     def _wake(self, reader: _Reader) -> None:
-        """Have ``reader``'s XREAD sent again with the streams it has now."""
-        reader.changed.set()
-        if self.cluster:
-            return  # its XREAD blocks CLUSTER_BLOCK_MS at most
-        task = asyncio.create_task(self._unblock(reader))
+        """Have ``reader``'s XREAD sent again with the streams it has now: an entry in its
+        wake stream, which the XREAD names (one for a burst of joins)."""
+        if reader.waking or reader.task is None or reader.task.done():
+            return
+        reader.waking = True
+        task = asyncio.create_task(self._send_wake(reader))
         self._wakes.add(task)
         task.add_done_callback(self._wakes.discard)
 
-    async def _unblock(self, reader: _Reader) -> None:
-        # Until the reader has taken the change: an UNBLOCK sent before its XREAD blocks
-        # unblocks nothing, and the XREAD would wait out its block with the old streams.
-        # A wake that never lands (the reader's connection replaced meanwhile) costs one
-        # block at most.
-        with contextlib.suppress(Exception):
-            for _ in range(UNBLOCK_TRIES):
-                if not reader.changed.is_set() or self._stopped:
-                    return
-                if (
-                    reader.blocked
-                    and reader.connection_id is not None
-                    and await self.client.client_unblock(reader.connection_id)
-                ):
-                    return
-                await asyncio.sleep(UNBLOCK_EVERY_S)
-            reader.connection_id = None  # asked again before the next XREAD
+    async def _send_wake(self, reader: _Reader) -> None:
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xadd(reader.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(reader.wake_key, WAKE_TTL_S)
+                await pipe.execute()
+        except Exception as exc:
+            # Unsent: the joining reader is read when the XREAD's block ends (BLOCK_MS).
+            reader.waking = False
+            log.warning("job events wake failed", extra={"error": type(exc).__name__})
 
     async def _read(self, model: str, reader: _Reader) -> None:
         client = reader.client
-        block_ms = CLUSTER_BLOCK_MS if self.cluster else BLOCK_MS
         while reader.tails and not self._stopped:
-            reader.changed.clear()
+            # Taken: a join from here on sends a wake of its own.
+            reader.waking = False
             streams: dict[Any, Any] = {
                 key: min((tail.delivered for tail in tails), key=_order)
                 for key, tails in reader.tails.items()
             }
+            streams[reader.wake_key] = reader.wake_last
             try:
-                # The XREAD goes on the connection whose id this is: the client's pool
-                # holds one, as it sends one command at a time.
-                if not self.cluster and reader.connection_id is None:
-                    reader.connection_id = int(await client.client_id())
-                reader.blocked = True
-                try:
-                    found: Any = await client.xread(streams, count=READ_COUNT, block=block_ms)
-                finally:
-                    reader.blocked = False
+                found: Any = await client.xread(streams, count=READ_COUNT, block=BLOCK_MS)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -209,13 +211,21 @@ class StreamTails:
                 )
                 for tails in reader.tails.values():
                     for tail in tails:
-                        tail._queue.put_nowait(exc)
+                        tail._fail(exc)
                 reader.tails.clear()
-                reader.connection_id = None
+                with contextlib.suppress(Exception):
+                    await client.connection_pool.disconnect()
                 continue
             for key, entries in _by_key(found):
+                if key == reader.wake_key:
+                    reader.wake_last = str(entries[-1][0])
+                    continue
+                # Only to the readers this XREAD read for: one that joined since, from
+                # further back, would take entries past what it has not been handed yet.
+                start = _order(streams[key]) if key in streams else None
                 for tail in list(reader.tails.get(key, ())):
-                    tail._hand(entries)
+                    if start is not None and _order(tail.delivered) >= start:
+                        tail._hand(entries)
 
     async def stop(self) -> None:
         """Stop every read (the API is stopping) and close the connections."""
@@ -225,6 +235,8 @@ class StreamTails:
         for reader in list(self._readers.values()):
             await stop_task(reader.task)
             await close_client(reader.client)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.delete(reader.wake_key), 2)
         self._readers.clear()
         await close_client(self.client)
 

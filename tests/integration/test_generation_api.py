@@ -238,6 +238,11 @@ def test_another_keys_job_and_a_bad_last_event_id(
     assert webclient.get(f"{api.base}/v1/jobs/{job_id}/events", headers=other).status_code == 404
     bad = http.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"})
     assert bad.status_code == 422 and "Last-Event-ID" in bad.json()["error"]["message"]
+    # Past what a stream id holds (64 bits a part): refused, never sent to Redis.
+    huge = http.get(
+        f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "99999999999999999999-0"}
+    )
+    assert huge.status_code == 422 and "Last-Event-ID" in huge.json()["error"]["message"]
 
 
 def test_deleting_a_running_generation_asks_its_worker_to_stop_it(

@@ -156,8 +156,7 @@ def test_a_lost_redis_ends_each_readers_wait_with_the_error(
 
 def test_on_a_cluster_each_models_streams_are_read_together(tmp_path: Path) -> None:
     """On a Redis Cluster a model's streams share its slot (the ``{model}`` hash tag), so
-    one XREAD names them all, on the node that serves it; a reader that joins is read
-    within the short block that stands in for CLIENT UNBLOCK there."""
+    one XREAD names them all (its wake stream too), on the node that serves it."""
     from harness.cluster import ClusterRedis
 
     with ClusterRedis(tmp_path / "cluster") as cluster:
@@ -183,3 +182,54 @@ def test_on_a_cluster_each_models_streams_are_read_together(tmp_path: Path) -> N
                 await tails.stop()
 
         asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_reader_that_joins_a_followed_stream_from_further_back_misses_nothing(
+    redis_url: str, key_prefix: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second reader of a stream, from its start, while the first follows its end and
+    entries keep coming: the reads that answer the first reader's place are not handed
+    to it (it would skip what lies between); the next read, from its place, is."""
+    # No wake: the joining reader is named only once the XREAD in flight returns, which
+    # the entries coming make it do with the first reader's place.
+    monkeypatch.setattr(StreamTails, "_wake", lambda self, reader: None)
+    key = events_key(key_prefix, "tiny", "followed")
+    for n in range(5):
+        redis_client.xadd(key, {"n": str(n)})
+
+    async def scenario() -> None:
+        tails = StreamTails(RedisTarget(url=redis_url), key_prefix)
+        try:
+            with tails.tail("tiny", key, "0-0") as first:
+                assert await _collect(first, 5, 10) == [str(n) for n in range(5)]
+
+                async def write() -> None:
+                    for n in range(5, 40):
+                        await asyncio.to_thread(redis_client.xadd, key, {"n": str(n)})
+                        await asyncio.sleep(0.005)
+
+                writing = asyncio.create_task(write())
+                await asyncio.sleep(0.02)
+                with tails.tail("tiny", key, "0-0") as second:
+                    got = await _collect(second, 40, 20)
+                await writing
+                assert got == [str(n) for n in range(40)]
+                assert await _collect(first, 35, 10) == [str(n) for n in range(5, 40)]
+        finally:
+            await tails.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_what_came_before_an_error_is_returned_first() -> None:
+    async def scenario() -> None:
+        tail = Tail("k", "0-0")
+        tail._hand([("1-0", {"n": "0"}), ("2-0", {"n": "1"})])
+        tail._fail(redis.exceptions.ConnectionError("gone"))
+        assert [fields["n"] for _id, fields in await tail.next(100)] == ["0", "1"]
+        with pytest.raises(redis.exceptions.ConnectionError, match="gone"):
+            await tail.next(100)
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await tail.next(100)
+
+    asyncio.run(scenario())
