@@ -92,8 +92,11 @@ class Tail:
     def _fail(self, exc: BaseException) -> None:
         # Each reader its own error (one object raised in many tasks would gather every
         # task's traceback).
-        error = type(exc)(str(exc)) if isinstance(exc, Exception) else exc
-        error.__cause__ = exc
+        try:
+            error = type(exc)(str(exc))
+            error.__cause__ = exc
+        except Exception:  # a type built otherwise: the one object, then
+            error = exc
         self._queue.put_nowait(error)
 
 
