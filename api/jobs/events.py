@@ -23,12 +23,11 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import redis.asyncio as aioredis
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -48,7 +47,6 @@ HEARTBEAT_S = 15.0
 # One XREAD blocks at most this long, so a job that ends without a done event
 # (its done-channel message) is noticed within it.
 BLOCK_MS = 2000
-READ_COUNT = 256
 KEEP_ALIVE = b": keep-alive\n\n"
 _STREAM_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
 FIRST = "0-0"
@@ -161,7 +159,7 @@ async def _read(
                 if finished is None and tail is not None:
                     entries = await tail.next(block_ms)
                 else:
-                    entries = await _entries(tails.client, key, last, None)
+                    entries = await tails.read_now(key, last)
                 for entry_id, fields in entries:
                     last = entry_id
                     try:
@@ -188,20 +186,6 @@ async def _read(
                 if clock() - quiet_since >= heartbeat_s:
                     quiet_since = clock()
                     yield None
-
-
-Entry = tuple[str, Mapping[bytes | str, bytes | str]]
-
-
-async def _entries(
-    client: aioredis.Redis, key: str, after: str, block_ms: int | None
-) -> list[Entry]:
-    found: Any = await client.xread({key: after}, count=READ_COUNT, block=block_ms)
-    if not found:
-        return []
-    if isinstance(found, dict):  # RESP3
-        return [entry for entries in found.values() for entry in entries[0]]
-    return [entry for _key, entries in found for entry in entries]
 
 
 class EventStreamResponse(StreamingResponse):

@@ -32,6 +32,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from api.background import close_client, stop_task
+from core.streams.protocol import events_wake_key
 from core.streams.target import RedisTarget
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,9 @@ class StreamTails:
         tail = Tail(key, after)
         reader = self._readers.get(model)
         if reader is None:
-            wake_key = f"{self.prefix}:{{{model}}}:events-wake:{self._process}"
-            reader = self._readers[model] = _Reader(self._blocking_client(model), wake_key)
+            reader = self._readers[model] = _Reader(
+                self._blocking_client(model), events_wake_key(self.prefix, model, self._process)
+            )
         reader.tails.setdefault(key, set()).add(tail)
         if reader.task is None or reader.task.done():
             reader.task = asyncio.create_task(self._read(model, reader), name=f"tails-{model}")
@@ -159,6 +161,12 @@ class StreamTails:
             # is dropped); the last reader of the model's streams ends it at once.
             if not reader.tails and not self._stopped:
                 self._wake(reader)
+
+    async def read_now(self, key: str, after: str) -> list[Entry]:
+        """Stream ``key``'s entries after ``after``, without waiting (a finished job's: all
+        it will hold), READ_COUNT at most."""
+        found: Any = await self.client.xread({key: after}, count=READ_COUNT)
+        return [entry for _key, entries in _by_key(found) for entry in entries]
 
     def _blocking_client(self, model: str) -> aioredis.Redis:
         return self.target.async_client(

@@ -336,6 +336,13 @@ def events_key(prefix: str, model: str, job_id: str) -> str:
     return f"{prefix}:{{{model}}}:events:{job_id}"
 
 
+def events_wake_key(prefix: str, model: str, process: str) -> str:
+    """Stream an API process reads beside its clients' events streams of a model, in the
+    same blocked XREAD (the model's hash tag): an entry added wakes that read, for a
+    client that has come meanwhile (``api.jobs.tails``)."""
+    return f"{prefix}:{{{model}}}:events-wake:{process}"
+
+
 def cancels_key(prefix: str, model: str) -> str:
     """Set of the model's running jobs a client asked to stop; the worker running
     one stops it at its next step (``DELETE /v1/jobs/{id}``)."""
