@@ -5,7 +5,8 @@ dozen layers: the exception middleware and its wrapper, the dependencies' exit s
 the router, each included router's effective routes and their contexts, the route,
 and the request-response wrapper with two exit stacks of its own. For a route whose
 handler reads its own parameters (``api.fastparse``) none of them does any work, and
-together they cost a submission and a job's read about a sixth of the API's CPU.
+together they cost a job's read about a quarter of the API's CPU, a submission less
+(bench/README.md, beside the API benchmark's table, has the side-by-side run).
 :class:`HotRoutes`, the innermost of the app's middlewares, sends the requests of
 the routes it is given straight to their handlers, through the same exception
 handlers as the rest of the app (a Starlette ``ExceptionMiddleware`` of its own,
